@@ -1,0 +1,6 @@
+"""A real local Kubernetes control plane for tests and `make demo`.
+
+etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from Go modules run as
+local processes on loopback; kwok provides fake GPU nodes; a "local node" agent runs pods that
+must really serve as local processes; Debian's Prometheus scrapes them.
+"""

@@ -1,0 +1,248 @@
+"""Build (or reuse) the pinned binaries of the local control plane.
+
+There is no kube-apiserver package and no container engine on the machines this project runs
+on, so the control plane is compiled from Go modules: kube-apiserver, kube-controller-manager,
+kube-scheduler and kubectl from the small module in ``e2e/gobin`` (which pins
+``k8s.io/kubernetes``), kwok and helm with ``go install <module>@<version>``. etcd and
+Prometheus come from Debian.
+
+Each tool group lives in ``~/.cache/splitserve/bin/<tool>-<version>/``. A stamp file is written
+only after every binary of the group is in place, so an interrupted build is redone on the next
+call, and a finished one is reused without invoking Go at all. Go builds print nothing for
+minutes, so a heartbeat line with the elapsed seconds is printed while one runs.
+
+Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.34.4"
+KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v4.3.2"
+HELM_MODULE = "helm.sh/helm/v4/cmd/helm"
+KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
+
+SYSTEM_ETCD = Path("/usr/bin/etcd")
+SYSTEM_PROMETHEUS = Path("/usr/bin/prometheus")
+
+GOBIN_MODULE_DIR = Path(__file__).resolve().parent.parent / "gobin"
+STAMP_NAME = ".complete.json"
+HEARTBEAT_SECONDS = 20.0
+_GO_BUILD_FLAGS = ("-trimpath", "-ldflags=-s -w")
+
+
+class BuildError(RuntimeError):
+    """A binary could not be built or found; the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Binaries:
+    """Absolute paths of every executable the harness runs."""
+
+    etcd: Path
+    kube_apiserver: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    kubectl: Path
+    kwok: Path
+    helm: Path
+    prometheus: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToolGroup:
+    """Binaries produced by one Go invocation, cached together under one directory."""
+
+    name: str
+    version: str
+    binaries: tuple[str, ...]
+    go_args: tuple[str, ...]
+    workdir: Path | None  # None: `go install module@version` outside any module
+
+
+def cache_root() -> Path:
+    """``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
+    override = os.environ.get("SPLITSERVE_CACHE")
+    return Path(override) if override else Path.home() / ".cache" / "splitserve"
+
+
+def _groups() -> tuple[_ToolGroup, ...]:
+    k8s = "k8s.io/kubernetes/cmd/"
+    return (
+        _ToolGroup(
+            name="k8s",
+            version=KUBERNETES_VERSION,
+            binaries=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
+            go_args=("build", *_GO_BUILD_FLAGS, "-o", "{out}/",
+                     k8s + "kube-apiserver", k8s + "kube-controller-manager", k8s + "kube-scheduler"),
+            workdir=GOBIN_MODULE_DIR,
+        ),
+        _ToolGroup(
+            name="kubectl",
+            version=KUBERNETES_VERSION,
+            binaries=("kubectl",),
+            go_args=("build", *_GO_BUILD_FLAGS, "-o", "{out}/", k8s + "kubectl"),
+            workdir=GOBIN_MODULE_DIR,
+        ),
+        _ToolGroup(
+            name="kwok",
+            version=KWOK_VERSION,
+            binaries=("kwok",),
+            go_args=("install", *_GO_BUILD_FLAGS, f"{KWOK_MODULE}@{KWOK_VERSION}"),
+            workdir=None,
+        ),
+        _ToolGroup(
+            name="helm",
+            version=HELM_VERSION,
+            binaries=("helm",),
+            go_args=("install", *_GO_BUILD_FLAGS, f"{HELM_MODULE}@{HELM_VERSION}"),
+            workdir=None,
+        ),
+    )
+
+
+def _log(message: str) -> None:
+    print(f"[splitserve-e2e build] {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Serialise builds of one group across processes (two pytest sessions, make + pytest)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _group_dir(group: _ToolGroup) -> Path:
+    return cache_root() / "bin" / f"{group.name}-{group.version}"
+
+
+def _is_complete(group: _ToolGroup, directory: Path) -> bool:
+    stamp = directory / STAMP_NAME
+    if not stamp.is_file():
+        return False
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if recorded.get("version") != group.version:
+        return False
+    return all(os.access(directory / binary, os.X_OK) for binary in group.binaries)
+
+
+def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], label: str) -> None:
+    go = shutil.which("go")
+    if go is None:
+        raise BuildError("`go` is not on PATH; install Go >= 1.24 to build the control plane")
+    log_path = cache_root() / "build-logs" / f"{label}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [go, *args], cwd=workdir, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+        while True:
+            try:
+                return_code = process.wait(timeout=HEARTBEAT_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                _log(f"  {label}: still building, {time.monotonic() - started:.0f}s elapsed")
+    if return_code != 0:
+        tail = log_path.read_text()[-4000:]
+        raise BuildError(f"`go {' '.join(args)}` failed with exit code {return_code} "
+                         f"(log {log_path}):\n{tail}")
+
+
+def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
+    """Return the group's directory and the seconds spent building (0.0 when reused)."""
+    directory = _group_dir(group)
+    if _is_complete(group, directory):
+        return directory, 0.0
+    with _exclusive(directory.with_name(directory.name + ".lock")):
+        if _is_complete(group, directory):  # another process finished it while we waited
+            return directory, 0.0
+        directory.mkdir(parents=True, exist_ok=True)
+        _log(f"building {group.name} {group.version} into {directory} (Go builds are quiet; "
+             "a cold Kubernetes build takes many minutes on 2 cores)")
+        env = dict(os.environ)
+        env["GOBIN"] = str(directory)
+        env.setdefault("GOFLAGS", "-buildvcs=false")
+        args = [arg.replace("{out}", str(directory)) for arg in group.go_args]
+        started = time.monotonic()
+        _run_go(args=args, workdir=group.workdir, env=env, label=f"{group.name}-{group.version}")
+        elapsed = time.monotonic() - started
+        missing = [b for b in group.binaries if not os.access(directory / b, os.X_OK)]
+        if missing:
+            raise BuildError(f"go finished but {missing} are missing in {directory}")
+        (directory / STAMP_NAME).write_text(json.dumps(
+            {"version": group.version, "binaries": list(group.binaries),
+             "build_seconds": round(elapsed, 1), "built_at": time.time()}))
+        _log(f"built {group.name} {group.version} in {elapsed:.0f}s")
+        return directory, elapsed
+
+
+def _system_binary(path: Path, *, what: str, package: str) -> Path:
+    if not os.access(path, os.X_OK):
+        raise BuildError(f"{what} not found at {path}; install the Debian package `{package}`")
+    return path
+
+
+def ensure_binaries() -> Binaries:
+    """Build missing tool groups (idempotent) and return the paths of every binary."""
+    directories = {group.name: _ensure_group(group)[0] for group in _groups()}
+    return Binaries(
+        etcd=_system_binary(SYSTEM_ETCD, what="etcd", package="etcd-server"),
+        kube_apiserver=directories["k8s"] / "kube-apiserver",
+        kube_controller_manager=directories["k8s"] / "kube-controller-manager",
+        kube_scheduler=directories["k8s"] / "kube-scheduler",
+        kubectl=directories["kubectl"] / "kubectl",
+        kwok=directories["kwok"] / "kwok",
+        helm=directories["helm"] / "helm",
+        prometheus=_system_binary(SYSTEM_PROMETHEUS, what="prometheus", package="prometheus"),
+    )
+
+
+def recorded_build_seconds() -> dict[str, float]:
+    """Build durations recorded in the stamps (for reports); groups not built are absent."""
+    seconds: dict[str, float] = {}
+    for group in _groups():
+        stamp = _group_dir(group) / STAMP_NAME
+        if stamp.is_file():
+            seconds[f"{group.name}-{group.version}"] = float(
+                json.loads(stamp.read_text()).get("build_seconds", 0.0))
+    return seconds
+
+
+def main() -> int:
+    started = time.monotonic()
+    try:
+        binaries = ensure_binaries()
+    except BuildError as error:
+        _log(f"FAILED: {error}")
+        return 1
+    for field in dataclasses.fields(binaries):
+        print(f"{field.name:24} {getattr(binaries, field.name)}")
+    for name, seconds in recorded_build_seconds().items():
+        print(f"build time {name:24} {seconds:.0f}s")
+    print(f"ready in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+One module serves all three architectures; they differ only in config (Qwen2 adds a QKV
+bias, Mistral may have a sliding window that the config clamps away). Q/K/V and gate/up
+projections are fused into one matmul each; the loader concatenates the checkpoint's
+separate tensors at load time. The forward takes a flat ragged batch (prefill/extend rows
+first, then one row per decode sequence, as described by :class:`AttentionMetadata`) and
+calls the kernels only through an :class:`Ops` backend, so the same module runs on the
+torch and Triton backends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.interface import AttentionMetadata, Ops
+from .config import ModelConfig
+from .rope import build_cos_sin_cache
+
+
+def _param(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block."""
+
+    def __init__(self, *, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        qkv_rows = config.q_size + 2 * config.kv_size
+        self.input_layernorm = _param((hidden,), dtype=dtype, device=device)
+        self.qkv_proj = _param((qkv_rows, hidden), dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param((qkv_rows,), dtype=dtype, device=device) if config.attention_bias else None
+        )
+        self.o_proj = _param((hidden, config.q_size), dtype=dtype, device=device)
+        self.post_attention_layernorm = _param((hidden,), dtype=dtype, device=device)
+        self.gate_up_proj = _param((2 * config.intermediate_size, hidden), dtype=dtype, device=device)
+        self.down_proj = _param((hidden, config.intermediate_size), dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM with a paged KV cache; see the module docstring."""
+
+    def __init__(
+        self, *, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        self.scale = config.head_dim**-0.5
+        self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config=config, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = _param((config.hidden_size,), dtype=dtype, device=device)
+        self.lm_head: nn.Parameter | None = (
+            None if config.tie_word_embeddings
+            else _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
+        )
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer(
+            "cos_sin_cache",
+            build_cos_sin_cache(
+                head_dim=config.head_dim, max_positions=config.max_position_embeddings,
+                rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, device=device,
+            ),
+            persistent=False,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, *, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden_size]`` after the final norm.
+
+        Writes this step's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` first, so
+        attention reads prefix, earlier chunks and the new tokens uniformly from the cache.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV cache layers, got {len(kv_caches)}")
+        cfg = self.config
+        ops = self.ops
+        num_tokens = input_ids.shape[0]
+        num_prefill = md.num_prefill_tokens
+        num_attended = num_prefill + md.num_decodes
+        if num_attended > num_tokens:
+            raise ValueError(
+                f"metadata describes {num_attended} rows but the step has {num_tokens} tokens"
+            )
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)  # for mypy: ModuleList is untyped
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, layer.input_layernorm, cfg.rms_norm_eps)
+            else:
+                hidden, residual = ops.fused_add_rms_norm(
+                    hidden, residual, layer.input_layernorm, cfg.rms_norm_eps,
+                )
+            qkv = F.linear(hidden, layer.qkv_proj, layer.qkv_bias)
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+            attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md)
+            hidden = F.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj)
+            hidden, residual = ops.fused_add_rms_norm(
+                hidden, residual, layer.post_attention_layernorm, cfg.rms_norm_eps,
+            )
+            gate_up = F.linear(hidden, layer.gate_up_proj)
+            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down_proj)
+        if residual is None:
+            return ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        return hidden
+
+    def _attention(
+        self, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_prefill = md.num_prefill_tokens
+        num_attended = num_prefill + md.num_decodes
+        if md.num_decodes == 0 and num_prefill == q.shape[0]:
+            return self.ops.prefill_attention(q, k_cache, v_cache, md, self.scale)
+        if num_prefill == 0 and md.num_decodes == q.shape[0]:
+            return self.ops.decode_attention(q, k_cache, v_cache, md, self.scale)
+        out = torch.zeros_like(q)
+        if num_prefill > 0:
+            out[:num_prefill] = self.ops.prefill_attention(
+                q[:num_prefill], k_cache, v_cache, md, self.scale,
+            )
+        if md.num_decodes > 0:
+            out[num_prefill:num_attended] = self.ops.decode_attention(
+                q[num_prefill:num_attended], k_cache, v_cache, md, self.scale,
+            )
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[n, vocab_size]`` for hidden rows ``[n, hidden_size]``."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
