@@ -1,0 +1,24 @@
+"""Prefill -> decode KV cache transfer.
+
+A prefill pod keeps the KV blocks of a finished prompt pinned under a lease and serves them on
+the KV port; the decode pod that takes the request pulls only the blocks it does not already
+hold (its own prefix cache covers the rest) and writes them into its paged cache. The
+connector interface (:class:`~.connector.KVConnector`) hides the transport: the TCP
+implementation here runs anywhere (CPU tests, loopback, cross-node), a GPU transport
+(NCCL, CUDA IPC, RDMA) can replace it without touching the engine or the router.
+"""
+
+from .connector import FetchResult, KVConnector, KVLayout, TransferError
+from .registry import ExportedKV, KVExportRegistry
+from .tcp import TcpKVConnector, TcpKVServer
+
+__all__ = [
+    "ExportedKV",
+    "FetchResult",
+    "KVConnector",
+    "KVExportRegistry",
+    "KVLayout",
+    "TcpKVConnector",
+    "TcpKVServer",
+    "TransferError",
+]

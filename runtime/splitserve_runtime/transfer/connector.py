@@ -1,0 +1,77 @@
+"""The connector interface between the engine and a KV transport.
+
+The decode side asks a connector to fetch the blocks of one request from the prefill pod that
+computed them; the connector hands each verified block to a sink (which writes it into the local
+paged cache) and reports what it moved. Nothing here depends on torch or on the transport, so a
+GPU transport can implement the same `fetch` and be selected by configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block as it travels: all layers' K then V for `block_size` tokens.
+
+    Both sides must agree exactly; `compat_hash` (image + model + KV layout, see
+    contract.LABEL_COMPAT_HASH) catches mismatches the shape alone would not (another model
+    with the same shape).
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    dtype_bytes: int
+    compat_hash: str = ""
+
+    @property
+    def block_nbytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KVLayout:
+        try:
+            return cls(**body)
+        except TypeError as exc:
+            raise TransferError(code="protocol", message=f"bad KV layout {body!r}: {exc}") from exc
+
+
+class TransferError(Exception):
+    """A fetch that did not deliver every block intact. `code` is stable for metrics/logs:
+    connect_failed, timeout, corrupt, truncated, unknown_request, layout_mismatch, protocol."""
+
+    def __init__(self, *, code: str, message: str) -> None:
+        super().__init__(f"KV transfer failed ({code}): {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    num_blocks: int
+    num_bytes: int
+    num_tokens: int
+    seconds: float
+
+
+BlockSink = Callable[[int, memoryview], None]
+"""Called once per received block with (block index within the request, block bytes)."""
+
+
+class KVConnector(Protocol):
+    async def fetch(
+        self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
+        on_block: BlockSink, timeout_seconds: float,
+    ) -> FetchResult:
+        """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port").
+        Raises TransferError; blocks already handed to `on_block` must then be discarded."""
+        ...
