@@ -56,6 +56,16 @@ FIELD_MANAGER_AUTOSCALER = "splitserve-autoscaler"
 LABEL_SCRAPE = "splitserve.dev/scrape"
 METRICS_PATH = "/metrics"
 
+# Runtime endpoints beyond the OpenAI API (router <-> pools).
+INFO_PATH = "/v1/splitserve/info"
+"""GET: {role, model, compat_hash, kv_endpoint, block_size, max_model_len} of a runtime pod."""
+KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
+"""Extension field of completion/chat requests and responses that carries the P->D handoff:
+request to prefill: {"do_remote_decode": true}; prefill's response: {"remote_endpoint",
+"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash"}; request to decode:
+that response object, which makes decode pull the KV instead of computing it."""
+HEADER_REQUEST_ID = "x-request-id"
+
 # Environment variables the runtime reads (secrets never go on the command line).
 ENV_API_KEY = "SPLITSERVE_API_KEY"
 ENV_POD_NAME = "POD_NAME"
@@ -156,6 +166,7 @@ class ServeArgs:
     drain_timeout_seconds: float = 30.0
     kv_ttl_seconds: float = 30.0  # prefill role: unclaimed KV is freed after this
     seed: int = 0
+    compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -184,6 +195,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
+    Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
 )
 
 

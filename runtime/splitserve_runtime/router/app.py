@@ -1,0 +1,195 @@
+"""`splitserve router`: the OpenAI-compatible front of an InferenceService.
+
+Wires discovery (static flags or Kubernetes EndpointSlices), health polling, the prefill/decode
+selection policy and the proxy into one FastAPI app. The router tokenizes only to hash prompt
+prefixes for affinity (with the model's own tokenizer when `--model` is given, else fixed byte
+chunks); the pods tokenize for real. It never holds KV and never generates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..contract import (
+    ENV_API_KEY,
+    ENV_MODEL_CACHE,
+    Role,
+    RouterArgs,
+    RoutingPolicy,
+    add_router_arguments,
+    router_args_from_namespace,
+)
+from . import metrics
+from .discovery import KubernetesDiscovery, parse_static
+from .pods import HealthPoller, PodSet
+from .policy import PrefillSelector
+from .proxy import Router, RouterConfig, Tokenize, error_response
+
+log = logging.getLogger("splitserve.router")
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+def byte_chunk_tokens(text: str) -> list[int]:
+    """Fallback 'tokens' without a tokenizer: 4-byte chunks of the UTF-8 text (≈ 1 token each)."""
+    data = text.encode()
+    return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+
+
+def make_tokenize(*, model: str) -> Tokenize:
+    tokenizer = None
+    if model:
+        from ..model.tokenizer import Tokenizer
+        from ..model.uri import resolve_model_uri
+
+        cache = os.environ.get(ENV_MODEL_CACHE)
+        model_dir = resolve_model_uri(model, cache_dir=Path(cache) if cache else None)
+        tokenizer = Tokenizer.from_dir(model_dir=model_dir)
+
+    def tokenize(path: str, body: dict[str, Any]) -> list[int]:
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages") or []
+            if tokenizer is not None:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                return tokenizer.encode(text, add_special_tokens=False)
+            return byte_chunk_tokens(json.dumps(messages, sort_keys=True))
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        if isinstance(prompt, list):
+            prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
+        if not isinstance(prompt, str):
+            return []
+        return tokenizer.encode(prompt) if tokenizer is not None else byte_chunk_tokens(prompt)
+
+    return tokenize
+
+
+def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> FastAPI:
+    pods = PodSet()
+    static = {
+        Role.PREFILL: args.prefill_endpoints,
+        Role.DECODE: args.decode_endpoints,
+        Role.AGGREGATED: args.aggregated_endpoints,
+    }
+    if args.discovery == "static":
+        for role, endpoints in static.items():
+            pods.set_targets(role=role, targets=parse_static(role=role, endpoints=endpoints))
+    selector = PrefillSelector(policy=RoutingPolicy(args.policy))
+    model_label = args.served_model_name or args.model or "unknown"
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        async with httpx.AsyncClient(limits=limits) as client:
+            poller = HealthPoller(pods=pods, client=client, interval_seconds=args.health_interval_seconds)
+            discovery = None
+            if args.discovery == "kubernetes":
+                discovery = KubernetesDiscovery(namespace=args.namespace, inference_service=args.inference_service, pods=pods)
+                discovery.start()
+            await poller.poll_once()
+            poller.start()
+            state["router"] = Router(
+                pods=pods, selector=selector, client=client, tokenize=tokenize or make_tokenize(model=args.model),
+                config=RouterConfig(
+                    served_model_name=args.served_model_name, block_size=args.block_size,
+                    short_prompt_threshold=args.short_prompt_threshold, session_header=args.session_header,
+                    request_timeout_seconds=args.request_timeout_seconds, model_label=model_label,
+                ),
+            )
+            state["client"] = client
+            try:
+                yield
+            finally:
+                if discovery is not None:
+                    discovery.stop()
+                await poller.stop()
+
+    app = FastAPI(title="splitserve router", lifespan=lifespan)
+    app.state.pods = pods
+    app.state.selector = selector
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if api_key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(status=401, message="invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        servable = pods.healthy(Role.DECODE) or pods.healthy(Role.AGGREGATED)
+        if not servable:
+            return JSONResponse(status_code=503, content={"status": "no healthy decode or aggregated pod"})
+        return JSONResponse(content={"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        pool = pods.healthy(Role.DECODE) or pods.healthy(Role.AGGREGATED) or pods.healthy(Role.PREFILL)
+        if not pool:
+            return error_response(status=503, message="no healthy pod to list models", type_="service_unavailable")
+        client: httpx.AsyncClient = state["client"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            upstream = await client.get(f"{pool[0].url}/v1/models", headers=headers, timeout=5.0)
+        except httpx.HTTPError as exc:
+            return error_response(status=502, message=f"model listing failed: {type(exc).__name__}", type_="upstream_error")
+        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+
+    async def _proxy(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(status=400, message="request body is not valid JSON", type_="invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(status=400, message="request body must be a JSON object", type_="invalid_request_error")
+        router: Router = state["router"]
+        return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _proxy(request, "/v1/chat/completions")
+
+    return app
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
+    add_router_arguments(parser)
+    args = router_args_from_namespace(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(args=args, api_key=os.environ.get(ENV_API_KEY) or None)
+    except ValueError as exc:
+        parser.error(str(exc))
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.request_timeout_seconds))
+    return 0

@@ -1,0 +1,48 @@
+"""The router's own metrics (every series has role="router" and model, like the runtime's)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+REGISTRY = CollectorRegistry()
+_LABELS = ("role", "model")
+
+
+class _Bound:
+    """Pre-binds role="router" so call sites only name the model (and extra labels)."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+
+    def labels(self, **labels: str):  # type: ignore[no-untyped-def]
+        return self._metric.labels(role="router", **labels)
+
+
+REQUESTS = _Bound(Counter(
+    "splitserve_router_requests_total", "Requests answered by the router, by outcome",
+    (*_LABELS, "outcome"), registry=REGISTRY,
+))
+ROUTES = _Bound(Counter(
+    "splitserve_router_routes_total", "Requests by route: disaggregated (prefill then decode) or direct",
+    (*_LABELS, "route"), registry=REGISTRY,
+))
+UPSTREAM_ERRORS = _Bound(Counter(
+    "splitserve_router_upstream_errors_total", "Failed calls to runtime pods, by upstream role",
+    (*_LABELS, "upstream"), registry=REGISTRY,
+))
+PREFILL_RETRIES = _Bound(Counter(
+    "splitserve_router_prefill_retries_total", "Prefill attempts repeated on another pod", _LABELS, registry=REGISTRY,
+))
+PREFIX_QUERIED_BLOCKS = _Bound(Counter(
+    "splitserve_router_prefix_queried_blocks_total", "Leading prompt blocks considered for affinity",
+    _LABELS, registry=REGISTRY,
+))
+PREFIX_MATCHED_BLOCKS = _Bound(Counter(
+    "splitserve_router_prefix_matched_blocks_total",
+    "Leading prompt blocks already routed to the chosen pod (affinity hits)", _LABELS, registry=REGISTRY,
+))
+REQUEST_SECONDS = _Bound(Histogram(
+    "splitserve_router_request_seconds", "Time from request to the upstream's response headers or stream end",
+    _LABELS, registry=REGISTRY,
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+))

@@ -1,0 +1,163 @@
+"""Choosing pods: prefix affinity for prefill, KV headroom for decode. Pure, no I/O.
+
+Prefix affinity: a prompt is cut into blocks of `block_size` tokens and each full leading block
+gets a chained hash (a block's hash covers every token before it, like the engine's prefix
+cache). The router remembers, per prefill pod, the block hashes it recently sent there (a
+bounded LRU). A new prompt scores each pod by how many of its leading blocks that pod has seen,
+weighed against the pod's load, so a shared system prompt keeps landing where its KV is cached
+until that pod is busy enough that queueing there costs more than recomputing elsewhere. With
+no history yet, rendezvous hashing on the first block spreads distinct prefixes and keeps equal
+ones together. A session header pins a chat session to one pod while that pod stays healthy.
+
+Decode: the pod with the most KV headroom and the shortest queue wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..contract import RoutingPolicy
+
+MAX_AFFINITY_BLOCKS = 32
+"""Leading blocks considered for affinity; beyond that the tail of a prompt rarely matters."""
+
+
+@dataclass
+class PodLoad:
+    """The last load figures read from a pod's /metrics, plus the router's own in-flight count."""
+
+    requests_waiting: float = 0.0
+    requests_running: float = 0.0
+    kv_cache_usage_ratio: float = 0.0
+    in_flight: int = 0
+
+    @property
+    def queue(self) -> float:
+        return max(self.requests_waiting, 0.0) + self.in_flight
+
+
+@dataclass
+class Candidate:
+    name: str
+    load: PodLoad = field(default_factory=PodLoad)
+
+
+def prefix_block_hashes(token_ids: Sequence[int], *, block_size: int, max_blocks: int = MAX_AFFINITY_BLOCKS) -> list[bytes]:
+    """Chained hashes of the full leading blocks of `token_ids` (deterministic across processes)."""
+    hashes: list[bytes] = []
+    parent = b""
+    num_full = min(len(token_ids) // block_size, max_blocks)
+    for index in range(num_full):
+        block = token_ids[index * block_size : (index + 1) * block_size]
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in block))
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+class AffinityIndex:
+    """Per pod, an LRU set of block hashes recently routed there."""
+
+    def __init__(self, *, capacity_per_pod: int = 4096) -> None:
+        self._capacity = capacity_per_pod
+        self._seen: dict[str, OrderedDict[bytes, None]] = {}
+
+    def record(self, *, pod: str, hashes: Sequence[bytes]) -> None:
+        seen = self._seen.setdefault(pod, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self._capacity:
+            seen.popitem(last=False)
+
+    def matched_blocks(self, *, pod: str, hashes: Sequence[bytes]) -> int:
+        seen = self._seen.get(pod)
+        if not seen:
+            return 0
+        return sum(1 for _ in itertools.takewhile(lambda h: h in seen, hashes))
+
+    def forget(self, pod: str) -> None:
+        self._seen.pop(pod, None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    pod: str
+    matched_blocks: int
+    reason: str
+
+
+def _rendezvous(pod: str, key: bytes) -> bytes:
+    return hashlib.blake2b(key + pod.encode(), digest_size=8).digest()
+
+
+class PrefillSelector:
+    """Picks a prefill pod under one of the RoutingPolicy values."""
+
+    def __init__(self, *, policy: RoutingPolicy, load_penalty_blocks: float = 4.0) -> None:
+        self._policy = policy
+        self._load_penalty_blocks = load_penalty_blocks
+        self._round_robin = itertools.count()
+        self.index = AffinityIndex()
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def choose(
+        self, *, candidates: Sequence[Candidate], hashes: Sequence[bytes], session: str | None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Choice | None:
+        pods = [c for c in candidates if c.name not in exclude]
+        if not pods:
+            return None
+        by_name = {c.name: c for c in pods}
+        if session and session in self._sessions and self._sessions[session] in by_name:
+            pod = self._sessions[session]
+            self._sessions.move_to_end(session)
+            return Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="Session")
+        if self._policy is RoutingPolicy.ROUND_ROBIN:
+            pod = pods[next(self._round_robin) % len(pods)].name
+            choice = Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="RoundRobin")
+        elif self._policy is RoutingPolicy.LEAST_LOAD or not hashes:
+            pod = min(pods, key=lambda c: (c.load.queue, c.load.requests_running, c.name)).name
+            choice = Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="LeastLoad")
+        else:
+            choice = self._by_affinity(pods=pods, hashes=hashes)
+        if session:
+            self._sessions[session] = choice.pod
+            while len(self._sessions) > 65536:
+                self._sessions.popitem(last=False)
+        return choice
+
+    def _by_affinity(self, *, pods: Sequence[Candidate], hashes: Sequence[bytes]) -> Choice:
+        def score(c: Candidate) -> tuple[float, bytes]:
+            matched = self.index.matched_blocks(pod=c.name, hashes=hashes)
+            # A queued request costs about `load_penalty_blocks` blocks of recompute.
+            value = matched - self._load_penalty_blocks * c.load.queue
+            return value, _rendezvous(c.name, hashes[0])
+
+        best = max(pods, key=score)
+        matched = self.index.matched_blocks(pod=best.name, hashes=hashes)
+        return Choice(pod=best.name, matched_blocks=matched, reason="PrefixHit" if matched else "PrefixMiss")
+
+    def record(self, *, pod: str, hashes: Sequence[bytes]) -> None:
+        self.index.record(pod=pod, hashes=hashes)
+
+    def forget(self, pod: str) -> None:
+        self.index.forget(pod)
+        for session in [s for s, p in self._sessions.items() if p == pod]:
+            del self._sessions[session]
+
+
+def choose_decode(*, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()) -> str | None:
+    """The decode pod with the most KV headroom, then the shortest queue."""
+    pods = [c for c in candidates if c.name not in exclude]
+    if not pods:
+        return None
+    return min(
+        pods,
+        key=lambda c: (c.load.kv_cache_usage_ratio + 0.1 * c.load.queue, c.load.requests_running, c.name),
+    ).name

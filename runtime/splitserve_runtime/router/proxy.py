@@ -1,0 +1,280 @@
+"""One client request through the router: pick pods, hand the prompt from prefill to decode,
+stream the answer back, and fail cleanly.
+
+Disaggregated flow (the pull protocol of contract.KV_TRANSFER_PARAMS_FIELD):
+1. the prompt goes to a prefill pod chosen by prefix affinity, as the client's own request with
+   `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; the pod
+   computes the KV, samples the first token and answers with the handoff parameters;
+2. the original request plus those parameters goes to a decode pod with the same compat hash
+   and the most KV headroom; it pulls the KV it lacks and streams the rest of the answer.
+
+A prefill pod that fails (connection error or 5xx) is retried on another pod; a client error
+(4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill. A
+decode pod that dies before answering gives 502; one that dies mid-stream ends the stream with
+an OpenAI-style error event, so a client never waits past the read timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from . import metrics
+from .pods import Pod, PodSet
+from .policy import PrefillSelector, choose_decode, prefix_block_hashes
+
+log = logging.getLogger(__name__)
+
+FORWARDED_HEADERS = ("authorization", "x-session-id", "openai-organization", "openai-project")
+MAX_PREFILL_ATTEMPTS = 3
+
+Tokenize = Callable[[str, dict[str, Any]], list[int]]
+"""(path, body) -> prompt token ids, for prefix hashing only."""
+
+
+def error_response(*, status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": type_, "param": None, "code": code}},
+    )
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+@dataclass
+class RouterConfig:
+    served_model_name: str
+    block_size: int
+    short_prompt_threshold: int
+    session_header: str
+    request_timeout_seconds: float
+    model_label: str
+
+
+class Router:
+    def __init__(
+        self, *, pods: PodSet, selector: PrefillSelector, client: httpx.AsyncClient,
+        config: RouterConfig, tokenize: Tokenize,
+    ) -> None:
+        self._pods = pods
+        self._selector = selector
+        self._client = client
+        self._config = config
+        self._tokenize = tokenize
+
+    # ------------------------------------------------------------------ helpers
+    def _headers(self, incoming: dict[str, str], request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in incoming.items() if k.lower() in FORWARDED_HEADERS}
+        headers[HEADER_REQUEST_ID] = request_id
+        return headers
+
+    def _timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self._config.request_timeout_seconds, connect=3.0)
+
+    def _prompt(self, path: str, body: dict[str, Any]) -> tuple[int | None, list[bytes]]:
+        """(prompt length in tokens, leading block hashes); (None, []) when untokenizable."""
+        try:
+            token_ids = self._tokenize(path, body)
+        except Exception as exc:  # a prompt the tokenizer rejects is the pod's to report
+            log.debug("cannot tokenize for affinity: %s", exc)
+            return None, []
+        return len(token_ids), prefix_block_hashes(token_ids, block_size=self._config.block_size)
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, *, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        started = time.perf_counter()
+        request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{uuid.uuid4().hex}"
+        session = headers.get(self._config.session_header.lower())
+        num_prompt_tokens, hashes = self._prompt(path, body)
+        metrics.PREFIX_QUERIED_BLOCKS.labels(model=self._config.model_label).inc(len(hashes))
+        fwd_headers = self._headers(headers, request_id)
+
+        if self._pods.healthy(Role.AGGREGATED):
+            choice = self._selector.choose(
+                candidates=[p.candidate() for p in self._pods.healthy(Role.AGGREGATED)],
+                hashes=hashes, session=session,
+            )
+            if choice is None:
+                return self._unavailable("no aggregated pod is healthy")
+            self._record(choice.pod, hashes, choice.matched_blocks)
+            pod = self._pods.get(choice.pod)
+            if pod is None:
+                return self._unavailable("the chosen pod went away")
+            return await self._forward(pod=pod, path=path, body=body, headers=fwd_headers, started=started)
+
+        prefill_pods = self._pods.healthy(Role.PREFILL)
+        short = num_prompt_tokens is not None and num_prompt_tokens < self._config.short_prompt_threshold
+        if short or not prefill_pods:
+            if not short and not prefill_pods:
+                log.info("no prefill pod healthy; decode computes the prompt itself")
+            decode = self._pick_decode(compat_hash=None)
+            if decode is None:
+                return self._unavailable("no decode pod is healthy")
+            metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
+            return await self._forward(pod=decode, path=path, body=body, headers=fwd_headers, started=started)
+
+        handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session)
+        if isinstance(handoff, Response):
+            return handoff
+        prefill_pod, params = handoff
+        decode = self._pick_decode(compat_hash=prefill_pod.compat_hash or None)
+        if decode is None:
+            return self._unavailable(f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}")
+        metrics.ROUTES.labels(model=self._config.model_label, route="disaggregated").inc()
+        return await self._forward(
+            pod=decode, path=path, body={**body, KV_TRANSFER_PARAMS_FIELD: params},
+            headers=fwd_headers, started=started,
+        )
+
+    def _record(self, pod: str, hashes: Sequence[bytes], matched_blocks: int) -> None:
+        self._selector.record(pod=pod, hashes=hashes)
+        metrics.PREFIX_MATCHED_BLOCKS.labels(model=self._config.model_label).inc(matched_blocks)
+
+    def _pick_decode(self, *, compat_hash: str | None) -> Pod | None:
+        candidates = self._pods.healthy(Role.DECODE, compat_hash=compat_hash)
+        name = choose_decode(candidates=[p.candidate() for p in candidates])
+        return self._pods.get(name) if name else None
+
+    def _unavailable(self, message: str) -> JSONResponse:
+        metrics.REQUESTS.labels(model=self._config.model_label, outcome="unavailable").inc()
+        return error_response(status=503, message=message, type_="service_unavailable", code="no_healthy_pod")
+
+    # ------------------------------------------------------------------ prefill
+    async def _prefill(
+        self, *, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
+        session: str | None,
+    ) -> tuple[Pod, dict[str, Any]] | Response:
+        prefill_body = {**body, "max_tokens": 1, "stream": False, KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}}
+        prefill_body.pop("max_completion_tokens", None)
+        prefill_body.pop("stream_options", None)
+        prefill_body.pop("min_tokens", None)
+        tried: set[str] = set()
+        last_error = "no prefill pod is healthy"
+        for attempt in range(MAX_PREFILL_ATTEMPTS):
+            choice = self._selector.choose(
+                candidates=[p.candidate() for p in self._pods.healthy(Role.PREFILL)],
+                hashes=hashes, session=session, exclude=frozenset(tried),
+            )
+            if choice is None:
+                break
+            pod = self._pods.get(choice.pod)
+            if pod is None:
+                tried.add(choice.pod)
+                continue
+            tried.add(pod.name)
+            if attempt:
+                metrics.PREFILL_RETRIES.labels(model=self._config.model_label).inc()
+            pod.load.in_flight += 1
+            try:
+                response = await self._client.post(
+                    f"{pod.url}{path}", json=prefill_body, headers=headers, timeout=self._timeout(),
+                )
+            except httpx.HTTPError as exc:
+                last_error = f"prefill pod {pod.name} failed: {type(exc).__name__}: {exc}"
+                log.warning("%s; retrying elsewhere", last_error)
+                self._pods.mark_failed(pod.name)
+                self._selector.forget(pod.name)
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+                continue
+            finally:
+                pod.load.in_flight -= 1
+            if response.status_code >= 500:
+                last_error = f"prefill pod {pod.name} answered {response.status_code}"
+                log.warning("%s; retrying elsewhere", last_error)
+                self._pods.mark_failed(pod.name)
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+                continue
+            if response.status_code >= 400:
+                metrics.REQUESTS.labels(model=self._config.model_label, outcome="client_error").inc()
+                return Response(content=response.content, status_code=response.status_code,
+                                media_type="application/json", headers=_passthrough_headers(response))
+            try:
+                params = response.json()[KV_TRANSFER_PARAMS_FIELD]
+            except (ValueError, KeyError, TypeError):
+                last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD}"
+                self._pods.mark_failed(pod.name)
+                continue
+            self._record(pod.name, hashes, choice.matched_blocks)
+            return pod, params
+        metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+        return error_response(status=502 if tried else 503, message=last_error,
+                              type_="upstream_error", code="prefill_failed")
+
+    # ------------------------------------------------------------------ forward
+    async def _forward(
+        self, *, pod: Pod, path: str, body: dict[str, Any], headers: dict[str, str], started: float,
+    ) -> Response:
+        request = self._client.build_request(
+            "POST", f"{pod.url}{path}", json=body, headers=headers, timeout=self._timeout(),
+        )
+        pod.load.in_flight += 1
+        try:
+            upstream = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            pod.load.in_flight -= 1
+            self._pods.mark_failed(pod.name)
+            metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
+            metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+            return error_response(
+                status=502, message=f"{pod.role.value} pod {pod.name} failed: {type(exc).__name__}",
+                type_="upstream_error", code="decode_failed",
+            )
+        is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if not is_stream:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                self._pods.mark_failed(pod.name)
+                metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+                return error_response(
+                    status=502, message=f"{pod.role.value} pod {pod.name} died mid-response: {type(exc).__name__}",
+                    type_="upstream_error", code="decode_failed",
+                )
+            finally:
+                pod.load.in_flight -= 1
+                await upstream.aclose()
+            self._finish(upstream.status_code, started)
+            return Response(content=content, status_code=upstream.status_code,
+                            media_type="application/json", headers=_passthrough_headers(upstream))
+
+        async def relay() -> AsyncIterator[bytes]:
+            ok = True
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                ok = False
+                self._pods.mark_failed(pod.name)
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
+                yield _sse_error(f"{pod.role.value} pod {pod.name} died mid-stream: {type(exc).__name__}")
+            finally:
+                pod.load.in_flight -= 1
+                await upstream.aclose()
+                if ok:
+                    self._finish(upstream.status_code, started)
+                else:
+                    metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
+                                 headers=_passthrough_headers(upstream))
+
+    def _finish(self, status: int, started: float) -> None:
+        outcome = "success" if status < 400 else ("client_error" if status < 500 else "upstream_error")
+        metrics.REQUESTS.labels(model=self._config.model_label, outcome=outcome).inc()
+        metrics.REQUEST_SECONDS.labels(model=self._config.model_label).observe(time.perf_counter() - started)
+
+
+def _passthrough_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", HEADER_REQUEST_ID)}
