@@ -14,7 +14,13 @@ import os
 import statistics
 import time
 
-from splitserve_runtime.transfer import ExportedKV, KVExportRegistry, KVLayout, TcpKVConnector, TcpKVServer
+from splitserve_runtime.transfer import (
+    ExportedKV,
+    KVExportRegistry,
+    KVLayout,
+    TcpKVConnector,
+    TcpKVServer,
+)
 
 # One block of Llama-3.1-8B: 32 layers x (K,V) x 16 tokens x 8 KV heads x 128 dims x bf16 = 2 MiB.
 LAYOUT = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16", dtype_bytes=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from splitserve_e2e.net import LOOPBACK, free_port
-from splitserve_e2e.pki import ClusterPki
+from splitserve_e2e.pki import ClusterPki, client_ssl_context
 from splitserve_e2e.process import ManagedProcess, start_process, wait_until
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -30,8 +30,8 @@ class ApiServer:
 
 def readyz_ok(*, url: str, pki: ClusterPki) -> bool:
     """True when ``/readyz`` of the API server at ``url`` answers ``ok``."""
-    response = httpx.get(f"{url}/readyz", verify=str(pki.ca_cert),
-                         cert=(str(pki.admin.cert), str(pki.admin.key)), timeout=2.0)
+    context = client_ssl_context(ca_cert=pki.ca_cert, client=pki.admin)
+    response = httpx.get(f"{url}/readyz", verify=context, timeout=2.0)
     return response.status_code == 200 and response.text.strip() == "ok"
 
 

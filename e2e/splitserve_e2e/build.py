@@ -3,12 +3,13 @@
 There is no kube-apiserver package and no container engine on the machines this project runs
 on, so the control plane is compiled from Go modules: kube-apiserver, kube-controller-manager,
 kube-scheduler and kubectl from the small module in ``e2e/gobin`` (which pins
-``k8s.io/kubernetes``), kwok and helm with ``go install <module>@<version>``. etcd and
-Prometheus come from Debian.
+``k8s.io/kubernetes``), kwok, helm and Prometheus with ``go install <module>@<version>``
+(Debian's Prometheus lacks Kubernetes service discovery). etcd comes from Debian.
 
-Each tool group lives in ``~/.cache/splitserve/bin/<tool>-<version>/``. A stamp file is written
-only after every binary of the group is in place, so an interrupted build is redone on the next
-call, and a finished one is reused without invoking Go at all. Go builds print nothing for
+Each tool group lives in ``~/.cache/splitserve/bin/<tool>-<version>/``. A stamp file (version
+and the exact Go arguments) is written only after every output of the group is in place, so an
+interrupted build is redone on the next call, a changed recipe is rebuilt, and a finished one
+is reused without invoking Go at all. Go builds print nothing for
 minutes, so a heartbeat line with the elapsed seconds is printed while one runs.
 
 Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests.
@@ -24,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,15 +33,31 @@ KUBERNETES_VERSION = "v1.34.4"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
 HELM_MODULE = "helm.sh/helm/v4/cmd/helm"
+# Debian's prometheus 2.42 is built without kubernetes_sd_configs ("field kubernetes_sd_configs
+# not found"), so Prometheus is built from its Go module too, with only the kubernetes (and the
+# always-on file/http) service discovery compiled in. Module v0.316.0 is Prometheus 3.16.0.
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_MODULE = "github.com/prometheus/prometheus/cmd/prometheus"
 KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
 
 SYSTEM_ETCD = Path("/usr/bin/etcd")
-SYSTEM_PROMETHEUS = Path("/usr/bin/prometheus")
 
 GOBIN_MODULE_DIR = Path(__file__).resolve().parent.parent / "gobin"
 STAMP_NAME = ".complete.json"
 HEARTBEAT_SECONDS = 20.0
 _GO_BUILD_FLAGS = ("-trimpath", "-ldflags=-s -w")
+
+
+def _kubernetes_ldflags() -> str:
+    """Stamp the version into the binaries as Kubernetes' own build does (hack/lib/version.sh);
+    without it they report v0.0.0-master and version checks (helm's kubeVersion) fail."""
+    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    values = {"gitVersion": KUBERNETES_VERSION, "gitMajor": major, "gitMinor": minor,
+              "gitTreeState": "clean", "gitCommit": "splitserve-gobin"}
+    pairs = [f"-X {package}.{key}={value}"
+             for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+             for key, value in values.items()]
+    return "-ldflags=-s -w " + " ".join(pairs)
 
 
 class BuildError(RuntimeError):
@@ -57,6 +74,7 @@ class Binaries:
     kube_scheduler: Path
     kubectl: Path
     kwok: Path
+    kwok_stages: Path  # kwok >= 0.8 has no built-in stages: the "fast" set of its release
     helm: Path
     prometheus: Path
 
@@ -70,12 +88,41 @@ class _ToolGroup:
     binaries: tuple[str, ...]
     go_args: tuple[str, ...]
     workdir: Path | None  # None: `go install module@version` outside any module
+    extra_files: tuple[str, ...] = ()
+    """Non-executable outputs written by ``post_build`` (part of the completeness check)."""
+    post_build: Callable[[Path, dict[str, str]], None] | None = None
+    scratch_imports: tuple[str, ...] = ()
+    """When set, build in a scratch copy of ``workdir``'s go.mod/go.sum whose tools file imports
+    these packages, after ``go mod tidy`` there (the pinned module stays untouched)."""
 
 
 def cache_root() -> Path:
     """``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
     override = os.environ.get("SPLITSERVE_CACHE")
     return Path(override) if override else Path.home() / ".cache" / "splitserve"
+
+
+KWOK_STAGES_FILE = "stages.yaml"
+# the stage set kwok's docs call "fast" (kustomize/stage/fast): nodes become Ready with a Lease
+# heartbeat, pods become Running/Ready at once, complete when owned by a Job, and go on delete
+_KWOK_STAGE_FILES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+
+def _write_kwok_stages(directory: Path, env: dict[str, str]) -> None:
+    """Concatenate kwok's own stage files from the pinned module (same version as the binary)."""
+    result = subprocess.run(["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"],
+                            env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise BuildError(f"go mod download sigs.k8s.io/kwok@{KWOK_VERSION} failed: {result.stderr}")
+    module_dir = Path(json.loads(result.stdout)["Dir"])
+    documents = [(module_dir / name).read_text().strip() for name in _KWOK_STAGE_FILES]
+    (directory / KWOK_STAGES_FILE).write_text("\n---\n".join(documents) + "\n")
 
 
 def _groups() -> tuple[_ToolGroup, ...]:
@@ -85,7 +132,7 @@ def _groups() -> tuple[_ToolGroup, ...]:
             name="k8s",
             version=KUBERNETES_VERSION,
             binaries=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
-            go_args=("build", *_GO_BUILD_FLAGS, "-o", "{out}/",
+            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/",
                      k8s + "kube-apiserver", k8s + "kube-controller-manager", k8s + "kube-scheduler"),
             workdir=GOBIN_MODULE_DIR,
         ),
@@ -93,8 +140,9 @@ def _groups() -> tuple[_ToolGroup, ...]:
             name="kubectl",
             version=KUBERNETES_VERSION,
             binaries=("kubectl",),
-            go_args=("build", *_GO_BUILD_FLAGS, "-o", "{out}/", k8s + "kubectl"),
+            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/", k8s + "kubectl"),
             workdir=GOBIN_MODULE_DIR,
+            scratch_imports=(k8s + "kubectl",),
         ),
         _ToolGroup(
             name="kwok",
@@ -102,12 +150,24 @@ def _groups() -> tuple[_ToolGroup, ...]:
             binaries=("kwok",),
             go_args=("install", *_GO_BUILD_FLAGS, f"{KWOK_MODULE}@{KWOK_VERSION}"),
             workdir=None,
+            extra_files=(KWOK_STAGES_FILE,),
+            post_build=_write_kwok_stages,
+        ),
+        _ToolGroup(
+            name="prometheus",
+            version=PROMETHEUS_VERSION,
+            binaries=("prometheus",),
+            go_args=("install", *_GO_BUILD_FLAGS, "-tags=remove_all_sd,enable_kubernetes_sd",
+                     f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION}"),
+            workdir=None,
         ),
         _ToolGroup(
             name="helm",
             version=HELM_VERSION,
             binaries=("helm",),
-            go_args=("install", *_GO_BUILD_FLAGS, f"{HELM_MODULE}@{HELM_VERSION}"),
+            go_args=("install", "-trimpath",
+                     f"-ldflags=-s -w -X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
+                     f"{HELM_MODULE}@{HELM_VERSION}"),
             workdir=None,
         ),
     )
@@ -141,9 +201,10 @@ def _is_complete(group: _ToolGroup, directory: Path) -> bool:
         recorded = json.loads(stamp.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if recorded.get("version") != group.version:
-        return False
-    return all(os.access(directory / binary, os.X_OK) for binary in group.binaries)
+    if recorded.get("version") != group.version or recorded.get("recipe") != list(group.go_args):
+        return False  # a changed version or build recipe (flags) means rebuild
+    return (all(os.access(directory / binary, os.X_OK) for binary in group.binaries)
+            and all((directory / name).is_file() for name in group.extra_files))
 
 
 def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], label: str) -> None:
@@ -169,6 +230,17 @@ def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], l
                          f"(log {log_path}):\n{tail}")
 
 
+def _scratch_module(*, source: Path, imports: Sequence[str], name: str) -> Path:
+    scratch = cache_root() / "gomod" / name
+    scratch.mkdir(parents=True, exist_ok=True)
+    for file_name in ("go.mod", "go.sum"):
+        shutil.copyfile(source / file_name, scratch / file_name)
+    lines = "\n".join(f'\t_ "{package}"' for package in imports)
+    (scratch / "tools.go").write_text(
+        f"//go:build tools\n\npackage gobin\n\nimport (\n{lines}\n)\n")
+    return scratch
+
+
 def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
     """Return the group's directory and the seconds spent building (0.0 when reused)."""
     directory = _group_dir(group)
@@ -185,13 +257,22 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         env.setdefault("GOFLAGS", "-buildvcs=false")
         args = [arg.replace("{out}", str(directory)) for arg in group.go_args]
         started = time.monotonic()
-        _run_go(args=args, workdir=group.workdir, env=env, label=f"{group.name}-{group.version}")
+        workdir = group.workdir
+        label = f"{group.name}-{group.version}"
+        if group.scratch_imports and workdir is not None:
+            workdir = _scratch_module(source=workdir, imports=group.scratch_imports, name=label)
+            _run_go(args=["mod", "tidy"], workdir=workdir, env=env, label=f"{label}-tidy")
+        _run_go(args=args, workdir=workdir, env=env, label=label)
         elapsed = time.monotonic() - started
+        if group.post_build is not None:
+            group.post_build(directory, env)
         missing = [b for b in group.binaries if not os.access(directory / b, os.X_OK)]
+        missing += [name for name in group.extra_files if not (directory / name).is_file()]
         if missing:
             raise BuildError(f"go finished but {missing} are missing in {directory}")
         (directory / STAMP_NAME).write_text(json.dumps(
-            {"version": group.version, "binaries": list(group.binaries),
+            {"version": group.version, "recipe": list(group.go_args),
+             "binaries": list(group.binaries),
              "build_seconds": round(elapsed, 1), "built_at": time.time()}))
         _log(f"built {group.name} {group.version} in {elapsed:.0f}s")
         return directory, elapsed
@@ -213,8 +294,9 @@ def ensure_binaries() -> Binaries:
         kube_scheduler=directories["k8s"] / "kube-scheduler",
         kubectl=directories["kubectl"] / "kubectl",
         kwok=directories["kwok"] / "kwok",
+        kwok_stages=directories["kwok"] / KWOK_STAGES_FILE,
         helm=directories["helm"] / "helm",
-        prometheus=_system_binary(SYSTEM_PROMETHEUS, what="prometheus", package="prometheus"),
+        prometheus=directories["prometheus"] / "prometheus",
     )
 
 

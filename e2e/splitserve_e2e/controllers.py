@@ -38,7 +38,7 @@ def start_controller_manager(*, binary: Path, kubeconfig: Path, pki: ClusterPki,
         f"--controllers={','.join(CONTROLLERS)}",
         f"--service-account-private-key-file={pki.service_account_key}",
         f"--root-ca-file={pki.ca_cert}",
-        "--use-service-account-credentials=false",
+        "--use-service-account-credentials=true",  # each controller acts as its own SA (RBAC)
         "--leader-elect=false",
         "--secure-port=0",
         "--profiling=false",

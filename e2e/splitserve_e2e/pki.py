@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import ssl
 from pathlib import Path
 
 from cryptography import x509
@@ -153,3 +154,11 @@ def ensure_pki(*, directory: Path) -> ClusterPki:
         service_account_key=sa_key,
         service_account_pub=sa_pub,
     )
+
+
+def client_ssl_context(*, ca_cert: Path, client: CertPair | None) -> ssl.SSLContext:
+    """An SSL context that trusts the cluster CA and presents ``client`` (if given)."""
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    if client is not None:
+        context.load_cert_chain(str(client.cert), str(client.key))
+    return context

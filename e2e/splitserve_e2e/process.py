@@ -14,6 +14,7 @@ orphan survives a failed or interrupted test run:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -86,10 +87,8 @@ class ManagedProcess:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def start_process(*, name: str, argv: Sequence[str], log_path: Path, pid_dir: Path | None,

@@ -7,7 +7,6 @@ import asyncio
 import os
 
 import pytest
-
 from splitserve_runtime.transfer import (
     ExportedKV,
     KVExportRegistry,
@@ -15,8 +14,8 @@ from splitserve_runtime.transfer import (
     TcpKVConnector,
     TcpKVServer,
     TransferError,
+    framing,
 )
-from splitserve_runtime.transfer import framing
 from splitserve_runtime.transfer.framing import FrameType
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32", dtype_bytes=4, compat_hash="abc")

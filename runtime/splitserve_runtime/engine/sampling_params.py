@@ -19,7 +19,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
     disable those filters. ``seed`` makes sampling reproducible for this request regardless
-    of what else is in the batch. ``logprobs``: ``None`` returns none, ``0`` returns the
+    of what else is in the batch. Until ``min_tokens`` tokens are out, eos and
+    ``stop_token_ids`` cannot be sampled (as in vLLM). ``logprobs``: ``None`` returns none, ``0`` returns the
     chosen token's log-probability, ``n > 0`` also the ``n`` most likely alternatives.
     """
 

@@ -11,6 +11,8 @@ torch and Triton backends.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,8 +99,8 @@ class LlamaForCausalLM(nn.Module):
             )
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, LlamaDecoderLayer)  # for mypy: ModuleList is untyped
+        layers = cast(list[LlamaDecoderLayer], list(self.layers))
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_layernorm, cfg.rms_norm_eps)

@@ -1,12 +1,18 @@
 """The torch kernel backend: the numerical reference for the Triton kernels and the CPU path.
 
-Every op is a handful of vectorised torch calls with no per-sequence Python loop and no
-host/device synchronisation, so the same code is reasonably fast on CPU and usable (if not
-optimal) on a GPU. Attention gathers each sequence's K/V out of the paged cache into a padded
-``[batch, max_context, num_kv_heads, head_dim]`` tensor through its block table and runs one
-``scaled_dot_product_attention`` call with an explicit mask: causal with the offset
-``context_len - q_len`` (so prefix-cached and earlier-chunk positions are all visible) and
-the padding columns masked out. Grouped-query attention uses SDPA's ``enable_gqa``.
+Every op is a handful of vectorised torch calls with no per-sequence Python loop, so the same
+code is reasonably fast on CPU and usable (if not optimal) on a GPU. Attention gathers each
+sequence's K/V out of the paged cache through its block table into a padded
+``[batch, num_kv_heads, max_context, head_dim]`` tensor and runs one
+``scaled_dot_product_attention`` call:
+
+- prefill/extend: query row i of a sequence sits at position ``context_len - q_len + i`` and
+  sees cache positions up to it (prefix-cached and earlier-chunk tokens included); an explicit
+  boolean mask encodes that offset and hides padding columns. When no sequence has a cached
+  prefix (one host read of ``sum(context_lens)`` tells), SDPA's own causal mode is exact and
+  about 1.3x faster on CPU. Grouped-query attention uses SDPA's ``enable_gqa``.
+- decode: one query row per sequence, so each KV head's query heads are folded into its query
+  rows (``[B, Hkv, H/Hkv, D]``) and the KV is never expanded; a length mask hides padding.
 """
 
 from __future__ import annotations
@@ -74,14 +80,23 @@ class TorchOps:
             context_lens=context_lens, max_context_len=md.prefill_max_context_len,
             block_size=md.block_size,
         )
-        # Query row i sits at absolute position context_len - q_len + i.
-        q_positions = (context_lens - q_lens).unsqueeze(1) + rows  # [B, max_q]
-        cols = torch.arange(md.prefill_max_context_len, device=device)
-        mask = (cols.view(1, 1, -1) <= q_positions.unsqueeze(2)) & col_valid.unsqueeze(1)
-        out = F.scaled_dot_product_attention(
-            q_padded, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1), scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [B, H, max_q, D]
+        gqa = q.shape[1] != k.shape[1]
+        if int(context_lens.sum()) == md.num_prefill_tokens:
+            # No cached prefix anywhere (context_len == q_len for every sequence): the plain
+            # causal mask is exact for every real row (padding rows/columns come last and are
+            # dropped), and SDPA's causal path skips the masked half of the work.
+            out = F.scaled_dot_product_attention(
+                q_padded, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=gqa,
+            )
+        else:
+            # Query row i sits at absolute position context_len - q_len + i.
+            q_positions = (context_lens - q_lens).unsqueeze(1) + rows  # [B, max_q]
+            cols = torch.arange(md.prefill_max_context_len, device=device)
+            mask = (cols.view(1, 1, -1) <= q_positions.unsqueeze(2)) & col_valid.unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q_padded, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1), scale=scale,
+                enable_gqa=gqa,
+            )  # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(num_seqs * max_q_len, q.shape[1], q.shape[2])
         seq_of_token = torch.repeat_interleave(
             torch.arange(num_seqs, device=device), q_lens, output_size=md.num_prefill_tokens,
@@ -100,12 +115,16 @@ class TorchOps:
             context_lens=md.decode_context_lens.to(q.device),
             max_context_len=md.decode_max_context_len, block_size=md.block_size,
         )
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        # One query row per sequence, so the heads sharing a KV head can be treated as that
+        # KV head's queries: [B, Hkv, H/Hkv, D] against [B, Hkv, L, D], no KV expansion.
+        grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
-            attn_mask=col_valid.view(col_valid.shape[0], 1, 1, -1), scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [B, H, 1, D]
-        return out.squeeze(2)
+            grouped_q, k.to(q.dtype), v.to(q.dtype),
+            attn_mask=col_valid.view(num_seqs, 1, 1, -1), scale=scale,
+        )
+        return out.reshape(num_seqs, num_heads, head_dim)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x_fp32 = x.float()

@@ -1,0 +1,642 @@
+"""GPU benchmark of the Triton kernels at Llama-3.1-8B shapes, with baselines in the same run.
+
+Shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, KV block 16, hidden 4096,
+intermediate 14336. Every figure is a ratio against something measured in the same process
+(DESIGN.md section 7):
+
+* decode attention, batch {1, 8, 32, 64} x context {1k, 4k, 16k, 32k}: achieved HBM GB/s
+  (K+V+q+out bytes / time) vs the 4.3 TB/s measured copy bandwidth of an H200, and vs torch
+  SDPA on the same K/V gathered into contiguous tensors (no paging) - target >= 85% of
+  bandwidth at >= 4k context;
+* prefill attention, prompt {512, 2k, 8k} (8192 tokens per step: 8192 / prompt sequences),
+  plus one extend chunk on a cached prefix: TFLOP/s vs SDPA (flash) and vs 790 TFLOP/s;
+* RMSNorm, fused add + RMSNorm, SiLU-and-mul, RoPE, KV write: GB/s vs the torch backend.
+
+Correctness comes first: a mixed prefill + decode step is checked against the torch backend,
+and every benchmarked attention output against its SDPA baseline; failures are reported in
+the JSON and the exit status is 1. A kernel that fails to compile is recorded as an error and
+the run goes on.
+
+    python bench/gpu_kernels.py [--sweep]          # on the GPU; writes $OUT/gpu_kernels.json
+    python bench/gpu_kernels.py --smoke            # CPU, TRITON_INTERPRET=1, tiny shapes
+    python bench/gpu_kernels.py --compile-only     # no GPU needed: compile for sm_90 (ptxas)
+
+``--compile-only`` compiles every kernel ahead of time for an H200 (``GPUTarget("cuda", 90,
+32)``) with the specialisations the JIT would apply (16-aligned pointers and strides), runs
+ptxas, and reports shared memory and whether the K/V loads got software-pipelined
+(``async_copy`` in the TTGIR), so GPU-only compile errors show up on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HBM_GBPS = 4300.0  # measured copy bandwidth, H200
+PEAK_TFLOPS = 790.0  # measured dense bf16 matmul, H200
+DECODE_TARGET = 0.85
+
+
+@dataclass(frozen=True)
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    hidden: int
+    intermediate: int
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
+    prefill_tokens: int
+    extend: tuple[int, int]  # (new tokens, cached prefix)
+    elementwise_tokens: int
+
+
+FULL = Shapes(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, hidden=4096,
+              intermediate=14336, decode_batches=(1, 8, 32, 64),
+              decode_contexts=(1024, 4096, 16384, 32768), prefill_lens=(512, 2048, 8192),
+              prefill_tokens=8192, extend=(512, 7680), elementwise_tokens=8192)
+SMOKE = Shapes(num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, hidden=256,
+               intermediate=192, decode_batches=(1, 3), decode_contexts=(17, 40),
+               prefill_lens=(20, 33), prefill_tokens=40, extend=(9, 23), elementwise_tokens=5)
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, correctness only; runs on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep tile sizes / warps / stages for decode and prefill")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile all kernels for sm_90 without a GPU and exit")
+    parser.add_argument("--out", default=os.environ.get("OUT", "./out"),
+                        help="output folder for gpu_kernels.json (default $OUT or ./out)")
+    return parser.parse_args()
+
+
+class Bench:
+    """Runs the sections, keeps the records and the correctness verdict."""
+
+    def __init__(self, *, shapes: Shapes, smoke: bool, device: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.shapes = shapes
+        self.smoke = smoke
+        self.device = device
+        self.dtype = torch.bfloat16
+        self.records: dict[str, list[dict[str, Any]]] = {
+            "correctness": [], "decode": [], "prefill": [], "elementwise": [], "sweep": [],
+        }
+        self.failures: list[str] = []
+
+    # ------------------------------------------------------------------ helpers
+    def time_ms(self, fn: Callable[[], Any]) -> float | None:
+        """Median time in ms (cold L2 between runs, triton.testing.do_bench); None in smoke."""
+        if self.smoke:
+            fn()
+            return None
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+    def check(self, *, name: str, got: Any, ref: Any, atol: float, rtol: float = 0.0) -> float:
+        """Elementwise ``|got - ref| <= atol + rtol * |ref|``; records and returns max abs err."""
+        diff = (got.float() - ref.float()).abs()
+        err = float(diff.max()) if got.numel() else 0.0
+        bound = atol + rtol * ref.float().abs()
+        ok = math.isfinite(err) and bool((diff <= bound).all())
+        self.records["correctness"].append({"check": name, "max_abs_err": err, "atol": atol,
+                                            "rtol": rtol, "ok": ok})
+        if not ok:
+            self.failures.append(f"{name}: max abs err {err:.3g} beyond atol {atol} rtol {rtol}")
+        return err
+
+    def guarded(self, section: str, label: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a compile or launch failure must not lose the other figures
+            self.records[section].append({"case": label, "error": f"{type(exc).__name__}: {exc}",
+                                          "traceback": traceback.format_exc(limit=4)})
+            self.failures.append(f"{section}/{label}: {type(exc).__name__}: {exc}")
+            print(f"!! {section}/{label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def paged_cache(self, *, num_tokens: int) -> tuple[Any, Any, int]:
+        s, torch = self.shapes, self.torch
+        num_blocks = math.ceil(num_tokens / s.block_size) + 1
+        shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        k = torch.randn(shape, device=self.device, dtype=self.dtype)
+        v = torch.randn(shape, device=self.device, dtype=self.dtype)
+        return k, v, num_blocks
+
+    def block_tables(self, *, batch: int, context: int, num_blocks: int) -> Any:
+        """Each sequence gets scattered blocks (a random permutation), like a busy server."""
+        per_seq = math.ceil(context / self.shapes.block_size)
+        perm = self.torch.randperm(num_blocks, device=self.device)[:batch * per_seq]
+        return perm.view(batch, per_seq).to(self.torch.int32).contiguous()
+
+    def gather(self, cache: Any, tables: Any, context: int) -> Any:
+        """``[batch, kv_heads, context, head_dim]`` contiguous copy for the SDPA baselines."""
+        s = self.shapes
+        pos = self.torch.arange(context, device=self.device)
+        blocks = tables.long()[:, pos // s.block_size]
+        rows = cache[blocks, (pos % s.block_size).expand_as(blocks)]  # [B, L, Hkv, D]
+        return rows.transpose(1, 2).contiguous()
+
+    # ------------------------------------------------------------------ sections
+    def mixed_step_vs_torch_backend(self) -> None:
+        """One random step (prefix-cached prefill, fresh prompt, decodes) through both backends."""
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.ops.interface import AttentionMetadata
+        from splitserve_runtime.ops.torch_backend import TorchOps
+        from splitserve_runtime.ops.triton_backend import TritonOps
+
+        prefills = [(9, 23), (33, 33)] if self.smoke else [(300, 1000), (517, 517), (1, 4097)]
+        decodes = [1, 17, 40] if self.smoke else [1, 100, 2049, 4096, 5000]
+        contexts = [c for _, c in prefills] + decodes
+        q_lens = [q for q, _ in prefills] + [1] * len(decodes)
+        k0, v0, num_blocks = self.paged_cache(num_tokens=sum(contexts) + 64)
+        width = max(math.ceil(c / s.block_size) for c in contexts)
+        perm = torch.randperm(num_blocks).tolist()
+        tables = torch.zeros((len(contexts), width), dtype=torch.int32)
+        slots: list[int] = []
+        for b, (ctx, q_len) in enumerate(zip(contexts, q_lens, strict=True)):
+            blocks = [perm.pop() for _ in range(math.ceil(ctx / s.block_size))]
+            tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            slots += [blocks[p // s.block_size] * s.block_size + p % s.block_size
+                      for p in range(ctx - q_len, ctx)]
+        cu = [0]
+        for q_len, _ in prefills:
+            cu.append(cu[-1] + q_len)
+        n_pre = len(prefills)
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots + [-1], dtype=torch.int64, device=dev),
+            num_prefills=n_pre, num_prefill_tokens=cu[-1],
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(contexts[:n_pre], dtype=torch.int32, device=dev),
+            prefill_block_tables=tables[:n_pre].contiguous().to(dev),
+            prefill_max_q_len=max(q_lens[:n_pre]), prefill_max_context_len=max(contexts[:n_pre]),
+            num_decodes=len(decodes),
+            decode_context_lens=torch.tensor(decodes, dtype=torch.int32, device=dev),
+            decode_block_tables=tables[n_pre:].contiguous().to(dev),
+            decode_max_context_len=max(decodes), block_size=s.block_size,
+        )
+        num_tokens = len(slots) + 1
+        hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = torch.randn((num_tokens, hq + 2 * hkv, d), device=dev, dtype=self.dtype)
+        q, key, value = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        outs = {}
+        for ops in (TorchOps(), TritonOps()):
+            k_cache, v_cache = k0.clone(), v0.clone()
+            ops.write_kv_cache(key, value, k_cache, v_cache, md.slot_mapping)
+            pre = ops.prefill_attention(q[:cu[-1]], k_cache, v_cache, md, d ** -0.5)
+            dec = ops.decode_attention(q[cu[-1]:cu[-1] + len(decodes)], k_cache, v_cache, md,
+                                       d ** -0.5)
+            outs[ops.name] = (k_cache, v_cache, pre, dec)
+        for i, name in enumerate(("kv_write.k", "kv_write.v", "prefill", "decode")):
+            self.check(name=f"mixed_step.{name}", got=outs["triton"][i], ref=outs["torch"][i],
+                       atol=0.0 if i < 2 else 2e-2)
+
+    def decode(self, *, sweep: bool) -> None:
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels.decode_attention import decode_attention
+
+        max_tokens = max(s.decode_batches) * max(s.decode_contexts)
+        k_cache, v_cache, num_blocks = self.paged_cache(num_tokens=max_tokens)
+        group = s.num_heads // s.num_kv_heads
+        scale = s.head_dim ** -0.5
+        for batch in s.decode_batches:
+            for context in s.decode_contexts:
+                def case(batch: int = batch, context: int = context) -> None:
+                    tables = self.block_tables(batch=batch, context=context, num_blocks=num_blocks)
+                    lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+                    q = torch.randn((batch, s.num_heads, s.head_dim), device=self.device,
+                                    dtype=self.dtype)
+
+                    def ours() -> Any:
+                        return decode_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                block_tables=tables, context_lens=lens,
+                                                max_context_len=context, scale=scale)
+
+                    k = self.gather(k_cache, tables, context)
+                    v = self.gather(v_cache, tables, context)
+                    qg = q.view(batch, s.num_kv_heads, group, s.head_dim)
+
+                    def sdpa() -> Any:  # the group's queries as rows: no GQA expansion needed
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            qg, k, v, scale=scale)
+
+                    ref = sdpa().reshape(batch, s.num_heads, s.head_dim)
+                    err = self.check(name=f"decode.b{batch}.ctx{context}", got=ours(), ref=ref,
+                                     atol=2e-2)
+                    t_ours, t_sdpa = self.time_ms(ours), self.time_ms(sdpa)
+                    nbytes = (2 * batch * context * s.num_kv_heads * s.head_dim
+                              + 2 * batch * s.num_heads * s.head_dim) * 2
+                    self.records["decode"].append(_bandwidth_row(
+                        case=f"b{batch} ctx{context}", nbytes=nbytes, t_ours=t_ours,
+                        t_base=t_sdpa, extra={"batch": batch, "context": context,
+                                              "max_abs_err": err}))
+
+                self.guarded("decode", f"b{batch} ctx{context}", case)
+        if sweep and not self.smoke:
+            for batch, context in ((1, 16384), (32, 4096)):
+                self._decode_sweep(batch=batch, context=context, k_cache=k_cache,
+                                   v_cache=v_cache, num_blocks=num_blocks)
+
+    def _decode_sweep(self, *, batch: int, context: int, k_cache: Any, v_cache: Any,
+                      num_blocks: int) -> None:
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels.decode_attention import decode_attention
+
+        tables = self.block_tables(batch=batch, context=context, num_blocks=num_blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+        q = torch.randn((batch, s.num_heads, s.head_dim), device=self.device, dtype=self.dtype)
+        nbytes = 2 * batch * context * s.num_kv_heads * s.head_dim * 2
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    def run(b: int = block_n, w: int = warps, st: int = stages) -> None:
+                        ms = self.time_ms(lambda: decode_attention(
+                            q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables,
+                            context_lens=lens, max_context_len=context,
+                            scale=s.head_dim ** -0.5, block_n=b, num_warps=w, num_stages=st))
+                        self.records["sweep"].append({
+                            "case": f"decode b{batch} ctx{context}", "block_n": b,
+                            "num_warps": w, "num_stages": st, "ms": ms,
+                            "GBps": nbytes / (ms * 1e6) if ms else None})
+
+                    self.guarded("sweep", f"decode {block_n}/{warps}/{stages}", run)
+
+    def prefill(self, *, sweep: bool) -> None:
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels.kv_cache_write import write_kv_cache
+        from splitserve_runtime.kernels.prefill_attention import prefill_attention
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        group = s.num_heads // s.num_kv_heads
+        scale = s.head_dim ** -0.5
+        cases = [(length, length) for length in s.prefill_lens] + [
+            (s.extend[0], s.extend[0] + s.extend[1])]
+        for q_len, context in cases:
+            def case(q_len: int = q_len, context: int = context) -> None:
+                batch = max(1, s.prefill_tokens // context)
+                k_cache, v_cache, num_blocks = self.paged_cache(num_tokens=batch * context)
+                tables = self.block_tables(batch=batch, context=context, num_blocks=num_blocks)
+                lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+                cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32,
+                                  device=self.device)
+                q = torch.randn((batch * q_len, s.num_heads, s.head_dim), device=self.device,
+                                dtype=self.dtype)
+                # This step's own K/V go through the write kernel into their slots.
+                pos = torch.arange(context - q_len, context, device=self.device)
+                slots = (tables.long()[:, pos // s.block_size] * s.block_size
+                         + pos % s.block_size).reshape(-1)
+                kv_new = torch.randn((2, batch * q_len, s.num_kv_heads, s.head_dim),
+                                     device=self.device, dtype=self.dtype)
+                write_kv_cache(key=kv_new[0], value=kv_new[1], k_cache=k_cache, v_cache=v_cache,
+                               slot_mapping=slots)
+
+                def ours() -> Any:
+                    return prefill_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                                             block_tables=tables, context_lens=lens,
+                                             cu_seqlens_q=cu, max_q_len=q_len,
+                                             max_context_len=context, scale=scale)
+
+                k = self.gather(k_cache, tables, context).repeat_interleave(group, dim=1)
+                v = self.gather(v_cache, tables, context).repeat_interleave(group, dim=1)
+                qb = q.view(batch, q_len, s.num_heads, s.head_dim).transpose(1, 2)
+                # Causal with the offset context - q_len (bottom-right aligned).
+                offset = context - q_len
+                mask = (torch.arange(context, device=self.device)[None, :]
+                        <= torch.arange(q_len, device=self.device)[:, None] + offset)
+                fresh = q_len == context
+
+                def sdpa() -> Any:
+                    if fresh:
+                        backends = [SDPBackend.FLASH_ATTENTION] if not self.smoke else \
+                            [SDPBackend.MATH]
+                        with sdpa_kernel(backends):
+                            return torch.nn.functional.scaled_dot_product_attention(
+                                qb, k, v, is_causal=True, scale=scale)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qb, k, v, attn_mask=mask, scale=scale)
+
+                ref = sdpa().transpose(1, 2).reshape(q.shape)
+                err = self.check(name=f"prefill.q{q_len}.ctx{context}", got=ours(), ref=ref,
+                                 atol=2e-2)
+                t_ours = self.time_ms(ours)
+                t_sdpa = self.time_ms(sdpa) if fresh else None  # masked SDPA is no flash baseline
+                # Causal FLOPs: QK^T and PV, 2 flops per MAC, visible (row, key) pairs only.
+                pairs = q_len * offset + q_len * (q_len + 1) // 2
+                flops = batch * 4 * pairs * s.head_dim * s.num_heads
+                row: dict[str, Any] = {"case": f"q{q_len} ctx{context} x{batch}", "batch": batch,
+                                       "q_len": q_len, "context": context, "max_abs_err": err,
+                                       "ms": t_ours, "sdpa_ms": t_sdpa}
+                if t_ours:
+                    row["TFLOPs"] = flops / (t_ours * 1e9)
+                    row["MFU"] = row["TFLOPs"] / PEAK_TFLOPS
+                if t_ours and t_sdpa:
+                    row["sdpa_TFLOPs"] = flops / (t_sdpa * 1e9)
+                    row["vs_sdpa"] = t_sdpa / t_ours
+                self.records["prefill"].append(row)
+                if sweep and not self.smoke and q_len == max(s.prefill_lens):
+                    for bm in (64, 128):
+                        for bn in (32, 64, 128):
+                            for warps in (4, 8):
+                                for stages in (2, 3):
+                                    def run(bm: int = bm, bn: int = bn, w: int = warps,
+                                            st: int = stages) -> None:
+                                        ms = self.time_ms(lambda: prefill_attention(
+                                            q=q, k_cache=k_cache, v_cache=v_cache,
+                                            block_tables=tables, context_lens=lens,
+                                            cu_seqlens_q=cu, max_q_len=q_len,
+                                            max_context_len=context, scale=scale, block_m=bm,
+                                            block_n=bn, num_warps=w, num_stages=st))
+                                        self.records["sweep"].append({
+                                            "case": f"prefill q{q_len}", "block_m": bm,
+                                            "block_n": bn, "num_warps": w, "num_stages": st,
+                                            "ms": ms,
+                                            "TFLOPs": flops / (ms * 1e9) if ms else None})
+
+                                    self.guarded("sweep", f"prefill {bm}/{bn}/{warps}/{stages}",
+                                                 run)
+
+            self.guarded("prefill", f"q{q_len} ctx{context}", case)
+
+    def elementwise(self) -> None:
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels.activation import silu_and_mul
+        from splitserve_runtime.kernels.kv_cache_write import write_kv_cache
+        from splitserve_runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+        from splitserve_runtime.kernels.rotary import rotary_embedding
+        from splitserve_runtime.ops.torch_backend import TorchOps
+
+        ref_ops = TorchOps()
+        t, h, inter, dev, dt = (s.elementwise_tokens, s.hidden, s.intermediate, self.device,
+                                self.dtype)
+        x = torch.randn((t, h), device=dev, dtype=dt)
+        res = torch.randn((t, h), device=dev, dtype=dt)
+        w = torch.rand(h, device=dev, dtype=dt) + 0.5
+        gate_up = torch.randn((t, 2 * inter), device=dev, dtype=dt)
+        hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = torch.randn((t, hq + 2 * hkv, d), device=dev, dtype=dt)
+        q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        positions = torch.randint(0, 8192, (t,), device=dev)
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev).float() / d))
+        freqs = torch.outer(torch.arange(8192, device=dev).float(), inv_freq)
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        k_cache, v_cache, num_blocks = self.paged_cache(num_tokens=t)
+        slots = torch.randperm(num_blocks * s.block_size, device=dev)[:t]
+        eb = 2  # bytes per bf16 element
+        cases: list[tuple[str, Callable[[], Any], Callable[[], Any], int, float]] = [
+            ("rms_norm", lambda: rms_norm(x=x, weight=w, eps=1e-5),
+             lambda: ref_ops.rms_norm(x, w, 1e-5), 2 * t * h * eb, 1e-2),
+            ("fused_add_rms_norm",
+             lambda: fused_add_rms_norm(x=x, residual=res, weight=w, eps=1e-5)[0],
+             lambda: ref_ops.fused_add_rms_norm(x, res, w, 1e-5)[0], 4 * t * h * eb, 1e-2),
+            ("silu_and_mul", lambda: silu_and_mul(x=gate_up),
+             lambda: ref_ops.silu_and_mul(gate_up), 3 * t * inter * eb, 1e-2),
+            ("rotary", lambda: rotary_embedding(positions=positions, q=q, k=k,
+                                                cos_sin_cache=cos_sin)[0],
+             lambda: ref_ops.rotary_embedding(positions, q, k, cos_sin)[0],
+             2 * t * (hq + hkv) * d * eb, 1e-2),
+        ]
+        for name, ours, ref, nbytes, atol in cases:
+            def case(name: str = name, ours: Callable[[], Any] = ours,
+                     ref: Callable[[], Any] = ref, nbytes: int = nbytes,
+                     atol: float = atol) -> None:
+                # bf16 outputs: ~2 ulps relative (the interpreter truncates where the GPU rounds).
+                err = self.check(name=f"elementwise.{name}", got=ours(), ref=ref(), atol=atol,
+                                 rtol=1.6e-2)
+                self.records["elementwise"].append(_bandwidth_row(
+                    case=name, nbytes=nbytes, t_ours=self.time_ms(ours),
+                    t_base=self.time_ms(ref), extra={"tokens": t, "max_abs_err": err}))
+
+            self.guarded("elementwise", name, case)
+
+        def kv_case() -> None:
+            key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+            kc, vc = k_cache.clone(), v_cache.clone()
+            write_kv_cache(key=key, value=value, k_cache=kc, v_cache=vc, slot_mapping=slots)
+            rk, rv = k_cache.clone(), v_cache.clone()
+            ref_ops.write_kv_cache(key, value, rk, rv, slots)
+            self.check(name="elementwise.write_kv_cache.k", got=kc, ref=rk, atol=0.0)
+            self.check(name="elementwise.write_kv_cache.v", got=vc, ref=rv, atol=0.0)
+            self.records["elementwise"].append(_bandwidth_row(
+                case="write_kv_cache", nbytes=4 * t * hkv * d * eb,
+                t_ours=self.time_ms(lambda: write_kv_cache(key=key, value=value, k_cache=kc,
+                                                           v_cache=vc, slot_mapping=slots)),
+                t_base=self.time_ms(lambda: ref_ops.write_kv_cache(key, value, rk, rv, slots)),
+                extra={"tokens": t}))
+
+        self.guarded("elementwise", "write_kv_cache", kv_case)
+
+
+def _bandwidth_row(*, case: str, nbytes: int, t_ours: float | None, t_base: float | None,
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": case, "bytes": nbytes, "ms": t_ours, "base_ms": t_base,
+                           **extra}
+    if t_ours:
+        row["GBps"] = nbytes / (t_ours * 1e6)
+        row["frac_hbm"] = row["GBps"] / HBM_GBPS
+    if t_base:
+        row["base_GBps"] = nbytes / (t_base * 1e6)
+    if t_ours and t_base:
+        row["speedup_vs_base"] = t_base / t_ours
+    return row
+
+
+def _fmt(value: Any, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return "-".rjust(width) if value is None else format(value, spec)
+
+
+def _print_tables(records: dict[str, list[dict[str, Any]]]) -> None:
+    print("\n== decode attention (base = SDPA on gathered K/V) ==")
+    print(f"{'case':<18}{'ms':>9}{'GB/s':>9}{'%HBM':>7}{'sdpa ms':>9}{'x sdpa':>8}{'err':>9}")
+    for r in records["decode"]:
+        if "error" in r:
+            print(f"{r['case']:<18} ERROR {r['error'][:80]}")
+            continue
+        pct = None if r.get("frac_hbm") is None else 100 * r["frac_hbm"]
+        print(f"{r['case']:<18}{_fmt(r['ms'], '9.4f')}{_fmt(r.get('GBps'), '9.0f')}"
+              f"{_fmt(pct, '7.1f')}{_fmt(r['base_ms'], '9.4f')}"
+              f"{_fmt(r.get('speedup_vs_base'), '8.2f')}{r['max_abs_err']:9.1e}")
+    print("\n== prefill attention (base = SDPA flash, causal) ==")
+    print(f"{'case':<24}{'ms':>9}{'TFLOP/s':>9}{'MFU':>7}{'sdpa':>9}{'x sdpa':>8}{'err':>9}")
+    for r in records["prefill"]:
+        if "error" in r:
+            print(f"{r['case']:<24} ERROR {r['error'][:80]}")
+            continue
+        mfu = None if r.get("MFU") is None else 100 * r["MFU"]
+        print(f"{r['case']:<24}{_fmt(r['ms'], '9.3f')}{_fmt(r.get('TFLOPs'), '9.1f')}"
+              f"{_fmt(mfu, '7.1f')}{_fmt(r.get('sdpa_TFLOPs'), '9.1f')}"
+              f"{_fmt(r.get('vs_sdpa'), '8.2f')}{r['max_abs_err']:9.1e}")
+    print("\n== elementwise (base = torch backend, eager) ==")
+    print(f"{'case':<20}{'ms':>9}{'GB/s':>9}{'%HBM':>7}{'torch GB/s':>11}{'x torch':>8}")
+    for r in records["elementwise"]:
+        if "error" in r:
+            print(f"{r['case']:<20} ERROR {r['error'][:80]}")
+            continue
+        pct = None if r.get("frac_hbm") is None else 100 * r["frac_hbm"]
+        print(f"{r['case']:<20}{_fmt(r['ms'], '9.4f')}{_fmt(r.get('GBps'), '9.0f')}"
+              f"{_fmt(pct, '7.1f')}{_fmt(r.get('base_GBps'), '11.0f')}"
+              f"{_fmt(r.get('speedup_vs_base'), '8.2f')}")
+    if records["sweep"]:
+        print("\n== sweep (best per case) ==")
+        best: dict[str, dict[str, Any]] = {}
+        for r in records["sweep"]:
+            if r.get("ms") and (r["case"] not in best or r["ms"] < best[r["case"]]["ms"]):
+                best[r["case"]] = r
+        for case, r in best.items():
+            print(f"{case:<24}{json.dumps({k: v for k, v in r.items() if k != 'case'})}")
+    bad = [r for r in records["correctness"] if not r["ok"]]
+    print(f"\ncorrectness: {len(records['correctness']) - len(bad)}/"
+          f"{len(records['correctness'])} checks ok")
+    for r in bad:
+        print(f"  FAIL {r['check']}: max abs err {r['max_abs_err']:.3g} (atol {r['atol']}, "
+              f"rtol {r['rtol']})")
+
+
+def _compile_only(out_dir: Path) -> int:
+    """AOT-compile each kernel for sm_90 with JIT-like specialisation; no GPU needed."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from splitserve_runtime.kernels import activation, kv_cache_write, rmsnorm, rotary
+    from splitserve_runtime.kernels import decode_attention as dec
+    from splitserve_runtime.kernels import prefill_attention as pre
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    index_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+                  "cu_seqlens_ptr": "*i32", "slot_ptr": "*i64", "pos_ptr": "*i64",
+                  "cos_sin_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    floats = {"qk_scale", "eps"}
+    rows: list[dict[str, Any]] = []
+    failures = 0
+
+    def build(label: str, fn: Any, consts: dict[str, Any], dtype: str, warps: int,
+              stages: int) -> None:
+        nonlocal failures
+        signature: dict[str, str] = {}
+        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                signature[name] = "constexpr"
+                continue
+            if name.endswith("_ptr"):
+                signature[name] = index_ptrs.get(name, f"*{dtype}")
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+            if name.endswith("_ptr") or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        started = time.perf_counter()
+        try:
+            kernel = triton.compile(
+                ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                target=target, options={"num_warps": warps, "num_stages": stages})
+        except Exception as exc:
+            failures += 1
+            rows.append({"kernel": label, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"FAIL {label}: {type(exc).__name__}: {exc}")
+            return
+        ttgir = kernel.asm["ttgir"]
+        row = {"kernel": label, "seconds": round(time.perf_counter() - started, 1),
+               "shared_bytes": kernel.metadata.shared,
+               "async_copies": ttgir.count("async_copy_global_to_local"),
+               "wgmma": "warp_group_dot" in ttgir, "cubin_bytes": len(kernel.asm["cubin"])}
+        rows.append(row)
+        print(f"ok   {label:<34} {json.dumps({k: v for k, v in row.items() if k != 'kernel'})}")
+
+    attn = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "DOT_FP32": False,
+            "INPUT_PRECISION": "tf32"}
+    for group in (1, 4, 8):
+        build(f"decode_split bf16 group{group}", dec._decode_split_kernel,
+              {**attn, "GROUP": group, "BLOCK_G": max(16, group), "BLOCK_N": 64}, "bf16", 4, 2)
+    build("decode_split fp32 group4", dec._decode_split_kernel,
+          {**attn, "GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "DOT_FP32": True,
+           "INPUT_PRECISION": "ieee"}, "fp32", 4, 2)
+    for splits in (1, 32):
+        build(f"decode_reduce bf16 splits{splits}", dec._decode_reduce_kernel,
+              {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": splits}, "bf16", 4, 1)
+    build("prefill bf16 d128 group4", pre._prefill_kernel,
+          {**attn, "GROUP": 4, "BLOCK_M": 128, "BLOCK_N": 64}, "bf16", 8, 3)
+    build("prefill bf16 d64 group1", pre._prefill_kernel,
+          {**attn, "HEAD_DIM": 64, "BLOCK_D": 64, "GROUP": 1, "BLOCK_M": 128, "BLOCK_N": 64},
+          "bf16", 4, 3)
+    build("kv_cache_write bf16", kv_cache_write._kv_cache_write_kernel,
+          {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_HD": 1024}, "bf16", 4, 1)
+    for residual in (False, True):
+        build(f"rms_norm bf16 residual={residual}", rmsnorm._rms_norm_kernel,
+              {"HAS_RESIDUAL": residual, "BLOCK": 4096}, "bf16", 8, 1)
+    build("rotary bf16", rotary._rotary_kernel,
+          {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HALF": 64, "BLOCK_QH": 32, "BLOCK_KH": 8,
+           "BLOCK_HALF": 64}, "bf16", 4, 1)
+    build("silu_and_mul bf16", activation._silu_and_mul_kernel, {"BLOCK": 1024}, "bf16", 4, 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_kernels_compile.json"
+    path.write_text(json.dumps({"target": "cuda sm_90", "triton": triton.__version__,
+                                "kernels": rows}, indent=2))
+    print(f"wrote {path}; {failures} failure(s)")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    args = _parse()
+    if args.compile_only:
+        return _compile_only(Path(args.out))
+    import torch
+
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            print("no CUDA device: run with --smoke for the CPU interpreter check",
+                  file=sys.stderr)
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import triton
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    bench = Bench(shapes=SMOKE if args.smoke else FULL, smoke=args.smoke, device=device)
+    started = time.perf_counter()
+    bench.guarded("correctness", "mixed_step", bench.mixed_step_vs_torch_backend)
+    bench.decode(sweep=args.sweep)
+    bench.prefill(sweep=args.sweep)
+    bench.elementwise()
+    _print_tables(bench.records)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        f"cpu (TRITON_INTERPRET=1, {platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
+        "hbm_GBps_reference": HBM_GBPS, "peak_TFLOPs_reference": PEAK_TFLOPS,
+        "decode_target_frac_hbm": DECODE_TARGET, "seconds": time.perf_counter() - started,
+        "failures": bench.failures, **bench.records,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_kernels.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path} ({result['seconds']:.1f} s)")
+    if bench.failures:
+        print(f"{len(bench.failures)} failure(s):", *bench.failures, sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""pytest fixtures for the end-to-end tests: one real local cluster per session.
+
+``cluster`` starts a :class:`LocalCluster` in a pytest temp directory (logs stay there for
+inspection) and stops it at session end, also after a failure or Ctrl-C (pytest tears
+session fixtures down on KeyboardInterrupt; atexit and the children's parent-death signal cover
+harder exits). ``--existing-cluster[=KUBECONFIG]`` or ``SPLITSERVE_E2E_KUBECONFIG`` run the
+same tests against a cluster that is already up (``python -m splitserve_e2e up``, or any other);
+tests that need the local node then fail with :class:`LocalNodeUnavailable` saying so.
+``namespace`` gives each test a fresh namespace and deletes it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+from splitserve_e2e.cluster import (
+    ENV_EXISTING_KUBECONFIG,
+    ClusterOptions,
+    LocalCluster,
+    default_state_dir,
+    read_info,
+)
+
+_USE_UP_CLUSTER = "__up__"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--existing-cluster", nargs="?", const=_USE_UP_CLUSTER, default=None,
+        metavar="KUBECONFIG",
+        help="run e2e tests against a running cluster: the given kubeconfig, else "
+             f"${ENV_EXISTING_KUBECONFIG}, else the one `python -m splitserve_e2e up` started")
+
+
+def _existing(config: pytest.Config) -> tuple[Path, str | None] | None:
+    option = config.getoption("--existing-cluster")
+    from_env = os.environ.get(ENV_EXISTING_KUBECONFIG)
+    if option is None and not from_env:
+        return None
+    if option not in (None, _USE_UP_CLUSTER):
+        return Path(option), None
+    if from_env:
+        return Path(from_env), None
+    info = read_info(state_dir=default_state_dir())
+    return Path(info["kubeconfig"]), info.get("prometheus_url")
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    existing = _existing(request.config)
+    if existing is not None:
+        kubeconfig, prometheus_url = existing
+        yield LocalCluster.from_existing(kubeconfig=kubeconfig, prometheus_url=prometheus_url)
+        return
+    local = LocalCluster(state_dir=tmp_path_factory.mktemp("cluster"),
+                         options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
+    try:
+        local.start()
+        print(f"\nlocal cluster started in {local.start_seconds:.1f}s (state {local.state_dir})")
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace whose ``default`` ServiceAccount exists (pods need it)."""
+    stem = request.node.name.replace("_", "-").lower()[:40].strip("-")
+    name = f"e2e-{stem}-{uuid.uuid4().hex[:5]}"
+    core = cluster.core()
+    core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
+    cluster.wait_for(lambda: core.read_namespaced_service_account("default", name),
+                     timeout_seconds=30, what=f"ServiceAccount {name}/default")
+    yield name
+    try:
+        core.delete_namespace(name)
+    except ApiException as error:
+        if error.status != 404:
+            raise

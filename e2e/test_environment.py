@@ -1,0 +1,355 @@
+"""Proof that the local environment is a real cluster, not a stand-in.
+
+Each test exercises one promise the other e2e tests rely on: pods on the local node are real
+processes on their own loopback IP with probe-driven readiness, restarts and graceful deletion;
+controllers really run (garbage collection); the scheduler places GPU pods on kwok nodes;
+kubectl/helm talk to the API server; Prometheus discovers and scrapes labelled pods; RBAC is
+enforced for ServiceAccounts; unsupported pod features are refused loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.kwok import GPU_PRODUCT_LABEL, GPU_RESOURCE, kwok_toleration
+from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_e2e.process import is_alive
+from splitserve_runtime.contract import LABEL_INSTANCE, LABEL_SCRAPE
+
+pytestmark = pytest.mark.e2e
+
+LOCAL = {LOCAL_NODE_LABEL: "true"}
+IMAGE = "python:3.11-slim"  # required by validation; the local node runs the command locally
+
+
+def _pod(name: str, *, command: list[str], labels: dict[str, str] | None = None,
+         restart_policy: str = "Always", **container: Any) -> Any:
+    """A pod for the local node; ``container`` holds extra container fields (camelCase)."""
+    spec: dict[str, Any] = {"nodeSelector": LOCAL, "terminationGracePeriodSeconds": 5,
+                            "restartPolicy": restart_policy,
+                            "containers": [{"name": "main", "image": IMAGE, "command": command,
+                                            **container}]}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": labels or {"app": name}}, "spec": spec}
+
+
+def _http_server_deployment(name: str, *, readiness_path: str = "/") -> Any:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "spec": {
+            "replicas": 1, "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                "nodeSelector": LOCAL, "terminationGracePeriodSeconds": 5,
+                "containers": [{
+                    "name": "web", "image": IMAGE,
+                    "command": ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8000"],
+                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": readiness_path, "port": "http"},
+                                       "periodSeconds": 1, "failureThreshold": 1},
+                }]}}}}
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def _only_pod(core: Any, namespace: str, selector: str) -> Any:
+    pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+    return pods[0] if len(pods) == 1 else None
+
+
+def test_deployment_pod_is_a_real_process_with_probe_readiness(
+        cluster: LocalCluster, namespace: str) -> None:
+    core: Any = cluster.core()
+    apps: Any = cluster.apps()
+    apps.create_namespaced_deployment(namespace, _http_server_deployment("web"))
+    core.create_namespaced_service(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80,
+                                                        "targetPort": "http"}]}})
+    started = time.monotonic()
+    pod: Any = cluster.wait_for(
+        lambda: (p := _only_pod(core, namespace, "app=web")) is not None and _ready(p) and p,
+        timeout_seconds=60, what="web pod Ready")
+    ready_seconds = time.monotonic() - started
+    ip = pod.status.pod_ip
+    assert ip.startswith("127.") and not ip.startswith("127.0.0."), ip
+    assert pod.status.pod_i_ps[0].ip == ip and pod.spec.node_name == "splitserve-local"
+    assert httpx.get(f"http://{ip}:8000/", timeout=5).status_code == 200
+    pid = cluster.pod_pid(namespace=namespace, pod=pod.metadata.name)
+    assert pid is not None and is_alive(pid)
+    # the Service's EndpointSlice lists the ready pod, and the address answers
+    endpoints: Any = cluster.wait_for(lambda: cluster.endpoints_of(namespace=namespace, service="web"),
+                                 timeout_seconds=30, what="web endpoints")
+    assert endpoints == [f"{ip}:8000"]
+    assert httpx.get(f"http://{endpoints[0]}/", timeout=5).status_code == 200
+    assert "GET / HTTP" in cluster.pod_log(namespace=namespace, pod=pod.metadata.name)
+    print(f"deployment pod Ready after {ready_seconds:.1f}s")
+
+    apps.delete_namespaced_deployment("web", namespace)
+    cluster.wait_for(lambda: not core.list_namespaced_pod(namespace, label_selector="app=web").items,
+                     timeout_seconds=60, what="web pod deleted")
+    assert not is_alive(pid)
+
+
+def test_failing_readiness_probe_keeps_pod_unready(cluster: LocalCluster, namespace: str) -> None:
+    core: Any = cluster.core()
+    cluster.apps().create_namespaced_deployment(
+        namespace, _http_server_deployment("unready", readiness_path="/no-such-page"))
+    pod: Any = cluster.wait_for(
+        lambda: (p := _only_pod(core, namespace, "app=unready")) is not None
+        and p.status.phase == "Running" and p.status.pod_ip and p,
+        timeout_seconds=60, what="unready pod Running")
+    # the server answers (404 on the probe path), so the process is up but never Ready
+    cluster.wait_for(lambda: httpx.get(f"http://{pod.status.pod_ip}:8000/", timeout=2).status_code == 200,
+                     timeout_seconds=30, what="server answering")
+    time.sleep(3)
+    pod = core.read_namespaced_pod(pod.metadata.name, namespace)
+    assert pod.status.phase == "Running" and not _ready(pod)
+    assert cluster.endpoints_of(namespace=namespace, service="unready") == []
+
+
+def test_crashing_and_unhealthy_containers_are_restarted(cluster: LocalCluster,
+                                                         namespace: str) -> None:
+    core: Any = cluster.core()
+    core.create_namespaced_pod(namespace, _pod(
+        "crasher", command=["python", "-c", "import sys; print('crashing'); sys.exit(3)"]))
+    core.create_namespaced_pod(namespace, _pod(
+        "unhealthy", command=["python", "-m", "http.server", "--bind", "$(POD_IP)", "8000"],
+        livenessProbe={"httpGet": {"path": "/missing", "port": 8000}, "periodSeconds": 1,
+                       "failureThreshold": 2, "initialDelaySeconds": 1}))
+
+    def status(name: str) -> Any:
+        return core.read_namespaced_pod(name, namespace).status.container_statuses[0]
+
+    crashed: Any = cluster.wait_for(lambda: (s := status("crasher")).restart_count >= 2 and s,
+                               timeout_seconds=60, what="crasher restarted twice")
+    assert crashed.last_state.terminated.exit_code == 3
+    assert "crashing" in cluster.pod_log(namespace=namespace, pod="crasher")
+    unhealthy: Any = cluster.wait_for(lambda: (s := status("unhealthy")).restart_count >= 1 and s,
+                                 timeout_seconds=60, what="unhealthy restarted by liveness")
+    assert unhealthy.restart_count >= 1
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=unhealthy")
+    assert any(e.reason == "Unhealthy" and "Liveness" in e.message for e in events.items)
+
+
+def test_garbage_collector_deletes_owned_configmap(cluster: LocalCluster, namespace: str) -> None:
+    core: Any = cluster.core()
+    apps: Any = cluster.apps()
+    owner = apps.create_namespaced_deployment(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "owner"},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "owner"}},
+                 "template": {"metadata": {"labels": {"app": "owner"}},
+                              "spec": {"containers": [{"name": "c", "image": IMAGE,
+                                                       "command": ["true"]}]}}}})
+    core.create_namespaced_config_map(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "owned", "ownerReferences": [{
+            "apiVersion": "apps/v1", "kind": "Deployment", "name": "owner",
+            "uid": owner.metadata.uid, "controller": True, "blockOwnerDeletion": True}]},
+        "data": {"k": "v"}})
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "free"}})  # type: ignore[arg-type]
+    apps.delete_namespaced_deployment("owner", namespace, propagation_policy="Background")
+
+    def owned_gone() -> bool:
+        try:
+            core.read_namespaced_config_map("owned", namespace)
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    cluster.wait_for(owned_gone, timeout_seconds=60, what="owned ConfigMap garbage-collected")
+    assert core.read_namespaced_config_map("free", namespace).metadata.name == "free"
+
+
+def test_gpu_pod_is_scheduled_onto_a_kwok_gpu_node(cluster: LocalCluster, namespace: str) -> None:
+    core: Any = cluster.core()
+    core.create_namespaced_pod(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "gpu"},
+        "spec": {"nodeSelector": {"type": "kwok"}, "tolerations": [kwok_toleration()],
+                 "containers": [{"name": "c", "image": "vllm/vllm-openai:latest",
+                                 "resources": {"limits": {GPU_RESOURCE: "1"}}}]}})
+    pod: Any = cluster.wait_for(
+        lambda: (p := core.read_namespaced_pod("gpu", namespace)).status.phase == "Running"
+        and _ready(p) and p, timeout_seconds=60, what="GPU pod Running on kwok")
+    node = core.read_node(pod.spec.node_name)
+    assert node.metadata.labels["type"] == "kwok"
+    assert node.metadata.labels[GPU_PRODUCT_LABEL] == "NVIDIA-H200"
+    assert node.status.allocatable[GPU_RESOURCE] == "8"
+    # a pod asking for more GPUs than any node has stays Pending with the scheduler's reason
+    core.create_namespaced_pod(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "too-big"},
+        "spec": {"tolerations": [kwok_toleration()],
+                 "containers": [{"name": "c", "image": IMAGE,
+                                 "resources": {"limits": {GPU_RESOURCE: "9"}}}]}})
+    unschedulable: Any = cluster.wait_for(
+        lambda: next((c for c in core.read_namespaced_pod("too-big", namespace).status.conditions or []
+                      if c.type == "PodScheduled" and c.status == "False"), None),
+        timeout_seconds=30, what="too-big unschedulable")
+    assert GPU_RESOURCE in unschedulable.message
+
+
+def test_kubectl_and_helm_talk_to_the_cluster(cluster: LocalCluster, namespace: str) -> None:
+    versions = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    assert versions["serverVersion"]["gitVersion"].startswith("v1.34")
+    assert versions["clientVersion"]["gitVersion"].startswith("v1.34")
+    helm = cluster.helm("version", "--short").stdout
+    assert helm.startswith("v4."), helm
+    # helm reaches the API server (an empty release list, not a connection error)
+    listing = cluster.helm("list", "--namespace", namespace, "--output", "json").stdout
+    assert json.loads(listing) == []
+    nodes = cluster.kubectl("get", "nodes", "-o", "name").stdout.split()
+    assert "node/splitserve-local" in nodes
+
+
+METRICS_SERVER = textwrap.dedent("""
+    import http.server, os
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"# TYPE splitserve_e2e_probe_total counter\\nsplitserve_e2e_probe_total 42\\n"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+    http.server.HTTPServer((os.environ["POD_IP"], 8000), Handler).serve_forever()
+""")
+
+
+def test_prometheus_discovers_and_scrapes_labelled_pod(cluster: LocalCluster,
+                                                       namespace: str) -> None:
+    core: Any = cluster.core()
+    labels = {"app": "metrics", LABEL_SCRAPE: "true", LABEL_INSTANCE: "demo"}
+    core.create_namespaced_pod(namespace, _pod("metrics", command=["python", "-c", METRICS_SERVER],
+                                               labels=labels))
+    core.create_namespaced_pod(namespace, _pod("unlabelled", command=["python", "-c", METRICS_SERVER]))
+    started = time.monotonic()
+    series: Any = cluster.wait_for(
+        lambda: cluster.query(f'splitserve_e2e_probe_total{{namespace="{namespace}"}}'),
+        timeout_seconds=60, interval_seconds=0.5, what="scraped series in Prometheus")
+    print(f"first sample in Prometheus after {time.monotonic() - started:.1f}s")
+    assert len(series) == 1  # the unlabelled pod is not scraped
+    labels_seen = series[0]["metric"]
+    assert labels_seen["pod"] == "metrics" and labels_seen["namespace"] == namespace
+    assert labels_seen["inferenceservice"] == "demo"
+    assert float(series[0]["value"][1]) == 42.0
+
+
+def test_unsupported_pod_is_refused_with_a_clear_event(cluster: LocalCluster,
+                                                       namespace: str) -> None:
+    core: Any = cluster.core()
+    pod = _pod("unsupported", command=["python", "-c", "print('must not run')"])
+    pod["spec"]["initContainers"] = [{"name": "init", "image": IMAGE, "command": ["true"]}]
+    pod["spec"]["volumes"] = [{"name": "host", "hostPath": {"path": "/etc"}}]
+    core.create_namespaced_pod(namespace, pod)
+    event: Any = cluster.wait_for(
+        lambda: next((e for e in core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=unsupported").items
+            if e.reason == "Unsupported"), None), timeout_seconds=30, what="Unsupported event")
+    assert event.type == "Warning"
+    assert "spec.initContainers" in event.message and "hostPath" in event.message
+    status = core.read_namespaced_pod("unsupported", namespace).status
+    assert status.phase == "Pending"
+    assert status.container_statuses[0].state.waiting.reason == "Unsupported"
+    assert cluster.pod_pid(namespace=namespace, pod="unsupported") is None
+    assert "must not run" not in cluster.pod_log(namespace=namespace, pod="unsupported")
+
+
+PRINT_ENV = "import json, os, sys; print('ENV=' + json.dumps(dict(os.environ)) + ' ARGS=' + json.dumps(sys.argv[1:]))"
+
+
+def test_env_sources_and_expansion_reach_the_process(cluster: LocalCluster,
+                                                     namespace: str) -> None:
+    core: Any = cluster.core()
+    core.create_namespaced_config_map(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "settings"}, "data": {"model": "tiny-llama", "BULK": "from-envfrom"}})
+    core.create_namespaced_secret(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "key"}, "stringData": {"api-key": "s3cret"}})
+    pod = _pod("env", command=["python", "-c", PRINT_ENV], args=["$(MODEL)", "$$(MODEL)", "$(NOPE)"],
+               restart_policy="Never",
+               envFrom=[{"configMapRef": {"name": "settings"}}],
+               env=[{"name": "MY_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "model"}}},
+                    {"name": "SPLITSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "key", "key": "api-key"}}},
+                    {"name": "COMBINED", "value": "$(MY_NS)/$(MODEL)"}])
+    core.create_namespaced_pod(namespace, pod)
+    cluster.wait_for(lambda: core.read_namespaced_pod("env", namespace).status.phase == "Succeeded",
+                     timeout_seconds=60, what="env pod Succeeded")
+    line = next(text for text in cluster.pod_log(namespace=namespace, pod="env").splitlines()
+                if text.startswith("ENV="))
+    env_json, args_json = line[len("ENV="):].split(" ARGS=")
+    env, args = json.loads(env_json), json.loads(args_json)
+    assert env["MY_NAME"] == "env" and env["MY_NS"] == namespace
+    assert env["MODEL"] == "tiny-llama" and env["BULK"] == "from-envfrom"
+    assert env["SPLITSERVE_API_KEY"] == "s3cret"
+    assert env["COMBINED"] == f"{namespace}/tiny-llama"
+    assert env["POD_IP"].startswith("127.") and "KUBECONFIG" in env  # default SA is automounted
+    assert args == ["tiny-llama", "$(MODEL)", "$(NOPE)"]
+
+
+LIST_PODS = textwrap.dedent("""
+    import os
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+    config.load_kube_config()
+    try:
+        client.CoreV1Api().list_namespaced_pod(os.environ["NS"])
+        print("RESULT=allowed")
+    except ApiException as error:
+        print(f"RESULT={error.status}")
+""")
+
+
+def test_service_account_kubeconfig_is_subject_to_rbac(cluster: LocalCluster,
+                                                       namespace: str) -> None:
+    core: Any = cluster.core()
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})  # type: ignore[arg-type]
+    kubeconfig = cluster.service_account_kubeconfig(namespace=namespace, service_account="reader")
+
+    def can_list() -> str:
+        result = cluster.kubectl("--kubeconfig", str(kubeconfig), "get", "pods", "-n", namespace,
+                                 check=False)
+        return "allowed" if result.returncode == 0 else result.stderr
+
+    assert "forbidden" in can_list().lower()
+    # and from inside a pod running as that ServiceAccount (TokenRequest kubeconfig)
+    env = [{"name": "NS", "value": namespace}]
+    pod = _pod("denied", command=["python", "-c", LIST_PODS], restart_policy="Never", env=env)
+    pod["spec"]["serviceAccountName"] = "reader"
+    core.create_namespaced_pod(namespace, pod)
+
+    rbac: Any = k8s.RbacAuthorizationV1Api(cluster.api_client())
+    rbac.create_namespaced_role(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "pod-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]})
+
+    def pod_result(name: str) -> str:
+        line = [text for text in cluster.pod_log(namespace=namespace, pod=name).splitlines()
+                if text.startswith("RESULT=")]
+        return line[0] if line else ""
+
+    assert cluster.wait_for(lambda: pod_result("denied"), timeout_seconds=60,
+                            what="denied pod result") == "RESULT=403"
+    rbac.create_namespaced_role_binding(namespace, {  # type: ignore[arg-type]
+        "metadata": {"name": "reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}]})
+    assert cluster.wait_for(lambda: can_list() == "allowed", timeout_seconds=30,
+                            what="RBAC grant visible")
+    pod = _pod("allowed", command=["python", "-c", LIST_PODS], restart_policy="Never", env=env)
+    pod["spec"]["serviceAccountName"] = "reader"
+    core.create_namespaced_pod(namespace, pod)
+    assert cluster.wait_for(lambda: pod_result("allowed"), timeout_seconds=60,
+                            what="allowed pod result") == "RESULT=allowed"
+    # the kubeconfig really names the ServiceAccount, not the admin
+    result = cluster.kubectl("--kubeconfig", str(kubeconfig), "auth", "whoami", "-o", "json")
+    assert json.loads(result.stdout)["status"]["userInfo"]["username"] == \
+        f"system:serviceaccount:{namespace}:reader"

@@ -1,0 +1,76 @@
+"""The autoscaler's only writes to workloads: a pool Deployment's ``spec.replicas``, and
+the pod-deletion-cost annotations that pick which pods a scale-down removes.
+
+Replica ownership (DESIGN.md section 3): ``spec.replicas`` of a pool Deployment is owned by
+the field manager :data:`~splitserve_runtime.contract.FIELD_MANAGER_AUTOSCALER`. We write it
+with server-side apply carrying nothing but ``apiVersion``, ``kind``, ``metadata.name`` and
+``spec.replicas``, so the apply can never touch a field the reconciler owns, and the
+reconciler's applies (which omit replicas) never reset it. ``force`` takes the field over
+if someone else (``kubectl scale``) grabbed it meanwhile: the autoscaler is its owner.
+
+Scale-down victims: the ReplicaSet controller removes unscheduled, Pending and not-ready pods
+first, then, among Ready pods, the ones with the lowest
+``controller.kubernetes.io/pod-deletion-cost``. Before shrinking we therefore annotate every
+Ready pod with a cost proportional to its requests in flight (running + waiting, from
+Prometheus), so idle pods go first and long generations keep running. Pods are patched only
+when their cost changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from splitserve_runtime.contract import ANNOTATION_POD_DELETION_COST, FIELD_MANAGER_AUTOSCALER
+
+from .. import kube
+
+COST_PER_REQUEST: Final = 100
+"""Deletion cost of one request in flight (leaves room to rank fractional averages)."""
+MAX_DELETION_COST: Final = 2**31 - 1
+"""The annotation is an int32."""
+
+
+def replicas_apply_patch(*, namespace: str, deployment: str, replicas: int) -> dict[str, Any]:
+    """The whole server-side apply body the autoscaler sends."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": deployment, "namespace": namespace},
+        "spec": {"replicas": replicas},
+    }
+
+
+def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas: int) -> None:
+    """Set ``spec.replicas`` of ``deployment`` as the autoscaler's field manager."""
+    api.apply(
+        obj=replicas_apply_patch(namespace=namespace, deployment=deployment, replicas=replicas),
+        field_manager=FIELD_MANAGER_AUTOSCALER,
+        force=True,
+    )
+
+
+def deletion_cost(*, requests_in_flight: float) -> int:
+    """Cost annotation for a pod with this many requests running or waiting."""
+    return max(0, min(MAX_DELETION_COST, round(requests_in_flight * COST_PER_REQUEST)))
+
+
+def annotate_deletion_costs(
+    *, api: kube.Kube, namespace: str, pods: Sequence[Mapping[str, Any]], load_by_pod: Mapping[str, float]
+) -> list[str]:
+    """Annotate ``pods`` (the Ready pods of the shrinking pool) with their deletion cost;
+    a pod Prometheus has no value for is idle (cost 0). Returns the names patched."""
+    patched = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name"))
+        cost = str(deletion_cost(requests_in_flight=load_by_pod.get(name, 0.0)))
+        if (meta.get("annotations") or {}).get(ANNOTATION_POD_DELETION_COST) == cost:
+            continue
+        api.merge_patch(
+            kind=kube.POD, namespace=namespace, name=name,
+            patch={"metadata": {"annotations": {ANNOTATION_POD_DELETION_COST: cost}}},
+            field_manager=FIELD_MANAGER_AUTOSCALER,
+        )
+        patched.append(name)
+    return patched

@@ -1,0 +1,395 @@
+"""One autoscaling round of an InferenceService, and the kopf timer that drives the rounds.
+
+A round (:func:`run_once`) goes: observe every pool (Deployment replicas, Ready and
+GPU-Pending pods) → query its signals in Prometheus → :func:`~.decision.decide` per pool →
+:func:`~.decision.plan_joint` over the GPU budget → act (deletion costs, then
+``spec.replicas``) unless dry run → report: ``status.<pool>.lastDecision`` (and
+``desiredReplicas``/``lastScaleTime`` after a write), ``status.scalingHistory``, the
+``MetricsHealthy`` and ``ScalingActive`` conditions, Events on every change, and the
+autoscaler's Prometheus series. Status goes through :func:`..status.patch_status`, which
+merges by condition type, so the reconciler's conditions are never lost.
+``status.<pool>.pendingReplicas`` stays the reconciler's (all Pending pods); the GPU-Pending
+count of a decision is in its ``inputs``.
+
+The blocking Kubernetes and Prometheus clients run in worker threads
+(:func:`asyncio.to_thread`), so a slow Prometheus never stalls kopf's event loop.
+
+kopf timers have a fixed interval while ``spec.autoscaling.interval`` is per object, so
+:func:`register` installs a short base timer (:data:`BASE_TICK_SECONDS`) that runs a round
+only when the object's own interval has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Final
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from prometheus_api_client import PrometheusConnect
+from prometheus_client import CollectorRegistry
+from splitserve_runtime import contract
+from urllib3.util.retry import Retry
+
+from .. import events, kube, status
+from ..api import (
+    MAX_SCALING_HISTORY,
+    ConditionType,
+    InferenceService,
+    InferenceServiceSpec,
+    InvalidSpecError,
+    parse_duration_seconds,
+    pool_names,
+    pool_spec,
+)
+from ..api import (
+    Reason as ApiReason,
+)
+from . import actuator
+from .decision import (
+    Behavior,
+    Decision,
+    MetricsUnavailable,
+    PoolPolicy,
+    SignalValue,
+    decide,
+    plan_joint,
+)
+from .metrics import AutoscalerMetrics
+from .observe import PoolObservation, observe_pool
+from .signals import DEFAULT_WINDOW_SECONDS, PoolSample, Targets, fetch_pool_sample, pool_signals
+from .state import AutoscalerState
+
+BASE_TICK_SECONDS: Final = 5.0
+STALE_AFTER_INTERVALS: Final = 3
+"""Metrics older than this many intervals (autoscaler or scrape, whichever is longer) are stale."""
+DEFAULT_SCRAPE_INTERVAL_SECONDS: Final = 15.0
+PROMETHEUS_TIMEOUT_SECONDS: Final = 5
+ACTIVE_REASON: Final = "Active"
+DRY_RUN_REASON: Final = ApiReason.DRY_RUN
+EVENT_SCALED_UP: Final = ApiReason.SCALED_UP
+EVENT_SCALED_DOWN: Final = ApiReason.SCALED_DOWN
+EVENT_METRICS_UNHEALTHY: Final = "MetricsUnhealthy"
+EVENT_METRICS_HEALTHY: Final = "MetricsHealthy"
+EVENT_SCALE_FAILED: Final = "ScaleFailed"
+MAX_FORMULA_LENGTH: Final = 1024
+MAX_MESSAGE_LENGTH: Final = 2048
+
+
+def policy_for(*, spec: InferenceServiceSpec, pool: str) -> tuple[PoolPolicy, Targets, int]:
+    """Bounds, targets and GPUs per replica of one pool. Prefill scales on its queue (and
+    uncached prompt tokens when targeted), decode on KV usage and queue. An aggregated pod
+    does both jobs: its queue target is ``autoscaling.prefill.targetQueueDepth`` (as the API
+    documents) and, like decode, it also tracks ``decode.targetKVCacheUtilization``."""
+    auto = spec.autoscaling
+    pool_cfg = pool_spec(spec, pool)
+    behavior = Behavior(
+        scale_up_stabilization_seconds=float(auto.behavior.scale_up.stabilization_seconds),
+        scale_up_max_step_percent=auto.behavior.scale_up.max_step_percent,
+        scale_down_stabilization_seconds=float(auto.behavior.scale_down.stabilization_seconds),
+        scale_down_max_step=auto.behavior.scale_down.max_step,
+    )
+    policy = PoolPolicy(
+        min_replicas=pool_cfg.replicas.min, max_replicas=pool_cfg.replicas.max,
+        behavior=behavior, tolerance=auto.tolerance,
+    )
+    if pool == contract.Role.PREFILL.value:
+        tokens = auto.prefill.target_prompt_tokens_waiting
+        targets = Targets(
+            queue_depth=auto.prefill.target_queue_depth,
+            prompt_tokens_waiting=float(tokens) if tokens is not None else None,
+        )
+    elif pool == contract.Role.AGGREGATED.value:
+        targets = Targets(
+            queue_depth=auto.prefill.target_queue_depth,
+            kv_cache_utilization=auto.decode.target_kv_cache_utilization,
+        )
+    else:
+        targets = Targets(
+            queue_depth=auto.decode.target_queue_depth,
+            kv_cache_utilization=auto.decode.target_kv_cache_utilization,
+        )
+    return policy, targets, pool_cfg.resources.gpus
+
+
+def _timestamp(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _is_paused(obj: Mapping[str, Any]) -> bool:
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(contract.ANNOTATION_PAUSED, "")).lower() == "true"
+
+
+async def _observe_and_decide(
+    *, spec: InferenceServiceSpec, namespace: str, name: str, pool: str, api: kube.Kube,
+    prometheus: PrometheusConnect, state: AutoscalerState, now_seconds: float, stale_after_seconds: float,
+    window_seconds: float,
+) -> tuple[PoolObservation, PoolSample | None, Decision] | None:
+    obs = await asyncio.to_thread(observe_pool, api=api, namespace=namespace, name=name, pool=pool)
+    if obs is None:
+        return None  # not created yet: the reconciler's business
+    policy, targets, gpus = policy_for(spec=spec, pool=pool)
+    sample: PoolSample | None = None
+    signals: dict[str, SignalValue] | MetricsUnavailable = {}
+    if obs.ready_replicas > 0:
+        try:
+            sample = await asyncio.to_thread(
+                fetch_pool_sample, prometheus=prometheus, namespace=namespace, inferenceservice=name,
+                role=pool, now_seconds=now_seconds, stale_after_seconds=stale_after_seconds,
+                window_seconds=window_seconds, pods=obs.ready_pod_names,
+            )
+            signals = pool_signals(sample=sample, ready_replicas=obs.ready_replicas, targets=targets)
+        except MetricsUnavailable as exc:
+            signals = exc
+    decision = decide(
+        pool=pool, now_seconds=now_seconds, current_replicas=obs.current_replicas,
+        ready_replicas=obs.ready_replicas, pending_replicas=len(obs.pending_for_gpus),
+        signals=signals, policy=policy,
+        history=state.history(namespace=namespace, name=name, pool=pool, now_seconds=now_seconds,
+                              current_replicas=obs.current_replicas),
+        gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
+    )
+    return obs, sample, decision
+
+
+def _act(
+    *, api: kube.Kube, namespace: str, obs: PoolObservation, sample: PoolSample | None, decision: Decision,
+) -> None:
+    if decision.direction == "down" and sample is not None:
+        actuator.annotate_deletion_costs(
+            api=api, namespace=namespace, pods=obs.ready_pods, load_by_pod=sample.load_by_pod()
+        )
+    actuator.apply_replicas(api=api, namespace=namespace, deployment=obs.deployment, replicas=decision.result)
+
+
+def _last_decision(decision: Decision, *, now_seconds: float) -> dict[str, Any]:
+    return {
+        "time": _timestamp(now_seconds),
+        "inputs": decision.inputs(),
+        "formula": decision.formula[:MAX_FORMULA_LENGTH],
+        "result": decision.result,
+        "reason": decision.reason,
+    }
+
+
+async def run_once(
+    *,
+    isvc: Mapping[str, Any],
+    api: kube.Kube,
+    prometheus: PrometheusConnect,
+    state: AutoscalerState,
+    metrics: AutoscalerMetrics,
+    now_seconds: float,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
+    window_seconds: float = DEFAULT_WINDOW_SECONDS,
+) -> list[Decision]:
+    """One round for ``isvc`` (a full object: dict or kopf body); returns the decisions
+    (after the joint GPU budget). A paused or invalid object gets no writes at all."""
+    meta = isvc.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    state.mark_run(namespace=namespace, name=name, now_seconds=now_seconds)
+    if _is_paused(isvc) or meta.get("deletionTimestamp"):
+        return []
+    try:
+        spec = InferenceService.parse(isvc).spec
+    except InvalidSpecError as exc:
+        logger.warning("Not autoscaling %s/%s: %s", namespace, name, exc)
+        return []
+    auto = spec.autoscaling
+    generation = meta.get("generation")
+
+    def clock() -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(now_seconds, datetime.UTC).replace(microsecond=0)
+
+    if not auto.enabled:
+        await asyncio.to_thread(
+            status.patch_status, api=api, namespace=namespace, name=name, observed_generation=generation,
+            clock=clock, conditions=[status.ConditionUpdate(
+                type=ConditionType.SCALING_ACTIVE.value, status="False", reason=ApiReason.SCALING_DISABLED,
+                message="spec.autoscaling.enabled is false: replicas stay where they are",
+            )],
+        )
+        return []
+
+    stale_after = STALE_AFTER_INTERVALS * max(auto.interval_seconds, scrape_interval_seconds)
+    rounds = []
+    for pool in pool_names(spec):
+        observed = await _observe_and_decide(
+            spec=spec, namespace=namespace, name=name, pool=pool, api=api, prometheus=prometheus,
+            state=state, now_seconds=now_seconds, stale_after_seconds=stale_after,
+            window_seconds=window_seconds,
+        )
+        if observed is not None:
+            rounds.append(observed)
+    if not rounds:
+        return []
+    decisions = plan_joint(decisions=[d for _, _, d in rounds], gpu_budget=auto.gpu_budget)
+
+    written: set[str] = set()
+    failures: list[str] = []
+    for (obs, sample, _), decision in zip(rounds, decisions, strict=True):
+        metrics.observe(namespace=namespace, name=name, decision=decision)
+        if not decision.write:
+            continue
+        try:
+            await asyncio.to_thread(_act, api=api, namespace=namespace, obs=obs, sample=sample, decision=decision)
+        except ApiException as exc:
+            failures.append(f"{decision.pool} {decision.current_replicas} → {decision.result}: {kube.error_message(exc)}")
+            continue
+        written.add(decision.pool)
+
+    fields: dict[str, Any] = {}
+    history: list[dict[str, Any]] = [dict(e) for e in (isvc.get("status") or {}).get("scalingHistory") or []]
+    history_before = len(history)
+    for decision in decisions:
+        key = (namespace, name, decision.pool)
+        entry: dict[str, Any] = {"lastDecision": _last_decision(decision, now_seconds=now_seconds)}
+        change = f"{decision.pool} {decision.current_replicas} → {decision.result}: {decision.formula}"
+        if decision.pool in written:
+            entry["desiredReplicas"] = decision.result
+            entry["lastScaleTime"] = _timestamp(now_seconds)
+            reason = EVENT_SCALED_UP if decision.direction == "up" else EVENT_SCALED_DOWN
+            history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
+                            "from": decision.current_replicas, "to": decision.result, "reason": decision.reason})
+            events.normal(obj=isvc, reason=reason, message=change)
+        elif decision.dry_run and decision.direction != "none" and state.last_recommendation.get(key) != decision.result:
+            history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
+                            "from": decision.current_replicas, "to": decision.result, "reason": DRY_RUN_REASON})
+            events.normal(obj=isvc, reason=DRY_RUN_REASON, message=f"would scale {change}")
+        state.last_recommendation[key] = decision.result
+        fields[decision.pool] = entry
+    if len(history) != history_before:
+        fields["scalingHistory"] = history[-MAX_SCALING_HISTORY:]
+
+    conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
+    _post_health_events(isvc=isvc, state=state, namespace=namespace, name=name, rounds=rounds)
+    for failure in failures:
+        events.warning(obj=isvc, reason=EVENT_SCALE_FAILED, message=failure)
+    await asyncio.to_thread(
+        status.patch_status, api=api, namespace=namespace, name=name, fields=fields,
+        conditions=conditions, observed_generation=generation, clock=clock,
+    )
+    for decision in decisions:
+        logger.info("autoscaler %s/%s %s: %s (%s)", namespace, name, decision.pool, decision.formula, decision.reason)
+    return decisions
+
+
+def _metrics_problems(rounds: list[tuple[PoolObservation, PoolSample | None, Decision]]) -> list[tuple[str, str, str]]:
+    """(pool, reason, message) of every pool whose metrics were unavailable."""
+    out = []
+    for obs, _sample, decision in rounds:
+        if decision.hold and decision.reason == ApiReason.METRICS_UNAVAILABLE and obs.ready_replicas > 0:
+            reason, _, message = decision.message.partition(": ")
+            out.append((decision.pool, reason or MetricsUnavailable.QUERY_FAILED, message or decision.message))
+    return out
+
+
+def _conditions(
+    *, rounds: list[tuple[PoolObservation, PoolSample | None, Decision]], decisions: list[Decision],
+    failures: list[str], dry_run: bool,
+) -> list[status.ConditionUpdate]:
+    problems = _metrics_problems(rounds)
+    queried = [obs.pool for obs, _, _ in rounds if obs.ready_replicas > 0]
+    out = []
+    if problems:
+        message = "; ".join(f"{pool}: {msg}" for pool, _, msg in problems)[:MAX_MESSAGE_LENGTH]
+        out.append(status.ConditionUpdate(
+            type=ConditionType.METRICS_HEALTHY.value, status="False", reason=problems[0][1],
+            message=f"{message} (replicas held)",
+        ))
+    elif queried:
+        out.append(status.ConditionUpdate(
+            type=ConditionType.METRICS_HEALTHY.value, status="True", reason=ApiReason.METRICS_AVAILABLE,
+            message=f"fresh metrics for {', '.join(queried)}",
+        ))
+    if failures:
+        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
+                                        reason=ApiReason.API_ERROR, message="; ".join(failures)[:MAX_MESSAGE_LENGTH])
+    elif dry_run:
+        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
+                                        reason=DRY_RUN_REASON,
+                                        message="dry run: decisions are recorded, replicas are not changed")
+    elif problems:
+        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
+                                        reason=ApiReason.METRICS_UNAVAILABLE,
+                                        message=f"replicas held for {', '.join(p for p, _, _ in problems)}")
+    else:
+        summary = ", ".join(f"{d.pool} {d.result} ({d.reason})" for d in decisions)
+        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="True",
+                                        reason=ACTIVE_REASON, message=summary[:MAX_MESSAGE_LENGTH])
+    out.append(active)
+    return out
+
+
+def _post_health_events(
+    *, isvc: Mapping[str, Any], state: AutoscalerState, namespace: str, name: str,
+    rounds: list[tuple[PoolObservation, PoolSample | None, Decision]],
+) -> None:
+    problems = _metrics_problems(rounds)
+    if not problems and not any(obs.ready_replicas > 0 for obs, _, _ in rounds):
+        return  # nothing was queried: no news about the metrics
+    now_problem = ",".join(sorted({reason for _, reason, _ in problems}))
+    before = state.metrics_problem.get((namespace, name), "")
+    state.metrics_problem[(namespace, name)] = now_problem
+    if now_problem and now_problem != before:
+        events.warning(obj=isvc, reason=EVENT_METRICS_UNHEALTHY,
+                       message="; ".join(f"{pool}: {reason}: {msg}" for pool, reason, msg in problems))
+    elif before and not now_problem:
+        events.normal(obj=isvc, reason=EVENT_METRICS_HEALTHY, message="scaling metrics are available again")
+
+
+def make_prometheus(*, url: str) -> PrometheusConnect:
+    """A client that fails fast: one try per query, bounded time (a round must not hang)."""
+    return PrometheusConnect(url=url, retry=Retry(total=0), timeout=PROMETHEUS_TIMEOUT_SECONDS)
+
+
+def register(
+    *,
+    registry: kopf.OperatorRegistry,
+    api: kube.Kube,
+    prometheus_url: str,
+    metrics_registry: CollectorRegistry,
+    base_tick_seconds: float = BASE_TICK_SECONDS,
+    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
+) -> AutoscalerState:
+    """Install the autoscaler's kopf handlers into ``registry``: a timer every
+    ``base_tick_seconds`` that runs :func:`run_once` once ``spec.autoscaling.interval`` has
+    passed for the object, and an event handler that forgets deleted objects. Returns the
+    (in-memory) state, for inspection."""
+    state = AutoscalerState()
+    metrics = AutoscalerMetrics.create(registry=metrics_registry)
+    prometheus = make_prometheus(url=prometheus_url)
+    group, version, plural = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+
+    async def autoscale(body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) -> None:
+        namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+        interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval") or "15s")
+        try:
+            interval_seconds = parse_duration_seconds(interval)
+        except ValueError:
+            return  # the CRD rejects this; an old object is reported by the reconciler
+        now_seconds = time.time()
+        # half a tick of slack, so a 15 s interval on a 5 s tick runs every 15 s, not 20 s
+        if not state.due(namespace=namespace, name=name, now_seconds=now_seconds,
+                         interval_seconds=interval_seconds - base_tick_seconds / 2):
+            return
+        await run_once(isvc=body, api=api, prometheus=prometheus, state=state, metrics=metrics,
+                       now_seconds=now_seconds, logger=logger, scrape_interval_seconds=scrape_interval_seconds)
+
+    kopf.timer(group, version, plural, registry=registry, interval=base_tick_seconds, sharp=False,
+               id="autoscaler", when=lambda body, **_: not _is_paused(body))(autoscale)
+
+    async def forget(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        if event.get("type") == "DELETED":
+            namespace, name = str(body.metadata.namespace), str(body.metadata.name)
+            state.forget(namespace=namespace, name=name)
+            metrics.forget(namespace=namespace, name=name)
+
+    kopf.on.event(group, version, plural, registry=registry, id="autoscaler-forget")(forget)
+    return state

@@ -1,0 +1,253 @@
+"""kopf handlers: thin decorators that route events to :func:`reconcile.reconcile`.
+
+:func:`build_registry` returns a fresh :class:`kopf.OperatorRegistry` (not kopf's global one),
+so the handlers exist only when the operator really starts, i.e. after this replica won the
+leader election, and tests can build several independent operators.
+
+Triggers, all level-based (every reconcile recomputes everything):
+
+* InferenceService resume/create/update -> reconcile. Errors become ``kopf.TemporaryError``
+  with a bounded exponential delay, so kopf retries them; nothing escapes as a crash.
+* Any event on a child (Deployment, Service, ConfigMap, PDB, NetworkPolicy labelled
+  ``managed-by=splitserve-operator``) -> reconcile its controlling InferenceService: a deleted
+  child is re-created, a drifted field is re-applied, and Deployment status changes refresh
+  the pool counts in status. ``spec.replicas`` drift needs no special case: the apply never
+  contains it. These reconciles are coalesced per object by :class:`Coalescer` (a burst of
+  child events costs one or two reconciles) and retried with bounded backoff.
+* Pause: objects annotated ``splitserve.dev/paused: "true"`` are filtered out by ``when=``
+  before kopf computes anything, so kopf stores no progress and writes nothing to them, and
+  the child path skips them too: zero writes.
+* Deletion: no handler and no finalizer. Owner references with ``blockOwnerDeletion`` let the
+  garbage collector remove the children; a finalizer would only make ``kubectl delete`` hang
+  whenever the operator is down.
+
+kopf's own progress and diff-base annotations use the ``splitserve.dev`` prefix (settings in
+:mod:`main`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+import kopf
+from splitserve_runtime import contract
+
+from . import kube, reconcile
+from .metrics import OperatorMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_RETRY_DELAY_SECONDS: Final = 60.0
+CHILD_RETRY_ATTEMPTS: Final = 8
+
+Key = tuple[str, str]  # (namespace, name)
+
+CHILD_RESOURCES: Final = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+)
+
+
+def retry_delay(attempt: int) -> float:
+    """1, 2, 4, ... seconds, capped at :data:`MAX_RETRY_DELAY_SECONDS`."""
+    return float(min(MAX_RETRY_DELAY_SECONDS, 2 ** max(0, attempt)))
+
+
+def not_paused(body: Mapping[str, Any], **_: Any) -> bool:
+    return not reconcile.is_paused(body)
+
+
+def owner_key(obj: Mapping[str, Any]) -> Key | None:
+    """(namespace, name) of the InferenceService controlling a child, if any."""
+    meta = obj.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == contract.KIND and \
+                str(ref.get("apiVersion", "")).startswith(f"{contract.API_GROUP}/"):
+            return (str(meta.get("namespace")), str(ref.get("name")))
+    return None
+
+
+class Coalescer:
+    """At most one reconcile per object at a time; requests during a run cause one re-run.
+
+    The kopf handler path and the child-event path share the per-object lock, so two
+    reconciles of the same InferenceService never interleave."""
+
+    def __init__(self, *, run: Callable[[Key], Awaitable[bool]]) -> None:
+        self._run = run  # returns True when done, False to retry later
+        self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self._again: set[Key] = set()
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._users: dict[Key, int] = {}
+
+    def lock(self, key: Key) -> _KeyLock:
+        return _KeyLock(self, key)
+
+    def request(self, key: Key) -> None:
+        if key in self._tasks:
+            self._again.add(key)
+            return
+        self._tasks[key] = asyncio.create_task(self._loop(key), name=f"reconcile {key[0]}/{key[1]}")
+
+    async def _loop(self, key: Key) -> None:
+        try:
+            attempt = 0
+            while True:
+                self._again.discard(key)
+                async with self.lock(key):
+                    done = await self._run(key)
+                if not done:
+                    if attempt >= CHILD_RETRY_ATTEMPTS:
+                        logger.error("Giving up child-triggered reconcile of %s/%s after %d attempts",
+                                     key[0], key[1], attempt + 1)
+                        return
+                    await asyncio.sleep(retry_delay(attempt))
+                    attempt += 1
+                    continue
+                if key not in self._again:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - never let a background task die silently
+            logger.exception("Child-triggered reconcile of %s/%s crashed", key[0], key[1])
+        finally:
+            self._tasks.pop(key, None)
+            self._again.discard(key)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def pending(self) -> int:
+        return len(self._tasks)
+
+
+class _KeyLock:
+    def __init__(self, owner: Coalescer, key: Key) -> None:
+        self._owner = owner
+        self._key = key
+
+    async def __aenter__(self) -> None:
+        o = self._owner
+        o._users[self._key] = o._users.get(self._key, 0) + 1
+        lock = o._locks.setdefault(self._key, asyncio.Lock())
+        await lock.acquire()
+
+    async def __aexit__(self, *_exc: object) -> None:
+        o = self._owner
+        o._locks[self._key].release()
+        o._users[self._key] -= 1
+        if o._users[self._key] == 0:  # bounded memory over create/delete cycles
+            del o._users[self._key]
+            del o._locks[self._key]
+
+
+@dataclasses.dataclass
+class OperatorContext:
+    """Everything the handlers need, built once by :mod:`main`."""
+
+    api: kube.Kube
+    settings: reconcile.ReconcileSettings
+    metrics: OperatorMetrics
+    nodes: reconcile.NodeCache = dataclasses.field(default_factory=reconcile.NodeCache)
+    known: dict[Key, None] = dataclasses.field(default_factory=dict)
+    """InferenceServices this operator has seen (for the autoscaler loop)."""
+
+    def run_reconcile(self, obj: Mapping[str, Any]) -> reconcile.Result:
+        started = time.monotonic()
+        outcome = "Error"
+        try:
+            result = reconcile.reconcile(api=self.api, obj=obj, settings=self.settings, nodes=self.nodes)
+            outcome = result.outcome
+            return result
+        except reconcile.RetryableError:
+            self.metrics.reconcile_errors_total.inc()
+            raise
+        finally:
+            self.metrics.reconcile_seconds.labels(outcome=outcome).observe(time.monotonic() - started)
+
+
+def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coalescer]:
+    """All handlers of the operator, bound to ``ctx``."""
+    registry = kopf.OperatorRegistry()
+    group, version, plural = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+
+    async def run_from_child(key: Key) -> bool:
+        try:
+            obj = await asyncio.to_thread(ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1])
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("Reading InferenceService %s/%s failed: %s", key[0], key[1], kube.error_message(exc))
+            return False
+        if obj is None or reconcile.is_paused(obj) or obj["metadata"].get("deletionTimestamp"):
+            return True
+        try:
+            await asyncio.to_thread(ctx.run_reconcile, obj)
+        except reconcile.RetryableError as exc:
+            logger.warning("Reconcile of %s/%s failed, will retry: %s", key[0], key[1], exc)
+            return False
+        except Exception:  # noqa: BLE001
+            logger.exception("Reconcile of %s/%s failed unexpectedly", key[0], key[1])
+            return False
+        return True
+
+    coalescer = Coalescer(run=run_from_child)
+
+    async def reconcile_handler(body: kopf.Body, retry: int, **_: Any) -> None:
+        key = (str(body.metadata.namespace), str(body.metadata.name))
+        ctx.known[key] = None
+        if body.metadata.get("deletionTimestamp"):
+            return
+        try:
+            async with coalescer.lock(key):
+                # Re-read inside the lock: kopf's body may predate a reconcile that just ran.
+                obj = await asyncio.to_thread(ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1])
+                if obj is None or reconcile.is_paused(obj):
+                    return
+                await asyncio.to_thread(ctx.run_reconcile, obj)
+        except reconcile.RetryableError as exc:
+            raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
+        except Exception as exc:  # noqa: BLE001 - problems are retried, never crash the operator
+            logger.exception("Reconcile of %s/%s failed unexpectedly", key[0], key[1])
+            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=retry_delay(retry)) from exc
+
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+    kopf.on.resume(group, version, plural, registry=registry, when=not_paused,
+                   id="reconcile-resume")(reconcile_handler)
+    kopf.on.create(group, version, plural, registry=registry, when=not_paused,
+                   id="reconcile-create")(reconcile_handler)
+    kopf.on.update(group, version, plural, registry=registry, when=not_paused,
+                   id="reconcile-update")(reconcile_handler)
+
+    @kopf.on.event(group, version, plural, registry=registry)
+    async def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        key = (str(body.metadata.namespace), str(body.metadata.name))
+        if event.get("type") == "DELETED":
+            ctx.known.pop(key, None)
+        else:
+            ctx.known[key] = None
+
+    async def child_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        key = owner_key(body)
+        if key is None:
+            return  # labelled like ours but not controlled by an InferenceService: not ours
+        if event.get("type") is None and key in ctx.known:
+            return  # initial listing: the InferenceService's own resume handler covers it
+        coalescer.request(key)
+
+    labels = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
+    for child_group, child_version, child_plural in CHILD_RESOURCES:
+        api_version = f"{child_group}/{child_version}" if child_group else child_version
+        kopf.on.event(api_version, child_plural, registry=registry, labels=labels,
+                      id=f"child-{child_plural}")(child_event)
+
+    return registry, coalescer

@@ -1,0 +1,188 @@
+"""The one module that talks HTTP to the Kubernetes API server.
+
+Every other controller module (``apply``, ``status``, ``leader``, ``handlers``) goes through
+:class:`Kube`, which works on plain ``dict`` objects, the shape of the YAML a human reads,
+rather than on the client's generated model classes. Requests are built with the official
+client's :class:`kubernetes.client.ApiClient` (so its authentication from a kubeconfig or the
+in-cluster ServiceAccount token is reused) and sent with an explicit timeout: the client has no
+default timeout, and a request that never returns would freeze a reconcile forever.
+
+Only the kinds the operator manages are known (:data:`KINDS`); an object of any other kind is a
+programming error, not a cluster condition, so it raises :class:`KeyError` at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+from urllib.parse import quote
+
+from kubernetes import client as k8s_client
+from kubernetes.client.exceptions import ApiException
+from splitserve_runtime import contract
+
+APPLY_PATCH: Final = "application/apply-patch+yaml"
+MERGE_PATCH: Final = "application/merge-patch+json"
+DEFAULT_TIMEOUT_SECONDS: Final = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """Where objects of one kind live in the REST API."""
+
+    api_version: str
+    kind: str
+    plural: str
+    namespaced: bool = True
+
+    def collection_path(self, *, namespace: str | None) -> str:
+        prefix = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        if self.namespaced and namespace:
+            return f"{prefix}/namespaces/{quote(namespace)}/{self.plural}"
+        return f"{prefix}/{self.plural}"
+
+    def object_path(self, *, namespace: str | None, name: str) -> str:
+        return f"{self.collection_path(namespace=namespace)}/{quote(name)}"
+
+
+CONFIG_MAP: Final = Kind("v1", "ConfigMap", "configmaps")
+SERVICE: Final = Kind("v1", "Service", "services")
+POD: Final = Kind("v1", "Pod", "pods")
+NODE: Final = Kind("v1", "Node", "nodes", namespaced=False)
+DEPLOYMENT: Final = Kind("apps/v1", "Deployment", "deployments")
+PDB: Final = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+NETWORK_POLICY: Final = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
+LEASE: Final = Kind("coordination.k8s.io/v1", "Lease", "leases")
+INFERENCE_SERVICE: Final = Kind(
+    f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, contract.PLURAL
+)
+
+KINDS: Final[dict[tuple[str, str], Kind]] = {
+    (k.api_version, k.kind): k
+    for k in (CONFIG_MAP, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE)
+}
+
+
+def kind_of(obj: Mapping[str, Any]) -> Kind:
+    return KINDS[(str(obj["apiVersion"]), str(obj["kind"]))]
+
+
+def is_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 404
+
+
+def is_conflict(exc: BaseException) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 409
+
+
+def error_message(exc: BaseException) -> str:
+    """The API server's own message for a failed request (its Status.message), else str()."""
+    if isinstance(exc, ApiException) and exc.body:
+        try:
+            body = json.loads(exc.body)
+        except (ValueError, TypeError):
+            return f"{exc.status} {exc.reason}"
+        if isinstance(body, dict) and body.get("message"):
+            return f"{exc.status} {body.get('reason', exc.reason)}: {body['message']}"
+    if isinstance(exc, ApiException):
+        return f"{exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Kube:
+    """Typed, dict-based access to the handful of API calls the operator makes."""
+
+    def __init__(self, *, api_client: k8s_client.ApiClient, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self._api = api_client
+        self._timeout = timeout_seconds
+
+    def _request(
+        self,
+        *,
+        method: str,
+        path: str,
+        query: Sequence[tuple[str, str]] = (),
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        elif body is not None:
+            headers["Content-Type"] = "application/json"
+        serialized = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list(query),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        http_method, url, header_params, request_body, _post = serialized
+        response = self._api.call_api(
+            http_method, url, header_params=header_params, body=request_body,
+            _request_timeout=self._timeout,
+        )
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason,
+                               body=data.decode("utf-8", "replace") if data else None)
+        if not data:
+            return {}
+        decoded = json.loads(data)
+        return decoded if isinstance(decoded, dict) else {}
+
+    # ------------------------------------------------------------------ reads
+    def get(self, *, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return self._request(method="GET", path=kind.object_path(namespace=namespace, name=name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, *, kind: Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        result = self._request(method="GET", path=kind.collection_path(namespace=namespace), query=query)
+        items = result.get("items") or []
+        return [item for item in items if isinstance(item, dict)]
+
+    # ------------------------------------------------------------------ writes
+    def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]:
+        """Server-side apply of ``obj`` (its apiVersion/kind/metadata.name/namespace say where)."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        query = [("fieldManager", field_manager)]
+        if force:
+            query.append(("force", "true"))
+        return self._request(
+            method="PATCH",
+            path=kind.object_path(namespace=meta.get("namespace"), name=meta["name"]),
+            query=query, body=dict(obj), content_type=APPLY_PATCH,
+        )
+
+    def merge_patch(
+        self, *, kind: Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
+        subresource: str | None = None, field_manager: str | None = None,
+    ) -> dict[str, Any]:
+        path = kind.object_path(namespace=namespace, name=name)
+        if subresource:
+            path = f"{path}/{subresource}"
+        query = [("fieldManager", field_manager)] if field_manager else []
+        return self._request(method="PATCH", path=path, query=query, body=dict(patch), content_type=MERGE_PATCH)
+
+    def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
+               field_manager: str | None = None) -> dict[str, Any]:
+        query = [("fieldManager", field_manager)] if field_manager else []
+        return self._request(method="POST", path=kind.collection_path(namespace=namespace),
+                             query=query, body=dict(obj))
+
+    def replace(self, *, kind: Kind, namespace: str | None, name: str, obj: Mapping[str, Any],
+                field_manager: str | None = None) -> dict[str, Any]:
+        """PUT: fails with 409 when obj's metadata.resourceVersion is stale."""
+        query = [("fieldManager", field_manager)] if field_manager else []
+        return self._request(method="PUT", path=kind.object_path(namespace=namespace, name=name),
+                             query=query, body=dict(obj))

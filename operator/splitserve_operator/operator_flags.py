@@ -1,0 +1,61 @@
+"""Command-line flags of `splitserve operator`.
+
+The Helm chart's Deployment template passes exactly these flags, and the operator's
+entry point builds its argument parser from this table with :func:`add_operator_arguments`,
+so the chart and the binary cannot drift (tests/operator/test_chart.py checks every flag
+the chart renders against this table). Same shape as the runtime's flag tables in
+:mod:`splitserve_runtime.contract`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from splitserve_runtime.contract import Flag, _add_arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorArgs:
+    """Arguments of `splitserve operator`. Defaults here are the operator's defaults."""
+
+    namespace: str = ""  # watch only this namespace; empty: cluster-wide
+    runtime_image: str = "ghcr.io/splitserve/splitserve:0.1.0"
+    router_service_account: str = ""  # serviceAccountName of router pods; empty: namespace default
+    metrics_port: int = 8080
+    health_port: int = 8081
+    leader_election: bool = True
+    lease_name: str = "splitserve-operator"
+    lease_namespace: str = ""  # empty: the pod's namespace (POD_NAMESPACE)
+    prometheus_url: str = ""  # empty: autoscaling reports MetricsHealthy=False
+    log_level: str = "info"
+
+
+OPERATOR_FLAGS: tuple[Flag, ...] = (
+    Flag("namespace", "namespace", "watch only this namespace (empty: all namespaces)"),
+    Flag("runtime-image", "runtime_image", "runtime image for InferenceServices that set none"),
+    Flag("router-service-account", "router_service_account", "serviceAccountName of router pods (empty: default)"),
+    Flag("metrics-port", "metrics_port", "port of /metrics", type=int),
+    Flag("health-port", "health_port", "port of /healthz", type=int),
+    Flag("leader-election", "leader_election", "elect one active replica with a Lease", is_bool=True),
+    Flag("lease-name", "lease_name", "name of the leader election Lease"),
+    Flag("lease-namespace", "lease_namespace", "namespace of the Lease (empty: the pod's namespace)"),
+    Flag("prometheus-url", "prometheus_url", "Prometheus base URL for autoscaling metrics"),
+    Flag("log-level", "log_level", "log verbosity", choices=("debug", "info", "warning", "error")),
+)
+
+
+def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every operator flag, with its default, to ``parser``."""
+    _add_arguments(parser, OPERATOR_FLAGS, OperatorArgs())
+
+
+def operator_args_from_namespace(ns: argparse.Namespace) -> OperatorArgs:
+    return OperatorArgs(**{f.dest: getattr(ns, f.dest) for f in OPERATOR_FLAGS})
+
+
+def flag_names() -> frozenset[str]:
+    """All accepted long options, including the ``--no-`` forms of booleans."""
+    names = {f"--{f.name}" for f in OPERATOR_FLAGS}
+    names |= {f"--no-{f.name}" for f in OPERATOR_FLAGS if f.is_bool}
+    return frozenset(names)

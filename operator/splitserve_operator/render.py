@@ -1,0 +1,505 @@
+"""Render the desired children of an InferenceService: a pure function of the spec.
+
+:func:`render_children` turns one parsed :class:`~splitserve_operator.api.InferenceService`
+into the list of objects the reconciler server-side-applies: the ConfigMap, one Deployment +
+Service + PodDisruptionBudget per component (prefill, decode, router; or engine + router in
+Aggregated mode) and the NetworkPolicies. No I/O, no clock, no randomness: the same spec and
+operator flags give byte-identical output, which is what makes two properties hold:
+
+* the pod-template annotation :data:`~splitserve_runtime.contract.ANNOTATION_CONFIG_HASH` is a
+  hash of the rendered pod template itself, so any change that matters to pods rolls them, and
+  an operator upgrade that renders the same pods does not;
+* ``spec.replicas`` is rendered only when the caller asks (``include_replicas=True``, on
+  create): replica counts belong to the autoscaler's field manager afterwards.
+
+The YAML shape of each kind lives in ``templates/<kind>.yaml.j2``; every value is inserted with
+``tojson`` (JSON is YAML), so user strings can never change the structure. The owner reference
+is added by :mod:`splitserve_operator.apply`, not here: rendering needs no UID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import jinja2
+import yaml
+from splitserve_runtime import contract
+from splitserve_runtime.contract import Role
+
+from . import naming
+from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec
+
+TEMPLATE_DIR: Final = Path(__file__).parent / "templates"
+
+MONITORING_NAMESPACE_LABEL: Final = "splitserve.dev/monitoring"
+"""Namespaces labelled ``splitserve.dev/monitoring=true`` may scrape pods on the HTTP port."""
+
+MODEL_CACHE_DIR: Final = "/var/cache/splitserve/models"
+PVC_MOUNT_ROOT: Final = "/mnt/models"
+SHM_SIZE: Final = "2Gi"
+RUN_AS_USER: Final = 65532
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+HUB_TOKEN_ENV: Final = "HF_TOKEN"
+TERMINATION_GRACE_MARGIN_SECONDS: Final = 15
+ROUTER_DRAIN_SECONDS: Final = 30
+STARTUP_PROBE_BUDGET_SECONDS: Final = 1800
+"""Model download + load may take this long before liveness starts counting."""
+
+_JINJA = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+    undefined=jinja2.StrictUndefined,
+    autoescape=False,
+    keep_trailing_newline=True,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One Deployment-backed component of an InferenceService."""
+
+    role: Role
+    pool: PoolSpec | None  # None for the router
+
+    @property
+    def is_router(self) -> bool:
+        return self.role is Role.ROUTER
+
+
+def components(spec: InferenceServiceSpec) -> list[Component]:
+    """Components in apply order: runtime pools first, then the router."""
+    if spec.mode is Mode.AGGREGATED:
+        assert spec.aggregated is not None  # guaranteed by the API validators
+        out = [Component(Role.AGGREGATED, spec.aggregated)]
+    else:
+        assert spec.prefill is not None and spec.decode is not None
+        out = [Component(Role.PREFILL, spec.prefill), Component(Role.DECODE, spec.decode)]
+    return [*out, Component(Role.ROUTER, None)]
+
+
+def image_of(*, isvc: InferenceService, runtime_image: str) -> str:
+    return isvc.spec.runtime.image or runtime_image
+
+
+def compat_hash_of(*, isvc: InferenceService, runtime_image: str) -> str:
+    spec = isvc.spec
+    pools = [c.pool for c in components(spec) if c.pool is not None]
+    return naming.compat_hash(
+        image=image_of(isvc=isvc, runtime_image=runtime_image),
+        model_uri=spec.model.uri,
+        revision=spec.model.revision,
+        dtype=spec.model.dtype,
+        quantization=spec.model.quantization,
+        block_size=spec.kv_cache.block_size,
+        tensor_parallel=pools[0].parallelism.tensor,
+    )
+
+
+def served_name(isvc: InferenceService) -> str:
+    return isvc.spec.model.served_name or isvc.metadata.name
+
+
+def _model_location(uri: str) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """The --model value plus, for pvc://claim/path, the read-only volume and its mount."""
+    if not uri.startswith("pvc://"):
+        return uri, None, None
+    claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
+    mount = f"{PVC_MOUNT_ROOT}/{claim}"
+    volume = {"name": "model-pvc", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    volume_mount = {"name": "model-pvc", "mountPath": mount, "readOnly": True}
+    return f"file://{mount}/{sub_path}".rstrip("/"), volume, volume_mount
+
+
+def serve_args(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> contract.ServeArgs:
+    """The `splitserve serve` arguments of one pool (before runtime.extraArgs)."""
+    spec = isvc.spec
+    model, _, _ = _model_location(spec.model.uri)
+    return contract.ServeArgs(
+        model=model,
+        served_model_name=served_name(isvc),
+        revision=spec.model.revision or "",
+        role=role.value,
+        host=f"$({contract.ENV_POD_IP})",
+        port=contract.HTTP_PORT,
+        kv_port=contract.KV_TRANSFER_PORT,
+        device="cuda" if pool.resources.gpus > 0 else "cpu",
+        dtype=spec.model.dtype,
+        quantization=spec.model.quantization,
+        max_model_len=spec.model.max_model_len or 0,
+        block_size=spec.kv_cache.block_size,
+        kv_memory_fraction=spec.kv_cache.memory_fraction,
+        prefix_caching=spec.kv_cache.prefix_caching,
+        max_num_seqs=spec.engine.max_num_seqs,
+        max_num_batched_tokens=spec.engine.max_batched_tokens,
+        chunked_prefill=spec.engine.chunked_prefill,
+        tensor_parallel_size=pool.parallelism.tensor,
+        pipeline_parallel_size=pool.parallelism.pipeline,
+    )
+
+
+def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
+    spec = isvc.spec
+    model, _, _ = _model_location(spec.model.uri)
+    return contract.RouterArgs(
+        host=f"$({contract.ENV_POD_IP})",
+        port=contract.HTTP_PORT,
+        policy=spec.router.policy.value,
+        session_header=spec.router.session_header,
+        discovery="kubernetes",
+        namespace=isvc.metadata.namespace or "",
+        inference_service=isvc.metadata.name,
+        model=model,
+        served_model_name=served_name(isvc),
+        block_size=spec.kv_cache.block_size,
+        short_prompt_threshold=spec.router.short_prompt_threshold,
+    )
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
+    """Container env: pod identity from fieldRefs, secrets by reference (never read here),
+    then runtime.env. A user variable replaces ours of the same name (SSA keys env by name,
+    so duplicates would be rejected)."""
+    env: dict[str, dict[str, Any]] = {}
+    for var, path in (
+        (contract.ENV_POD_NAME, "metadata.name"),
+        (contract.ENV_POD_NAMESPACE, "metadata.namespace"),
+        (contract.ENV_POD_IP, "status.podIP"),
+    ):
+        env[var] = _field_env(var, path)
+    env[contract.ENV_MODEL_CACHE] = {"name": contract.ENV_MODEL_CACHE, "value": MODEL_CACHE_DIR}
+    hub = isvc.spec.model.hub_token_secret_ref
+    if hub is not None:
+        env[HUB_TOKEN_ENV] = {
+            "name": HUB_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": hub.name, "key": hub.key}},
+        }
+    api_key = getattr(isvc.spec.runtime, "api_key_secret_ref", None)
+    if api_key is not None:
+        env[contract.ENV_API_KEY] = {
+            "name": contract.ENV_API_KEY,
+            "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}},
+        }
+    for user_var in isvc.spec.runtime.env:
+        if user_var.name in (contract.ENV_POD_IP, contract.ENV_POD_NAME, contract.ENV_POD_NAMESPACE):
+            continue  # the pod's identity is not the user's to override
+        env[user_var.name] = {"name": user_var.name, "value": user_var.value}
+    return list(env.values())
+
+
+def _http_get(path: str) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": contract.HTTP_PORT_NAME}}
+
+
+def _probes(*, startup_budget_seconds: int) -> dict[str, Any]:
+    period = 10
+    return {
+        "startupProbe": {**_http_get("/health"), "periodSeconds": period, "timeoutSeconds": 5,
+                         "failureThreshold": max(1, startup_budget_seconds // period)},
+        "readinessProbe": {**_http_get("/ready"), "periodSeconds": 5, "timeoutSeconds": 3,
+                           "failureThreshold": 2, "successThreshold": 1},
+        "livenessProbe": {**_http_get("/health"), "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
+    }
+
+
+def _resources(pool: PoolSpec | None) -> dict[str, Any]:
+    if pool is None:  # router: small, CPU only
+        return {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    res = pool.resources
+    if res.cpu is not None:
+        requests["cpu"] = res.cpu
+    if res.memory is not None:
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    if res.gpus > 0:
+        requests[GPU_RESOURCE] = res.gpus
+        limits[GPU_RESOURCE] = res.gpus
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+_CONTAINER_SECURITY: Final[dict[str, Any]] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+_POD_SECURITY: Final[dict[str, Any]] = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "runAsGroup": RUN_AS_USER,
+    "fsGroup": RUN_AS_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _pod_spec(
+    *, isvc: InferenceService, component: Component, runtime_image: str, router_service_account: str,
+) -> dict[str, Any]:
+    spec = isvc.spec
+    image = image_of(isvc=isvc, runtime_image=runtime_image)
+    # Every container resolves the model (the router loads its tokenizer for prefix hashing).
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "model-cache", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "model-cache", "mountPath": MODEL_CACHE_DIR}]
+    _, pvc_volume, pvc_mount = _model_location(spec.model.uri)
+    if pvc_volume is not None and pvc_mount is not None:
+        volumes.append(pvc_volume)
+        mounts.append(pvc_mount)
+    ports = [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.HTTP_PORT, "protocol": "TCP"}]
+    pod: dict[str, Any]
+    if component.is_router:
+        command = ["splitserve", "router", *contract.router_argv(router_args(isvc=isvc))]
+        grace = ROUTER_DRAIN_SECONDS + TERMINATION_GRACE_MARGIN_SECONDS
+        probes = _probes(startup_budget_seconds=300)
+        pod = {}
+        if router_service_account:
+            pod["serviceAccountName"] = router_service_account
+        container_name = "router"
+    else:
+        pool = component.pool
+        assert pool is not None
+        args = serve_args(isvc=isvc, role=component.role, pool=pool)
+        command = ["splitserve", "serve", *contract.serve_argv(args), *spec.runtime.extra_args]
+        grace = int(args.drain_timeout_seconds) + TERMINATION_GRACE_MARGIN_SECONDS
+        probes = _probes(startup_budget_seconds=STARTUP_PROBE_BUDGET_SECONDS)
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        if component.role is not Role.AGGREGATED:
+            ports.append({"name": contract.KV_TRANSFER_PORT_NAME,
+                          "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"})
+        pod = {"automountServiceAccountToken": False}
+        if pool.node_selector:
+            pod["nodeSelector"] = dict(pool.node_selector)
+        if pool.tolerations:
+            pod["tolerations"] = [dict(t) for t in pool.tolerations]
+        if pool.affinity:
+            pod["affinity"] = dict(pool.affinity)
+        if pool.priority_class_name:
+            pod["priorityClassName"] = pool.priority_class_name
+        container_name = "runtime"
+    container: dict[str, Any] = {
+        "name": container_name,
+        "image": image,
+        "command": command,
+        "env": _env(isvc=isvc),
+        "ports": ports,
+        **probes,
+        "resources": _resources(component.pool),
+        "securityContext": _CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    if spec.runtime.image_pull_policy:
+        container["imagePullPolicy"] = spec.runtime.image_pull_policy
+    return {
+        **pod,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": _POD_SECURITY,
+        "containers": [container],
+        "volumes": volumes,
+    }
+
+
+def config_hash(pod_template: Mapping[str, Any]) -> str:
+    """Stable hash of everything in a pod template except the hash annotation itself."""
+    meta = dict(pod_template.get("metadata", {}))
+    annotations = {k: v for k, v in meta.get("annotations", {}).items()
+                   if k != contract.ANNOTATION_CONFIG_HASH}
+    payload = {**pod_template, "metadata": {**meta, "annotations": annotations}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load(template: str, **values: Any) -> dict[str, Any]:
+    text = _JINJA.get_template(template).render(**values)
+    obj = yaml.safe_load(text)
+    assert isinstance(obj, dict)
+    return obj
+
+
+def _deployment(
+    *, isvc: InferenceService, component: Component, runtime_image: str,
+    router_service_account: str, compat: str, include_replicas: bool,
+) -> dict[str, Any]:
+    name = isvc.metadata.name
+    labels = naming.labels(name, component.role, compat_hash=compat)
+    pod_spec = _pod_spec(isvc=isvc, component=component, runtime_image=runtime_image,
+                         router_service_account=router_service_account)
+    replicas: int | None = None
+    if include_replicas:
+        replicas = isvc.spec.router.replicas if component.pool is None else component.pool.replicas.min
+    template = {"metadata": {"labels": labels, "annotations": {}}, "spec": pod_spec}
+    pod_annotations = {contract.ANNOTATION_CONFIG_HASH: config_hash(template)}
+    return _load(
+        "deployment.yaml.j2",
+        name=naming.child_name(name, component.role),
+        namespace=isvc.metadata.namespace,
+        labels=labels,
+        selector=naming.selector_labels(name, component.role),
+        replicas=replicas,
+        max_surge=1 if component.is_router else 0,
+        pod_annotations=pod_annotations,
+        pod_spec=pod_spec,
+    )
+
+
+def _service(*, isvc: InferenceService, component: Component, compat: str) -> dict[str, Any]:
+    name = isvc.metadata.name
+    ports = [{"name": contract.HTTP_PORT_NAME, "port": contract.HTTP_PORT,
+              "targetPort": contract.HTTP_PORT_NAME, "protocol": "TCP"}]
+    if component.role in (Role.PREFILL, Role.DECODE):
+        ports.append({"name": contract.KV_TRANSFER_PORT_NAME, "port": contract.KV_TRANSFER_PORT,
+                      "targetPort": contract.KV_TRANSFER_PORT_NAME, "protocol": "TCP"})
+    return _load(
+        "service.yaml.j2",
+        name=naming.child_name(name, component.role),
+        namespace=isvc.metadata.namespace,
+        labels=naming.labels(name, component.role, compat_hash=compat),
+        selector=naming.selector_labels(name, component.role),
+        headless=not component.is_router,
+        ports=ports,
+    )
+
+
+def _pdb(*, isvc: InferenceService, component: Component, compat: str) -> dict[str, Any]:
+    name = isvc.metadata.name
+    return _load(
+        "pdb.yaml.j2",
+        name=naming.child_name(name, component.role),
+        namespace=isvc.metadata.namespace,
+        labels=naming.labels(name, component.role, compat_hash=compat),
+        selector=naming.selector_labels(name, component.role),
+    )
+
+
+def _peer(isvc_name: str, role: Role) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": naming.selector_labels(isvc_name, role)}}
+
+
+def _port(port: int) -> dict[str, Any]:
+    return {"protocol": "TCP", "port": port}
+
+
+def _ingress_rules(*, isvc: InferenceService, component: Component) -> list[dict[str, Any]]:
+    """Who may connect to this component's pods (on top of the default deny)."""
+    name = isvc.metadata.name
+    monitoring = {"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: "true"}}}
+    if component.is_router:
+        # Clients: anyone may call the OpenAI endpoint (API-key auth is the runtime's job).
+        return [{"ports": [_port(contract.HTTP_PORT)]}]
+    rules: list[dict[str, Any]] = [
+        {"from": [_peer(name, Role.ROUTER), monitoring], "ports": [_port(contract.HTTP_PORT)]},
+    ]
+    if component.role in (Role.PREFILL, Role.DECODE):
+        other = Role.DECODE if component.role is Role.PREFILL else Role.PREFILL
+        rules.append({"from": [_peer(name, other)],
+                      "ports": [_port(contract.HTTP_PORT), _port(contract.KV_TRANSFER_PORT)]})
+    return rules
+
+
+def _network_policies(*, isvc: InferenceService, comps: Sequence[Component], compat: str) -> list[dict[str, Any]]:
+    name = isvc.metadata.name
+    deny = _load(
+        "networkpolicy.yaml.j2",
+        name=naming.network_policy_name(name),
+        namespace=isvc.metadata.namespace,
+        labels={**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE},
+        selector=naming.instance_selector_labels(name),
+        ingress=[],
+    )
+    allows = [
+        _load(
+            "networkpolicy.yaml.j2",
+            name=naming.child_name(name, c.role),
+            namespace=isvc.metadata.namespace,
+            labels=naming.labels(name, c.role, compat_hash=compat),
+            selector=naming.selector_labels(name, c.role),
+            ingress=_ingress_rules(isvc=isvc, component=c),
+        )
+        for c in comps
+    ]
+    return [deny, *allows]
+
+
+def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deployments: Sequence[Mapping[str, Any]],
+                compat: str, runtime_image: str) -> dict[str, Any]:
+    name = isvc.metadata.name
+    engine: dict[str, Any] = {}
+    for c in comps:
+        if c.pool is None:
+            engine[c.role.value] = dataclasses.asdict(router_args(isvc=isvc))
+        else:
+            engine[c.role.value] = {
+                "serveArgs": dataclasses.asdict(serve_args(isvc=isvc, role=c.role, pool=c.pool)),
+                "extraArgs": list(isvc.spec.runtime.extra_args),
+            }
+    hashes = {
+        str(d["metadata"]["labels"][contract.LABEL_ROLE]):
+            str(d["spec"]["template"]["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH])
+        for d in deployments
+    }
+    labels = {**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE,
+              contract.LABEL_COMPAT_HASH: compat}
+    return _load(
+        "configmap.yaml.j2",
+        name=naming.config_map_name(name),
+        namespace=isvc.metadata.namespace,
+        labels=labels,
+        annotations={contract.ANNOTATION_CONFIG_HASH: hashlib.sha256(
+            json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:16]},
+        data={
+            "engine.json": json.dumps(engine, indent=2, sort_keys=True),
+            "config-hashes.json": json.dumps(hashes, indent=2, sort_keys=True),
+            "image": image_of(isvc=isvc, runtime_image=runtime_image),
+        },
+    )
+
+
+def render_children(
+    *, isvc: InferenceService, runtime_image: str, router_service_account: str,
+    include_replicas: bool = False,
+) -> list[dict[str, Any]]:
+    """Every child object of ``isvc``, without owner references, in apply order
+    (ConfigMap, then per component Deployment/Service/PDB, then NetworkPolicies).
+
+    ``include_replicas``: put ``spec.replicas`` (pool min, router replicas) on the
+    Deployments; only for the apply that creates them."""
+    compat = compat_hash_of(isvc=isvc, runtime_image=runtime_image)
+    comps = components(isvc.spec)
+    deployments = [
+        _deployment(isvc=isvc, component=c, runtime_image=runtime_image,
+                    router_service_account=router_service_account, compat=compat,
+                    include_replicas=include_replicas)
+        for c in comps
+    ]
+    out: list[dict[str, Any]] = [
+        _config_map(isvc=isvc, comps=comps, deployments=deployments, compat=compat, runtime_image=runtime_image)
+    ]
+    for c, deployment in zip(comps, deployments, strict=True):
+        out += [deployment, _service(isvc=isvc, component=c, compat=compat),
+                _pdb(isvc=isvc, component=c, compat=compat)]
+    out += _network_policies(isvc=isvc, comps=comps, compat=compat)
+    return out
+
+
+def initial_replicas(*, isvc: InferenceService, role: Role) -> int:
+    """spec.replicas a freshly created Deployment of ``role`` starts with."""
+    for c in components(isvc.spec):
+        if c.role is role:
+            return isvc.spec.router.replicas if c.pool is None else c.pool.replicas.min
+    raise ValueError(f"no {role.value} component in mode {isvc.spec.mode.value}")

@@ -1,0 +1,248 @@
+"""Turns a :class:`SchedulerOutput` into tensors, runs the model and samples.
+
+The runner owns the model and the paged KV cache (per layer a ``(k_cache, v_cache)`` pair
+of ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the device). Inputs are built on
+the host as flat Python lists (prefill chunks first, then decodes, as
+:class:`~splitserve_runtime.ops.interface.AttentionMetadata` requires) and copied in one
+go, pinned and non-blocking on CUDA, so the only host/device synchronisation per step is
+reading the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..ops.interface import AttentionMetadata
+from .kv_budget import (
+    KVCacheSpec,
+    cpu_kv_budget_bytes,
+    cuda_kv_budget_bytes,
+    num_blocks_for_budget,
+)
+from .sampler import Sampler, SamplerOutput
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model (the Llama model and the null model have it)."""
+
+    def forward(self, *, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: KVCaches, md: AttentionMetadata) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillRow:
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeRow:
+    token_id: int
+    position: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    md: AttentionMetadata
+    logits_indices: torch.Tensor
+    """Rows of the hidden states whose logits are sampled, in :attr:`sample_seqs` order."""
+
+
+def build_step_inputs(*, prefills: list[PrefillRow], decodes: list[DecodeRow],
+                      sample_prefill: list[bool], block_size: int,
+                      device: torch.device) -> StepInputs:
+    """Flatten rows into model inputs; ``sample_prefill[i]`` marks chunks whose last row is
+    sampled (every decode row is)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_seqlens = [0]
+    prefill_ctx: list[int] = []
+    logits_idx: list[int] = []
+    for row, samples in zip(prefills, sample_prefill, strict=True):
+        n = len(row.token_ids)
+        start = row.start_position
+        bt = row.block_table
+        input_ids.extend(row.token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        cu_seqlens.append(cu_seqlens[-1] + n)
+        prefill_ctx.append(start + n)
+        if samples:
+            logits_idx.append(cu_seqlens[-1] - 1)
+    num_prefill_tokens = cu_seqlens[-1]
+    decode_ctx: list[int] = []
+    for j, drow in enumerate(decodes):
+        p = drow.position
+        input_ids.append(drow.token_id)
+        positions.append(p)
+        slots.append(drow.block_table[p // block_size] * block_size + p % block_size)
+        decode_ctx.append(p + 1)
+        logits_idx.append(num_prefill_tokens + j)
+
+    pin = device.type == "cuda"
+
+    def to_dev(data: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=pin)
+        return t.to(device, non_blocking=True) if pin else t
+
+    def tables(rows: list[list[int]]) -> torch.Tensor:
+        if not rows:
+            return to_dev([[0]], torch.int32)[:0]
+        width = max(len(r) for r in rows)
+        return to_dev([r + [0] * (width - len(r)) for r in rows], torch.int32)
+
+    md = AttentionMetadata(
+        slot_mapping=to_dev(slots, torch.int64),
+        num_prefills=len(prefills),
+        num_prefill_tokens=num_prefill_tokens,
+        prefill_cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
+        prefill_context_lens=to_dev(prefill_ctx, torch.int32),
+        prefill_block_tables=tables([r.block_table for r in prefills]),
+        prefill_max_q_len=max((len(r.token_ids) for r in prefills), default=0),
+        prefill_max_context_len=max(prefill_ctx, default=0),
+        num_decodes=len(decodes),
+        decode_context_lens=to_dev(decode_ctx, torch.int32),
+        decode_block_tables=tables([r.block_table for r in decodes]),
+        decode_max_context_len=max(decode_ctx, default=0),
+        block_size=block_size,
+    )
+    return StepInputs(
+        input_ids=to_dev(input_ids, torch.int64), positions=to_dev(positions, torch.int64),
+        md=md, logits_indices=to_dev(logits_idx, torch.int64),
+    )
+
+
+def allocate_kv_caches(*, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                       device: torch.device) -> KVCaches:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    # Zeroed, not empty: padded block-table entries point at block 0 and must not hold NaN.
+    return [
+        (torch.zeros(shape, dtype=spec.dtype, device=device),
+         torch.zeros(shape, dtype=spec.dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+
+
+def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.device,
+                          block_size: int, kv_memory_fraction: float,
+                          max_num_batched_tokens: int, max_num_seqs: int,
+                          max_model_len: int) -> int:
+    """The KV pool size for this device (see :mod:`.kv_budget`)."""
+    max_useful = max_num_seqs * -(-max_model_len // block_size) + 1
+    if device.type != "cuda":
+        budget = cpu_kv_budget_bytes(kv_memory_fraction=kv_memory_fraction)
+        return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
+                                     max_useful_blocks=max_useful)
+    num_tokens = min(max_num_batched_tokens, max_model_len)
+    num_blocks = -(-num_tokens // block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks, block_size=block_size, device=device)
+    inputs = build_step_inputs(
+        prefills=[PrefillRow(token_ids=[0] * num_tokens, start_position=0,
+                             block_table=list(range(num_blocks)))],
+        decodes=[], sample_prefill=[True], block_size=block_size, device=device)
+    with torch.inference_mode():
+        hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
+                               kv_caches=caches, md=inputs.md)
+        rows = hidden[:1].expand(min(max_num_seqs, num_tokens), -1).contiguous()
+        model.compute_logits(rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    cache_bytes = spec.bytes_per_block(block_size=block_size) * num_blocks
+    del caches, inputs, hidden, rows
+    torch.cuda.empty_cache()
+    activation_peak = max(peak - cache_bytes, 0)
+    budget = cuda_kv_budget_bytes(device=device, kv_memory_fraction=kv_memory_fraction,
+                                  activation_peak_bytes=activation_peak)
+    log.info("KV budget: %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
+    return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
+                                 max_useful_blocks=max_useful)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler."""
+
+    def __init__(self, *, model: CausalLM, spec: KVCacheSpec, device: torch.device,
+                 block_size: int, num_blocks: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.model = model
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.spec = spec
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks,
+                                            block_size=block_size, device=device)
+        self.sampler = Sampler(device=device)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """Model inputs for ``sched`` and the sequences whose rows are sampled, in order."""
+        prefills: list[PrefillRow] = []
+        sample_prefill: list[bool] = []
+        sample_seqs: list[Sequence] = []
+        for chunk in sched.prefills:
+            seq = chunk.seq
+            start = chunk.start_position
+            prefills.append(PrefillRow(
+                token_ids=seq.token_ids[start:start + chunk.num_tokens], start_position=start,
+                block_table=seq.block_table))
+            samples = chunk.samples
+            sample_prefill.append(samples)
+            if samples:
+                sample_seqs.append(seq)
+        decodes = [
+            DecodeRow(token_id=seq.token_ids[-1], position=seq.num_tokens - 1,
+                      block_table=seq.block_table)
+            for seq in sched.decodes
+        ]
+        sample_seqs.extend(sched.decodes)
+        inputs = build_step_inputs(prefills=prefills, decodes=decodes,
+                                   sample_prefill=sample_prefill, block_size=self.block_size,
+                                   device=self.device)
+        return inputs, sample_seqs
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
+        """Run one step; returns the sampled sequences and their new tokens."""
+        inputs, sample_seqs = self.prepare(sched)
+        with torch.inference_mode():
+            hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
+                                        kv_caches=self.kv_caches, md=inputs.md)
+            if not sample_seqs:
+                return [], SamplerOutput(token_ids=[], logprobs=[])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            result = self.sampler.sample(
+                logits=logits, request_ids=[s.request_id for s in sample_seqs],
+                params=[s.params for s in sample_seqs],
+                banned_token_ids=self._banned_token_ids(sample_seqs))
+        return sample_seqs, result
+
+    def _banned_token_ids(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Stop/eos tokens of requests that have not reached ``min_tokens`` yet."""
+        banned: list[list[int]] | None = None
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            if params.min_tokens > seq.num_output_tokens:
+                if banned is None:
+                    banned = [[] for _ in seqs]
+                eos = [] if params.ignore_eos else self.eos_token_ids
+                banned[i] = sorted(set(params.stop_token_ids) | set(eos))
+        return banned

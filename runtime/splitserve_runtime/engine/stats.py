@@ -1,0 +1,27 @@
+"""A point-in-time snapshot of the engine's gauges and counters (DESIGN.md section 5).
+
+The server exports these as the ``splitserve_*`` metrics; field names match the metric
+names without prefix. Counters only grow for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    requests_waiting: int
+    requests_running: int
+    prompt_tokens_waiting: int
+    """Prompt (and recompute) tokens of waiting requests not covered by the prefix cache."""
+    kv_cache_usage_ratio: float
+    """Blocks held by live requests / total; cached-but-free blocks count as free."""
+    kv_cache_blocks_total: int
+    kv_cache_blocks_cached: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queried_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    preemptions_total: int
+    steps_total: int

@@ -1,0 +1,140 @@
+"""Load a Hugging Face safetensors checkpoint into :class:`LlamaForCausalLM`.
+
+The checkpoint's tensor names are mapped onto our fused parameters (``q/k/v_proj`` rows
+into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``); every expected piece must be
+found exactly once with exactly the expected shape, and every tensor in the files must be
+expected. Any deviation is a :class:`ModelLoadError` naming the tensor, its file and both
+shapes: a truncated download or the wrong config never turns into garbage output. Shards
+are read one at a time through ``safetensors.safe_open``, so peak host memory stays at one
+tensor, not one checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..ops.interface import Ops
+from .config import ModelConfig, load_model_config
+from .errors import ModelLoadError
+from .llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Present in some older checkpoints; recomputed by us, so accepted and ignored.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows ``[row_offset, row_offset + shape[0])`` of
+    parameter ``param_name``."""
+
+    param_name: str
+    row_offset: int
+    shape: tuple[int, ...]
+
+
+def _targets(config: ModelConfig) -> dict[str, _Target]:
+    hidden = config.hidden_size
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    out: dict[str, _Target] = {
+        "model.embed_tokens.weight": _Target("embed_tokens", 0, (config.vocab_size, hidden)),
+        "model.norm.weight": _Target("norm", 0, (hidden,)),
+    }
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = _Target("lm_head", 0, (config.vocab_size, hidden))
+    for i in range(config.num_hidden_layers):
+        hf = f"model.layers.{i}."
+        ours = f"layers.{i}."
+        out[hf + "input_layernorm.weight"] = _Target(ours + "input_layernorm", 0, (hidden,))
+        out[hf + "post_attention_layernorm.weight"] = _Target(
+            ours + "post_attention_layernorm", 0, (hidden,),
+        )
+        for name, offset, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            out[hf + f"self_attn.{name}.weight"] = _Target(ours + "qkv_proj", offset, (rows, hidden))
+            if config.attention_bias:
+                out[hf + f"self_attn.{name}.bias"] = _Target(ours + "qkv_bias", offset, (rows,))
+        out[hf + "self_attn.o_proj.weight"] = _Target(ours + "o_proj", 0, (hidden, q))
+        out[hf + "mlp.gate_proj.weight"] = _Target(ours + "gate_up_proj", 0, (inter, hidden))
+        out[hf + "mlp.up_proj.weight"] = _Target(ours + "gate_up_proj", inter, (inter, hidden))
+        out[hf + "mlp.down_proj.weight"] = _Target(ours + "down_proj", 0, (hidden, inter))
+    return out
+
+
+def weight_files(*, model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards, or ``model.safetensors``."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        files = [model_dir / name for name in names]
+        for path in files:
+            if not path.is_file():
+                raise ModelLoadError(f"{index_path} lists shard {path.name}, which is missing")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def load_model(
+    *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir``'s config and fill it from its safetensors files."""
+    config = config if config is not None else load_model_config(model_dir=model_dir)
+    files = weight_files(model_dir=model_dir)
+    model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    targets = _targets(config)
+    loaded: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    _load_one(
+                        name=name, path=path, handle=handle, targets=targets, params=params,
+                        loaded=loaded, config=config,
+                    )
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    missing = [name for name in targets if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
+    return model
+
+
+def _load_one(
+    *, name: str, path: Path, handle: object, targets: dict[str, _Target],
+    params: dict[str, torch.nn.Parameter], loaded: dict[str, Path], config: ModelConfig,
+) -> None:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return  # some tied checkpoints store the (identical) head anyway
+    target = targets.get(name)
+    if target is None:
+        raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for {config.architecture}")
+    if name in loaded:
+        raise ModelLoadError(f"tensor {name!r} appears in both {loaded[name].name} and {path.name}")
+    tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+    if tuple(tensor.shape) != target.shape:
+        raise ModelLoadError(
+            f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
+            f"expected {target.shape} from config.json"
+        )
+    param = params[target.param_name]
+    rows = target.shape[0]
+    param.data[target.row_offset : target.row_offset + rows].copy_(tensor)
+    loaded[name] = path

@@ -1,0 +1,80 @@
+"""The Triton kernel backend: the GPU implementation of the :class:`Ops` protocol.
+
+A thin adapter from :class:`~splitserve_runtime.ops.interface.AttentionMetadata` to the
+launchers in :mod:`splitserve_runtime.kernels`; all validation and launch configuration
+lives there. Semantics match :class:`~splitserve_runtime.ops.torch_backend.TorchOps`:
+every op but :meth:`write_kv_cache` returns new tensors and leaves its inputs alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.activation import silu_and_mul
+from ..kernels.decode_attention import decode_attention
+from ..kernels.kv_cache_write import write_kv_cache
+from ..kernels.prefill_attention import prefill_attention
+from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from ..kernels.rotary import rotary_embedding
+from .interface import AttentionMetadata
+
+
+class TritonOps:
+    """:class:`~splitserve_runtime.ops.interface.Ops` backed by the Triton kernels."""
+
+    name = "triton"
+
+    def write_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                       slot_mapping=slot_mapping)
+
+    def prefill_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        if q.shape[0] != md.num_prefill_tokens:
+            raise ValueError(
+                f"q has {q.shape[0]} rows, metadata has {md.num_prefill_tokens} prefill tokens"
+            )
+        if md.num_prefills == 0 or md.num_prefill_tokens == 0:
+            return q.new_empty(q.shape)
+        return prefill_attention(
+            q=q, k_cache=k_cache, v_cache=v_cache, block_tables=md.prefill_block_tables,
+            context_lens=md.prefill_context_lens, cu_seqlens_q=md.prefill_cu_seqlens_q,
+            max_q_len=md.prefill_max_q_len, max_context_len=md.prefill_max_context_len,
+            scale=scale,
+        )
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        if q.shape[0] != md.num_decodes:
+            raise ValueError(f"q has {q.shape[0]} rows, metadata has {md.num_decodes} decodes")
+        if md.num_decodes == 0:
+            return q.new_empty(q.shape)
+        return decode_attention(
+            q=q, k_cache=k_cache, v_cache=v_cache, block_tables=md.decode_block_tables,
+            context_lens=md.decode_context_lens, max_context_len=md.decode_max_context_len,
+            scale=scale,
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x=x, weight=weight, eps=eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm(x=x, residual=residual, weight=weight, eps=eps)
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x=x)

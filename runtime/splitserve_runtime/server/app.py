@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP server of one runtime process (`splitserve serve`).
+
+:func:`build_app` composes routes, the API-key middleware, exception handlers and metrics
+around an engine; the routes only translate HTTP to the serving classes and back.
+:func:`main` owns the process concerns (vLLM's launcher split):
+- the listener starts before the model loads, so ``/health`` answers (alive) while
+  ``/ready`` says 503 until the engine is up;
+- SIGTERM / SIGINT flip ``/ready`` to 503 at once and make new generation requests 503,
+  while in-flight requests run to completion for up to ``--drain-timeout-seconds``; then
+  the process exits 0 (a second SIGINT forces the exit);
+- if the engine dies, or fails to load, the process exits 1 so Kubernetes restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from splitserve_runtime import contract
+from splitserve_runtime.server.auth import APIKeyMiddleware
+from splitserve_runtime.server.engine_client import EngineClient
+from splitserve_runtime.server.errors import install_exception_handlers, unavailable
+from splitserve_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from splitserve_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from splitserve_runtime.server.serving_chat import ChatService
+from splitserve_runtime.server.serving_completions import CompletionsService
+from splitserve_runtime.server.state import ServerState
+
+logger = logging.getLogger("splitserve.server")
+
+EngineLoader = Callable[[], Awaitable[EngineClient]]
+
+
+def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
+              api_key: str | None, engine_loader: EngineLoader | None = None) -> FastAPI:
+    """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
+    lifespan) or an `engine_loader` that builds one in the background after the listener is
+    up. `api_key` empty or None disables authentication."""
+    if (engine is None) == (engine_loader is None):
+        raise ValueError("give exactly one of engine and engine_loader")
+    state = ServerState(served_model_name=served_model_name, role=role)
+    metrics = ServerMetrics(role=role, model=served_model_name, stats_source=lambda: (
+        state.engine_or_none.stats() if state.engine_or_none is not None else None))
+    completions = CompletionsService(state=state, metrics=metrics)
+    chat = ChatService(state=state, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading: asyncio.Task[None] | None = None
+        if engine is not None:
+            await engine.start()
+            state.attach_engine(engine=engine)
+        elif engine_loader is not None:
+            loading = asyncio.create_task(_load(state=state, loader=engine_loader))
+        try:
+            yield
+        finally:
+            if loading is not None and not loading.done():
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loading
+            running = state.engine_or_none
+            if running is not None:
+                await running.shutdown()
+
+    app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.metrics = metrics
+    install_exception_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.is_alive:
+            raise unavailable("the inference engine is not healthy", code="unhealthy")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.is_ready:
+            return JSONResponse({"status": "ready"})
+        reason = "draining" if state.is_draining else (
+            "loading" if state.engine_or_none is None and state.is_alive else "unhealthy")
+        raise unavailable(f"not ready: {reason}", code=reason)
+
+    @app.get(contract.METRICS_PATH)
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        running = state.engine_or_none
+        return ModelList(data=[ModelCard(
+            id=served_model_name,
+            max_model_len=running.max_model_len if running is not None else None)])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body=body, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body=body, request=request)
+
+    return app
+
+
+async def _load(*, state: ServerState, loader: EngineLoader) -> None:
+    started = time.monotonic()
+    try:
+        engine = await loader()
+        await engine.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.exception("loading the model failed")
+        return
+    state.attach_engine(engine=engine)
+    logger.info("ready: model %r loaded in %.1f s", state.served_model_name,
+                time.monotonic() - started)
+
+
+def _version() -> str:
+    from splitserve_runtime import __version__
+
+    return __version__
+
+
+# ----------------------------------------------------------------------------- process
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM drains instead of closing the listener straight away."""
+
+    def __init__(self, config: uvicorn.Config, *, state: ServerState,
+                 drain_timeout_seconds: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout_seconds = drain_timeout_seconds
+        self._drain_started: float | None = None
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the signal handler: only flip flags here; on_tick does the rest.
+        if self._state.is_draining and sig == signal.SIGINT:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._state.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        state = self._state
+        if state.load_error is not None:
+            self.exit_code = 1
+            return True
+        running = state.engine_or_none
+        if running is not None and not running.is_healthy:
+            logger.error("the engine is no longer healthy; exiting")
+            self.exit_code = 1
+            return True
+        if state.is_draining:
+            now = time.monotonic()
+            if self._drain_started is None:
+                self._drain_started = now
+                logger.info("draining: %d request(s) in flight, grace %.0f s",
+                            state.num_in_flight, self._drain_timeout_seconds)
+            if state.num_in_flight == 0:
+                logger.info("drained in %.1f s", now - self._drain_started)
+                return True
+            if now - self._drain_started >= self._drain_timeout_seconds:
+                logger.warning("drain timeout: aborting %d request(s)", state.num_in_flight)
+                return True
+        return await super().on_tick(counter)
+
+
+def _import_engine_class() -> Any:
+    from splitserve_runtime.engine.async_engine import AsyncEngine
+
+    return AsyncEngine
+
+
+def _default_served_name(model: str) -> str:
+    for prefix in ("hf://", "pvc://", "file://"):
+        if model.startswith(prefix):
+            rest = model[len(prefix):]
+            return rest if prefix == "hf://" else os.path.basename(rest.rstrip("/"))
+    return os.path.basename(model.rstrip("/")) or model
+
+
+def parse_args(argv: list[str]) -> contract.ServeArgs:
+    parser = argparse.ArgumentParser(
+        prog="splitserve serve",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)"
+                    f"; the API key, if any, comes from ${contract.ENV_API_KEY}.")
+    contract.add_serve_arguments(parser)
+    namespace = parser.parse_args(argv)
+    args = contract.serve_args_from_namespace(namespace)
+    if not args.model:
+        parser.error("--model is required")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """`splitserve serve`: listen at once, load the engine, drain on SIGTERM."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    served_name = args.served_model_name or _default_served_name(args.model)
+    api_key = os.environ.get(contract.ENV_API_KEY) or None
+
+    async def load() -> EngineClient:
+        # torch is imported off the event loop, after the listener is up: /health answers
+        # meanwhile (and `serve --help` never imports it)
+        engine_class = await asyncio.to_thread(_import_engine_class)
+        engine: EngineClient = engine_class.from_args(args)  # loads the model in start()
+        return engine
+
+    app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
+                    role=args.role, api_key=api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                            log_level="info", lifespan="on", timeout_graceful_shutdown=5)
+    server = _DrainingServer(config, state=app.state.server,
+                             drain_timeout_seconds=args.drain_timeout_seconds)
+    logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,
+                args.role, args.host, args.port, "on" if api_key else "off")
+    server.run()
+    return server.exit_code

@@ -1,0 +1,305 @@
+"""Request and response models of the OpenAI-compatible endpoints (pydantic only, no logic).
+
+Requests follow the OpenAI API: unknown fields are rejected (OpenAI answers "Unrecognized
+request argument"), so a typo never silently changes behaviour. OpenAI fields that we accept
+but do not implement (penalties, logit_bias, tools, echo ...) pass only at their neutral
+value; anything else is refused with a message naming the field (see `unsupported_fields`).
+A few vLLM-style extensions that map straight onto the engine's sampling parameters
+(`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`) are accepted as well.
+
+Responses mirror the OpenAI objects closely enough that the official `openai` client parses
+them into its typed models.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    # strict: "0.5" is not a number and true is not 1, as in the OpenAI API
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    # optional fields also accept an explicit null, as the OpenAI API does
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions (vLLM names)
+    top_k: int | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    def wants_usage(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk) for a streamed answer."""
+        if self.stream_options is None:
+            return False, False
+        return (bool(self.stream_options.include_usage),
+                bool(self.stream_options.continuous_usage_stats))
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def common_unsupported(self) -> list[tuple[str, str]]:
+        """(param, message) for every field set to a value we cannot honour."""
+        problems: list[tuple[str, str]] = []
+        if self.n not in (None, 1):
+            problems.append(("n", f"n={self.n} is not supported: this server returns exactly one "
+                                  "choice per request (n must be 1)"))
+        if self.stream_options is not None and not self.stream:
+            problems.append(("stream_options",
+                             "stream_options is only allowed when stream is true"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0.0):
+                problems.append((name, f"{name} is not supported by this server (use 0)"))
+        if self.logit_bias:
+            problems.append(("logit_bias", "logit_bias is not supported by this server"))
+        return problems
+
+
+PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. The prompt is a string or a list of token ids (one prompt)."""
+
+    prompt: str | PromptTokens | list[str] | list[PromptTokens]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        problems = self.common_unsupported()
+        if self.echo:
+            problems.append(("echo", "echo is not supported by this server"))
+        if self.suffix:
+            problems.append(("suffix", "suffix is not supported by this server"))
+        if self.best_of not in (None, 1):
+            problems.append(("best_of", "best_of > 1 is not supported by this server"))
+        if (isinstance(self.prompt, list) and len(self.prompt) > 1
+                and not isinstance(self.prompt[0], int)):
+            problems.append(("prompt", "batched prompts are not supported: send one prompt "
+                                           "(a string or a list of token ids) per request"))
+        if isinstance(self.prompt, list) and not self.prompt:
+            problems.append(("prompt", "prompt must not be empty"))
+        return problems
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, unwrapped from a one-element batch if the client sent one."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        first = prompt[0]
+        if isinstance(first, int):
+            return [p for p in prompt if isinstance(p, int)]
+        return first
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        problems = self.common_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            problems.append(("top_logprobs", "top_logprobs requires logprobs to be true"))
+        if self.tools:
+            problems.append(("tools", "tool calling is not supported by this server"))
+        if self.tool_choice not in (None, "none", "auto"):
+            problems.append(("tool_choice", "tool calling is not supported by this server"))
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            problems.append(("response_format",
+                             "only response_format {\"type\": \"text\"} is supported"))
+        if self.store:
+            problems.append(("store", "store is not supported by this server"))
+        return problems
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_seconds)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_seconds)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends `"delta": {}` on the finishing chunk, not nulls
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_seconds)
+    owned_by: str = "splitserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

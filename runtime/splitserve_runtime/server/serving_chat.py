@@ -1,0 +1,169 @@
+"""POST /v1/chat/completions: messages -> chat template -> one assistant message.
+
+The prompt is built by the model's own chat template (``tokenizer.apply_chat_template`` with
+``add_generation_prompt=True``); message content given as text parts is joined into one
+string first. Streaming follows OpenAI's chunk sequence: a first chunk with the role, then
+content deltas, then a chunk carrying only ``finish_reason``, then (if
+``stream_options.include_usage``) a chunk with empty ``choices`` and the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+
+from splitserve_runtime.engine.outputs import RequestOutput
+from splitserve_runtime.server.engine_client import EngineClient
+from splitserve_runtime.server.errors import bad_request
+from splitserve_runtime.server.generation import (
+    DISCONNECTED_STATUS,
+    ClientDisconnected,
+    Generation,
+    run_until_disconnect,
+    sampling_params,
+)
+from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    now_seconds,
+)
+from splitserve_runtime.server.serving_common import (
+    chat_logprobs,
+    check_model,
+    finish_reason,
+    new_request_id,
+    output_usage,
+    reject_unsupported,
+    resolve_max_tokens,
+)
+from splitserve_runtime.server.state import ServerState
+from splitserve_runtime.server.streaming import event_stream_response, sse_event
+
+
+def render_prompt(*, engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
+    messages: list[dict[str, Any]] = [{"role": m.role, "content": m.text()}
+                                      for m in body.messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError) as exc:  # the template's raise_exception() too
+        raise bad_request(str(exc), param="messages") from None
+    # the rendered template already holds the special tokens (BOS), so add none
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatService:
+    def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
+        self._state = state
+        self._metrics = metrics
+
+    async def create(self, *, body: ChatCompletionRequest, request: Request) -> Response:
+        reject_unsupported(body.unsupported_fields())
+        check_model(state=self._state, model=body.model)
+        engine = self._state.admit()
+        prompt_token_ids = render_prompt(engine=engine, body=body)
+        num_top = body.top_logprobs or 0
+        params = sampling_params(
+            max_tokens=resolve_max_tokens(requested=body.requested_max_tokens(),
+                                          num_prompt_tokens=len(prompt_token_ids),
+                                          max_model_len=engine.max_model_len),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed, stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos), logprobs=num_top if body.logprobs else None,
+            min_tokens=body.min_tokens or 0,
+        )
+        generation = Generation(
+            state=self._state, metrics=self._metrics, engine=engine,
+            request_id=new_request_id(prefix="chatcmpl"), prompt_token_ids=prompt_token_ids,
+            params=params, prompt_param="messages")
+        try:
+            if body.stream:
+                await run_until_disconnect(request=request, work=generation.admit())
+                return event_stream_response(
+                    events=self._events(body=body, engine=engine, generation=generation),
+                    generation=generation)
+            return await run_until_disconnect(
+                request=request,
+                work=self._whole(body=body, engine=engine, generation=generation))
+        except ClientDisconnected:
+            await generation.close()
+            return Response(status_code=DISCONNECTED_STATUS)
+        except BaseException:
+            await generation.close()
+            raise
+
+    def _logprobs(self, *, body: ChatCompletionRequest, engine: EngineClient,
+                  output: RequestOutput) -> list[ChatTokenLogprob] | None:
+        if not body.logprobs or not output.new_logprobs:
+            return None
+        return chat_logprobs(logprobs=output.new_logprobs, tokenizer=engine.tokenizer,
+                             num_top=body.top_logprobs or 0)
+
+    async def _whole(self, *, body: ChatCompletionRequest, engine: EngineClient,
+                     generation: Generation) -> Response:
+        try:
+            await generation.admit()
+            text: list[str] = []
+            content: list[ChatTokenLogprob] = []
+            last: RequestOutput | None = None
+            async for output in generation.outputs():
+                last = output
+                text.append(output.new_text)
+                content += self._logprobs(body=body, engine=engine, output=output) or []
+        finally:
+            await generation.close()
+        if last is None:
+            raise RuntimeError("outputs() ended without a finished output")
+        answer = ChatCompletionResponse(
+            id=generation.request_id, model=body.model,
+            choices=[ChatChoice(message=ChatResponseMessage(content="".join(text)),
+                                logprobs=ChatLogprobs(content=content) if body.logprobs
+                                else None,
+                                finish_reason=finish_reason(last))],
+            usage=output_usage(last))
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    async def _events(self, *, body: ChatCompletionRequest, engine: EngineClient,
+                      generation: Generation) -> AsyncIterator[str]:
+        created = now_seconds()
+        include_usage, continuous = body.wants_usage()
+
+        def chunk(choice: ChatChunkChoice | None, output: RequestOutput | None
+                  ) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=generation.request_id, created=created, model=body.model,
+                choices=[] if choice is None else [choice],
+                usage=output_usage(output) if output is not None else None)
+
+        yield sse_event(chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")),
+                              None))
+        last: RequestOutput | None = None
+        async for output in generation.outputs():
+            last = output
+            logprobs = self._logprobs(body=body, engine=engine, output=output)
+            if output.new_text or logprobs:
+                yield sse_event(chunk(
+                    ChatChunkChoice(delta=ChatDelta(content=output.new_text),
+                                    logprobs=ChatLogprobs(content=logprobs)
+                                    if logprobs else None),
+                    output if continuous else None))
+            if output.finished:
+                yield sse_event(chunk(
+                    ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason(output)),
+                    output if continuous else None))
+        if include_usage and last is not None:
+            yield sse_event(chunk(None, last))

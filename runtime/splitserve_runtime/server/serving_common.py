@@ -1,0 +1,102 @@
+"""Helpers both OpenAI endpoints share: request checks, token budgets, usage and logprobs.
+
+Kept free of HTTP plumbing: each function turns one piece of a request or an engine output
+into a piece of the answer, or raises the APIError that says why it cannot.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Literal
+
+from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
+from splitserve_runtime.server.engine_client import TokenizerLike
+from splitserve_runtime.server.errors import bad_request, model_not_found
+from splitserve_runtime.server.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from splitserve_runtime.server.state import ServerState
+
+
+def new_request_id(*, prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:
+    if problems:
+        param, message = problems[0]
+        raise bad_request(message, param=param)
+
+
+def check_model(*, state: ServerState, model: str) -> None:
+    if model != state.served_model_name:
+        raise model_not_found(model)
+
+
+def resolve_max_tokens(*, requested: int | None, num_prompt_tokens: int,
+                       max_model_len: int) -> int:
+    """The client's max_tokens, or (when absent) whatever room the context leaves.
+
+    Too-large explicit values are left for the engine, which answers ContextLengthExceeded
+    with the numbers in the message.
+    """
+    if requested is not None:
+        return requested
+    return max(1, max_model_len - num_prompt_tokens)
+
+
+def usage(*, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
+                 total_tokens=num_prompt_tokens + num_output_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def output_usage(output: RequestOutput) -> Usage:
+    return usage(num_prompt_tokens=output.num_prompt_tokens,
+                 num_output_tokens=output.num_output_tokens,
+                 num_cached_tokens=output.num_cached_tokens)
+
+
+def finish_reason(output: RequestOutput) -> Literal["stop", "length"] | None:
+    """OpenAI's finish_reason: eos, stop token and stop string are all "stop"."""
+    if not output.finished:
+        return None
+    return "length" if output.finish_reason == FINISH_LENGTH else "stop"
+
+
+def token_text(*, tokenizer: TokenizerLike, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(*, logprobs: Sequence[TokenLogprob], tokenizer: TokenizerLike,
+                        text_offset: int) -> CompletionLogprobs:
+    """Legacy completions format; `text_offset` is where the first token starts."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for entry in logprobs:
+        text = token_text(tokenizer=tokenizer, token_id=entry.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({token_text(tokenizer=tokenizer, token_id=t): lp
+                                 for t, lp in entry.top_logprobs})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(*, logprobs: Sequence[TokenLogprob], tokenizer: TokenizerLike,
+                  num_top: int) -> list[ChatTokenLogprob]:
+    content: list[ChatTokenLogprob] = []
+    for entry in logprobs:
+        text = token_text(tokenizer=tokenizer, token_id=entry.token_id)
+        top = [TopLogprob(token=(alt := token_text(tokenizer=tokenizer, token_id=t)),
+                          logprob=lp, bytes=list(alt.encode()))
+               for t, lp in entry.top_logprobs[:num_top]]
+        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob,
+                                        bytes=list(text.encode()), top_logprobs=top))
+    return content

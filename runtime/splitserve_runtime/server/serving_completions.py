@@ -1,0 +1,148 @@
+"""POST /v1/completions: prompt (text or token ids) -> one completion, whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+
+from splitserve_runtime.engine.outputs import RequestOutput
+from splitserve_runtime.server.generation import (
+    DISCONNECTED_STATUS,
+    ClientDisconnected,
+    Generation,
+    run_until_disconnect,
+    sampling_params,
+)
+from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    now_seconds,
+)
+from splitserve_runtime.server.serving_common import (
+    check_model,
+    completion_logprobs,
+    finish_reason,
+    new_request_id,
+    output_usage,
+    reject_unsupported,
+    resolve_max_tokens,
+)
+from splitserve_runtime.server.state import ServerState
+from splitserve_runtime.server.streaming import event_stream_response, sse_event
+
+
+class CompletionsService:
+    def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
+        self._state = state
+        self._metrics = metrics
+
+    async def create(self, *, body: CompletionRequest, request: Request) -> Response:
+        reject_unsupported(body.unsupported_fields())
+        check_model(state=self._state, model=body.model)
+        engine = self._state.admit()
+        prompt = body.single_prompt()
+        prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) \
+            else list(prompt)
+        params = sampling_params(
+            max_tokens=resolve_max_tokens(requested=body.max_tokens,
+                                          num_prompt_tokens=len(prompt_token_ids),
+                                          max_model_len=engine.max_model_len),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed, stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos), logprobs=body.logprobs, min_tokens=body.min_tokens or 0,
+        )
+        generation = Generation(
+            state=self._state, metrics=self._metrics, engine=engine,
+            request_id=new_request_id(prefix="cmpl"), prompt_token_ids=prompt_token_ids,
+            params=params, prompt_param="prompt")
+        try:
+            if body.stream:
+                await run_until_disconnect(request=request, work=generation.admit())
+                return event_stream_response(
+                    events=self._events(body=body, generation=generation), generation=generation)
+            return await run_until_disconnect(
+                request=request, work=self._whole(body=body, generation=generation))
+        except ClientDisconnected:
+            await generation.close()
+            return Response(status_code=DISCONNECTED_STATUS)
+        except BaseException:
+            await generation.close()
+            raise
+
+    async def _whole(self, *, body: CompletionRequest, generation: Generation) -> Response:
+        try:
+            await generation.admit()
+            text: list[str] = []
+            logprobs = CompletionLogprobs() if body.logprobs is not None else None
+            last: RequestOutput | None = None
+            async for output in generation.outputs():
+                last = output
+                if logprobs is not None and output.new_logprobs:
+                    self._extend(logprobs, output, offset=_end_offset(logprobs))
+                text.append(output.new_text)
+        finally:
+            await generation.close()
+        if last is None:
+            raise RuntimeError("outputs() ended without a finished output")
+        answer = CompletionResponse(
+            id=generation.request_id, model=body.model,
+            choices=[CompletionChoice(text="".join(text), logprobs=logprobs,
+                                      finish_reason=finish_reason(last))],
+            usage=output_usage(last))
+        return JSONResponse(answer.model_dump(mode="json"))
+
+    def _extend(self, logprobs: CompletionLogprobs, output: RequestOutput, *, offset: int) -> None:
+        engine = self._state.engine_or_none
+        if engine is None or not output.new_logprobs:
+            return
+        part = completion_logprobs(logprobs=output.new_logprobs, tokenizer=engine.tokenizer,
+                                   text_offset=offset)
+        logprobs.tokens += part.tokens
+        logprobs.token_logprobs += part.token_logprobs
+        logprobs.top_logprobs += part.top_logprobs
+        logprobs.text_offset += part.text_offset
+
+    async def _events(self, *, body: CompletionRequest, generation: Generation
+                      ) -> AsyncIterator[str]:
+        created = now_seconds()
+        include_usage, continuous = body.wants_usage()
+        offset = 0
+        last: RequestOutput | None = None
+        async for output in generation.outputs():
+            last = output
+            logprobs: CompletionLogprobs | None = None
+            if body.logprobs is not None and output.new_logprobs:
+                logprobs = CompletionLogprobs()
+                self._extend(logprobs, output, offset=offset)
+            if logprobs is not None:
+                offset = _end_offset(logprobs)
+            if output.new_text or logprobs is not None or output.finished:
+                chunk = CompletionResponse(
+                    id=generation.request_id, created=created, model=body.model,
+                    choices=[CompletionChoice(text=output.new_text, logprobs=logprobs,
+                                              finish_reason=finish_reason(output))],
+                    usage=output_usage(output) if continuous else None)
+                yield sse_event(chunk)
+        if include_usage and last is not None:
+            yield sse_event(CompletionResponse(id=generation.request_id, created=created,
+                                               model=body.model, choices=[],
+                                               usage=output_usage(last)))
+
+
+
+
+def _end_offset(logprobs: CompletionLogprobs) -> int:
+    """Where the next token starts: offsets follow the token strings, not the detokenized
+    text deltas (which may hold back an incomplete UTF-8 character)."""
+    if not logprobs.tokens:
+        return 0
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -1,0 +1,117 @@
+"""Real Prometheus plumbing shared by the autoscaler tests.
+
+:class:`FakePod` is a ``prometheus_client`` HTTP server with its own registry exporting the
+runtime's gauges for one pod; :func:`start_prometheus` runs the Debian Prometheus binary
+scraping such pods every second, with ``static_configs`` labels adding ``namespace``,
+``pod`` and ``inferenceservice`` the way the chart's pod relabelling does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+import requests
+from prometheus_api_client import PrometheusConnect
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from splitserve_operator.autoscaler.decision import MetricsUnavailable
+from urllib3.util.retry import Retry
+
+PROMETHEUS = "/usr/bin/prometheus"
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class FakePod:
+    namespace: str
+    name: str
+    role: str
+    values: dict[str, float]
+    inferenceservice: str = "svc"
+    port: int = 0
+    server: WSGIServer | None = None
+    gauges: dict[str, Gauge] = dataclasses.field(default_factory=dict)
+
+    def start(self) -> None:
+        registry = CollectorRegistry()
+        for metric, value in self.values.items():
+            self.gauges[metric] = Gauge(metric, "test gauge", ["role", "model"], registry=registry)
+            self.gauges[metric].labels(role=self.role, model="tiny").set(value)
+        self.port = free_port()
+        self.server, _thread = start_http_server(self.port, addr="127.0.0.1", registry=registry)
+
+    def set(self, metric: str, value: float) -> None:
+        self.gauges[metric].labels(role=self.role, model="tiny").set(value)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def eventually(probe: Callable[[], T], *, timeout_seconds: float = 15.0) -> T:
+    """Retry ``probe`` until it stops raising (real scrapes take time)."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            return probe()
+        except (AssertionError, MetricsUnavailable, requests.RequestException):
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running_prometheus(*, pods: Sequence[FakePod], workdir: Path) -> Iterator[PrometheusConnect]:
+    """Start the pods' servers and a Prometheus scraping them; wait until all are up."""
+    for pod in pods:
+        pod.start()
+    targets = "\n".join(
+        f"""      - targets: ["127.0.0.1:{pod.port}"]
+        labels: {{namespace: "{pod.namespace}", pod: "{pod.name}", inferenceservice: "{pod.inferenceservice}"}}"""
+        for pod in pods
+    )
+    (workdir / "prometheus.yml").write_text(
+        f"""global:
+  scrape_interval: 1s
+  scrape_timeout: 900ms
+scrape_configs:
+  - job_name: splitserve
+    static_configs:
+{targets}
+"""
+    )
+    port = free_port()
+    with (workdir / "prometheus.log").open("w") as log:
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        client = PrometheusConnect(url=f"http://127.0.0.1:{port}", retry=Retry(total=0), timeout=5)
+        try:
+            def all_scraped() -> None:
+                up = client.custom_query(query="sum(up)")
+                assert up and float(up[0]["value"][1]) == len(pods)
+
+            eventually(all_scraped, timeout_seconds=30)
+            yield client
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            for pod in pods:
+                pod.stop()

@@ -1,0 +1,274 @@
+"""One autoscaling round end to end: a real kube-apiserver (with etcd, no controllers), the
+generated CRD, and a real Prometheus scraping fake pods' gauges.
+
+The test plays the missing controllers itself: it creates the pool Deployments and their
+pods, and sets the pods' status (Ready, or Pending for lack of GPUs) through the status
+subresource. Then it checks what :func:`run_once` wrote: ``spec.replicas`` owned by the
+autoscaler's field manager, deletion costs before a scale-down, the decisions, history and
+conditions in status, and no write at all in dry run or while paused.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from autoscaler_testing import PROMETHEUS, FakePod, free_port, running_prometheus
+from kubernetes import client as k8s
+from prometheus_api_client import PrometheusConnect
+from prometheus_client import CollectorRegistry
+from splitserve_operator import kube, naming
+from splitserve_operator.autoscaler.loop import make_prometheus, run_once
+from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
+from splitserve_operator.autoscaler.state import AutoscalerState
+from splitserve_runtime.contract import (
+    ANNOTATION_POD_DELETION_COST,
+    API_GROUP,
+    API_VERSION,
+    FIELD_MANAGER_AUTOSCALER,
+    FIELD_MANAGER_RECONCILER,
+    KIND,
+    PLURAL,
+    Metric,
+)
+
+KUBE_APISERVER = Path.home() / ".cache" / "splitserve" / "bin" / "k8s-v1.34.4" / "kube-apiserver"
+ETCD = Path("/usr/bin/etcd")
+NS = "ns"
+CRD = kube.Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", namespaced=False)
+NAMESPACE = kube.Kind("v1", "Namespace", "namespaces", namespaced=False)
+SERVICE_ACCOUNT = kube.Kind("v1", "ServiceAccount", "serviceaccounts")
+CLIENTS: list[k8s.ApiClient] = []  # the admin client of the module's API server
+NAME = "svc"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (KUBE_APISERVER.is_file() and ETCD.is_file() and shutil.which(PROMETHEUS)),
+        reason="needs kube-apiserver (python -m splitserve_e2e.build), etcd and prometheus",
+    ),
+]
+
+
+def gauges(*, waiting: float, running: float, kv: float) -> dict[str, float]:
+    return {Metric.REQUESTS_WAITING: waiting, Metric.REQUESTS_RUNNING: running,
+            Metric.KV_CACHE_USAGE_RATIO: kv, Metric.PROMPT_TOKENS_WAITING: 0.0}
+
+
+POD_A = FakePod(NS, "svc-decode-a", "decode", gauges(waiting=6, running=5, kv=0.9))
+POD_B = FakePod(NS, "svc-decode-b", "decode", gauges(waiting=4, running=3, kv=0.5))
+POD_C = FakePod(NS, "svc-prefill-c", "prefill", gauges(waiting=12, running=1, kv=0.1))
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Kube]:
+    from splitserve_e2e.apiserver import start_apiserver
+    from splitserve_e2e.etcd import start_etcd
+    from splitserve_e2e.pki import ensure_pki
+
+    state = tmp_path_factory.mktemp("cluster")
+    logs, pids = state / "logs", state / "pids"
+    logs.mkdir()
+    pids.mkdir()
+    pki = ensure_pki(directory=state / "pki")
+    etcd = start_etcd(binary=ETCD, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
+    try:
+        server = start_apiserver(binary=KUBE_APISERVER, etcd_url=etcd.client_url, pki=pki, log_dir=logs, pid_dir=pids)
+        try:
+            configuration = k8s.Configuration()
+            configuration.host = server.url
+            configuration.ssl_ca_cert = str(pki.ca_cert)
+            configuration.cert_file = str(pki.admin.cert)
+            configuration.key_file = str(pki.admin.key)
+            api_client = k8s.ApiClient(configuration)
+            CLIENTS.append(api_client)
+            # A permissive CRD with the status subresource: this test is about the autoscaler,
+            # which validates objects itself (InferenceService.parse); crds/ has its own tests.
+            crd = {
+                "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+                "spec": {
+                    "group": API_GROUP, "scope": "Namespaced",
+                    "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower()},
+                    "versions": [{
+                        "name": API_VERSION, "served": True, "storage": True, "subresources": {"status": {}},
+                        "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                    }],
+                },
+            }
+            api = kube.Kube(api_client=api_client)
+            api.create(kind=CRD, namespace=None, obj=crd)
+            api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": NS}})
+            # no controller-manager here: create the ServiceAccount pods need
+            api.create(kind=SERVICE_ACCOUNT, namespace=NS, obj={"metadata": {"name": "default"}})
+            yield api
+        finally:
+            server.process.stop(grace_seconds=5)
+    finally:
+        etcd.process.stop(grace_seconds=5)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusConnect]:
+    with running_prometheus(pods=[POD_A, POD_B, POD_C], workdir=tmp_path_factory.mktemp("prometheus")) as client:
+        yield client
+
+
+def isvc_manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "splitserve.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"uri": "hf://splitserve/tiny-llama"},
+            "mode": "Disaggregated",
+            "prefill": {"replicas": {"min": 1, "max": 4}, "resources": {"gpus": 1}},
+            "decode": {"replicas": {"min": 1, "max": 8}, "resources": {"gpus": 1}},
+            "autoscaling": {
+                "interval": "5s",
+                "prefill": {"targetQueueDepth": 4},
+                "decode": {"targetKVCacheUtilization": 0.8, "targetQueueDepth": 2},
+                "behavior": {"scaleDown": {"stabilizationSeconds": 0, "maxStep": 1}},
+                "gpuBudget": 8,
+            },
+        },
+    }
+
+
+def deployment(role: str, replicas: int) -> dict[str, Any]:
+    labels = naming.labels(NAME, role)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": naming.child_name(NAME, role), "namespace": NS, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": naming.selector_labels(NAME, role)},
+            "template": {"metadata": {"labels": labels},
+                         "spec": {"containers": [{"name": "runtime", "image": "splitserve:test"}]}},
+        },
+    }
+
+
+def create_pod(api: kube.Kube, *, name: str, role: str, ready: bool) -> None:
+    api.create(kind=kube.POD, namespace=NS, obj={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": naming.labels(NAME, role)},
+        "spec": {"containers": [{"name": "runtime", "image": "splitserve:test"}]},
+    })
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if ready:
+        pod_status = {"phase": "Running", "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+            {"type": "Ready", "status": "True", "lastTransitionTime": now}]}
+    else:
+        pod_status = {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": now,
+             "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}]}
+    api.merge_patch(kind=kube.POD, namespace=NS, name=name, patch={"status": pod_status}, subresource="status")
+
+
+def replicas_and_owner(api: kube.Kube, role: str) -> tuple[int, list[str]]:
+    obj = api.get(kind=kube.DEPLOYMENT, namespace=NS, name=naming.child_name(NAME, role))
+    assert obj is not None
+    owners = [m["manager"] for m in obj["metadata"].get("managedFields", [])
+              if "f:replicas" in (m.get("fieldsV1", {}).get("f:spec") or {})]
+    return int(obj["spec"]["replicas"]), owners
+
+
+def isvc(api: kube.Kube) -> dict[str, Any]:
+    obj = api.get(kind=kube.INFERENCE_SERVICE, namespace=NS, name=NAME)
+    assert obj is not None
+    return obj
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+async def test_rounds_scale_record_and_hold(api: kube.Kube, prometheus: PrometheusConnect) -> None:
+    log = logging.getLogger("test-autoscaler")
+    state = AutoscalerState()
+    metrics = AutoscalerMetrics.create(registry=CollectorRegistry())
+    api.create(kind=kube.INFERENCE_SERVICE, namespace=NS, obj=isvc_manifest())
+    for role, replicas in (("prefill", 1), ("decode", 3)):
+        api.create(kind=kube.DEPLOYMENT, namespace=NS, obj=deployment(role, replicas),
+                   field_manager=FIELD_MANAGER_RECONCILER)
+    create_pod(api, name=POD_C.name, role="prefill", ready=True)
+    create_pod(api, name=POD_A.name, role="decode", ready=True)
+    create_pod(api, name=POD_B.name, role="decode", ready=True)
+    create_pod(api, name="svc-decode-pending", role="decode", ready=False)
+
+    async def round_() -> dict[str, Any]:
+        decisions = await run_once(isvc=isvc(api), api=api, prometheus=prometheus, state=state, metrics=metrics,
+                                   now_seconds=time.time(), logger=log, scrape_interval_seconds=1, window_seconds=2)
+        return {d.pool: d for d in decisions}
+
+    # Round 1: prefill queue 12 on 1 pod (target 4) -> 3, step-limited to 2. Decode queue
+    # 10/2 ready = 5 per pod (target 2) wants 5, but a pod is Pending for GPUs: held at 3.
+    d = await round_()
+    assert (d["prefill"].result, d["prefill"].reason) == (2, "ScaledUp"), d["prefill"].formula
+    assert (d["decode"].result, d["decode"].reason) == (3, "PendingPods"), d["decode"].formula
+    assert replicas_and_owner(api, "prefill") == (2, [FIELD_MANAGER_AUTOSCALER])
+    assert replicas_and_owner(api, "decode")[0] == 3
+    obj = isvc(api)
+    assert obj["status"]["prefill"]["lastDecision"]["reason"] == "ScaledUp"
+    assert obj["status"]["prefill"]["desiredReplicas"] == 2
+    assert obj["status"]["decode"]["lastDecision"]["inputs"]["pendingReplicas"] == 1
+    assert [(e["pool"], e["from"], e["to"]) for e in obj["status"]["scalingHistory"]] == [("prefill", 1, 2)]
+    assert condition(obj, "MetricsHealthy")["status"] == "True"
+    assert condition(obj, "ScalingActive")["status"] == "True"
+    assert metrics.desired_replicas.labels(NS, NAME, "prefill")._value.get() == 2
+
+    # Round 2: decode goes idle. The Pending pod is dropped for free, one Ready pod by the
+    # step: 3 -> 1. Before that, the busier pod (b: 3 running) gets the higher deletion cost.
+    for pod in (POD_A, POD_B):
+        pod.set(Metric.REQUESTS_WAITING, 0)
+        pod.set(Metric.KV_CACHE_USAGE_RATIO, 0.1)
+    POD_A.set(Metric.REQUESTS_RUNNING, 0)
+    time.sleep(3.5)  # two scrapes, so the 2 s window holds only the new values
+    d = await round_()
+    assert (d["decode"].result, d["decode"].reason) == (1, "ScaledDown"), d["decode"].formula
+    assert d["prefill"].result == 3  # still 1 ready pod with 12 waiting: 3 wanted
+    assert replicas_and_owner(api, "decode") == (1, [FIELD_MANAGER_AUTOSCALER])
+    costs = {p: api.get(kind=kube.POD, namespace=NS, name=p)["metadata"]["annotations"][ANNOTATION_POD_DELETION_COST]  # type: ignore[index]
+             for p in (POD_A.name, POD_B.name)}
+    assert costs == {POD_A.name: "0", POD_B.name: "300"}
+
+    # Round 3: Prometheus unreachable -> replicas held, MetricsHealthy=False QueryFailed.
+    broken = make_prometheus(url=f"http://127.0.0.1:{free_port()}")
+    decisions = await run_once(isvc=isvc(api), api=api, prometheus=broken, state=state, metrics=metrics,
+                               now_seconds=time.time(), logger=log, scrape_interval_seconds=1)
+    assert {x.reason for x in decisions} == {"MetricsUnavailable"}
+    obj = isvc(api)
+    assert (condition(obj, "MetricsHealthy")["status"], condition(obj, "MetricsHealthy")["reason"]) == ("False", "QueryFailed")
+    assert condition(obj, "ScalingActive")["reason"] == "MetricsUnavailable"
+    assert replicas_and_owner(api, "prefill")[0] == 3 and replicas_and_owner(api, "decode")[0] == 1
+
+    # Round 4: dry run, decode busy again (the Pending pod is gone): 2 recommended, recorded,
+    # nothing written to the Deployment.
+    api.merge_patch(kind=kube.INFERENCE_SERVICE, namespace=NS, name=NAME,
+                    patch={"spec": {"autoscaling": {"dryRun": True}}})
+    k8s.CoreV1Api(CLIENTS[0]).delete_namespaced_pod(name="svc-decode-pending", namespace=NS, grace_period_seconds=0)
+    POD_A.set(Metric.REQUESTS_WAITING, 6)
+    time.sleep(3.5)
+    d = await round_()
+    assert (d["decode"].result, d["decode"].write) == (2, False), d["decode"].formula
+    assert replicas_and_owner(api, "decode")[0] == 1
+    obj = isvc(api)
+    assert obj["status"]["decode"]["lastDecision"]["result"] == 2
+    assert obj["status"]["scalingHistory"][-1] | {"time": None} == {
+        "time": None, "pool": "decode", "from": 1, "to": 2, "reason": "DryRun"}
+    assert condition(obj, "ScalingActive")["reason"] == "DryRun"
+    assert condition(obj, "MetricsHealthy")["status"] == "True"
+
+    # Round 5: paused -> no write at all.
+    api.merge_patch(kind=kube.INFERENCE_SERVICE, namespace=NS, name=NAME, patch={
+        "metadata": {"annotations": {"splitserve.dev/paused": "true"}}, "spec": {"autoscaling": {"dryRun": False}}})
+    before = isvc(api)["metadata"]["resourceVersion"]
+    assert await round_() == {}
+    assert isvc(api)["metadata"]["resourceVersion"] == before
+    assert replicas_and_owner(api, "decode")[0] == 1

@@ -1,0 +1,256 @@
+"""The generated CRD: structural (the API server would accept it), fully described,
+carrying the CEL rules and printer columns, defaulting exactly like the models, and
+committed in both places byte-identical to what the generator writes now."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from splitserve_operator import api, crdgen
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Keys a JSONSchemaProps node of apiextensions.k8s.io/v1 may carry (and we use).
+ALLOWED_KEYS = frozenset({
+    "description", "type", "format", "default", "enum", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
+    "minItems", "maxItems", "minProperties", "maxProperties", "items", "properties",
+    "additionalProperties", "required", "anyOf", "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
+})
+TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean"})
+INT_OR_STRING = [{"type": "integer"}, {"type": "string"}]
+
+
+def _walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def structural_violations(schema: dict[str, Any]) -> list[str]:
+    """The structural-schema rules of apiextensions.k8s.io/v1 that our generator could break."""
+    problems = []
+    for path, node in _walk(schema):
+        where = path or "<root>"
+        problems += [f"{where}: key {k!r} not allowed" for k in node.keys() - ALLOWED_KEYS]
+        if node.get("x-kubernetes-int-or-string"):
+            if "type" in node or node.get("anyOf", INT_OR_STRING) != INT_OR_STRING:
+                problems.append(f"{where}: int-or-string must be anyOf [integer, string] without type")
+            continue
+        if "anyOf" in node:
+            problems.append(f"{where}: anyOf only allowed for int-or-string")
+        if node.get("type") not in TYPES:
+            problems.append(f"{where}: missing or bad type {node.get('type')!r}")
+        if node.get("type") == "object":
+            has_props = "properties" in node
+            has_add = "additionalProperties" in node
+            if has_props and has_add:
+                problems.append(f"{where}: properties and additionalProperties are exclusive")
+            if has_add and not isinstance(node["additionalProperties"], dict):
+                problems.append(f"{where}: additionalProperties must be a schema")
+            if not (has_props or has_add or node.get("x-kubernetes-preserve-unknown-fields")) and path not in (".metadata",):
+                problems.append(f"{where}: object without properties (fields would be pruned)")
+            for req in node.get("required", []):
+                if req not in node.get("properties", {}):
+                    problems.append(f"{where}: required {req!r} is not a property")
+        elif node.get("x-kubernetes-preserve-unknown-fields"):
+            problems.append(f"{where}: preserve-unknown-fields on a non-object")
+        if node.get("type") == "array" and not isinstance(node.get("items"), dict):
+            problems.append(f"{where}: array without items schema")
+        if isinstance(node.get("exclusiveMinimum"), int | float) and not isinstance(node.get("exclusiveMinimum"), bool):
+            problems.append(f"{where}: exclusiveMinimum must be a boolean in OpenAPI v3.0")
+    return problems
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    return crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_schema_is_structural() -> None:
+    assert structural_violations(_schema()) == []
+
+
+def test_checker_catches_violations() -> None:
+    bad = {"type": "object", "properties": {
+        "a": {"$ref": "#/x"},
+        "b": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "c": {"type": "object"},
+        "d": {"type": "number", "minimum": 0, "exclusiveMinimum": 0},
+        "e": {"type": "array"},
+    }}
+    text = "\n".join(structural_violations(bad))
+    for fragment in (".a: key '$ref'", ".b: anyOf only", ".c: object without properties", ".d: exclusiveMinimum", ".e: array without items"):
+        assert fragment in text
+
+
+def test_no_refs_or_unions_left() -> None:
+    text = yaml.safe_dump(_schema())
+    for word in ("$ref", "$defs", "oneOf", "allOf", "title:", "null"):
+        assert word not in text, word
+
+
+def test_every_field_has_a_description() -> None:
+    missing = [
+        f"{path}.{name}"
+        for path, node in _walk(_schema())
+        for name, sub in node.get("properties", {}).items()
+        if not sub.get("description")
+    ]
+    assert missing == []
+
+
+def test_only_core_passthrough_objects_preserve_unknown_fields() -> None:
+    preserved = sorted(path for path, node in _walk(_schema()) if node.get("x-kubernetes-preserve-unknown-fields"))
+    expected = [f".spec.{pool}.{field}" for pool in ("aggregated", "decode", "prefill") for field in ("affinity", "tolerations[]")]
+    assert preserved == sorted(expected)
+
+
+def _cel(path: str) -> list[dict[str, str]]:
+    node = _schema()
+    for part in [p for p in path.split(".") if p]:
+        node = node["properties"][part]
+    return list(node.get("x-kubernetes-validations", []))
+
+
+def test_cel_rules_are_where_they_belong_and_have_messages() -> None:
+    root = _cel("")
+    assert {"rule": "self.metadata.name.size() <= 40", "message": api.NAME_LENGTH_RULE_MESSAGE} in root
+    spec_rules = " ".join(r["rule"] for r in _cel("spec"))
+    assert "self.mode != 'Disaggregated' || (has(self.prefill) && has(self.decode) && !has(self.aggregated))" in spec_rules
+    assert "self.mode != 'Aggregated' || (has(self.aggregated) && !has(self.prefill) && !has(self.decode))" in spec_rules
+    assert "self.autoscaling.gpuBudget >=" in spec_rules
+    for pool in ("prefill", "decode", "aggregated"):
+        assert _cel(f"spec.{pool}.replicas") == [{"rule": "self.min <= self.max", "message": api.REPLICAS_RULE_MESSAGE}]
+        assert any("% (self.parallelism.tensor * self.parallelism.pipeline) == 0" in r["rule"] for r in _cel(f"spec.{pool}"))
+    for path, node in _walk(_schema()):
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule.keys() == {"rule", "message"} and rule["message"], path
+            # Every field a rule names must exist below the node it is attached to.
+            for field in re.findall(r"self\.([A-Za-z]+)", rule["rule"]):
+                assert field in node.get("properties", {}), (path, field)
+
+
+def test_bounds_enums_and_patterns() -> None:
+    spec = _schema()["properties"]["spec"]["properties"]
+    kv = spec["kvCache"]["properties"]
+    assert kv["blockSize"]["enum"] == [8, 16, 32, 64, 128]
+    assert kv["memoryFraction"] == {**kv["memoryFraction"], "minimum": 0, "exclusiveMinimum": True, "maximum": 0.98}
+    assert spec["prefill"]["properties"]["parallelism"]["properties"]["tensor"]["enum"] == [1, 2, 4, 8]
+    assert spec["mode"]["enum"] == ["Disaggregated", "Aggregated"]
+    assert spec["router"]["properties"]["policy"]["enum"] == ["PrefixAffinity", "LeastLoad", "RoundRobin"]
+    assert spec["model"]["required"] == ["uri"]
+    assert re.match(spec["model"]["properties"]["uri"]["pattern"], "hf://org/name")
+    assert not re.match(spec["model"]["properties"]["uri"]["pattern"], "s3://org/name")
+    assert spec["autoscaling"]["properties"]["behavior"]["properties"]["scaleUp"]["properties"]["maxStepPercent"]["minimum"] == 1
+    cpu = spec["prefill"]["properties"]["resources"]["properties"]["cpu"]
+    assert cpu["x-kubernetes-int-or-string"] is True
+    strings = [path for path, node in _walk(_schema()) if node.get("type") == "string" and "enum" not in node
+               and node.get("format") != "date-time" and path not in (".apiVersion", ".kind")]
+    assert [p for p in strings if "maxLength" not in _node_at(p)] == []
+
+
+def _node_at(path: str) -> dict[str, Any]:
+    for p, node in _walk(_schema()):
+        if p == path:
+            return node
+    raise KeyError(path)
+
+
+def test_status_conditions_are_a_map_keyed_by_type() -> None:
+    conditions = _schema()["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert set(conditions["items"]["required"]) >= {"type", "status", "reason", "lastTransitionTime"}
+    assert conditions["items"]["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
+
+
+def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting as the API server does it: fill missing properties that have
+    a default, then recurse into every present object and array item."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = _apply_defaults(sub, value[name])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        value = [_apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_crd_defaults_equal_model_defaults(example: Path) -> None:
+    obj = yaml.safe_load(example.read_text())
+    by_model = api.InferenceService.parse(obj).dump()["spec"]
+    server_side = _apply_defaults(_schema()["properties"]["spec"], copy.deepcopy(obj["spec"]))
+    # Every default the model fills in, the API server fills in too (lists and maps
+    # default to absent; quantities are normalised to strings by the model).
+    assert _normalise(server_side) == _normalise(by_model)
+
+
+def _normalise(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        items = {k: _normalise(v, k) for k, v in value.items()}
+        return {k: v for k, v in items.items() if v not in ([], {})}
+    if key in ("cpu", "memory") and isinstance(value, int):
+        return str(value)
+    return value
+
+
+def test_printer_columns_and_names() -> None:
+    spec = crdgen.crd()["spec"]
+    version = spec["versions"][0]
+    assert spec["names"]["shortNames"] == ["sis"] and spec["names"]["categories"] == ["splitserve"]
+    assert spec["scope"] == "Namespaced" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert list(columns)[:4] == ["Mode", "Prefill", "Decode", "Engine"]
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Age"] == ".metadata.creationTimestamp"
+    for name, path in columns.items():
+        if name in ("Ready", "Reason", "Age"):
+            continue
+        node = _schema()
+        for part in path.strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == "string", name
+
+
+def test_committed_crds_are_up_to_date_and_identical() -> None:
+    text = crdgen.render()
+    for rel in crdgen.OUTPUT_PATHS:
+        path = REPO / rel
+        assert path.exists(), f"{rel} missing: run python -m splitserve_operator.crdgen"
+        assert path.read_text() == text, f"{rel} is stale: run python -m splitserve_operator.crdgen"
+    assert (REPO / crdgen.DOC_PATH).exists()
+    stale = [str(path) for path, _, _ in crdgen.stale_files(REPO)]
+    assert stale == [], "stale: run python -m splitserve_operator.crdgen"
+
+
+def test_check_mode_reports_stale_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert crdgen.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "+kind: CustomResourceDefinition" in capsys.readouterr().out
+    assert crdgen.main(["--root", str(tmp_path)]) == 0
+    assert crdgen.main(["--check", "--root", str(tmp_path)]) == 0
+    first = tmp_path / crdgen.OUTPUT_PATHS[0]
+    first.write_text(first.read_text().replace("maxLength: 1024", "maxLength: 1", 1))
+    assert crdgen.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "-                    maxLength: 1\n" in capsys.readouterr().out
+
+
+def test_crd_size_stays_small() -> None:
+    # KServe's 2.7 MB CRD breaks client-side apply (annotation limit 256 KiB).
+    assert len(crdgen.render()) < 100_000

@@ -1,0 +1,263 @@
+"""render_children: names, labels, ports, probes, argv round-trip, config hash, modes."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import pytest
+from splitserve_operator import naming
+from splitserve_operator.api import InferenceService
+from splitserve_operator.render import render_children
+from splitserve_runtime import contract
+
+IMAGE = "registry.example/splitserve:1.2.3"
+
+
+def _isvc(spec: dict[str, Any] | None = None, *, name: str = "llama", namespace: str = "team-a") -> InferenceService:
+    base: dict[str, Any] = {
+        "model": {"uri": "hf://meta/llama-3", "dtype": "bfloat16"},
+        "mode": "Disaggregated",
+        "prefill": {"replicas": {"min": 2, "max": 4}, "resources": {"gpus": 1, "cpu": "4", "memory": "32Gi"}},
+        "decode": {"replicas": {"min": 3, "max": 8}, "resources": {"gpus": 2}, "parallelism": {"tensor": 2},
+                   "nodeSelector": {"gpu": "h200"},
+                   "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+                   "priorityClassName": "inference"},
+        "runtime": {"extraArgs": ["--max-queue-len", "64"], "env": [{"name": "FOO", "value": "bar"}]},
+    }
+    if spec:
+        base.update(spec)
+    return InferenceService.parse({
+        "apiVersion": "splitserve.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace, "uid": "uid-1", "generation": 3},
+        "spec": base,
+    })
+
+
+def _render(isvc: InferenceService, **kw: Any) -> list[dict[str, Any]]:
+    return render_children(isvc=isvc, runtime_image=IMAGE, router_service_account="splitserve-router", **kw)
+
+
+def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} matches"
+    return matches[0]
+
+
+def _container(dep: dict[str, Any]) -> dict[str, Any]:
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _parse_serve(command: list[str]) -> contract.ServeArgs:
+    assert command[:2] == ["splitserve", "serve"]
+    parser = argparse.ArgumentParser()
+    contract.add_serve_arguments(parser)
+    return contract.serve_args_from_namespace(parser.parse_args(command[2:]))
+
+
+def test_disaggregated_children_names_and_kinds() -> None:
+    objs = _render(_isvc())
+    got = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    expected = sorted(
+        [("ConfigMap", "llama-config"), ("NetworkPolicy", naming.network_policy_name("llama"))]
+        + [(k, f"llama-{c}") for c in ("prefill", "decode", "router")
+           for k in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy")]
+    )
+    assert got == expected
+    assert all(o["metadata"]["namespace"] == "team-a" for o in objs)
+    assert all("ownerReferences" not in o["metadata"] for o in objs)
+
+
+def test_aggregated_mode_has_engine_and_router_only() -> None:
+    isvc = _isvc({"mode": "Aggregated", "prefill": None, "decode": None,
+                  "aggregated": {"replicas": {"min": 1, "max": 2}, "resources": {"gpus": 0}}})
+    objs = _render(isvc)
+    deps = {o["metadata"]["name"] for o in objs if o["kind"] == "Deployment"}
+    assert deps == {"llama-engine", "llama-router"}
+    engine = _by(objs, "Deployment", "llama-engine")
+    args = _parse_serve(_container(engine)["command"])
+    assert args.role == "aggregated"
+    assert args.device == "cpu"
+    ports = {p["name"]: p["containerPort"] for p in _container(engine)["ports"]}
+    assert ports == {"http": 8000}
+    assert "nvidia.com/gpu" not in str(_container(engine)["resources"])
+    assert engine["metadata"]["labels"][contract.LABEL_ROLE] == "aggregated"
+
+
+def test_labels_on_deployment_and_pod_template() -> None:
+    objs = _render(_isvc())
+    for role in ("prefill", "decode", "router"):
+        dep = _by(objs, "Deployment", f"llama-{role}")
+        for labels in (dep["metadata"]["labels"], dep["spec"]["template"]["metadata"]["labels"]):
+            assert labels[contract.LABEL_NAME] == "splitserve"
+            assert labels[contract.LABEL_INSTANCE] == "llama"
+            assert labels[contract.LABEL_COMPONENT] == role
+            assert labels[contract.LABEL_MANAGED_BY] == contract.MANAGED_BY_VALUE
+            assert labels[contract.LABEL_ROLE] == role
+            assert labels[contract.LABEL_SCRAPE] == "true"
+        selector = dep["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert contract.LABEL_COMPAT_HASH not in selector  # selectors are immutable
+    prefill = _by(objs, "Deployment", "llama-prefill")
+    decode = _by(objs, "Deployment", "llama-decode")
+    assert prefill["metadata"]["labels"][contract.LABEL_COMPAT_HASH] == \
+        decode["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
+
+
+def test_serve_argv_round_trips_through_the_runtime_parser() -> None:
+    objs = _render(_isvc({"kvCache": {"blockSize": 32, "memoryFraction": 0.8, "prefixCaching": False},
+                          "engine": {"maxNumSeqs": 64, "maxBatchedTokens": 4096, "chunkedPrefill": False},
+                          "runtime": {}}))
+    decode = _parse_serve(_container(_by(objs, "Deployment", "llama-decode"))["command"])
+    assert decode.role == "decode"
+    assert decode.model == "hf://meta/llama-3"
+    assert decode.served_model_name == "llama"
+    assert decode.host == "$(POD_IP)"
+    assert decode.dtype == "bfloat16"
+    assert decode.tensor_parallel_size == 2
+    assert decode.block_size == 32
+    assert decode.kv_memory_fraction == 0.8
+    assert decode.prefix_caching is False
+    assert decode.chunked_prefill is False
+    assert decode.max_num_seqs == 64
+    assert decode.max_num_batched_tokens == 4096
+    assert decode.device == "cuda"
+
+
+def test_extra_args_are_appended_and_parse() -> None:
+    command = _container(_by(_render(_isvc()), "Deployment", "llama-prefill"))["command"]
+    assert command[-2:] == ["--max-queue-len", "64"]
+    assert _parse_serve(command).max_queue_len == 64
+
+
+def test_router_argv() -> None:
+    router = _by(_render(_isvc()), "Deployment", "llama-router")
+    command = _container(router)["command"]
+    assert command[:2] == ["splitserve", "router"]
+    parser = argparse.ArgumentParser()
+    contract.add_router_arguments(parser)
+    args = contract.router_args_from_namespace(parser.parse_args(command[2:]))
+    assert args.discovery == "kubernetes"
+    assert args.namespace == "team-a"
+    assert args.inference_service == "llama"
+    assert args.policy == "PrefixAffinity"
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "splitserve-router"
+
+
+def test_ports_probes_env_and_security() -> None:
+    objs = _render(_isvc())
+    prefill = _by(objs, "Deployment", "llama-prefill")
+    c = _container(prefill)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "kv": 8100}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
+    env = {e["name"]: e for e in c["env"]}
+    assert env[contract.ENV_POD_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env[contract.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env[contract.ENV_POD_NAMESPACE]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["FOO"]["value"] == "bar"
+    assert len(env) == len(c["env"])  # no duplicate names (SSA keys env by name)
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
+    pod = prefill["spec"]["template"]["spec"]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/dev/shm"} <= mounts
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert pod["terminationGracePeriodSeconds"] > contract.ServeArgs().drain_timeout_seconds
+
+
+def test_hub_token_is_a_secret_reference() -> None:
+    isvc = _isvc({"model": {"uri": "hf://meta/llama-3", "hubTokenSecretRef": {"name": "hf", "key": "token"}}})
+    env = {e["name"]: e for e in _container(_by(_render(isvc), "Deployment", "llama-prefill"))["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert "value" not in env["HF_TOKEN"]
+
+
+def test_gpu_resources_and_scheduling_fields() -> None:
+    objs = _render(_isvc())
+    decode = _by(objs, "Deployment", "llama-decode")
+    res = _container(decode)["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == 2 and res["limits"]["nvidia.com/gpu"] == 2
+    pod = decode["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h200"}
+    assert pod["tolerations"][0]["key"] == "kwok.x-k8s.io/node"
+    assert pod["priorityClassName"] == "inference"
+    prefill_res = _container(_by(objs, "Deployment", "llama-prefill"))["resources"]
+    assert prefill_res["requests"]["cpu"] == "4" and prefill_res["limits"]["memory"] == "32Gi"
+
+
+def test_replicas_only_when_asked() -> None:
+    isvc = _isvc()
+    for dep in (o for o in _render(isvc) if o["kind"] == "Deployment"):
+        assert "replicas" not in dep["spec"]
+    with_replicas = {o["metadata"]["name"]: o["spec"]["replicas"]
+                     for o in _render(isvc, include_replicas=True) if o["kind"] == "Deployment"}
+    assert with_replicas == {"llama-prefill": 2, "llama-decode": 3, "llama-router": 1}
+
+
+def _hashes(objs: list[dict[str, Any]]) -> dict[str, str]:
+    return {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH]
+            for o in objs if o["kind"] == "Deployment"}
+
+
+def test_config_hash_changes_with_config_not_with_replicas() -> None:
+    base = _hashes(_render(_isvc()))
+    assert _hashes(_render(_isvc())) == base  # deterministic
+    more_replicas = _isvc({"prefill": {"replicas": {"min": 3, "max": 9}, "resources": {"gpus": 1, "cpu": "4", "memory": "32Gi"}}})
+    assert _hashes(_render(more_replicas)) == base
+    new_block = _hashes(_render(_isvc({"kvCache": {"blockSize": 32}})))
+    assert all(new_block[k] != base[k] for k in ("llama-prefill", "llama-decode"))
+    new_image = _hashes(_render(_isvc({"runtime": {"image": "other:2"}})))
+    assert new_image["llama-prefill"] != base["llama-prefill"]
+
+
+def test_network_policies() -> None:
+    objs = _render(_isvc())
+    deny = _by(objs, "NetworkPolicy", naming.network_policy_name("llama"))
+    assert "ingress" not in deny["spec"] and deny["spec"]["policyTypes"] == ["Ingress"]
+    router = _by(objs, "NetworkPolicy", "llama-router")
+    assert router["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    prefill = _by(objs, "NetworkPolicy", "llama-prefill")
+    kv_rules = [r for r in prefill["spec"]["ingress"] if {"protocol": "TCP", "port": 8100} in r["ports"]]
+    assert kv_rules and kv_rules[0]["from"][0]["podSelector"]["matchLabels"][contract.LABEL_COMPONENT] == "decode"
+    http_rule = prefill["spec"]["ingress"][0]
+    sources = [f.get("podSelector", {}).get("matchLabels", {}).get(contract.LABEL_COMPONENT) for f in http_rule["from"]]
+    assert "router" in sources
+    assert any("namespaceSelector" in f for f in http_rule["from"])
+
+
+def test_config_map_holds_engine_config() -> None:
+    import json
+    cm = _by(_render(_isvc()), "ConfigMap", "llama-config")
+    engine = json.loads(cm["data"]["engine.json"])
+    assert engine["prefill"]["serveArgs"]["role"] == "prefill"
+    assert engine["decode"]["serveArgs"]["tensor_parallel_size"] == 2
+    assert engine["router"]["inference_service"] == "llama"
+    assert contract.ANNOTATION_CONFIG_HASH in cm["metadata"]["annotations"]
+
+
+def test_pvc_model_is_mounted_read_only() -> None:
+    objs = _render(_isvc({"model": {"uri": "pvc://models/llama/8b"}}))
+    dep = _by(objs, "Deployment", "llama-prefill")
+    args = _parse_serve(_container(dep)["command"])
+    assert args.model == "file:///mnt/models/models/llama/8b"
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v)
+    assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+@pytest.mark.parametrize("value", ['"; rm -rf /', "a\nkind: Secret", "{{ x }}"])
+def test_user_strings_cannot_change_structure(value: str) -> None:
+    isvc = _isvc({"runtime": {"env": [{"name": "X", "value": value}], "extraArgs": [value]}})
+    objs = _render(isvc)
+    dep = _by(objs, "Deployment", "llama-prefill")
+    assert _container(dep)["command"][-1] == value
+    assert {e["name"]: e.get("value") for e in _container(dep)["env"]}["X"] == value
+    assert copy.deepcopy(objs) == objs
