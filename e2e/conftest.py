@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+
 from splitserve_e2e.cluster import (
     ENV_EXISTING_KUBECONFIG,
     ClusterOptions,

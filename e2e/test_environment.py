@@ -18,7 +18,8 @@ import httpx
 import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
-from splitserve_e2e.cluster import LocalCluster
+
+from splitserve_e2e.cluster import LocalCluster, LocalNodeUnavailable
 from splitserve_e2e.kwok import GPU_PRODUCT_LABEL, GPU_RESOURCE, kwok_toleration
 from splitserve_e2e.localnode import LOCAL_NODE_LABEL
 from splitserve_e2e.process import is_alive
@@ -353,3 +354,14 @@ def test_service_account_kubeconfig_is_subject_to_rbac(cluster: LocalCluster,
     result = cluster.kubectl("--kubeconfig", str(kubeconfig), "auth", "whoami", "-o", "json")
     assert json.loads(result.stdout)["status"]["userInfo"]["username"] == \
         f"system:serviceaccount:{namespace}:reader"
+
+
+def test_existing_cluster_wrapper_reports_missing_local_node(cluster: LocalCluster) -> None:
+    existing = LocalCluster.from_existing(kubeconfig=cluster.kubeconfig)
+    assert not existing.managed
+    assert "splitserve-local" in existing.kubectl("get", "nodes").stdout
+    with pytest.raises(LocalNodeUnavailable, match="local node agent is not available"):
+        existing.pod_log(namespace="default", pod="anything")
+    existing.stop()  # a no-op: it must not stop the cluster it does not own
+    core: Any = cluster.core()
+    assert core.read_node("splitserve-local").metadata.name == "splitserve-local"

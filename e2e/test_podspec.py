@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+
 from splitserve_e2e import podspec
 
 

@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+
 from splitserve_runtime.contract import API_GROUP, API_VERSION, KIND, Role, RoutingPolicy
 
 from .naming import MAX_NAME_LENGTH, NAME_PATTERN, child_name
@@ -147,10 +148,22 @@ class _StatusModel(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _object(model: type[BaseModel], description: str) -> Any:
-    """A nested object field that defaults to ``{}`` in the CRD, so the API server fills
-    in the nested defaults even when the user leaves the whole object out."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+def _object(model: type[ApiModel], description: str) -> Any:
+    """A nested object field whose CRD default is the model's full default value, so the
+    API server fills it in even when the user leaves the whole object out (and CEL rules
+    on the object see complete defaults)."""
+    return Field(
+        default_factory=model,
+        description=description,
+        json_schema_extra={"default": _without_empty(model().dump())},
+    )
+
+
+def _without_empty(value: Any) -> Any:
+    if isinstance(value, dict):
+        items = {k: _without_empty(v) for k, v in value.items()}
+        return {k: v for k, v in items.items() if v not in ([], {})}
+    return value
 
 
 # =========================================================================== spec

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import yaml
 from pydantic import BaseModel
+
 from splitserve_runtime.contract import API_GROUP, API_VERSION, KIND, PLURAL
 
 from . import api
@@ -188,7 +189,8 @@ def openapi_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"description": "API version of this object.", "type": "string"},
             "kind": {"description": "Kind of this object.", "type": "string"},
-            "metadata": {"description": "Standard object metadata.", "type": "object"},
+            # The API server allows nothing but `type` here (metadata is validated natively).
+            "metadata": {"type": "object"},
             "spec": structural(api.InferenceServiceSpec),
             "status": structural(api.InferenceServiceStatus),
         },
@@ -265,7 +267,7 @@ def _doc_rows(node: Mapping[str, Any], path: str, required: bool, seen: dict[str
     """One table row per field below ``node``; an object schema seen before (the three
     pools) is referred to instead of repeated."""
     default = node.get("default")
-    shown = "" if default is None or default == {} else f"`{json.dumps(default)}`"
+    shown = "" if default is None or isinstance(default, dict) else f"`{json.dumps(default)}`"
     name = f"`{path}`" + " (required)" if required else f"`{path}`"
     desc = str(node.get("description", "")).replace("|", "\\|").replace("\n", " ")
     target = node.get("items") if node.get("type") == "array" else node

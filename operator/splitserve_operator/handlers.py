@@ -14,6 +14,8 @@ Triggers, all level-based (every reconcile recomputes everything):
   the pool counts in status. ``spec.replicas`` drift needs no special case: the apply never
   contains it. These reconciles are coalesced per object by :class:`Coalescer` (a burst of
   child events costs one or two reconciles) and retried with bounded backoff.
+* Unschedulable pods of our pools -> reconcile their InferenceService, so a capacity
+  shortfall is reported as soon as the scheduler gives up on a pod.
 * Pause: objects annotated ``splitserve.dev/paused: "true"`` are filtered out by ``when=``
   before kopf computes anything, so kopf stores no progress and writes nothing to them, and
   the child path skips them too: zero writes.
@@ -35,6 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import kopf
+
 from splitserve_runtime import contract
 
 from . import kube, reconcile
@@ -63,6 +66,11 @@ def retry_delay(attempt: int) -> float:
 
 def not_paused(body: Mapping[str, Any], **_: Any) -> bool:
     return not reconcile.is_paused(body)
+
+
+def pod_unschedulable(body: Mapping[str, Any], **_: Any) -> bool:
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conditions)
 
 
 def owner_key(obj: Mapping[str, Any]) -> Key | None:
@@ -245,6 +253,15 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         coalescer.request(key)
 
     labels = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
+
+    @kopf.on.event("v1", "pods", registry=registry, labels=labels, when=pod_unschedulable, id="unschedulable-pods")
+    async def pod_event(body: kopf.Body, **_: Any) -> None:
+        # Pods are owned by ReplicaSets; the instance label names the InferenceService. Only
+        # unschedulable pods matter here (capacity conditions); Deployment status covers the rest.
+        instance = (body.metadata.labels or {}).get(contract.LABEL_INSTANCE)
+        if instance:
+            coalescer.request((str(body.metadata.namespace), str(instance)))
+
     for child_group, child_version, child_plural in CHILD_RESOURCES:
         api_version = f"{child_group}/{child_version}" if child_group else child_version
         kopf.on.event(api_version, child_plural, registry=registry, labels=labels,

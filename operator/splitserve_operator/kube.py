@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
+
 from splitserve_runtime import contract
 
 APPLY_PATCH: Final = "application/apply-patch+yaml"

@@ -28,6 +28,7 @@ from typing import Final
 import kopf
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
+
 from splitserve_runtime import contract
 
 from . import handlers, health, kube, leader, metrics, operator_flags, reconcile

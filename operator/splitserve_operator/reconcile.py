@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from kubernetes.client.exceptions import ApiException
+
 from splitserve_runtime import contract
 from splitserve_runtime.contract import Role
 

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import jinja2
 import yaml
+
 from splitserve_runtime import contract
 from splitserve_runtime.contract import Role
 

@@ -21,8 +21,9 @@ from wsgiref.simple_server import WSGIServer
 import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from urllib3.util.retry import Retry
+
+from splitserve_operator.autoscaler.decision import MetricsUnavailable
 
 PROMETHEUS = "/usr/bin/prometheus"
 T = TypeVar("T")

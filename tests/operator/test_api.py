@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from splitserve_operator import api, naming
 from splitserve_runtime import contract
 

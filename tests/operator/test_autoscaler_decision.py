@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+
 from splitserve_operator.autoscaler.decision import (
     Behavior,
     Decision,

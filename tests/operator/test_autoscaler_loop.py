@@ -10,6 +10,8 @@ conditions in status, and no write at all in dry run or while paused.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import shutil
 import time
@@ -17,13 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 from autoscaler_testing import PROMETHEUS, FakePod, free_port, running_prometheus
 from kubernetes import client as k8s
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
+
 from splitserve_operator import kube, naming
-from splitserve_operator.autoscaler.loop import make_prometheus, run_once
+from splitserve_operator.autoscaler.loop import make_prometheus, register, run_once
 from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
 from splitserve_operator.autoscaler.state import AutoscalerState
 from splitserve_runtime.contract import (
@@ -40,9 +44,11 @@ from splitserve_runtime.contract import (
 KUBE_APISERVER = Path.home() / ".cache" / "splitserve" / "bin" / "k8s-v1.34.4" / "kube-apiserver"
 ETCD = Path("/usr/bin/etcd")
 NS = "ns"
+NS_KOPF = "kopf"
 CRD = kube.Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", namespaced=False)
 NAMESPACE = kube.Kind("v1", "Namespace", "namespaces", namespaced=False)
 SERVICE_ACCOUNT = kube.Kind("v1", "ServiceAccount", "serviceaccounts")
+EVENT = kube.Kind("v1", "Event", "events")
 CLIENTS: list[k8s.ApiClient] = []  # the admin client of the module's API server
 NAME = "svc"
 
@@ -65,8 +71,20 @@ POD_B = FakePod(NS, "svc-decode-b", "decode", gauges(waiting=4, running=3, kv=0.
 POD_C = FakePod(NS, "svc-prefill-c", "prefill", gauges(waiting=12, running=1, kv=0.1))
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    api: kube.Kube
+    url: str
+    pki: Any
+
+    def login(self, **_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=self.url, ca_path=str(self.pki.ca_cert),
+                                   certificate_path=str(self.pki.admin.cert),
+                                   private_key_path=str(self.pki.admin.key))
+
+
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Kube]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     from splitserve_e2e.apiserver import start_apiserver
     from splitserve_e2e.etcd import start_etcd
     from splitserve_e2e.pki import ensure_pki
@@ -103,10 +121,11 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Kube]:
             }
             api = kube.Kube(api_client=api_client)
             api.create(kind=CRD, namespace=None, obj=crd)
-            api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": NS}})
-            # no controller-manager here: create the ServiceAccount pods need
-            api.create(kind=SERVICE_ACCOUNT, namespace=NS, obj={"metadata": {"name": "default"}})
-            yield api
+            # no controller-manager here: create the ServiceAccounts pods need
+            for namespace in (NS, NS_KOPF):
+                api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": namespace}})
+                api.create(kind=SERVICE_ACCOUNT, namespace=namespace, obj={"metadata": {"name": "default"}})
+            yield Cluster(api=api, url=server.url, pki=pki)
         finally:
             server.process.stop(grace_seconds=5)
     finally:
@@ -119,10 +138,10 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusC
         yield client
 
 
-def isvc_manifest() -> dict[str, Any]:
+def isvc_manifest(*, namespace: str = NS) -> dict[str, Any]:
     return {
         "apiVersion": "splitserve.dev/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": NAME, "namespace": NS},
+        "metadata": {"name": NAME, "namespace": namespace},
         "spec": {
             "model": {"uri": "hf://splitserve/tiny-llama"},
             "mode": "Disaggregated",
@@ -139,11 +158,11 @@ def isvc_manifest() -> dict[str, Any]:
     }
 
 
-def deployment(role: str, replicas: int) -> dict[str, Any]:
+def deployment(role: str, replicas: int, *, namespace: str = NS) -> dict[str, Any]:
     labels = naming.labels(NAME, role)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": naming.child_name(NAME, role), "namespace": NS, "labels": labels},
+        "metadata": {"name": naming.child_name(NAME, role), "namespace": namespace, "labels": labels},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": naming.selector_labels(NAME, role)},
@@ -153,10 +172,10 @@ def deployment(role: str, replicas: int) -> dict[str, Any]:
     }
 
 
-def create_pod(api: kube.Kube, *, name: str, role: str, ready: bool) -> None:
-    api.create(kind=kube.POD, namespace=NS, obj={
+def create_pod(api: kube.Kube, *, name: str, role: str, ready: bool, namespace: str = NS) -> None:
+    api.create(kind=kube.POD, namespace=namespace, obj={
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": naming.labels(NAME, role)},
+        "metadata": {"name": name, "namespace": namespace, "labels": naming.labels(NAME, role)},
         "spec": {"containers": [{"name": "runtime", "image": "splitserve:test"}]},
     })
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -168,7 +187,7 @@ def create_pod(api: kube.Kube, *, name: str, role: str, ready: bool) -> None:
         pod_status = {"phase": "Pending", "conditions": [
             {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": now,
              "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}]}
-    api.merge_patch(kind=kube.POD, namespace=NS, name=name, patch={"status": pod_status}, subresource="status")
+    api.merge_patch(kind=kube.POD, namespace=namespace, name=name, patch={"status": pod_status}, subresource="status")
 
 
 def replicas_and_owner(api: kube.Kube, role: str) -> tuple[int, list[str]]:
@@ -179,8 +198,8 @@ def replicas_and_owner(api: kube.Kube, role: str) -> tuple[int, list[str]]:
     return int(obj["spec"]["replicas"]), owners
 
 
-def isvc(api: kube.Kube) -> dict[str, Any]:
-    obj = api.get(kind=kube.INFERENCE_SERVICE, namespace=NS, name=NAME)
+def isvc(api: kube.Kube, *, namespace: str = NS) -> dict[str, Any]:
+    obj = api.get(kind=kube.INFERENCE_SERVICE, namespace=namespace, name=NAME)
     assert obj is not None
     return obj
 
@@ -189,7 +208,8 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
 
 
-async def test_rounds_scale_record_and_hold(api: kube.Kube, prometheus: PrometheusConnect) -> None:
+async def test_rounds_scale_record_and_hold(cluster: Cluster, prometheus: PrometheusConnect) -> None:
+    api = cluster.api
     log = logging.getLogger("test-autoscaler")
     state = AutoscalerState()
     metrics = AutoscalerMetrics.create(registry=CollectorRegistry())
@@ -272,3 +292,44 @@ async def test_rounds_scale_record_and_hold(api: kube.Kube, prometheus: Promethe
     assert await round_() == {}
     assert isvc(api)["metadata"]["resourceVersion"] == before
     assert replicas_and_owner(api, "decode")[0] == 1
+
+
+async def test_registered_timer_runs_rounds_and_posts_events(cluster: Cluster, prometheus: PrometheusConnect) -> None:
+    """The kopf wiring: ``register`` on a fresh registry, kopf running against the API server.
+    Nothing exports metrics for this namespace, so the round holds with NoData and says so
+    in status and in a Warning Event."""
+    api = cluster.api
+    api.create(kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, obj=isvc_manifest(namespace=NS_KOPF))
+    for role in ("prefill", "decode"):
+        api.create(kind=kube.DEPLOYMENT, namespace=NS_KOPF, obj=deployment(role, 1, namespace=NS_KOPF),
+                   field_manager=FIELD_MANAGER_RECONCILER)
+        create_pod(api, name=f"{NAME}-{role}-0", role=role, ready=True, namespace=NS_KOPF)
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(cluster.login)
+    state = register(registry=registry, api=api, prometheus_url=prometheus.url,
+                     metrics_registry=CollectorRegistry(), base_tick_seconds=1.0, scrape_interval_seconds=1)
+    settings = kopf.OperatorSettings()
+    settings.posting.level = logging.WARNING
+    stop = asyncio.Event()
+    operator = asyncio.create_task(kopf.operator(
+        registry=registry, settings=settings, standalone=True, namespaces=[NS_KOPF], stop_flag=stop))
+
+    async def warning_events() -> list[dict[str, Any]]:
+        found = await asyncio.to_thread(api.list, kind=EVENT, namespace=NS_KOPF)
+        return [e for e in found if e.get("reason") == "MetricsUnhealthy"
+                and e.get("involvedObject", {}).get("name") == NAME]
+
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not await warning_events():
+            await asyncio.sleep(0.5)
+        obj = isvc(api, namespace=NS_KOPF)
+        healthy = condition(obj, "MetricsHealthy")
+        assert (healthy["status"], healthy["reason"]) == ("False", "NoData"), healthy
+        assert obj["status"]["decode"]["lastDecision"]["reason"] == "MetricsUnavailable"
+        events = await warning_events()
+        assert events and events[0]["type"] == "Warning" and "NoData" in events[0]["message"]
+        assert (NS_KOPF, NAME) in state.last_run_seconds
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, timeout=30)

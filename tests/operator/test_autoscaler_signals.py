@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 from autoscaler_testing import PROMETHEUS, FakePod, eventually, free_port, running_prometheus
 from prometheus_api_client import PrometheusConnect
+from urllib3.util.retry import Retry
+
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import (
     KV,
@@ -27,7 +29,6 @@ from splitserve_operator.autoscaler.signals import (
     query_by_pod,
 )
 from splitserve_runtime.contract import Metric
-from urllib3.util.retry import Retry
 
 pytestmark = pytest.mark.skipif(shutil.which(PROMETHEUS) is None, reason="needs the Debian prometheus binary")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from splitserve_operator import operator_flags
 from splitserve_runtime import contract
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from splitserve_operator import api, crdgen
 
 REPO = Path(__file__).resolve().parents[2]

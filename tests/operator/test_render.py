@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import pytest
+
 from splitserve_operator import naming
 from splitserve_operator.api import InferenceService
 from splitserve_operator.render import render_children

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.engine.config import EngineConfig
 from splitserve_runtime.engine.errors import (

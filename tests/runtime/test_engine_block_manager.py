@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from splitserve_runtime.engine.block_manager import BlockManager, hash_token_blocks
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.sequence import Sequence
@@ -165,3 +166,19 @@ def test_rejects_bad_sizes() -> None:
         BlockManager(num_blocks=0, block_size=16, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(num_blocks=4, block_size=0, enable_prefix_caching=True)
+
+
+def test_pinned_blocks_survive_free_until_unpinned() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    seq = _seq("p", list(range(8)))
+    assert bm.allocate_slots(seq=seq, num_new_tokens=8)
+    blocks = list(seq.block_table)
+    bm.pin_blocks(blocks)
+    bm.free(seq)
+    assert bm.num_free_blocks == 2 and bm.usage_ratio == 0.5
+    bm.unpin_blocks(blocks)
+    assert bm.num_free_blocks == 4
+    with pytest.raises(ValueError, match="only held blocks"):
+        bm.pin_blocks(blocks)
+    with pytest.raises(RuntimeError):
+        bm.unpin_blocks(blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from splitserve_runtime.engine.config import EngineConfig
 from splitserve_runtime.engine.errors import (
     ContextLengthExceeded,

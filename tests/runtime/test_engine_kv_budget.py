@@ -72,3 +72,22 @@ def test_device_and_dtype_resolution() -> None:
     assert resolve_dtype("bfloat16", device=cpu, config_dtype=None) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int3", device=cpu, config_dtype=None)
+
+
+def test_kv_block_bytes_round_trip_between_runners(tiny_llama_dir: Path) -> None:
+    args = ServeArgs(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=8, block_size=4,
+                     max_model_len=64)
+    src, dst = LLMEngine.from_args(args), LLMEngine.from_args(args)
+    for k, v in src.runner.kv_caches:
+        k[3].normal_()
+        v[3].normal_()
+    data = src.runner.read_block(3)
+    assert len(data) == src.runner.spec.bytes_per_block(block_size=4)
+    dst.runner.write_block(5, data)
+    for (sk, sv), (dk, dv) in zip(src.runner.kv_caches, dst.runner.kv_caches, strict=True):
+        assert torch.equal(sk[3], dk[5]) and torch.equal(sv[3], dv[5])
+        assert torch.count_nonzero(dk[3]) == 0
+    with pytest.raises(ValueError, match="bytes"):
+        dst.runner.write_block(1, data[:-4])
+    with pytest.raises(ValueError, match="outside"):
+        src.runner.read_block(8)

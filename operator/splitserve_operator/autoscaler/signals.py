@@ -23,6 +23,7 @@ from typing import Any, Final
 
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+
 from splitserve_runtime.contract import Metric, Role
 
 from .decision import MetricsUnavailable, SignalValue

@@ -193,14 +193,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first) and reset its computed state."""
-        for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-                if self._block_hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+        self.unpin_blocks(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -230,6 +223,26 @@ class BlockManager:
             raise ValueError(f"{num_tokens} tokens do not fit in the {len(seq.block_table)} held blocks")
         seq.num_computed_tokens = num_tokens
         self.commit(seq)
+
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """Export hook: hold one extra reference on each block (e.g. while a decode pod pulls
+        a finished prefill's KV), so freeing the sequence does not release them."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                raise ValueError(f"block {block_id} is free; only held blocks can be pinned")
+        for block_id in block_ids:
+            self._ref_counts[block_id] += 1
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        """Drop the references taken by :meth:`pin_blocks` (tail first, like :meth:`free`)."""
+        for block_id in reversed(block_ids):
+            if self._ref_counts[block_id] <= 0:
+                raise RuntimeError(f"block {block_id} released more often than it was held")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a weight update). Held blocks stay held."""

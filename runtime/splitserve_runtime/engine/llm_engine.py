@@ -133,9 +133,13 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt must contain at least one token")
-        for token_id in prompt_token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not all(type(t) is int for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if type(t) is not int)
+            raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad_id = low if low < 0 else high
+            raise ValueError(f"prompt token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self._detokenizer_factory is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if num_prompt + params.max_tokens > self.config.max_model_len:

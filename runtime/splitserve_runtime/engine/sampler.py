@@ -141,7 +141,7 @@ def _logprobs(*, logits: torch.Tensor, token_ids: torch.Tensor,
     log_probs = torch.log_softmax(logits, dim=-1)
     chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     ids = token_ids.tolist()
-    max_n = max((p.logprobs or 0) for p in params)
+    max_n = min(max((p.logprobs or 0) for p in params), logits.shape[1])
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
     if max_n > 0:

@@ -57,7 +57,7 @@ def _decode_split_kernel(
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len + 1)
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)

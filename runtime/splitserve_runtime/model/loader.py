@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -116,7 +117,7 @@ def load_model(
 
 
 def _load_one(
-    *, name: str, path: Path, handle: object, targets: dict[str, _Target],
+    *, name: str, path: Path, handle: Any, targets: dict[str, _Target],
     params: dict[str, torch.nn.Parameter], loaded: dict[str, Path], config: ModelConfig,
 ) -> None:
     if name.endswith(_IGNORED_SUFFIXES):
@@ -128,7 +129,7 @@ def _load_one(
         raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for {config.architecture}")
     if name in loaded:
         raise ModelLoadError(f"tensor {name!r} appears in both {loaded[name].name} and {path.name}")
-    tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+    tensor = handle.get_tensor(name)
     if tuple(tensor.shape) != target.shape:
         raise ModelLoadError(
             f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "

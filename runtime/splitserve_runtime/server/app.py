@@ -47,6 +47,9 @@ logger = logging.getLogger("splitserve.server")
 
 EngineLoader = Callable[[], Awaitable[EngineClient]]
 
+ABORT_FLUSH_SECONDS = 1.0
+"""After the drain timeout: how long aborted streams get to send their last event."""
+
 
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               api_key: str | None, engine_loader: EngineLoader | None = None) -> FastAPI:
@@ -188,9 +191,21 @@ class _DrainingServer(uvicorn.Server):
                 logger.info("drained in %.1f s", now - self._drain_started)
                 return True
             if now - self._drain_started >= self._drain_timeout_seconds:
-                logger.warning("drain timeout: aborting %d request(s)", state.num_in_flight)
+                await self._abort_in_flight()
                 return True
         return await super().on_tick(counter)
+
+
+    async def _abort_in_flight(self) -> None:
+        """Past the grace: abort what is left so each stream ends with an error event (not a
+        cut connection), then give the responses a moment to flush."""
+        state = self._state
+        logger.warning("drain timeout: aborting %d request(s)", state.num_in_flight)
+        running = state.engine_or_none
+        if running is not None:
+            for request_id in state.in_flight_request_ids:
+                running.abort(request_id)
+        await state.wait_idle(timeout_seconds=ABORT_FLUSH_SECONDS)
 
 
 def _import_engine_class() -> Any:
@@ -238,7 +253,7 @@ def main(argv: list[str]) -> int:
     app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
                     role=args.role, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                            log_level="info", lifespan="on", timeout_graceful_shutdown=5)
+                            log_level="info", lifespan="on", timeout_graceful_shutdown=1)
     server = _DrainingServer(config, state=app.state.server,
                              drain_timeout_seconds=args.drain_timeout_seconds)
     logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,

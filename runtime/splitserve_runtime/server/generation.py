@@ -108,7 +108,7 @@ class Generation:
         self._finished = False
         self._closed = False
         self._outcome: str | None = None
-        self._state.request_started()
+        self._state.request_started(request_id=request_id)
 
     async def admit(self) -> None:
         """Submit and wait for the first output; admission errors become APIError."""
@@ -191,7 +191,7 @@ class Generation:
                         await aclose()
         finally:
             self._set_outcome("aborted")
-            self._state.request_finished()
+            self._state.request_finished(request_id=self.request_id)
 
 
 async def _maybe_await(result: object) -> None:

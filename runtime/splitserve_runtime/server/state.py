@@ -20,7 +20,7 @@ class ServerState:
         self.role = role
         self._engine: EngineClient | None = None
         self._draining = False
-        self._in_flight = 0
+        self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self.load_error: str | None = None
@@ -56,7 +56,11 @@ class ServerState:
 
     @property
     def num_in_flight(self) -> int:
-        return self._in_flight
+        return len(self._in_flight)
+
+    @property
+    def in_flight_request_ids(self) -> list[str]:
+        return sorted(self._in_flight)
 
     async def wait_idle(self, *, timeout_seconds: float) -> bool:
         """Wait until no generation request is in flight; False on timeout."""
@@ -78,13 +82,12 @@ class ServerState:
                               code="loading")
         return self._engine
 
-    def request_started(self) -> None:
+    def request_started(self, *, request_id: str) -> None:
         """Count a generation request in flight until `request_finished` (its last byte)."""
-        self._in_flight += 1
+        self._in_flight.add(request_id)
         self._idle.clear()
 
-    def request_finished(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight <= 0:
-            self._in_flight = 0
+    def request_finished(self, *, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+        if not self._in_flight:
             self._idle.set()

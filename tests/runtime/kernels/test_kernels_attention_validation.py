@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 from kernel_refs import DEVICE
+
 from splitserve_runtime.kernels.decode_attention import decode_attention
 from splitserve_runtime.kernels.prefill_attention import prefill_attention
 

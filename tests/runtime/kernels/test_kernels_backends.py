@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from kernel_refs import DEVICE, Tol, assert_close
+
 from splitserve_runtime.ops import get_ops
 from splitserve_runtime.ops.interface import AttentionMetadata, Ops
 from splitserve_runtime.ops.torch_backend import TorchOps

@@ -12,6 +12,7 @@ from kernel_refs import (
     make_paged_kv,
     tolerance,
 )
+
 from splitserve_runtime.kernels.decode_attention import (
     MAX_SPLITS,
     choose_num_splits,
@@ -57,6 +58,11 @@ def test_decode_gqa_ratios_fp32(num_kv_heads: int, group: int, num_splits: int |
 def test_decode_head_dim_128_bf16() -> None:
     _check_decode(context_lens=[1, 31, 33, 64], num_heads=8, num_kv_heads=2, head_dim=128,
                   block_size=16, dtype=torch.bfloat16, num_splits=2, block_n=32)
+
+
+def test_decode_head_dim_not_power_of_two() -> None:
+    _check_decode(context_lens=[5, 33], num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
+                  dtype=torch.float32, num_splits=2, block_n=16)
 
 
 @pytest.mark.parametrize("block_size,block_n", [(32, 16), (8, 32)])

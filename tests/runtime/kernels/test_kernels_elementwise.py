@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_refs import DEVICE, Tol, assert_close
+
 from splitserve_runtime.kernels.activation import silu_and_mul
 from splitserve_runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from splitserve_runtime.kernels.rotary import rotary_embedding

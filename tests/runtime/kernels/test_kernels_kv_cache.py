@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_refs import DEVICE
+
 from splitserve_runtime.kernels.kv_cache_write import write_kv_cache
 
 

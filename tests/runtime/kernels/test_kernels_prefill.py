@@ -14,6 +14,7 @@ from kernel_refs import (
     make_paged_kv,
     tolerance,
 )
+
 from splitserve_runtime.kernels.prefill_attention import prefill_attention
 
 
@@ -69,6 +70,11 @@ def test_prefill_empty_sequence_in_batch() -> None:
 def test_prefill_head_dim_128_bf16_larger_tiles() -> None:
     _check_prefill(q_lens=[33, 1, 70], context_lens=[33, 50, 100], num_heads=8, num_kv_heads=2,
                    head_dim=128, dtype=torch.bfloat16, block_m=32, block_n=32)
+
+
+def test_prefill_head_dim_not_power_of_two() -> None:
+    _check_prefill(q_lens=[18, 3], context_lens=[18, 20], num_heads=4, num_kv_heads=2,
+                   head_dim=80, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("block_size,block_m,block_n", [(8, 32, 16), (32, 16, 16)])
