@@ -5,13 +5,18 @@ inspection) and stops it at session end, also after a failure or Ctrl-C (pytest 
 session fixtures down on KeyboardInterrupt; atexit and the children's parent-death signal cover
 harder exits). ``--existing-cluster[=KUBECONFIG]`` or ``SPLITSERVE_E2E_KUBECONFIG`` run the
 same tests against a cluster that is already up (``python -m splitserve_e2e up``, or any other);
-tests that need the local node then fail with :class:`LocalNodeUnavailable` saying so.
+with a bare kubeconfig, tests that need the local node's files (pod logs, pids) fail with
+:class:`LocalNodeUnavailable` saying so; with the `up` cluster they work (files in its state
+directory).
 ``namespace`` gives each test a fresh namespace and deletes it afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +24,12 @@ from pathlib import Path
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import (
     ENV_EXISTING_KUBECONFIG,
     ClusterOptions,
     LocalCluster,
     default_state_dir,
-    read_info,
 )
 
 _USE_UP_CLUSTER = "__up__"
@@ -38,35 +43,41 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              f"${ENV_EXISTING_KUBECONFIG}, else the one `python -m splitserve_e2e up` started")
 
 
-def _existing(config: pytest.Config) -> tuple[Path, str | None] | None:
+def _existing(config: pytest.Config) -> LocalCluster | None:
     option = config.getoption("--existing-cluster")
     from_env = os.environ.get(ENV_EXISTING_KUBECONFIG)
     if option is None and not from_env:
         return None
     if option not in (None, _USE_UP_CLUSTER):
-        return Path(option), None
+        return LocalCluster.from_existing(kubeconfig=Path(option))
     if from_env:
-        return Path(from_env), None
-    info = read_info(state_dir=default_state_dir())
-    return Path(info["kubeconfig"]), info.get("prometheus_url")
+        return LocalCluster.from_existing(kubeconfig=Path(from_env))
+    return LocalCluster.attach(state_dir=default_state_dir())  # pod logs/pids work too
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     existing = _existing(request.config)
     if existing is not None:
-        kubeconfig, prometheus_url = existing
-        yield LocalCluster.from_existing(kubeconfig=kubeconfig, prometheus_url=prometheus_url)
+        yield existing
         return
-    local = LocalCluster(state_dir=tmp_path_factory.mktemp("cluster"),
+    # not pytest's tmp_path: other pytest sessions on the machine prune those while we run
+    runs = cache_root() / "e2e-runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    state_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=runs))
+    local = LocalCluster(state_dir=state_dir,
                          options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
+    failures_before = request.session.testsfailed
     try:
         local.start()
-        print(f"\nlocal cluster started in {local.start_seconds:.1f}s (state {local.state_dir})")
+        print(f"\nlocal cluster started in {local.start_seconds:.1f}s (state {state_dir})")
         yield local
     finally:
         local.stop()
+        if request.session.testsfailed == failures_before:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        else:
+            print(f"\nlocal cluster logs kept in {state_dir / 'logs'} and {state_dir / 'pods'}")
 
 
 @pytest.fixture

@@ -135,3 +135,39 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def test_namespace_scope_rbac_grants_exactly_what_the_operator_needs(cluster: LocalCluster, crd: str,
+                                                                     namespace: str) -> None:
+    watched = f"{namespace}-w"[:63]
+    cluster.kubectl("create", "namespace", watched)
+    try:
+        rendered = cluster.helm("template", "rel", str(CHART), "--namespace", namespace,
+                                "--set", "rbac.scope=namespace", "--set", f"watchNamespace={watched}").stdout
+        cluster.kubectl("apply", "-f", "-", input_text=rendered)
+        operator = f"system:serviceaccount:{namespace}:rel-splitserve"
+        router = f"system:serviceaccount:{watched}:rel-splitserve-router"
+        expected = {
+            (operator, f"list inferenceservices.splitserve.dev -n {watched}"): "yes",
+            (operator, f"patch inferenceservices.splitserve.dev/status -n {watched}"): "yes",
+            (operator, f"update inferenceservices.splitserve.dev/finalizers -n {watched}"): "yes",
+            (operator, f"create deployments.apps -n {watched}"): "yes",
+            (operator, f"patch pods -n {watched}"): "yes",
+            (operator, f"create events.events.k8s.io -n {watched}"): "yes",
+            (operator, f"create leases.coordination.k8s.io -n {namespace}"): "yes",
+            (operator, f"delete pods -n {watched}"): "no",
+            (operator, f"get secrets -n {watched}"): "no",
+            (operator, f"list inferenceservices.splitserve.dev -n {namespace}"): "no",
+            (operator, "list nodes"): "no",
+            (router, f"list endpointslices.discovery.k8s.io -n {watched}"): "yes",
+            (router, f"watch pods -n {watched}"): "yes",
+            (router, f"patch pods -n {watched}"): "no",
+            (router, f"get secrets -n {watched}"): "no",
+        }
+        got = {
+            key: cluster.kubectl("auth", "can-i", *key[1].split(), f"--as={key[0]}", check=False).stdout.strip()
+            for key in expected
+        }
+        assert got == expected
+    finally:
+        cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +60,12 @@ def _http_server_deployment(name: str, *, readiness_path: str = "/") -> Any:
                 }]}}}}
 
 
+def _service(app: str) -> Any:
+    return {"metadata": {"name": app},
+            "spec": {"selector": {"app": app},
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+
+
 def _ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
@@ -73,10 +80,7 @@ def test_deployment_pod_is_a_real_process_with_probe_readiness(
     core: Any = cluster.core()
     apps: Any = cluster.apps()
     apps.create_namespaced_deployment(namespace, _http_server_deployment("web"))
-    core.create_namespaced_service(namespace, {  # type: ignore[arg-type]
-        "metadata": {"name": "web"},
-        "spec": {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80,
-                                                        "targetPort": "http"}]}})
+    core.create_namespaced_service(namespace, _service("web"))
     started = time.monotonic()
     pod: Any = cluster.wait_for(
         lambda: (p := _only_pod(core, namespace, "app=web")) is not None and _ready(p) and p,
@@ -84,7 +88,7 @@ def test_deployment_pod_is_a_real_process_with_probe_readiness(
     ready_seconds = time.monotonic() - started
     ip = pod.status.pod_ip
     assert ip.startswith("127.") and not ip.startswith("127.0.0."), ip
-    assert pod.status.pod_i_ps[0].ip == ip and pod.spec.node_name == "splitserve-local"
+    assert pod.status.pod_ips[0].ip == ip and pod.spec.node_name == "splitserve-local"
     assert httpx.get(f"http://{ip}:8000/", timeout=5).status_code == 200
     pid = cluster.pod_pid(namespace=namespace, pod=pod.metadata.name)
     assert pid is not None and is_alive(pid)
@@ -92,6 +96,11 @@ def test_deployment_pod_is_a_real_process_with_probe_readiness(
     endpoints: Any = cluster.wait_for(lambda: cluster.endpoints_of(namespace=namespace, service="web"),
                                  timeout_seconds=30, what="web endpoints")
     assert endpoints == [f"{ip}:8000"]
+    discovery: Any = k8s.DiscoveryV1Api(cluster.api_client())
+    slices = discovery.list_namespaced_endpoint_slice(
+        namespace, label_selector="kubernetes.io/service-name=web").items
+    local = [s for s in slices if s.address_type == "FQDN"]  # loopback IPs are refused in IPv4
+    assert len(local) == 1 and local[0].endpoints[0].target_ref.name == pod.metadata.name
     assert httpx.get(f"http://{endpoints[0]}/", timeout=5).status_code == 200
     assert "GET / HTTP" in cluster.pod_log(namespace=namespace, pod=pod.metadata.name)
     print(f"deployment pod Ready after {ready_seconds:.1f}s")
@@ -106,6 +115,7 @@ def test_failing_readiness_probe_keeps_pod_unready(cluster: LocalCluster, namesp
     core: Any = cluster.core()
     cluster.apps().create_namespaced_deployment(
         namespace, _http_server_deployment("unready", readiness_path="/no-such-page"))
+    core.create_namespaced_service(namespace, _service("unready"))
     pod: Any = cluster.wait_for(
         lambda: (p := _only_pod(core, namespace, "app=unready")) is not None
         and p.status.phase == "Running" and p.status.pod_ip and p,
@@ -129,15 +139,16 @@ def test_crashing_and_unhealthy_containers_are_restarted(cluster: LocalCluster,
         livenessProbe={"httpGet": {"path": "/missing", "port": 8000}, "periodSeconds": 1,
                        "failureThreshold": 2, "initialDelaySeconds": 1}))
 
-    def status(name: str) -> Any:
-        return core.read_namespaced_pod(name, namespace).status.container_statuses[0]
+    def restarted(name: str, times: int) -> Any:
+        statuses = core.read_namespaced_pod(name, namespace).status.container_statuses or []
+        return statuses[0] if statuses and statuses[0].restart_count >= times else None
 
-    crashed: Any = cluster.wait_for(lambda: (s := status("crasher")).restart_count >= 2 and s,
-                               timeout_seconds=60, what="crasher restarted twice")
+    crashed: Any = cluster.wait_for(lambda: restarted("crasher", 2), timeout_seconds=60,
+                                    what="crasher restarted twice")
     assert crashed.last_state.terminated.exit_code == 3
     assert "crashing" in cluster.pod_log(namespace=namespace, pod="crasher")
-    unhealthy: Any = cluster.wait_for(lambda: (s := status("unhealthy")).restart_count >= 1 and s,
-                                 timeout_seconds=60, what="unhealthy restarted by liveness")
+    unhealthy: Any = cluster.wait_for(lambda: restarted("unhealthy", 1), timeout_seconds=60,
+                                      what="unhealthy restarted by liveness")
     assert unhealthy.restart_count >= 1
     events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=unhealthy")
     assert any(e.reason == "Unhealthy" and "Liveness" in e.message for e in events.items)
@@ -273,14 +284,19 @@ def test_env_sources_and_expansion_reach_the_process(cluster: LocalCluster,
         "metadata": {"name": "settings"}, "data": {"model": "tiny-llama", "BULK": "from-envfrom"}})
     core.create_namespaced_secret(namespace, {  # type: ignore[arg-type]
         "metadata": {"name": "key"}, "stringData": {"api-key": "s3cret"}})
-    pod = _pod("env", command=["python", "-c", PRINT_ENV], args=["$(MODEL)", "$$(MODEL)", "$(NOPE)"],
+    pod = _pod("env", command=["python", "-c", PRINT_ENV],
+               args=["$(MODEL)", "$$(MODEL)", "$(NOPE)", "/cache/x", "--config=/etc/settings/model"],
                restart_policy="Never",
+               volumeMounts=[{"name": "cache", "mountPath": "/cache"},
+                             {"name": "settings", "mountPath": "/etc/settings"}],
                envFrom=[{"configMapRef": {"name": "settings"}}],
                env=[{"name": "MY_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                     {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                     {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "model"}}},
                     {"name": "SPLITSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "key", "key": "api-key"}}},
                     {"name": "COMBINED", "value": "$(MY_NS)/$(MODEL)"}])
+    pod["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}},
+                              {"name": "settings", "configMap": {"name": "settings"}}]
     core.create_namespaced_pod(namespace, pod)
     cluster.wait_for(lambda: core.read_namespaced_pod("env", namespace).status.phase == "Succeeded",
                      timeout_seconds=60, what="env pod Succeeded")
@@ -293,7 +309,13 @@ def test_env_sources_and_expansion_reach_the_process(cluster: LocalCluster,
     assert env["SPLITSERVE_API_KEY"] == "s3cret"
     assert env["COMBINED"] == f"{namespace}/tiny-llama"
     assert env["POD_IP"].startswith("127.") and "KUBECONFIG" in env  # default SA is automounted
-    assert args == ["tiny-llama", "$(MODEL)", "$(NOPE)"]
+    assert args[:3] == ["tiny-llama", "$(MODEL)", "$(NOPE)"]
+    # volume mount paths are rewritten to per-pod directories; configMap files are written
+    cache_dir, config_flag = args[3], args[4]
+    assert cache_dir.endswith("/volumes/cache/x") and config_flag.startswith("--config=/")
+    assert Path(config_flag.split("=", 1)[1]).read_text() == "tiny-llama"
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=env").items
+    assert any(e.reason == "EmptyDirNotIsolated" and "not isolated" in e.message for e in events)
 
 
 LIST_PODS = textwrap.dedent("""

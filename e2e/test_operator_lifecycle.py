@@ -9,9 +9,8 @@ the release to two replicas and kill the leader.
 
 from __future__ import annotations
 
+import datetime
 import json
-import os
-import signal
 import subprocess
 import time
 import uuid
@@ -38,6 +37,7 @@ RELEASE = "ops"
 LEASE_NAME = f"{RELEASE}-splitserve"
 OPERATOR_LABELS = "app.kubernetes.io/component=operator,app.kubernetes.io/instance=" + RELEASE
 LEASE_DURATION_SECONDS = 15.0
+RETRY_PERIOD_SECONDS = 2.0
 CHILD_KINDS = ("deployments", "services", "configmaps", "poddisruptionbudgets", "networkpolicies")
 CONVERGE_SECONDS = 60.0
 
@@ -61,7 +61,12 @@ def ns(cluster: LocalCluster) -> Iterator[str]:
                      what="default ServiceAccount")
     # CRDs: applied like a platform team would (Helm installs crds/ only once, never upgrades).
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.splitserve.dev", "--timeout=60s")
+
+    def established() -> bool:
+        crd = _get(cluster, "", "crd", "inferenceservices.splitserve.dev") or {}
+        return any(c["type"] == "Established" and c["status"] == "True"
+                   for c in (crd.get("status") or {}).get("conditions") or [])
+    cluster.wait_for(established, timeout_seconds=60, what="CRD Established")
     cluster.helm("install", RELEASE, str(CHART), "-n", name, "--skip-crds",
                  "--set", "rbac.scope=namespace", "--set", "replicaCount=1",
                  "--set-string", "nodeSelector.splitserve\\.dev/local-node=true")
@@ -94,7 +99,8 @@ def _apply(cluster: LocalCluster, obj: dict[str, Any], *, check: bool = True) ->
 
 
 def _get(cluster: LocalCluster, ns: str, kind: str, name: str) -> dict[str, Any] | None:
-    result = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    scope = ["-n", ns] if ns else []
+    result = cluster.kubectl("get", kind, name, *scope, "-o", "json", check=False)
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
@@ -110,7 +116,7 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 def _children(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
     result = cluster.kubectl("get", ",".join(CHILD_KINDS), "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}",
-                             "-o", "json")
+                             "-o", "json", "--show-managed-fields")
     return list(json.loads(result.stdout)["items"])
 
 
@@ -135,6 +141,15 @@ def _until(cluster: LocalCluster, predicate: Callable[[], dict[str, Any] | None]
     result = cluster.wait_for(predicate, timeout_seconds=timeout_seconds, what=what)
     assert result is not None
     return result
+
+
+def _kill_pod(cluster: LocalCluster, ns: str, pod: str) -> None:
+    """Delete with no grace period: the process dies without releasing its Lease."""
+    cluster.kubectl("delete", "pod", pod, "-n", ns, "--grace-period=0", "--force", "--wait=false")
+
+
+def _parse_time(value: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 def _config_hash(dep: dict[str, Any]) -> str:
@@ -393,12 +408,9 @@ def test_rendered_children_and_chart_validate_against_the_api(cluster: LocalClus
 def test_operator_killed_mid_reconcile_converges(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
     pods = _operator_pods(cluster, ns)
     assert len(pods) == 1
-    pod = pods[0]["metadata"]["name"]
-    pid = cluster.pod_pid(namespace=ns, pod=pod)
-    assert pid is not None
     _apply(cluster, _manifest("delta", ns, model=tiny_model))
     time.sleep(0.3)
-    os.kill(pid, signal.SIGKILL)
+    _kill_pod(cluster, ns, pods[0]["metadata"]["name"])
     _wait_pools(cluster, ns, "delta", prefill=2, decode=1)
     kinds = [(c["kind"], c["metadata"]["labels"].get(contract.LABEL_ROLE)) for c in _children(cluster, ns, "delta")
              if c["kind"] == "Deployment"]
@@ -426,23 +438,32 @@ def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ns: str, ti
     standby = next(p for p in pods if p != leader)
     _apply(cluster, _manifest("eps", ns, model=tiny_model, prefill_min=1))
     _wait_pools(cluster, ns, "eps", prefill=1, decode=1)
-    standby_log = cluster.pod_log(namespace=ns, pod=standby)
-    assert "Waiting for Lease" in standby_log
-    assert "Acquired Lease" not in standby_log and "Handler" not in standby_log, standby_log[-2000:]
+    # Every Event about eps was posted by the Lease holder (kopf reports our identity).
+    reporters = {e.get("reportingInstance") for e in _events(cluster, ns, "eps")}
+    assert reporters == {holder}, reporters
     # Kill the leader hard (no Lease release): the standby must take over after expiry.
-    pid = cluster.pod_pid(namespace=ns, pod=leader)
-    assert pid is not None
     killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    def changed_holder() -> str:
-        current = _lease_holder(cluster, ns)
-        return current if current != holder else ""
-    new_holder = cluster.wait_for(changed_holder, timeout_seconds=LEASE_DURATION_SECONDS + 15,
-                                  what="new Lease holder")
+    _kill_pod(cluster, ns, leader)
+    last_renew: list[str] = []
+
+    def changed_holder() -> dict[str, Any] | None:
+        spec = (_get(cluster, ns, "leases.coordination.k8s.io", LEASE_NAME) or {}).get("spec") or {}
+        if spec.get("holderIdentity") == holder:
+            last_renew[:] = [str(spec["renewTime"])]
+            return None
+        return spec if spec.get("holderIdentity") else None
+    new_spec = _until(cluster, changed_holder, timeout_seconds=LEASE_DURATION_SECONDS + 20, what="new Lease holder")
+    new_holder = str(new_spec["holderIdentity"])
     takeover_seconds = time.monotonic() - killed_at
-    print(f"\nleader failover: {takeover_seconds:.1f}s (lease duration {LEASE_DURATION_SECONDS:.0f}s)")
-    assert takeover_seconds <= LEASE_DURATION_SECONDS + 4.0
-    assert new_holder.startswith(f"{standby}_") or new_holder.startswith(f"{leader}_")
+    # The Lease is free lease-duration after the dead leader's last renewal; the standby sees
+    # that within one retry period. (The kill itself lands when the node agent notices the
+    # force-deleted pod, so time-from-kill includes that delay too.)
+    gap_seconds = (_parse_time(str(new_spec["acquireTime"])) - _parse_time(last_renew[0])).total_seconds()
+    print(f"\nleader failover: {gap_seconds:.1f}s from the last renewal, {takeover_seconds:.1f}s from the kill "
+          f"(lease duration {LEASE_DURATION_SECONDS:.0f}s)")
+    assert gap_seconds <= LEASE_DURATION_SECONDS + 2 * RETRY_PERIOD_SECONDS
+    assert new_spec["leaseTransitions"] >= 1
+    assert new_holder.startswith(f"{standby}_"), (new_holder, standby)
     # The new leader reconciles: a deleted child comes back.
     cluster.kubectl("delete", "configmap", "eps-config", "-n", ns)
     cluster.wait_for(lambda: _get(cluster, ns, "configmap", "eps-config"), timeout_seconds=30,

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
+import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
@@ -35,7 +36,7 @@ from splitserve_e2e.build import Binaries, cache_root, ensure_binaries
 from splitserve_e2e.controllers import start_controller_manager, start_scheduler
 from splitserve_e2e.etcd import start_etcd
 from splitserve_e2e.kwok import GpuNodeShape, create_gpu_nodes, node_ready, start_kwok
-from splitserve_e2e.localnode import LocalNode
+from splitserve_e2e.localnode import LocalNode, pod_pid_from_files, read_pod_log
 from splitserve_e2e.pki import ClusterPki, ensure_pki
 from splitserve_e2e.process import ManagedProcess, kill_recorded, wait_until
 from splitserve_e2e.prometheus import query as prometheus_query
@@ -93,6 +94,7 @@ class LocalCluster:
         self._processes: list[ManagedProcess] = []
         self._local_node: LocalNode | None = None
         self._stopped = False
+        self._attached_state_dir: Path | None = None
         if not self.managed:
             self.api_server_url = kubeconfigs.server_of(kubeconfig=self.kubeconfig)
 
@@ -113,6 +115,8 @@ class LocalCluster:
         info = read_info(state_dir=directory)
         cluster = cls.from_existing(kubeconfig=Path(info["kubeconfig"]),
                                     prometheus_url=info.get("prometheus_url"))
+        if info.get("local_node"):
+            cluster._attached_state_dir = directory  # pod logs and pids are files there
         return cluster
 
     @property
@@ -306,37 +310,44 @@ class LocalCluster:
     # ------------------------------------------------------------------ local node
     def _require_local_node(self) -> LocalNode:
         if self._local_node is None:
-            why = ("this cluster was not started by this process (an existing cluster, or the "
-                   "`up` daemon's: read pod logs under its state dir pods/)" if not self.managed
-                   else "it was started with with_local_node=False")
+            why = ("this is an existing cluster not started by this harness (use "
+                   "LocalCluster.attach() for one started with `python -m splitserve_e2e up`)"
+                   if not self.managed else "it was started with with_local_node=False")
             raise LocalNodeUnavailable(f"the local node agent is not available: {why}")
         return self._local_node
 
     def pod_log(self, *, namespace: str, pod: str) -> str:
         """stdout+stderr of a pod that ran on the local node."""
+        if self._attached_state_dir is not None:
+            return read_pod_log(pods_dir=self._attached_state_dir / "pods", namespace=namespace,
+                                pod=pod)
         return self._require_local_node().pod_log(namespace=namespace, pod=pod)
 
     def pod_pid(self, *, namespace: str, pod: str) -> int | None:
+        """pid of the live local process of a pod on the local node, or None."""
+        if self._attached_state_dir is not None:
+            return pod_pid_from_files(pid_dir=self._attached_state_dir / "pids",
+                                      namespace=namespace, pod=pod)
         return self._require_local_node().pod_pid(namespace=namespace, pod=pod)
 
     # ------------------------------------------------------------------ helpers
     def endpoints_of(self, *, namespace: str, service: str, port_name: str | None = None
                      ) -> list[str]:
-        """``ip:port`` of the ready endpoints of a Service, from its EndpointSlices (there is
-        no kube-proxy on loopback, so tests call pods directly)."""
-        discovery = k8s.DiscoveryV1Api(self.api_client())
+        """``ip:port`` of the ready endpoints of a Service, from its EndpointSlices (there is no
+        kube-proxy on loopback, so tests and the demo call pods directly). Local-node pods
+        appear through the FQDN slices the local node publishes (see ``localslices``)."""
+        discovery: Any = k8s.DiscoveryV1Api(self.api_client())
         slices = discovery.list_namespaced_endpoint_slice(
             namespace, label_selector=f"kubernetes.io/service-name={service}")
-        out: list[str] = []
+        out: set[str] = set()
         for endpoint_slice in slices.items:
             ports = [p for p in endpoint_slice.ports or []
                      if port_name is None or p.name == port_name]
             for endpoint in endpoint_slice.endpoints or []:
                 if endpoint.conditions is not None and endpoint.conditions.ready is False:
                     continue
-                for address in endpoint.addresses:
-                    out += [f"{address}:{p.port}" for p in ports]
-        return sorted(set(out))
+                out.update(f"{a}:{p.port}" for a in endpoint.addresses for p in ports)
+        return sorted(out)
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """Prometheus instant query (``data.result``)."""
@@ -347,8 +358,9 @@ class LocalCluster:
     @staticmethod
     def wait_for(predicate: Callable[[], T], *, timeout_seconds: float,
                  interval_seconds: float = 0.25, what: str = "condition") -> T:
-        """Poll until ``predicate()`` returns a truthy value and return it. API 404s and
-        connection errors count as "not yet"; the last error is in the TimeoutError."""
+        """Poll until ``predicate()`` returns a truthy value and return it. API errors,
+        connection errors (also httpx's) and missing keys count as "not yet"; the last error
+        is in the TimeoutError."""
         deadline = time.monotonic() + timeout_seconds
         last_error: BaseException | None = None
         while True:
@@ -356,7 +368,7 @@ class LocalCluster:
                 value = predicate()
                 if value:
                     return value
-            except (ApiException, OSError, KeyError, IndexError) as error:
+            except (ApiException, OSError, httpx.TransportError, KeyError, IndexError) as error:
                 last_error = error
             if time.monotonic() > deadline:
                 detail = f" (last error: {last_error!r})" if last_error else ""

@@ -5,7 +5,8 @@ them, and there is no container engine here. This agent registers Node ``splitse
 and, for every pod bound to it, runs the single container's command as a process in its own
 session, on its own loopback address 127.0.x.y published as the pod IP, with the pod's
 environment, its readiness/liveness/startup probes, restarts counted in ``restartCount``, and
-graceful deletion (SIGTERM, SIGKILL after the grace period, then the pod is removed). A pod
+graceful deletion (SIGTERM, SIGKILL after the grace period, then the pod is removed), and
+EndpointSlices for the Services that select them (:mod:`splitserve_e2e.localslices`). A pod
 that asks for something a process cannot honour (see :mod:`splitserve_e2e.podspec`) gets a
 Warning Event and a waiting reason naming it, and does not start.
 
@@ -40,8 +41,9 @@ from kubernetes.client.exceptions import ApiException
 
 from splitserve_e2e import podspec
 from splitserve_e2e.kubeconfig import write_token_kubeconfig
+from splitserve_e2e.localslices import SliceMirror
 from splitserve_e2e.net import LOOPBACK
-from splitserve_e2e.process import ManagedProcess, start_process
+from splitserve_e2e.process import ManagedProcess, is_alive, process_start_ticks, start_process
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ LEASE_DURATION_SECONDS = 40
 LEASE_RENEW_SECONDS = 10.0
 NODE_STATUS_SECONDS = 30.0
 TOKEN_SECONDS = 3600
+SLICE_SYNC_SECONDS = 1.0
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 10.0)
 UNSUPPORTED_CONDITION = "splitserve.dev/LocalNodeSupported"
 
@@ -148,6 +151,8 @@ class LocalNode:
         self._lock = threading.Lock()
         self._last_lease = 0.0
         self._last_node_status = 0.0
+        self._slices = SliceMirror(api=self._api, node_name=NODE_NAME)
+        self._last_slice_sync = 0.0
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ public surface
@@ -176,10 +181,7 @@ class LocalNode:
 
     def pod_log(self, *, namespace: str, pod: str) -> str:
         """stdout+stderr of the newest pod ``namespace/pod`` that ran here ('' if none)."""
-        directory = self._pods_dir / namespace
-        candidates = sorted(directory.glob(f"{pod}_*/container.log"),
-                            key=lambda path: path.stat().st_mtime) if directory.is_dir() else []
-        return candidates[-1].read_text(errors="replace") if candidates else ""
+        return read_pod_log(pods_dir=self._pods_dir, namespace=namespace, pod=pod)
 
     def pod_pid(self, *, namespace: str, pod: str) -> int | None:
         """pid of the running process of ``namespace/pod``, or None."""
@@ -271,9 +273,13 @@ class LocalNode:
             seen.add(uid)
             try:
                 self._sync_pod(pod)
-            except ApiException as error:
+            except ApiException as error:  # one pod's API trouble must not stall the others
                 if error.status not in (404, 409):
-                    raise
+                    log.warning("syncing pod %s/%s: %s %s", pod["metadata"]["namespace"],
+                                pod["metadata"]["name"], error.status, error.reason)
+        if time.monotonic() - self._last_slice_sync > SLICE_SYNC_SECONDS:
+            self._slices.sync(pods=pods)
+            self._last_slice_sync = time.monotonic()
         with self._lock:
             gone = [uid for uid in self._runs if uid not in seen]
         for uid in gone:  # deleted behind our back (force delete): end the process
@@ -627,6 +633,30 @@ class LocalNode:
         except ApiException as error:  # events are best effort, as in kubelet
             log.warning("event %s for %s/%s not recorded: %s", reason, run.namespace, run.name,
                         error.reason)
+
+
+def read_pod_log(*, pods_dir: Path, namespace: str, pod: str) -> str:
+    """The log file the agent wrote for the newest pod ``namespace/pod`` ('' if none); usable
+    from another process, e.g. against the cluster of ``python -m splitserve_e2e up``."""
+    directory = pods_dir / namespace
+    candidates = sorted(directory.glob(f"{pod}_*/container.log"),
+                        key=lambda path: path.stat().st_mtime) if directory.is_dir() else []
+    return candidates[-1].read_text(errors="replace") if candidates else ""
+
+
+def pod_pid_from_files(*, pid_dir: Path, namespace: str, pod: str) -> int | None:
+    """pid of the live process of ``namespace/pod`` from the agent's pid files, or None."""
+    prefix = f"pod-{namespace}-{pod}-"
+    for pid_file in pid_dir.glob(f"{prefix}*.pid"):
+        try:
+            record = json.loads(pid_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        name, pid = str(record.get("name", "")), int(record.get("pid", 0))
+        if len(name) == len(prefix) + 8 and is_alive(pid) and \
+                process_start_ticks(pid) == record.get("start_ticks"):
+            return pid
+    return None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

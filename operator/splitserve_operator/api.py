@@ -133,8 +133,6 @@ class ApiModel(BaseModel):
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
-        validate_default=False,
-        use_attribute_docstrings=False,
     )
 
     def dump(self) -> dict[str, Any]:

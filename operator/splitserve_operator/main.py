@@ -9,7 +9,9 @@ Start-up order, and why:
 4. With leader election, wait for the Lease. Only then build the kopf registry and start
    kopf (``standalone=True``: kopf's peering is off; the Lease is the only gate). A standby
    replica runs no handler at all.
-5. Run kopf and the Lease renewal side by side. If the renewal fails for the renew deadline,
+5. Register the reconciler's handlers (:mod:`handlers`) and the autoscaler's
+   (:func:`splitserve_operator.autoscaler.loop.register`) in one fresh kopf registry.
+6. Run kopf and the Lease renewal side by side. If the renewal fails for the renew deadline,
    stop kopf and exit with status 1: the Deployment restarts us as a fresh candidate, which is
    simpler and safer than trying to un-become a leader inside a running kopf. On SIGTERM, kopf
    stops, we release the Lease (a standby takes over immediately) and exit 0.
@@ -32,6 +34,7 @@ from kubernetes import config as k8s_config
 from splitserve_runtime import contract
 
 from . import handlers, health, kube, leader, metrics, operator_flags, reconcile
+from .autoscaler import loop as autoscaler_loop
 
 logger = logging.getLogger("splitserve_operator")
 
@@ -131,6 +134,10 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
         metrics=operator_metrics,
     )
     registry, coalescer = handlers.build_registry(ctx=ctx)
+    # The autoscaler's own handlers (a kopf timer per InferenceService) join the same registry,
+    # so they too run only on the leader. Its series go to the operator's /metrics.
+    autoscaler_loop.register(registry=registry, api=api, prometheus_url=args.prometheus_url,
+                             metrics_registry=operator_metrics.registry)
     stop_flag: asyncio.Event = asyncio.Event()
     ready_flag: asyncio.Event = asyncio.Event()
     namespaces = [args.namespace] if args.namespace else []

@@ -15,6 +15,7 @@ backoff (the handler turns it into ``kopf.TemporaryError``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -47,6 +48,7 @@ REASON_NO_GPU: Final = "InsufficientGPUCapacity"
 REASON_PROGRESSING: Final = "Progressing"
 
 NODE_CACHE_SECONDS: Final = 10.0
+APPLY_CONCURRENCY: Final = 8
 
 
 class RetryableError(Exception):
@@ -194,31 +196,40 @@ def reconcile(*, api: kube.Kube, obj: Mapping[str, Any], settings: ReconcileSett
     conflicts: list[str] = []
     conflict_messages: list[str] = []
     deployments: dict[Role, dict[str, Any]] = {}
-    for child in children:
-        label = f"{child['kind']}/{child['metadata']['name']}"
+    def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
         role_value = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
-        initial: int | None = None
-        if child["kind"] == "Deployment":
-            initial = render.initial_replicas(isvc=isvc, role=Role(role_value))
+        initial = render.initial_replicas(isvc=isvc, role=Role(role_value)) if child["kind"] == "Deployment" else None
         try:
-            applied = apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial)
-        except apply.NameConflict as exc:
+            return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial)
+        except (apply.NameConflict, ApiException) as exc:
+            return exc
+
+    # Children are independent objects: apply them concurrently (one GET + PATCH each).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY) as pool:
+        applied_list = list(pool.map(apply_one, children))
+    api_errors: list[str] = []
+    for child, result in zip(children, applied_list, strict=True):
+        label = f"{child['kind']}/{child['metadata']['name']}"
+        if isinstance(result, apply.NameConflict):
             conflicts.append(label)
-            conflict_messages.append(str(exc))
-            continue
-        except ApiException as exc:
-            message = f"applying {label} failed: {kube.error_message(exc)}"
-            events.warning(obj=obj, reason=REASON_API_ERROR, message=message)
-            _write_status(api=api, obj=obj, fields={}, conditions=_conditions(
-                ready=("False", REASON_API_ERROR, message), reconciling=("True", REASON_API_ERROR, message),
-                stalled=("False", REASON_API_ERROR, message)))
-            raise RetryableError(message) from exc
-        if applied.outcome is apply.Outcome.CREATED:
-            created.append(label)
-        elif applied.outcome is apply.Outcome.UPDATED:
-            updated.append(label)
-        if child["kind"] == "Deployment" and role_value:
-            deployments[Role(role_value)] = applied.obj
+            conflict_messages.append(str(result))
+        elif isinstance(result, BaseException):
+            api_errors.append(f"applying {label} failed: {kube.error_message(result)}")
+        elif isinstance(result, apply.Applied):
+            if result.outcome is apply.Outcome.CREATED:
+                created.append(label)
+            elif result.outcome is apply.Outcome.UPDATED:
+                updated.append(label)
+            role_value = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+            if child["kind"] == "Deployment" and role_value:
+                deployments[Role(role_value)] = result.obj
+    if api_errors:
+        message = "; ".join(api_errors)
+        events.warning(obj=obj, reason=REASON_API_ERROR, message=message)
+        _write_status(api=api, obj=obj, fields={}, conditions=_conditions(
+            ready=("False", REASON_API_ERROR, message), reconciling=("True", REASON_API_ERROR, message),
+            stalled=("False", REASON_API_ERROR, message)))
+        raise RetryableError(message)
 
     if created:
         events.normal(obj=obj, reason=REASON_CHILDREN_CREATED, message="Created " + ", ".join(created))

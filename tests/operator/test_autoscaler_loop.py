@@ -266,6 +266,8 @@ async def test_rounds_scale_record_and_hold(cluster: Cluster, prometheus: Promet
     obj = isvc(api)
     assert (condition(obj, "MetricsHealthy")["status"], condition(obj, "MetricsHealthy")["reason"]) == ("False", "QueryFailed")
     assert condition(obj, "ScalingActive")["reason"] == "MetricsUnavailable"
+    assert set(obj["status"]["decode"]["lastDecision"]["inputs"]) == {
+        "currentReplicas", "readyReplicas", "pendingReplicas"}  # the last round's numbers are gone
     assert replicas_and_owner(api, "prefill")[0] == 3 and replicas_and_owner(api, "decode")[0] == 1
 
     # Round 4: dry run, decode busy again (the Pending pod is gone): 2 recommended, recorded,

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+
 from splitserve_runtime.contract import ServeArgs, serve_argv
 from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.engine.stats import EngineStats

@@ -42,7 +42,8 @@ class SlowModel(NullModel):
         return super().forward(**kwargs)
 
 
-def _engine(*, model: NullModel | None = None, **overrides: object) -> AsyncEngine:
+def _engine(*, model: NullModel | None = None, overlap: bool = False,
+            **overrides: object) -> AsyncEngine:
     values: dict[str, object] = {"max_model_len": 512, "block_size": 4, "num_kv_blocks": 32,
                                  "max_num_batched_tokens": 64, "max_num_seqs": 8}
     values.update(overrides)
@@ -50,7 +51,8 @@ def _engine(*, model: NullModel | None = None, **overrides: object) -> AsyncEngi
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
     core = LLMEngine(model=model, kv_spec=spec, vocab_size=VOCAB,
                      config=EngineConfig(**values),  # type: ignore[arg-type]
-                     device=torch.device("cpu"), model_name="null")
+                     device=torch.device("cpu"), model_name="null",
+                     overlap_output_processing=overlap)
     return AsyncEngine(engine=core)
 
 
@@ -68,8 +70,9 @@ async def _wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def test_concurrent_streams_finish_with_the_right_tokens() -> None:
-    engine = _engine()
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_concurrent_streams_finish_with_the_right_tokens(overlap: bool) -> None:
+    engine = _engine(overlap=overlap)
     await engine.start()
     try:
         params = SamplingParams(temperature=0, max_tokens=10)
@@ -121,8 +124,9 @@ async def test_admission_errors_are_raised_before_the_first_output() -> None:
         await engine.shutdown()
 
 
-async def test_cancelled_consumer_aborts_and_frees_blocks() -> None:
-    engine = _engine(model=SlowModel(step_delay_s=0.002))
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_cancelled_consumer_aborts_and_frees_blocks(overlap: bool) -> None:
+    engine = _engine(model=SlowModel(step_delay_s=0.002), overlap=overlap)
     await engine.start()
     try:
         seen: list[RequestOutput] = []
@@ -182,3 +186,37 @@ async def test_call_runs_on_the_engine_thread() -> None:
             await engine.call(lambda core: 1 // 0)
     finally:
         await engine.shutdown()
+
+
+async def test_failed_start_and_repeated_shutdown() -> None:
+    def broken() -> LLMEngine:
+        raise RuntimeError("no weights here")
+
+    engine = AsyncEngine(engine_factory=broken)
+    with pytest.raises(RuntimeError, match="no weights here"):
+        await engine.start()
+    assert not engine.is_healthy
+    with pytest.raises(EngineDead):
+        await _collect(engine, "a", [1], SamplingParams(max_tokens=1))
+    await engine.shutdown()
+    await engine.shutdown()
+    with pytest.raises(ValueError, match="exactly one"):
+        AsyncEngine()
+
+
+async def test_shutdown_ends_open_streams() -> None:
+    engine = _engine(model=SlowModel(step_delay_s=0.005))
+    await engine.start()
+    seen: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate(request_id="s", prompt_token_ids=[1, 2],
+                                         params=SamplingParams(temperature=0, max_tokens=400)):
+            seen.append(out)
+
+    task = asyncio.create_task(consume())
+    await _wait_until(lambda: len(seen) >= 2)
+    await engine.shutdown()
+    await asyncio.wait_for(task, timeout=5)
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    assert not engine.is_healthy

@@ -50,8 +50,10 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def test_outputs_are_deltas_with_timings_and_length_finish() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_are_deltas_with_timings_and_length_finish(overlap: bool) -> None:
     engine = build_null_engine(config=_config())
+    engine.overlap_output_processing = overlap
     prompt = list(range(10, 30))
     engine.add_request(request_id="a", prompt_token_ids=prompt, params=GREEDY)
     outs = _run(engine)["a"]
@@ -64,13 +66,15 @@ def test_outputs_are_deltas_with_timings_and_length_finish() -> None:
     assert engine.block_manager.usage_ratio == 0.0
 
 
-def test_stop_token_eos_ignore_eos_and_min_tokens() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_token_eos_ignore_eos_and_min_tokens(overlap: bool) -> None:
     prompt = [5, 6, 7]
     exp = _expected(prompt, 8)
     model = NullModel(vocab_size=VOCAB)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
     engine = LLMEngine(model=model, kv_spec=spec, vocab_size=VOCAB, config=_config(),
-                       device=torch.device("cpu"), eos_token_ids=[exp[2]])
+                       device=torch.device("cpu"), eos_token_ids=[exp[2]],
+                       overlap_output_processing=overlap)
     engine.add_request(request_id="eos", prompt_token_ids=prompt, params=GREEDY)
     engine.add_request(request_id="ignore", prompt_token_ids=prompt,
                        params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -96,8 +100,10 @@ def test_stop_token_eos_ignore_eos_and_min_tokens() -> None:
     assert third is not None and third[0].top_logprobs[0][0] == exp[2]  # logprobs stay unmasked
 
 
-def test_abort_frees_kv_blocks_from_running_and_waiting() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_kv_blocks_from_running_and_waiting(overlap: bool) -> None:
     engine = build_null_engine(config=_config(max_num_seqs=2))
+    engine.overlap_output_processing = overlap
     for i in range(3):
         engine.add_request(request_id=f"r{i}", prompt_token_ids=list(range(i, i + 30)),
                            params=SamplingParams(temperature=0, max_tokens=50))
@@ -136,9 +142,11 @@ def test_admission_errors() -> None:
     assert engine.scheduler.num_waiting == 1
 
 
-def test_preemption_keeps_outputs_and_counts() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_keeps_outputs_and_counts(overlap: bool) -> None:
     prompts = {f"r{i}": list(range(100 * i, 100 * i + 10)) for i in range(4)}
     engine = build_null_engine(config=_config(num_kv_blocks=14, max_num_batched_tokens=32))
+    engine.overlap_output_processing = overlap
     for rid, prompt in prompts.items():
         engine.add_request(request_id=rid, prompt_token_ids=prompt,
                            params=SamplingParams(temperature=0, max_tokens=12))
@@ -187,3 +195,20 @@ def test_engine_config_validation() -> None:
         EngineConfig(max_model_len=1024, max_num_batched_tokens=512, chunked_prefill=False)
     with pytest.raises(ValueError, match="kv_memory_fraction"):
         EngineConfig(max_model_len=16, kv_memory_fraction=0.0)
+
+
+def test_many_requests_leave_no_state_behind() -> None:
+    engine = build_null_engine(config=_config(num_kv_blocks=32, max_num_seqs=8))
+    engine.overlap_output_processing = True
+    for wave in range(20):
+        for i in range(50):
+            rid = f"w{wave}-{i}"
+            engine.add_request(request_id=rid, prompt_token_ids=[(wave * 50 + i) % VOCAB] * (i % 9 + 1),
+                               params=SamplingParams(temperature=0.5, seed=i, max_tokens=i % 5 + 1))
+        for i in range(0, 50, 7):
+            engine.abort_request(f"w{wave}-{i}")
+        _run(engine)
+    assert engine.num_requests == 0 and not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == 32
+    assert engine.runner.sampler._generators == {}
+    assert engine.scheduler._by_id == {} and not engine.scheduler.waiting

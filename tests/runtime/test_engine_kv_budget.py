@@ -13,7 +13,8 @@ from splitserve_runtime.engine.kv_budget import (
     available_host_memory_bytes,
     num_blocks_for_budget,
 )
-from splitserve_runtime.engine.llm_engine import LLMEngine, resolve_device, resolve_dtype
+from splitserve_runtime.engine.llm_engine import LLMEngine
+from splitserve_runtime.engine.loading import resolve_device, resolve_dtype
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 

@@ -26,8 +26,10 @@ TEXTS = [SHARED + tail for tail in (" the cat", " a bird sings", " rain falls", 
                                     " it rains again", " the sun", " music plays", " time flies")]
 
 
-def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    return LLMEngine.from_args(dataclasses.replace(BASE, model=str(model_dir), **overrides))
+def _engine(model_dir: Path, *, overlap: bool = False, **overrides: Any) -> LLMEngine:
+    engine = LLMEngine.from_args(dataclasses.replace(BASE, model=str(model_dir), **overrides))
+    engine.overlap_output_processing = overlap  # the CUDA default, exercised here on CPU
+    return engine
 
 
 def _run(engine: LLMEngine, prompts: dict[str, list[int]], *,
@@ -94,8 +96,10 @@ def test_preemption_with_tiny_kv_pool_matches(tiny_llama_dir: Path, prompts: dic
     assert engine.block_manager.usage_ratio == 0.0
 
 
-def test_stop_string_trims_text(tiny_llama_dir: Path, prompts: dict[str, list[int]]) -> None:
-    engine = _engine(tiny_llama_dir)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_string_trims_text(tiny_llama_dir: Path, prompts: dict[str, list[int]],
+                                overlap: bool) -> None:
+    engine = _engine(tiny_llama_dir, overlap=overlap, prefix_caching=True)
     prompt = {"s": prompts["p0"]}
     full = "".join(o.new_text for o in _run(engine, prompt)["s"])
     assert len(full) >= 6
@@ -105,11 +109,24 @@ def test_stop_string_trims_text(tiny_llama_dir: Path, prompts: dict[str, list[in
     outs = _run(engine, prompt, params=params)["s"]
     assert "".join(o.new_text for o in outs) == full[:cut]
     assert outs[-1].finish_reason == "stop"
+    assert engine.block_manager.usage_ratio == 0.0 and not engine.has_unfinished()
+    # with overlapped output processing the request ends on the same token
+    # (the extra token sampled while the stop string was found is dropped)
+    if overlap:
+        plain = _run(_engine(tiny_llama_dir, prefix_caching=True), prompt, params=params)["s"]
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in plain]
     # a stop string that never appears leaves the text alone
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             stop=["\u2603never"])
     outs = _run(engine, prompt, params=params)["s"]
     assert "".join(o.new_text for o in outs) == full and outs[-1].finish_reason == "length"
+
+
+def test_output_overlap_matches(tiny_llama_dir: Path, prompts: dict[str, list[int]],
+                                reference: dict[str, list[int]]) -> None:
+    engine = _engine(tiny_llama_dir, overlap=True, chunked_prefill=True, prefix_caching=True,
+                     max_num_batched_tokens=16, num_kv_blocks=24)
+    assert _tokens(_run(engine, prompts)) == reference
 
 
 def test_streamed_text_equals_decoded_tokens(tiny_llama_dir: Path,

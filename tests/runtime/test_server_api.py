@@ -11,7 +11,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL_NAME, InProcessServer, serve_args, start_server
-from splitserve_runtime.contract import OUTCOMES, Metric
+
+from splitserve_runtime.contract import (
+    HEADER_REQUEST_ID,
+    INFO_PATH,
+    KV_TRANSFER_PARAMS_FIELD,
+    OUTCOMES,
+    Metric,
+)
 
 # the server fixture's limits: 512-token context, 16 KV blocks x 16 tokens = 256 tokens
 MAX_MODEL_LEN = 512
@@ -68,6 +75,24 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in models.data] == [MODEL_NAME]
 
 
+def test_probes_and_openapi(server: InProcessServer) -> None:
+    assert httpx.get(f"{server.base_url}/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{server.base_url}/ready", timeout=10).json() == {"status": "ready"}
+    spec = httpx.get(f"{server.base_url}/openapi.json", timeout=10).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+    info = httpx.get(f"{server.base_url}{INFO_PATH}", timeout=10).json()
+    assert info == {"role": "aggregated", "model": MODEL_NAME, "compat_hash": "",
+                    "kv_endpoint": "", "block_size": 16, "max_model_len": MAX_MODEL_LEN}
+
+
+def test_kv_handoff_is_refused_until_wired(server: InProcessServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=10, json={
+        "model": MODEL_NAME, "prompt": "hi", "max_tokens": 1,
+        KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}})
+    assert response.status_code == 501
+    assert response.json()["error"]["code"] == "handoff_unavailable"
+
+
 def test_completion_length_finish_and_usage(client: openai.OpenAI,
                                             server: InProcessServer) -> None:
     prompt = "The quick brown fox"
@@ -83,6 +108,16 @@ def test_completion_length_finish_and_usage(client: openai.OpenAI,
     assert result.choices[0].text != ""
 
 
+def test_request_id_header_is_echoed(server: InProcessServer) -> None:
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+    given = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=10,
+                       headers={HEADER_REQUEST_ID: "rt-abc123"})
+    assert given.headers[HEADER_REQUEST_ID] == "rt-abc123"
+    ours = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": True},
+                      timeout=10)
+    assert ours.headers[HEADER_REQUEST_ID].startswith("cmpl-")
+
+
 def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI,
                                              server: InProcessServer) -> None:
     prompt = "def add(a, b):"
@@ -92,6 +127,18 @@ def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI,
                                        extra_body={"ignore_eos": True})
     assert as_ids.choices[0].text == as_text.choices[0].text
     assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
+
+
+def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = [(11 * i) % 300 + 5 for i in range(40)]  # 2.5 KV blocks of 16 tokens
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 16 <= cached < 40 and cached % 16 == 0
 
 
 def test_streamed_completion_equals_whole_completion(client: openai.OpenAI) -> None:
@@ -127,6 +174,16 @@ def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
     assert stream[-1].usage is not None
     assert stream[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_developer_role_is_rendered_as_system(client: openai.OpenAI) -> None:
+    def answer(role: str) -> str | None:
+        return client.chat.completions.create(
+            model=MODEL_NAME, temperature=0, max_tokens=6, extra_body={"ignore_eos": True},
+            messages=[{"role": role, "content": "Be brief."},  # type: ignore[misc, list-item]
+                      {"role": "user", "content": "hi"}]).choices[0].message.content
+
+    assert answer("developer") == answer("system")
 
 
 def test_chat_without_usage_option_sends_no_usage(client: openai.OpenAI) -> None:

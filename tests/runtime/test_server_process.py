@@ -145,6 +145,7 @@ class _Stream(threading.Thread):
         return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: Path) -> None:
     grace_s = 20.0
     with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s) as srv:
@@ -183,7 +184,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: Path) ->
               f"{exited_after_s:.2f} s")
 
 
-def test_drain_timeout_cuts_long_requests_and_still_exits_0(tiny_llama_dir: Path) -> None:
+@pytest.mark.slow
+def test_drain_timeout_aborts_long_requests_and_still_exits_0(tiny_llama_dir: Path) -> None:
     grace_s = 1.0
     with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s,
                   max_model_len=2048, num_kv_blocks=130) as srv:
@@ -199,9 +201,8 @@ def test_drain_timeout_cuts_long_requests_and_still_exits_0(tiny_llama_dir: Path
         finishes = [p["choices"][0]["finish_reason"] for p in payloads if p.get("choices")]
         assert "length" not in finishes  # the request did not run to completion ...
         errors = [p["error"] for p in payloads if "error" in p]
-        # ... and the client was told so, or the connection was cut
-        assert errors or "[DONE]" not in stream.events
-        if errors:
-            assert errors[0]["code"] == "aborted"
-        assert grace_s <= exited_after_s < grace_s + 4
+        # ... and the stream says so in an error event rather than being cut mid-body
+        assert [e["code"] for e in errors] == ["aborted"]
+        assert stream.events[-1] == "[DONE]"
+        assert grace_s <= exited_after_s < grace_s + 5
         print(f"drain timeout {grace_s} s: exited 0 after {exited_after_s:.2f} s")

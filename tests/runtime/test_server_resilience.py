@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import (
     MODEL_NAME,
@@ -23,11 +25,12 @@ from server_harness import (
     start_server,
     wait_until,
 )
+from starlette.routing import Route
+
 from splitserve_runtime.contract import Metric
 from splitserve_runtime.engine.async_engine import AsyncEngine
-from splitserve_runtime.server.app import build_app
+from splitserve_runtime.server.app import DrainingServer, build_app
 from splitserve_runtime.server.auth import OPEN_PATHS
-from starlette.routing import Route
 
 LONG = 480  # tokens: several seconds of decoding on CPU, far longer than any wait below
 
@@ -252,3 +255,29 @@ def test_engine_failure_fails_health_and_ends_streams_with_an_error(
             client.completions.create(model=MODEL_NAME, prompt="after", max_tokens=2)
         assert after.value.status_code == 503
         assert _outcomes(srv)["error"] >= 1
+
+
+def test_process_exits_1_when_the_engine_dies(tiny_llama_dir: Path) -> None:
+    """The launcher's watchdog: a dead engine stops the server so Kubernetes restarts it."""
+    args = serve_args(model_dir=tiny_llama_dir)
+    engine = AsyncEngine.from_args(args)
+    app = build_app(engine=engine, served_model_name=MODEL_NAME, role=args.role, api_key=None)
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on"),
+                             state=app.state.server, drain_timeout_seconds=5)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        wait_until(lambda: server.started and app.state.server.is_ready, timeout_s=60,
+                   what="ready")
+
+        def broken_step() -> list[object]:
+            raise RuntimeError("simulated device fault")
+
+        engine.engine.step = broken_step  # type: ignore[method-assign, assignment]
+        httpx.post(f"{base}/v1/completions", timeout=10,
+                   json={"model": MODEL_NAME, "prompt": "boom", "max_tokens": 2})
+        thread.join(10)
+        assert not thread.is_alive(), "the server kept running on a dead engine"
+        assert server.exit_code == 1

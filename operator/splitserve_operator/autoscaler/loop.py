@@ -180,10 +180,15 @@ def _act(
     actuator.apply_replicas(api=api, namespace=namespace, deployment=obs.deployment, replicas=decision.result)
 
 
-def _last_decision(decision: Decision, *, now_seconds: float) -> dict[str, Any]:
+def _last_decision(decision: Decision, *, now_seconds: float, previous: Mapping[str, Any]) -> dict[str, Any]:
+    """``status.<pool>.lastDecision``. Status is written as a merge patch, which merges the
+    ``inputs`` map key by key: inputs of the ``previous`` decision that this one lacks are
+    sent as null (deleted), so the status never mixes two decisions' numbers."""
+    inputs: dict[str, Any] = {key: None for key in (previous.get("inputs") or {})}
+    inputs.update(decision.inputs())
     return {
         "time": _timestamp(now_seconds),
-        "inputs": decision.inputs(),
+        "inputs": inputs,
         "formula": decision.formula[:MAX_FORMULA_LENGTH],
         "result": decision.result,
         "reason": decision.reason,
@@ -258,12 +263,36 @@ async def run_once(
             continue
         written.add(decision.pool)
 
+    fields = _record(isvc=isvc, decisions=decisions, written=written, state=state, now_seconds=now_seconds)
+    conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
+    _post_health_events(isvc=isvc, state=state, namespace=namespace, name=name, rounds=rounds)
+    for failure in failures:
+        events.warning(obj=isvc, reason=EVENT_SCALE_FAILED, message=failure)
+    await asyncio.to_thread(
+        status.patch_status, api=api, namespace=namespace, name=name, fields=fields,
+        conditions=conditions, observed_generation=generation, clock=clock,
+    )
+    for decision in decisions:
+        logger.info("autoscaler %s/%s %s: %s (%s)", namespace, name, decision.pool, decision.formula, decision.reason)
+    return decisions
+
+
+def _record(
+    *, isvc: Mapping[str, Any], decisions: list[Decision], written: set[str], state: AutoscalerState,
+    now_seconds: float,
+) -> dict[str, Any]:
+    """Status fields for this round's decisions; posts an Event for every change (a write,
+    or a new dry-run recommendation) and appends it to ``status.scalingHistory``."""
+    meta = isvc.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    live_status = isvc.get("status") or {}
     fields: dict[str, Any] = {}
-    history: list[dict[str, Any]] = [dict(e) for e in (isvc.get("status") or {}).get("scalingHistory") or []]
+    history: list[dict[str, Any]] = [dict(e) for e in live_status.get("scalingHistory") or []]
     history_before = len(history)
     for decision in decisions:
         key = (namespace, name, decision.pool)
-        entry: dict[str, Any] = {"lastDecision": _last_decision(decision, now_seconds=now_seconds)}
+        previous = (live_status.get(decision.pool) or {}).get("lastDecision") or {}
+        entry: dict[str, Any] = {"lastDecision": _last_decision(decision, now_seconds=now_seconds, previous=previous)}
         change = f"{decision.pool} {decision.current_replicas} → {decision.result}: {decision.formula}"
         if decision.pool in written:
             entry["desiredReplicas"] = decision.result
@@ -280,18 +309,7 @@ async def run_once(
         fields[decision.pool] = entry
     if len(history) != history_before:
         fields["scalingHistory"] = history[-MAX_SCALING_HISTORY:]
-
-    conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
-    _post_health_events(isvc=isvc, state=state, namespace=namespace, name=name, rounds=rounds)
-    for failure in failures:
-        events.warning(obj=isvc, reason=EVENT_SCALE_FAILED, message=failure)
-    await asyncio.to_thread(
-        status.patch_status, api=api, namespace=namespace, name=name, fields=fields,
-        conditions=conditions, observed_generation=generation, clock=clock,
-    )
-    for decision in decisions:
-        logger.info("autoscaler %s/%s %s: %s (%s)", namespace, name, decision.pool, decision.formula, decision.reason)
-    return decisions
+    return fields
 
 
 def _metrics_problems(rounds: list[PoolRound]) -> list[tuple[str, MetricsUnavailable]]:

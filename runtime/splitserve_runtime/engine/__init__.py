@@ -3,6 +3,8 @@
 Layers talk down only: :mod:`.async_engine` (the server's interface) drives
 :mod:`.llm_engine` (the synchronous step loop), which owns :mod:`.scheduler` (continuous
 batching over :mod:`.block_manager`) and :mod:`.model_runner` (tensors, model, :mod:`.sampler`).
+:mod:`.loading` builds an engine from ``ServeArgs``; :mod:`.null_model` is a compute-free
+model for tests and the overhead benchmark.
 Import the submodules you need; this package imports torch only through them.
 """
 

@@ -169,11 +169,30 @@ class AsyncEngine:
         if num_waiting >= engine.config.max_queue_len:
             raise QueueFull(num_waiting=num_waiting, max_queue_len=engine.config.max_queue_len,
                             retry_after_seconds=self._retry_after_seconds(num_waiting))
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = queue
-        finished = False
+        stream = self.open_stream(request_id)
         try:
             self._submit(_Add(request_id, list(prompt_token_ids), params, time.monotonic()))
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+
+    def open_stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Receive the outputs of ``request_id``, for requests started through :meth:`call`
+        (e.g. ``activate_imported_request``): open the stream *before* starting the request,
+        and iterate or close it. Stopping early aborts the request, as in :meth:`generate`."""
+        if request_id in self._queues:
+            raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return self._drain(request_id, queue)
+
+    async def _drain(self, request_id: str,
+                     queue: asyncio.Queue[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
+        try:
             while True:
                 out = await queue.get()
                 finished = out.finished

@@ -6,25 +6,30 @@ emit one :class:`~.outputs.RequestOutput` delta per request that produced someth
 engine is single-threaded by design; :mod:`.async_engine` drives it from a background
 thread for the server.
 
-:meth:`LLMEngine.from_args` builds the whole stack from ``ServeArgs``: model URI → config,
-tokenizer and weights, device and dtype resolution, KV pool measurement.
+On CUDA the per-token text work (detokenization, stop strings, building outputs) of step n
+runs while step n+1 computes on the device ("output overlap"): token-id checks (eos, stop
+tokens, lengths) still happen at once, so only a request ended by a stop string computes
+one token too many, which is dropped.
+
+:meth:`LLMEngine.from_args` builds the whole stack from ``ServeArgs`` (:mod:`.loading`).
+The prefill → decode KV handoff hooks (``keep_kv``, ``reserve_imported_request`` …) are
+described in :mod:`.handoff`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..contract import ENV_MODEL_CACHE, ServeArgs
+from ..contract import ServeArgs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCapacity
+from .handoff import ImportReservation, KeptKV
 from .kv_budget import KVCacheSpec
 from .model_runner import CausalLM, ModelRunner, measure_num_kv_blocks
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput, TokenLogprob
@@ -42,6 +47,21 @@ class _RequestState:
     seq: Sequence
     stop: StopChecker
     prompt_counted: bool = False
+    keep_kv: bool = False
+
+
+@dataclass(slots=True)
+class _PendingToken:
+    """A sampled token whose text and output are not processed yet."""
+
+    state: _RequestState
+    token_id: int
+    logprob: TokenLogprob | None
+    num_output_tokens: int
+    token_reason: str | None
+    now: float
+    ttft: float | None
+    itl: list[float]
 
 
 class LLMEngine:
@@ -51,8 +71,14 @@ class LLMEngine:
                  config: EngineConfig, device: torch.device,
                  eos_token_ids: Iterable[int] = (),
                  detokenizer_factory: DetokenizerFactory | None = None,
-                 model_name: str = "", tokenizer: object | None = None) -> None:
+                 model_name: str = "", tokenizer: object | None = None,
+                 overlap_output_processing: bool | None = None) -> None:
         self.config = config
+        self.overlap_output_processing = (
+            device.type == "cuda" if overlap_output_processing is None else overlap_output_processing)
+        self._pending: list[_PendingToken] = []
+        self._kept_kv: dict[str, KeptKV] = {}
+        self._reserved: dict[str, tuple[_RequestState, int]] = {}  # state, imported tokens
         self.device = device
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -84,42 +110,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: ServeArgs) -> LLMEngine:
-        """Resolve the model URI and build model, tokenizer and engine from ``args``."""
-        from ..model.config import load_model_config
-        from ..model.loader import load_model
-        from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
-        from ..model.uri import resolve_model_uri
-        from ..ops import get_ops
+        """Resolve the model URI and build model, tokenizer and engine (see :mod:`.loading`)."""
+        from .loading import engine_from_args
 
-        if args.quantization != "none":
-            raise ValueError(f"quantization {args.quantization!r} is not supported by this engine yet")
-        if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
-            raise ValueError("tensor/pipeline parallelism > 1 is not supported by this engine yet")
-        device = resolve_device(args.device)
-        model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
-        model_config = load_model_config(model_dir=model_dir)
-        dtype = resolve_dtype(args.dtype, device=device, config_dtype=model_config.torch_dtype)
-        max_model_len = model_config.resolve_max_model_len(requested_tokens=args.max_model_len)
-        if not args.chunked_prefill and args.max_num_batched_tokens < max_model_len:
-            log.warning("chunked prefill is off: max_model_len lowered from %d to "
-                        "max_num_batched_tokens=%d", max_model_len, args.max_num_batched_tokens)
-            max_model_len = args.max_num_batched_tokens
-        ops = get_ops(name=args.attention_backend, device=device)
-        tokenizer = Tokenizer.from_dir(model_dir=model_dir)
-        model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device,
-                           config=model_config)
-        spec = KVCacheSpec(num_layers=model_config.num_hidden_layers,
-                           num_kv_heads=model_config.num_key_value_heads,
-                           head_dim=model_config.head_dim, dtype=dtype)
-        eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
-
-        def detokenizer(prompt_token_ids: list[int]) -> IncrementalDetokenizer:
-            return IncrementalDetokenizer(tokenizer=tokenizer, context_token_ids=prompt_token_ids)
-
-        return cls(model=model, kv_spec=spec, vocab_size=model_config.vocab_size,
-                   config=EngineConfig.from_serve_args(args, max_model_len=max_model_len),
-                   device=device, eos_token_ids=eos, detokenizer_factory=detokenizer,
-                   model_name=args.served_model_name or args.model, tokenizer=tokenizer)
+        return engine_from_args(args)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -152,30 +146,44 @@ class LLMEngine:
                                           num_blocks_total=bm.num_blocks, block_size=bm.block_size)
 
     def add_request(self, *, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time_s: float | None = None) -> None:
-        if request_id in self._requests:
+                    params: SamplingParams, arrival_time_s: float | None = None,
+                    keep_kv: bool = False) -> None:
+        """Queue a request. ``keep_kv``: pin its KV when it finishes (see :mod:`.handoff`)."""
+        state = self._new_state(request_id=request_id, token_ids=prompt_token_ids,
+                                num_prompt_tokens=len(prompt_token_ids), params=params,
+                                arrival_time_s=arrival_time_s)
+        state.keep_kv = keep_kv
+        self._requests[request_id] = state
+        self.scheduler.add(state.seq)
+
+    def _new_state(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                   params: SamplingParams, arrival_time_s: float | None) -> _RequestState:
+        if request_id in self._requests or request_id in self._reserved:
             raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
-        self.check_request(prompt_token_ids=prompt_token_ids, params=params)
-        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
-                       num_prompt_tokens=len(prompt_token_ids), params=params,
+        prompt = list(token_ids[:num_prompt_tokens])
+        self.check_request(prompt_token_ids=prompt, params=params)
+        seq = Sequence(request_id=request_id, token_ids=list(token_ids),
+                       num_prompt_tokens=num_prompt_tokens, params=params,
                        arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s)
-        detok = self._detokenizer_factory(list(prompt_token_ids)) if self._detokenizer_factory else None
-        self._requests[request_id] = _RequestState(
+        detok = self._detokenizer_factory(prompt) if self._detokenizer_factory else None
+        return _RequestState(
             seq=seq, stop=StopChecker(params=params, eos_token_ids=self.eos_token_ids, detokenizer=detok))
-        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output (None if unknown)."""
         state = self._requests.pop(request_id, None)
         if state is None:
+            self.cancel_imported_request(request_id)
             return None
+        self._drop_pending(request_id)
         self.scheduler.abort(request_id)
         self.runner.sampler.release(request_id)
         return self._output(state, new_token_ids=[], new_logprobs=None, finish_reason=FINISH_ABORT,
                             now=time.monotonic(), ttft=None, itl=[])
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests in flight, or outputs not yet returned."""
+        return bool(self._requests) or bool(self._pending)
 
     @property
     def num_requests(self) -> int:
@@ -183,26 +191,44 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """Run one model step and return the outputs it produced.
+
+        With output overlap, the text of step n's tokens (detokenization, stop strings,
+        :class:`RequestOutput`) is processed during step n+1 while the device computes, and
+        returned by that call; a request a stop string ends that way has its one extra token
+        dropped. Without it (the CPU default) every output is returned by its own step.
+        """
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         now = time.monotonic()
+        if sched.finished:  # their earlier tokens' outputs go first
+            outputs.extend(self._process_pending())
         for seq in sched.finished:  # could never fit in the KV cache
             state = self._requests.pop(seq.request_id)
             self.runner.sampler.release(seq.request_id)
             outputs.append(self._output(state, new_token_ids=[], new_logprobs=None,
                                         finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
         if sched.is_empty:
+            outputs.extend(self._process_pending())
             return outputs
-        sampled_seqs, result = self.runner.execute(sched)
+        launched = self.runner.launch(sched)
+        if self.overlap_output_processing:
+            outputs.extend(self._process_pending())  # runs while the device computes
+        result = launched.pending.resolve()
         self.scheduler.on_step_done(sched)
         self._steps_total += 1
         now = time.monotonic()
-        for seq, token_id, logprob in zip(sampled_seqs, result.token_ids, result.logprobs, strict=True):
-            outputs.append(self._append_token(seq=seq, token_id=token_id, logprob=logprob, now=now))
+        for seq, token_id, logprob in zip(launched.sample_seqs, result.token_ids, result.logprobs,
+                                          strict=True):
+            if not seq.is_finished:  # else a stop string ended it while this step ran
+                self._append_token(seq=seq, token_id=token_id, logprob=logprob, now=now)
+        if not self.overlap_output_processing:
+            outputs.extend(self._process_pending())
         return outputs
 
     def _append_token(self, *, seq: Sequence, token_id: int, logprob: TokenLogprob | None,
-                      now: float) -> RequestOutput:
+                      now: float) -> None:
+        """The cheap part of a new token: append it, time it, check its id for a stop."""
         state = self._requests[seq.request_id]
         if not state.prompt_counted:
             state.prompt_counted = True
@@ -217,30 +243,138 @@ class LLMEngine:
         elif seq.last_token_time_s is not None:
             itl = [now - seq.last_token_time_s]
         seq.last_token_time_s = now
-        reason = state.stop.append(token_id=token_id, num_output_tokens=seq.num_output_tokens)
+        num_output = seq.num_output_tokens
+        reason = state.stop.check_token(token_id=token_id, num_output_tokens=num_output)
         if reason is None and seq.num_tokens >= self.config.max_model_len:
             reason = FINISH_LENGTH
-            state.stop.flush()
         if reason is not None:
-            self.scheduler.finish(seq, reason=reason)
-            self.runner.sampler.release(seq.request_id)
-            del self._requests[seq.request_id]
-        return self._output(state, new_token_ids=[token_id],
-                            new_logprobs=None if logprob is None else [logprob],
-                            finish_reason=reason, now=now, ttft=ttft, itl=itl)
+            self._finish(seq, reason=reason)
+        self._pending.append(_PendingToken(
+            state=state, token_id=token_id, logprob=logprob, num_output_tokens=num_output,
+            token_reason=reason, now=now, ttft=ttft, itl=itl))
+
+    def _process_pending(self) -> list[RequestOutput]:
+        """The text part of the appended tokens: detokenize, stop strings, outputs."""
+        pending, self._pending = self._pending, []
+        outputs: list[RequestOutput] = []
+        for p in pending:
+            seq = p.state.seq
+            reason = p.state.stop.append_text(token_id=p.token_id,
+                                              num_output_tokens=p.num_output_tokens,
+                                              token_reason=p.token_reason)
+            if reason is not None and p.token_reason is None:
+                self._finish(seq, reason=reason)  # a stop string
+            elif reason is not None:
+                seq.finish_reason = reason
+            outputs.append(self._output(
+                p.state, new_token_ids=[p.token_id],
+                new_logprobs=None if p.logprob is None else [p.logprob], finish_reason=reason,
+                now=p.now, ttft=p.ttft, itl=p.itl, num_output_tokens=p.num_output_tokens))
+        return outputs
+
+    def _finish(self, seq: Sequence, *, reason: str) -> None:
+        state = self._requests.get(seq.request_id)
+        if state is not None and state.keep_kv:
+            self._keep_kv(seq)
+        self.scheduler.finish(seq, reason=reason)
+        self.runner.sampler.release(seq.request_id)
+        self._requests.pop(seq.request_id, None)
+
+    def _drop_pending(self, request_id: str) -> None:
+        if any(p.state.seq.request_id == request_id for p in self._pending):
+            self._pending = [p for p in self._pending if p.state.seq.request_id != request_id]
 
     def _output(self, state: _RequestState, *, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprob] | None, finish_reason: str | None, now: float,
-                ttft: float | None, itl: list[float]) -> RequestOutput:
+                ttft: float | None, itl: list[float],
+                num_output_tokens: int | None = None) -> RequestOutput:
         seq = state.seq
         finished = finish_reason is not None
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_token_ids,
             new_text=state.stop.take_new_text(finished=finished), new_logprobs=new_logprobs,
             finished=finished, finish_reason=finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens if num_output_tokens is None else num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, ttft_seconds=ttft, itl_seconds=itl,
             e2e_seconds=(now - seq.arrival_time_s) if finished else None)
+
+    # ------------------------------------------------------------------ KV handoff
+    def _keep_kv(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        num_tokens = seq.num_computed_tokens
+        block_ids = seq.block_table[:bm.num_blocks_for(num_tokens)]
+        bm.pin_blocks(block_ids)
+        self._kept_kv[seq.request_id] = KeptKV(
+            request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], block_ids=block_ids,
+            block_hashes=list(bm.block_hashes_of(seq)[:num_tokens // bm.block_size]))
+
+    def kept_kv(self, request_id: str) -> KeptKV | None:
+        """The pinned KV of a finished ``keep_kv`` request, if not released yet."""
+        return self._kept_kv.get(request_id)
+
+    def release_kept_kv(self, request_id: str) -> bool:
+        """Unpin a finished request's kept KV; False if there was none."""
+        kept = self._kept_kv.pop(request_id, None)
+        if kept is None:
+            return False
+        self.block_manager.unpin_blocks(kept.block_ids)
+        return True
+
+    def reserve_imported_request(self, *, request_id: str, token_ids: list[int],
+                                 num_prompt_tokens: int, params: SamplingParams,
+                                 num_imported_tokens: int,
+                                 arrival_time_s: float | None = None) -> ImportReservation | None:
+        """Hold blocks for the first ``num_imported_tokens`` of ``token_ids`` (computed on
+        another pod). ``token_ids`` is the prompt plus any tokens already generated there;
+        at least the last token must stay uncomputed. Tokens after the prompt count toward
+        ``max_tokens`` and are not streamed again. Returns None when the KV cache or the
+        running batch is full (nothing reserved)."""
+        if not 1 <= num_imported_tokens < len(token_ids):
+            raise ValueError(f"num_imported_tokens must be in [1, {len(token_ids) - 1}], "
+                             f"got {num_imported_tokens}")
+        if not 1 <= num_prompt_tokens <= len(token_ids):
+            raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids)}]")
+        state = self._new_state(request_id=request_id, token_ids=token_ids,
+                                num_prompt_tokens=num_prompt_tokens, params=params,
+                                arrival_time_s=arrival_time_s)
+        if self.scheduler.num_running + len(self._reserved) >= self.config.max_num_seqs:
+            return None
+        seq = state.seq
+        num_cached = self.block_manager.allocate_for_known_prefix(seq=seq, num_tokens=num_imported_tokens)
+        if num_cached is None:
+            return None
+        for index, token_id in enumerate(seq.output_token_ids, start=1):  # already streamed
+            reason = state.stop.check_token(token_id=token_id, num_output_tokens=index)
+            reason = state.stop.append_text(token_id=token_id, num_output_tokens=index,
+                                            token_reason=reason)
+            if reason is not None:
+                self.block_manager.free(seq)
+                raise ValueError(f"the imported tokens already finish request {request_id!r} ({reason})")
+        state.stop.take_new_text(finished=False)
+        seq.num_cached_tokens = num_cached
+        self._reserved[request_id] = (state, num_imported_tokens)
+        return ImportReservation(request_id=request_id, block_ids=list(seq.block_table),
+                                 num_cached_tokens=num_cached, block_size=self.block_manager.block_size)
+
+    def activate_imported_request(self, request_id: str) -> None:
+        """The reserved blocks are filled: index them and start decoding."""
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is None:
+            raise KeyError(f"no reserved import {request_id!r}")
+        state, num_imported_tokens = reserved
+        self.block_manager.mark_computed(seq=state.seq, num_tokens=num_imported_tokens)
+        self._requests[request_id] = state
+        state.prompt_counted = True  # the prompt was counted where it was computed
+        self.scheduler.add_running(state.seq)
+
+    def cancel_imported_request(self, request_id: str) -> bool:
+        """Free a reservation whose transfer failed; False if there was none."""
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is None:
+            return False
+        self.block_manager.free(reserved[0].seq)
+        return True
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
@@ -257,33 +391,3 @@ class LLMEngine:
             prefix_cache_hit_tokens_total=sched.counters.prefix_cache_hit_tokens_total,
             preemptions_total=sched.counters.preemptions_total, steps_total=self._steps_total)
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available")
-    if name not in ("cuda", "cpu"):
-        raise ValueError(f"unknown device {name!r}; choose auto, cuda or cpu")
-    return torch.device(name)
-
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(name: str, *, device: torch.device, config_dtype: str | None) -> torch.dtype:
-    """``auto``: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16."""
-    if name != "auto":
-        if name not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
-    if config_dtype in ("bfloat16", "float16"):
-        return _DTYPES[config_dtype]
-    return torch.bfloat16
-
-
-def _model_cache_dir() -> Path | None:
-    value = os.environ.get(ENV_MODEL_CACHE)
-    return Path(value) if value else None

@@ -23,7 +23,7 @@ from .kv_budget import (
     cuda_kv_budget_bytes,
     num_blocks_for_budget,
 )
-from .sampler import Sampler, SamplerOutput
+from .sampler import PendingSample, Sampler, SamplerOutput
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -183,6 +183,14 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
                                  max_useful_blocks=max_useful)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LaunchedStep:
+    """A step queued on the device: its sampled sequences and their pending tokens."""
+
+    sample_seqs: list[Sequence]
+    pending: PendingSample
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler."""
 
@@ -250,18 +258,28 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """Run one step; returns the sampled sequences and their new tokens."""
+        launched = self.launch(sched)
+        return launched.sample_seqs, launched.pending.resolve()
+
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward and sampling on the device without waiting for it.
+
+        On CUDA the host is free until :meth:`LaunchedStep` ``.pending.resolve()``; on CPU
+        the work is done by the time this returns.
+        """
         inputs, sample_seqs = self.prepare(sched)
         with torch.inference_mode():
             hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
                                         kv_caches=self.kv_caches, md=inputs.md)
             if not sample_seqs:
-                return [], SamplerOutput(token_ids=[], logprobs=[])
+                return LaunchedStep(sample_seqs=[], pending=PendingSample(
+                    token_ids=torch.empty(0, dtype=torch.long), params=[]))
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            result = self.sampler.sample(
+            pending = self.sampler.launch(
                 logits=logits, request_ids=[s.request_id for s in sample_seqs],
                 params=[s.params for s in sample_seqs],
                 banned_token_ids=self._banned_token_ids(sample_seqs))
-        return sample_seqs, result
+        return LaunchedStep(sample_seqs=sample_seqs, pending=pending)
 
     def _banned_token_ids(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """Stop/eos tokens of requests that have not reached ``min_tokens`` yet."""

@@ -27,6 +27,43 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def to_device(data: list[int] | list[float], *, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without stalling the host: a plain ``torch.tensor(...,
+    device="cuda")`` copies from pageable memory and waits for all queued GPU work."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingSample:
+    """Sampled ids (and logprob tensors) still on the device; :meth:`resolve` syncs."""
+
+    token_ids: torch.Tensor
+    params: list[SamplingParams]
+    chosen_logprobs: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_indices: torch.Tensor | None = None
+
+    def resolve(self) -> SamplerOutput:
+        ids: list[int] = self.token_ids.tolist()
+        if self.chosen_logprobs is None:
+            return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
+        chosen: list[float] = self.chosen_logprobs.tolist()
+        top_vals: list[list[float]] = [] if self.top_values is None else self.top_values.tolist()
+        top_ids: list[list[int]] = [] if self.top_indices is None else self.top_indices.tolist()
+        logprobs: list[TokenLogprob | None] = []
+        for i, p in enumerate(self.params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            n = p.logprobs
+            top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n > 0 else []
+            logprobs.append(TokenLogprob(token_id=ids[i], logprob=chosen[i], top_logprobs=top))
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+
 class Sampler:
     """Stateless apart from the per-request generators (keyed by request id)."""
 
@@ -46,11 +83,19 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    @torch.inference_mode()
     def sample(self, *, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams],
                banned_token_ids: list[list[int]] | None = None) -> SamplerOutput:
-        """``logits [num_rows, vocab]`` (fp32), one row per request in ``request_ids``.
+        """:meth:`launch` and :meth:`PendingSample.resolve` in one call."""
+        return self.launch(logits=logits, request_ids=request_ids, params=params,
+                           banned_token_ids=banned_token_ids).resolve()
+
+    @torch.inference_mode()
+    def launch(self, *, logits: torch.Tensor, request_ids: list[str],
+               params: list[SamplingParams],
+               banned_token_ids: list[list[int]] | None = None) -> PendingSample:
+        """Queue sampling for ``logits [num_rows, vocab]`` (one row per request) without
+        waiting for the device.
 
         ``banned_token_ids[i]`` can never be chosen for row i (stop and eos tokens while a
         request is below its ``min_tokens``); logprobs still describe the unmasked model.
@@ -58,35 +103,41 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows != len(request_ids) or num_rows != len(params):
             raise ValueError(f"{num_rows} logit rows for {len(request_ids)} requests")
-        if num_rows == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+        device = logits.device
         raw_logits = logits = logits.float()
+        if num_rows == 0:
+            return PendingSample(token_ids=torch.empty(0, dtype=torch.long), params=[])
         if banned_token_ids is not None and any(banned_token_ids):
             rows = [i for i, ids in enumerate(banned_token_ids) for _ in ids]
             cols = [t for ids in banned_token_ids for t in ids]
-            logits = logits.index_put((torch.tensor(rows, device=logits.device),
-                                       torch.tensor(cols, device=logits.device)),
-                                      torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.clone()
+            logits[to_device(rows, dtype=torch.long, device=device),
+                   to_device(cols, dtype=torch.long, device=device)] = float("-inf")
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
+            index = to_device(random_rows, dtype=torch.long, device=device)
             token_ids = greedy_ids.clone()
-            sampled = self._sample_random(
-                logits=logits[random_rows], request_ids=[request_ids[i] for i in random_rows],
+            token_ids[index] = self._sample_random(
+                logits=logits[index], request_ids=[request_ids[i] for i in random_rows],
                 params=[params[i] for i in random_rows])
-            token_ids[random_rows] = sampled
         else:
             token_ids = greedy_ids
-        want_logprobs = [p.logprobs is not None for p in params]
-        logprobs: list[TokenLogprob | None] = [None] * num_rows
-        if any(want_logprobs):
-            logprobs = _logprobs(logits=raw_logits, token_ids=token_ids, params=params)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        if all(p.logprobs is None for p in params):
+            return PendingSample(token_ids=token_ids, params=params)
+        log_probs = torch.log_softmax(raw_logits, dim=-1)
+        chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        max_n = min(max((p.logprobs or 0) for p in params), log_probs.shape[1])
+        if max_n == 0:
+            return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen)
+        values, indices = log_probs.topk(max_n, dim=-1)
+        return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
+                             top_values=values, top_indices=indices)
 
     def _sample_random(self, *, logits: torch.Tensor, request_ids: list[str],
                        params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        temperature = to_device([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits / temperature.unsqueeze(1)
         scaled = apply_filters(
             logits=scaled,
@@ -96,7 +147,8 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+            noise[to_device(unseeded, dtype=torch.long, device=device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=device).exponential_()
         for i, p in enumerate(params):
             if p.seed is not None:
                 noise[i].exponential_(generator=self._generator(request_ids[i], p.seed))
@@ -118,41 +170,21 @@ def apply_filters(*, logits: torch.Tensor, top_k: list[int], top_p: list[float],
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if use_top_k:
-            k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
+            k = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], dtype=torch.long,
+                          device=device)
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
             remove |= ranks >= k.unsqueeze(1)
         if use_top_p:
             probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
             cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-            p = torch.tensor(top_p, device=device, dtype=probs.dtype).unsqueeze(1)
+            p = to_device(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
             remove |= cum_before >= p
         remove[:, 0] = False
         logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1)
+        floor = to_device(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
         floor = floor * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
-
-def _logprobs(*, logits: torch.Tensor, token_ids: torch.Tensor,
-              params: list[SamplingParams]) -> list[TokenLogprob | None]:
-    log_probs = torch.log_softmax(logits, dim=-1)
-    chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    ids = token_ids.tolist()
-    max_n = min(max((p.logprobs or 0) for p in params), logits.shape[1])
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max_n > 0:
-        values, indices = log_probs.topk(max_n, dim=-1)
-        top_vals, top_ids = values.tolist(), indices.tolist()
-    result: list[TokenLogprob | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            result.append(None)
-            continue
-        n = p.logprobs
-        top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n > 0 else []
-        result.append(TokenLogprob(token_id=ids[i], logprob=chosen[i], top_logprobs=top))
-    return result

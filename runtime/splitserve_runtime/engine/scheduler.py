@@ -97,6 +97,17 @@ class Scheduler:
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Start a sequence whose KV is already in its blocks (an imported prefill)."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        if not seq.block_table or seq.num_computed_tokens >= seq.num_tokens:
+            raise ValueError("an imported sequence needs held blocks and an uncomputed last token")
+        seq.status = SequenceStatus.RUNNING
+        seq.was_admitted = True
+        self._by_id[seq.request_id] = seq
+        self.running.append(seq)
+
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
@@ -240,8 +251,12 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed counters for what the model just ran and index full blocks."""
         for chunk in out.prefills:
+            if chunk.seq.is_finished:  # ended while the step ran (a stop string, overlapped)
+                continue
             chunk.seq.num_computed_tokens = chunk.start_position + chunk.num_tokens
             self.block_manager.commit(chunk.seq)
         for seq in out.decodes:
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += 1
             self.block_manager.commit(seq)

@@ -43,20 +43,38 @@ class StopChecker:
         self.text = ""
         self._num_emitted_chars = 0
 
-    def append(self, *, token_id: int, num_output_tokens: int) -> str | None:
-        """Account for one new output token; returns a finish reason or None."""
-        can_stop = num_output_tokens >= self.params.min_tokens
-        if can_stop and (token_id in self._stop_ids or token_id in self._eos_ids):
-            return FINISH_STOP  # the stop token's text is not part of the output
-        if self._detok is not None:
-            previous_len = len(self.text)
-            self.text += self._detok.step(token_id)
-            if can_stop and self._stops and self._cut_at_stop_string(previous_len=previous_len):
-                return FINISH_STOP
+    def check_token(self, *, token_id: int, num_output_tokens: int) -> str | None:
+        """The cheap checks on a new output token's id: stop/eos tokens, then max_tokens."""
+        if num_output_tokens >= self.params.min_tokens and (
+                token_id in self._stop_ids or token_id in self._eos_ids):
+            return FINISH_STOP
         if num_output_tokens >= self.params.max_tokens:
-            self.flush()
             return FINISH_LENGTH
         return None
+
+    def append_text(self, *, token_id: int, num_output_tokens: int,
+                    token_reason: str | None) -> str | None:
+        """Add the token's text and look for stop strings; returns the final finish reason.
+
+        ``token_reason`` is what :meth:`check_token` said. A stop token's own text is not
+        part of the output; a stop string wins over ``length`` on the same token.
+        """
+        if token_reason == FINISH_STOP or self._detok is None:
+            return token_reason
+        previous_len = len(self.text)
+        self.text += self._detok.step(token_id)
+        can_stop = num_output_tokens >= self.params.min_tokens
+        if can_stop and self._stops and self._cut_at_stop_string(previous_len=previous_len):
+            return FINISH_STOP
+        if token_reason is not None:
+            self.flush()
+        return token_reason
+
+    def append(self, *, token_id: int, num_output_tokens: int) -> str | None:
+        """:meth:`check_token` then :meth:`append_text`; returns a finish reason or None."""
+        token_reason = self.check_token(token_id=token_id, num_output_tokens=num_output_tokens)
+        return self.append_text(token_id=token_id, num_output_tokens=num_output_tokens,
+                                token_reason=token_reason)
 
     def flush(self) -> None:
         """Append text the detokenizer still holds (the request ended without a stop)."""

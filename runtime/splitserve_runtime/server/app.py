@@ -38,6 +38,7 @@ from splitserve_runtime.server.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    RuntimeInfo,
 )
 from splitserve_runtime.server.serving_chat import ChatService
 from splitserve_runtime.server.serving_completions import CompletionsService
@@ -52,10 +53,12 @@ ABORT_FLUSH_SECONDS = 1.0
 
 
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
-              api_key: str | None, engine_loader: EngineLoader | None = None) -> FastAPI:
+              api_key: str | None, engine_loader: EngineLoader | None = None,
+              compat_hash: str = "", kv_endpoint: str = "", block_size: int = 16) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
-    up. `api_key` empty or None disables authentication."""
+    up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
+    `block_size` are reported at contract.INFO_PATH for the router."""
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
     state = ServerState(served_model_name=served_model_name, role=role)
@@ -109,6 +112,13 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get(contract.INFO_PATH)
+    async def info() -> RuntimeInfo:
+        running = state.engine_or_none
+        return RuntimeInfo(role=role, model=served_model_name, compat_hash=compat_hash,
+                           kv_endpoint=kv_endpoint, block_size=block_size,
+                           max_model_len=running.max_model_len if running is not None else None)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         running = state.engine_or_none
@@ -152,8 +162,10 @@ def _version() -> str:
 # ----------------------------------------------------------------------------- process
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn, but SIGTERM drains instead of closing the listener straight away."""
+class DrainingServer(uvicorn.Server):
+    """uvicorn with the process policy of `splitserve serve` (checked every 0.1 s tick):
+    SIGTERM/SIGINT drain instead of closing the listener at once; a failed model load or
+    a dead engine stops the server with `exit_code` 1."""
 
     def __init__(self, config: uvicorn.Config, *, state: ServerState,
                  drain_timeout_seconds: float) -> None:
@@ -195,7 +207,6 @@ class _DrainingServer(uvicorn.Server):
                 return True
         return await super().on_tick(counter)
 
-
     async def _abort_in_flight(self) -> None:
         """Past the grace: abort what is left so each stream ends with an error event (not a
         cut connection), then give the responses a moment to flush."""
@@ -220,6 +231,14 @@ def _default_served_name(model: str) -> str:
             rest = model[len(prefix):]
             return rest if prefix == "hf://" else os.path.basename(rest.rstrip("/"))
     return os.path.basename(model.rstrip("/")) or model
+
+
+def _kv_endpoint(args: contract.ServeArgs) -> str:
+    """host:port other pods reach this pod's KV port at ("" when aggregated: no KV leaves)."""
+    if args.role == contract.Role.AGGREGATED.value:
+        return ""
+    host = os.environ.get(contract.ENV_POD_IP) or args.host
+    return f"{host}:{args.kv_port}"
 
 
 def parse_args(argv: list[str]) -> contract.ServeArgs:
@@ -251,11 +270,12 @@ def main(argv: list[str]) -> int:
         return engine
 
     app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
-                    role=args.role, api_key=api_key)
+                    role=args.role, api_key=api_key, compat_hash=args.compat_hash,
+                    kv_endpoint=_kv_endpoint(args), block_size=args.block_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                             log_level="info", lifespan="on", timeout_graceful_shutdown=1)
-    server = _DrainingServer(config, state=app.state.server,
-                             drain_timeout_seconds=args.drain_timeout_seconds)
+    server = DrainingServer(config, state=app.state.server,
+                            drain_timeout_seconds=args.drain_timeout_seconds)
     logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,
                 args.role, args.host, args.port, "on" if api_key else "off")
     server.run()

@@ -1,7 +1,7 @@
 """Optional API-key check, deny by default.
 
 When a key is configured (env `SPLITSERVE_API_KEY`, see `contract.ENV_API_KEY`) every HTTP
-route needs ``Authorization: Bearer <key>`` except the probe and scrape paths in
+route needs ``Authorization: Bearer <key>`` except the probe, scrape and pod-info paths in
 :data:`OPEN_PATHS`. The check is an allow-list of open paths, not a list of guarded
 prefixes, so a route added later is protected without anyone remembering to protect it
 (vLLM's prefix list leaked /tokenize, /invocations, ...).
@@ -20,7 +20,11 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+from splitserve_runtime.contract import INFO_PATH, METRICS_PATH
+
+OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH, INFO_PATH})
+"""Probes, the Prometheus scrape and the router's pod-info poll: none carries a secret or
+serves the model, and the kubelet, Prometheus and the router's health poller send no key."""
 
 
 def _digest(value: bytes) -> bytes:

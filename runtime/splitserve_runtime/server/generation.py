@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Request
 
 from splitserve_runtime.engine.errors import EngineDead, EngineError
@@ -50,16 +50,6 @@ DISCONNECTED_STATUS = 499
 
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready."""
-
-
-def sampling_params(**kwargs: Any) -> SamplingParams:
-    """SamplingParams, with its ValueError turned into a 400 naming the field."""
-    try:
-        return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
-        message = str(exc)
-        param = message.split(" ", 1)[0] if message.split(" ", 1)[0] in kwargs else None
-        raise bad_request(message, param=param) from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -105,6 +95,7 @@ class Generation:
         self._prompt_param = prompt_param
         self._iterator: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
+        self._admitted = False
         self._finished = False
         self._closed = False
         self._outcome: str | None = None
@@ -117,6 +108,7 @@ class Generation:
                 request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
                 params=self._params)
             self._first = await self._iterator.__anext__()
+            self._admitted = True
         except EngineError as exc:
             self._set_outcome("error" if isinstance(exc, EngineDead) else "rejected")
             raise from_engine_error(exc, prompt_param=self._prompt_param) from None
@@ -181,20 +173,16 @@ class Generation:
             return
         self._closed = True
         try:
-            if not self._finished and self._iterator is not None:
+            if self._admitted and not self._finished:
                 self._set_outcome("aborted")
-                await _maybe_await(self._engine.abort(self.request_id))
-            if self._iterator is not None:
-                aclose = getattr(self._iterator, "aclose", None)
-                if aclose is not None:
-                    with contextlib.suppress(Exception):
-                        await aclose()
+                self._engine.abort(self.request_id)
+            aclose = getattr(self._iterator, "aclose", None)  # an async generator's
+            if aclose is not None:
+                # shielded: Starlette cancels a disconnected stream through an anyio scope,
+                # which would cancel this await again; suppress: the iterator may still be
+                # running in the task being cancelled
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await aclose()
         finally:
             self._set_outcome("aborted")
             self._state.request_finished(request_id=self.request_id)
-
-
-async def _maybe_await(result: object) -> None:
-    if inspect.isawaitable(result):
-        await result
-

@@ -1,4 +1,5 @@
-"""Request and response models of the OpenAI-compatible endpoints (pydantic only, no logic).
+"""Request and response models of the OpenAI-compatible endpoints (pydantic, plus the small
+helpers that read a request: its stop list, its unsupported settings).
 
 Requests follow the OpenAI API: unknown fields are rejected (OpenAI answers "Unrecognized
 request argument"), so a typo never silently changes behaviour. OpenAI fields that we accept
@@ -27,6 +28,10 @@ from pydantic import (
 # ----------------------------------------------------------------------------- requests
 
 
+MAX_STOP_SEQUENCES = 16
+"""OpenAI allows 4; a few more are harmless, thousands would slow every decode step."""
+
+
 class _Request(BaseModel):
     # strict: "0.5" is not a number and true is not 1, as in the OpenAI API
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -37,7 +42,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -48,7 +53,7 @@ class _SamplingFields(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -59,6 +64,8 @@ class _SamplingFields(_Request):
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see serving_common
+    kv_transfer_params: dict[str, Any] | None = None
 
     def wants_usage(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a streamed answer."""
@@ -93,7 +100,7 @@ class _SamplingFields(_Request):
 PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. The prompt is a string or a list of token ids (one prompt)."""
 
     prompt: str | PromptTokens | list[str] | list[PromptTokens]
@@ -149,7 +156,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -290,6 +297,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class RuntimeInfo(BaseModel):
+    """GET contract.INFO_PATH: what the router needs to pair prefill and decode pods."""
+
+    role: str
+    model: str
+    compat_hash: str
+    kv_endpoint: str
+    block_size: int
+    max_model_len: int | None = None
 
 
 class ModelCard(BaseModel):

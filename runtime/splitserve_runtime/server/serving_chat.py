@@ -18,13 +18,7 @@ from starlette.responses import JSONResponse, Response
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import bad_request
-from splitserve_runtime.server.generation import (
-    DISCONNECTED_STATUS,
-    ClientDisconnected,
-    Generation,
-    run_until_disconnect,
-    sampling_params,
-)
+from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     ChatChoice,
@@ -39,21 +33,26 @@ from splitserve_runtime.server.protocol import (
     now_seconds,
 )
 from splitserve_runtime.server.serving_common import (
+    build_sampling_params,
     chat_logprobs,
     check_model,
     finish_reason,
     new_request_id,
     output_usage,
+    reject_handoff,
     reject_unsupported,
     resolve_max_tokens,
 )
 from splitserve_runtime.server.state import ServerState
-from splitserve_runtime.server.streaming import event_stream_response, sse_event
+from splitserve_runtime.server.streaming import respond, sse_event
 
 
 def render_prompt(*, engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
-    messages: list[dict[str, Any]] = [{"role": m.role, "content": m.text()}
-                                      for m in body.messages]
+    # OpenAI's "developer" role is the newer name of "system"; model templates know only the
+    # latter
+    messages: list[dict[str, Any]] = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in body.messages]
     try:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, TypeError, KeyError) as exc:  # the template's raise_exception() too
@@ -63,48 +62,31 @@ def render_prompt(*, engine: EngineClient, body: ChatCompletionRequest) -> list[
 
 
 class ChatService:
+    """Renders the chat prompt, runs it through a Generation, formats the answer."""
+
     def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
         self._state = state
         self._metrics = metrics
 
     async def create(self, *, body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
+        reject_handoff(body=body)
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt_token_ids = render_prompt(engine=engine, body=body)
-        num_top = body.top_logprobs or 0
-        params = sampling_params(
+        params = build_sampling_params(
+            body=body, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             max_tokens=resolve_max_tokens(requested=body.requested_max_tokens(),
                                           num_prompt_tokens=len(prompt_token_ids),
-                                          max_model_len=engine.max_model_len),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
-            seed=body.seed, stop=body.stop_list(),
-            stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=bool(body.ignore_eos), logprobs=num_top if body.logprobs else None,
-            min_tokens=body.min_tokens or 0,
-        )
+                                          max_model_len=engine.max_model_len))
         generation = Generation(
             state=self._state, metrics=self._metrics, engine=engine,
             request_id=new_request_id(prefix="chatcmpl"), prompt_token_ids=prompt_token_ids,
             params=params, prompt_param="messages")
-        try:
-            if body.stream:
-                await run_until_disconnect(request=request, work=generation.admit())
-                return event_stream_response(
-                    events=self._events(body=body, engine=engine, generation=generation),
-                    generation=generation)
-            return await run_until_disconnect(
-                request=request,
-                work=self._whole(body=body, engine=engine, generation=generation))
-        except ClientDisconnected:
-            await generation.close()
-            return Response(status_code=DISCONNECTED_STATUS)
-        except BaseException:
-            await generation.close()
-            raise
+        return await respond(
+            request=request, generation=generation, stream=bool(body.stream),
+            events=lambda: self._events(body=body, engine=engine, generation=generation),
+            whole=lambda: self._whole(body=body, engine=engine, generation=generation))
 
     def _logprobs(self, *, body: ChatCompletionRequest, engine: EngineClient,
                   output: RequestOutput) -> list[ChatTokenLogprob] | None:

@@ -10,13 +10,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Literal
 
+from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
+from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import TokenizerLike
-from splitserve_runtime.server.errors import bad_request, model_not_found
+from splitserve_runtime.server.errors import SERVER_ERROR, APIError, bad_request, model_not_found
 from splitserve_runtime.server.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
     PromptTokensDetails,
+    SamplingFields,
     TopLogprob,
     Usage,
 )
@@ -31,6 +34,16 @@ def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:
     if problems:
         param, message = problems[0]
         raise bad_request(message, param=param)
+
+
+def reject_handoff(*, body: SamplingFields) -> None:
+    """The prefill/decode KV handoff is not wired into this server yet: say so (501) rather
+    than silently serve a prefill request as a normal completion."""
+    if body.kv_transfer_params is not None:
+        raise APIError(status_code=501, type=SERVER_ERROR, code="handoff_unavailable",
+                       param=KV_TRANSFER_PARAMS_FIELD,
+                       message="this server does not take part in the prefill/decode KV "
+                               f"handoff ({KV_TRANSFER_PARAMS_FIELD})")
 
 
 def check_model(*, state: ServerState, model: str) -> None:
@@ -54,6 +67,26 @@ def usage(*, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: 
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
                  total_tokens=num_prompt_tokens + num_output_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def build_sampling_params(*, body: SamplingFields, max_tokens: int,
+                          logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for a request; its ValueError becomes a 400 naming the
+    field (the message starts with the field name)."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed, stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, min_tokens=body.min_tokens or 0)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise bad_request(message, param=field if field in SamplingFields.model_fields
+                          else None) from None
 
 
 def output_usage(output: RequestOutput) -> Usage:

@@ -8,13 +8,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
 from splitserve_runtime.engine.outputs import RequestOutput
-from splitserve_runtime.server.generation import (
-    DISCONNECTED_STATUS,
-    ClientDisconnected,
-    Generation,
-    run_until_disconnect,
-    sampling_params,
-)
+from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     CompletionChoice,
@@ -24,59 +18,48 @@ from splitserve_runtime.server.protocol import (
     now_seconds,
 )
 from splitserve_runtime.server.serving_common import (
+    build_sampling_params,
     check_model,
     completion_logprobs,
     finish_reason,
     new_request_id,
     output_usage,
+    reject_handoff,
     reject_unsupported,
     resolve_max_tokens,
 )
 from splitserve_runtime.server.state import ServerState
-from splitserve_runtime.server.streaming import event_stream_response, sse_event
+from splitserve_runtime.server.streaming import respond, sse_event
 
 
 class CompletionsService:
+    """Validates a completion request, runs it through a Generation, formats the answer."""
+
     def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
         self._state = state
         self._metrics = metrics
 
     async def create(self, *, body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
+        reject_handoff(body=body)
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt = body.single_prompt()
         prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) \
             else list(prompt)
-        params = sampling_params(
+        params = build_sampling_params(
+            body=body, logprobs=body.logprobs,
             max_tokens=resolve_max_tokens(requested=body.max_tokens,
                                           num_prompt_tokens=len(prompt_token_ids),
-                                          max_model_len=engine.max_model_len),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
-            seed=body.seed, stop=body.stop_list(),
-            stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=bool(body.ignore_eos), logprobs=body.logprobs, min_tokens=body.min_tokens or 0,
-        )
+                                          max_model_len=engine.max_model_len))
         generation = Generation(
             state=self._state, metrics=self._metrics, engine=engine,
             request_id=new_request_id(prefix="cmpl"), prompt_token_ids=prompt_token_ids,
             params=params, prompt_param="prompt")
-        try:
-            if body.stream:
-                await run_until_disconnect(request=request, work=generation.admit())
-                return event_stream_response(
-                    events=self._events(body=body, generation=generation), generation=generation)
-            return await run_until_disconnect(
-                request=request, work=self._whole(body=body, generation=generation))
-        except ClientDisconnected:
-            await generation.close()
-            return Response(status_code=DISCONNECTED_STATUS)
-        except BaseException:
-            await generation.close()
-            raise
+        return await respond(
+            request=request, generation=generation, stream=bool(body.stream),
+            events=lambda: self._events(body=body, generation=generation),
+            whole=lambda: self._whole(body=body, generation=generation))
 
     async def _whole(self, *, body: CompletionRequest, generation: Generation) -> Response:
         try:

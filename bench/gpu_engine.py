@@ -1,0 +1,188 @@
+"""The engine on one GPU: KV pool sizing, decode speed vs the memory roofline, and how long
+the device sits idle between steps waiting for Python (DESIGN.md section 7).
+
+The model has the Llama-3.1-8B shape (32 layers, hidden 4096, MLP 14336, 32 query / 8 KV
+heads, vocab 128256) with random bf16 weights built in memory (nothing to download). For
+each batch size, every request gets a random 512-token prompt and decodes ``--new-tokens``
+greedy tokens; decode steps are timed three ways:
+
+- wall time per step (``LLMEngine.step()``, host view);
+- device time per step (CUDA events around the runner's launch);
+- device idle gap between consecutive steps = host bookkeeping the GPU waited for.
+
+The roofline step time is (weight bytes + K/V bytes read) / 4.3 TB/s (measured H200 copy
+bandwidth). Output overlap (text work of step n during step n+1) is compared on vs off at
+the largest batch. Writes ``$OUT/gpu_engine.json`` and prints a table.
+
+    python bench/gpu_engine.py                 # on the GPU
+    python bench/gpu_engine.py --smoke         # CPU, tiny shape: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitserve_runtime.engine.config import EngineConfig
+from splitserve_runtime.engine.kv_budget import KVCacheSpec
+from splitserve_runtime.engine.llm_engine import LLMEngine
+from splitserve_runtime.engine.model_runner import LaunchedStep
+from splitserve_runtime.engine.sampling_params import SamplingParams
+from splitserve_runtime.engine.scheduler import SchedulerOutput
+from splitserve_runtime.model.config import ModelConfig
+from splitserve_runtime.model.llama import LlamaForCausalLM
+from splitserve_runtime.ops import get_ops
+
+HBM_BYTES_PER_S = 4.3e12
+PROMPT_TOKENS = 512
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
+TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def build_engine(*, raw_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                 backend: str, max_num_seqs: int, num_kv_blocks: int) -> tuple[LLMEngine, float]:
+    config = ModelConfig.from_dict(raw_config)
+    ops = get_ops(name=backend, device=device)
+    model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # norms
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    spec = KVCacheSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim, dtype=dtype)
+    t0 = time.perf_counter()
+    engine = LLMEngine(
+        model=model, kv_spec=spec, vocab_size=config.vocab_size, device=device,
+        config=EngineConfig(max_model_len=4096, block_size=16, num_kv_blocks=num_kv_blocks,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192),
+        model_name="llama-8b-shape")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine.bench_weight_bytes = weight_bytes  # type: ignore[attr-defined]
+    return engine, time.perf_counter() - t0
+
+
+class StepTimer:
+    """Wraps the runner's launch with CUDA events (device view) of every step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.cuda = engine.device.type == "cuda"
+        self.events: list[tuple[Any, Any]] = []
+        runner = engine.runner
+        original = runner.launch
+
+        def launch(sched: SchedulerOutput) -> LaunchedStep:
+            if not self.cuda:
+                return original(sched)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(sched)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        runner.launch = launch  # type: ignore[method-assign]
+
+    def device_ms(self) -> tuple[list[float], list[float]]:
+        """Per-step busy ms and the idle ms between consecutive steps."""
+        if not self.events:
+            return [], []
+        torch.cuda.synchronize()
+        busy = [s.elapsed_time(e) for s, e in self.events]
+        idle = [self.events[i][1].elapsed_time(self.events[i + 1][0])
+                for i in range(len(self.events) - 1)]
+        return busy, idle
+
+
+def run_batch(*, engine: LLMEngine, timer: StepTimer, batch: int, new_tokens: int,
+              tag: str) -> dict[str, float]:
+    vocab = engine.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist()
+        engine.add_request(request_id=f"{tag}-{i}", prompt_token_ids=prompt, params=params)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()  # prefill
+    timer.events.clear()
+    walls: list[float] = []
+    num_tokens = 0
+    t_start = time.perf_counter()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+        walls.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t_start
+    busy, idle = timer.device_ms()
+    context = PROMPT_TOKENS + new_tokens / 2
+    kv_bytes = batch * context * engine.runner.spec.bytes_per_block(block_size=1)
+    roofline_ms = (engine.bench_weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3  # type: ignore[attr-defined]
+    wall_ms = statistics.median(walls) * 1e3
+    result = {"batch": batch, "tokens_per_s": num_tokens / elapsed, "wall_ms_per_step": wall_ms,
+              "roofline_ms_per_step": roofline_ms, "wall_vs_roofline": wall_ms / roofline_ms}
+    if busy:
+        result["device_ms_per_step"] = statistics.median(busy)
+        result["idle_ms_between_steps"] = statistics.median(idle) if idle else 0.0
+        result["idle_fraction"] = sum(idle) / (sum(idle) + sum(busy))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape")
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--backend", default="auto", help="auto | triton | torch")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    engine, kv_setup_s = build_engine(
+        raw_config=TINY if args.smoke else LLAMA_8B, device=device, dtype=dtype,
+        backend=args.backend, max_num_seqs=max(batches), num_kv_blocks=256 if args.smoke else 0)
+    bm = engine.block_manager
+    report["kv"] = {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
+                    "gib": bm.num_blocks * engine.runner.spec.bytes_per_block(block_size=bm.block_size) / 2**30,
+                    "setup_seconds": kv_setup_s, "weight_gib": engine.bench_weight_bytes / 2**30}  # type: ignore[attr-defined]
+    print(f"KV pool: {bm.num_blocks} blocks = {report['kv']['gib']:.1f} GiB "
+          f"(weights {report['kv']['weight_gib']:.1f} GiB), measured in {kv_setup_s:.1f} s")
+    timer = StepTimer(engine)
+    run_batch(engine=engine, timer=timer, batch=min(batches), new_tokens=4, tag="warmup")
+    rows = [run_batch(engine=engine, timer=timer, batch=b, new_tokens=args.new_tokens, tag=f"b{b}")
+            for b in batches]
+    engine.overlap_output_processing = not engine.overlap_output_processing
+    flipped = run_batch(engine=engine, timer=timer, batch=max(batches), new_tokens=args.new_tokens,
+                        tag="flip")
+    flipped["overlap_output_processing"] = engine.overlap_output_processing
+    report["decode"] = rows
+    report["overlap_flipped"] = flipped
+    print(f"{'batch':>6}{'tok/s':>10}{'wall ms':>9}{'device ms':>11}{'idle ms':>9}"
+          f"{'idle %':>8}{'roofline ms':>13}{'wall/roof':>10}")
+    for row in [*rows, flipped]:
+        print(f"{row['batch']:>6.0f}{row['tokens_per_s']:>10.0f}{row['wall_ms_per_step']:>9.2f}"
+              f"{row.get('device_ms_per_step', float('nan')):>11.2f}"
+              f"{row.get('idle_ms_between_steps', float('nan')):>9.2f}"
+              f"{100 * row.get('idle_fraction', float('nan')):>8.1f}"
+              f"{row['roofline_ms_per_step']:>13.2f}{row['wall_vs_roofline']:>10.2f}")
+    print(f"(last row: output overlap {'on' if flipped['overlap_output_processing'] else 'off'})")
+    out_dir = Path(os.environ.get("OUT", "."))
+    (out_dir / "gpu_engine.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

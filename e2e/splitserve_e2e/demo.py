@@ -1,0 +1,687 @@
+"""`make demo`: the whole system on one machine, and the scaling it does under a load burst.
+
+A newcomer should see, with one command, what splitserve is for: an InferenceService whose
+pools grow when load arrives and shrink when it leaves, decided by the operator from the
+runtime's own metrics. So the demo runs only real parts, the same ones the e2e tests use:
+
+1. the local control plane (``python -m splitserve_e2e up``: etcd, kube-apiserver,
+   controller manager, scheduler, one kwok GPU node, the local node with 4 fake GPUs,
+   Prometheus scraping every 2 s). It runs as the harness's detached daemon, so ``--keep``
+   can leave it running after the demo exits (``make cluster-down`` stops it);
+2. a tiny random Llama written once into a model cache directory, so the pods find
+   ``hf://splitserve/tiny-llama`` (``spec.runtime.env`` points ``SPLITSERVE_MODEL_CACHE``
+   at it: the operator's default is an in-pod emptyDir);
+3. the Helm chart, with the operator pod on the local node and ``prometheus.url`` set;
+4. ``examples/tiny-disaggregated.yaml`` (or the Aggregated one) with a 5 s autoscaling
+   interval and a short scale-down window;
+5. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
+   ``--duration-seconds``), then idle until the pools are back at their minimum.
+
+Every few seconds it prints a row (replicas desired/ready per pool, queue depth and KV usage
+from Prometheus, requests done/failed), and at the end writes ``timeline.csv`` and
+``timeline.png`` to ``--out`` and prints a summary. Everything is torn down on exit, also on
+Ctrl-C, unless ``--keep``.
+
+The building blocks (:func:`install_operator`, :func:`isvc_manifest`, :class:`LoadBurst`,
+:func:`sample_pools`, ...) are public: ``e2e/test_autoscaling.py`` and
+``bench/autoscaler_reaction.py`` drive the same stack through them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import csv
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+
+from splitserve_e2e.build import cache_root, ensure_binaries
+from splitserve_e2e.cluster import LocalCluster, read_info
+from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_runtime import contract
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "splitserve"
+EXAMPLES = REPO / "examples"
+MODEL_NAME = "splitserve/tiny-llama"
+SERVED_NAME = "tiny-llama"
+RELEASE = "splitserve"
+DEMO_NAMESPACE = "splitserve-demo"
+ISVC_PLURAL = f"{contract.PLURAL}.{contract.API_GROUP}"
+ROLES_BY_MODE: Mapping[str, tuple[str, ...]] = {
+    "Disaggregated": (contract.Role.PREFILL.value, contract.Role.DECODE.value),
+    "Aggregated": (contract.Role.AGGREGATED.value,),
+}
+_PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
+                 "the", "operator", "watches", "queues", "grow", "and", "shrink", "on", "a",
+                 "small", "machine")
+
+
+def _say(message: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------- model and stack
+def ensure_model_cache(*, cache_dir: Path) -> Path:
+    """``cache_dir`` holding ``splitserve/tiny-llama`` (written once, reused after)."""
+    model_dir = cache_dir / MODEL_NAME
+    if not (model_dir / "config.json").is_file():
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["splitserve", "make-tiny-model", str(model_dir)],
+                                capture_output=True, text=True, timeout=300, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"`splitserve make-tiny-model {model_dir}` failed:\n"
+                               f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return cache_dir
+
+
+def install_operator(*, cluster: LocalCluster, namespace: str, prometheus_url: str,
+                     release: str = RELEASE, timeout_seconds: float = 120.0) -> None:
+    """The chart into ``namespace`` (namespace-scoped RBAC, one replica, on the local node,
+    reading ``prometheus_url``); returns once the operator holds its Lease."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{ISVC_PLURAL}", "--timeout=60s")
+    escaped_label = LOCAL_NODE_LABEL.replace(".", "\\.")
+    result = cluster.helm("install", release, str(CHART), "-n", namespace, "--skip-crds",
+                          "--set", "rbac.scope=namespace", "--set", "replicaCount=1",
+                          "--set-string", f"nodeSelector.{escaped_label}=true",
+                          "--set-string", f"prometheus.url={prometheus_url}", check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"helm install {release} -n {namespace} failed: {result.stderr.strip()}")
+    lease = release if "splitserve" in release else f"{release}-splitserve"  # chart fullname
+
+    def holder() -> str:
+        result = cluster.kubectl("get", "lease", lease, "-n", namespace, "-o",
+                                 "jsonpath={.spec.holderIdentity}", check=False)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    cluster.wait_for(holder, timeout_seconds=timeout_seconds, interval_seconds=1.0,
+                     what=f"the operator ({namespace}) holding Lease {lease}")
+
+
+def isvc_manifest(*, name: str, namespace: str, mode: str, model_cache: Path,
+                  interval: str = "5s", max_replicas: int = 3,
+                  scale_down_stabilization_seconds: int = 20,
+                  prefill_target_queue_depth: float = 2.0,
+                  decode_target_queue_depth: float = 2.0,
+                  decode_target_kv: float = 0.6,
+                  extra_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The example InferenceService of ``mode`` with the demo's model cache and a fast,
+    short-windowed autoscaler."""
+    example = "tiny-disaggregated.yaml" if mode == "Disaggregated" else "tiny-aggregated.yaml"
+    body: dict[str, Any] = yaml.safe_load((EXAMPLES / example).read_text())
+    body["metadata"] = {"name": name, "namespace": namespace}
+    spec = body["spec"]
+    spec["runtime"]["env"] = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
+    for role in ROLES_BY_MODE[mode]:
+        spec[role]["replicas"] = {"min": 1, "max": max_replicas}
+    spec["autoscaling"] = {
+        "interval": interval,
+        "prefill": {"targetQueueDepth": prefill_target_queue_depth},
+        "decode": {"targetKVCacheUtilization": decode_target_kv,
+                   "targetQueueDepth": decode_target_queue_depth},
+        "behavior": {"scaleUp": {"stabilizationSeconds": 0, "maxStepPercent": 100},
+                     "scaleDown": {"stabilizationSeconds": scale_down_stabilization_seconds,
+                                   "maxStep": 1}},
+    }
+    if mode == "Disaggregated":
+        spec["autoscaling"]["gpuBudget"] = 4
+    for key, value in (extra_spec or {}).items():
+        spec[key] = copy.deepcopy(value)
+    return body
+
+
+def apply_object(*, cluster: LocalCluster, obj: Mapping[str, Any]) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", "-", input_text=json.dumps(obj))
+
+
+def get_isvc(*, cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    result = cluster.kubectl("get", ISVC_PLURAL, name, "-n", namespace, "-o", "json")
+    return dict(json.loads(result.stdout))
+
+
+def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return next((dict(c) for c in conditions if c.get("type") == type_), None)
+
+
+def wait_ready(*, cluster: LocalCluster, namespace: str, name: str,
+               timeout_seconds: float = 300.0,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Wait for the InferenceService's Ready=True and a ready router endpoint."""
+    last = ""
+
+    def ready() -> dict[str, Any]:
+        nonlocal last
+        obj = get_isvc(cluster=cluster, namespace=namespace, name=name)
+        ready_condition = condition(obj, "Ready") or {}
+        line = f"Ready={ready_condition.get('status', '?')} ({ready_condition.get('reason', '')})"
+        if progress is not None and line != last:
+            progress(line)
+        last = line
+        if ready_condition.get("status") != "True":
+            return {}
+        if not router_endpoints(cluster=cluster, namespace=namespace, name=name):
+            return {}
+        return obj
+
+    return cluster.wait_for(ready, timeout_seconds=timeout_seconds, interval_seconds=2.0,
+                            what=f"InferenceService {namespace}/{name} Ready")
+
+
+def router_endpoints(*, cluster: LocalCluster, namespace: str, name: str) -> list[str]:
+    return cluster.endpoints_of(namespace=namespace, service=f"{name}-router",
+                                port_name=contract.HTTP_PORT_NAME)
+
+
+# --------------------------------------------------------------------------- sampling
+@dataclasses.dataclass(frozen=True)
+class PoolSample:
+    desired: int
+    ready: int
+    queue: float | None  # sum of splitserve_requests_waiting over the pool's pods
+    kv_usage: float | None  # mean splitserve_kv_cache_usage_ratio over the pool's pods
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    t_seconds: float
+    pools: dict[str, PoolSample]
+    requests_ok: int
+    requests_failed: int
+    load_active: bool
+
+
+def _by_role(cluster: LocalCluster, promql: str) -> dict[str, float]:
+    try:
+        result = cluster.query(promql)
+    except Exception:  # noqa: BLE001 - a missed sample is a gap in the table, not an error
+        return {}
+    return {str(r["metric"].get("role", "")): float(r["value"][1]) for r in result}
+
+
+def sample_pools(*, cluster: LocalCluster, namespace: str, name: str,
+                 roles: Sequence[str]) -> dict[str, PoolSample]:
+    """Replicas of every pool's Deployment, and its queue and KV usage from Prometheus."""
+    apps = cluster.apps()
+    selector = f'namespace="{namespace}",inferenceservice="{name}"'
+    queue = _by_role(cluster, f"sum by (role) ({contract.Metric.REQUESTS_WAITING}{{{selector}}})")
+    kv = _by_role(cluster, f"avg by (role) ({contract.Metric.KV_CACHE_USAGE_RATIO}{{{selector}}})")
+    out: dict[str, PoolSample] = {}
+    for role in roles:
+        try:
+            deployment = apps.read_namespaced_deployment(f"{name}-{role}", namespace)
+            desired = int(deployment.spec.replicas or 0) if deployment.spec else 0
+            ready = int(deployment.status.ready_replicas or 0) if deployment.status else 0
+        except Exception:  # noqa: BLE001 - not created yet
+            desired = ready = 0
+        out[role] = PoolSample(desired=desired, ready=ready, queue=queue.get(role),
+                               kv_usage=kv.get(role))
+    return out
+
+
+# --------------------------------------------------------------------------- load
+@dataclasses.dataclass
+class RequestResult:
+    started: float
+    seconds: float
+    ok: bool
+    error: str = ""
+    tokens: int = 0
+
+
+class LoadBurst:
+    """``concurrency`` streaming completions at a time through the router, for
+    ``duration_seconds`` (each worker sends its next request when the last one ends).
+    Bounded in count (``max_requests``) and time; every outcome is recorded."""
+
+    def __init__(self, *, base_url: str, concurrency: int, duration_seconds: float,
+                 prompt_words: int = 120, max_tokens: int = 48, max_requests: int = 5000,
+                 request_timeout_seconds: float = 90.0) -> None:
+        if concurrency < 1 or duration_seconds <= 0:
+            raise ValueError("concurrency must be >= 1 and duration_seconds > 0")
+        self.base_url = base_url
+        self.concurrency = concurrency
+        self.duration_seconds = duration_seconds
+        self.prompt_words = prompt_words
+        self.max_tokens = max_tokens
+        self.max_requests = max_requests
+        self.request_timeout_seconds = request_timeout_seconds
+        self.results: list[RequestResult] = []
+        self._sent = 0
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for r in self.results if r.ok)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for r in self.results if not r.ok)
+
+    def errors(self) -> list[str]:
+        return [r.error for r in self.results if not r.ok]
+
+    def _prompt(self, index: int) -> str:
+        words = [_PROMPT_WORDS[(index * 7 + i) % len(_PROMPT_WORDS)] for i in range(self.prompt_words)]
+        return f"request {index}: " + " ".join(words)
+
+    async def run(self) -> None:
+        from openai import AsyncOpenAI  # the demo's only use of it; keep import time low
+
+        client = AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
+                             timeout=self.request_timeout_seconds)
+        deadline = time.monotonic() + self.duration_seconds
+
+        async def worker() -> None:
+            while time.monotonic() < deadline and self._sent < self.max_requests:
+                index = self._sent
+                self._sent += 1
+                started = time.monotonic()
+                tokens = 0
+                try:
+                    stream = await client.completions.create(
+                        model=SERVED_NAME, prompt=self._prompt(index), max_tokens=self.max_tokens,
+                        temperature=0.0, stream=True)
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].text:
+                            tokens += 1
+                    self.results.append(RequestResult(started=started, ok=True, tokens=tokens,
+                                                      seconds=time.monotonic() - started))
+                except Exception as error:  # noqa: BLE001 - every failure is counted and shown
+                    self.results.append(RequestResult(
+                        started=started, ok=False, seconds=time.monotonic() - started,
+                        error=f"{type(error).__name__}: {error}"[:300]))
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+        finally:
+            await client.close()
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))
+    return ordered[index]
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_header(roles: Sequence[str]) -> str:
+    cells = ["   t(s)", " load"]
+    for role in roles:
+        cells += [f"{role[:7]:>7} d/r", f"{'queue':>5}", f"{'kv':>5}"]
+    return " | ".join(cells + ["  ok", "fail"])
+
+
+def table_row(sample: Sample, roles: Sequence[str]) -> str:
+    cells = [f"{sample.t_seconds:7.1f}", "  on " if sample.load_active else "  -  "]
+    for role in roles:
+        pool = sample.pools[role]
+        cells += [f"{pool.desired:>5}/{pool.ready:<5}", f"{_fmt(pool.queue, '5.1f'):>5}",
+                  f"{_fmt(pool.kv_usage, '5.2f'):>5}"]
+    return " | ".join(cells + [f"{sample.requests_ok:4d}", f"{sample.requests_failed:4d}"])
+
+
+def write_csv(*, path: Path, samples: Sequence[Sample], roles: Sequence[str]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        header = ["t_seconds", "load_active"]
+        for role in roles:
+            header += [f"{role}_desired", f"{role}_ready", f"{role}_queue", f"{role}_kv_usage"]
+        writer.writerow(header + ["requests_ok", "requests_failed"])
+        for sample in samples:
+            row: list[Any] = [f"{sample.t_seconds:.1f}", int(sample.load_active)]
+            for role in roles:
+                pool = sample.pools[role]
+                row += [pool.desired, pool.ready, "" if pool.queue is None else pool.queue,
+                        "" if pool.kv_usage is None else pool.kv_usage]
+            writer.writerow(row + [sample.requests_ok, sample.requests_failed])
+
+
+def write_png(*, path: Path, samples: Sequence[Sample], roles: Sequence[str],
+              load_window: tuple[float, float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [s.t_seconds for s in samples]
+    figure, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    colors = {"prefill": "tab:blue", "decode": "tab:orange", "aggregated": "tab:green"}
+    for role in roles:
+        color = colors.get(role, "tab:gray")
+        axes[0].step(times, [s.pools[role].desired for s in samples], where="post", color=color,
+                     label=f"{role} desired")
+        axes[0].step(times, [s.pools[role].ready for s in samples], where="post", color=color,
+                     linestyle="--", alpha=0.7, label=f"{role} ready")
+        axes[1].plot(times, [math.nan if s.pools[role].queue is None else s.pools[role].queue
+                             for s in samples], color=color, label=role)
+        axes[2].plot(times, [math.nan if s.pools[role].kv_usage is None else s.pools[role].kv_usage
+                             for s in samples], color=color, label=role)
+    axes[0].set_ylabel("replicas")
+    axes[0].yaxis.get_major_locator().set_params(integer=True)
+    axes[1].set_ylabel("requests waiting\n(sum over pods)")
+    axes[2].set_ylabel("KV cache usage\n(mean over pods)")
+    axes[2].set_ylim(0, 1)
+    axes[2].set_xlabel("seconds since the InferenceService was Ready")
+    for axis in axes:
+        axis.axvspan(load_window[0], load_window[1], color="tab:red", alpha=0.08,
+                     label="load burst" if axis is axes[0] else None)
+        axis.grid(alpha=0.3)
+        axis.legend(loc="upper right", fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingEvents:
+    scale_up_seconds: float | None  # first sample with more desired replicas than at the start
+    peak: dict[str, int]
+    scale_down_seconds: float | None  # first sample after the peak with fewer desired
+    back_to_min_seconds: float | None  # first sample after load with every pool at its start
+
+
+def scaling_events(samples: Sequence[Sample], roles: Sequence[str],
+                   load_end_seconds: float) -> ScalingEvents:
+    if not samples:
+        return ScalingEvents(None, {}, None, None)
+    start = {role: samples[0].pools[role].desired for role in roles}
+    up = next((s.t_seconds for s in samples
+               if any(s.pools[r].desired > start[r] for r in roles)), None)
+    peak = {r: max(s.pools[r].desired for s in samples) for r in roles}
+    down: float | None = None
+    running_max = dict(start)
+    for s in samples:
+        if any(s.pools[r].desired < running_max[r] for r in roles):
+            down = s.t_seconds
+            break
+        running_max = {r: max(running_max[r], s.pools[r].desired) for r in roles}
+    back = None
+    if up is not None:
+        back = next((s.t_seconds for s in samples if s.t_seconds >= load_end_seconds
+                     and all(s.pools[r].desired <= start[r] for r in roles)), None)
+    return ScalingEvents(up, peak, down, back)
+
+
+# --------------------------------------------------------------------------- the run
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    mode: str
+    duration_seconds: float
+    idle_seconds: float
+    baseline_seconds: float
+    concurrency: int
+    sample_seconds: float
+    out_dir: Path
+    name: str = "tiny"
+    namespace: str = DEMO_NAMESPACE
+
+
+async def run_scenario(*, cluster: LocalCluster, config: DemoConfig,
+                       on_sample: Callable[[Sample], None]) -> tuple[list[Sample], LoadBurst, float, float]:
+    """Idle baseline, the load burst, then idle until every pool is back at its start (or
+    ``idle_seconds``). Returns the samples, the burst, and the load window (seconds)."""
+    roles = ROLES_BY_MODE[config.mode]
+    endpoint = router_endpoints(cluster=cluster, namespace=config.namespace, name=config.name)[0]
+    burst = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=config.concurrency,
+                      duration_seconds=config.duration_seconds)
+    samples: list[Sample] = []
+    started = time.monotonic()
+    load_start = config.baseline_seconds
+    load_end = load_start + config.duration_seconds
+    load_task: asyncio.Task[None] | None = None
+    start_desired: dict[str, int] | None = None
+    try:
+        while True:
+            now = time.monotonic() - started
+            if load_task is None and now >= load_start:
+                load_task = asyncio.create_task(burst.run())
+            load_active = load_task is not None and not load_task.done()
+            if load_task is not None and load_task.done() and now >= load_end:
+                load_task.result()  # a bug in the generator surfaces here
+            pools = await asyncio.to_thread(sample_pools, cluster=cluster,
+                                            namespace=config.namespace, name=config.name,
+                                            roles=roles)
+            sample = Sample(t_seconds=now, pools=pools, requests_ok=burst.ok,
+                            requests_failed=burst.failed, load_active=load_active)
+            samples.append(sample)
+            on_sample(sample)
+            if start_desired is None:
+                start_desired = {r: pools[r].desired for r in roles}
+            after_load = load_task is not None and load_task.done()
+            settled = all(pools[r].desired <= start_desired[r] and pools[r].ready <= start_desired[r]
+                          for r in roles)
+            scaled = any(any(s.pools[r].desired > start_desired[r] for r in roles) for s in samples)
+            if after_load and ((scaled and settled) or now > load_end + config.idle_seconds):
+                break
+            await asyncio.sleep(config.sample_seconds)
+    finally:
+        if load_task is not None and not load_task.done():
+            load_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load_task
+    return samples, burst, load_start, load_end
+
+
+def _scaling_history(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [dict(e) for e in (obj.get("status") or {}).get("scalingHistory") or []]
+
+
+def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
+             load_window: tuple[float, float], isvc: Mapping[str, Any], csv_path: Path,
+             png_path: Path, total_seconds: float) -> list[str]:
+    roles = ROLES_BY_MODE[config.mode]
+    events = scaling_events(samples, roles, load_window[1])
+    latencies = [r.seconds for r in burst.results if r.ok]
+    lines = [
+        f"mode {config.mode}; load {config.concurrency} concurrent streams "
+        f"t={load_window[0]:.0f}..{load_window[1]:.0f}s",
+        "scale-up:   " + (f"t={events.scale_up_seconds:.0f}s "
+                          f"({events.scale_up_seconds - load_window[0]:.0f}s after the load began)"
+                          if events.scale_up_seconds is not None else "none observed"),
+        "peak:       " + ", ".join(f"{r} {n}" for r, n in events.peak.items()),
+        "scale-down: " + (f"t={events.scale_down_seconds:.0f}s "
+                          f"({events.scale_down_seconds - load_window[1]:.0f}s after the load ended)"
+                          if events.scale_down_seconds is not None else "none observed"),
+        "back at min: " + (f"t={events.back_to_min_seconds:.0f}s"
+                           if events.back_to_min_seconds is not None else "not within the run"),
+        f"requests:   {burst.ok} ok, {burst.failed} failed; latency p50 "
+        f"{percentile(latencies, 0.5):.2f}s p99 {percentile(latencies, 0.99):.2f}s",
+    ]
+    errors = burst.errors()
+    if errors:
+        lines.append(f"first errors: {errors[:3]}")
+    history = _scaling_history(isvc)
+    if history:
+        lines.append("status.scalingHistory (operator):")
+        lines += [f"  {e.get('time')} {e.get('pool')} {e.get('from')} -> {e.get('to')} "
+                  f"({e.get('reason')})" for e in history[-8:]]
+    for role in roles:
+        decision = ((isvc.get("status") or {}).get(role) or {}).get("lastDecision") or {}
+        if decision:
+            lines.append(f"last {role} decision: {decision.get('formula')} ({decision.get('reason')})")
+    lines += [f"timeline:   {png_path}", f"data:       {csv_path}",
+              f"total demo time {total_seconds:.0f}s"]
+    return lines
+
+
+def _namespace_exists(*, cluster: LocalCluster, name: str) -> bool:
+    return cluster.kubectl("get", "namespace", name, check=False).returncode == 0
+
+
+def _start_cluster(*, state_dir: Path) -> LocalCluster:
+    command = [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "up",
+               "--num-gpu-nodes=1", "--gpus-per-node=8", "--local-node-gpus=4",
+               "--scrape-interval-seconds=2"]
+    result = subprocess.run(command, text=True, capture_output=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(command[1:])}` failed:\n{result.stdout}{result.stderr}")
+    return LocalCluster.attach(state_dir=state_dir)
+
+
+def _stop_cluster(*, state_dir: Path) -> None:
+    subprocess.run([sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "down"],
+                   check=False, capture_output=True, text=True, timeout=120)
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP end the demo like Ctrl-C does (through ``finally``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _stage(title: str) -> Iterator[None]:
+    _say(f"{title} ...")
+    started = time.monotonic()
+    yield
+    _say(f"{title}: done in {time.monotonic() - started:.0f}s")
+
+
+def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: Path) -> int:
+    started = time.monotonic()
+    roles = ROLES_BY_MODE[config.mode]
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    own_cluster = True
+    cluster: LocalCluster | None = None
+    try:
+        with _stage("binaries (built once, then cached under ~/.cache/splitserve/bin)"):
+            ensure_binaries()
+        with _stage("tiny model (hf://splitserve/tiny-llama)"):
+            model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
+        if reuse_cluster:
+            try:
+                read_info(state_dir=state_dir)
+                own_cluster = False
+            except FileNotFoundError:
+                pass
+        if own_cluster:
+            with _stage("local cluster: etcd, kube-apiserver, controllers, kwok, local node, "
+                        "Prometheus"):
+                cluster = _start_cluster(state_dir=state_dir)
+        else:
+            _say(f"reusing the running cluster in {state_dir}")
+            cluster = LocalCluster.attach(state_dir=state_dir)
+        prometheus_url = cluster.prometheus_url
+        if not prometheus_url:
+            raise RuntimeError("the cluster has no Prometheus")
+        core = cluster.core()
+        cluster.wait_for(lambda: not _namespace_exists(cluster=cluster, name=config.namespace),
+                         timeout_seconds=120, what=f"namespace {config.namespace} gone "
+                         "(left by an earlier run)")
+        core.create_namespace({"metadata": {"name": config.namespace}})  # type: ignore[arg-type]
+        cluster.wait_for(lambda: core.read_namespaced_service_account("default", config.namespace),
+                         timeout_seconds=60, what="the namespace's default ServiceAccount")
+        with _stage(f"helm install the chart into {config.namespace} (operator on the local node)"):
+            install_operator(cluster=cluster, namespace=config.namespace,
+                             prometheus_url=prometheus_url)
+        manifest = isvc_manifest(name=config.name, namespace=config.namespace, mode=config.mode,
+                                 model_cache=model_cache)
+        with _stage(f"InferenceService {config.name} ({config.mode}) until Ready"):
+            apply_object(cluster=cluster, obj=manifest)
+            wait_ready(cluster=cluster, namespace=config.namespace, name=config.name,
+                       progress=lambda line: _say(f"  {line}"))
+        endpoint = router_endpoints(cluster=cluster, namespace=config.namespace,
+                                    name=config.name)[0]
+        _say(f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
+             f"{config.duration_seconds:.0f}s after a {config.baseline_seconds:.0f}s baseline")
+        print(table_header(roles), flush=True)
+        samples, burst, load_start, load_end = asyncio.run(run_scenario(
+            cluster=cluster, config=config,
+            on_sample=lambda s: print(table_row(s, roles), flush=True)))
+        csv_path = config.out_dir / "timeline.csv"
+        png_path = config.out_dir / "timeline.png"
+        write_csv(path=csv_path, samples=samples, roles=roles)
+        write_png(path=png_path, samples=samples, roles=roles, load_window=(load_start, load_end),
+                  title=f"splitserve demo: {config.mode} InferenceService under a load burst")
+        isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
+        for line in _summary(config=config, samples=samples, burst=burst,
+                             load_window=(load_start, load_end), isvc=isvc, csv_path=csv_path,
+                             png_path=png_path, total_seconds=time.monotonic() - started):
+            _say(line)
+        if keep:
+            _say("--keep: the cluster stays up")
+            print(f"  router:      http://{endpoint}/v1  (model {SERVED_NAME})")
+            print(f"  export KUBECONFIG={cluster.kubeconfig}")
+            print(f"  kubectl get sis -n {config.namespace}")
+            print(f"  kubectl get deploy,pods -n {config.namespace}")
+            print(f"  kubectl get {ISVC_PLURAL} {config.name} -n {config.namespace} "
+                  "-o jsonpath='{.status.scalingHistory}'")
+            print(f"  prometheus:  {prometheus_url}")
+            print("  stop it:     make cluster-down")
+        return 0
+    finally:
+        if not keep:
+            if own_cluster:
+                _say("tearing down the cluster")
+                _stop_cluster(state_dir=state_dir)
+            elif cluster is not None:
+                _say(f"uninstalling the demo from the reused cluster ({config.namespace})")
+                cluster.helm("uninstall", RELEASE, "-n", config.namespace, check=False)
+                cluster.kubectl("delete", "namespace", config.namespace, "--timeout=90s",
+                                check=False, timeout_seconds=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splitserve_e2e.demo",
+                                     description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--keep", action="store_true",
+                        help="leave the cluster running at the end (`make cluster-down` stops it)")
+    parser.add_argument("--duration-seconds", type=float, default=60.0,
+                        help="length of the load burst")
+    parser.add_argument("--concurrency", type=int, default=24, help="concurrent streams")
+    parser.add_argument("--idle-seconds", type=float, default=120.0,
+                        help="at most this long after the burst, waiting for scale-down")
+    parser.add_argument("--baseline-seconds", type=float, default=10.0,
+                        help="idle time before the burst")
+    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Disaggregated")
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
+    parser.add_argument("--state-dir", type=Path, default=cache_root() / "cluster",
+                        help="the cluster's state directory (the one `make cluster-down` stops)")
+    parser.add_argument("--reuse-cluster", action="store_true",
+                        help="use the cluster `make cluster-up` runs, if any, instead of a new one")
+    args = parser.parse_args(argv)
+    os.environ.pop("KUBECONFIG", None)  # never act on the user's own cluster by accident
+    _install_signal_handlers()
+    config = DemoConfig(mode=args.mode, duration_seconds=args.duration_seconds,
+                        idle_seconds=args.idle_seconds, baseline_seconds=args.baseline_seconds,
+                        concurrency=args.concurrency, sample_seconds=3.0,
+                        out_dir=args.out.resolve())
+    try:
+        return run_demo(config=config, keep=args.keep, reuse_cluster=args.reuse_cluster,
+                        state_dir=args.state_dir.resolve())
+    except KeyboardInterrupt:
+        _say("interrupted; everything was torn down" if not args.keep else "interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""Fleet sizing: a performance model, a discrete-event fleet simulator and a planner.
+
+Layers, each talking only down:
+
+* :mod:`.gpus`, :mod:`.model_presets` — data: accelerator specs and model shapes.
+* :mod:`.perf_model` (roofline) and :mod:`.profile` (measured, versioned data files) — how long
+  one engine step takes, and how many KV tokens a pod holds.
+* :mod:`.workload` — request streams: Poisson, bursty (MMPP), or a replayed trace CSV.
+* :mod:`.simulator` — the fleet: router, prefill/decode/aggregated pools with continuous
+  batching, chunked prefill, KV capacity with preemption, prefix caching, KV transfer.
+* :mod:`.search` — the cheapest pool sizes meeting the SLOs under the headroom rule.
+* :mod:`.manifest`, :mod:`.plot`, :mod:`.cli` — ``splitserve plan``.
+
+Torch-free: the operator image imports this package.
+"""

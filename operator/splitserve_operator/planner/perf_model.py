@@ -1,0 +1,226 @@
+"""How long one engine step takes, and how many KV tokens a pod holds: the roofline model.
+
+An engine step runs a batch of new tokens (prefill chunks and one token per decoding
+sequence) through the model once. :class:`StepCost` is the interface the simulator uses;
+two implementations exist: :class:`RooflineModel` here (from a model shape and GPU specs) and
+:class:`~.profile.ProfileModel` (fitted to measured timings of our runtime).
+
+Roofline, per GPU of a tensor-parallel group of ``tp``:
+
+* compute: ``2 · linear_params · tokens + 4 · layers · q_size · attention_pairs`` FLOPs
+  (+ the LM head for each sampled sequence), over ``peak FLOP/s × compute_efficiency``;
+* memory: weight bytes + KV bytes read and written, over ``HBM bandwidth × bandwidth_efficiency``;
+* the step takes the larger of the two (prefill is compute-bound, decode memory-bound), plus a
+  fixed per-step overhead and, for ``tp > 1``, two ring all-reduces of the activations per layer.
+
+``attention_pairs`` counts (query, key) pairs: a decode of a sequence with ``c`` tokens is ``c``
+pairs; a prefill chunk of ``n`` new tokens after ``c`` computed ones is ``n·c + n(n+1)/2``.
+KV capacity is ``(memory × memory_fraction − weights − activation reserve) / KV bytes per token``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve_runtime.model.config import ModelConfig
+
+from .gpus import GIB, GpuSpec
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+ALL_REDUCE_LATENCY_SECONDS = 8e-6
+"""Fixed cost of one small all-reduce over NVLink (NCCL, latency-bound at decode sizes)."""
+
+
+class ModelDoesNotFit(ValueError):
+    """The weights (plus reserve) leave no room for KV cache on one GPU at this TP."""
+
+
+def prefill_attention_pairs(*, num_new_tokens: int, num_computed_tokens: int) -> int:
+    """(query, key) pairs of a causal prefill chunk (see the module docstring)."""
+    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+class StepCost(Protocol):
+    """What the simulator needs from a performance model."""
+
+    name: str
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    """Whole model (all layers, all TP shards): what a KV transfer ships per token."""
+
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
+                     num_kv_tokens: int) -> float:
+        """Duration of one step: ``num_tokens`` new tokens over ``num_seqs`` sequences that
+        already hold ``num_kv_tokens`` KV tokens in total, with ``num_attention_pairs`` pairs."""
+        ...
+
+
+def prefill_seconds(model: StepCost, *, num_tokens: int, num_cached_tokens: int = 0) -> float:
+    """One sequence's whole prompt in one step (no chunking), ``num_cached_tokens`` cached."""
+    new = num_tokens - num_cached_tokens
+    return model.step_seconds(
+        num_tokens=new, num_seqs=1, num_kv_tokens=num_cached_tokens,
+        num_attention_pairs=prefill_attention_pairs(num_new_tokens=new, num_computed_tokens=num_cached_tokens))
+
+
+def decode_step_seconds(model: StepCost, *, batch_size: int, num_context_tokens: int) -> float:
+    """One decode step of ``batch_size`` sequences holding ``num_context_tokens`` in total."""
+    return model.step_seconds(num_tokens=batch_size, num_seqs=batch_size,
+                              num_attention_pairs=num_context_tokens + batch_size,
+                              num_kv_tokens=num_context_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Parameter and byte counts derived from a :class:`ModelConfig`."""
+
+    num_layers: int
+    q_size: int
+    hidden_size: int
+    linear_params: int
+    """Per-token matmul parameters in the transformer layers (attention + MLP)."""
+    lm_head_params: int
+    embedding_params: int
+    tied: bool
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ModelShape:
+        h = config.hidden_size
+        attention = h * config.q_size + 2 * h * config.kv_size + config.q_size * h
+        mlp = 3 * h * config.intermediate_size
+        return cls(num_layers=config.num_hidden_layers, q_size=config.q_size, hidden_size=h,
+                   linear_params=config.num_hidden_layers * (attention + mlp),
+                   lm_head_params=config.vocab_size * h, embedding_params=config.vocab_size * h,
+                   tied=config.tie_word_embeddings, kv_heads=config.num_key_value_heads,
+                   head_dim=config.head_dim)
+
+    @property
+    def total_params(self) -> int:
+        return self.linear_params + self.embedding_params + (0 if self.tied else self.lm_head_params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineModel:
+    """The roofline :class:`StepCost` for one (model, GPU, TP, dtype) pod."""
+
+    name: str
+    shape: ModelShape
+    gpu: GpuSpec
+    tensor_parallel: int
+    dtype: str
+    memory_fraction: float = 0.9
+    activation_reserve_bytes: int = 4 * GIB
+    compute_efficiency: float | None = None
+    bandwidth_efficiency: float | None = None
+    step_overhead_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+        if self.tensor_parallel not in (1, 2, 4, 8):
+            raise ValueError(f"tensor parallel size must be 1, 2, 4 or 8, got {self.tensor_parallel}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
+        self.gpu.flops_per_second(dtype=self.dtype)  # FP8 on a GPU without it: ValueError
+        if self.kv_capacity_tokens < 1:
+            raise ModelDoesNotFit(self.fit_message())
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_bytes_per_gpu(self) -> int:
+        return self.shape.total_params * self.dtype_bytes // self.tensor_parallel
+
+    @property
+    def weight_bytes_read_per_step(self) -> int:
+        """Per GPU: every matmul weight once (embeddings are only gathered)."""
+        return (self.shape.linear_params + self.shape.lm_head_params) * self.dtype_bytes // self.tensor_parallel
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.shape.num_layers * self.shape.kv_heads * self.shape.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        heads = max(1, self.shape.kv_heads // self.tensor_parallel)  # replicated when kv_heads < tp
+        return 2 * self.shape.num_layers * heads * self.shape.head_dim * self.dtype_bytes
+
+    @property
+    def kv_budget_bytes_per_gpu(self) -> int:
+        return int(self.gpu.memory_bytes * self.memory_fraction) - self.weight_bytes_per_gpu - self.activation_reserve_bytes
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return max(0, self.kv_budget_bytes_per_gpu // self.kv_bytes_per_token_per_gpu)
+
+    def fit_message(self, *, min_kv_tokens: int = 0) -> str:
+        need = self.weight_bytes_per_gpu + self.activation_reserve_bytes + min_kv_tokens * self.kv_bytes_per_token_per_gpu
+        need_total = need / self.memory_fraction
+        return (f"{self.name} ({self.dtype}) needs {need_total / GIB:.1f} GiB per GPU at TP={self.tensor_parallel} "
+                f"(weights {self.weight_bytes_per_gpu / GIB:.1f} GiB + reserve {self.activation_reserve_bytes / GIB:.1f} GiB"
+                f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
+                f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
+                f"{self.gpu.memory_bytes / GIB:.1f} GiB: use a larger --tp, fp8, or a bigger GPU")
+
+    # ------------------------------------------------------------------ time
+    def _coefficients(self) -> tuple[float, float, float, float, float, float, float, float]:
+        """Per-step constants, computed once (the simulator calls step_seconds millions of times)."""
+        gpu, tp = self.gpu, self.tensor_parallel
+        ce = self.compute_efficiency if self.compute_efficiency is not None else gpu.compute_efficiency
+        be = self.bandwidth_efficiency if self.bandwidth_efficiency is not None else gpu.bandwidth_efficiency
+        overhead = self.step_overhead_seconds if self.step_overhead_seconds is not None else gpu.step_overhead_seconds
+        flop_rate = gpu.flops_per_second(dtype=self.dtype) * ce * tp
+        byte_rate = gpu.hbm_bytes_per_second * be
+        comm_fixed = comm_per_token = 0.0
+        if tp > 1:
+            comm_fixed = 2 * self.shape.num_layers * ALL_REDUCE_LATENCY_SECONDS
+            comm_per_token = (2 * self.shape.num_layers * 2.0 * (tp - 1) / tp * self.shape.hidden_size
+                              * self.dtype_bytes / gpu.interconnect_bytes_per_second)
+        return (2.0 * self.shape.linear_params / flop_rate,
+                4.0 * self.shape.num_layers * self.shape.q_size / flop_rate,
+                2.0 * self.shape.lm_head_params / flop_rate,
+                self.weight_bytes_read_per_step / byte_rate,
+                self.kv_bytes_per_token_per_gpu / byte_rate,
+                overhead + comm_fixed, comm_per_token, 0.0)
+
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
+                     num_kv_tokens: int) -> float:
+        coef = self.__dict__.get("_coef")
+        if coef is None:
+            coef = self._coefficients()
+            object.__setattr__(self, "_coef", coef)
+        tok, pair, seq, weights, kv, fixed, comm, _ = coef
+        compute = tok * num_tokens + pair * num_attention_pairs + seq * num_seqs
+        memory = weights + kv * (num_kv_tokens + num_tokens)
+        return (compute if compute > memory else memory) + fixed + comm * num_tokens
+
+
+def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_parallel: int, dtype: str,
+                   memory_fraction: float = 0.9, compute_efficiency: float | None = None,
+                   bandwidth_efficiency: float | None = None,
+                   step_overhead_seconds: float | None = None) -> RooflineModel:
+    """Build the roofline for ``config`` on ``gpu`` (raises :class:`ModelDoesNotFit`, ValueError)."""
+    return RooflineModel(name=name, shape=ModelShape.from_config(config), gpu=gpu,
+                         tensor_parallel=tensor_parallel, dtype=dtype, memory_fraction=memory_fraction,
+                         compute_efficiency=compute_efficiency, bandwidth_efficiency=bandwidth_efficiency,
+                         step_overhead_seconds=step_overhead_seconds)
+
+
+def max_decode_batch(model: StepCost, *, itl_seconds: float, mean_context_tokens: float,
+                     max_num_seqs: int) -> int:
+    """Largest decode batch whose step stays within ``itl_seconds`` and whose KV fits (0: none)."""
+    best = 0
+    kv_limit = int(model.kv_capacity_tokens // max(mean_context_tokens, 1.0))
+    for batch in range(1, min(max_num_seqs, kv_limit) + 1):
+        ctx = int(math.ceil(batch * mean_context_tokens))
+        if decode_step_seconds(model, batch_size=batch, num_context_tokens=ctx) > itl_seconds:
+            break
+        best = batch
+    return best

@@ -1,0 +1,90 @@
+"""Building an engine from ``ServeArgs``: model URI, config, tokenizer, weights, device, dtype.
+
+Kept apart from :mod:`.llm_engine` so the engine core never imports the model package; only
+this module knows how a model directory becomes a :class:`~.model_runner.CausalLM`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..contract import ENV_MODEL_CACHE, ServeArgs
+from .config import EngineConfig
+from .kv_budget import KVCacheSpec
+from .llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+def engine_from_args(args: ServeArgs) -> LLMEngine:
+    """Resolve the model URI and build model, tokenizer and engine from ``args``."""
+    from ..model.config import load_model_config
+    from ..model.loader import load_model
+    from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
+    from ..model.uri import resolve_model_uri
+    from ..ops import get_ops
+
+    if args.quantization != "none":
+        raise ValueError(f"quantization {args.quantization!r} is not supported by this engine yet")
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise ValueError("tensor/pipeline parallelism > 1 is not supported by this engine yet")
+    device = resolve_device(args.device)
+    model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
+    model_config = load_model_config(model_dir=model_dir)
+    dtype = resolve_dtype(args.dtype, device=device, config_dtype=model_config.torch_dtype)
+    max_model_len = model_config.resolve_max_model_len(requested_tokens=args.max_model_len)
+    if not args.chunked_prefill and args.max_num_batched_tokens < max_model_len:
+        log.warning("chunked prefill is off: max_model_len lowered from %d to "
+                    "max_num_batched_tokens=%d", max_model_len, args.max_num_batched_tokens)
+        max_model_len = args.max_num_batched_tokens
+    ops = get_ops(name=args.attention_backend, device=device)
+    tokenizer = Tokenizer.from_dir(model_dir=model_dir)
+    model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device,
+                       config=model_config)
+    spec = KVCacheSpec(num_layers=model_config.num_hidden_layers,
+                       num_kv_heads=model_config.num_key_value_heads,
+                       head_dim=model_config.head_dim, dtype=dtype)
+    eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+
+    def detokenizer(prompt_token_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tokenizer=tokenizer, context_token_ids=prompt_token_ids)
+
+    return LLMEngine(model=model, kv_spec=spec, vocab_size=model_config.vocab_size,
+                     config=EngineConfig.from_serve_args(args, max_model_len=max_model_len),
+                     device=device, eos_token_ids=eos, detokenizer_factory=detokenizer,
+                     model_name=args.served_model_name or args.model, tokenizer=tokenizer)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    if name not in ("cuda", "cpu"):
+        raise ValueError(f"unknown device {name!r}; choose auto, cuda or cpu")
+    return torch.device(name)
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, *, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    """``auto``: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    if config_dtype in ("bfloat16", "float16"):
+        return _DTYPES[config_dtype]
+    return torch.bfloat16
+
+
+def _model_cache_dir() -> Path | None:
+    value = os.environ.get(ENV_MODEL_CACHE)
+    return Path(value) if value else None

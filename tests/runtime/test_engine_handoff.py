@@ -1,0 +1,127 @@
+"""Prefill -> decode KV handoff hooks: a request prefilled on one engine and decoded on
+another (its KV moved block by block as bytes) produces the same greedy tokens as one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitserve_runtime.contract import ServeArgs
+from splitserve_runtime.engine.async_engine import AsyncEngine
+from splitserve_runtime.engine.llm_engine import LLMEngine
+from splitserve_runtime.engine.outputs import RequestOutput
+from splitserve_runtime.engine.sampling_params import SamplingParams
+
+ARGS = ServeArgs(device="cpu", block_size=4, num_kv_blocks=64, max_model_len=256)
+MAX_TOKENS = 10
+
+
+def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    return LLMEngine.from_args(dataclasses.replace(ARGS, model=str(model_dir), **overrides))
+
+
+def _generate(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
+              *, keep_kv: bool = False) -> list[int]:
+    engine.add_request(request_id=request_id, prompt_token_ids=prompt, params=params, keep_kv=keep_kv)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def _prefill_and_move(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+                      params: SamplingParams) -> int:
+    """Prefill on one engine, reserve + copy the blocks into the other; returns first token."""
+    first = _generate(prefill, "r", prompt, dataclasses.replace(params, max_tokens=1), keep_kv=True)
+    kept = prefill.kept_kv("r")
+    assert kept is not None and kept.token_ids == prompt
+    assert prefill.block_manager.usage_ratio > 0  # pinned after the request finished
+    reservation = decode.reserve_imported_request(
+        request_id="r", token_ids=prompt + first, num_prompt_tokens=len(prompt), params=params,
+        num_imported_tokens=len(prompt))
+    assert reservation is not None
+    for index in range(reservation.first_block_index, len(kept.block_ids)):
+        decode.runner.write_block(reservation.block_ids[index],
+                                  prefill.runner.read_block(kept.block_ids[index]))
+    assert prefill.release_kept_kv("r") and not prefill.release_kept_kv("r")
+    assert prefill.block_manager.usage_ratio == 0.0
+    return first[0]
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_llama_dir: Path) -> list[int]:
+    return _engine(tiny_llama_dir).tokenizer.encode("Once upon a time in a land far away")  # type: ignore[attr-defined]
+
+
+def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = _generate(_engine(tiny_llama_dir), "ref", prompt, params)
+    prefill, decode = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
+    first = _prefill_and_move(prefill, decode, prompt, params)
+    decode.activate_imported_request("r")
+    rest: list[int] = []
+    outs: list[RequestOutput] = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            rest.extend(out.new_token_ids)
+            outs.append(out)
+    assert [first, *rest] == reference
+    assert outs[-1].num_output_tokens == MAX_TOKENS and outs[-1].finish_reason == "length"
+    assert decode.block_manager.usage_ratio == 0.0
+
+
+def test_import_reuses_local_prefix_cache_and_cancel_frees(tiny_llama_dir: Path,
+                                                           prompt: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decode = _engine(tiny_llama_dir)
+    _generate(decode, "warm", prompt, params)  # the prompt's full blocks are now cached here
+    reservation = decode.reserve_imported_request(
+        request_id="x", token_ids=prompt + [5], num_prompt_tokens=len(prompt), params=params,
+        num_imported_tokens=len(prompt))
+    assert reservation is not None
+    assert reservation.num_cached_tokens == (len(prompt) // 4) * 4
+    assert decode.cancel_imported_request("x") and not decode.cancel_imported_request("x")
+    assert decode.block_manager.usage_ratio == 0.0
+    with pytest.raises(ValueError, match="num_imported_tokens"):
+        decode.reserve_imported_request(request_id="y", token_ids=prompt, num_prompt_tokens=len(prompt),
+                                        params=params, num_imported_tokens=len(prompt))
+
+
+def test_reservation_refused_when_full(tiny_llama_dir: Path, prompt: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decode = _engine(tiny_llama_dir, num_kv_blocks=len(prompt) // 4 + 1)
+    first = decode.reserve_imported_request(request_id="a", token_ids=prompt + [5],
+                                            num_prompt_tokens=len(prompt), params=params,
+                                            num_imported_tokens=len(prompt))
+    assert first is not None
+    assert decode.reserve_imported_request(request_id="b", token_ids=prompt[::-1] + [5],
+                                           num_prompt_tokens=len(prompt), params=params,
+                                           num_imported_tokens=len(prompt)) is None
+    assert decode.abort_request("a") is None  # aborting a reservation cancels it
+    assert decode.block_manager.usage_ratio == 0.0
+
+
+async def test_async_open_stream_then_activate(tiny_llama_dir: Path, prompt: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = _generate(_engine(tiny_llama_dir), "ref", prompt, params)
+    prefill, decode_core = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
+    first = _prefill_and_move(prefill, decode_core, prompt, params)
+    decode = AsyncEngine(engine=decode_core)
+    await decode.start()
+    try:
+        stream = decode.open_stream("r")
+        await decode.call(lambda core: core.activate_imported_request("r"))
+        outs = await asyncio.wait_for(_collect(stream), timeout=30)
+        assert [first, *[t for o in outs for t in o.new_token_ids]] == reference
+    finally:
+        await decode.shutdown()
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in stream]
