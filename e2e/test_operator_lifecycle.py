@@ -223,6 +223,23 @@ def test_ready_condition_tracks_router(cluster: LocalCluster, ns: str, tiny_mode
     assert stalled is not None and stalled["status"] == "False"
 
 
+def test_reconciler_and_autoscaler_conditions_coexist(cluster: LocalCluster, ns: str) -> None:
+    """Two writers of status.conditions (reconciler: Ready/Reconciling/Stalled; autoscaler:
+    MetricsHealthy/ScalingActive) merge by type: neither erases the other."""
+    def with_metrics_condition() -> dict[str, Any] | None:
+        current = _isvc(cluster, ns, "alpha")
+        return current if _condition(current, "MetricsHealthy") else None
+    obj = _until(cluster, with_metrics_condition, timeout_seconds=45, what="autoscaler's MetricsHealthy condition")
+    # With no Prometheus configured the autoscaler must say so, not pretend.
+    metrics = _condition(obj, "MetricsHealthy")
+    assert metrics is not None and metrics["status"] == "False"
+    cluster.kubectl("delete", "configmap", "alpha-config", "-n", ns)  # forces a reconcile + status write
+    cluster.wait_for(lambda: _get(cluster, ns, "configmap", "alpha-config"), timeout_seconds=30, what="config back")
+    time.sleep(2)
+    types = {c["type"] for c in _isvc(cluster, ns, "alpha")["status"]["conditions"]}
+    assert {"Ready", "Reconciling", "Stalled", "MetricsHealthy"} <= types, types
+
+
 def test_server_side_apply_twice_shows_no_drift(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
     manifest = _manifest("alpha", ns, model=tiny_model)
     _wait_pools(cluster, ns, "alpha", prefill=2, decode=1)

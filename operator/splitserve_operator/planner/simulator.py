@@ -239,6 +239,8 @@ class SimResult:
     num_measured: int
     num_unfinished: int
     ttft_seconds: np.ndarray
+    prefill_side_seconds: np.ndarray
+    """Arrival to the end of prefill (disaggregated; equals TTFT when aggregated)."""
     tpot_seconds: np.ndarray
     e2e_seconds: np.ndarray
     queue_seconds: np.ndarray
@@ -335,6 +337,7 @@ class Simulator:
         self.rr = 0
         self.central: deque[_Job] = deque()
         self.ttft: list[float] = []
+        self.ttft_prefill: list[float] = []
         self.tpot: list[float] = []
         self.e2e: list[float] = []
         self.queue: list[float] = []
@@ -739,6 +742,7 @@ class Simulator:
         ttft = job.first_token_s - req.arrival_seconds
         e2e = self.now - req.arrival_seconds
         self.ttft.append(ttft)
+        self.ttft_prefill.append(job.prefill_done_s - req.arrival_seconds if job.prefill_done_s >= 0 else ttft)
         self.e2e.append(e2e)
         outputs = req.num_output_tokens
         self.tpot.append((e2e - ttft) / (outputs - 1) if outputs > 1 else 0.0)
@@ -792,7 +796,8 @@ class Simulator:
         span = max(last - self.measure_from, 1e-9)
         return SimResult(
             num_measured=len(measured_requests), num_unfinished=len(measured_requests) - self.num_measured,
-            ttft_seconds=np.asarray(self.ttft), tpot_seconds=np.asarray(self.tpot),
+            ttft_seconds=np.asarray(self.ttft), prefill_side_seconds=np.asarray(self.ttft_prefill),
+            tpot_seconds=np.asarray(self.tpot),
             e2e_seconds=np.asarray(self.e2e), queue_seconds=np.asarray(self.queue),
             itl_values_seconds=np.asarray(self.itl_values), itl_weights=np.asarray(self.itl_weights, dtype=float),
             measured_seconds=span, num_gpus=self.fleet.num_gpus, pools=pools, timeline=self.timeline,
