@@ -134,7 +134,11 @@ def main() -> int:
     with LocalCluster(state_dir=state, options=options) as cluster:
         api = cluster.api_client()
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.splitserve.dev")
+        def established() -> bool:
+            got = cluster.kubectl("get", "crd", "inferenceservices.splitserve.dev", "-o", "json", check=False)
+            conditions = json.loads(got.stdout).get("status", {}).get("conditions", []) if got.returncode == 0 else []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+        cluster.wait_for(established, timeout_seconds=60, what="CRD Established")
         cluster.kubectl("create", "namespace", NAMESPACE)
         env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), POD_IP="127.0.0.1")
         log = (state / "operator.log").open("w")

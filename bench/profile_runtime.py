@@ -42,7 +42,6 @@ from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.scheduler import SchedulerOutput
 from splitserve_runtime.model.config import load_model_config
 
-
 MAX_MODEL_LEN = 2048
 
 

@@ -16,7 +16,13 @@ import time
 from splitserve_operator.planner.gpus import get_gpu
 from splitserve_operator.planner.model_presets import load_model
 from splitserve_operator.planner.perf_model import roofline_model
-from splitserve_operator.planner.simulator import AGGREGATED, DISAGGREGATED, FleetConfig, SimOptions, simulate
+from splitserve_operator.planner.simulator import (
+    AGGREGATED,
+    DISAGGREGATED,
+    FleetConfig,
+    SimOptions,
+    simulate,
+)
 from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec
 
 

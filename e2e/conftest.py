@@ -64,6 +64,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     # not pytest's tmp_path: other pytest sessions on the machine prune those while we run
     runs = cache_root() / "e2e-runs"
     runs.mkdir(parents=True, exist_ok=True)
+    _prune_kept_runs(runs)
     state_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=runs))
     local = LocalCluster(state_dir=state_dir,
                          options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
@@ -78,6 +79,15 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
             shutil.rmtree(state_dir, ignore_errors=True)
         else:
             print(f"\nlocal cluster logs kept in {state_dir / 'logs'} and {state_dir / 'pods'}")
+
+
+def _prune_kept_runs(runs: Path, *, keep: int = 5) -> None:
+    """State dirs of failed sessions are kept for their logs; keep only the newest few that
+    are not running (a running cluster has cluster.json)."""
+    stopped = sorted((d for d in runs.iterdir() if d.is_dir() and not (d / "cluster.json").exists()),
+                     key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in stopped[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ enforced for ServiceAccounts; unsupported pod features are refused loudly.
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
 import time
@@ -152,6 +153,55 @@ def test_crashing_and_unhealthy_containers_are_restarted(cluster: LocalCluster,
     assert unhealthy.restart_count >= 1
     events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=unhealthy")
     assert any(e.reason == "Unhealthy" and "Liveness" in e.message for e in events.items)
+
+
+IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+HANDLES_SIGTERM = textwrap.dedent("""
+    import signal, sys, time
+    def stop(signum, frame):
+        print("got SIGTERM, draining", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    print("up", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(cluster: LocalCluster,
+                                                                     namespace: str) -> None:
+    core: Any = cluster.core()
+    for name, script in (("stubborn", IGNORES_SIGTERM), ("polite", HANDLES_SIGTERM)):
+        pod = _pod(name, command=["python", "-c", script])
+        pod["spec"]["terminationGracePeriodSeconds"] = 3
+        core.create_namespaced_pod(namespace, pod)
+    def running_pid(name: str) -> int | None:
+        if "up" not in cluster.pod_log(namespace=namespace, pod=name):
+            return None
+        return cluster.pod_pid(namespace=namespace, pod=name)
+
+    pids: dict[str, int] = {}
+    for name in ("stubborn", "polite"):
+        pids[name] = cluster.wait_for(functools.partial(running_pid, name),
+                                      timeout_seconds=60, what=f"{name} running")
+    started = time.monotonic()
+    core.delete_namespaced_pod("polite", namespace)
+    core.delete_namespaced_pod("stubborn", namespace)
+
+    def gone(name: str) -> bool:
+        try:
+            core.read_namespaced_pod(name, namespace)
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    cluster.wait_for(lambda: gone("polite"), timeout_seconds=30, what="polite pod removed")
+    polite_seconds = time.monotonic() - started
+    cluster.wait_for(lambda: gone("stubborn"), timeout_seconds=30, what="stubborn pod removed")
+    stubborn_seconds = time.monotonic() - started
+    assert "got SIGTERM, draining" in cluster.pod_log(namespace=namespace, pod="polite")
+    assert polite_seconds < 2.5, polite_seconds  # exited on SIGTERM, no waiting for the grace
+    assert 2.5 <= stubborn_seconds < 10, stubborn_seconds  # SIGKILL only after the 3 s grace
+    assert not is_alive(pids["stubborn"]) and not is_alive(pids["polite"])
 
 
 def test_garbage_collector_deletes_owned_configmap(cluster: LocalCluster, namespace: str) -> None:

@@ -2,5 +2,6 @@
 
 etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from Go modules run as
 local processes on loopback; kwok provides fake GPU nodes; a "local node" agent runs pods that
-must really serve as local processes; Debian's Prometheus scrapes them.
+must really serve as local processes; Prometheus (also built from its Go module, since Debian's
+lacks Kubernetes discovery) scrapes them.
 """

@@ -4,7 +4,8 @@ There is no kube-apiserver package and no container engine on the machines this 
 on, so the control plane is compiled from Go modules: kube-apiserver, kube-controller-manager,
 kube-scheduler and kubectl from the small module in ``e2e/gobin`` (which pins
 ``k8s.io/kubernetes``), kwok, helm and Prometheus with ``go install <module>@<version>``
-(Debian's Prometheus lacks Kubernetes service discovery). etcd comes from Debian.
+(Debian's Prometheus lacks Kubernetes service discovery), and etcd 3.6 from
+``go.etcd.io/etcd/server/v3`` (Debian's 3.4 lacks what kube-apiserver 1.34's watch cache needs).
 
 Each tool group lives in ``~/.cache/splitserve/bin/<tool>-<version>/``. A stamp file (version
 and the exact Go arguments) is written only after every output of the group is in place, so an
@@ -30,6 +31,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 KUBERNETES_VERSION = "v1.34.4"
+# Debian's etcd 3.4.23 lacks RequestWatchProgress: kube-apiserver 1.34 then refuses the
+# streaming lists (WatchList) that client-go >= 0.35 uses by default ("the required storage
+# feature RequestWatchProgress is disabled") and kwok/helm/Prometheus clients loop on errors.
+# etcd 3.6.4 is what Kubernetes 1.34 ships with and what its client (in gobin/go.mod) pins.
+ETCD_VERSION = "v3.6.4"
+ETCD_PACKAGE = "go.etcd.io/etcd/server/v3"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
 HELM_MODULE = "helm.sh/helm/v4/cmd/helm"
@@ -40,7 +47,6 @@ PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus/cmd/prometheus"
 KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
 
-SYSTEM_ETCD = Path("/usr/bin/etcd")
 
 GOBIN_MODULE_DIR = Path(__file__).resolve().parent.parent / "gobin"
 STAMP_NAME = ".complete.json"
@@ -92,6 +98,8 @@ class _ToolGroup:
     """Non-executable outputs written by ``post_build`` (part of the completeness check)."""
     post_build: Callable[[Path, dict[str, str]], None] | None = None
     scratch_imports: tuple[str, ...] = ()
+    scratch_go_get: tuple[str, ...] = ()
+    """``go get`` these in the scratch module before tidying (pins a version tidy would not)."""
     """When set, build in a scratch copy of ``workdir``'s go.mod/go.sum whose tools file imports
     these packages, after ``go mod tidy`` there (the pinned module stays untouched)."""
 
@@ -128,6 +136,15 @@ def _write_kwok_stages(directory: Path, env: dict[str, str]) -> None:
 def _groups() -> tuple[_ToolGroup, ...]:
     k8s = "k8s.io/kubernetes/cmd/"
     return (
+        _ToolGroup(
+            name="etcd",
+            version=ETCD_VERSION,
+            binaries=("etcd",),
+            go_args=("build", *_GO_BUILD_FLAGS, "-o", "{out}/etcd", ETCD_PACKAGE),
+            workdir=GOBIN_MODULE_DIR,
+            scratch_imports=(ETCD_PACKAGE,),
+            scratch_go_get=(f"{ETCD_PACKAGE}@{ETCD_VERSION}",),
+        ),
         _ToolGroup(
             name="k8s",
             version=KUBERNETES_VERSION,
@@ -261,6 +278,8 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         label = f"{group.name}-{group.version}"
         if group.scratch_imports and workdir is not None:
             workdir = _scratch_module(source=workdir, imports=group.scratch_imports, name=label)
+            for module in group.scratch_go_get:
+                _run_go(args=["get", module], workdir=workdir, env=env, label=f"{label}-get")
             _run_go(args=["mod", "tidy"], workdir=workdir, env=env, label=f"{label}-tidy")
         _run_go(args=args, workdir=workdir, env=env, label=label)
         elapsed = time.monotonic() - started
@@ -278,17 +297,11 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         return directory, elapsed
 
 
-def _system_binary(path: Path, *, what: str, package: str) -> Path:
-    if not os.access(path, os.X_OK):
-        raise BuildError(f"{what} not found at {path}; install the Debian package `{package}`")
-    return path
-
-
 def ensure_binaries() -> Binaries:
     """Build missing tool groups (idempotent) and return the paths of every binary."""
     directories = {group.name: _ensure_group(group)[0] for group in _groups()}
     return Binaries(
-        etcd=_system_binary(SYSTEM_ETCD, what="etcd", package="etcd-server"),
+        etcd=directories["etcd"] / "etcd",
         kube_apiserver=directories["k8s"] / "kube-apiserver",
         kube_controller_manager=directories["k8s"] / "kube-controller-manager",
         kube_scheduler=directories["k8s"] / "kube-scheduler",

@@ -356,7 +356,7 @@ class LocalCluster:
         return prometheus_query(url=self.prometheus_url, promql=promql)
 
     @staticmethod
-    def wait_for(predicate: Callable[[], T], *, timeout_seconds: float,
+    def wait_for(predicate: Callable[[], T | None], *, timeout_seconds: float,
                  interval_seconds: float = 0.25, what: str = "condition") -> T:
         """Poll until ``predicate()`` returns a truthy value and return it. API errors,
         connection errors (also httpx's) and missing keys count as "not yet"; the last error
@@ -389,13 +389,14 @@ def _log(message: str) -> None:
 
 
 def _install_sigterm_handler() -> None:
-    """Turn SIGTERM into SystemExit so atexit and ``finally`` blocks stop the cluster."""
+    """Turn SIGTERM into KeyboardInterrupt, so it ends a pytest session like Ctrl-C does
+    (SystemExit inside a test only fails that test) and ``finally``/atexit stop the cluster."""
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)

@@ -527,6 +527,20 @@ def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
     return lines
 
 
+def remove_demo(*, cluster: LocalCluster, namespace: str, release: str = RELEASE) -> None:
+    """InferenceServices first, while the operator still runs to release its finalizer, then
+    the release and the namespace (a finalizer left behind is cleared rather than waited on)."""
+    cluster.kubectl("delete", ISVC_PLURAL, "--all", "-n", namespace, "--timeout=60s",
+                    check=False, timeout_seconds=90)
+    cluster.helm("uninstall", release, "-n", namespace, check=False)
+    listed = cluster.kubectl("get", ISVC_PLURAL, "-n", namespace, "-o", "name", check=False)
+    for name in listed.stdout.split():
+        cluster.kubectl("patch", name, "-n", namespace, "--type=merge",
+                        "-p", '{"metadata":{"finalizers":null}}', check=False)
+    cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False,
+                    timeout_seconds=120)
+
+
 def _namespace_exists(*, cluster: LocalCluster, name: str) -> bool:
     return cluster.kubectl("get", "namespace", name, check=False).returncode == 0
 
@@ -645,9 +659,7 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
                 _stop_cluster(state_dir=state_dir)
             elif cluster is not None:
                 _say(f"uninstalling the demo from the reused cluster ({config.namespace})")
-                cluster.helm("uninstall", RELEASE, "-n", config.namespace, check=False)
-                cluster.kubectl("delete", "namespace", config.namespace, "--timeout=90s",
-                                check=False, timeout_seconds=120)
+                remove_demo(cluster=cluster, namespace=config.namespace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

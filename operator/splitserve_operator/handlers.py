@@ -236,7 +236,7 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
     kopf.on.update(group, version, plural, registry=registry, when=not_paused,
                    id="reconcile-update")(reconcile_handler)
 
-    @kopf.on.event(group, version, plural, registry=registry)
+    @kopf.on.event(group, version, plural, registry=registry, id="track")
     async def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         key = (str(body.metadata.namespace), str(body.metadata.name))
         if event.get("type") == "DELETED":

@@ -41,6 +41,7 @@ logger = logging.getLogger("splitserve_operator")
 EXIT_LEADERSHIP_LOST: Final = 1
 KOPF_STOP_TIMEOUT_SECONDS: Final = 10.0
 ANNOTATION_PREFIX: Final = contract.API_GROUP
+CONNECTION_POOL_SIZE: Final = 32
 
 
 def load_credentials() -> k8s_client.ApiClient:
@@ -52,7 +53,11 @@ def load_credentials() -> k8s_client.ApiClient:
             k8s_config.load_incluster_config()
         except k8s_config.ConfigException:
             k8s_config.load_kube_config()
-    return k8s_client.ApiClient()
+    configuration = k8s_client.Configuration.get_default_copy()
+    # Reconciles apply children concurrently, several objects at a time: more than the
+    # default 2 x CPU connections, or urllib3 keeps discarding and reopening them.
+    configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
+    return k8s_client.ApiClient(configuration)
 
 
 def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:

@@ -91,6 +91,7 @@ class NodeCache:
         self._lock = threading.Lock()
         self._at = -1e9
         self._nodes: list[dict[str, Any]] | None = None
+        self._warned = False
 
     def nodes(self, *, api: kube.Kube) -> list[dict[str, Any]] | None:
         with self._lock:
@@ -100,7 +101,10 @@ class NodeCache:
                 self._nodes = api.list(kind=kube.NODE, namespace=None)
             except ApiException as exc:
                 if exc.status in (401, 403):
-                    logger.warning("Cannot list nodes (%s): GPU capacity is not checked", exc.status)
+                    if not self._warned:  # a namespace-scoped install has no node access
+                        logger.warning("Cannot list nodes (%s): only Pending pods reveal missing GPUs",
+                                       exc.status)
+                        self._warned = True
                     self._nodes = None
                 else:
                     raise
@@ -157,13 +161,13 @@ def _write_status(*, api: kube.Kube, obj: Mapping[str, Any], fields: Mapping[str
         raise RetryableError(f"status write failed: {kube.error_message(exc)}") from exc
 
 
-def _conditions(*, ready: tuple[str, str, str], reconciling: tuple[str, str, str],
-                stalled: tuple[str, str, str]) -> list[ConditionUpdate]:
-    return [
-        ConditionUpdate(READY, ready[0], ready[1], ready[2]),  # type: ignore[arg-type]
-        ConditionUpdate(RECONCILING, reconciling[0], reconciling[1], reconciling[2]),  # type: ignore[arg-type]
-        ConditionUpdate(STALLED, stalled[0], stalled[1], stalled[2]),  # type: ignore[arg-type]
-    ]
+Observation = tuple[status.ConditionStatusValue, str, str]
+"""(status, reason, message) of one condition."""
+
+
+def _conditions(*, ready: Observation, reconciling: Observation, stalled: Observation) -> list[ConditionUpdate]:
+    return [ConditionUpdate(READY, *ready), ConditionUpdate(RECONCILING, *reconciling),
+            ConditionUpdate(STALLED, *stalled)]
 
 
 def reconcile(*, api: kube.Kube, obj: Mapping[str, Any], settings: ReconcileSettings,

@@ -19,6 +19,7 @@ from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import requests
+from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from urllib3.util.retry import Retry
@@ -70,7 +71,7 @@ def eventually(probe: Callable[[], T], *, timeout_seconds: float = 15.0) -> T:
     while True:
         try:
             return probe()
-        except (AssertionError, MetricsUnavailable, requests.RequestException):
+        except (AssertionError, MetricsUnavailable, requests.RequestException, PrometheusApiClientException):
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from splitserve_operator.planner.gpus import get_gpu
 from splitserve_operator.planner.model_presets import load_model
 from splitserve_operator.planner.perf_model import roofline_model

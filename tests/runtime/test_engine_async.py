@@ -220,3 +220,29 @@ async def test_shutdown_ends_open_streams() -> None:
     await asyncio.wait_for(task, timeout=5)
     assert seen[-1].finished and seen[-1].finish_reason == "abort"
     assert not engine.is_healthy
+
+
+async def test_cancelled_call_is_skipped_and_the_engine_lives() -> None:
+    """A caller that goes away (client disconnect) while its call() waits must not kill the
+    engine thread (setting the result of a cancelled future raises) and its fn must not run."""
+    import threading
+
+    engine = _engine()
+    await engine.start()
+    gate = threading.Event()
+    ran: list[str] = []
+    try:
+        blocker = asyncio.ensure_future(engine.call(lambda core: gate.wait(5)))
+        await asyncio.sleep(0.05)  # the engine thread is now inside the blocker
+        pending = asyncio.ensure_future(engine.call(lambda core: ran.append("late")))
+        await asyncio.sleep(0.01)
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        gate.set()
+        assert await blocker is True
+        assert await engine.call(lambda core: core.block_manager.num_blocks) == 32
+        assert engine.is_healthy and ran == []
+    finally:
+        gate.set()
+        await engine.shutdown()

@@ -7,11 +7,15 @@ two implementations exist: :class:`RooflineModel` here (from a model shape and G
 
 Roofline, per GPU of a tensor-parallel group of ``tp``:
 
-* compute: ``2 · linear_params · tokens + 4 · layers · q_size · attention_pairs`` FLOPs
-  (+ the LM head for each sampled sequence), over ``peak FLOP/s × compute_efficiency``;
-* memory: weight bytes + KV bytes read and written, over ``HBM bandwidth × bandwidth_efficiency``;
-* the step takes the larger of the two (prefill is compute-bound, decode memory-bound), plus a
+* the matmuls (GEMMs): ``2 · linear_params · tokens`` FLOPs (+ the LM head for each sampled
+  sequence) over ``peak FLOP/s × compute_efficiency``, or the weight bytes over
+  ``HBM bandwidth × bandwidth_efficiency``, whichever is larger;
+* attention: ``4 · layers · q_size · attention_pairs`` FLOPs, or the KV bytes read and written,
+  whichever is larger;
+* the step is the *sum* of the two (they are separate kernels, run one after the other: the KV
+  reads of the decodes in a mixed batch do not hide under the prefill's GEMM compute), plus a
   fixed per-step overhead and, for ``tp > 1``, two ring all-reduces of the activations per layer.
+  Pure prefill is compute-bound, pure decode memory-bound, as in the one-roofline-per-step form.
 
 ``attention_pairs`` counts (query, key) pairs: a decode of a sequence with ``c`` tokens is ``c``
 pairs; a prefill chunk of ``n`` new tokens after ``c`` computed ones is ``n·c + n(n+1)/2``.
@@ -33,6 +37,10 @@ ALL_REDUCE_LATENCY_SECONDS = 8e-6
 """Fixed cost of one small all-reduce over NVLink (NCCL, latency-bound at decode sizes)."""
 
 
+MIN_KV_TOKENS = 4096
+"""A pod whose KV cache holds fewer tokens than this is not worth planning with."""
+
+
 class ModelDoesNotFit(ValueError):
     """The weights (plus reserve) leave no room for KV cache on one GPU at this TP."""
 
@@ -45,10 +53,18 @@ def prefill_attention_pairs(*, num_new_tokens: int, num_computed_tokens: int) ->
 class StepCost(Protocol):
     """What the simulator needs from a performance model."""
 
-    name: str
-    kv_capacity_tokens: int
-    kv_bytes_per_token: int
-    """Whole model (all layers, all TP shards): what a KV transfer ships per token."""
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens one pod holds."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Whole model (all layers, all TP shards): what a KV transfer ships per token."""
+        ...
 
     def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
                      num_kv_tokens: int) -> float:
@@ -126,8 +142,8 @@ class RooflineModel:
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
         self.gpu.flops_per_second(dtype=self.dtype)  # FP8 on a GPU without it: ValueError
-        if self.kv_capacity_tokens < 1:
-            raise ModelDoesNotFit(self.fit_message())
+        if self.kv_capacity_tokens < MIN_KV_TOKENS:
+            raise ModelDoesNotFit(self.fit_message(min_kv_tokens=MIN_KV_TOKENS))
 
     # ------------------------------------------------------------------ memory
     @property
@@ -167,10 +183,11 @@ class RooflineModel:
                 f"(weights {self.weight_bytes_per_gpu / GIB:.1f} GiB + reserve {self.activation_reserve_bytes / GIB:.1f} GiB"
                 f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
                 f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
-                f"{self.gpu.memory_bytes / GIB:.1f} GiB: use a larger --tp, fp8, or a bigger GPU")
+                f"{self.gpu.memory_bytes / GIB:.1f} GiB ({self.gpu.memory_bytes / 1e9:.0f} GB): "
+                f"use a larger --tp, fp8, or a bigger GPU")
 
     # ------------------------------------------------------------------ time
-    def _coefficients(self) -> tuple[float, float, float, float, float, float, float, float]:
+    def _coefficients(self) -> tuple[float, float, float, float, float, float, float]:
         """Per-step constants, computed once (the simulator calls step_seconds millions of times)."""
         gpu, tp = self.gpu, self.tensor_parallel
         ce = self.compute_efficiency if self.compute_efficiency is not None else gpu.compute_efficiency
@@ -188,7 +205,7 @@ class RooflineModel:
                 2.0 * self.shape.lm_head_params / flop_rate,
                 self.weight_bytes_read_per_step / byte_rate,
                 self.kv_bytes_per_token_per_gpu / byte_rate,
-                overhead + comm_fixed, comm_per_token, 0.0)
+                overhead + comm_fixed, comm_per_token)
 
     def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
                      num_kv_tokens: int) -> float:
@@ -196,10 +213,12 @@ class RooflineModel:
         if coef is None:
             coef = self._coefficients()
             object.__setattr__(self, "_coef", coef)
-        tok, pair, seq, weights, kv, fixed, comm, _ = coef
-        compute = tok * num_tokens + pair * num_attention_pairs + seq * num_seqs
-        memory = weights + kv * (num_kv_tokens + num_tokens)
-        return (compute if compute > memory else memory) + fixed + comm * num_tokens
+        tok, pair, seq, weights, kv, fixed, comm = coef
+        linear = tok * num_tokens + seq * num_seqs  # the GEMMs read every weight once per step
+        attention = pair * num_attention_pairs  # attention reads every held KV token once
+        kv_read = kv * (num_kv_tokens + num_tokens)
+        return ((linear if linear > weights else weights) + (attention if attention > kv_read else kv_read)
+                + fixed + comm * num_tokens)
 
 
 def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_parallel: int, dtype: str,

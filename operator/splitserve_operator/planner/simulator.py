@@ -43,6 +43,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -172,7 +173,7 @@ class _Pod:
                  "n_dec", "dec_offset", "step_index", "finish_heap", "dec_stack", "busy",
                  "step_start_s", "busy_seconds", "dec_seq_seconds", "kv_seconds", "lru",
                  "accepting", "inbound", "batch_open", "cur_prefill", "cur_dt", "counter",
-                 "exp_job", "macro_k", "step_end_s")
+                 "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta")
 
     def __init__(self, *, index: int, role: str, perf: StepCost, engine: EngineSettings) -> None:
         self.index = index
@@ -203,6 +204,9 @@ class _Pod:
         self.exp_job: _Job | None = None
         self.macro_k = 1
         self.step_end_s = -1.0
+        self.decode_tokens = 0
+        self.macro_dt0 = 0.0
+        self.macro_delta = 0.0
 
     @property
     def kv_used(self) -> int:
@@ -230,6 +234,8 @@ class PoolStats:
     prefill_tokens_computed: int
     prefill_tokens_cached: int
     preemptions: int
+    decode_tokens: int
+    """Tokens produced by decode steps (all pods, whole run)."""
 
 
 @dataclass(kw_only=True)
@@ -323,15 +329,16 @@ class Simulator:
         self.engine = fleet.engine
         self.macro_steps = options.macro_steps
         self.rng = np.random.default_rng([options.seed, 7])
-        self.events: list[tuple[float, int, int, object]] = []
+        self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.now = 0.0
         self.pools: dict[str, list[_Pod]] = {}
         self.all_pods: list[_Pod] = []
+        roles: list[tuple[str, int]]
         if fleet.mode == DISAGGREGATED:
-            self.entry_role, roles = "prefill", (("prefill", fleet.prefill_replicas), ("decode", fleet.decode_replicas))
+            self.entry_role, roles = "prefill", [("prefill", fleet.prefill_replicas), ("decode", fleet.decode_replicas)]
         else:
-            self.entry_role, roles = "aggregated", (("aggregated", fleet.aggregated_replicas),)
+            self.entry_role, roles = "aggregated", [("aggregated", fleet.aggregated_replicas)]
         for role, count in roles:
             self.pools[role] = [self._new_pod(role) for _ in range(count)]
         self.rr = 0
@@ -350,7 +357,7 @@ class Simulator:
         self.prefill_computed: dict[str, int] = dict.fromkeys(self.pools, 0)
         self.prefill_cached: dict[str, int] = dict.fromkeys(self.pools, 0)
         self.preemptions: dict[str, int] = dict.fromkeys(self.pools, 0)
-        self.scaler_state: dict[str, object] = {}
+        self.starting: dict[str, int] = dict.fromkeys(self.pools, 0)
 
     # ------------------------------------------------------------------ plumbing
     def _new_pod(self, role: str) -> _Pod:
@@ -359,7 +366,7 @@ class Simulator:
         self.all_pods.append(pod)
         return pod
 
-    def _push(self, at: float, kind: int, payload: object) -> None:
+    def _push(self, at: float, kind: int, payload: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (at, self.seq, kind, payload))
 
@@ -385,17 +392,17 @@ class Simulator:
             self.now = at
             num_events += 1
             if kind == _STEP_END:
-                if at == payload.step_end_s:  # type: ignore[attr-defined]
-                    self._step_end(payload)  # type: ignore[arg-type]
+                if at == payload.step_end_s:
+                    self._step_end(payload)
                 else:
                     num_events -= 1  # superseded by a truncated macro step
             elif kind == _ARRIVAL:
-                index: int = payload  # type: ignore[assignment]
+                index: int = payload
                 self._arrive(reqs[index])
                 if index + 1 < len(reqs):
                     self._push(reqs[index + 1].arrival_seconds, _ARRIVAL, index + 1)
             elif kind == _TRANSFER_DONE:
-                job, pod = payload  # type: ignore[misc]
+                job, pod = payload
                 pod.inbound -= 1
                 pod.waiting.append(job)
                 if not pod.busy:
@@ -408,10 +415,11 @@ class Simulator:
                     self._push(at + self.options.sample_interval_seconds, _SAMPLE, None)
             elif kind == _SCALE:
                 self._autoscale()
-                if at < last_arrival:
-                    self._push(at + self.fleet.autoscale.interval_seconds, _SCALE, None)  # type: ignore[union-attr]
+                if at < last_arrival and self.fleet.autoscale is not None:
+                    self._push(at + self.fleet.autoscale.interval_seconds, _SCALE, None)
             elif kind == _POD_READY:
-                pod = payload  # type: ignore[assignment]
+                pod = payload
+                self.starting[pod.role] -= 1
                 self.pools[pod.role].append(pod)
                 if self.central:
                     self._pull_central(pod)
@@ -483,13 +491,16 @@ class Simulator:
                 dt = pod.perf.step_seconds(num_tokens=n, num_seqs=n, num_attention_pairs=ctx + n,
                                            num_kv_tokens=ctx)
                 k = 1
+                pod.macro_dt0 = dt
                 if self.macro_steps and pod.finish_heap:
                     k = min(pod.finish_heap[0][0] - pod.step_index, (pod.capacity - pod.prefill_kv - ctx) // n,
                             MAX_MACRO_STEPS)
                     if k > 1:  # k identical-batch steps in one event; context grows n per step
                         last = ctx + (k - 1) * n
-                        dt = k * (dt + pod.perf.step_seconds(num_tokens=n, num_seqs=n, num_attention_pairs=last + n,
-                                                             num_kv_tokens=last)) / 2
+                        last_dt = pod.perf.step_seconds(num_tokens=n, num_seqs=n, num_attention_pairs=last + n,
+                                                        num_kv_tokens=last)
+                        pod.macro_delta = (last_dt - dt) / (k - 1)
+                        dt = k * (dt + last_dt) / 2
                     else:
                         k = 1
                 pod.busy = True
@@ -657,13 +668,23 @@ class Simulator:
         return True
 
     def _truncate_macro_step(self, pod: _Pod) -> None:
-        """New work arrived during a k-step event: end it at the next step boundary instead."""
-        mean = pod.cur_dt / pod.macro_k
-        done = min(pod.macro_k, max(1, math.ceil((self.now - pod.step_start_s) / mean - 1e-9)))
+        """New work arrived during a k-step event: end it at the next step boundary instead.
+
+        Step j of the run lasts ``dt0 + j·delta`` (context grows by the batch each step), so
+        the first j steps end at ``S(j) = j·dt0 + delta·j(j-1)/2``: find the smallest j with
+        ``S(j) >= elapsed``."""
+        elapsed = self.now - pod.step_start_s
+        dt0, delta = pod.macro_dt0, pod.macro_delta
+        if delta > 1e-15:  # solve delta/2 j^2 + (dt0 - delta/2) j - elapsed = 0
+            b = dt0 - delta / 2
+            done = math.ceil((-b + math.sqrt(b * b + 2 * delta * elapsed)) / delta - 1e-9)
+        else:
+            done = math.ceil(elapsed / dt0 - 1e-9)
+        done = min(pod.macro_k, max(1, done))
         if done == pod.macro_k:
             return
         pod.macro_k = done
-        pod.cur_dt = done * mean
+        pod.cur_dt = done * dt0 + delta * done * (done - 1) / 2
         pod.step_end_s = pod.step_start_s + pod.cur_dt
         self._push(pod.step_end_s, _STEP_END, pod)
 
@@ -683,6 +704,7 @@ class Simulator:
         k = pod.macro_k
         if n:
             pod.dec_seq_seconds += n * dt
+            pod.decode_tokens += n * k
             if pod.step_start_s >= self.measure_from:
                 self.itl_values.append(dt / k)
                 self.itl_weights.append(n * k)
@@ -769,6 +791,7 @@ class Simulator:
         row: dict[str, float] = {"time_s": self.now}
         for role, pods in self.pools.items():
             row[f"{role}_replicas"] = float(len(pods))
+            row[f"{role}_starting"] = float(self.starting[role])
             row[f"{role}_waiting"] = float(sum(len(p.waiting) for p in pods))
             row[f"{role}_running"] = float(sum(p.num_running for p in pods))
             row[f"{role}_kv_usage"] = sum(p.kv_used / p.capacity for p in pods) / max(len(pods), 1)
@@ -790,7 +813,8 @@ class Simulator:
                 batch_occupancy=dec / max(busy, 1e-12) / self.engine.max_num_seqs,
                 mean_kv_usage=sum(p.kv_seconds / p.capacity for p in pods) / (end * max(len(pods), 1)),
                 prefill_tokens_computed=self.prefill_computed[role],
-                prefill_tokens_cached=self.prefill_cached[role], preemptions=self.preemptions[role])
+                prefill_tokens_cached=self.prefill_cached[role], preemptions=self.preemptions[role],
+                decode_tokens=sum(p.decode_tokens for p in pods))
         measured_requests = [r for r in self.requests if r.arrival_seconds >= self.measure_from]
         last = self.requests[-1].arrival_seconds if self.requests else 0.0
         span = max(last - self.measure_from, 1e-9)
@@ -808,25 +832,33 @@ class Simulator:
     def _init_autoscaler(self) -> None:
         from .autoscale import SimAutoscaler
 
-        self.scaler = SimAutoscaler(settings=self.fleet.autoscale, pools=self.pools,  # type: ignore[arg-type]
+        settings = self.fleet.autoscale
+        assert settings is not None
+        self.scaler = SimAutoscaler(settings=settings, initial_replicas={r: len(p) for r, p in self.pools.items()},
                                     gpus_per_replica=self.fleet.gpus_per_replica)
-        self._push(self.fleet.autoscale.interval_seconds, _SCALE, None)  # type: ignore[union-attr]
+        self._push(settings.interval_seconds, _SCALE, None)
 
     def _autoscale(self) -> None:
-        targets = self.scaler.step(now_seconds=self.now)
-        for role, desired in targets.items():
+        from .autoscale import PoolObservation
+
+        settings = self.fleet.autoscale
+        assert settings is not None
+        observations = {
+            role: PoolObservation(
+                current_replicas=len(pods) + self.starting[role], ready_replicas=len(pods),
+                requests_waiting=float(sum(len(p.waiting) for p in pods)),
+                kv_cache_usage_ratio=sum(p.kv_used / p.capacity for p in pods) / max(len(pods), 1))
+            for role, pods in self.pools.items()}
+        for role, desired in self.scaler.step(now_seconds=self.now, observations=observations).items():
             pods = self.pools[role]
-            starting = sum(1 for _, _, kind, payload in self.events
-                           if kind == _POD_READY and getattr(payload, "role", None) == role)
-            current = len(pods) + starting
+            current = observations[role].current_replicas
             for _ in range(desired - current):
-                pod = self._new_pod(role)
-                self._push(self.now + self.fleet.autoscale.startup_seconds, _POD_READY, pod)  # type: ignore[union-attr]
+                self.starting[role] += 1
+                self._push(self.now + settings.startup_seconds, _POD_READY, self._new_pod(role))
             for _ in range(current - desired):
                 if len(pods) <= 1:
                     break
-                victim = pods.pop()  # newest first, as a ReplicaSet scales down
-                victim.accepting = False
+                pods.pop().accepting = False  # newest first, as a ReplicaSet scales down; it drains
 
 
 def simulate(*, fleet: FleetConfig, perf: StepCost, requests: list[Request],

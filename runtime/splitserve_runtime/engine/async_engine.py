@@ -55,6 +55,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time_s: float
+    keep_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, *, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the outputs of one request (see the module docstring)."""
+                       params: SamplingParams,
+                       keep_kv: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request (see the module docstring). ``keep_kv``: pin
+        its KV when it finishes, for a decode pod to pull (see :mod:`.handoff`)."""
         if not self._healthy:
             raise EngineDead(self._fatal_error or "the engine is not running")
         if request_id in self._queues:
@@ -171,7 +174,8 @@ class AsyncEngine:
                             retry_after_seconds=self._retry_after_seconds(num_waiting))
         stream = self.open_stream(request_id)
         try:
-            self._submit(_Add(request_id, list(prompt_token_ids), params, time.monotonic()))
+            self._submit(_Add(request_id, list(prompt_token_ids), params, time.monotonic(),
+                             keep_kv=keep_kv))
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -210,7 +214,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps (hooks such as KV
-        import/export need the engine's state without racing the loop)."""
+        import/export need the engine's state without racing the loop). If the awaiting
+        task is cancelled before ``fn`` starts, ``fn`` never runs."""
         future: Future[T] = Future()
         self._submit(_Call(fn, future))
         return await asyncio.wrap_future(future)
@@ -258,7 +263,8 @@ class AsyncEngine:
                 try:
                     engine.add_request(request_id=command.request_id,
                                        prompt_token_ids=command.prompt_token_ids,
-                                       params=command.params, arrival_time_s=command.arrival_time_s)
+                                       params=command.params, arrival_time_s=command.arrival_time_s,
+                                       keep_kv=command.keep_kv)
                 except ValueError as exc:  # e.g. a duplicate id that raced the check
                     outputs.append(self._terminal_output(command.request_id, reason=FINISH_ERROR,
                                                          error=str(exc)))
@@ -266,11 +272,13 @@ class AsyncEngine:
                 out = engine.abort_request(command.request_id)
                 if out is not None:
                     outputs.append(out)
-            else:
+            elif command.future.set_running_or_notify_cancel():  # the caller may have gone
                 try:
-                    command.future.set_result(command.fn(engine))
+                    result = command.fn(engine)
                 except Exception as exc:
                     command.future.set_exception(exc)
+                else:
+                    command.future.set_result(result)
         return outputs
 
     def _publish_stats(self, engine: LLMEngine, *, force: bool) -> None:

@@ -61,3 +61,13 @@ class EngineDead(EngineError):
 
 class DuplicateRequestId(EngineError, ValueError):
     """A request with this id is already in flight."""
+
+
+class KVTransferFailed(EngineError):
+    """Decode role: the KV of a request prefilled elsewhere could not be pulled intact
+    (``code`` as :class:`~splitserve_runtime.transfer.TransferError`'s, or
+    ``compat_mismatch`` / ``prompt_mismatch``). Its reserved blocks are already freed."""
+
+    def __init__(self, *, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(f"KV transfer failed ({code}): {message}")

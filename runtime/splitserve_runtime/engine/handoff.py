@@ -42,6 +42,9 @@ class ImportReservation:
     num_cached_tokens: int
     """Leading tokens already in the local prefix cache (whole blocks; no transfer needed)."""
     block_size: int
+    imported_text: str = ""
+    """Output text of the imported tokens after the prompt (the first token's, as this
+    engine's detokenizer renders it); the engine streams only the text after it."""
 
     @property
     def first_block_index(self) -> int:

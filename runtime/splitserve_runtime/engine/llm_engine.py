@@ -351,11 +351,12 @@ class LLMEngine:
             if reason is not None:
                 self.block_manager.free(seq)
                 raise ValueError(f"the imported tokens already finish request {request_id!r} ({reason})")
-        state.stop.take_new_text(finished=False)
+        imported_text = state.stop.take_new_text(finished=False)
         seq.num_cached_tokens = num_cached
         self._reserved[request_id] = (state, num_imported_tokens)
         return ImportReservation(request_id=request_id, block_ids=list(seq.block_table),
-                                 num_cached_tokens=num_cached, block_size=self.block_manager.block_size)
+                                 num_cached_tokens=num_cached, block_size=self.block_manager.block_size,
+                                 imported_text=imported_text)
 
     def activate_imported_request(self, request_id: str) -> None:
         """The reserved blocks are filled: index them and start decoding."""

@@ -237,7 +237,9 @@ def _kv_endpoint(args: contract.ServeArgs) -> str:
     """host:port other pods reach this pod's KV port at ("" when aggregated: no KV leaves)."""
     if args.role == contract.Role.AGGREGATED.value:
         return ""
-    host = os.environ.get(contract.ENV_POD_IP) or args.host
+    host = args.host
+    if host in ("0.0.0.0", "::", ""):  # a wildcard is no address: use the pod's own IP
+        host = os.environ.get(contract.ENV_POD_IP) or "127.0.0.1"
     return f"{host}:{args.kv_port}"
 
 
@@ -267,11 +269,17 @@ def main(argv: list[str]) -> int:
         # meanwhile (and `serve --help` never imports it)
         engine_class = await asyncio.to_thread(_import_engine_class)
         engine: EngineClient = engine_class.from_args(args)  # loads the model in start()
+        if args.role in (contract.Role.PREFILL.value, contract.Role.DECODE.value):
+            from splitserve_runtime.server.handoff import build_handoff_engine
+
+            return build_handoff_engine(engine=engine, args=args, kv_endpoint=kv_endpoint,
+                                        metrics=app.state.metrics)
         return engine
 
+    kv_endpoint = _kv_endpoint(args)
     app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
                     role=args.role, api_key=api_key, compat_hash=args.compat_hash,
-                    kv_endpoint=_kv_endpoint(args), block_size=args.block_size)
+                    kv_endpoint=kv_endpoint, block_size=args.block_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                             log_level="info", lifespan="on", timeout_graceful_shutdown=1)
     server = DrainingServer(config, state=app.state.server,

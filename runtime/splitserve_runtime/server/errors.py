@@ -25,6 +25,7 @@ from splitserve_runtime.engine.errors import (
     DuplicateRequestId,
     EngineDead,
     EngineError,
+    KVTransferFailed,
     PromptExceedsKVCapacity,
     QueueFull,
 )
@@ -89,6 +90,9 @@ def from_engine_error(exc: EngineError, *, prompt_param: str) -> APIError:
                         message=str(exc), headers={"Retry-After": str(retry_after)})
     if isinstance(exc, EngineDead):
         return unavailable("the inference engine is not running", code="engine_dead")
+    if isinstance(exc, KVTransferFailed):  # the prefill pod's KV never arrived intact
+        return APIError(status_code=502, type=SERVER_ERROR, code="kv_transfer_failed",
+                        message=str(exc))
     if isinstance(exc, DuplicateRequestId):
         return bad_request(str(exc), code="duplicate_request_id")
     return bad_request(str(exc))

@@ -19,6 +19,7 @@ from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import bad_request
 from splitserve_runtime.server.generation import Generation
+from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     ChatChoice,
@@ -39,7 +40,6 @@ from splitserve_runtime.server.serving_common import (
     finish_reason,
     new_request_id,
     output_usage,
-    reject_handoff,
     reject_unsupported,
     resolve_max_tokens,
 )
@@ -70,7 +70,6 @@ class ChatService:
 
     async def create(self, *, body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
-        reject_handoff(body=body)
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt_token_ids = render_prompt(engine=engine, body=body)
@@ -79,14 +78,17 @@ class ChatService:
             max_tokens=resolve_max_tokens(requested=body.requested_max_tokens(),
                                           num_prompt_tokens=len(prompt_token_ids),
                                           max_model_len=engine.max_model_len))
+        routed = route_handoff(engine=engine, role=self._state.role,
+                               params=body.kv_transfer_params, stream=bool(body.stream))
         generation = Generation(
-            state=self._state, metrics=self._metrics, engine=engine,
+            state=self._state, metrics=self._metrics, engine=routed,
             request_id=new_request_id(prefix="chatcmpl"), prompt_token_ids=prompt_token_ids,
             params=params, prompt_param="messages")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, engine=engine, generation=generation),
-            whole=lambda: self._whole(body=body, engine=engine, generation=generation))
+            whole=lambda: self._whole(body=body, engine=engine, generation=generation,
+                                     routed=routed))
 
     def _logprobs(self, *, body: ChatCompletionRequest, engine: EngineClient,
                   output: RequestOutput) -> list[ChatTokenLogprob] | None:
@@ -96,7 +98,7 @@ class ChatService:
                              num_top=body.top_logprobs or 0)
 
     async def _whole(self, *, body: ChatCompletionRequest, engine: EngineClient,
-                     generation: Generation) -> Response:
+                     generation: Generation, routed: RoutedEngine) -> Response:
         try:
             await generation.admit()
             text: list[str] = []
@@ -117,7 +119,7 @@ class ChatService:
                                 else None,
                                 finish_reason=finish_reason(last))],
             usage=output_usage(last))
-        return JSONResponse(answer.model_dump(mode="json"))
+        return JSONResponse(routed.decorate(answer.model_dump(mode="json")))
 
     async def _events(self, *, body: ChatCompletionRequest, engine: EngineClient,
                       generation: Generation) -> AsyncIterator[str]:

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.generation import Generation
+from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     CompletionChoice,
@@ -24,7 +25,6 @@ from splitserve_runtime.server.serving_common import (
     finish_reason,
     new_request_id,
     output_usage,
-    reject_handoff,
     reject_unsupported,
     resolve_max_tokens,
 )
@@ -41,7 +41,6 @@ class CompletionsService:
 
     async def create(self, *, body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
-        reject_handoff(body=body)
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt = body.single_prompt()
@@ -52,16 +51,19 @@ class CompletionsService:
             max_tokens=resolve_max_tokens(requested=body.max_tokens,
                                           num_prompt_tokens=len(prompt_token_ids),
                                           max_model_len=engine.max_model_len))
+        routed = route_handoff(engine=engine, role=self._state.role,
+                               params=body.kv_transfer_params, stream=bool(body.stream))
         generation = Generation(
-            state=self._state, metrics=self._metrics, engine=engine,
+            state=self._state, metrics=self._metrics, engine=routed,
             request_id=new_request_id(prefix="cmpl"), prompt_token_ids=prompt_token_ids,
             params=params, prompt_param="prompt")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, generation=generation),
-            whole=lambda: self._whole(body=body, generation=generation))
+            whole=lambda: self._whole(body=body, generation=generation, routed=routed))
 
-    async def _whole(self, *, body: CompletionRequest, generation: Generation) -> Response:
+    async def _whole(self, *, body: CompletionRequest, generation: Generation,
+                     routed: RoutedEngine) -> Response:
         try:
             await generation.admit()
             text: list[str] = []
@@ -81,7 +83,7 @@ class CompletionsService:
             choices=[CompletionChoice(text="".join(text), logprobs=logprobs,
                                       finish_reason=finish_reason(last))],
             usage=output_usage(last))
-        return JSONResponse(answer.model_dump(mode="json"))
+        return JSONResponse(routed.decorate(answer.model_dump(mode="json")))
 
     def _extend(self, logprobs: CompletionLogprobs, output: RequestOutput, *, offset: int) -> None:
         engine = self._state.engine_or_none

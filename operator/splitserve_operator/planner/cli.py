@@ -1,0 +1,274 @@
+"""``splitserve plan``: size prefill/decode pools for a model, a GPU, a workload and SLOs.
+
+Prints a table of the cheapest configuration per variant (disaggregated / aggregated, with /
+without prefix caching), each found by :mod:`.search` (headroom rule, then simulation), and
+the overall choice. ``--emit-manifest`` writes an InferenceService for the choice,
+``--plot`` a PNG of p99 latency vs load for it. Bad input exits with code 2 and one line
+saying what is wrong (unknown GPU: the known ones; a model that does not fit: the memory it
+needs; an SLO no fleet can meet: why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .gpus import get_gpu
+from .model_presets import HF_IDS, load_model
+from .perf_model import (
+    ModelDoesNotFit,
+    StepCost,
+    decode_step_seconds,
+    prefill_seconds,
+    roofline_model,
+)
+from .profile import ProfileError, ProfileModel, load_profile
+from .search import Demand, Plan, PlanError, PlanInputs, PlanTable, Slo, capacity, plan_all
+from .simulator import (
+    AGGREGATED,
+    ROUTER_POLICIES,
+    EngineSettings,
+    FleetConfig,
+    SimOptions,
+    simulate,
+)
+from .workload import Arrivals, LengthDist, Request, WorkloadSpec, load_trace
+
+EXIT_BAD_INPUT = 2
+MIN_SIMULATED_REQUESTS = 3000
+MAX_SIMULATED_REQUESTS = 20000
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"splitserve plan: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="splitserve plan", description=__doc__.splitlines()[0] if __doc__ else None)
+    m = p.add_argument_group("model and hardware")
+    m.add_argument("--model", default="llama-3.1-8b", help="preset (llama-3.1-8b, llama-3.1-70b, qwen2-7b, tiny) or a config.json path")
+    m.add_argument("--gpu", default="H100-SXM", help="GPU type (H100-SXM, H200, A100-80GB, L40S, ...)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per pod")
+    m.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32 or fp8")
+    m.add_argument("--profile", type=Path, default=None, help="measured profile (JSON/YAML) instead of the roofline")
+    m.add_argument("--memory-fraction", type=float, default=0.9)
+    m.add_argument("--compute-efficiency", type=float, default=None, help="override the GPU default (fraction of peak FLOP/s)")
+    m.add_argument("--bandwidth-efficiency", type=float, default=None, help="override the GPU default (fraction of HBM bandwidth)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--rate", type=float, default=None, help="peak requests/s (with --trace: rescale the trace to this rate)")
+    w.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson")
+    w.add_argument("--burst-factor", type=float, default=4.0, help="bursty: high/low rate ratio")
+    w.add_argument("--burst-seconds", type=float, default=30.0, help="bursty: mean time in each state")
+    w.add_argument("--prompt-tokens", default="lognormal:1024:0.8", help="N, exponential:MEAN, lognormal:MEAN:SIGMA or uniform:LOW:HIGH")
+    w.add_argument("--output-tokens", default="lognormal:256:0.8")
+    w.add_argument("--prefix-share", type=float, default=0.0, help="fraction of requests sharing a prefix (system prompt)")
+    w.add_argument("--prefix-tokens", type=int, default=0, help="tokens of each shared prefix (added to the prompt)")
+    w.add_argument("--prefix-groups", type=int, default=8, help="distinct shared prefixes")
+    w.add_argument("--trace", type=Path, default=None, help="CSV: timestamp,prompt_tokens,output_tokens[,prefix_group,prefix_tokens]")
+    w.add_argument("--duration-s", type=float, default=None, help="simulated seconds (default: enough for 3,000 requests, >= 60 s)")
+    w.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("SLOs and sizing")
+    s.add_argument("--ttft-p99-ms", type=float, default=1000.0)
+    s.add_argument("--itl-p99-ms", type=float, default=50.0)
+    s.add_argument("--headroom", type=float, default=0.75, help="peak utilization limit per pool (0.7-0.8 rule)")
+    s.add_argument("--max-replicas", type=int, default=128, help="search limit per pool")
+    s.add_argument("--min-rate", type=float, default=None, help="off-peak rate for replicas.min (default: rate / 4)")
+    e = p.add_argument_group("engine and router")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-batched-tokens", type=int, default=8192)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--router", choices=[r for r in ROUTER_POLICIES if r != "central-queue"], default="prefix-affinity")
+    e.add_argument("--kv-link-gbps", type=float, default=50.0, help="prefill->decode KV link, GB/s")
+    o = p.add_argument_group("outputs")
+    o.add_argument("--emit-manifest", type=Path, default=None, help="write an InferenceService YAML for the choice")
+    o.add_argument("--name", default=None, help="InferenceService name (default: from the model)")
+    o.add_argument("--model-uri", default=None, help="spec.model.uri (default: the preset's hf:// id or file:// path)")
+    o.add_argument("--plot", type=Path, default=None, help="write a PNG of p99 latency vs load for the choice")
+    return p
+
+
+def _perf(args: argparse.Namespace) -> tuple[StepCost, str]:
+    name, config = load_model(name_or_path=args.model)
+    if args.profile is not None:
+        profile = load_profile(path=args.profile)
+        return ProfileModel(profile=profile), f"profile {args.profile} ({profile.device})"
+    gpu = get_gpu(args.gpu)
+    perf = roofline_model(name=name, config=config, gpu=gpu, tensor_parallel=args.tp, dtype=args.dtype,
+                          memory_fraction=args.memory_fraction, compute_efficiency=args.compute_efficiency,
+                          bandwidth_efficiency=args.bandwidth_efficiency)
+    return perf, f"roofline on {gpu.name}"
+
+
+def _requests(args: argparse.Namespace, *, rate: float | None = None) -> tuple[list[Request], str]:
+    rate = rate if rate is not None else args.rate
+    if args.trace is not None:
+        requests = load_trace(path=args.trace, default_prefix_tokens=args.prefix_tokens)
+        span = max(requests[-1].arrival_seconds, 1e-9)
+        native = len(requests) / span
+        if rate is not None:
+            for r in requests:
+                r.arrival_seconds *= native / rate
+        return requests, f"trace {args.trace} ({len(requests)} requests, {rate or native:.2f} req/s)"
+    if rate is None:
+        raise ValueError("give --rate (requests/s) or --trace")
+    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate, kind=args.arrival, burst_factor=args.burst_factor,
+                                          burst_seconds=args.burst_seconds),
+                        prompt_tokens=LengthDist.parse(args.prompt_tokens), output_tokens=LengthDist.parse(args.output_tokens),
+                        prefix_share=args.prefix_share, prefix_tokens=args.prefix_tokens, prefix_groups=args.prefix_groups)
+    base = args.rate if args.rate else rate
+    duration = args.duration_s or min(max(60.0, MIN_SIMULATED_REQUESTS / base), MAX_SIMULATED_REQUESTS / base)
+    requests = spec.generate(duration_seconds=duration, seed=args.seed)
+    share = (f", {args.prefix_share:.0%} behind {args.prefix_groups} shared {args.prefix_tokens}-token prefixes"
+             if args.prefix_share else "")
+    return requests, (f"{args.arrival} {rate:g} req/s, prompt {args.prompt_tokens}{share}, output {args.output_tokens}; "
+                      f"{duration:.0f} s simulated, {len(requests)} requests, seed {args.seed}")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.rate is not None and not args.rate > 0:
+        raise ValueError(f"--rate must be > 0, got {args.rate}")
+    if args.ttft_p99_ms <= 0 or args.itl_p99_ms <= 0:
+        raise ValueError("--ttft-p99-ms and --itl-p99-ms must be > 0")
+    if args.tp not in (1, 2, 4, 8):
+        raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
+    if args.kv_link_gbps <= 0:
+        raise ValueError("--kv-link-gbps must be > 0")
+    if args.name is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", args.name):
+        raise ValueError(f"--name {args.name!r} must be a lowercase DNS label")
+
+
+def _fmt_ms(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "inf"
+    return f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def _table(table: PlanTable, *, slo: Slo) -> str:
+    head = (f"{'configuration':<32} {'prefill':>7} {'decode':>6} {'engine':>6} {'GPUs':>5} {'TTFT p50/p99 ms':>16} "
+            f"{'ITL p50/p99 ms':>15} {'goodput/GPU':>11} {'util (analytic)':>18}")
+    lines = [head, "-" * len(head)]
+    for label, plan in table.plans.items():
+        if plan is None:
+            lines.append(f"{label:<32} {'no configuration within --max-replicas meets the SLOs':>60}")
+            continue
+        r = plan.result
+        util = " ".join(f"{k[:3]} {v:.0%}" for k, v in plan.utilization.items())
+        good = r.goodput(ttft_slo_seconds=slo.ttft_p99_seconds, tpot_slo_seconds=slo.itl_p99_seconds)
+        lines.append(
+            f"{label:<32} {plan.prefill_replicas or '-':>7} {plan.decode_replicas or '-':>6} "
+            f"{plan.aggregated_replicas or '-':>6} {plan.num_gpus:>5} "
+            f"{_fmt_ms(r.ttft_percentile(50)) + '/' + _fmt_ms(r.ttft_percentile(99)):>16} "
+            f"{_fmt_ms(r.itl_percentile(50)) + '/' + _fmt_ms(r.itl_percentile(99)):>15} {good:>11.2f} {util:>18}")
+    return "\n".join(lines)
+
+
+def _off_peak_counts(*, plan: Plan, inputs: PlanInputs, args: argparse.Namespace) -> dict[str, int]:
+    rate = args.min_rate if args.min_rate is not None else (args.rate or 1.0) / 4
+    requests, _ = _requests(args, rate=rate)
+    engine = replace(inputs.engine, prefix_caching=plan.prefix_caching, max_batched_tokens=plan.max_batched_tokens)
+    demand = Demand.of(requests, prefix_caching=plan.prefix_caching, block_size=engine.block_size)
+    cap = capacity(perf=inputs.perf, engine=engine, demand=demand, itl_seconds=inputs.slo.itl_p99_seconds)
+    prefill = demand.uncached_prompt_tokens_per_second / (cap.prefill_tokens_per_second * inputs.headroom)
+    decode = demand.output_tokens_per_second / max(cap.decode_tokens_per_second * inputs.headroom, 1e-9)
+    return {"prefill": math.ceil(prefill), "decode": math.ceil(decode), "aggregated": math.ceil(prefill + decode)}
+
+
+def _plot(*, plan: Plan, inputs: PlanInputs, args: argparse.Namespace, path: Path, title: str) -> None:
+    from .plot import plot_latency_vs_load
+
+    base = args.rate if args.rate else len(inputs.requests) / max(inputs.requests[-1].arrival_seconds, 1e-9)
+    rates = [base * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)]
+    fleet = FleetConfig(mode=plan.mode, prefill_replicas=plan.prefill_replicas, decode_replicas=plan.decode_replicas,
+                        aggregated_replicas=plan.aggregated_replicas, gpus_per_replica=plan.gpus_per_replica,
+                        engine=replace(inputs.engine, prefix_caching=plan.prefix_caching,
+                                       max_batched_tokens=plan.max_batched_tokens),
+                        router_policy=inputs.router_policy, kv_link_bytes_per_second=inputs.kv_link_bytes_per_second)
+    ttft: list[float] = []
+    itl: list[float] = []
+    for rate in rates:
+        requests, _ = _requests(args, rate=rate)
+        r = simulate(fleet=fleet, perf=inputs.perf, requests=requests,
+                     options=SimOptions(warmup_seconds=inputs.warmup_seconds, seed=args.seed, sample_interval_seconds=0))
+        ttft.append(1e3 * min(r.ttft_percentile(99), 1e6))
+        itl.append(1e3 * min(r.itl_percentile(99), 1e6))
+    plot_latency_vs_load(path=path, title=title, rates=rates, ttft_p99_ms=ttft, itl_p99_ms=itl,
+                         ttft_slo_ms=args.ttft_p99_ms, itl_slo_ms=args.itl_p99_ms, planned_rate=base)
+
+
+def _default_uri(args: argparse.Namespace) -> str:
+    if args.model_uri:
+        return str(args.model_uri)
+    if args.model in HF_IDS:
+        return f"hf://{HF_IDS[args.model]}"
+    if args.model == "tiny":
+        return "hf://splitserve/tiny-llama"
+    path = Path(args.model).resolve()
+    return f"file://{path.parent if path.is_file() else path}"
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    perf, perf_label = _perf(args)
+    requests, workload_label = _requests(args)
+    engine = EngineSettings(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                            prefix_caching=not args.no_prefix_caching)
+    slo = Slo(ttft_p99_seconds=args.ttft_p99_ms / 1e3, itl_p99_seconds=args.itl_p99_ms / 1e3)
+    inputs = PlanInputs(perf=perf, requests=requests, slo=slo, headroom=args.headroom, engine=engine,
+                        gpus_per_replica=args.tp, router_policy=args.router,
+                        kv_link_bytes_per_second=args.kv_link_gbps * 1e9, max_replicas=args.max_replicas,
+                        seed=args.seed)
+    step_1 = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
+    prefill_1k = prefill_seconds(perf, num_tokens=1024)
+    print(f"model {args.model}, TP={args.tp}, {args.dtype}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
+          f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms, prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
+    print(f"workload: {workload_label}")
+    print(f"SLOs: TTFT p99 <= {args.ttft_p99_ms:g} ms, ITL p99 <= {args.itl_p99_ms:g} ms; headroom {args.headroom:.0%}; "
+          f"router {args.router}\n")
+    table = plan_all(inputs)
+    print(_table(table, slo=slo))
+    best = table.best
+    if best is None:
+        print(f"\nsplitserve plan: error: no configuration with at most {args.max_replicas} replicas per pool meets "
+              "the SLOs; relax them, raise --max-replicas, or use a larger --tp", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    label = next(k for k, v in table.plans.items() if v is best)
+    pods = (f"{best.aggregated_replicas} pods" if best.mode == AGGREGATED
+            else f"{best.prefill_replicas} prefill + {best.decode_replicas} decode pods")
+    print(f"\nchosen: {label}: {pods} x {best.gpus_per_replica} GPU = {best.num_gpus} GPUs "
+          f"(token budget {best.max_batched_tokens}); {'; '.join(best.notes)}")
+    if args.emit_manifest is not None:
+        from .manifest import build_manifest, manifest_yaml
+
+        name = args.name or re.sub(r"[^a-z0-9-]+", "-", Path(args.model).name.lower()).strip("-")[:40] or "planned"
+        manifest = build_manifest(plan=best, name=name, model_uri=_default_uri(args), dtype=args.dtype,
+                                  min_replicas=_off_peak_counts(plan=best, inputs=inputs, args=args),
+                                  router_policy=args.router, memory_fraction=args.memory_fraction,
+                                  max_num_seqs=args.max_num_seqs, block_size=engine.block_size)
+        header = (f"Planned by `splitserve plan` for {workload_label}\nSLOs TTFT p99 {args.ttft_p99_ms:g} ms, "
+                  f"ITL p99 {args.itl_p99_ms:g} ms; {label}; {perf_label}")
+        args.emit_manifest.write_text(manifest_yaml(manifest, header=header), encoding="utf-8")
+        print(f"wrote {args.emit_manifest}")
+    if args.plot is not None:
+        _plot(plan=best, inputs=inputs, args=args, path=args.plot, title=f"{args.model} {label}: {pods}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except (PlanError, ModelDoesNotFit, ProfileError, ValueError, OSError) as exc:
+        print(f"splitserve plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

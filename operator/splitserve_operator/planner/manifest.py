@@ -1,0 +1,59 @@
+"""An InferenceService manifest (splitserve.dev/v1alpha1) for a chosen plan.
+
+Built as a plain dict and validated with the operator's own API models
+(:meth:`splitserve_operator.api.InferenceService.parse`) before it is written, so a plan never
+emits a manifest the CRD would reject. Replica bounds: ``max`` is the planned count at the peak
+rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
+fleet when traffic falls. ``autoscaling.gpuBudget`` caps both pools at the planned peak.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ..api import InferenceService
+from .search import Plan
+from .simulator import AGGREGATED
+
+ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "LeastLoad",
+                       "round-robin": "RoundRobin", "central-queue": "LeastLoad"}
+
+
+def build_manifest(*, plan: Plan, name: str, model_uri: str, dtype: str, min_replicas: dict[str, int],
+                   router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int) -> dict[str, Any]:
+    """The manifest dict (validated; raises :class:`~splitserve_operator.api.InvalidSpecError`)."""
+    tp = plan.gpus_per_replica
+
+    def pool(*, role: str, count: int) -> dict[str, Any]:
+        low = max(1, min(count, min_replicas.get(role, 1)))
+        return {"replicas": {"min": low, "max": count}, "resources": {"gpus": tp},
+                "parallelism": {"tensor": tp}}
+
+    model: dict[str, Any] = {"uri": model_uri, "dtype": "bfloat16" if dtype == "fp8" else dtype}
+    if dtype == "fp8":
+        model["quantization"] = "fp8"
+    spec: dict[str, Any] = {
+        "model": model,
+        "mode": "Aggregated" if plan.mode == AGGREGATED else "Disaggregated",
+        "router": {"policy": ROUTER_POLICY_NAMES[router_policy]},
+        "kvCache": {"blockSize": block_size, "memoryFraction": memory_fraction, "prefixCaching": plan.prefix_caching},
+        "engine": {"maxNumSeqs": max_num_seqs, "maxBatchedTokens": plan.max_batched_tokens, "chunkedPrefill": True},
+        "autoscaling": {"enabled": True, "gpuBudget": plan.num_gpus},
+    }
+    if plan.mode == AGGREGATED:
+        spec["aggregated"] = pool(role="aggregated", count=plan.aggregated_replicas)
+    else:
+        spec["prefill"] = pool(role="prefill", count=plan.prefill_replicas)
+        spec["decode"] = pool(role="decode", count=plan.decode_replicas)
+    manifest = {"apiVersion": "splitserve.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": name, "annotations": {"splitserve.dev/planned-by": "splitserve plan"}},
+                "spec": spec}
+    InferenceService.parse(manifest)
+    return manifest
+
+
+def manifest_yaml(manifest: dict[str, Any], *, header: str) -> str:
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(manifest, sort_keys=False)

@@ -1,0 +1,377 @@
+"""``HandoffEngine``: an :class:`~.async_engine.AsyncEngine` that takes part in the prefill →
+decode KV handoff (the pull protocol of ``contract.KV_TRANSFER_PARAMS_FIELD``).
+
+Prefill role: :meth:`HandoffEngine.generate_for_export` runs the prompt (prefix caching as
+usual) with ``keep_kv``, so the engine pins its blocks when it finishes; an engine-thread hook
+then registers an :class:`~..transfer.ExportedKV` in the
+lease-holding :class:`~..transfer.KVExportRegistry` that the :class:`~..transfer.TcpKVServer`
+on the KV port serves. Registering happens *on the engine thread* inside the same ``call``
+that reads the kept blocks, so a client that vanishes at that moment cannot strand pinned
+blocks: the export exists and its lease frees it. Blocks are read for the wire from the event
+loop thread while the engine keeps stepping; that is safe because pinned blocks of a finished
+request are never written again. ``release`` (RELEASE from the decode pod, or the lease) hands
+the unpin back to the engine thread.
+
+Decode role: :meth:`HandoffEngine.generate_from_remote` reserves blocks for the prompt
+(leading blocks this pod already holds in its prefix cache are reused and not pulled), pulls
+the missing ones with the connector straight into the reserved blocks, then activates the
+request with the prefill pod's first token and streams the rest. Reserved blocks are not
+indexed in the prefix cache until activation, so a failed or partial transfer leaves no
+corrupt block behind: the reservation is freed and :class:`~.errors.KVTransferFailed` raised.
+The same seeded request decodes the same tokens as on an aggregated pod: the decode side
+advances the request's generator past the draw the prefill pod made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..transfer import (
+    ExportedKV,
+    KVExportRegistry,
+    KVLayout,
+    TcpKVConnector,
+    TcpKVServer,
+    TransferError,
+)
+from .async_engine import AsyncEngine
+from .errors import KVTransferFailed, QueueFull
+from .llm_engine import LLMEngine
+from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from .sampling_params import SamplingParams
+from .stats import EngineStats
+from .stop_checker import StopChecker
+
+log = logging.getLogger(__name__)
+
+KV_FETCH_TIMEOUT_SECONDS = 10.0
+"""Decode role: the longest silence from the prefill pod's KV server before a pull fails."""
+
+TransferObserver = Callable[[int, float, bool], None]
+"""(bytes, seconds, succeeded) after each transfer: the server's KV transfer metrics."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemotePrefill:
+    """Where a decode request's KV lives (the prefill pod's ``kv_transfer_params``)."""
+
+    remote_endpoint: str
+    remote_request_id: str
+    num_prompt_tokens: int
+    first_token_id: int
+    compat_hash: str = ""
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Parse the handoff object; raises ValueError naming the bad field."""
+        def field(name: str, kind: type) -> Any:
+            value = params.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")
+            return value
+        compat = params.get("compat_hash", "")
+        if not isinstance(compat, str):
+            raise ValueError(f"kv_transfer_params.compat_hash must be a str, got {compat!r}")
+        return cls(remote_endpoint=field("remote_endpoint", str),
+                   remote_request_id=field("remote_request_id", str),
+                   num_prompt_tokens=field("num_prompt_tokens", int),
+                   first_token_id=field("first_token_id", int), compat_hash=compat)
+
+    def to_params(self) -> dict[str, Any]:
+        return {"remote_endpoint": self.remote_endpoint, "remote_request_id": self.remote_request_id,
+                "num_prompt_tokens": self.num_prompt_tokens, "first_token_id": self.first_token_id,
+                "compat_hash": self.compat_hash}
+
+
+def kv_layout_of(core: LLMEngine, *, compat_hash: str) -> KVLayout:
+    """The wire layout of ``core``'s KV blocks (``ModelRunner.read_block``'s byte order)."""
+    spec = core.runner.spec
+    dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
+    return KVLayout(num_layers=spec.num_layers, block_size=core.block_manager.block_size,
+                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=dtype_bytes,
+                    compat_hash=compat_hash)
+
+
+class HandoffEngine:
+    """Delegates the :class:`~splitserve_runtime.server.engine_client.EngineClient` surface
+    to an AsyncEngine and adds the two handoff entry points. ``role``: prefill or decode."""
+
+    def __init__(self, *, engine: AsyncEngine, role: str, compat_hash: str, kv_host: str,
+                 kv_port: int, kv_endpoint: str, kv_ttl_seconds: float,
+                 observer: TransferObserver | None = None,
+                 fetch_timeout_seconds: float = KV_FETCH_TIMEOUT_SECONDS) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"HandoffEngine serves the prefill or decode role, not {role!r}")
+        self._engine = engine
+        self.role = role
+        self.compat_hash = compat_hash
+        self.kv_endpoint = kv_endpoint
+        self._kv_host = kv_host
+        self._kv_port = kv_port
+        self._observer = observer
+        self._fetch_timeout_seconds = fetch_timeout_seconds
+        self._kv_ttl_seconds = kv_ttl_seconds
+        self.registry = KVExportRegistry(ttl_seconds=kv_ttl_seconds)
+        self._server: TcpKVServer | None = None
+        self._connector = TcpKVConnector(observer=self._observe)
+        self._layout: KVLayout | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ EngineClient
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._engine.is_healthy
+
+    def set_observer(self, observer: TransferObserver) -> None:
+        """Where transfer metrics go (set before :meth:`start`)."""
+        self._observer = observer
+
+    async def start(self) -> None:
+        await self._engine.start()
+        self._loop = asyncio.get_running_loop()
+        self._layout = kv_layout_of(self._engine.engine, compat_hash=self.compat_hash)
+        if self.role == "prefill":
+            self._server = TcpKVServer(registry=self.registry, layout=self._layout, host=self._kv_host,
+                                       port=self._kv_port, observer=self._observe)
+            await self._server.start()
+            log.info("KV server on %s:%d (lease %.0f s)", self._kv_host, self._server.port,
+                     self._kv_ttl_seconds)
+
+    async def shutdown(self) -> None:
+        if self._server is not None:
+            await self._server.stop()
+        self.registry.release_all()
+        await self._engine.shutdown()
+
+    def generate(self, *, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return self._engine.generate(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                     params=params)
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    @property
+    def kv_server_port(self) -> int:
+        return self._server.port if self._server is not None else self._kv_port
+
+    @property
+    def layout(self) -> KVLayout:
+        if self._layout is None:
+            raise RuntimeError("the engine is not started")
+        return self._layout
+
+    def _observe(self, num_bytes: int, seconds: float, ok: bool) -> None:
+        if self._observer is not None:
+            self._observer(num_bytes, seconds, ok)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ prefill role
+    async def generate_for_export(
+        self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        on_export: Callable[[RemotePrefill], None],
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Run the prompt, keep its KV and export it; ``on_export`` receives the handoff
+        parameters before the finished output is yielded."""
+        engine = self._engine
+        exported = False
+        try:
+            async with contextlib.aclosing(engine.generate(
+                    request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                    keep_kv=True)) as stream:
+                async for out in stream:
+                    if out.finished and out.finish_reason not in (FINISH_ABORT, FINISH_ERROR):
+                        first = (out.new_token_ids or [-1])[-1]
+                        exported = await asyncio.shield(engine.call(
+                            lambda core: self._export(core, request_id=request_id)))
+                        if not exported or first < 0:
+                            raise KVTransferFailed(code="export_failed",
+                                                   message=f"no kept KV for request {request_id!r}")
+                        on_export(RemotePrefill(
+                            remote_endpoint=self.kv_endpoint, remote_request_id=request_id,
+                            num_prompt_tokens=len(prompt_token_ids), first_token_id=first,
+                            compat_hash=self.compat_hash))
+                    yield out
+        finally:
+            if not exported:  # it may have finished (and pinned) while we were cancelled
+                self._spawn(engine.call(lambda core: core.release_kept_kv(request_id)))
+
+    def _export(self, core: LLMEngine, *, request_id: str) -> bool:
+        """On the engine thread: hand the kept blocks of ``request_id`` to the registry."""
+        kept = core.kept_kv(request_id)
+        if kept is None:
+            return False
+        runner = core.runner
+        block_ids = list(kept.block_ids)
+
+        def read_block(index: int) -> memoryview:
+            return memoryview(runner.read_block(block_ids[index]))
+
+        def release() -> None:
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                return
+            loop.call_soon_threadsafe(self._spawn, self._engine.call(
+                lambda c: c.release_kept_kv(request_id)))
+
+        self.registry.add(ExportedKV(request_id=request_id, num_tokens=kept.num_tokens,
+                                     num_blocks=len(block_ids), read_block=read_block,
+                                     release=release))
+        return True
+
+    # ------------------------------------------------------------------ decode role
+    async def generate_from_remote(
+        self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        source: RemotePrefill,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Pull the prompt's KV from ``source`` and continue decoding here."""
+        engine = self._engine
+        core = engine.engine
+        started = time.monotonic()
+        core.check_request(prompt_token_ids=prompt_token_ids, params=params)
+        if source.compat_hash and self.compat_hash and source.compat_hash != self.compat_hash:
+            raise KVTransferFailed(code="compat_mismatch", message=(
+                f"prefill pod's compat hash {source.compat_hash!r} != this pod's {self.compat_hash!r}"))
+        num_prompt = len(prompt_token_ids)
+        if source.num_prompt_tokens != num_prompt:
+            raise KVTransferFailed(code="prompt_mismatch", message=(
+                f"the prefill pod computed {source.num_prompt_tokens} prompt tokens, "
+                f"this pod tokenized {num_prompt}"))
+        first = source.first_token_id
+        if not 0 <= first < core.vocab_size:
+            raise ValueError(f"kv_transfer_params.first_token_id {first} is outside the vocabulary")
+        num_remote_blocks = math.ceil(num_prompt / core.block_manager.block_size)
+        token_reason = StopChecker(params=params, eos_token_ids=core.eos_token_ids,
+                                   detokenizer=None).check_token(token_id=first, num_output_tokens=1)
+        if token_reason is not None:  # the first token already ends it: nothing to decode
+            await self._release_remote(source, first_block=num_remote_blocks)
+            text = "" if token_reason == "stop" else self.tokenizer.decode([first])
+            yield self._first_output(request_id=request_id, first=first, text=text, finish_reason=token_reason,
+                                     num_prompt=num_prompt, num_cached=0, started=started)
+            return
+
+        def reserve(c: LLMEngine) -> Any:
+            try:
+                return c.reserve_imported_request(
+                    request_id=request_id, token_ids=[*prompt_token_ids, first], num_prompt_tokens=num_prompt,
+                    params=params, num_imported_tokens=num_prompt)
+            except ValueError as exc:
+                if "already finish" in str(exc):  # a stop string inside the first token
+                    return "stop"
+                raise
+
+        try:
+            reservation = await engine.call(reserve)
+        except BaseException:  # cancelled while it ran: free whatever it reserved
+            engine.abort(request_id)
+            raise
+        if reservation == "stop":
+            await self._release_remote(source, first_block=num_remote_blocks)
+            yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
+                                     num_prompt=num_prompt, num_cached=0, started=started)
+            return
+        if reservation is None:
+            raise QueueFull(num_waiting=core.scheduler.num_waiting, max_queue_len=core.config.max_queue_len,
+                            retry_after_seconds=1.0)
+        activated = False
+        try:
+            block_ids = reservation.block_ids
+            runner = core.runner
+
+            def on_block(index: int, data: memoryview) -> None:
+                if not reservation.first_block_index <= index < num_remote_blocks:
+                    raise TransferError(code="protocol", message=f"block {index} outside the prompt")
+                runner.write_block(block_ids[index], data)  # reserved: the engine thread ignores it
+
+            try:
+                result = await self._connector.fetch(
+                    endpoint=source.remote_endpoint, request_id=source.remote_request_id,
+                    first_block=reservation.first_block_index, layout=self.layout, on_block=on_block,
+                    timeout_seconds=self._fetch_timeout_seconds)
+            except TransferError as exc:
+                raise KVTransferFailed(code=exc.code, message=exc.message) from None
+            if result.num_tokens != num_prompt:
+                self._observe(0, 0.0, False)
+                raise KVTransferFailed(code="prompt_mismatch", message=(
+                    f"the prefill pod holds {result.num_tokens} tokens, the prompt has {num_prompt}"))
+            stream = engine.open_stream(request_id)
+            try:
+                await asyncio.shield(engine.call(lambda c: self._activate(c, request_id=request_id,
+                                                                          params=params)))
+            except BaseException:
+                engine.abort(request_id)
+                self._spawn(_consume(stream))
+                raise
+            activated = True
+        finally:
+            if not activated:  # aborting a reservation frees its blocks (engine thread)
+                engine.abort(request_id)
+        yield self._first_output(request_id=request_id, first=first, text=reservation.imported_text,
+                                 finish_reason=None, num_prompt=num_prompt,
+                                 num_cached=reservation.num_cached_tokens, started=started)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+
+    @staticmethod
+    def _activate(core: LLMEngine, *, request_id: str, params: SamplingParams) -> None:
+        if params.seed is not None and params.temperature > 0:  # the prefill pod drew one
+            # noise row for the first token; draw it here too so the seed's sequence lines up
+            sampler = core.runner.sampler
+            generator = sampler._generator(request_id, params.seed)
+            torch.empty(core.vocab_size, device=generator.device).exponential_(generator=generator)
+        core.activate_imported_request(request_id)
+
+    async def _release_remote(self, source: RemotePrefill, *, first_block: int) -> None:
+        """Pull nothing, but tell the prefill pod to unpin now (else its lease does)."""
+        try:
+            await self._connector.fetch(endpoint=source.remote_endpoint, request_id=source.remote_request_id,
+                                        first_block=first_block, layout=self.layout,
+                                        on_block=lambda _i, _d: None, timeout_seconds=self._fetch_timeout_seconds)
+        except TransferError as exc:
+            log.warning("could not release KV of %s on %s: %s", source.remote_request_id,
+                        source.remote_endpoint, exc)
+
+    @staticmethod
+    def _first_output(*, request_id: str, first: int, text: str, finish_reason: str | None,
+                      num_prompt: int, num_cached: int, started: float) -> RequestOutput:
+        finished = finish_reason is not None
+        return RequestOutput(request_id=request_id, new_token_ids=[first], new_text=text, new_logprobs=None,
+                             finished=finished, finish_reason=finish_reason, num_prompt_tokens=num_prompt,
+                             num_output_tokens=1, num_cached_tokens=num_cached,
+                             ttft_seconds=time.monotonic() - started,
+                             e2e_seconds=(time.monotonic() - started) if finished else None)
+
+
+async def _consume(stream: AsyncGenerator[RequestOutput, None]) -> None:
+    """Drain an aborted stream so the engine forgets its queue."""
+    with contextlib.suppress(Exception):
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                pass

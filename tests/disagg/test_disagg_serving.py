@@ -1,0 +1,309 @@
+"""Disaggregated serving end to end: the `openai` client -> router -> prefill pod -> KV over TCP
+-> decode pod, all real processes on loopback. Greedy answers must equal the aggregated engine's
+(completions and chat, streamed and not); affinity and sessions must pin prompts to prefill pods
+(visible in metrics); broken or missing KV must fail the request cleanly and leak no block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from disagg_harness import BLOCK_SIZE, MODEL_NAME, Cluster, Proc, Reference, wait_for
+
+from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_runtime.transfer.framing import HEADER, MAGIC, VERSION, FrameType, encode_json, read_frame
+
+KV_TTL_SECONDS = 3.0
+STORY = ("Once upon a time in a land far away there lived a king who had three daughters, "
+         "and the youngest of them was the cleverest of all")
+SYSTEM = ("You are a careful assistant. Answer briefly, cite your sources, and never invent "
+          "facts. If you do not know, say so plainly and suggest where to look instead.")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from splitserve_runtime.model.tiny import write_tiny_model
+
+    return write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=2,
+                 num_decode=2, kv_ttl_seconds=KV_TTL_SECONDS) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir=model_dir)
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def _total(pods: list[Proc], name: str, **labels: str) -> float:
+    return sum(p.metric(name, **labels) for p in pods)
+
+
+def _decode_idle(cluster: Cluster) -> bool:
+    return all(p.metric(Metric.KV_CACHE_USAGE_RATIO) == 0.0 for p in cluster.decode)
+
+
+def test_info_reports_role_and_kv_endpoint(cluster: Cluster) -> None:
+    for pod in cluster.pods:
+        info = httpx.get(f"{pod.url}/v1/splitserve/info", timeout=5).json()
+        assert info["role"] == pod.name.split("-")[0]
+        assert info["kv_endpoint"] == f"{pod.host}:{pod.kv_port}"
+        assert info["compat_hash"] == "tinyhash" and info["block_size"] == BLOCK_SIZE
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_aggregated(cluster: Cluster, client: openai.OpenAI,
+                                      reference: Reference, stream: bool) -> None:
+    prompt = f"{STORY} ({'streamed' if stream else 'whole'})"
+    want_text, want_tokens = reference.generate(reference.tokenizer.encode(prompt), max_tokens=24,
+                                                ignore_eos=True)
+    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated")  # type: ignore[union-attr]
+    received = _total(cluster.decode, Metric.KV_TRANSFER_BYTES_TOTAL)
+    if stream:
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        text = answer.choices[0].text
+        assert answer.usage is not None and answer.usage.completion_tokens == len(want_tokens) == 24
+        assert answer.choices[0].finish_reason == "length"
+    assert text == want_text
+    # it really went prefill -> KV transfer -> decode
+    assert cluster.router.metric("splitserve_router_routes_total", route="disaggregated") == routed + 1  # type: ignore[union-attr]
+    assert _total(cluster.decode, Metric.KV_TRANSFER_BYTES_TOTAL) > received
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_aggregated(cluster: Cluster, client: openai.OpenAI, reference: Reference,
+                                stream: bool) -> None:
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Tell me a story about a {'river' if stream else 'hill'}."}]
+    want_text, _ = reference.generate(reference.chat_prompt(messages), max_tokens=20)
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                                     max_tokens=20, temperature=0, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                                max_tokens=20, temperature=0)
+        text = answer.choices[0].message.content or ""
+    assert text == want_text
+
+
+def test_seeded_sampling_equals_aggregated(client: openai.OpenAI, reference: Reference) -> None:
+    want_text, _ = reference.generate(reference.tokenizer.encode(STORY), max_tokens=16,
+                                      temperature=0.9, seed=1234, ignore_eos=True)
+    answer = client.completions.create(model=MODEL_NAME, prompt=STORY, max_tokens=16,
+                                       temperature=0.9, seed=1234, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == want_text
+
+
+def test_short_prompt_goes_straight_to_decode(cluster: Cluster, client: openai.OpenAI,
+                                              reference: Reference) -> None:
+    direct = cluster.router.metric("splitserve_router_routes_total", route="direct")  # type: ignore[union-attr]
+    want_text, _ = reference.generate(reference.tokenizer.encode("Hi"), max_tokens=8, ignore_eos=True)
+    answer = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == want_text
+    assert cluster.router.metric("splitserve_router_routes_total", route="direct") == direct + 1  # type: ignore[union-attr]
+
+
+def _served(cluster: Cluster) -> list[float]:
+    return [p.metric(Metric.REQUESTS_TOTAL, outcome="success") for p in cluster.prefill]
+
+
+def test_prefix_affinity_pins_a_shared_prefix_and_hits_the_cache(cluster: Cluster,
+                                                                  client: openai.OpenAI) -> None:
+    router = cluster.router
+    assert router is not None
+    before = _served(cluster)
+    hits = [p.metric(Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL) for p in cluster.prefill]
+    matched = router.metric("splitserve_router_prefix_matched_blocks_total")
+    prefix = f"{SYSTEM} {SYSTEM}"
+    num_prefix_blocks = len(cluster_tokenizer(cluster).encode(prefix)) // BLOCK_SIZE
+    for question in ("Why is the sky blue?", "What is a prime?", "Who wrote Hamlet?", "How do bees fly?"):
+        client.completions.create(model=MODEL_NAME, prompt=f"{prefix} {question}", max_tokens=2,
+                                  temperature=0)
+    served = [after - b for after, b in zip(_served(cluster), before, strict=True)]
+    assert sorted(served) == [0, 4], served  # every request on one prefill pod
+    pod = served.index(4)
+    # three of the four found the shared prefix already cached there
+    hit_tokens = cluster.prefill[pod].metric(Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL) - hits[pod]
+    assert hit_tokens >= 3 * (num_prefix_blocks - 1) * BLOCK_SIZE
+    assert router.metric("splitserve_router_prefix_matched_blocks_total") - matched >= 3 * (num_prefix_blocks - 1)
+
+
+def cluster_tokenizer(cluster: Cluster) -> object:
+    from splitserve_runtime.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir=cluster.model_dir)
+
+
+def test_session_header_pins_distinct_prompts_to_one_pod(cluster: Cluster,
+                                                         client: openai.OpenAI) -> None:
+    # find two prompts that affinity alone sends to different prefill pods
+    placed: dict[int, str] = {}
+    for i in range(12):
+        prompt = f"Session probe number {i}: {STORY} {i * 7919}"
+        before = _served(cluster)
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)
+        pod = next(j for j, (a, b) in enumerate(zip(_served(cluster), before, strict=True)) if a > b)
+        placed.setdefault(pod, prompt)
+        if len(placed) == 2:
+            break
+    assert len(placed) == 2, "every probe landed on one pod"
+    before = _served(cluster)
+    for prompt in (placed[0], placed[1], placed[0], placed[1]):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_headers={"x-session-id": "chat-42"})
+    served = [after - b for after, b in zip(_served(cluster), before, strict=True)]
+    assert sorted(served) == [0, 4], served
+
+
+# --------------------------------------------------------------------------- broken KV
+
+
+class FakePrefillKV:
+    """A prefill pod's KV port that answers FETCH with a corrupt or truncated block."""
+
+    def __init__(self, *, mode: str) -> None:
+        self.mode = mode
+        self.fetches: list[dict[str, object]] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> FakePrefillKV:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.99", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None
+        return f"127.0.0.99:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            fetch = (await read_frame(reader, timeout_seconds=5, max_payload_bytes=1 << 16)).json()
+            self.fetches.append(fetch)
+            layout = fetch["layout"]
+            block_nbytes = (2 * layout["num_layers"] * layout["block_size"] * layout["num_kv_heads"]
+                            * layout["head_dim"] * layout["dtype_bytes"])
+            num_tokens = int(self.mode.split(":")[1])
+            writer.write(encode_json(FrameType.LAYOUT, {
+                "num_blocks": math.ceil(num_tokens / BLOCK_SIZE), "num_tokens": num_tokens,
+                "first_block": fetch["first_block"], "block_nbytes": block_nbytes}))
+            payload = struct.pack("!I", fetch["first_block"]) + bytes(block_nbytes)
+            if self.mode.startswith("corrupt"):
+                bad_crc = zlib.crc32(payload) ^ 0xDEADBEEF
+                writer.write(HEADER.pack(MAGIC, VERSION, int(FrameType.BLOCK), 0, len(payload), bad_crc) + payload)
+            else:  # truncated: a header promising the whole block, then half of it
+                writer.write(HEADER.pack(MAGIC, VERSION, int(FrameType.BLOCK), 0, len(payload), zlib.crc32(payload))
+                             + payload[: len(payload) // 2])
+            await writer.drain()
+        finally:
+            writer.close()
+
+
+async def _pull_from(decode: Proc, *, fake: FakePrefillKV, prompt: list[int],
+                     stream: bool) -> dict[str, str]:
+    """A decode request whose KV is to come from `fake`; returns the error it got."""
+    params = {"remote_endpoint": fake.endpoint, "remote_request_id": "cmpl-fake",
+              "num_prompt_tokens": len(prompt), "first_token_id": 7, "compat_hash": "tinyhash"}
+    async with httpx.AsyncClient(timeout=15) as http:
+        response = await http.post(f"{decode.url}/v1/completions", json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "stream": stream,
+            KV_TRANSFER_PARAMS_FIELD: params})
+    assert response.status_code == 502, response.text
+    error: dict[str, str] = json.loads(response.text)["error"]
+    return error
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "truncated"])
+async def test_broken_kv_frame_fails_cleanly_and_frees_blocks(cluster: Cluster, mode: str) -> None:
+    decode = cluster.decode[0]
+    offset = 5 if mode == "corrupt" else 300
+    prompt = list(range(offset, offset + 3 * BLOCK_SIZE + 5))  # 4 blocks, none cached yet
+    failures = decode.metric(Metric.KV_TRANSFER_FAILURES_TOTAL)
+    async with FakePrefillKV(mode=f"{mode}:{len(prompt)}") as fake:
+        for stream in (False, True):
+            error = await _pull_from(decode, fake=fake, prompt=prompt, stream=stream)
+            assert error["code"] == "kv_transfer_failed"
+            assert f"({mode})" in error["message"]
+        assert [f["first_block"] for f in fake.fetches] == [0, 0]
+        await asyncio.to_thread(wait_for, lambda: _decode_idle(cluster), timeout_seconds=5,
+                                what="the decode pod's KV usage back to 0")
+        # the pod still serves, and (computed locally) its 3 full blocks are now cached ...
+        async with httpx.AsyncClient(timeout=15) as http:
+            ok = await http.post(f"{decode.url}/v1/completions", json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4})
+        assert ok.status_code == 200
+        # ... so the next pull asks only for the first block it lacks
+        await _pull_from(decode, fake=fake, prompt=prompt, stream=False)
+        assert fake.fetches[-1]["first_block"] == 3
+    assert decode.metric(Metric.KV_TRANSFER_FAILURES_TOTAL) == failures + 3
+    await asyncio.to_thread(wait_for, lambda: _decode_idle(cluster), timeout_seconds=5,
+                            what="the decode pod's KV usage back to 0")
+
+
+def test_unclaimed_kv_expires_and_a_late_pull_fails_cleanly(cluster: Cluster) -> None:
+    prefill = cluster.prefill[0]
+    assert prefill.metric(Metric.KV_CACHE_USAGE_RATIO) == 0.0
+    response = httpx.post(f"{prefill.url}/v1/completions", timeout=15, json={
+        "model": MODEL_NAME, "prompt": STORY, "max_tokens": 1,
+        KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}})
+    assert response.status_code == 200, response.text
+    params = response.json()[KV_TRANSFER_PARAMS_FIELD]
+    assert params["remote_endpoint"] == f"{prefill.host}:{prefill.kv_port}"
+    assert params["num_prompt_tokens"] == len(cluster_tokenizer(cluster).encode(STORY))  # type: ignore[attr-defined]
+    assert params["compat_hash"] == "tinyhash" and isinstance(params["first_token_id"], int)
+    assert prefill.metric(Metric.KV_CACHE_USAGE_RATIO) > 0.0  # pinned for the decode pod
+    wait_for(lambda: prefill.metric(Metric.KV_CACHE_USAGE_RATIO) == 0.0,
+             timeout_seconds=KV_TTL_SECONDS + 3, what="the lease to free the exported KV")
+    decode = cluster.decode[1]
+    late = httpx.post(f"{decode.url}/v1/completions", timeout=15, json={
+        "model": MODEL_NAME, "prompt": STORY, "max_tokens": 4, KV_TRANSFER_PARAMS_FIELD: params})
+    assert late.status_code == 502 and late.json()["error"]["code"] == "kv_transfer_failed"
+    assert "unknown_request" in late.json()["error"]["message"]
+    wait_for(lambda: _decode_idle(cluster), timeout_seconds=5, what="decode KV usage back to 0")
+
+
+def test_bad_handoff_params_are_client_errors(cluster: Cluster) -> None:
+    decode, prefill = cluster.decode[0], cluster.prefill[0]
+    cases = [
+        (decode, {"do_remote_decode": True}),  # prefill work sent to a decode pod
+        (prefill, {"remote_endpoint": "127.0.0.1:1", "remote_request_id": "x",
+                   "num_prompt_tokens": 3, "first_token_id": 1}),
+        (decode, {"remote_endpoint": "127.0.0.1:1", "remote_request_id": "x"}),  # fields missing
+    ]
+    for pod, params in cases:
+        response = httpx.post(f"{pod.url}/v1/completions", timeout=15, json={
+            "model": MODEL_NAME, "prompt": STORY, "max_tokens": 2, KV_TRANSFER_PARAMS_FIELD: params})
+        assert response.status_code == 400, (pod.name, response.text)
+        assert response.json()["error"]["code"] == "invalid_kv_transfer_params"

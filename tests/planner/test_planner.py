@@ -1,0 +1,131 @@
+"""The planner: monotone answers, feasibility errors, manifests the API accepts, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitserve_operator.api import InferenceService
+from splitserve_operator.planner.cli import main
+from splitserve_operator.planner.perf_model import RooflineModel
+from splitserve_operator.planner.search import PlanError, PlanInputs, Slo, check_feasible, plan_all
+from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec
+
+
+def _requests(rate: float, seconds: float = 60.0):
+    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("lognormal:2048:0.8"),
+                        output_tokens=LengthDist.parse("lognormal:256:0.8"))
+    return spec.generate(duration_seconds=seconds, seed=0)
+
+
+def _gpus(perf: RooflineModel, *, rate: float, ttft_ms: float = 600, itl_ms: float = 40) -> dict[str, int]:
+    table = plan_all(PlanInputs(perf=perf, requests=_requests(rate), slo=Slo(ttft_p99_seconds=ttft_ms / 1e3,
+                                                                           itl_p99_seconds=itl_ms / 1e3)),
+                     compare_prefix_caching=False)
+    return {label: plan.num_gpus for label, plan in table.plans.items() if plan is not None}
+
+
+def test_more_load_never_needs_fewer_gpus(llama8b_h100: RooflineModel) -> None:
+    answers = [_gpus(llama8b_h100, rate=rate) for rate in (4, 8, 16, 32)]
+    for label in answers[0]:
+        counts = [a[label] for a in answers]
+        assert counts == sorted(counts), f"{label}: {counts}"
+        assert counts[-1] > counts[0], f"{label}: 8x the load should need more GPUs: {counts}"
+
+
+def test_stricter_slos_never_need_fewer_gpus(llama8b_h100: RooflineModel) -> None:
+    loose = _gpus(llama8b_h100, rate=16, ttft_ms=2000, itl_ms=60)
+    strict = _gpus(llama8b_h100, rate=16, ttft_ms=700, itl_ms=12)
+    for label, count in loose.items():
+        assert strict.get(label, 10**9) >= count, f"{label}: strict {strict.get(label)} < loose {count}"
+
+
+def test_impossible_slos_are_explained(llama8b_h100: RooflineModel) -> None:
+    requests = _requests(4)
+    with pytest.raises(PlanError, match="impossible ITL SLO.*single sequence"):
+        check_feasible(PlanInputs(perf=llama8b_h100, requests=requests, slo=Slo(ttft_p99_seconds=1, itl_p99_seconds=0.001)))
+    with pytest.raises(PlanError, match="impossible TTFT SLO.*p99-length prompt"):
+        check_feasible(PlanInputs(perf=llama8b_h100, requests=requests, slo=Slo(ttft_p99_seconds=0.005, itl_p99_seconds=0.05)))
+    with pytest.raises(PlanError, match="headroom"):
+        PlanInputs(perf=llama8b_h100, requests=requests, slo=Slo(ttft_p99_seconds=1, itl_p99_seconds=0.05), headroom=1.5)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--gpu", "X100", "--rate", "1"), "unknown GPU 'X100'; known GPUs: A100-80GB, A10G, B200, H100-PCIe, H100-SXM, H200, L40S"),
+    (("--model", "llama-3.1-70b", "--gpu", "H100", "--rate", "1"), "needs 151.8 GiB per GPU at TP=1"),
+    (("--model", "gpt-5", "--rate", "1"), "unknown model 'gpt-5': not a preset"),
+    (("--rate", "2", "--itl-p99-ms", "1"), "impossible ITL SLO"),
+    (("--rate", "2", "--ttft-p99-ms", "5"), "impossible TTFT SLO"),
+    (("--rate", "0"), "--rate must be > 0"),
+    ((), "give --rate (requests/s) or --trace"),
+    (("--rate", "1", "--prompt-tokens", "gaussian:5"), "bad token distribution 'gaussian:5'"),
+    (("--rate", "1", "--dtype", "fp8", "--gpu", "A100"), "A100-80GB has no FP8 tensor cores"),
+    (("--rate", "1", "--tp", "3"), "--tp must be 1, 2, 4 or 8"),
+    (("--rate", "1", "--bogus"), "unrecognized arguments: --bogus"),
+])
+def test_cli_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
+    if "--bogus" in argv:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+        return
+    code, _, err = _run(capsys, *argv)
+    assert code == 2
+    assert message in err
+
+
+def test_cli_bad_profile_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"schemaVersion": 1, "kind": "PerfProfile", "device": "cpu"}))
+    code, _, err = _run(capsys, "--rate", "1", "--profile", str(profile))
+    assert code == 2 and "is invalid: model: Field required" in err
+    profile.write_text(json.dumps({"schemaVersion": 7}))
+    code, _, err = _run(capsys, "--rate", "1", "--profile", str(profile))
+    assert code == 2 and "schemaVersion must be 1, got 7" in err
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,prompt_tokens,output_tokens\n0.0,100,10\n0.5,abc,10\n")
+    code, _, err = _run(capsys, "--trace", str(trace))
+    assert code == 2 and "line 3" in err
+    trace.write_text("time,prompt\n1,2\n")
+    code, _, err = _run(capsys, "--trace", str(trace))
+    assert code == 2 and "missing column(s) output_tokens, prompt_tokens, timestamp" in err
+
+
+def test_cli_plans_emits_a_valid_manifest_and_a_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    manifest, png = tmp_path / "isvc.yaml", tmp_path / "latency.png"
+    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H200", "--rate", "8", "--duration-s", "60",
+                          "--prompt-tokens", "lognormal:2048:0.6", "--prefix-share", "0.5", "--prefix-tokens", "1024",
+                          "--ttft-p99-ms", "1500", "--itl-p99-ms", "30", "--emit-manifest", str(manifest),
+                          "--plot", str(png), "--name", "llama-plan")
+    assert code == 0, err
+    assert "disaggregated, prefix cache" in out and "aggregated, no prefix cache" in out
+    assert "chosen:" in out
+    obj = yaml.safe_load(manifest.read_text())
+    isvc = InferenceService.parse(obj)
+    assert isvc.metadata.name == "llama-plan"
+    pools = [p for p in (isvc.spec.prefill, isvc.spec.decode, isvc.spec.aggregated) if p is not None]
+    assert pools and all(1 <= p.replicas.min <= p.replicas.max for p in pools)
+    assert isvc.spec.autoscaling.gpu_budget == sum(p.replicas.max * p.resources.gpus for p in pools)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_with_the_shipped_cpu_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve_operator.planner.profile import shipped_profiles
+
+    (profile,) = [p for p in shipped_profiles() if p.name == "cpu-tiny-llama.json"]
+    code, out, err = _run(capsys, "--model", "tiny", "--profile", str(profile), "--rate", "5", "--duration-s", "60",
+                          "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:8:48",
+                          "--ttft-p99-ms", "2000", "--itl-p99-ms", "100", "--max-num-seqs", "64",
+                          "--max-batched-tokens", "2048")
+    assert code == 0, err
+    assert "profile" in out and "chosen:" in out
