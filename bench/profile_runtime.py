@@ -3,7 +3,8 @@
 Runs ``splitserve_runtime.engine.llm_engine.LLMEngine`` in-process on the tiny random Llama
 (written to a temporary directory unless ``--model-dir`` is given) and times single
 ``engine.step()`` calls: prefill steps of ``numSeqs`` × ``numTokens`` (optionally after a cached
-prefix) and decode steps of batches of running sequences. Each figure is the median of
+prefix), decode steps of batches of running sequences, and mixed steps (a decode batch plus a
+new prompt, as continuous batching runs them). Each figure is the median of
 ``--repeats`` runs. The output feeds ``splitserve plan --profile FILE`` and the simulator's
 validation test. Torch threads default to 1 so that other load on a shared machine skews less.
 
@@ -56,6 +57,8 @@ class ProfileSettings:
     prefill_seqs: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 4, 16, 32, 64)
     decode_prompt_tokens: tuple[int, ...] = (32, 256)
+    mixed_batches: tuple[int, ...] = (4, 16, 48)
+    mixed_new_tokens: tuple[int, ...] = (64, 512)
     repeats: int = 3
     clock: str = "wall"
     """wall: elapsed time; cpu: this thread's CPU time (other tenants' load excluded)."""
@@ -134,6 +137,39 @@ def measure_decode(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_toke
     return out
 
 
+def measure_mixed(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_tokens: int, new_tokens: int,
+                  clock: str = "wall") -> StepSample:
+    """One step holding ``batch_size`` decodes and a new ``new_tokens`` prompt, as in serving."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    rids = [ids.request_id() for _ in range(batch_size)]
+    for rid in rids:
+        engine.add_request(request_id=rid, prompt_token_ids=ids.prompt(prompt_tokens), params=params)
+    sched = engine.scheduler
+    while sched.num_waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        engine.step()
+    newcomer = ids.request_id()
+    engine.add_request(request_id=newcomer, prompt_token_ids=ids.prompt(new_tokens),
+                       params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    original = sched.schedule
+    scheduled: list[SchedulerOutput] = []
+
+    def spy() -> SchedulerOutput:
+        out = original()
+        scheduled.append(out)
+        return out
+
+    sched.schedule = spy  # type: ignore[method-assign]
+    try:
+        seconds = _timed_step(engine, clock)
+    finally:
+        sched.schedule = original  # type: ignore[method-assign]
+    for rid in [*rids, newcomer]:
+        engine.abort_request(rid)
+    tokens, seqs, pairs, kv = _step_shape(scheduled[-1])
+    return StepSample(num_tokens=tokens, num_seqs=seqs, num_attention_pairs=pairs, num_kv_tokens=kv,
+                      seconds=max(seconds, 1e-9))
+
+
 def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSettings, seed: int = 0) -> Profile:
     config = load_model_config(model_dir=model_dir)
     ids = _Ids(vocab_size=config.vocab_size, seed=seed)
@@ -161,6 +197,12 @@ def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSett
             context = steps[0][0]
             decode.append(DecodeSample(batch_size=batch, num_context_tokens=context,
                                        seconds=statistics.median(s for _, s in steps)))
+    mixed: list[StepSample] = []
+    for batch in settings.mixed_batches:
+        for new_tokens in settings.mixed_new_tokens:
+            runs = [measure_mixed(engine=engine, ids=ids, batch_size=batch, prompt_tokens=128, new_tokens=new_tokens,
+                                  clock=settings.clock) for _ in range(settings.repeats)]
+            mixed.append(sorted(runs, key=lambda r: r.seconds)[len(runs) // 2])
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     return Profile(
         schema_version=1,
@@ -175,7 +217,7 @@ def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSett
                           block_size=settings.block_size),
         measured_at=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
         tool="bench/profile_runtime.py", notes=f"torch {torch.__version__}; median of {settings.repeats}",
-        prefill=prefill, decode=decode)
+        prefill=prefill, decode=decode, steps=mixed)
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@ uses its own fresh set of K prefixes so neither phase finds the other's KV cache
 is the prefill pods' `splitserve_prefix_cache_hit_tokens_total / _queried_tokens_total` over
 the phase, with the router's matched-block counter beside it.
 
-    python bench/router_affinity.py [--requests 48] [--groups 6] [--kv-blocks 64]
+    python bench/router_affinity.py [--requests 48] [--groups 6] [--seed 0]
 """
 
 from __future__ import annotations

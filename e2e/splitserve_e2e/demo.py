@@ -53,6 +53,7 @@ import yaml
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
 from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_operator.naming import child_name
 from splitserve_runtime import contract
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +96,15 @@ def install_operator(*, cluster: LocalCluster, namespace: str, prometheus_url: s
     """The chart into ``namespace`` (namespace-scoped RBAC, one replica, on the local node,
     reading ``prometheus_url``); returns once the operator holds its Lease."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{ISVC_PLURAL}", "--timeout=60s")
+
+    def established() -> bool:
+        result = cluster.kubectl("get", "crd", ISVC_PLURAL, "-o",
+                                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                                 check=False)
+        return result.returncode == 0 and result.stdout.strip() == "True"
+
+    cluster.wait_for(established, timeout_seconds=60, interval_seconds=0.5,
+                     what=f"CRD {ISVC_PLURAL} Established")
     escaped_label = LOCAL_NODE_LABEL.replace(".", "\\.")
     result = cluster.helm("install", release, str(CHART), "-n", namespace, "--skip-crds",
                           "--set", "rbac.scope=namespace", "--set", "replicaCount=1",
@@ -225,7 +234,7 @@ def sample_pools(*, cluster: LocalCluster, namespace: str, name: str,
     out: dict[str, PoolSample] = {}
     for role in roles:
         try:
-            deployment = apps.read_namespaced_deployment(f"{name}-{role}", namespace)
+            deployment = apps.read_namespaced_deployment(child_name(name, role), namespace)
             desired = int(deployment.spec.replicas or 0) if deployment.spec else 0
             ready = int(deployment.status.ready_replicas or 0) if deployment.status else 0
         except Exception:  # noqa: BLE001 - not created yet
@@ -264,6 +273,11 @@ class LoadBurst:
         self.request_timeout_seconds = request_timeout_seconds
         self.results: list[RequestResult] = []
         self._sent = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Send no new request; the ones in flight finish and are recorded."""
+        self._stopped = True
 
     @property
     def ok(self) -> int:
@@ -288,7 +302,8 @@ class LoadBurst:
         deadline = time.monotonic() + self.duration_seconds
 
         async def worker() -> None:
-            while time.monotonic() < deadline and self._sent < self.max_requests:
+            while (not self._stopped and time.monotonic() < deadline
+                   and self._sent < self.max_requests):
                 index = self._sent
                 self._sent += 1
                 started = time.monotonic()
@@ -674,7 +689,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="at most this long after the burst, waiting for scale-down")
     parser.add_argument("--baseline-seconds", type=float, default=10.0,
                         help="idle time before the burst")
-    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Disaggregated")
+    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Aggregated",
+                        help="Aggregated (default: the prefill->decode KV hand-off of the "
+                             "runtime is not wired yet, prefill pods answer 501) or "
+                             "Disaggregated")
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
     parser.add_argument("--state-dir", type=Path, default=cache_root() / "cluster",
                         help="the cluster's state directory (the one `make cluster-down` stops)")

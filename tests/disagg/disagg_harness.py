@@ -227,7 +227,7 @@ class Reference:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -1,7 +1,8 @@
 """Disaggregated serving end to end: the `openai` client -> router -> prefill pod -> KV over TCP
 -> decode pod, all real processes on loopback. Greedy answers must equal the aggregated engine's
 (completions and chat, streamed and not); affinity and sessions must pin prompts to prefill pods
-(visible in metrics); broken or missing KV must fail the request cleanly and leak no block.
+(visible in metrics); broken or missing KV must fail the request cleanly and leak no block; a
+killed prefill pod costs one retry, a decode pod killed mid-stream a clean error in bounded time.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import math
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +20,18 @@ import httpx
 import openai
 import pytest
 from disagg_harness import BLOCK_SIZE, MODEL_NAME, Cluster, Proc, Reference, wait_for
+from openai.types.chat import ChatCompletionMessageParam
 
 from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD, Metric
-from splitserve_runtime.transfer.framing import HEADER, MAGIC, VERSION, FrameType, encode_json, read_frame
+from splitserve_runtime.model.tokenizer import Tokenizer
+from splitserve_runtime.transfer.framing import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    FrameType,
+    encode_json,
+    read_frame,
+)
 
 KV_TTL_SECONDS = 3.0
 STORY = ("Once upon a time in a land far away there lived a king who had three daughters, "
@@ -39,7 +50,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=2,
-                 num_decode=2, kv_ttl_seconds=KV_TTL_SECONDS) as running:
+                 num_decode=2, kv_ttl_seconds=KV_TTL_SECONDS,
+                 health_interval_seconds=30.0) as running:
         yield running
 
 
@@ -98,19 +110,45 @@ def test_completions_equal_aggregated(cluster: Cluster, client: openai.OpenAI,
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_aggregated(cluster: Cluster, client: openai.OpenAI, reference: Reference,
                                 stream: bool) -> None:
-    messages = [{"role": "system", "content": SYSTEM},
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Tell me a story about a {'river' if stream else 'hill'}."}]
-    want_text, _ = reference.generate(reference.chat_prompt(messages), max_tokens=20)
+    want_text, _ = reference.generate(reference.chat_prompt([dict(m) for m in messages]),
+                                      max_tokens=20)
     if stream:
-        chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+        chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages,
                                                      max_tokens=20, temperature=0, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant"
     else:
-        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,
                                                 max_tokens=20, temperature=0)
         text = answer.choices[0].message.content or ""
     assert text == want_text
+
+
+async def test_concurrent_requests_equal_aggregated(cluster: Cluster, reference: Reference) -> None:
+    """Imports landing while other requests decode on the same pods change no answer."""
+    prompts = [f"{STORY}, chapter {i}" for i in range(6)]
+    wanted = [reference.generate(reference.tokenizer.encode(p), max_tokens=16, ignore_eos=True)[0]
+              for p in prompts]
+    client = openai.AsyncOpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0,
+                                timeout=60)
+
+    async def one(prompt: str, stream: bool) -> str:
+        if stream:
+            chunks = await client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+        answer = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+        return answer.choices[0].text
+
+    got = await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
+    await client.close()
+    assert list(got) == wanted
+    await asyncio.to_thread(wait_for, lambda: _decode_idle(cluster), timeout_seconds=5,
+                            what="decode KV usage back to 0")
 
 
 def test_seeded_sampling_equals_aggregated(client: openai.OpenAI, reference: Reference) -> None:
@@ -119,6 +157,20 @@ def test_seeded_sampling_equals_aggregated(client: openai.OpenAI, reference: Ref
     answer = client.completions.create(model=MODEL_NAME, prompt=STORY, max_tokens=16,
                                        temperature=0.9, seed=1234, extra_body={"ignore_eos": True})
     assert answer.choices[0].text == want_text
+
+
+def test_one_token_answer_comes_from_prefill_and_frees_its_kv_at_once(
+        cluster: Cluster, client: openai.OpenAI, reference: Reference) -> None:
+    """max_tokens=1: the prefill pod's first token is the whole answer; the decode pod pulls
+    nothing but RELEASEs, so the prefill pod frees the blocks long before the lease would."""
+    prompt = f"{STORY} in one word"
+    want_text, _ = reference.generate(reference.tokenizer.encode(prompt), max_tokens=1,
+                                      ignore_eos=True)
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == want_text and answer.choices[0].finish_reason == "length"
+    wait_for(lambda: all(p.metric(Metric.KV_CACHE_USAGE_RATIO) == 0.0 for p in cluster.prefill),
+             timeout_seconds=KV_TTL_SECONDS / 2, what="the prefill pods to free the KV")
 
 
 def test_short_prompt_goes_straight_to_decode(cluster: Cluster, client: openai.OpenAI,
@@ -156,9 +208,7 @@ def test_prefix_affinity_pins_a_shared_prefix_and_hits_the_cache(cluster: Cluste
     assert router.metric("splitserve_router_prefix_matched_blocks_total") - matched >= 3 * (num_prefix_blocks - 1)
 
 
-def cluster_tokenizer(cluster: Cluster) -> object:
-    from splitserve_runtime.model.tokenizer import Tokenizer
-
+def cluster_tokenizer(cluster: Cluster) -> Tokenizer:
     return Tokenizer.from_dir(model_dir=cluster.model_dir)
 
 
@@ -281,7 +331,7 @@ def test_unclaimed_kv_expires_and_a_late_pull_fails_cleanly(cluster: Cluster) ->
     assert response.status_code == 200, response.text
     params = response.json()[KV_TRANSFER_PARAMS_FIELD]
     assert params["remote_endpoint"] == f"{prefill.host}:{prefill.kv_port}"
-    assert params["num_prompt_tokens"] == len(cluster_tokenizer(cluster).encode(STORY))  # type: ignore[attr-defined]
+    assert params["num_prompt_tokens"] == len(cluster_tokenizer(cluster).encode(STORY))
     assert params["compat_hash"] == "tinyhash" and isinstance(params["first_token_id"], int)
     assert prefill.metric(Metric.KV_CACHE_USAGE_RATIO) > 0.0  # pinned for the decode pod
     wait_for(lambda: prefill.metric(Metric.KV_CACHE_USAGE_RATIO) == 0.0,
@@ -307,3 +357,71 @@ def test_bad_handoff_params_are_client_errors(cluster: Cluster) -> None:
             "model": MODEL_NAME, "prompt": STORY, "max_tokens": 2, KV_TRANSFER_PARAMS_FIELD: params})
         assert response.status_code == 400, (pod.name, response.text)
         assert response.json()["error"]["code"] == "invalid_kv_transfer_params"
+
+
+# --------------------------------------------------------------------------- killed pods
+# These kill processes of the module's cluster, so they come last. The router polls health only
+# every 30 s here, so it is the request path, not the poller, that notices the dead pods.
+
+CLEAN_ERROR_SECONDS = 10.0
+
+
+def test_killed_prefill_pod_is_retried_on_the_other(cluster: Cluster, client: openai.OpenAI,
+                                                    reference: Reference) -> None:
+    router = cluster.router
+    assert router is not None
+    prompt = f"{STORY}, said the prefill probe"
+    before = [p.metric(Metric.REQUESTS_TOTAL, outcome="success") for p in cluster.prefill]
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    served = [p.metric(Metric.REQUESTS_TOTAL, outcome="success") - b
+              for p, b in zip(cluster.prefill, before, strict=True)]
+    victim = cluster.prefill[served.index(1)]
+    victim.kill()  # affinity will pick it again for the same prompt
+    retries = router.metric("splitserve_router_prefill_retries_total")
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == first.choices[0].text
+    assert router.metric("splitserve_router_prefill_retries_total") == retries + 1
+    # and the dead pod is skipped from now on: no further retries
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    assert router.metric("splitserve_router_prefill_retries_total") == retries + 1
+    want, _ = reference.generate(reference.tokenizer.encode(prompt), max_tokens=12, ignore_eos=True)
+    assert again.choices[0].text == want
+
+
+def test_decode_pod_killed_mid_stream_gives_a_clean_error(cluster: Cluster,
+                                                          client: openai.OpenAI) -> None:
+    busy_before = [p.metric(Metric.GENERATION_TOKENS_TOTAL) for p in cluster.decode]
+    stream = client.completions.create(model=MODEL_NAME, prompt=STORY, max_tokens=400,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    busy: list[float] = []
+
+    def one_is_busy() -> bool:
+        busy[:] = [p.metric(Metric.GENERATION_TOKENS_TOTAL) - b
+                   for p, b in zip(cluster.decode, busy_before, strict=True)]
+        return max(busy) > 0
+    wait_for(one_is_busy, timeout_seconds=2, what="the decode pod's first tokens")
+    assert min(busy) == 0
+    victim = cluster.decode[busy.index(max(busy))]
+    killed_at = time.monotonic()
+    victim.kill()
+    received = 2
+    with pytest.raises(openai.APIError) as caught:
+        for _ in chunks:
+            received += 1
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < CLEAN_ERROR_SECONDS
+    assert received < 400  # it really ended early
+    assert "died mid-stream" in str(caught.value)
+    # the survivor serves the next requests, streamed and not
+    survivor = next(p for p in cluster.decode if p is not victim)
+    served = survivor.metric(Metric.REQUESTS_TOTAL, outcome="success")
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt=STORY, max_tokens=8, temperature=0, stream=True) if c.choices)
+    whole = client.completions.create(model=MODEL_NAME, prompt=STORY, max_tokens=8, temperature=0)
+    assert whole.choices[0].text == text
+    assert survivor.metric(Metric.REQUESTS_TOTAL, outcome="success") == served + 2

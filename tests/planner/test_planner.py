@@ -103,7 +103,7 @@ def test_cli_bad_profile_and_trace(capsys: pytest.CaptureFixture[str], tmp_path:
 
 def test_cli_plans_emits_a_valid_manifest_and_a_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     manifest, png = tmp_path / "isvc.yaml", tmp_path / "latency.png"
-    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H200", "--rate", "8", "--duration-s", "60",
+    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H200", "--rate", "8", "--duration-s", "40",
                           "--prompt-tokens", "lognormal:2048:0.6", "--prefix-share", "0.5", "--prefix-tokens", "1024",
                           "--ttft-p99-ms", "1500", "--itl-p99-ms", "30", "--emit-manifest", str(manifest),
                           "--plot", str(png), "--name", "llama-plan")

@@ -9,6 +9,9 @@ around an engine; the routes only translate HTTP to the serving classes and back
   while in-flight requests run to completion for up to ``--drain-timeout-seconds``; then
   the process exits 0 (a second SIGINT forces the exit);
 - if the engine dies, or fails to load, the process exits 1 so Kubernetes restarts it.
+``--role prefill|decode`` wraps the engine in :class:`~splitserve_runtime.engine.remote.HandoffEngine`
+(prefill: the KV server on ``--kv-port``; decode: the pulling connector); which path a request
+takes is decided per request in :mod:`.handoff`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 
-from splitserve_runtime.engine.errors import EngineDead, EngineError
+from splitserve_runtime.engine.errors import EngineDead, EngineError, KVTransferFailed
 from splitserve_runtime.engine.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import EngineClient
@@ -110,7 +110,8 @@ class Generation:
             self._first = await self._iterator.__anext__()
             self._admitted = True
         except EngineError as exc:
-            self._set_outcome("error" if isinstance(exc, EngineDead) else "rejected")
+            self._set_outcome("error" if isinstance(exc, EngineDead | KVTransferFailed)
+                              else "rejected")
             raise from_engine_error(exc, prompt_param=self._prompt_param) from None
         except StopAsyncIteration:
             self._set_outcome("error")

@@ -64,7 +64,7 @@ class SamplingFields(_Request):
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see serving_common
+    # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see server.handoff
     kv_transfer_params: dict[str, Any] | None = None
 
     def wants_usage(self) -> tuple[bool, bool]:

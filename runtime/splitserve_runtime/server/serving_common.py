@@ -10,11 +10,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Literal
 
-from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import TokenizerLike
-from splitserve_runtime.server.errors import SERVER_ERROR, APIError, bad_request, model_not_found
+from splitserve_runtime.server.errors import bad_request, model_not_found
 from splitserve_runtime.server.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -34,16 +33,6 @@ def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:
     if problems:
         param, message = problems[0]
         raise bad_request(message, param=param)
-
-
-def reject_handoff(*, body: SamplingFields) -> None:
-    """The prefill/decode KV handoff is not wired into this server yet: say so (501) rather
-    than silently serve a prefill request as a normal completion."""
-    if body.kv_transfer_params is not None:
-        raise APIError(status_code=501, type=SERVER_ERROR, code="handoff_unavailable",
-                       param=KV_TRANSFER_PARAMS_FIELD,
-                       message="this server does not take part in the prefill/decode KV "
-                               f"handoff ({KV_TRANSFER_PARAMS_FIELD})")
 
 
 def check_model(*, state: ServerState, model: str) -> None:
