@@ -346,7 +346,8 @@ def main(argv: list[str]) -> int:
     from splitserve_operator.planner.profile import ProfileModel
 
     fit = ProfileModel(profile=profile).fit_errors()
-    print(f"wrote {args.out}: {len(profile.prefill)} prefill + {len(profile.decode)} decode samples in "
+    print(f"wrote {args.out}: {len(profile.prefill)} prefill + {len(profile.decode)} decode + "
+          f"{len(profile.steps)} mixed samples in "
           f"{time.perf_counter() - started:.1f} s; fit median error {fit['median_relative_error']:.1%}, "
           f"max {fit['max_relative_error']:.1%}")
     return 0

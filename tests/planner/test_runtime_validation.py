@@ -7,10 +7,10 @@ by the engine thread's CPU time), so other tenants of this shared machine do not
 scheduling, batching, prefix caching and compute are all real. The simulator then runs the
 same requests on one aggregated pod with the same engine settings, with
 
-* the profile measured just before the run (``measure_profile``): p50 and p90 of TTFT and
-  ITL within a factor of 2 (a separately measured linear fit on a noisy CPU; measured errors
-  were -20..+60 %);
-* the profile plus the run's own step timings: within 35 % (measured -17..+12 %).
+* the profile measured just before the run (``measure_profile``, including mixed
+  decode + prefill steps): p50 and p90 of TTFT and ITL within a factor of 2 (a separately
+  measured linear fit on a noisy shared CPU; over 5 runs the ratios were 0.56–1.32);
+* the profile plus the run's own step timings: within 35 % (over 5 runs 0.73–1.02).
 
 p99 is not asserted: ~100 requests give too few tail samples.
 """
