@@ -115,8 +115,11 @@ def _model_location(uri: str) -> tuple[str, dict[str, Any] | None, dict[str, Any
     return f"file://{mount}/{sub_path}".rstrip("/"), volume, volume_mount
 
 
-def serve_args(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> contract.ServeArgs:
-    """The `splitserve serve` arguments of one pool (before runtime.extraArgs)."""
+def serve_args(
+    *, isvc: InferenceService, role: Role, pool: PoolSpec, runtime_image: str,
+) -> contract.ServeArgs:
+    """The `splitserve serve` arguments of one pool (before runtime.extraArgs). The compat hash
+    goes on the command line too: pods report it and the router pairs only equal hashes."""
     spec = isvc.spec
     model, _, _ = _model_location(spec.model.uri)
     return contract.ServeArgs(
@@ -139,6 +142,7 @@ def serve_args(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> contrac
         chunked_prefill=spec.engine.chunked_prefill,
         tensor_parallel_size=pool.parallelism.tensor,
         pipeline_parallel_size=pool.parallelism.pipeline,
+        compat_hash=compat_hash_of(isvc=isvc, runtime_image=runtime_image),
     )
 
 
@@ -275,7 +279,7 @@ def _pod_spec(
     else:
         pool = component.pool
         assert pool is not None
-        args = serve_args(isvc=isvc, role=component.role, pool=pool)
+        args = serve_args(isvc=isvc, role=component.role, pool=pool, runtime_image=runtime_image)
         command = ["splitserve", "serve", *contract.serve_argv(args), *spec.runtime.extra_args]
         grace = int(args.drain_timeout_seconds) + TERMINATION_GRACE_MARGIN_SECONDS
         probes = _probes(startup_budget_seconds=STARTUP_PROBE_BUDGET_SECONDS)
@@ -446,7 +450,8 @@ def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deploymen
             engine[c.role.value] = dataclasses.asdict(router_args(isvc=isvc))
         else:
             engine[c.role.value] = {
-                "serveArgs": dataclasses.asdict(serve_args(isvc=isvc, role=c.role, pool=c.pool)),
+                "serveArgs": dataclasses.asdict(
+                    serve_args(isvc=isvc, role=c.role, pool=c.pool, runtime_image=runtime_image)),
                 "extraArgs": list(isvc.spec.runtime.extra_args),
             }
     hashes = {

@@ -128,6 +128,20 @@ def test_serve_argv_round_trips_through_the_runtime_parser() -> None:
     assert decode.device == "cuda"
 
 
+def test_compat_hash_is_passed_to_pods_and_matches_their_label() -> None:
+    objs = _render(_isvc())
+    hashes = set()
+    for role in ("prefill", "decode"):
+        dep = _by(objs, "Deployment", f"llama-{role}")
+        args = _parse_serve(_container(dep)["command"])
+        label = dep["spec"]["template"]["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
+        assert args.compat_hash == label != ""
+        hashes.add(args.compat_hash)
+    assert len(hashes) == 1  # prefill and decode pods pair with each other
+    other = _render(_isvc({"model": {"uri": "hf://meta/llama-3", "dtype": "float16"}}))
+    assert _parse_serve(_container(_by(other, "Deployment", "llama-decode"))["command"]).compat_hash not in hashes
+
+
 def test_extra_args_are_appended_and_parse() -> None:
     command = _container(_by(_render(_isvc()), "Deployment", "llama-prefill"))["command"]
     assert command[-2:] == ["--max-queue-len", "64"]
