@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import ClusterOptions, LocalCluster
 from splitserve_e2e.demo import (
     LoadBurst,
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         options = ClusterOptions(num_gpu_nodes=0, scrape_interval_seconds=args.scrape_seconds)
         with LocalCluster(state_dir=Path(tmp) / "cluster", options=options) as cluster:
             assert cluster.prometheus_url is not None
-            cache = ensure_model_cache(cache_dir=Path(tmp) / "models")
+            # not under /tmp: runtime pods mount an emptyDir there (see e2e/test_autoscaling.py)
+            cache = ensure_model_cache(cache_dir=cache_root() / "models")
             core = cluster.core()
             core.create_namespace({"metadata": {"name": NAMESPACE}})  # type: ignore[arg-type]
             cluster.wait_for(lambda: core.read_namespaced_service_account("default", NAMESPACE),

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
     RELEASE,
@@ -90,8 +91,10 @@ def _pool_pods(cluster: LocalCluster, namespace: str, name: str, role: str) -> i
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model_cache(cache_dir=tmp_path_factory.mktemp("model-cache"))
+def model_cache() -> Path:
+    """The shared model cache (never under /tmp: runtime pods mount an emptyDir there, and
+    the local node rewrites env values under a mount path to the pod's own directory)."""
+    return ensure_model_cache(cache_dir=cache_root() / "models")
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,12 @@ def _say(message: str) -> None:
 
 # --------------------------------------------------------------------------- model and stack
 def ensure_model_cache(*, cache_dir: Path) -> Path:
-    """``cache_dir`` holding ``splitserve/tiny-llama`` (written once, reused after)."""
+    """``cache_dir`` holding ``splitserve/tiny-llama`` (written once, reused after). Keep it
+    out of /tmp: runtime pods mount an emptyDir on /tmp, and the local node rewrites env
+    values under a mount path into the pod's own directory."""
+    if cache_dir.resolve().is_relative_to("/tmp"):
+        raise ValueError(f"model cache {cache_dir} must not be under /tmp (an emptyDir mount "
+                         "of the runtime pods)")
     model_dir = cache_dir / MODEL_NAME
     if not (model_dir / "config.json").is_file():
         model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -189,8 +194,27 @@ def wait_ready(*, cluster: LocalCluster, namespace: str, name: str,
             return {}
         return obj
 
-    return cluster.wait_for(ready, timeout_seconds=timeout_seconds, interval_seconds=2.0,
-                            what=f"InferenceService {namespace}/{name} Ready")
+    try:
+        return cluster.wait_for(ready, timeout_seconds=timeout_seconds, interval_seconds=2.0,
+                                what=f"InferenceService {namespace}/{name} Ready")
+    except TimeoutError as error:
+        raise TimeoutError(f"{error}; pods: {pod_summary(cluster=cluster, namespace=namespace)}"
+                           ) from None
+
+
+def pod_summary(*, cluster: LocalCluster, namespace: str) -> str:
+    """One line per pod: name, phase, ready, restarts, waiting reason (for error messages)."""
+    lines = []
+    for pod in cluster.core().list_namespaced_pod(namespace).items:
+        statuses: list[Any] = (pod.status.container_statuses if pod.status else None) or []
+        waiting = next((s.state.waiting.reason for s in statuses
+                        if s.state is not None and s.state.waiting is not None), "")
+        restarts = sum(int(s.restart_count or 0) for s in statuses)
+        ready = all(bool(s.ready) for s in statuses) and bool(statuses)
+        phase = pod.status.phase if pod.status else "?"
+        name = pod.metadata.name if pod.metadata else "?"
+        lines.append(f"{name} {phase} ready={ready} restarts={restarts} {waiting}".strip())
+    return "; ".join(lines) or "none"
 
 
 def router_endpoints(*, cluster: LocalCluster, namespace: str, name: str) -> list[str]:

@@ -139,8 +139,9 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
         metrics=operator_metrics,
     )
     registry, coalescer = handlers.build_registry(ctx=ctx)
-    # The autoscaler's own handlers (a kopf timer per InferenceService) join the same registry,
-    # so they too run only on the leader. Its series go to the operator's /metrics.
+    # The autoscaler's own handlers (an event tracker and a startup/cleanup pair that runs one
+    # operator-wide loop; no finalizer) join the same registry, so they too run only on the
+    # leader. Its series go to the operator's /metrics.
     autoscaler_loop.register(registry=registry, api=api, prometheus_url=args.prometheus_url,
                              metrics_registry=operator_metrics.registry)
     stop_flag: asyncio.Event = asyncio.Event()

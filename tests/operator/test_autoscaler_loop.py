@@ -296,30 +296,46 @@ async def test_rounds_scale_record_and_hold(cluster: Cluster, prometheus: Promet
     assert replicas_and_owner(api, "decode")[0] == 1
 
 
-async def test_registered_timer_runs_rounds_and_posts_events(cluster: Cluster, prometheus: PrometheusConnect) -> None:
+async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_writes(
+        cluster: Cluster, prometheus: PrometheusConnect) -> None:
     """The kopf wiring: ``register`` on a fresh registry, kopf running against the API server.
-    Nothing exports metrics for this namespace, so the round holds with NoData and says so
-    in status and in a Warning Event."""
+    Nothing exports metrics for this namespace, so each round holds with NoData and says so
+    in status and in a Warning Event. kopf puts no finalizer on the object, pausing it stops
+    every write at once (kopf's own included), and kopf's cleanup stops the loop."""
     api = cluster.api
-    api.create(kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, obj=isvc_manifest(namespace=NS_KOPF))
+    manifest = isvc_manifest(namespace=NS_KOPF)
+    manifest["spec"]["autoscaling"]["interval"] = "2s"
+    api.create(kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, obj=manifest)
     for role in ("prefill", "decode"):
         api.create(kind=kube.DEPLOYMENT, namespace=NS_KOPF, obj=deployment(role, 1, namespace=NS_KOPF),
                    field_manager=FIELD_MANAGER_RECONCILER)
         create_pod(api, name=f"{NAME}-{role}-0", role=role, ready=True, namespace=NS_KOPF)
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(cluster.login)
-    state = register(registry=registry, api=api, prometheus_url=prometheus.url,
-                     metrics_registry=CollectorRegistry(), base_tick_seconds=1.0, scrape_interval_seconds=1)
+    loop = register(registry=registry, api=api, prometheus_url=prometheus.url,
+                    metrics_registry=CollectorRegistry(), base_tick_seconds=1.0, scrape_interval_seconds=1)
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING
     stop = asyncio.Event()
     operator = asyncio.create_task(kopf.operator(
         registry=registry, settings=settings, standalone=True, namespaces=[NS_KOPF], stop_flag=stop))
+    key = (NS_KOPF, NAME)
 
     async def warning_events() -> list[dict[str, Any]]:
         found = await asyncio.to_thread(api.list, kind=EVENT, namespace=NS_KOPF)
         return [e for e in found if e.get("reason") == "MetricsUnhealthy"
                 and e.get("involvedObject", {}).get("name") == NAME]
+
+    async def between_rounds() -> float:
+        """Wait until a round has just finished; returns when it started."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            task = loop.rounds.get(key)
+            last = loop.state.last_run_seconds.get(key)
+            if task is not None and task.done() and last is not None and time.time() - last < 1.0:
+                return last
+            await asyncio.sleep(0.05)
+        raise AssertionError("no round finished")
 
     try:
         deadline = time.monotonic() + 30
@@ -331,7 +347,28 @@ async def test_registered_timer_runs_rounds_and_posts_events(cluster: Cluster, p
         assert obj["status"]["decode"]["lastDecision"]["reason"] == "MetricsUnavailable"
         events = await warning_events()
         assert events and events[0]["type"] == "Warning" and "NoData" in events[0]["message"]
-        assert (NS_KOPF, NAME) in state.last_run_seconds
+        assert key in loop.bodies and key in loop.state.last_run_seconds
+        assert obj["metadata"].get("finalizers") in (None, []), obj["metadata"]["finalizers"]
+
+        # Unpaused, every round (each 2 s) rewrites lastDecision.time: the object changes...
+        first = await between_rounds()
+        version = isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"]
+        second = await between_rounds()
+        assert second > first and isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"] != version
+        # ...paused right after a round, nothing writes to it: not the loop, not kopf.
+        paused = await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
+                                         patch={"metadata": {"annotations": {"splitserve.dev/paused": "true"}}})
+        assert paused is not None
+        await asyncio.sleep(5)
+        obj = isvc(api, namespace=NS_KOPF)
+        assert obj["metadata"]["resourceVersion"] == paused["metadata"]["resourceVersion"]
+        assert obj["metadata"].get("finalizers") in (None, [])
+        assert loop.state.last_run_seconds[key] == second  # no round even started
+        # Unpaused, the rounds resume.
+        await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
+                                patch={"metadata": {"annotations": {"splitserve.dev/paused": None}}})
+        assert await between_rounds() > second
     finally:
         stop.set()
         await asyncio.wait_for(operator, timeout=30)
+    assert loop.ticker is None and not loop.rounds  # kopf's cleanup stopped the loop

@@ -2,8 +2,9 @@
 
 Layers, each talking only down:
 
-* :mod:`.loop` -- one round per object (:func:`~.loop.run_once`) and the kopf timer that
-  drives the rounds (:func:`~.loop.register`, called by the operator's handler setup);
+* :mod:`.loop` -- one round per object (:func:`~.loop.run_once`) and the operator-wide loop
+  that drives the rounds without a finalizer (:func:`~.loop.register`, called by the
+  operator's start-up in :mod:`splitserve_operator.main`);
 * :mod:`.observe` (Deployments and pods), :mod:`.signals` (Prometheus),
   :mod:`.actuator` (the only workload writes), :mod:`.metrics` (our own series),
   :mod:`.state` (in-memory recommendation history);

@@ -1,4 +1,4 @@
-"""One autoscaling round of an InferenceService, and the kopf timer that drives the rounds.
+"""One autoscaling round of an InferenceService, and the operator-wide loop that drives the rounds.
 
 A round (:func:`run_once`) goes: observe every pool (Deployment replicas, Ready and
 GPU-Pending pods) → query its signals in Prometheus → :func:`~.decision.decide` per pool →
@@ -14,14 +14,26 @@ count of a decision is in its ``inputs``.
 The blocking Kubernetes and Prometheus clients run in worker threads
 (:func:`asyncio.to_thread`), so a slow Prometheus never stalls kopf's event loop.
 
-kopf timers have a fixed interval while ``spec.autoscaling.interval`` is per object, so
-:func:`register` installs a short base timer (:data:`BASE_TICK_SECONDS`) that runs a round
-only when the object's own interval has passed.
+Why no kopf timer drives the rounds: a ``@kopf.timer`` makes kopf put its finalizer on every
+InferenceService (kopf issue #1074), so ``kubectl delete`` hangs while the operator is down,
+and a timer's ``when=`` filter makes kopf remove that finalizer when an object is paused (a
+write to a paused object). Instead :func:`register` installs an ``on.event`` handler that
+keeps the latest body of every InferenceService (no finalizer, no writes) and one
+operator-wide :class:`AutoscalerLoop`, started by ``on.startup`` and stopped by
+``on.cleanup`` of the same registry, so like every other handler it runs only on the leader.
+Every :data:`BASE_TICK_SECONDS` the loop starts a round for each known, non-paused object
+whose own ``spec.autoscaling.interval`` has passed; rounds run as separate tasks (one slow
+Prometheus never delays another object), at most one at a time per object, and a failing
+round is logged and never stops the loop. kopf's Event poster (:func:`kopf.event`) works only
+in the context kopf gives its per-object tasks, so each round runs in a copy of the context of
+its object's latest ``on.event`` call: Events post just as they would from a handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import copy
 import dataclasses
 import datetime
 import logging
@@ -64,7 +76,7 @@ from .decision import (
 from .metrics import AutoscalerMetrics
 from .observe import PoolObservation, observe_pool
 from .signals import DEFAULT_WINDOW_SECONDS, PoolSample, Targets, fetch_pool_sample, pool_signals
-from .state import AutoscalerState
+from .state import AutoscalerState, ServiceKey
 
 BASE_TICK_SECONDS: Final = 5.0
 STALE_AFTER_INTERVALS: Final = 3
@@ -80,6 +92,8 @@ EVENT_METRICS_HEALTHY: Final = "MetricsHealthy"
 EVENT_SCALE_FAILED: Final = "ScaleFailed"
 MAX_FORMULA_LENGTH: Final = 1024
 MAX_MESSAGE_LENGTH: Final = 2048
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +390,96 @@ def make_prometheus(*, url: str) -> PrometheusConnect:
     return PrometheusConnect(url=url, retry=Retry(total=0), timeout=PROMETHEUS_TIMEOUT_SECONDS)
 
 
+@dataclasses.dataclass
+class AutoscalerLoop:
+    """The operator-wide loop: the latest body of every InferenceService seen (fed by
+    :meth:`observe`), and a ticker that starts the rounds that are due."""
+
+    api: kube.Kube
+    prometheus: PrometheusConnect
+    state: AutoscalerState
+    metrics: AutoscalerMetrics
+    base_tick_seconds: float = BASE_TICK_SECONDS
+    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS
+    window_seconds: float = DEFAULT_WINDOW_SECONDS
+    bodies: dict[ServiceKey, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    contexts: dict[ServiceKey, contextvars.Context] = dataclasses.field(default_factory=dict)
+    """Per object, the context of its latest ``on.event`` call (kopf's Event poster lives there)."""
+    rounds: dict[ServiceKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
+    ticker: asyncio.Task[None] | None = None
+
+    def observe(self, *, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Remember ``body`` (a copy: kopf's view is not ours to keep), or forget the object
+        and its state on deletion. Called from kopf's ``on.event`` handler, whose context
+        it keeps for the object's rounds."""
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        if event_type == "DELETED":
+            self.bodies.pop(key, None)
+            self.contexts.pop(key, None)
+            self.state.forget(namespace=key[0], name=key[1])
+            self.metrics.forget(namespace=key[0], name=key[1])
+        else:
+            self.bodies[key] = copy.deepcopy(dict(body))
+            self.contexts[key] = contextvars.copy_context()
+
+    def start(self) -> None:
+        if self.ticker is None or self.ticker.done():
+            self.ticker = asyncio.create_task(self._tick_forever(), name="autoscaler")
+
+    async def stop(self) -> None:
+        """Stop the ticker and every round in flight, and wait for them."""
+        tasks = [t for t in [self.ticker, *self.rounds.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.ticker = None
+        self.rounds.clear()
+
+    async def _tick_forever(self) -> None:
+        while True:
+            try:
+                self.tick(now_seconds=time.time())
+            except Exception:  # noqa: BLE001 - a bad tick must not end autoscaling for good
+                logger.exception("Autoscaler tick failed")
+            await asyncio.sleep(self.base_tick_seconds)
+
+    def tick(self, *, now_seconds: float) -> list[ServiceKey]:
+        """Start a round for every known object that is due; returns their keys."""
+        started: list[ServiceKey] = []
+        for key, body in list(self.bodies.items()):
+            running = self.rounds.get(key)
+            if running is not None and not running.done():
+                continue  # the last round is still going: never two at once for one object
+            if _is_paused(body) or (body.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval") or "15s")
+            try:
+                interval_seconds = parse_duration_seconds(interval)
+            except ValueError:
+                continue  # the CRD rejects this; an old object is reported by the reconciler
+            # half a tick of slack, so a 15 s interval on a 5 s tick runs every 15 s, not 20 s
+            if not self.state.due(namespace=key[0], name=key[1], now_seconds=now_seconds,
+                                  interval_seconds=interval_seconds - self.base_tick_seconds / 2):
+                continue
+            context = self.contexts.get(key)
+            self.rounds[key] = asyncio.create_task(
+                self._round(key=key, body=body, now_seconds=now_seconds), name=f"autoscaler {key[0]}/{key[1]}",
+                context=context.copy() if context is not None else None)
+            started.append(key)
+        return started
+
+    async def _round(self, *, key: ServiceKey, body: Mapping[str, Any], now_seconds: float) -> None:
+        try:
+            await run_once(isvc=body, api=self.api, prometheus=self.prometheus, state=self.state,
+                           metrics=self.metrics, now_seconds=now_seconds, logger=logger,
+                           scrape_interval_seconds=self.scrape_interval_seconds, window_seconds=self.window_seconds)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - one object's failure must not stop the others' rounds
+            logger.exception("Autoscaling round of %s/%s failed", key[0], key[1])
+
+
 def register(
     *,
     registry: kopf.OperatorRegistry,
@@ -385,42 +489,30 @@ def register(
     base_tick_seconds: float = BASE_TICK_SECONDS,
     scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
     window_seconds: float = DEFAULT_WINDOW_SECONDS,
-) -> AutoscalerState:
-    """Install the autoscaler's kopf handlers into ``registry``: a timer every
-    ``base_tick_seconds`` that runs :func:`run_once` once ``spec.autoscaling.interval`` has
-    passed for the object, and an event handler that forgets deleted objects.
-    ``scrape_interval_seconds`` is Prometheus' scrape interval (staleness is judged against
-    the longer of it and the object's interval); ``window_seconds`` the smoothing window of
-    every gauge. Returns the (in-memory) state, for inspection."""
-    state = AutoscalerState()
-    metrics = AutoscalerMetrics.create(registry=metrics_registry)
-    prometheus = make_prometheus(url=prometheus_url)
+) -> AutoscalerLoop:
+    """Install the autoscaler into ``registry``: an ``on.event`` handler that feeds the
+    :class:`AutoscalerLoop` every InferenceService's body (and forgets deleted ones), and
+    ``on.startup``/``on.cleanup`` handlers that start and stop its ticker. No handler needs a
+    finalizer or writes anything to the object. ``scrape_interval_seconds`` is Prometheus'
+    scrape interval (staleness is judged against the longer of it and the object's interval);
+    ``window_seconds`` the smoothing window of every gauge. Returns the loop, for inspection."""
+    autoscaler = AutoscalerLoop(
+        api=api, prometheus=make_prometheus(url=prometheus_url), state=AutoscalerState(),
+        metrics=AutoscalerMetrics.create(registry=metrics_registry), base_tick_seconds=base_tick_seconds,
+        scrape_interval_seconds=scrape_interval_seconds, window_seconds=window_seconds,
+    )
     group, version, plural = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 
-    async def autoscale(body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) -> None:
-        namespace, name = str(body.metadata.namespace), str(body.metadata.name)
-        interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval") or "15s")
-        try:
-            interval_seconds = parse_duration_seconds(interval)
-        except ValueError:
-            return  # the CRD rejects this; an old object is reported by the reconciler
-        now_seconds = time.time()
-        # half a tick of slack, so a 15 s interval on a 5 s tick runs every 15 s, not 20 s
-        if not state.due(namespace=namespace, name=name, now_seconds=now_seconds,
-                         interval_seconds=interval_seconds - base_tick_seconds / 2):
-            return
-        await run_once(isvc=body, api=api, prometheus=prometheus, state=state, metrics=metrics,
-                       now_seconds=now_seconds, logger=logger, scrape_interval_seconds=scrape_interval_seconds,
-                       window_seconds=window_seconds)
+    async def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+        autoscaler.observe(event_type=event.get("type"), body=body)
 
-    kopf.timer(group, version, plural, registry=registry, interval=base_tick_seconds, sharp=False,
-               id="autoscaler", when=lambda body, **_: not _is_paused(body))(autoscale)
+    async def start(**_: Any) -> None:
+        autoscaler.start()
 
-    async def forget(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        if event.get("type") == "DELETED":
-            namespace, name = str(body.metadata.namespace), str(body.metadata.name)
-            state.forget(namespace=namespace, name=name)
-            metrics.forget(namespace=namespace, name=name)
+    async def stop(**_: Any) -> None:
+        await autoscaler.stop()
 
-    kopf.on.event(group, version, plural, registry=registry, id="autoscaler-forget")(forget)
-    return state
+    kopf.on.event(group, version, plural, registry=registry, id="autoscaler-track")(track)
+    kopf.on.startup(registry=registry, id="autoscaler-start")(start)
+    kopf.on.cleanup(registry=registry, id="autoscaler-stop")(stop)
+    return autoscaler

@@ -284,7 +284,7 @@ def plan_aggregated(inputs: PlanInputs, *, budgets: tuple[int, ...] = AGGREGATED
                     aggregated_replicas=count, gpus_per_replica=inputs.gpus_per_replica, max_batched_tokens=budget,
                     result=runner.run(aggregated=count), simulations=len(runner.cache),
                     utilization={"aggregated": load / count},
-                    notes=[f"token budget {budget}", f"lower bound from {inputs.headroom:.0%} headroom: {low}"])
+                    notes=[f"lower bound from {inputs.headroom:.0%} headroom: {low}"])
     return best
 
 
