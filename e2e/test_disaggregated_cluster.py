@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
     RELEASE,
@@ -57,11 +57,11 @@ def _counter(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def served(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def served(cluster: LocalCluster) -> Iterator[tuple[str, str]]:
     """(namespace, router URL) of a Ready Disaggregated InferenceService."""
     namespace = f"disagg-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
-    model_cache = ensure_model_cache(cache_dir=Path(tmp_path_factory.mktemp("models")))
+    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
     try:
         install_operator(cluster=cluster, namespace=namespace,
                          prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")

@@ -326,13 +326,14 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         return [e for e in found if e.get("reason") == "MetricsUnhealthy"
                 and e.get("involvedObject", {}).get("name") == NAME]
 
-    async def between_rounds() -> float:
-        """Wait until a round has just finished; returns when it started."""
+    async def between_rounds(after: float = 0.0) -> float:
+        """Wait until a round that started later than ``after`` has just finished; returns
+        when it started."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             task = loop.rounds.get(key)
             last = loop.state.last_run_seconds.get(key)
-            if task is not None and task.done() and last is not None and time.time() - last < 1.0:
+            if task is not None and task.done() and last is not None and last > after and time.time() - last < 1.0:
                 return last
             await asyncio.sleep(0.05)
         raise AssertionError("no round finished")
@@ -353,8 +354,8 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         # Unpaused, every round (each 2 s) rewrites lastDecision.time: the object changes...
         first = await between_rounds()
         version = isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"]
-        second = await between_rounds()
-        assert second > first and isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"] != version
+        second = await between_rounds(after=first)
+        assert isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"] != version
         # ...paused right after a round, nothing writes to it: not the loop, not kopf.
         paused = await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
                                          patch={"metadata": {"annotations": {"splitserve.dev/paused": "true"}}})
@@ -367,7 +368,7 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         # Unpaused, the rounds resume.
         await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
                                 patch={"metadata": {"annotations": {"splitserve.dev/paused": None}}})
-        assert await between_rounds() > second
+        await between_rounds(after=second)
     finally:
         stop.set()
         await asyncio.wait_for(operator, timeout=30)

@@ -200,6 +200,16 @@ def test_restricted_pod_security() -> None:
 
 
 @needs_helm
+def test_operator_gets_its_pod_identity_from_the_downward_api() -> None:
+    # main.py binds /metrics and the probes to POD_IP, names itself in the Lease by POD_NAME
+    # and defaults the Lease namespace to POD_NAMESPACE.
+    (container,) = _one(_render(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+    assert fields == {contract.ENV_POD_IP: "status.podIP", contract.ENV_POD_NAME: "metadata.name",
+                      contract.ENV_POD_NAMESPACE: "metadata.namespace"}
+
+
+@needs_helm
 def test_operator_pod_is_scraped_and_selected() -> None:
     docs = _render()
     deployment = _one(docs, "Deployment")
