@@ -15,7 +15,7 @@ Timeline: ``L = 4`` (2 pods at the target of 2 waiting per pod), then a step to 
 * load drop -> first scale-down (expected: the scale-down stabilization window plus up to
   one interval) and -> 1 replica (one pod per interval with ``maxStep: 1``);
 * the worst case the configuration allows for noticing a step: one scrape, one interval and
-  one base tick of the kopf timer.
+  one base tick of the autoscaler loop.
 
     python bench/autoscaler_reaction.py [--interval 2s] [--window-seconds 2] \
         [--down-stabilization-seconds 10] [--pod-start-seconds 0]
@@ -284,7 +284,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interval", default="2s", help="spec.autoscaling.interval")
-    parser.add_argument("--tick-seconds", type=float, default=1.0, help="kopf base timer")
+    parser.add_argument("--tick-seconds", type=float, default=1.0, help="autoscaler loop base tick")
     parser.add_argument("--window-seconds", type=float, default=2.0, help="gauge smoothing window")
     parser.add_argument("--down-stabilization-seconds", type=int, default=10)
     parser.add_argument("--pod-start-seconds", type=float, default=0.0, help="simulated pod start-up")

@@ -220,9 +220,9 @@ def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str, model_
     try:
         wait_ready(cluster=cluster, namespace=ns, name=name, timeout_seconds=240)
         endpoint = router_endpoints(cluster=cluster, namespace=ns, name=name)[0]
-        # long prompts, one token each: the work is on prefill
+        # long prompts (~400 tokens of the 1024 context), one token each: the work is prefill
         load = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=16, duration_seconds=60,
-                         prompt_words=400, max_tokens=1)
+                         prompt_words=150, max_tokens=1)
 
         async def drive() -> dict[str, PoolSample]:
             task = asyncio.create_task(load.run())

@@ -12,8 +12,9 @@ runtime's own metrics. So the demo runs only real parts, the same ones the e2e t
    ``hf://splitserve/tiny-llama`` (``spec.runtime.env`` points ``SPLITSERVE_MODEL_CACHE``
    at it: the operator's default is an in-pod emptyDir);
 3. the Helm chart, with the operator pod on the local node and ``prometheus.url`` set;
-4. ``examples/tiny-disaggregated.yaml`` (or the Aggregated one) with a 5 s autoscaling
-   interval and a short scale-down window;
+4. ``examples/tiny-aggregated.yaml`` (``--mode Disaggregated``: the disaggregated one) with
+   a 5 s autoscaling interval and a short scale-down window. Aggregated is the default while
+   the runtime's prefill->decode KV hand-off is being wired (prefill pods answered 501);
 5. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
    ``--duration-seconds``), then idle until the pools are back at their minimum.
 

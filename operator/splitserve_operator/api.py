@@ -228,6 +228,15 @@ class ModelSpec(ApiModel):
     )
 
 
+class ApiKeySecretRef(ApiModel):
+    """A key in a Secret in the InferenceService's namespace that holds the API key clients
+    must present. The Secret is referenced in the pod spec, never read by the operator."""
+
+    name: str = Field(pattern=K8S_NAME_PATTERN, max_length=253, description="Name of the Secret.")
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253,
+                     description="Key inside the Secret that holds the API key.")
+
+
 class EnvVar(ApiModel):
     """A plain environment variable for the runtime container."""
 
@@ -257,6 +266,12 @@ class RuntimeSpec(ApiModel):
         default_factory=list,
         max_length=64,
         description="Extra `splitserve serve` arguments appended after the rendered ones.",
+    )
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        default=None,
+        description="Secret with the API key the router and runtime require from clients, passed to "
+                    "them as an environment variable. The Secret is referenced in the pod spec, never "
+                    "read by the operator. Empty: no API key is required.",
     )
 
 

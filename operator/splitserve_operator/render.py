@@ -186,7 +186,7 @@ def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
             "name": HUB_TOKEN_ENV,
             "valueFrom": {"secretKeyRef": {"name": hub.name, "key": hub.key}},
         }
-    api_key = getattr(isvc.spec.runtime, "api_key_secret_ref", None)
+    api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         env[contract.ENV_API_KEY] = {
             "name": contract.ENV_API_KEY,

@@ -19,8 +19,8 @@ from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import requests
-from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client import PrometheusConnect
+from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from urllib3.util.retry import Retry
 

@@ -301,7 +301,8 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
     """The kopf wiring: ``register`` on a fresh registry, kopf running against the API server.
     Nothing exports metrics for this namespace, so each round holds with NoData and says so
     in status and in a Warning Event. kopf puts no finalizer on the object, pausing it stops
-    every write at once (kopf's own included), and kopf's cleanup stops the loop."""
+    every write at once (kopf's own included), a deleted object is forgotten, and kopf's
+    cleanup stops the loop."""
     api = cluster.api
     manifest = isvc_manifest(namespace=NS_KOPF)
     manifest["spec"]["autoscaling"]["interval"] = "2s"
@@ -369,6 +370,13 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
                                 patch={"metadata": {"annotations": {"splitserve.dev/paused": None}}})
         await between_rounds(after=second)
+        # Deleted (no finalizer: gone at once), the object is forgotten, state and all.
+        await asyncio.to_thread(k8s.CustomObjectsApi(CLIENTS[0]).delete_namespaced_custom_object,
+                                API_GROUP, API_VERSION, NS_KOPF, PLURAL, NAME)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and key in loop.bodies:
+            await asyncio.sleep(0.1)
+        assert key not in loop.bodies and key not in loop.rounds and key not in loop.state.last_run_seconds
     finally:
         stop.set()
         await asyncio.wait_for(operator, timeout=30)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from splitserve_operator import naming
-from splitserve_operator.api import InferenceService
+from splitserve_operator.api import InferenceService, InvalidSpecError
 from splitserve_operator.render import render_children
 from splitserve_runtime import contract
 
@@ -194,6 +194,24 @@ def test_hub_token_is_a_secret_reference() -> None:
     env = {e["name"]: e for e in _container(_by(_render(isvc), "Deployment", "llama-prefill"))["env"]}
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
     assert "value" not in env["HF_TOKEN"]
+
+
+def test_api_key_is_a_secret_reference_in_every_container() -> None:
+    ref = {"name": "llama-api", "key": "api-key"}
+    isvc = _isvc({"model": {"uri": "hf://meta/llama-3"}, "runtime": {"apiKeySecretRef": ref}})
+    objs = _render(isvc)
+    for role in ("prefill", "decode", "router"):
+        env = {e["name"]: e for e in _container(_by(objs, "Deployment", f"llama-{role}"))["env"]}
+        assert env[contract.ENV_API_KEY] == {"name": contract.ENV_API_KEY, "valueFrom": {"secretKeyRef": ref}}, role
+    plain = _render(_isvc())
+    for role in ("prefill", "decode", "router"):
+        names = {e["name"] for e in _container(_by(plain, "Deployment", f"llama-{role}"))["env"]}
+        assert contract.ENV_API_KEY not in names, role
+
+
+def test_api_key_secret_ref_needs_name_and_key() -> None:
+    with pytest.raises(InvalidSpecError):
+        _isvc({"model": {"uri": "hf://meta/llama-3"}, "runtime": {"apiKeySecretRef": {"name": "llama-api"}}})
 
 
 def test_gpu_resources_and_scheduling_fields() -> None:

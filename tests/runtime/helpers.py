@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.ops.interface import AttentionMetadata
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import pytest
+
 from splitserve_runtime.transfer import (
     ExportedKV,
     KVExportRegistry,

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 from helpers import PagedRunner
+from transformers import AutoModelForCausalLM
+
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.model.loader import load_model
 from splitserve_runtime.model.tiny import write_tiny_model
 from splitserve_runtime.ops import get_ops
-from transformers import AutoModelForCausalLM
 
 ATOL = RTOL = 1e-4
 CPU = torch.device("cpu")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 from splitserve_runtime.model import ModelConfig, ModelLoadError, load_model_config
 from splitserve_runtime.model.loader import load_model
 from splitserve_runtime.model.tiny import write_tiny_model

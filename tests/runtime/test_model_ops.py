@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
 from splitserve_runtime.model.config import RopeScaling
 from splitserve_runtime.model.rope import build_cos_sin_cache
 from splitserve_runtime.ops import get_ops
 from splitserve_runtime.ops.interface import AttentionMetadata
 from splitserve_runtime.ops.torch_backend import TorchOps
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 OPS = TorchOps()
 

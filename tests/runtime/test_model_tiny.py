@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from splitserve_runtime.model.tiny import main, write_tiny_model
 
 

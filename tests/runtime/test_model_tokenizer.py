@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from splitserve_runtime.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 from transformers import AutoTokenizer
+
+from splitserve_runtime.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from splitserve_runtime.contract import ENV_MODEL_CACHE
 from splitserve_runtime.model import ModelLoadError
 from splitserve_runtime.model.uri import resolve_model_uri

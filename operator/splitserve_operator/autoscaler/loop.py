@@ -417,6 +417,9 @@ class AutoscalerLoop:
         if event_type == "DELETED":
             self.bodies.pop(key, None)
             self.contexts.pop(key, None)
+            running = self.rounds.pop(key, None)
+            if running is not None:
+                running.cancel()  # the object is gone: its round has nothing left to write
             self.state.forget(namespace=key[0], name=key[1])
             self.metrics.forget(namespace=key[0], name=key[1])
         else:
