@@ -2,10 +2,13 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help install test test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
+.PHONY: help deps install test test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+deps: ## install Debian packages, the Python package (editable, all extras) and the control-plane binaries
+	PYTHON=$(PYTHON) bash .ci/deps
 
 install: ## install the package with all extras (editable)
 	$(PYTHON) -m pip install -q -e ".[operator,runtime,dev]"
@@ -13,7 +16,7 @@ install: ## install the package with all extras (editable)
 binaries: ## build or reuse the pinned control-plane binaries (~/.cache/splitserve/bin)
 	$(PYTHON) -m splitserve_e2e.build
 
-test: ## unit tests, then end-to-end tests on the local control plane
+test: deps ## unit tests, then end-to-end tests on the local control plane
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests e2e
 
 test-unit: ## unit tests only (no cluster)
@@ -22,7 +25,7 @@ test-unit: ## unit tests only (no cluster)
 test-e2e: ## end-to-end tests only
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) e2e
 
-demo: ## local control plane + chart + tiny-model InferenceService + load burst + scaling report
+demo: deps ## local control plane + chart + tiny-model InferenceService + load burst + scaling report
 	$(PYTHON) -m splitserve_e2e.demo $(DEMO_ARGS)
 
 lint: ## ruff + mypy
