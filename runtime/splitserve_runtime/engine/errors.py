@@ -45,14 +45,13 @@ class PromptExceedsKVCapacity(EngineError, ValueError):
 class QueueFull(EngineError):
     """Too many requests are waiting; try again after ``retry_after_seconds``."""
 
-    def __init__(self, *, num_waiting: int, max_queue_len: int, retry_after_seconds: float) -> None:
+    def __init__(self, *, num_waiting: int, max_queue_len: int, retry_after_seconds: float,
+                 reason: str = "") -> None:
         self.num_waiting = num_waiting
         self.max_queue_len = max_queue_len
         self.retry_after_seconds = retry_after_seconds
-        super().__init__(
-            f"the server is overloaded: {num_waiting} requests are waiting "
-            f"(limit {max_queue_len}); retry after {retry_after_seconds:.0f} s"
-        )
+        why = reason or f"{num_waiting} requests are waiting (limit {max_queue_len})"
+        super().__init__(f"the server is overloaded: {why}; retry after {retry_after_seconds:.0f} s")
 
 
 class EngineDead(EngineError):

@@ -298,7 +298,8 @@ class HandoffEngine:
             return
         if reservation is None:
             raise QueueFull(num_waiting=core.scheduler.num_waiting, max_queue_len=core.config.max_queue_len,
-                            retry_after_seconds=1.0)
+                            retry_after_seconds=1.0,
+                            reason=f"no free KV blocks to receive a {num_prompt}-token prompt from prefill")
         activated = False
         try:
             block_ids = reservation.block_ids

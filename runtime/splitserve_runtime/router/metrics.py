@@ -33,6 +33,11 @@ UPSTREAM_ERRORS = _Bound(Counter(
 PREFILL_RETRIES = _Bound(Counter(
     "splitserve_router_prefill_retries_total", "Prefill attempts repeated on another pod", _LABELS, registry=REGISTRY,
 ))
+FORWARD_RETRIES = _Bound(Counter(
+    "splitserve_router_forward_retries_total",
+    "Decode/aggregated sends repeated on another pod after a 503 (draining) or 429 (queue full)",
+    (*_LABELS, "status"), registry=REGISTRY,
+))
 PREFIX_QUERIED_BLOCKS = _Bound(Counter(
     "splitserve_router_prefix_queried_blocks_total", "Leading prompt blocks considered for affinity",
     _LABELS, registry=REGISTRY,

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "x-session-id", "openai-organization", "openai-project")
 MAX_PREFILL_ATTEMPTS = 3
+MAX_FORWARD_ATTEMPTS = 3
+RETRYABLE_STATUSES = frozenset({429, 503})
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
@@ -102,49 +104,49 @@ class Router:
         fwd_headers = self._headers(headers, request_id)
 
         if self._pods.healthy(Role.AGGREGATED):
-            choice = self._selector.choose(
-                candidates=[p.candidate() for p in self._pods.healthy(Role.AGGREGATED)],
-                hashes=hashes, session=session,
-            )
-            if choice is None:
-                return self._unavailable("no aggregated pod is healthy")
-            self._record(choice.pod, hashes, choice.matched_blocks)
-            pod = self._pods.get(choice.pod)
-            if pod is None:
-                return self._unavailable("the chosen pod went away")
-            return await self._forward(pod=pod, path=path, body=body, headers=fwd_headers, started=started)
+            def pick_aggregated(exclude: frozenset[str]) -> Pod | None:
+                choice = self._selector.choose(
+                    candidates=[p.candidate() for p in self._pods.healthy(Role.AGGREGATED)],
+                    hashes=hashes, session=session, exclude=exclude,
+                )
+                if choice is None:
+                    return None
+                self._record(choice.pod, hashes, choice.matched_blocks)
+                return self._pods.get(choice.pod)
+
+            return await self._forward(pick=pick_aggregated, path=path, body=body, headers=fwd_headers,
+                                       started=started, unavailable="no aggregated pod is healthy")
 
         prefill_pods = self._pods.healthy(Role.PREFILL)
         short = num_prompt_tokens is not None and num_prompt_tokens < self._config.short_prompt_threshold
         if short or not prefill_pods:
             if not short and not prefill_pods:
                 log.info("no prefill pod healthy; decode computes the prompt itself")
-            decode = self._pick_decode(compat_hash=None)
-            if decode is None:
-                return self._unavailable("no decode pod is healthy")
             metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
-            return await self._forward(pod=decode, path=path, body=body, headers=fwd_headers, started=started)
+            return await self._forward(
+                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
+                path=path, body=body, headers=fwd_headers, started=started,
+                unavailable="no decode pod is healthy",
+            )
 
         handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session)
         if isinstance(handoff, Response):
             return handoff
         prefill_pod, params = handoff
-        decode = self._pick_decode(compat_hash=prefill_pod.compat_hash or None)
-        if decode is None:
-            return self._unavailable(f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}")
         metrics.ROUTES.labels(model=self._config.model_label, route="disaggregated").inc()
         return await self._forward(
-            pod=decode, path=path, body={**body, KV_TRANSFER_PARAMS_FIELD: params},
-            headers=fwd_headers, started=started,
+            pick=lambda exclude: self._pick_decode(compat_hash=prefill_pod.compat_hash or None, exclude=exclude),
+            path=path, body={**body, KV_TRANSFER_PARAMS_FIELD: params}, headers=fwd_headers, started=started,
+            unavailable=f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}",
         )
 
     def _record(self, pod: str, hashes: Sequence[bytes], matched_blocks: int) -> None:
         self._selector.record(pod=pod, hashes=hashes)
         metrics.PREFIX_MATCHED_BLOCKS.labels(model=self._config.model_label).inc(matched_blocks)
 
-    def _pick_decode(self, *, compat_hash: str | None) -> Pod | None:
+    def _pick_decode(self, *, compat_hash: str | None, exclude: frozenset[str] = frozenset()) -> Pod | None:
         candidates = self._pods.healthy(Role.DECODE, compat_hash=compat_hash)
-        name = choose_decode(candidates=[p.candidate() for p in candidates])
+        name = choose_decode(candidates=[p.candidate() for p in candidates], exclude=exclude)
         return self._pods.get(name) if name else None
 
     def _unavailable(self, message: str) -> JSONResponse:
@@ -214,23 +216,45 @@ class Router:
 
     # ------------------------------------------------------------------ forward
     async def _forward(
-        self, *, pod: Pod, path: str, body: dict[str, Any], headers: dict[str, str], started: float,
+        self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, body: dict[str, Any],
+        headers: dict[str, str], started: float, unavailable: str,
     ) -> Response:
-        request = self._client.build_request(
-            "POST", f"{pod.url}{path}", json=body, headers=headers, timeout=self._timeout(),
-        )
-        pod.load.in_flight += 1
-        try:
-            upstream = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            pod.load.in_flight -= 1
-            self._pods.mark_failed(pod.name)
-            metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
-            metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
-            return error_response(
-                status=502, message=f"{pod.role.value} pod {pod.name} failed: {type(exc).__name__}",
-                type_="upstream_error", code="decode_failed",
+        """Send to the pod `pick` chooses; a pod that cannot be reached, or answers 503
+        (draining) or 429 (its queue is full) before sending anything, is skipped for another
+        one while one is left, so a scale-down or a full pod loses no request."""
+        tried: set[str] = set()
+        last_error = unavailable
+        for _attempt in range(MAX_FORWARD_ATTEMPTS):
+            pod = pick(frozenset(tried))
+            if pod is None:
+                break
+            tried.add(pod.name)
+            request = self._client.build_request(
+                "POST", f"{pod.url}{path}", json=body, headers=headers, timeout=self._timeout(),
             )
+            pod.load.in_flight += 1
+            try:
+                upstream = await self._client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                pod.load.in_flight -= 1
+                self._pods.mark_failed(pod.name)
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
+                last_error = f"{pod.role.value} pod {pod.name} failed: {type(exc).__name__}"
+                continue
+            if upstream.status_code in RETRYABLE_STATUSES and pick(frozenset(tried)) is not None:
+                pod.load.in_flight -= 1
+                await upstream.aclose()
+                if upstream.status_code == 503:
+                    self._pods.mark_failed(pod.name)  # draining: out until the poller sees /ready again
+                metrics.FORWARD_RETRIES.labels(model=self._config.model_label, status=str(upstream.status_code)).inc()
+                continue
+            return await self._respond(pod=pod, upstream=upstream, started=started)
+        if not tried:
+            return self._unavailable(unavailable)
+        metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+        return error_response(status=502, message=last_error, type_="upstream_error", code="decode_failed")
+
+    async def _respond(self, *, pod: Pod, upstream: httpx.Response, started: float) -> Response:
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not is_stream:
             try:
