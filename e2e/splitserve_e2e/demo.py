@@ -115,7 +115,11 @@ def install_operator(*, cluster: LocalCluster, namespace: str, prometheus_url: s
     result = cluster.helm("install", release, str(CHART), "-n", namespace, "--skip-crds",
                           "--set", "rbac.scope=namespace", "--set", "replicaCount=1",
                           "--set-string", f"nodeSelector.{escaped_label}=true",
-                          "--set-string", f"prometheus.url={prometheus_url}", check=False)
+                          "--set-string", f"prometheus.url={prometheus_url}",
+                          # match the harness's fast scrape so the loop reacts in seconds
+                          "--set", f"prometheus.scrapeIntervalSeconds={cluster.options.scrape_interval_seconds:g}",
+                          "--set", f"prometheus.windowSeconds={max(3 * cluster.options.scrape_interval_seconds, 6):g}",
+                          check=False)
     if result.returncode != 0:
         raise RuntimeError(f"helm install {release} -n {namespace} failed: {result.stderr.strip()}")
     lease = release if "splitserve" in release else f"{release}-splitserve"  # chart fullname

@@ -143,7 +143,9 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
     # operator-wide loop; no finalizer) join the same registry, so they too run only on the
     # leader. Its series go to the operator's /metrics.
     autoscaler_loop.register(registry=registry, api=api, prometheus_url=args.prometheus_url,
-                             metrics_registry=operator_metrics.registry)
+                             metrics_registry=operator_metrics.registry,
+                             scrape_interval_seconds=args.prometheus_scrape_interval_seconds,
+                             window_seconds=args.metrics_window_seconds)
     stop_flag: asyncio.Event = asyncio.Event()
     ready_flag: asyncio.Event = asyncio.Event()
     namespaces = [args.namespace] if args.namespace else []

@@ -28,6 +28,8 @@ class OperatorArgs:
     lease_name: str = "splitserve-operator"
     lease_namespace: str = ""  # empty: the pod's namespace (POD_NAMESPACE)
     prometheus_url: str = ""  # empty: autoscaling reports MetricsHealthy=False
+    prometheus_scrape_interval_seconds: float = 15.0  # staleness is judged against 3x this
+    metrics_window_seconds: float = 30.0  # PromQL smoothing window (avg_over_time)
     log_level: str = "info"
 
 
@@ -41,6 +43,9 @@ OPERATOR_FLAGS: tuple[Flag, ...] = (
     Flag("lease-name", "lease_name", "name of the leader election Lease"),
     Flag("lease-namespace", "lease_namespace", "namespace of the Lease (empty: the pod's namespace)"),
     Flag("prometheus-url", "prometheus_url", "Prometheus base URL for autoscaling metrics"),
+    Flag("prometheus-scrape-interval-seconds", "prometheus_scrape_interval_seconds",
+         "scrape interval of the runtime pods (samples older than 3x are stale)", type=float),
+    Flag("metrics-window-seconds", "metrics_window_seconds", "smoothing window of the autoscaler's queries", type=float),
     Flag("log-level", "log_level", "log verbosity", choices=("debug", "info", "warning", "error")),
 )
 
