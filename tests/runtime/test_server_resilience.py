@@ -32,7 +32,7 @@ from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.server.app import DrainingServer, build_app
 from splitserve_runtime.server.auth import OPEN_PATHS
 
-LONG = 480  # tokens: several seconds of decoding on CPU, far longer than any wait below
+LONG = 480  # tokens (max_model_len 512): far longer than any wait below
 
 
 def _outcomes(server: InProcessServer) -> dict[str, float]:
@@ -91,7 +91,7 @@ def test_disconnect_during_non_streaming_request_aborts(server: InProcessServer)
     before = _outcomes(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/completions", json=_long_request(stream=False),
-                   timeout=httpx.Timeout(30, read=0.4))
+                   timeout=httpx.Timeout(30, read=0.1))
     wait_until(lambda: _idle(server), timeout_s=5, what="the abandoned request to be aborted")
     assert server.stats().generation_tokens_total - before_tokens < LONG / 2
     assert _outcomes(server)["aborted"] - before["aborted"] == 1
