@@ -122,6 +122,7 @@ class Cluster:
     kv_ttl_seconds: float = 30.0
     health_interval_seconds: float = 0.5
     short_prompt_threshold: int = 8
+    decode_overrides: dict[str, Any] = field(default_factory=dict)
     prefill: list[Proc] = field(default_factory=list)
     decode: list[Proc] = field(default_factory=list)
     router: Proc | None = None
@@ -132,7 +133,7 @@ class Cluster:
         port, kv_port = free_port(host), free_port(host)
         args = serve_args(model_dir=self.model_dir, role=role, host=host, port=port,
                           kv_port=kv_port, kv_ttl_seconds=self.kv_ttl_seconds,
-                          compat_hash="tinyhash")
+                          compat_hash="tinyhash", **(self.decode_overrides if role == "decode" else {}))
         return Proc(name=f"{role}-{index}", host=host, port=port, kv_port=kv_port,
                     argv=[*_command(), "serve", *serve_argv(args)],
                     log_path=self.log_dir / f"{role}-{index}.log")

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 KV_FETCH_TIMEOUT_SECONDS = 10.0
 """Decode role: the longest silence from the prefill pod's KV server before a pull fails."""
+IMPORT_WAIT_SECONDS = 10.0
+"""Decode role: how long an imported prompt waits for KV blocks or a batch slot before 429
+(well inside the prefill pod's KV lease, --kv-ttl-seconds, 30 s by default)."""
+IMPORT_RETRY_SECONDS = 0.02
 
 TransferObserver = Callable[[int, float, bool], None]
 """(bytes, seconds, succeeded) after each transfer: the server's KV transfer metrics."""
@@ -286,11 +290,19 @@ class HandoffEngine:
                     return "stop"
                 raise
 
-        try:
-            reservation = await engine.call(reserve)
-        except BaseException:  # cancelled while it ran: free whatever it reserved
-            engine.abort(request_id)
-            raise
+        # A full KV cache or batch is usually momentary (running requests finish): wait a
+        # bounded time for room rather than answering 429 at once; the prefill pod holds the
+        # KV under a longer lease meanwhile.
+        deadline = time.monotonic() + IMPORT_WAIT_SECONDS
+        while True:
+            try:
+                reservation = await engine.call(reserve)
+            except BaseException:  # cancelled while it ran: free whatever it reserved
+                engine.abort(request_id)
+                raise
+            if reservation is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(IMPORT_RETRY_SECONDS)
         if reservation == "stop":
             await self._release_remote(source, first_block=num_remote_blocks)
             yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
@@ -299,7 +311,8 @@ class HandoffEngine:
         if reservation is None:
             raise QueueFull(num_waiting=core.scheduler.num_waiting, max_queue_len=core.config.max_queue_len,
                             retry_after_seconds=1.0,
-                            reason=f"no free KV blocks to receive a {num_prompt}-token prompt from prefill")
+                            reason=f"no room (KV blocks or batch slots) for a {num_prompt}-token prompt "
+                                   f"from prefill within {IMPORT_WAIT_SECONDS:.0f} s")
         activated = False
         try:
             block_ids = reservation.block_ids

@@ -1,0 +1,42 @@
+"""A decode pod that is momentarily full makes imported prompts wait instead of answering 429.
+
+One prefill and one decode pod whose batch holds a single sequence: concurrent requests all
+reach the same decode pod, and each must wait for the one before it to finish, then succeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from disagg_harness import MODEL_NAME, Cluster
+
+PROMPT = "a prompt long enough to go through the prefill pod rather than straight to decode"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from splitserve_runtime.model.tiny import write_tiny_model
+
+    model_dir: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+    with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=1, num_decode=1,
+                 decode_overrides={"max_num_seqs": 1}, health_interval_seconds=30.0) as running:
+        yield running
+
+
+def test_concurrent_imports_wait_for_the_single_batch_slot(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=60)
+
+    def ask(index: int) -> str:
+        answer = client.completions.create(model=MODEL_NAME, prompt=f"{PROMPT} {index}", max_tokens=24,
+                                           temperature=0)
+        return answer.choices[0].finish_reason or ""
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        reasons = list(pool.map(ask, range(4)))
+    assert len(reasons) == 4 and all(r in ("length", "stop") for r in reasons)
+    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated") if cluster.router else 0
+    assert routed == 4
