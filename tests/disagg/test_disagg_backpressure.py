@@ -1,4 +1,5 @@
-"""A decode pod that is momentarily full makes imported prompts wait instead of answering 429.
+"""Back-pressure and draining in disaggregated serving: a momentarily full decode pod makes
+imported prompts wait instead of answering 429, and a draining prefill pod serves its KV.
 
 One prefill and one decode pod whose batch holds a single sequence: concurrent requests all
 reach the same decode pod, and each must wait for the one before it to finish, then succeed.
@@ -6,13 +7,18 @@ reach the same decode pod, and each must wait for the one before it to finish, t
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from disagg_harness import MODEL_NAME, Cluster
+
+from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD
 
 PROMPT = "a prompt long enough to go through the prefill pod rather than straight to decode"
 
@@ -40,3 +46,22 @@ def test_concurrent_imports_wait_for_the_single_batch_slot(cluster: Cluster) -> 
     assert len(reasons) == 4 and all(r in ("length", "stop") for r in reasons)
     routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated") if cluster.router else 0
     assert routed == 4
+
+
+def test_draining_prefill_pod_waits_for_its_kv_to_be_pulled(cluster: Cluster) -> None:
+    """SIGTERM on a prefill pod that still holds exported KV: it keeps serving the pull, and
+    exits once the decode pod has claimed it. Runs last: it stops the prefill pod."""
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    body = {"model": MODEL_NAME, "prompt": f"{PROMPT} drain", "max_tokens": 8, "temperature": 0}
+    handoff = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
+                         json={**body, "max_tokens": 1, KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}})
+    assert handoff.status_code == 200, handoff.text
+    params = handoff.json()[KV_TRANSFER_PARAMS_FIELD]
+    assert prefill.popen is not None
+    prefill.popen.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    assert prefill.alive(), "the prefill pod exited with KV still unclaimed"
+    answer = httpx.post(f"{decode.url}/v1/completions", timeout=30, json={**body, KV_TRANSFER_PARAMS_FIELD: params})
+    assert answer.status_code == 200, answer.text
+    prefill.popen.wait(timeout=10)
+    assert prefill.popen.returncode == 0

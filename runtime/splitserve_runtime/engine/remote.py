@@ -138,6 +138,11 @@ class HandoffEngine:
         return self._engine.tokenizer
 
     @property
+    def num_unclaimed_exports(self) -> int:
+        """Prefill role: requests whose KV waits for a decode pod's pull (drain waits for them)."""
+        return len(self.registry)
+
+    @property
     def max_model_len(self) -> int:
         return self._engine.max_model_len
 

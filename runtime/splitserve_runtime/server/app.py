@@ -202,7 +202,10 @@ class DrainingServer(uvicorn.Server):
                 self._drain_started = now
                 logger.info("draining: %d request(s) in flight, grace %.0f s",
                             state.num_in_flight, self._drain_timeout_seconds)
-            if state.num_in_flight == 0:
+            # A prefill pod also waits for decode pods to pull the KV it exported (their
+            # requests are in flight elsewhere); the drain timeout still bounds it.
+            unclaimed = int(getattr(running, "num_unclaimed_exports", 0))
+            if state.num_in_flight == 0 and unclaimed == 0:
                 logger.info("drained in %.1f s", now - self._drain_started)
                 return True
             if now - self._drain_started >= self._drain_timeout_seconds:
