@@ -65,3 +65,13 @@ def test_draining_prefill_pod_waits_for_its_kv_to_be_pulled(cluster: Cluster) ->
     assert answer.status_code == 200, answer.text
     prefill.popen.wait(timeout=10)
     assert prefill.popen.returncode == 0
+
+
+def test_with_no_prefill_pod_left_the_decode_pod_computes_the_prompt(cluster: Cluster) -> None:
+    """After the previous test stopped the only prefill pod, requests still succeed: the
+    router's prefill attempt fails and it falls back to computing on the decode pod."""
+    assert cluster.router is not None and not cluster.prefill[0].alive()
+    client = openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=60)
+    answer = client.completions.create(model=MODEL_NAME, prompt=f"{PROMPT} fallback", max_tokens=8, temperature=0)
+    assert answer.choices[0].text
+    assert cluster.router.metric("splitserve_router_routes_total", route="fallback") == 1

@@ -8,7 +8,8 @@ Disaggregated flow (the pull protocol of contract.KV_TRANSFER_PARAMS_FIELD):
 2. the original request plus those parameters goes to a decode pod with the same compat hash
    and the most KV headroom; it pulls the KV it lacks and streams the rest of the answer.
 
-A prefill pod that fails (connection error or 5xx) is retried on another pod; a client error
+A prefill pod that fails (connection error or 5xx) is retried on another pod, and when every
+attempt failed the decode pod computes the prompt itself (route "fallback"); a client error
 (4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill. A
 decode pod that dies before answering gives 502; one that dies mid-stream ends the stream with
 an OpenAI-style error event, so a client never waits past the read timeout.
@@ -131,7 +132,20 @@ class Router:
 
         handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session)
         if isinstance(handoff, Response):
-            return handoff
+            if handoff.status_code < 500:
+                return handoff
+            if not self._pods.healthy(Role.DECODE):
+                metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+                return handoff
+            # Every prefill attempt failed on the server side: degrade to computing the prompt
+            # on the decode pod rather than failing the client.
+            log.warning("prefill failed (%d); the decode pod computes the prompt itself", handoff.status_code)
+            metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
+            return await self._forward(
+                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
+                path=path, body=body, headers=fwd_headers, started=started,
+                unavailable="no decode pod is healthy",
+            )
         prefill_pod, params = handoff
         metrics.ROUTES.labels(model=self._config.model_label, route="disaggregated").inc()
         return await self._forward(
@@ -210,7 +224,6 @@ class Router:
                 continue
             self._record(pod.name, hashes, choice.matched_blocks)
             return pod, params
-        metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
         return error_response(status=502 if tried else 503, message=last_error,
                               type_="upstream_error", code="prefill_failed")
 
