@@ -100,12 +100,13 @@ class ModelConfig:
 def load_model_config(*, model_dir: Path) -> ModelConfig:
     """Read ``config.json`` (and ``generation_config.json`` if present) from ``model_dir``."""
     path = model_dir / CONFIG_FILE
-    raw = _read_json(path, required=True)
-    generation = _read_json(model_dir / GENERATION_CONFIG_FILE, required=False)
+    raw = read_json_object(path, required=True)
+    generation = read_json_object(model_dir / GENERATION_CONFIG_FILE, required=False)
     return ModelConfig.from_dict(raw, generation_config=generation, source=str(path))
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+def read_json_object(path: Path, *, required: bool) -> dict[str, Any]:
+    """A model directory's JSON file as a dict ({} when absent and not required)."""
     if not path.is_file():
         if required:
             raise ModelLoadError(f"missing {path.name} in {path.parent}")

@@ -29,6 +29,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .config import read_json_object
 from .errors import ModelLoadError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -94,18 +95,6 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return data
-
-
 def _ids(value: Any) -> list[int]:
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
@@ -140,7 +129,7 @@ class Tokenizer:
             tokenizer = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on parse errors
             raise ModelLoadError(f"cannot load {path}: {exc}") from exc
-        tok_config = _read_json_object(model_dir / TOKENIZER_CONFIG_FILE)
+        tok_config = read_json_object(model_dir / TOKENIZER_CONFIG_FILE, required=False)
         special: dict[str, str] = {}
         for key in _SPECIAL_TOKEN_KEYS:
             text = _token_text(tok_config.get(key))
@@ -153,7 +142,7 @@ class Tokenizer:
                 special[key] = text
         eos: list[int] = []
         for name in ("config.json", "generation_config.json"):
-            eos += _ids(_read_json_object(model_dir / name).get("eos_token_id"))
+            eos += _ids(read_json_object(model_dir / name, required=False).get("eos_token_id"))
         eos_token_id = tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
         if eos_token_id is not None:
             eos.append(eos_token_id)
