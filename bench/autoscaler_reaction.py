@@ -44,6 +44,7 @@ import kopf
 from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from splitserve_contract import API_GROUP, API_VERSION, KIND, PLURAL, Metric
 from splitserve_e2e.apiserver import start_apiserver
 from splitserve_e2e.build import KUBERNETES_VERSION, cache_root
 from splitserve_e2e.etcd import start_etcd
@@ -51,7 +52,6 @@ from splitserve_e2e.pki import ensure_pki
 from splitserve_operator import kube, naming
 from splitserve_operator.api import parse_duration_seconds
 from splitserve_operator.autoscaler.loop import register
-from splitserve_runtime.contract import API_GROUP, API_VERSION, KIND, PLURAL, Metric
 
 NS, NAME, ROLE = "bench", "svc", "decode"
 MAX_PODS = 8

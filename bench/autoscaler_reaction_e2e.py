@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitserve_contract import Role
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import ClusterOptions, LocalCluster
 from splitserve_e2e.demo import (
@@ -52,7 +53,6 @@ from splitserve_operator.api import parse_duration_seconds
 from splitserve_operator.autoscaler.loop import BASE_TICK_SECONDS, DEFAULT_SCRAPE_INTERVAL_SECONDS
 from splitserve_operator.autoscaler.signals import DEFAULT_WINDOW_SECONDS
 from splitserve_operator.naming import child_name
-from splitserve_runtime.contract import Role
 
 NAMESPACE = "bench-reaction"
 NAME = "react"

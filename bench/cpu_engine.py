@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve_runtime.contract import ServeArgs
+from splitserve_contract import ServeArgs
 from splitserve_runtime.engine.config import EngineConfig
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.null_model import build_null_engine

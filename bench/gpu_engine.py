@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
+from splitserve_contract.model_config import ModelConfig
 from splitserve_runtime.engine.config import EngineConfig
 from splitserve_runtime.engine.kv_budget import KVCacheSpec
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.model_runner import LaunchedStep
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.scheduler import SchedulerOutput
-from splitserve_runtime.model.config import ModelConfig
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.ops import get_ops
 

@@ -35,12 +35,12 @@ from typing import Any
 
 from kubernetes import client as k8s
 
+import splitserve_contract as contract
 from splitserve_e2e.cluster import ClusterOptions, LocalCluster
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
 from splitserve_e2e.net import free_port
 from splitserve_operator.api import InferenceService
 from splitserve_operator.render import render_children
-from splitserve_runtime import contract
 
 REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "helm" / "splitserve" / "crds"

@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve_operator.planner.gpus import get_gpu
-from splitserve_operator.planner.model_presets import load_model
-from splitserve_operator.planner.perf_model import RooflineModel, roofline_model
-from splitserve_operator.planner.search import (
+from splitserve_planner.gpus import get_gpu
+from splitserve_planner.model_presets import load_model
+from splitserve_planner.perf_model import RooflineModel, roofline_model
+from splitserve_planner.search import (
     Demand,
     PlanError,
     PlanInputs,
@@ -41,7 +41,7 @@ from splitserve_operator.planner.search import (
     plan_aggregated,
     plan_disaggregated,
 )
-from splitserve_operator.planner.simulator import (
+from splitserve_planner.simulator import (
     AGGREGATED,
     DISAGGREGATED,
     EngineSettings,
@@ -50,7 +50,7 @@ from splitserve_operator.planner.simulator import (
     SimResult,
     simulate,
 )
-from splitserve_operator.planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
+from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
 
 GPUS = 8
 SECONDS = 60.0

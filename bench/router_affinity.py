@@ -24,7 +24,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "disagg"))
 from disagg_harness import MODEL_NAME, Cluster, Proc  # noqa: E402
 
-from splitserve_runtime.contract import Metric  # noqa: E402
+from splitserve_contract import Metric  # noqa: E402
 
 WORDS = ("river", "stone", "lamp", "market", "winter", "signal", "garden", "ledger", "copper",
          "harbor", "violet", "engine", "meadow", "thunder", "canvas", "orbit")

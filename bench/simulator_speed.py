@@ -13,17 +13,17 @@ import argparse
 import sys
 import time
 
-from splitserve_operator.planner.gpus import get_gpu
-from splitserve_operator.planner.model_presets import load_model
-from splitserve_operator.planner.perf_model import roofline_model
-from splitserve_operator.planner.simulator import (
+from splitserve_planner.gpus import get_gpu
+from splitserve_planner.model_presets import load_model
+from splitserve_planner.perf_model import roofline_model
+from splitserve_planner.simulator import (
     AGGREGATED,
     DISAGGREGATED,
     FleetConfig,
     SimOptions,
     simulate,
 )
-from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec
+from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec
 
 
 def main(argv: list[str]) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+import splitserve_contract as contract
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
@@ -49,7 +50,6 @@ from splitserve_e2e.demo import (
 from splitserve_e2e.demo import apply_object as apply
 from splitserve_e2e.prometheus import query as prometheus_query
 from splitserve_operator.naming import child_name
-from splitserve_runtime import contract
 
 pytestmark = pytest.mark.e2e
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import splitserve_contract as contract
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
@@ -32,7 +33,6 @@ from splitserve_e2e.demo import (
     router_endpoints,
     wait_ready,
 )
-from splitserve_runtime import contract
 
 pytestmark = pytest.mark.e2e
 

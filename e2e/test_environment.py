@@ -21,11 +21,11 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from splitserve_contract import LABEL_INSTANCE, LABEL_SCRAPE
 from splitserve_e2e.cluster import LocalCluster, LocalNodeUnavailable
 from splitserve_e2e.kwok import GPU_PRODUCT_LABEL, GPU_RESOURCE, kwok_toleration
 from splitserve_e2e.localnode import LOCAL_NODE_LABEL
 from splitserve_e2e.process import is_alive
-from splitserve_runtime.contract import LABEL_INSTANCE, LABEL_SCRAPE
 
 pytestmark = pytest.mark.e2e
 

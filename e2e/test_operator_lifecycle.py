@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import yaml
 
+import splitserve_contract as contract
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
 from splitserve_operator import api as isvc_api
 from splitserve_operator import naming
 from splitserve_operator.api import InferenceService
 from splitserve_operator.render import render_children
-from splitserve_runtime import contract
 
 pytestmark = pytest.mark.e2e
 

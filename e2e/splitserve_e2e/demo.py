@@ -51,11 +51,11 @@ from typing import Any
 
 import yaml
 
+import splitserve_contract as contract
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
 from splitserve_e2e.localnode import LOCAL_NODE_LABEL
 from splitserve_operator.naming import child_name
-from splitserve_runtime import contract
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "splitserve"

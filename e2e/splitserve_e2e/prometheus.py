@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import yaml
 
+from splitserve_contract import HTTP_PORT, LABEL_INSTANCE, LABEL_SCRAPE, METRICS_PATH
 from splitserve_e2e.net import LOOPBACK, free_port
 from splitserve_e2e.pki import ClusterPki
 from splitserve_e2e.process import ManagedProcess, start_process, wait_until
-from splitserve_runtime.contract import HTTP_PORT, LABEL_INSTANCE, LABEL_SCRAPE, METRICS_PATH
 
 PORT_ANNOTATION = "prometheus.io/port"
 PATH_ANNOTATION = "prometheus.io/path"

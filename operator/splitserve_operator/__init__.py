@@ -1,4 +1,6 @@
 """splitserve operator: reconciles InferenceService objects into prefill/decode/router
 workloads and autoscales the pools from Prometheus metrics. Imports without torch."""
 
-__version__ = "0.1.0"
+from splitserve_contract import __version__
+
+__all__ = ["__version__"]

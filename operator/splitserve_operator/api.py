@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -34,7 +35,17 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from splitserve_runtime.contract import API_GROUP, API_VERSION, KIND, Role, RoutingPolicy
+from splitserve_contract import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    ConditionType,
+    Reason,
+    Role,
+    RoutingPolicy,
+    defaults,
+)
+from splitserve_contract import capabilities as caps
 
 from .naming import MAX_NAME_LENGTH, NAME_PATTERN, child_name
 
@@ -164,6 +175,46 @@ def _without_empty(value: Any) -> Any:
     return value
 
 
+def _capability(capability: caps.Capability) -> AfterValidator:
+    """Refuse a value the API knows but this version does not serve, with the capabilities
+    table's message (the CRD carries the same rule as CEL, :func:`capability_cel_rule`)."""
+
+    def check(value: Any) -> Any:
+        if value not in capability.known:
+            *head, last = [str(v) for v in capability.known]
+            raise ValueError(f"Input should be {', '.join(head)} or {last}")
+        capability.check(value)
+        return value
+
+    return AfterValidator(check)
+
+
+def _capability_field(capability: caps.Capability, *, default: str | int, description: str) -> Any:
+    """A field whose enum is every value the API knows (``capability.known``)."""
+    supported = ", ".join(str(v) for v in capability.supported)
+    return Field(
+        default=default,
+        description=f"{description} Supported by this version: {supported}.",
+        json_schema_extra={"enum": list(capability.known)},
+    )
+
+
+QuantizationName = Annotated[str, _capability(caps.QUANTIZATION)]
+DtypeName = Annotated[str, _capability(caps.DTYPE)]
+TensorParallelSize = Annotated[int, _capability(caps.TENSOR_PARALLEL_SIZE)]
+PipelineParallelSize = Annotated[int, _capability(caps.PIPELINE_PARALLEL_SIZE)]
+
+
+def _block_size(value: int) -> int:
+    if value not in defaults.BLOCK_SIZES:
+        *head, last = (str(b) for b in defaults.BLOCK_SIZES)
+        raise ValueError(f"Input should be {', '.join(head)} or {last}")
+    return value
+
+
+BlockSize = Annotated[int, AfterValidator(_block_size)]
+
+
 # =========================================================================== spec
 class Mode(enum.StrEnum):
     """How the model is served."""
@@ -209,12 +260,12 @@ class ModelSpec(ApiModel):
         pattern=r"^[A-Za-z0-9._/:-]+$",
         description="Name clients put in the OpenAI `model` field. Empty: the InferenceService name.",
     )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto",
+    dtype: DtypeName = _capability_field(
+        caps.DTYPE, default="auto",
         description="Weight and activation dtype. auto: bfloat16 on GPUs that support it, else the model's dtype.",
     )
-    quantization: Literal["none", "fp8", "int8", "int4"] = Field(
-        default="none", description="Weight quantization applied at load time."
+    quantization: QuantizationName = _capability_field(
+        caps.QUANTIZATION, default="none", description="Weight quantization applied at load time."
     )
     max_model_len: int | None = Field(
         default=None,
@@ -305,8 +356,10 @@ class ResourcesSpec(ApiModel):
 class ParallelismSpec(ApiModel):
     """How one model replica is split across the GPUs of a pod."""
 
-    tensor: Literal[1, 2, 4, 8] = Field(default=1, description="Tensor-parallel size.")
-    pipeline: int = Field(default=1, ge=1, le=8, description="Pipeline-parallel stages.")
+    tensor: TensorParallelSize = _capability_field(
+        caps.TENSOR_PARALLEL_SIZE, default=1, description="Tensor-parallel size.")
+    pipeline: PipelineParallelSize = _capability_field(
+        caps.PIPELINE_PARALLEL_SIZE, default=1, description="Pipeline-parallel stages.")
 
 
 class PoolSpec(ApiModel):
@@ -370,9 +423,10 @@ class RouterSpec(ApiModel):
 class KVCacheSpec(ApiModel):
     """Paged KV cache layout and budget. blockSize is part of the compat hash."""
 
-    block_size: Literal[8, 16, 32, 64, 128] = Field(default=16, description="Tokens per KV block.")
+    block_size: BlockSize = Field(default=defaults.BLOCK_SIZE, description="Tokens per KV block.",
+                            json_schema_extra={"enum": list(defaults.BLOCK_SIZES)})
     memory_fraction: float = Field(
-        default=0.9,
+        default=defaults.KV_MEMORY_FRACTION,
         gt=0,
         le=0.98,
         description="Fraction of free GPU memory, measured at start-up, given to the KV cache.",
@@ -385,9 +439,9 @@ class KVCacheSpec(ApiModel):
 class EngineSpec(ApiModel):
     """Scheduler limits of each runtime engine."""
 
-    max_num_seqs: int = Field(default=256, ge=1, le=4096, description="Most sequences per engine step.")
+    max_num_seqs: int = Field(default=defaults.MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences per engine step.")
     max_batched_tokens: int = Field(
-        default=8192, ge=16, le=1_048_576, description="Token budget per engine step."
+        default=defaults.MAX_NUM_BATCHED_TOKENS, ge=16, le=1_048_576, description="Token budget per engine step."
     )
     chunked_prefill: bool = Field(default=True, description="Split long prompts across engine steps.")
 
@@ -457,7 +511,7 @@ class AutoscalingSpec(ApiModel):
         description="Compute and record decisions in status without changing replicas.",
     )
     interval: str = Field(
-        default="15s",
+        default=defaults.AUTOSCALING_INTERVAL,
         pattern=DURATION_PATTERN,
         max_length=32,
         description="Time between decisions, e.g. 15s or 1m.",
@@ -530,39 +584,6 @@ class ConditionStatus(enum.StrEnum):
     TRUE = "True"
     FALSE = "False"
     UNKNOWN = "Unknown"
-
-
-class ConditionType(enum.StrEnum):
-    """Condition types. Ready/Reconciling/Stalled follow kstatus, so Argo CD, Flux and
-    `kubectl wait --for=condition=Ready` understand the object."""
-
-    READY = "Ready"
-    RECONCILING = "Reconciling"
-    STALLED = "Stalled"
-    METRICS_HEALTHY = "MetricsHealthy"
-    SCALING_ACTIVE = "ScalingActive"
-
-
-class Reason:
-    """CamelCase condition reasons shared by the controller and the autoscaler."""
-
-    RECONCILED = "Reconciled"
-    PROGRESSING = "Progressing"
-    PODS_NOT_READY = "PodsNotReady"
-    NAME_CONFLICT = "NameConflict"
-    INVALID_SPEC = "InvalidSpec"
-    API_ERROR = "ApiError"
-    PAUSED = "Paused"
-    METRICS_AVAILABLE = "MetricsAvailable"
-    METRICS_UNAVAILABLE = "MetricsUnavailable"
-    SCALING_DISABLED = "ScalingDisabled"
-    DRY_RUN = "DryRun"
-    WITHIN_TOLERANCE = "WithinTolerance"
-    SCALED_UP = "ScaledUp"
-    SCALED_DOWN = "ScaledDown"
-    AT_MIN_REPLICAS = "AtMinReplicas"
-    AT_MAX_REPLICAS = "AtMaxReplicas"
-    GPU_BUDGET_LIMITED = "GpuBudgetLimited"
 
 
 class Condition(_StatusModel):
@@ -850,6 +871,15 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
         "message": GPU_BUDGET_RULE_MESSAGE,
     },
 )
+def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
+    return tuple(caps.cel_rule(c) for c in capabilities if c.supported != c.known)
+
+
+MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(caps.DTYPE, caps.QUANTIZATION)
+"""Generated from the capabilities table: known-but-unsupported values are refused with
+"... is not supported by this version of splitserve"."""
+PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
+    caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE)
 REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},
 )

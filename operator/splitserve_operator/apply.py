@@ -29,7 +29,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 
 from . import kube
 

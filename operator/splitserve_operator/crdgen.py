@@ -28,7 +28,7 @@ from typing import Any, Final
 import yaml
 from pydantic import BaseModel
 
-from splitserve_runtime.contract import API_GROUP, API_VERSION, KIND, PLURAL
+from splitserve_contract import API_GROUP, API_VERSION, KIND, PLURAL
 
 from . import api
 
@@ -56,6 +56,8 @@ CEL_RULES_BY_MODEL: Final[dict[str, tuple[api.CelRule, ...]]] = {
     api.InferenceServiceSpec.__name__: api.SPEC_CEL_RULES,
     api.PoolSpec.__name__: api.POOL_CEL_RULES,
     api.ReplicasSpec.__name__: api.REPLICAS_CEL_RULES,
+    api.ModelSpec.__name__: api.MODEL_CEL_RULES,
+    api.ParallelismSpec.__name__: api.PARALLELISM_CEL_RULES,
 }
 
 _DROPPED_KEYS: Final = frozenset({"title"})
@@ -293,7 +295,8 @@ def api_reference() -> str:
     header = ["| Field | Type | Default | Allowed | Description |", "| --- | --- | --- | --- | --- |"]
     for part in ("spec", "status"):
         out += ["", f"#### `{part}`", "", *header, *_doc_rows(schema[part], part, False, {})[1:]]
-    rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES]
+    rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
+             *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES]
     out += ["", "#### Cross-field rules (CEL, enforced by the API server)", ""]
     out += [f"- {rule['message']}" for rule in rules]
     out.append(DOC_END)

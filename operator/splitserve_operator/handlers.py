@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import kopf
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 
 from . import kube, reconcile
 from .metrics import OperatorMetrics

@@ -22,7 +22,7 @@ from urllib.parse import quote
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 
 APPLY_PATCH: Final = "application/apply-patch+yaml"
 MERGE_PATCH: Final = "application/merge-patch+json"

@@ -31,7 +31,7 @@ import kopf
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 
 from . import handlers, health, kube, leader, metrics, operator_flags, reconcile
 from .autoscaler import loop as autoscaler_loop

@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIServer
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from splitserve_runtime.contract import OperatorMetric
+from splitserve_contract import OperatorMetric
 
 RECONCILE_BUCKETS_SECONDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

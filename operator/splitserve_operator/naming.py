@@ -3,7 +3,7 @@
 Every name and label the operator puts on a child object is derived here, from the
 InferenceService name and the component, with no I/O and no Kubernetes client: the
 reconciler, the autoscaler, the router's discovery and the tests all agree because they
-all call these functions. Label keys and values come from :mod:`splitserve_runtime.contract`.
+all call these functions. Label keys and values come from :mod:`splitserve_contract`.
 
 Length budget: the CRD rejects InferenceService names longer than :data:`MAX_NAME_LENGTH`
 (40). The longest suffix is ``-prefill`` (8), so every child name stays <= 48 characters,
@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Final
 
-from splitserve_runtime.contract import (
+from splitserve_contract import (
     LABEL_COMPAT_HASH,
     LABEL_COMPONENT,
     LABEL_INSTANCE,

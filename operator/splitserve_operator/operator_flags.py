@@ -4,7 +4,7 @@ The Helm chart's Deployment template passes exactly these flags, and the operato
 entry point builds its argument parser from this table with :func:`add_operator_arguments`,
 so the chart and the binary cannot drift (tests/operator/test_chart.py checks every flag
 the chart renders against this table). Same shape as the runtime's flag tables in
-:mod:`splitserve_runtime.contract`.
+:mod:`splitserve_contract`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from splitserve_runtime.contract import Flag, _add_arguments
+from splitserve_contract import Flag, add_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ OPERATOR_FLAGS: tuple[Flag, ...] = (
 
 def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every operator flag, with its default, to ``parser``."""
-    _add_arguments(parser, OPERATOR_FLAGS, OperatorArgs())
+    add_arguments(parser, OPERATOR_FLAGS, OperatorArgs())
 
 
 def operator_args_from_namespace(ns: argparse.Namespace) -> OperatorArgs:

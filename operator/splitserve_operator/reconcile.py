@@ -25,8 +25,8 @@ from typing import Any, Final
 
 from kubernetes.client.exceptions import ApiException
 
-from splitserve_runtime import contract
-from splitserve_runtime.contract import Role
+import splitserve_contract as contract
+from splitserve_contract import Role
 
 from . import apply, capacity, events, kube, naming, render, status
 from .api import InferenceService, InvalidSpecError

@@ -6,7 +6,7 @@ Service + PodDisruptionBudget per component (prefill, decode, router; or engine 
 Aggregated mode) and the NetworkPolicies. No I/O, no clock, no randomness: the same spec and
 operator flags give byte-identical output, which is what makes two properties hold:
 
-* the pod-template annotation :data:`~splitserve_runtime.contract.ANNOTATION_CONFIG_HASH` is a
+* the pod-template annotation :data:`~splitserve_contract.ANNOTATION_CONFIG_HASH` is a
   hash of the rendered pod template itself, so any change that matters to pods rolls them, and
   an operator upgrade that renders the same pods does not;
 * ``spec.replicas`` is rendered only when the caller asks (``include_replicas=True``, on
@@ -29,8 +29,8 @@ from typing import Any, Final
 import jinja2
 import yaml
 
-from splitserve_runtime import contract
-from splitserve_runtime.contract import Role
+import splitserve_contract as contract
+from splitserve_contract import Role
 
 from . import naming
 from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec

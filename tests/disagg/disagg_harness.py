@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve_runtime.contract import ServeArgs, serve_argv
+from splitserve_contract import ServeArgs, serve_argv
 
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 16
@@ -51,7 +51,7 @@ def free_port(host: str) -> int:
 
 def _command() -> list[str]:
     exe = shutil.which("splitserve")
-    return [exe] if exe else [sys.executable, "-m", "splitserve_runtime.cli"]
+    return [exe] if exe else [sys.executable, "-m", "splitserve_cli"]
 
 
 @dataclass

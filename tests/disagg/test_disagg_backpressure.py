@@ -18,7 +18,7 @@ import openai
 import pytest
 from disagg_harness import MODEL_NAME, Cluster
 
-from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD
+from splitserve_contract import KV_TRANSFER_PARAMS_FIELD
 
 PROMPT = "a prompt long enough to go through the prefill pod rather than straight to decode"
 

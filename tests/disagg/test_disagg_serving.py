@@ -22,7 +22,7 @@ import pytest
 from disagg_harness import BLOCK_SIZE, MODEL_NAME, Cluster, Proc, Reference, wait_for
 from openai.types.chat import ChatCompletionMessageParam
 
-from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
 from splitserve_runtime.model.tokenizer import Tokenizer
 from splitserve_runtime.transfer.framing import (
     HEADER,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+import splitserve_contract as contract
 from splitserve_operator import api, naming
-from splitserve_runtime import contract
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -110,8 +110,10 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"mode": "Sideways"}, "spec.mode: Input should be 'Disaggregated' or 'Aggregated'"),
         ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be hf://org/name, pvc://claim/path or file:///absolute/path, got 's3://bucket/model'"),
         ({"model": {}}, "spec.model.uri: Field required"),
-        ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill: resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"),
-        ({"prefill": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}, "spec.prefill: resources.gpus 0 (CPU) requires parallelism.tensor 1"),
+        ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill.parallelism.tensor: parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
+        ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill.parallelism.pipeline: parallelism.pipeline 2 is not supported by this version of splitserve"),
+        ({"model": {"uri": "hf://a/b", "quantization": "fp8"}}, "spec.model.quantization: quantization fp8 is not supported by this version of splitserve (supported: none)"),
+        ({"model": {"uri": "hf://a/b", "quantization": "fp4"}}, "spec.model.quantization: Input should be none, fp8, int8 or int4"),
         ({"decode": {"parallelism": {"tensor": 3}}}, "spec.decode.parallelism.tensor: Input should be 1, 2, 4 or 8"),
         ({"kvCache": {"blockSize": 24}}, "spec.kvCache.blockSize: Input should be 8, 16, 32, 64 or 128"),
         ({"kvCache": {"memoryFraction": 0.99}}, "spec.kvCache.memoryFraction: Input should be less than or equal to 0.98"),

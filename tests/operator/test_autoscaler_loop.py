@@ -26,11 +26,7 @@ from kubernetes import client as k8s
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
 
-from splitserve_operator import kube, naming
-from splitserve_operator.autoscaler.loop import make_prometheus, register, run_once
-from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
-from splitserve_operator.autoscaler.state import AutoscalerState
-from splitserve_runtime.contract import (
+from splitserve_contract import (
     ANNOTATION_POD_DELETION_COST,
     API_GROUP,
     API_VERSION,
@@ -40,6 +36,10 @@ from splitserve_runtime.contract import (
     PLURAL,
     Metric,
 )
+from splitserve_operator import kube, naming
+from splitserve_operator.autoscaler.loop import make_prometheus, register, run_once
+from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
+from splitserve_operator.autoscaler.state import AutoscalerState
 
 KUBE_APISERVER = Path.home() / ".cache" / "splitserve" / "bin" / "k8s-v1.34.4" / "kube-apiserver"
 ETCD = Path("/usr/bin/etcd")

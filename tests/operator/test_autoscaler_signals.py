@@ -17,6 +17,7 @@ from autoscaler_testing import PROMETHEUS, FakePod, eventually, free_port, runni
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
+from splitserve_contract import Metric
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import (
     KV,
@@ -28,7 +29,6 @@ from splitserve_operator.autoscaler.signals import (
     pool_signals,
     query_by_pod,
 )
-from splitserve_runtime.contract import Metric
 
 pytestmark = pytest.mark.skipif(shutil.which(PROMETHEUS) is None, reason="needs the Debian prometheus binary")
 

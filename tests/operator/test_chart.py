@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+import splitserve_contract as contract
 from splitserve_operator import operator_flags
-from splitserve_runtime import contract
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "splitserve"

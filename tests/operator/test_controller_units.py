@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+import splitserve_contract as contract
+from splitserve_contract import Role
 from splitserve_operator import apply, capacity, handlers, kube, reconcile, status
 from splitserve_operator.status import ConditionUpdate
-from splitserve_runtime import contract
-from splitserve_runtime.contract import Role
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from splitserve_contract import defaults
 from splitserve_operator import api, crdgen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,7 +140,7 @@ def test_cel_rules_are_where_they_belong_and_have_messages() -> None:
         assert any("% (self.parallelism.tensor * self.parallelism.pipeline) == 0" in r["rule"] for r in _cel(f"spec.{pool}"))
     for path, node in _walk(_schema()):
         for rule in node.get("x-kubernetes-validations", []):
-            assert rule.keys() == {"rule", "message"} and rule["message"], path
+            assert rule.keys() <= {"rule", "message", "messageExpression"} and rule["message"], path
             # Every field a rule names must exist below the node it is attached to.
             for field in re.findall(r"self\.([A-Za-z]+)", rule["rule"]):
                 assert field in node.get("properties", {}), (path, field)
@@ -149,6 +150,7 @@ def test_bounds_enums_and_patterns() -> None:
     spec = _schema()["properties"]["spec"]["properties"]
     kv = spec["kvCache"]["properties"]
     assert kv["blockSize"]["enum"] == [8, 16, 32, 64, 128]
+    assert kv["blockSize"]["default"] == defaults.BLOCK_SIZE
     assert kv["memoryFraction"] == {**kv["memoryFraction"], "minimum": 0, "exclusiveMinimum": True, "maximum": 0.98}
     assert spec["prefill"]["properties"]["parallelism"]["properties"]["tensor"]["enum"] == [1, 2, 4, 8]
     assert spec["mode"]["enum"] == ["Disaggregated", "Aggregated"]

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+import splitserve_contract as contract
 from splitserve_operator import naming
 from splitserve_operator.api import InferenceService, InvalidSpecError
 from splitserve_operator.render import render_children
-from splitserve_runtime import contract
 
 IMAGE = "registry.example/splitserve:1.2.3"
 
@@ -21,7 +21,7 @@ def _isvc(spec: dict[str, Any] | None = None, *, name: str = "llama", namespace:
         "model": {"uri": "hf://meta/llama-3", "dtype": "bfloat16"},
         "mode": "Disaggregated",
         "prefill": {"replicas": {"min": 2, "max": 4}, "resources": {"gpus": 1, "cpu": "4", "memory": "32Gi"}},
-        "decode": {"replicas": {"min": 3, "max": 8}, "resources": {"gpus": 2}, "parallelism": {"tensor": 2},
+        "decode": {"replicas": {"min": 3, "max": 8}, "resources": {"gpus": 2},
                    "nodeSelector": {"gpu": "h200"},
                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
                    "priorityClassName": "inference"},
@@ -118,7 +118,7 @@ def test_serve_argv_round_trips_through_the_runtime_parser() -> None:
     assert decode.served_model_name == "llama"
     assert decode.host == "$(POD_IP)"
     assert decode.dtype == "bfloat16"
-    assert decode.tensor_parallel_size == 2
+    assert decode.tensor_parallel_size == 1
     assert decode.block_size == 32
     assert decode.kv_memory_fraction == 0.8
     assert decode.prefix_caching is False
@@ -272,7 +272,7 @@ def test_config_map_holds_engine_config() -> None:
     cm = _by(_render(_isvc()), "ConfigMap", "llama-config")
     engine = json.loads(cm["data"]["engine.json"])
     assert engine["prefill"]["serveArgs"]["role"] == "prefill"
-    assert engine["decode"]["serveArgs"]["tensor_parallel_size"] == 2
+    assert engine["decode"]["serveArgs"]["tensor_parallel_size"] == 1
     assert engine["router"]["inference_service"] == "llama"
     assert contract.ANNOTATION_CONFIG_HASH in cm["metadata"]["annotations"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve_operator.planner.gpus import get_gpu
-from splitserve_operator.planner.model_presets import load_model
-from splitserve_operator.planner.perf_model import RooflineModel, roofline_model
+from splitserve_planner.gpus import get_gpu
+from splitserve_planner.model_presets import load_model
+from splitserve_planner.perf_model import RooflineModel, roofline_model
 
 
 @pytest.fixture(scope="session")

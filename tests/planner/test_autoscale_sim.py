@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve_operator.autoscaler.decision import Decision
-from splitserve_operator.planner.perf_model import RooflineModel
-from splitserve_operator.planner.simulator import (
+from splitserve_planner.perf_model import RooflineModel
+from splitserve_planner.simulator import (
     DISAGGREGATED,
     AutoscaleSettings,
     FleetConfig,
     SimOptions,
     Simulator,
 )
-from splitserve_operator.planner.workload import Request
+from splitserve_planner.workload import Request
 
 
 def _burst() -> list[Request]:

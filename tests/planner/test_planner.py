@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from splitserve_operator.api import InferenceService
-from splitserve_operator.planner.cli import main
-from splitserve_operator.planner.perf_model import RooflineModel
-from splitserve_operator.planner.search import PlanError, PlanInputs, Slo, check_feasible, plan_all
-from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec
+from splitserve_planner.cli import main
+from splitserve_planner.perf_model import RooflineModel
+from splitserve_planner.search import PlanError, PlanInputs, Slo, check_feasible, plan_all
+from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec
 
 
 def _requests(rate: float, seconds: float = 60.0):
@@ -120,7 +120,7 @@ def test_cli_plans_emits_a_valid_manifest_and_a_plot(capsys: pytest.CaptureFixtu
 
 
 def test_cli_with_the_shipped_cpu_profile(capsys: pytest.CaptureFixture[str]) -> None:
-    from splitserve_operator.planner.profile import shipped_profiles
+    from splitserve_planner.profile import shipped_profiles
 
     (profile,) = [p for p in shipped_profiles() if p.name == "cpu-tiny-llama.json"]
     code, out, err = _run(capsys, "--model", "tiny", "--profile", str(profile), "--rate", "5", "--duration-s", "60",

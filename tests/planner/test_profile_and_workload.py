@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import yaml
 
-from splitserve_operator.planner.profile import (
+from splitserve_planner.profile import (
     ProfileError,
     ProfileModel,
     load_profile,
     save_profile,
     shipped_profiles,
 )
-from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec, load_trace
+from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec, load_trace
 
 
 def _synthetic_profile() -> dict:

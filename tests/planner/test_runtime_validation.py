@@ -2,7 +2,7 @@
 
 One ``LLMEngine`` serves a Poisson workload (25 req/s for 4 s, prompts 32–384 tokens, half of
 them behind one of 4 shared 128-token prefixes, 8–48 output tokens, greedy, ``ignore_eos``).
-The run uses the CPU clock (``bench/profile_runtime.py --clock cpu``: a virtual clock advanced
+The run uses the CPU clock (``python -m splitserve_planner.runtime_profile --clock cpu``: a virtual clock advanced
 by the engine thread's CPU time), so other tenants of this shared machine do not distort it;
 scheduling, batching, prefix caching and compute are all real. The simulator then runs the
 same requests on one aggregated pod with the same engine settings, with
@@ -19,8 +19,6 @@ p99 is not asserted: ~100 requests give too few tail samples.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,25 +26,20 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the runtime extra; the operator tests run without it
 
-from splitserve_operator.planner.profile import ProfileModel  # noqa: E402
-from splitserve_operator.planner.simulator import (  # noqa: E402
+from splitserve_planner.profile import ProfileModel  # noqa: E402
+from splitserve_planner.simulator import (  # noqa: E402
     AGGREGATED,
     EngineSettings,
     FleetConfig,
     simulate,
 )
-from splitserve_operator.planner.workload import Arrivals, LengthDist, WorkloadSpec  # noqa: E402
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "profile_runtime.py"
+from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec  # noqa: E402
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("profile_runtime", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["profile_runtime"] = module
-    spec.loader.exec_module(module)
-    return module
+    from splitserve_planner import runtime_profile
+
+    return runtime_profile
 
 
 def _ratios(sim, real_ttft, real_itl) -> dict[str, float]:

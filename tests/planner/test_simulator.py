@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve_operator.planner.perf_model import (
+from splitserve_planner.perf_model import (
     RooflineModel,
     decode_step_seconds,
     prefill_seconds,
 )
-from splitserve_operator.planner.simulator import (
+from splitserve_planner.simulator import (
     AGGREGATED,
     DISAGGREGATED,
     EngineSettings,
@@ -20,7 +20,7 @@ from splitserve_operator.planner.simulator import (
     SimOptions,
     simulate,
 )
-from splitserve_operator.planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
+from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
 
 
 def _workload(*, rate: float, seconds: float, seed: int = 0, prefix_share: float = 0.0) -> list[Request]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve_runtime.contract import Role
+from splitserve_contract import Role
 from splitserve_runtime.router.discovery import parse_static, targets_from_slices
 from splitserve_runtime.router.pods import PodSet, parse_load
 

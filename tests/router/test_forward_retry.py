@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from splitserve_runtime.contract import RouterArgs
+from splitserve_contract import RouterArgs
 
 
 def _free_port() -> int:

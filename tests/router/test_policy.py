@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from splitserve_runtime.contract import RoutingPolicy
+from splitserve_contract import RoutingPolicy
 from splitserve_runtime.router.policy import (
     Candidate,
     PodLoad,

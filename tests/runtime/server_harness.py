@@ -21,7 +21,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from splitserve_runtime.contract import ServeArgs, serve_argv
+from splitserve_contract import ServeArgs, serve_argv
 from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.engine.stats import EngineStats
 from splitserve_runtime.server.app import build_app
@@ -111,6 +111,6 @@ def free_port() -> int:
 
 
 def spawn_server(*, args: ServeArgs, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "splitserve_runtime.cli", "serve", *serve_argv(args)]
+    argv = [sys.executable, "-m", "splitserve_cli", "serve", *serve_argv(args)]
     return subprocess.Popen(argv, env={**os.environ, **(env or {})}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

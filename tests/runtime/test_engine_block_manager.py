@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from splitserve_runtime.engine.block_manager import BlockManager, hash_token_blocks
+from splitserve_contract.block_hash import hash_token_blocks
+from splitserve_runtime.engine.block_manager import BlockManager
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.sequence import Sequence
 
@@ -147,7 +148,7 @@ def test_block_hashes_are_identical_in_another_process() -> None:
     tokens = list(range(1000, 1037))
     here = [h.hex() for h in hash_token_blocks(token_ids=tokens, block_size=16)]
     code = (
-        "from splitserve_runtime.engine.block_manager import hash_token_blocks;"
+        "from splitserve_contract.block_hash import hash_token_blocks;"
         f"print(','.join(h.hex() for h in hash_token_blocks(token_ids={tokens!r}, block_size=16)))"
     )
     there = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve_runtime.contract import ServeArgs
+from splitserve_contract import ServeArgs
 from splitserve_runtime.engine.kv_budget import (
     KVCacheSpec,
     available_host_memory_bytes,

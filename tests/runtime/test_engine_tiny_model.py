@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from splitserve_runtime.contract import ServeArgs
+from splitserve_contract import ServeArgs
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from splitserve_runtime.model.config import RopeScaling
+from splitserve_contract.model_config import RopeScaling
 from splitserve_runtime.model.rope import build_cos_sin_cache
 from splitserve_runtime.ops import get_ops
 from splitserve_runtime.ops.interface import AttentionMetadata

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve_runtime.contract import ENV_MODEL_CACHE
+from splitserve_contract import ENV_MODEL_CACHE
 from splitserve_runtime.model import ModelLoadError
 from splitserve_runtime.model.uri import resolve_model_uri
 

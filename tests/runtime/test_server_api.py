@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL_NAME, InProcessServer, serve_args, start_server
 
-from splitserve_runtime.contract import (
+from splitserve_contract import (
     HEADER_REQUEST_ID,
     INFO_PATH,
     KV_TRANSFER_PARAMS_FIELD,

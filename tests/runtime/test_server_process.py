@@ -14,8 +14,8 @@ import httpx
 import pytest
 from server_harness import MODEL_NAME, free_port, serve_args, spawn_server, wait_until
 
-from splitserve_runtime import cli
-from splitserve_runtime.contract import SERVE_FLAGS
+import splitserve_cli as cli
+from splitserve_contract import SERVE_FLAGS
 
 BLOCK_TORCH = """
 import sys
@@ -24,7 +24,7 @@ class _NoTorch:
         if name == "torch" or name.startswith("torch."):
             raise ImportError("torch is blocked in this test")
 sys.meta_path.insert(0, _NoTorch())
-from splitserve_runtime.cli import main
+from splitserve_cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -27,7 +27,7 @@ from server_harness import (
 )
 from starlette.routing import Route
 
-from splitserve_runtime.contract import Metric
+from splitserve_contract import Metric
 from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.server.app import DrainingServer, build_app
 from splitserve_runtime.server.auth import OPEN_PATHS

@@ -2,7 +2,7 @@
 the pod-deletion-cost annotations that pick which pods a scale-down removes.
 
 Replica ownership (DESIGN.md section 3): ``spec.replicas`` of a pool Deployment is owned by
-the field manager :data:`~splitserve_runtime.contract.FIELD_MANAGER_AUTOSCALER`. We write it
+the field manager :data:`~splitserve_contract.FIELD_MANAGER_AUTOSCALER`. We write it
 with server-side apply carrying nothing but ``apiVersion``, ``kind``, ``metadata.name`` and
 ``spec.replicas``, so the apply can never touch a field the reconciler owns, and the
 reconciler's applies (which omit replicas) never reset it. ``force`` takes the field over
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from splitserve_runtime.contract import ANNOTATION_POD_DELETION_COST, FIELD_MANAGER_AUTOSCALER
+from splitserve_contract import ANNOTATION_POD_DELETION_COST, FIELD_MANAGER_AUTOSCALER
 
 from .. import kube
 

@@ -47,7 +47,7 @@ from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
 from urllib3.util.retry import Retry
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 
 from .. import events, kube, status
 from ..api import (

@@ -20,7 +20,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from splitserve_runtime.contract import OperatorMetric
+from splitserve_contract import OperatorMetric
 
 from .decision import Decision
 

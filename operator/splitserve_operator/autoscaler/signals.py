@@ -24,7 +24,7 @@ from typing import Any, Final
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 
-from splitserve_runtime.contract import Metric, Role
+from splitserve_contract import Metric, Role
 
 from .decision import MetricsUnavailable, SignalValue
 

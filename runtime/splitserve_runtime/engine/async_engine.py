@@ -33,7 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..contract import ServeArgs
+from splitserve_contract import ServeArgs
+
 from .errors import DuplicateRequestId, EngineDead, QueueFull
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput

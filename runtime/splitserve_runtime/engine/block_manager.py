@@ -6,48 +6,24 @@ reference counts.
 
 Prefix caching (as in vLLM and nano-vllm): every *full* block is identified by a chained
 hash ``H(parent_hash, token ids of the block)``, so equal hashes mean equal prefixes. The
-hash is BLAKE2b over fixed-width little-endian bytes with a fixed root, never Python's
-``hash()``: it is identical across processes and hosts, which lets a router or a decode pod
-name blocks computed elsewhere (:meth:`BlockManager.block_hashes_of`).
+hash is :mod:`splitserve_contract.block_hash` (BLAKE2b over fixed-width bytes, identical
+across processes and hosts), the same function the router's prefix affinity uses, which lets a
+router or a decode pod name blocks computed elsewhere (:meth:`BlockManager.block_hashes_of`).
 
 A freed block keeps its hash and stays findable until it is reused. Free blocks are kept in
 LRU order: hashless blocks go to the front (reused first), hashed ones to the back, and a
 sequence frees its blocks tail first, so a prompt's head outlives its tail. A cache hit on a
 free block revives it. ``usage_ratio`` counts only blocks held by live sequences: cached but
-free blocks are free (DESIGN.md section 5).
+free blocks are free (``docs/architecture.md``, "Metrics").
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 
+from splitserve_contract.block_hash import hash_block, root_block_hash
+
 from .sequence import Sequence
-
-HASH_ROOT_LABEL = b"splitserve-kv-block-v1"
-HASH_DIGEST_BYTES = 16
-
-
-def root_block_hash(*, salt: bytes = b"") -> bytes:
-    """The parent hash of every sequence's first block (``salt`` isolates namespaces)."""
-    return hashlib.blake2b(HASH_ROOT_LABEL + salt, digest_size=HASH_DIGEST_BYTES).digest()
-
-
-def hash_block(*, parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block: deterministic across processes and platforms."""
-    payload = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.blake2b(parent_hash + payload, digest_size=HASH_DIGEST_BYTES).digest()
-
-
-def hash_token_blocks(*, token_ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
-    """Hashes of every full block of ``token_ids`` (the router uses the same function)."""
-    hashes: list[bytes] = []
-    parent = root_block_hash(salt=salt)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent_hash=parent, token_ids=token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class NoFreeBlocks(RuntimeError):

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..contract import ServeArgs
+from splitserve_contract import ServeArgs, defaults
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_model_len: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     num_kv_blocks: int = 0
     """0: measure at start-up."""
-    kv_memory_fraction: float = 0.9
+    kv_memory_fraction: float = defaults.KV_MEMORY_FRACTION
     prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     chunked_prefill: bool = True
-    max_queue_len: int = 1024
+    max_queue_len: int = defaults.MAX_QUEUE_LEN
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import ServeArgs
+from splitserve_contract import ServeArgs
+
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCapacity

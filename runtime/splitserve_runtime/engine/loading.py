@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..contract import ENV_MODEL_CACHE, ServeArgs
+from splitserve_contract import ENV_MODEL_CACHE, ServeArgs, unsupported_serve_settings
+from splitserve_contract.capabilities import UnsupportedError
+
 from .config import EngineConfig
 from .kv_budget import KVCacheSpec
 from .llm_engine import LLMEngine
@@ -22,16 +24,16 @@ log = logging.getLogger(__name__)
 
 def engine_from_args(args: ServeArgs) -> LLMEngine:
     """Resolve the model URI and build model, tokenizer and engine from ``args``."""
-    from ..model.config import load_model_config
+    from splitserve_contract.model_config import load_model_config
+
     from ..model.loader import load_model
     from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
     from ..model.uri import resolve_model_uri
     from ..ops import get_ops
 
-    if args.quantization != "none":
-        raise ValueError(f"quantization {args.quantization!r} is not supported by this engine yet")
-    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
-        raise ValueError("tensor/pipeline parallelism > 1 is not supported by this engine yet")
+    refused = unsupported_serve_settings(args)
+    if refused:
+        raise UnsupportedError("; ".join(refused))
     device = resolve_device(args.device)
     model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
     model_config = load_model_config(model_dir=model_dir)

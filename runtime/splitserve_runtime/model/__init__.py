@@ -4,7 +4,8 @@ Only the torch-free parts are re-exported here (``ModelConfig``, ``ModelLoadErro
 ``import splitserve_runtime.model`` stays cheap; import ``.llama`` / ``.loader`` explicitly.
 """
 
-from .config import ModelConfig, RopeScaling, load_model_config
+from splitserve_contract.model_config import ModelConfig, RopeScaling, load_model_config
+
 from .errors import ModelLoadError
 
 __all__ = ["ModelConfig", "ModelLoadError", "RopeScaling", "load_model_config"]

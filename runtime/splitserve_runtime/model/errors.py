@@ -1,12 +1,9 @@
-"""The one exception type for every way a model directory can be unusable.
-
-Loading fails for user-fixable reasons (wrong path, unsupported architecture, a truncated
-download); a single type with a message that names the file, field or tensor lets the server
-print one clear line instead of a traceback. Torch-free.
-"""
+"""The runtime's model errors: :class:`ModelLoadError` is defined once in the contract
+(``splitserve_contract.model_config``, which parses config.json for the runtime and the
+planner alike) and re-exported here for the loader, tokenizer and URI modules."""
 
 from __future__ import annotations
 
+from splitserve_contract.model_config import ModelLoadError
 
-class ModelLoadError(Exception):
-    """A model directory, URI, config, tokenizer or weight file cannot be used."""
+__all__ = ["ModelLoadError"]

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve_contract.model_config import ModelConfig
+
 from ..ops.interface import AttentionMetadata, Ops
-from .config import ModelConfig
 from .rope import build_cos_sin_cache
 
 

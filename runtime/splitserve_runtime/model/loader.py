@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from splitserve_contract.model_config import ModelConfig, load_model_config
+
 from ..ops.interface import Ops
-from .config import ModelConfig, load_model_config
 from .errors import ModelLoadError
 from .llama import LlamaForCausalLM
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .config import RopeScaling
+from splitserve_contract.model_config import RopeScaling
 
 
 def inverse_frequencies(

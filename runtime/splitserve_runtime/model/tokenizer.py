@@ -29,7 +29,8 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import read_json_object
+from splitserve_contract.model_config import read_json_object
+
 from .errors import ModelLoadError
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -22,7 +22,8 @@ import os
 import re
 from pathlib import Path
 
-from ..contract import ENV_MODEL_CACHE
+from splitserve_contract import ENV_MODEL_CACHE
+
 from .errors import ModelLoadError
 
 PVC_MOUNT_ROOT = Path("/models")

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..contract import (
+from splitserve_contract import (
     ENV_API_KEY,
     ENV_MODEL_CACHE,
     Role,
@@ -32,6 +32,7 @@ from ..contract import (
     add_router_arguments,
     router_args_from_namespace,
 )
+
 from . import metrics
 from .discovery import KubernetesDiscovery, parse_static
 from .pods import HealthPoller, PodSet

@@ -22,7 +22,8 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from ..contract import HTTP_PORT, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE, Role
+from splitserve_contract import HTTP_PORT, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE, Role
+
 from .pods import PodSet, Target
 
 log = logging.getLogger(__name__)

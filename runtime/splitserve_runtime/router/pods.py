@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..contract import INFO_PATH, Metric, Role
+from splitserve_contract import INFO_PATH, Metric, Role
+
 from .policy import Candidate, PodLoad
 
 log = logging.getLogger(__name__)

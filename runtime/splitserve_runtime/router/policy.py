@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..contract import RoutingPolicy
+from splitserve_contract import RoutingPolicy
+from splitserve_contract.block_hash import hash_token_blocks
 
 MAX_AFFINITY_BLOCKS = 32
 """Leading blocks considered for affinity; beyond that the tail of a prompt rarely matters."""
@@ -47,17 +48,9 @@ class Candidate:
 
 
 def prefix_block_hashes(token_ids: Sequence[int], *, block_size: int, max_blocks: int = MAX_AFFINITY_BLOCKS) -> list[bytes]:
-    """Chained hashes of the full leading blocks of `token_ids` (deterministic across processes)."""
-    hashes: list[bytes] = []
-    parent = b""
-    num_full = min(len(token_ids) // block_size, max_blocks)
-    for index in range(num_full):
-        block = token_ids[index * block_size : (index + 1) * block_size]
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in block))
-        parent = digest.digest()
-        hashes.append(parent)
-    return hashes
+    """Chained hashes of the full leading blocks of `token_ids`: the engine's prefix-cache
+    hash (:mod:`splitserve_contract.block_hash`), capped at ``max_blocks``."""
+    return hash_token_blocks(token_ids=token_ids, block_size=block_size, max_blocks=max_blocks)
 
 
 class AffinityIndex:

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+
 from . import metrics
 from .pods import Pod, PodSet
 from .policy import PrefillSelector, choose_decode, prefix_block_hashes

@@ -31,7 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from splitserve_runtime import contract
+import splitserve_contract as contract
 from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
@@ -57,7 +57,7 @@ ABORT_FLUSH_SECONDS = 1.0
 
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               api_key: str | None, engine_loader: EngineLoader | None = None,
-              compat_hash: str = "", kv_endpoint: str = "", block_size: int = 16) -> FastAPI:
+              compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and

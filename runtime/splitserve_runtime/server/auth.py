@@ -20,7 +20,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve_runtime.contract import INFO_PATH, METRICS_PATH
+from splitserve_contract import INFO_PATH, METRICS_PATH
 
 OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH, INFO_PATH})
 """Probes, the Prometheus scrape and the router's pod-info poll: none carries a secret or

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from splitserve_runtime.contract import KV_TRANSFER_PARAMS_FIELD, Role, ServeArgs
+from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Role, ServeArgs
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.stats import EngineStats

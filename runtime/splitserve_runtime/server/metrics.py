@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitserve_runtime.contract import OUTCOMES
-from splitserve_runtime.contract import Metric as M
+from splitserve_contract import OUTCOMES
+from splitserve_contract import Metric as M
 from splitserve_runtime.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from splitserve_runtime.contract import HEADER_REQUEST_ID
+from splitserve_contract import HEADER_REQUEST_ID
 from splitserve_runtime.server.errors import SERVER_ERROR, APIError
 from splitserve_runtime.server.generation import (
     DISCONNECTED_STATUS,

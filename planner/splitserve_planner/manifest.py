@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from ..api import InferenceService
+from splitserve_operator.api import InferenceService
+
 from .search import Plan
 from .simulator import AGGREGATED
 

@@ -3,7 +3,7 @@
 Only the shape matters to the planner (layers, widths, heads, vocabulary), so the presets copy
 the published ``config.json`` fields of each model; ``tiny`` is the runtime's test checkpoint
 (:func:`splitserve_runtime.model.tiny.write_tiny_model` defaults). Parsing goes through the
-runtime's torch-free :class:`~splitserve_runtime.model.config.ModelConfig`, so the planner
+runtime's torch-free :class:`~splitserve_contract.model_config.ModelConfig`, so the planner
 accepts exactly the models the runtime can serve.
 """
 
@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from splitserve_runtime.model.config import ModelConfig
-from splitserve_runtime.model.errors import ModelLoadError
+from splitserve_contract.model_config import ModelConfig, ModelLoadError
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -1,130 +1,23 @@
-"""The contract between the operator, the runtime, the router and the tests.
+"""Command-line flags of ``splitserve serve`` and ``splitserve router``, as field tables.
 
-Everything that crosses a process boundary is named here exactly once: ports, labels,
-metric names, and the command-line flags of `splitserve serve` and `splitserve router`.
-The operator renders pod arguments with :func:`serve_argv` / :func:`router_argv`; the
-runtime builds its argument parser from the same field tables with :func:`add_serve_arguments`
-/ :func:`add_router_arguments`. A flag therefore cannot drift between the two sides.
-
-This module must stay importable without torch (the operator imports it) and must not
-import anything from the rest of the runtime.
+The operator renders pod arguments with :func:`serve_argv` / :func:`router_argv`; the runtime
+builds its argument parser from the same tables with :func:`add_serve_arguments` /
+:func:`add_router_arguments`. A flag therefore cannot drift between the two sides. Choices of
+capability-bound flags come from :mod:`splitserve_contract.capabilities`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 from collections.abc import Sequence
 from typing import Any
 
-# --------------------------------------------------------------------------- ports
-HTTP_PORT = 8000
-"""OpenAI API, /health, /ready, /metrics on every runtime and router pod."""
-KV_TRANSFER_PORT = 8100
-"""Prefill -> decode KV block transfer (TCP connector)."""
-
-HTTP_PORT_NAME = "http"
-KV_TRANSFER_PORT_NAME = "kv"
-
-# --------------------------------------------------------------------------- labels
-API_GROUP = "splitserve.dev"
-API_VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ROLE = "splitserve.dev/role"
-LABEL_COMPAT_HASH = "splitserve.dev/compat-hash"
-
-LABEL_NAME_VALUE = "splitserve"
-MANAGED_BY_VALUE = "splitserve-operator"
-
-ANNOTATION_CONFIG_HASH = "splitserve.dev/config-hash"
-ANNOTATION_PAUSED = "splitserve.dev/paused"
-ANNOTATION_POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-
-FIELD_MANAGER_RECONCILER = "splitserve-operator"
-FIELD_MANAGER_AUTOSCALER = "splitserve-autoscaler"
-
-# Prometheus scrape discovery: pods carrying this label (value "true") are scraped on
-# HTTP_PORT at METRICS_PATH. Prometheus relabels pod labels into `namespace`, `pod`,
-# and `inferenceservice` (from LABEL_INSTANCE).
-LABEL_SCRAPE = "splitserve.dev/scrape"
-METRICS_PATH = "/metrics"
-
-# Runtime endpoints beyond the OpenAI API (router <-> pools).
-INFO_PATH = "/v1/splitserve/info"
-"""GET: {role, model, compat_hash, kv_endpoint, block_size, max_model_len} of a runtime pod."""
-KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
-"""Extension field of completion/chat requests and responses that carries the P->D handoff:
-request to prefill: {"do_remote_decode": true}; prefill's response: {"remote_endpoint",
-"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash"}; request to decode:
-that response object, which makes decode pull the KV instead of computing it."""
-HEADER_REQUEST_ID = "x-request-id"
-
-# Environment variables the runtime reads (secrets never go on the command line).
-ENV_API_KEY = "SPLITSERVE_API_KEY"
-ENV_POD_NAME = "POD_NAME"
-ENV_POD_NAMESPACE = "POD_NAMESPACE"
-ENV_POD_IP = "POD_IP"
-ENV_MODEL_CACHE = "SPLITSERVE_MODEL_CACHE"
-"""Directory that `hf://org/name` URIs resolve in (HF hub cache layout or org/name dirs)."""
+from . import capabilities as caps
+from . import defaults
+from .wire import HTTP_PORT, KV_TRANSFER_PORT, Role, RoutingPolicy
 
 
-class Role(str, enum.Enum):
-    """What a runtime process does; also the value of LABEL_ROLE / LABEL_COMPONENT."""
-
-    AGGREGATED = "aggregated"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    ROUTER = "router"
-
-
-class RoutingPolicy(str, enum.Enum):
-    PREFIX_AFFINITY = "PrefixAffinity"
-    LEAST_LOAD = "LeastLoad"
-    ROUND_ROBIN = "RoundRobin"
-
-
-# --------------------------------------------------------------------------- metrics
-class Metric:
-    """Metric names exported by the runtime (DESIGN.md section 5). Every series has
-    the labels `role` and `model`."""
-
-    REQUESTS_WAITING = "splitserve_requests_waiting"
-    REQUESTS_RUNNING = "splitserve_requests_running"
-    PROMPT_TOKENS_WAITING = "splitserve_prompt_tokens_waiting"
-    KV_CACHE_USAGE_RATIO = "splitserve_kv_cache_usage_ratio"
-    KV_CACHE_BLOCKS_TOTAL = "splitserve_kv_cache_blocks_total"
-    PROMPT_TOKENS_TOTAL = "splitserve_prompt_tokens_total"
-    GENERATION_TOKENS_TOTAL = "splitserve_generation_tokens_total"
-    PREFIX_CACHE_QUERIED_TOKENS_TOTAL = "splitserve_prefix_cache_queried_tokens_total"
-    PREFIX_CACHE_HIT_TOKENS_TOTAL = "splitserve_prefix_cache_hit_tokens_total"
-    PREEMPTIONS_TOTAL = "splitserve_preemptions_total"
-    REQUESTS_TOTAL = "splitserve_requests_total"  # label: outcome
-    KV_TRANSFER_BYTES_TOTAL = "splitserve_kv_transfer_bytes_total"
-    KV_TRANSFER_FAILURES_TOTAL = "splitserve_kv_transfer_failures_total"
-    TIME_TO_FIRST_TOKEN_SECONDS = "splitserve_time_to_first_token_seconds"
-    INTER_TOKEN_LATENCY_SECONDS = "splitserve_inter_token_latency_seconds"
-    E2E_REQUEST_LATENCY_SECONDS = "splitserve_e2e_request_latency_seconds"
-    KV_TRANSFER_SECONDS = "splitserve_kv_transfer_seconds"
-
-
-class OperatorMetric:
-    RECONCILE_SECONDS = "splitserve_operator_reconcile_seconds"
-    AUTOSCALER_DESIRED_REPLICAS = "splitserve_autoscaler_desired_replicas"  # label: role
-    AUTOSCALER_DECISIONS_TOTAL = "splitserve_autoscaler_decisions_total"  # role, direction
-
-
-# Request outcomes for Metric.REQUESTS_TOTAL{outcome=...}
-OUTCOMES = ("success", "aborted", "rejected", "error")
-
-
-# --------------------------------------------------------------------------- flags
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """One command-line flag: `--<name>` mapped to the dataclass field `dest`."""
@@ -150,23 +43,27 @@ class ServeArgs:
     kv_port: int = KV_TRANSFER_PORT
     device: str = "auto"  # auto | cuda | cpu
     attention_backend: str = "auto"  # auto | triton | torch
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    quantization: str = "none"  # none | fp8 | int8 | int4
+    dtype: str = "auto"
+    quantization: str = "none"
     max_model_len: int = 0  # 0 = from config.json
-    block_size: int = 16
-    kv_memory_fraction: float = 0.9
+    block_size: int = defaults.BLOCK_SIZE
+    kv_memory_fraction: float = defaults.KV_MEMORY_FRACTION
     num_kv_blocks: int = 0  # 0 = measure from free memory at start-up
     prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     chunked_prefill: bool = True
-    max_queue_len: int = 1024
+    max_queue_len: int = defaults.MAX_QUEUE_LEN
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    drain_timeout_seconds: float = 30.0
-    kv_ttl_seconds: float = 30.0  # prefill role: unclaimed KV is freed after this
+    drain_timeout_seconds: float = defaults.DRAIN_TIMEOUT_SECONDS
+    kv_ttl_seconds: float = defaults.KV_TTL_SECONDS  # prefill role: unclaimed KV is freed after this
     seed: int = 0
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
+
+
+def _str_choices(capability: caps.Capability) -> tuple[str, ...]:
+    return tuple(str(v) for v in capability.known)
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -179,8 +76,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("kv-port", "kv_port", "KV transfer port", type=int),
     Flag("device", "device", "compute device", choices=("auto", "cuda", "cpu")),
     Flag("attention-backend", "attention_backend", "kernel backend", choices=("auto", "triton", "torch")),
-    Flag("dtype", "dtype", "weight/activation dtype", choices=("auto", "bfloat16", "float16", "float32")),
-    Flag("quantization", "quantization", "weight quantization", choices=("none", "fp8", "int8", "int4")),
+    Flag("dtype", "dtype", "weight/activation dtype", choices=_str_choices(caps.DTYPE)),
+    Flag("quantization", "quantization", "weight quantization", choices=_str_choices(caps.QUANTIZATION)),
     Flag("max-model-len", "max_model_len", "context length limit (0: from the model config)", type=int),
     Flag("block-size", "block_size", "tokens per KV cache block", type=int),
     Flag("kv-memory-fraction", "kv_memory_fraction", "fraction of free device memory for the KV cache", type=float),
@@ -199,6 +96,17 @@ SERVE_FLAGS: tuple[Flag, ...] = (
 )
 
 
+def unsupported_serve_settings(args: ServeArgs) -> list[str]:
+    """Messages for every setting in ``args`` that this version does not serve (the runtime
+    refuses to start with them; the operator's CRD refuses them at admission)."""
+    return caps.unsupported([
+        (caps.QUANTIZATION, args.quantization),
+        (caps.TENSOR_PARALLEL_SIZE, args.tensor_parallel_size),
+        (caps.PIPELINE_PARALLEL_SIZE, args.pipeline_parallel_size),
+        (caps.DTYPE, args.dtype),
+    ])
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterArgs:
     """Arguments of `splitserve router`."""
@@ -206,18 +114,18 @@ class RouterArgs:
     host: str = "0.0.0.0"
     port: int = HTTP_PORT
     policy: str = RoutingPolicy.PREFIX_AFFINITY.value
-    session_header: str = "x-session-id"
+    session_header: str = defaults.SESSION_HEADER
     discovery: str = "static"  # static | kubernetes
     namespace: str = ""
     inference_service: str = ""
-    prefill_endpoints: str = ""  # static: comma-separated host:port (HTTP); KV port from /v1/splitserve/info
+    prefill_endpoints: str = ""  # static: comma-separated host:port (HTTP); KV port from INFO_PATH
     decode_endpoints: str = ""
     aggregated_endpoints: str = ""
     model: str = ""  # tokenizer source for prefix hashing (same URI as the pools)
     served_model_name: str = ""
-    block_size: int = 16
-    short_prompt_threshold: int = 64  # prompts with fewer uncached tokens go straight to decode
-    health_interval_seconds: float = 2.0
+    block_size: int = defaults.BLOCK_SIZE
+    short_prompt_threshold: int = defaults.SHORT_PROMPT_THRESHOLD
+    health_interval_seconds: float = defaults.ROUTER_HEALTH_INTERVAL_SECONDS
     request_timeout_seconds: float = 600.0
 
 
@@ -241,9 +149,10 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
 )
 
 
-def _add_arguments(parser: argparse.ArgumentParser, flags: Sequence[Flag], defaults: Any) -> None:
+def add_arguments(parser: argparse.ArgumentParser, flags: Sequence[Flag], defaults_obj: Any) -> None:
+    """Add ``flags`` to ``parser`` with defaults read from ``defaults_obj`` (a dataclass)."""
     for flag in flags:
-        default = getattr(defaults, flag.dest)
+        default = getattr(defaults_obj, flag.dest)
         if flag.is_bool:
             parser.add_argument(
                 f"--{flag.name}", dest=flag.dest, default=default,
@@ -257,11 +166,11 @@ def _add_arguments(parser: argparse.ArgumentParser, flags: Sequence[Flag], defau
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_arguments(parser, SERVE_FLAGS, ServeArgs())
+    add_arguments(parser, SERVE_FLAGS, ServeArgs())
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_arguments(parser, ROUTER_FLAGS, RouterArgs())
+    add_arguments(parser, ROUTER_FLAGS, RouterArgs())
 
 
 def serve_args_from_namespace(ns: argparse.Namespace) -> ServeArgs:
@@ -272,12 +181,12 @@ def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
     return RouterArgs(**{f.dest: getattr(ns, f.dest) for f in ROUTER_FLAGS})
 
 
-def _argv(flags: Sequence[Flag], args: Any, defaults: Any) -> list[str]:
+def _argv(flags: Sequence[Flag], args: Any, defaults_obj: Any) -> list[str]:
     """Render only the flags whose value differs from the default, in table order."""
     out: list[str] = []
     for flag in flags:
         value = getattr(args, flag.dest)
-        if value == getattr(defaults, flag.dest):
+        if value == getattr(defaults_obj, flag.dest):
             continue
         if flag.is_bool:
             out.append(f"--{flag.name}" if value else f"--no-{flag.name}")
@@ -292,4 +201,5 @@ def serve_argv(args: ServeArgs) -> list[str]:
 
 
 def router_argv(args: RouterArgs) -> list[str]:
+    """`splitserve router` arguments for `args`."""
     return _argv(ROUTER_FLAGS, args, RouterArgs())

@@ -5,7 +5,9 @@ the server never read raw JSON. Anything we cannot run correctly (another archit
 unknown RoPE scaling type, a pre-quantized checkpoint, MLP bias) is rejected with a message
 naming the field rather than producing silently wrong output. Both the classic
 ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict written by
-transformers 5 are accepted. Torch-free (the operator may import it).
+transformers 5 are accepted. It lives in the contract because two sides read the same file
+for different jobs: the runtime builds the model from it, the planner sizes fleets from it;
+both refuse an architecture the capabilities table does not list.
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelLoadError
+from .capabilities import ARCHITECTURE
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+class ModelLoadError(Exception):
+    """A model directory, URI, config, tokenizer or weight file cannot be used.
+
+    The one exception type for every way a model can be unusable: loading fails for
+    user-fixable reasons (wrong path, unsupported architecture, a truncated download); one
+    type with a message that names the file, field or tensor lets the server print one clear
+    line (and its pod's termination message) instead of a traceback."""
+
+
+SUPPORTED_ARCHITECTURES = tuple(str(a) for a in ARCHITECTURE.supported)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

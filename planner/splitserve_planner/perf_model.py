@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve_runtime.model.config import ModelConfig
+from splitserve_contract.model_config import ModelConfig
 
 from .gpus import GIB, GpuSpec
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from splitserve_contract import defaults
+
 from .perf_model import StepCost, prefill_attention_pairs
 from .workload import Request
 
@@ -69,7 +71,7 @@ class EngineSettings:
     max_batched_tokens: int = 8192
     chunked_prefill: bool = True
     prefix_caching: bool = True
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     batching: str = "continuous"
     prefix_cache_groups: int = 64
     """LRU capacity of a pod's prefix cache, in prefix groups."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..autoscaler.decision import (
+from splitserve_operator.autoscaler.decision import (
     Behavior,
     Decision,
     PoolPolicy,

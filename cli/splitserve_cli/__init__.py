@@ -1,9 +1,11 @@
 """The `splitserve` console command: one entry point, lazily imported subcommands.
 
-Each subcommand lives in its own module with a ``main(argv: list[str]) -> int``; this file
-only maps names to modules and imports the one that is asked for. So ``splitserve --help``
-and ``splitserve operator`` never import torch, and an install without the runtime extra
-(the operator image) still has a working command that says what is missing.
+Each subcommand lives in its own package with a ``main(argv: list[str]) -> int``; this
+package only maps names to modules and imports the one that is asked for. It sits above the
+operator, runtime and planner packages and imports none of them at module level (the layer
+rules in ``.importlinter``), so ``splitserve --help`` and ``splitserve operator`` never import
+torch, and an install without the runtime extra (the operator image) still has a working
+command that says what is missing.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny-model": Subcommand("splitserve_runtime.model.tiny",
                                   "write a tiny random checkpoint for tests and demos",
                                   "runtime"),
-    "plan": Subcommand("splitserve_operator.planner.cli",
+    "plan": Subcommand("splitserve_planner.cli",
                        "size prefill/decode pools for a workload", "operator"),
 }
 
 
 def _version() -> str:
-    from splitserve_runtime import __version__
+    from splitserve_contract import __version__
 
     return __version__
 

@@ -1,6 +1,6 @@
 """Measured performance profiles: a versioned data file of step timings, and a model fitted to it.
 
-A profile is written by ``bench/profile_runtime.py`` from our runtime's engine (``LLMEngine``)
+A profile is written by ``splitserve_planner.runtime_profile`` from our runtime's engine (``LLMEngine``)
 on a real device: prefill steps (``numSeqs`` prompts of ``numTokens`` new tokens after
 ``numCachedTokens`` cached ones) and decode steps (``batchSize`` sequences holding
 ``numContextTokens`` KV tokens in total), optionally general ``steps`` recorded in a serving run

@@ -8,8 +8,11 @@ new prompt, as continuous batching runs them). Each figure is the median of
 ``--repeats`` runs. The output feeds ``splitserve plan --profile FILE`` and the simulator's
 validation test. Torch threads default to 1 so that other load on a shared machine skews less.
 
-    python bench/profile_runtime.py --out operator/splitserve_operator/planner/profiles/cpu-tiny-llama.json
-    python bench/profile_runtime.py --device cuda --model-dir /models/llama-3.1-8b --out h200.json
+    python -m splitserve_planner.runtime_profile --out planner/splitserve_planner/profiles/cpu-tiny-llama.json
+    python -m splitserve_planner.runtime_profile --device cuda --model-dir /models/llama-3.1-8b --out h200.json
+
+This is the one module of the planner that imports the runtime (it runs the engine); the rest
+of the planner is torch-free (import-linter, ``.importlinter``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve_operator.planner.perf_model import prefill_attention_pairs
-from splitserve_operator.planner.profile import (
+from splitserve_contract import ServeArgs, defaults
+from splitserve_contract.model_config import load_model_config
+from splitserve_planner.perf_model import prefill_attention_pairs
+from splitserve_planner.profile import (
     DecodeSample,
     EngineInfo,
     ModelInfo,
@@ -36,12 +41,10 @@ from splitserve_operator.planner.profile import (
     StepSample,
     save_profile,
 )
-from splitserve_operator.planner.workload import Request
-from splitserve_runtime.contract import ServeArgs
+from splitserve_planner.workload import Request
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.scheduler import SchedulerOutput
-from splitserve_runtime.model.config import load_model_config
 
 MAX_MODEL_LEN = 2048
 
@@ -51,7 +54,7 @@ class ProfileSettings:
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
     num_kv_blocks: int = 2048
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     device: str = "cpu"
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
     prefill_seqs: tuple[int, ...] = (1, 4)
@@ -216,7 +219,7 @@ def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSett
         engine=EngineInfo(max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
                           block_size=settings.block_size),
         measured_at=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
-        tool="bench/profile_runtime.py", notes=f"torch {torch.__version__}; median of {settings.repeats}",
+        tool="splitserve_planner.runtime_profile", notes=f"torch {torch.__version__}; median of {settings.repeats}",
         prefill=prefill, decode=decode, steps=mixed)
 
 
@@ -343,7 +346,7 @@ def main(argv: list[str]) -> int:
         started = time.perf_counter()
         profile = measure_profile(engine=engine, model_dir=model_dir, settings=settings)
     save_profile(profile=profile, path=args.out)
-    from splitserve_operator.planner.profile import ProfileModel
+    from splitserve_planner.profile import ProfileModel
 
     fit = ProfileModel(profile=profile).fit_errors()
     print(f"wrote {args.out}: {len(profile.prefill)} prefill + {len(profile.decode)} decode + "

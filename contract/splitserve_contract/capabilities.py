@@ -1,0 +1,113 @@
+"""What this version of the runtime serves: the one table the API, the planner and the
+runtime agree on.
+
+Each :class:`Capability` names a setting, every value the API *knows* (so a typo is a plain
+"unsupported value") and the values this version *supports*. The CRD generator turns a
+capability with an API field into an enum of the known values plus a CEL rule that refuses
+the unsupported ones with "... is not supported by this version of splitserve"; the
+planner refuses to propose them; the runtime refuses them at start-up with the same words.
+When a feature lands (quantization, tensor parallelism, speculative decoding, ...), its
+issue widens ``supported`` here and the CRD, the planner and the docs follow on the next
+``make crds``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Final
+
+SUPPORT_NOTE: Final = "is not supported by this version of splitserve"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One setting: what the API knows, what the runtime serves."""
+
+    name: str
+    """Human name used in messages, e.g. ``quantization``."""
+    known: tuple[str | int, ...]
+    supported: tuple[str | int, ...]
+    api_field: str = ""
+    """camelCase field inside its API object (``quantization``, ``tensor``); empty when the
+    setting is not in the CRD."""
+
+    def __post_init__(self) -> None:
+        missing = [v for v in self.supported if v not in self.known]
+        if missing:
+            raise ValueError(f"{self.name}: supported values {missing} are not known values")
+
+    def is_supported(self, value: str | int) -> bool:
+        return value in self.supported
+
+    def unsupported_message(self, value: str | int) -> str:
+        """The one sentence every side uses to refuse ``value``."""
+        return (f"{self.name} {value!s} {SUPPORT_NOTE} "
+                f"(supported: {', '.join(str(v) for v in self.supported)})")
+
+    def check(self, value: str | int) -> None:
+        """Raise :class:`UnsupportedError` unless ``value`` is supported."""
+        if not self.is_supported(value):
+            raise UnsupportedError(self.unsupported_message(value))
+
+
+class UnsupportedError(ValueError):
+    """A setting the API knows but this version does not serve yet."""
+
+
+QUANTIZATION: Final = Capability(
+    name="quantization", api_field="quantization",
+    known=("none", "fp8", "int8", "int4"), supported=("none",))
+TENSOR_PARALLEL_SIZE: Final = Capability(
+    name="parallelism.tensor", api_field="tensor",
+    known=(1, 2, 4, 8), supported=(1,))
+PIPELINE_PARALLEL_SIZE: Final = Capability(
+    name="parallelism.pipeline", api_field="pipeline",
+    known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1,))
+SPECULATIVE_METHOD: Final = Capability(
+    name="speculative decoding method", known=("none", "ngram", "draft"), supported=("none",))
+MODEL_URI_SCHEME: Final = Capability(
+    name="model URI scheme", known=("hf", "file", "pvc"), supported=("hf", "file", "pvc"))
+HF_DOWNLOAD_SUPPORTED: Final = False
+"""``hf://`` models are resolved in the runtime's model cache only; downloading is not
+implemented yet, so a model missing from the cache is a start-up error the pod reports."""
+ARCHITECTURE: Final = Capability(
+    name="model architecture",
+    known=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    supported=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+DTYPE: Final = Capability(
+    name="dtype", api_field="dtype",
+    known=("auto", "bfloat16", "float16", "float32"),
+    supported=("auto", "bfloat16", "float16", "float32"))
+
+ALL: Final[tuple[Capability, ...]] = (
+    QUANTIZATION, TENSOR_PARALLEL_SIZE, PIPELINE_PARALLEL_SIZE, SPECULATIVE_METHOD,
+    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE,
+)
+
+
+def unsupported(pairs: Iterable[tuple[Capability, str | int]]) -> list[str]:
+    """Messages for every (capability, value) pair that this version does not serve."""
+    return [cap.unsupported_message(value) for cap, value in pairs if not cap.is_supported(value)]
+
+
+def cel_rule(capability: Capability, *, path: str = "self") -> dict[str, str]:
+    """A CEL validation for the object that holds ``capability.api_field``: refuses known but
+    unsupported values with the capability's message (``messageExpression`` names the value)."""
+    if not capability.api_field:
+        raise ValueError(f"{capability.name} has no API field")
+    field = f"{path}.{capability.api_field}"
+    literals = ", ".join(_cel_literal(v) for v in capability.supported)
+    supported = ", ".join(str(v) for v in capability.supported)
+    value = field if isinstance(capability.supported[0], str) else f"string({field})"
+    prefix = f"{capability.name} "
+    suffix = f" {SUPPORT_NOTE} (supported: {supported})"
+    return {
+        "rule": f"!has({field}) || {field} in [{literals}]",
+        "message": f"{capability.name}: this value {SUPPORT_NOTE} (supported: {supported})",
+        "messageExpression": f"'{prefix}' + {value} + '{suffix}'",
+    }
+
+
+def _cel_literal(value: str | int) -> str:
+    return f"'{value}'" if isinstance(value, str) else str(value)

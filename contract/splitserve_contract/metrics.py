@@ -1,0 +1,43 @@
+"""Prometheus metric names: the runtime exports them, the autoscaler and dashboards read them.
+
+Every runtime series carries the labels ``role`` and ``model``; Prometheus adds ``namespace``,
+``pod`` and ``inferenceservice`` from pod labels (``docs/architecture.md``, "Metrics").
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+
+class Metric:
+    """Metric names exported by the runtime and the router."""
+
+    REQUESTS_WAITING: Final = "splitserve_requests_waiting"
+    REQUESTS_RUNNING: Final = "splitserve_requests_running"
+    PROMPT_TOKENS_WAITING: Final = "splitserve_prompt_tokens_waiting"
+    KV_CACHE_USAGE_RATIO: Final = "splitserve_kv_cache_usage_ratio"
+    KV_CACHE_BLOCKS_TOTAL: Final = "splitserve_kv_cache_blocks_total"
+    PROMPT_TOKENS_TOTAL: Final = "splitserve_prompt_tokens_total"
+    GENERATION_TOKENS_TOTAL: Final = "splitserve_generation_tokens_total"
+    PREFIX_CACHE_QUERIED_TOKENS_TOTAL: Final = "splitserve_prefix_cache_queried_tokens_total"
+    PREFIX_CACHE_HIT_TOKENS_TOTAL: Final = "splitserve_prefix_cache_hit_tokens_total"
+    PREEMPTIONS_TOTAL: Final = "splitserve_preemptions_total"
+    REQUESTS_TOTAL: Final = "splitserve_requests_total"  # label: outcome
+    KV_TRANSFER_BYTES_TOTAL: Final = "splitserve_kv_transfer_bytes_total"
+    KV_TRANSFER_FAILURES_TOTAL: Final = "splitserve_kv_transfer_failures_total"
+    TIME_TO_FIRST_TOKEN_SECONDS: Final = "splitserve_time_to_first_token_seconds"
+    INTER_TOKEN_LATENCY_SECONDS: Final = "splitserve_inter_token_latency_seconds"
+    E2E_REQUEST_LATENCY_SECONDS: Final = "splitserve_e2e_request_latency_seconds"
+    KV_TRANSFER_SECONDS: Final = "splitserve_kv_transfer_seconds"
+
+
+class OperatorMetric:
+    """Metric names exported by the operator."""
+
+    RECONCILE_SECONDS: Final = "splitserve_operator_reconcile_seconds"
+    AUTOSCALER_DESIRED_REPLICAS: Final = "splitserve_autoscaler_desired_replicas"  # label: role
+    AUTOSCALER_DECISIONS_TOTAL: Final = "splitserve_autoscaler_decisions_total"  # role, direction
+
+
+OUTCOMES: Final = ("success", "aborted", "rejected", "error")
+"""Request outcomes for ``Metric.REQUESTS_TOTAL{outcome=...}``."""

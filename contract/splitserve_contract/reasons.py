@@ -1,0 +1,63 @@
+"""Condition types and CamelCase reasons: the words the operator writes into
+``status.conditions``, ``lastDecision.reason`` and Events. One definition each; the
+reconciler, the autoscaler, the planner's simulator, the docs and the tests all use these.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class ConditionType(enum.StrEnum):
+    """Condition types (kstatus-compatible Ready/Reconciling/Stalled plus our own)."""
+
+    READY = "Ready"
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
+    METRICS_HEALTHY = "MetricsHealthy"
+    SCALING_ACTIVE = "ScalingActive"
+
+
+class Reason:
+    """CamelCase reasons of conditions, scaling decisions and Events."""
+
+    # reconciler
+    RECONCILED: Final = "Reconciled"
+    PROGRESSING: Final = "Progressing"
+    CHILDREN_CREATED: Final = "ChildrenCreated"
+    ROLLOUT_IN_PROGRESS: Final = "RolloutInProgress"
+    PODS_NOT_READY: Final = "PodsNotReady"
+    NAME_CONFLICT: Final = "NameConflict"
+    INVALID_SPEC: Final = "InvalidSpec"
+    API_ERROR: Final = "ApiError"
+    PAUSED: Final = "Paused"
+    INSUFFICIENT_GPU_CAPACITY: Final = "InsufficientGPUCapacity"
+    MODEL_UNAVAILABLE: Final = "ModelUnavailable"
+    """A runtime pod exited because its model could not be loaded (message from the pod)."""
+    POD_START_FAILED: Final = "PodStartFailed"
+    """A runtime pod keeps exiting at start-up for another reason (message from the pod)."""
+    # autoscaler: conditions and Events
+    ACTIVE: Final = "Active"
+    METRICS_AVAILABLE: Final = "MetricsAvailable"
+    METRICS_UNAVAILABLE: Final = "MetricsUnavailable"
+    METRICS_HEALTHY: Final = "MetricsHealthy"
+    METRICS_UNHEALTHY: Final = "MetricsUnhealthy"
+    SCALING_DISABLED: Final = "ScalingDisabled"
+    SCALE_FAILED: Final = "ScaleFailed"
+    DRY_RUN: Final = "DryRun"
+    # autoscaler: decisions (lastDecision.reason)
+    WITHIN_TOLERANCE: Final = "WithinTolerance"
+    SCALED_UP: Final = "ScaledUp"
+    SCALED_DOWN: Final = "ScaledDown"
+    AT_MIN_REPLICAS: Final = "AtMinReplicas"
+    AT_MAX_REPLICAS: Final = "AtMaxReplicas"
+    GPU_BUDGET_LIMITED: Final = "GpuBudgetLimited"
+    PENDING_PODS: Final = "PendingPods"
+    NO_READY_REPLICAS: Final = "NoReadyReplicas"
+    REPLICAS_STARTING: Final = "ReplicasStarting"
+    STABILIZING: Final = "Stabilizing"
+    STEADY: Final = "Steady"
+    QUERY_FAILED: Final = "QueryFailed"
+    NO_DATA: Final = "NoData"
+    STALE: Final = "Stale"

@@ -1,0 +1,87 @@
+"""Names that cross a process boundary: ports, paths, labels, annotations, headers, env.
+
+The operator renders them into objects and pod specs, the runtime and router listen on them,
+Prometheus relabels them, the tests look for them. Each is defined here once; see
+``docs/architecture.md`` ("Contracts") for who writes and who reads each one.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+# --------------------------------------------------------------------------- ports
+HTTP_PORT: Final = 8000
+"""OpenAI API, /health, /ready, /metrics on every runtime and router pod."""
+KV_TRANSFER_PORT: Final = 8100
+"""Prefill -> decode KV block transfer (TCP connector)."""
+HTTP_PORT_NAME: Final = "http"
+KV_TRANSFER_PORT_NAME: Final = "kv"
+
+# --------------------------------------------------------------------------- CRD identity
+API_GROUP: Final = "splitserve.dev"
+API_VERSION: Final = "v1alpha1"
+KIND: Final = "InferenceService"
+PLURAL: Final = "inferenceservices"
+
+# --------------------------------------------------------------------------- labels
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_ROLE: Final = "splitserve.dev/role"
+LABEL_COMPAT_HASH: Final = "splitserve.dev/compat-hash"
+
+LABEL_NAME_VALUE: Final = "splitserve"
+MANAGED_BY_VALUE: Final = "splitserve-operator"
+
+ANNOTATION_CONFIG_HASH: Final = "splitserve.dev/config-hash"
+ANNOTATION_PAUSED: Final = "splitserve.dev/paused"
+ANNOTATION_POD_DELETION_COST: Final = "controller.kubernetes.io/pod-deletion-cost"
+
+FIELD_MANAGER_RECONCILER: Final = "splitserve-operator"
+FIELD_MANAGER_AUTOSCALER: Final = "splitserve-autoscaler"
+
+LABEL_SCRAPE: Final = "splitserve.dev/scrape"
+"""Pods carrying this label (value "true") are scraped on HTTP_PORT at METRICS_PATH; Prometheus
+relabels pod labels into ``namespace``, ``pod`` and ``inferenceservice`` (from LABEL_INSTANCE)."""
+METRICS_PATH: Final = "/metrics"
+
+# --------------------------------------------------------------------------- runtime endpoints
+INFO_PATH: Final = "/v1/splitserve/info"
+"""GET: {role, model, compat_hash, kv_endpoint, block_size, max_model_len} of a runtime pod."""
+KV_TRANSFER_PARAMS_FIELD: Final = "kv_transfer_params"
+"""Extension field of completion/chat requests and responses that carries the P->D handoff:
+request to prefill: {"do_remote_decode": true}; prefill's response: {"remote_endpoint",
+"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash"}; request to decode:
+that response object, which makes decode pull the KV instead of computing it."""
+HEADER_REQUEST_ID: Final = "x-request-id"
+
+# --------------------------------------------------------------------------- environment
+ENV_API_KEY: Final = "SPLITSERVE_API_KEY"
+ENV_POD_NAME: Final = "POD_NAME"
+ENV_POD_NAMESPACE: Final = "POD_NAMESPACE"
+ENV_POD_IP: Final = "POD_IP"
+ENV_MODEL_CACHE: Final = "SPLITSERVE_MODEL_CACHE"
+"""Directory that `hf://org/name` URIs resolve in (HF hub cache layout or org/name dirs)."""
+
+TERMINATION_MESSAGE_PATH: Final = "/dev/termination-log"
+"""Where a runtime pod writes why it could not start (the kubelet copies it into the
+container status; the operator shows it in the InferenceService's conditions)."""
+
+
+class Role(enum.StrEnum):
+    """What a runtime process does; also the value of LABEL_ROLE / LABEL_COMPONENT."""
+
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+class RoutingPolicy(enum.StrEnum):
+    """How the router picks a prefill (or aggregated) pod."""
+
+    PREFIX_AFFINITY = "PrefixAffinity"
+    LEAST_LOAD = "LeastLoad"
+    ROUND_ROBIN = "RoundRobin"
