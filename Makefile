@@ -1,8 +1,12 @@
 # splitserve developer entry points. `make demo` and `make test` are the README quickstart.
 PYTHON ?= python3
 PYTEST_ARGS ?=
+# Test order is fixed by default (-p no:randomly); `make test-shuffled` runs the same suite in
+# a random order (pytest-randomly prints the seed; reproduce with PYTEST_ARGS="-p randomly -p no:cacheprovider --randomly-seed=N").
+ORDER ?= -p no:randomly
+PACKAGES = contract/splitserve_contract operator/splitserve_operator runtime/splitserve_runtime planner/splitserve_planner cli/splitserve_cli e2e/splitserve_e2e
 
-.PHONY: help deps install test test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
+.PHONY: help deps install test test-shuffled test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -16,21 +20,27 @@ install: ## install the package with all extras (editable)
 binaries: ## build or reuse the pinned control-plane binaries (~/.cache/splitserve/bin)
 	$(PYTHON) -m splitserve_e2e.build
 
-test: deps ## unit tests, then end-to-end tests on the local control plane
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests e2e
+test: deps ## lint-imports, unit tests, then end-to-end tests on the local control plane
+	lint-imports
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) tests e2e
+
+test-shuffled: deps ## the whole suite in a random order (pytest-randomly prints the seed)
+	$(PYTHON) -m pytest -q -p no:cacheprovider -p randomly $(PYTEST_ARGS) tests e2e
 
 test-unit: ## unit tests only (no cluster)
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) tests
 
 test-e2e: ## end-to-end tests only
-	$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) e2e
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) e2e
 
 demo: deps ## local control plane + chart + tiny-model InferenceService + load burst + scaling report
 	$(PYTHON) -m splitserve_e2e.demo $(DEMO_ARGS)
 
-lint: ## ruff + mypy
-	$(PYTHON) -m ruff check operator runtime e2e tests bench
-	$(PYTHON) -m mypy operator/splitserve_operator runtime/splitserve_runtime e2e/splitserve_e2e
+lint: ## ruff, import layers (import-linter), mypy --strict on the packages and the tests
+	$(PYTHON) -m ruff check contract operator runtime planner cli e2e tests bench
+	lint-imports
+	$(PYTHON) -m mypy --strict $(PACKAGES)
+	$(PYTHON) -m mypy --strict tests
 
 crds: ## regenerate crds/ and the chart's copy from the pydantic models
 	$(PYTHON) -m splitserve_operator.crdgen
