@@ -275,8 +275,18 @@ class ModelSpec(ApiModel):
     )
     hub_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
-        description="Secret with a model hub token, passed to the runtime as an environment variable.",
+        description=(
+            "Secret with a model hub token, passed to the runtime as an environment variable. "
+            "Not supported by this version: hf:// models are read from the runtime's model "
+            "cache and never downloaded, so the API refuses this field until downloads land."
+        ),
     )
+
+    @model_validator(mode="after")
+    def _hub_token_needs_downloads(self) -> ModelSpec:
+        if self.hub_token_secret_ref is not None and not caps.HF_DOWNLOAD_SUPPORTED:
+            raise ValueError(HUB_TOKEN_RULE_MESSAGE)
+        return self
 
 
 class ApiKeySecretRef(ApiModel):
@@ -875,7 +885,15 @@ def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
     return tuple(caps.cel_rule(c) for c in capabilities if c.supported != c.known)
 
 
-MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(caps.DTYPE, caps.QUANTIZATION)
+HUB_TOKEN_RULE_MESSAGE: Final = (
+    f"model.hubTokenSecretRef {caps.SUPPORT_NOTE}: hf:// models are not downloaded yet "
+    "(pre-fill the runtime's model cache, or use pvc:// or file://)"
+)
+MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    *_capability_rules(caps.DTYPE, caps.QUANTIZATION),
+    *(() if caps.HF_DOWNLOAD_SUPPORTED else
+      ({"rule": "!has(self.hubTokenSecretRef)", "message": HUB_TOKEN_RULE_MESSAGE},)),
+)
 """Generated from the capabilities table: known-but-unsupported values are refused with
 "... is not supported by this version of splitserve"."""
 PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel
 
 from splitserve_contract import API_GROUP, API_VERSION, KIND, PLURAL
+from splitserve_contract import capabilities as caps
 
 from . import api
 
@@ -297,6 +298,15 @@ def api_reference() -> str:
         out += ["", f"#### `{part}`", "", *header, *_doc_rows(schema[part], part, False, {})[1:]]
     rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
              *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES]
+    out += ["", "#### What this version supports", "",
+            "Generated from the capabilities table (`splitserve_contract.capabilities`). Known "
+            "but unsupported values are refused at admission with \"... is not supported by "
+            "this version of splitserve\".", "",
+            "| Setting | Known values | Supported by this version |", "| --- | --- | --- |"]
+    out += [f"| {cap.name} | {', '.join(str(v) for v in cap.known)} | "
+            f"{', '.join(str(v) for v in cap.supported)} |" for cap in caps.ALL]
+    out += [f"| hf:// download from a hub | yes, no | {'yes' if caps.HF_DOWNLOAD_SUPPORTED else 'no'}"
+            " (models are read from the runtime's model cache) |"]
     out += ["", "#### Cross-field rules (CEL, enforced by the API server)", ""]
     out += [f"- {rule['message']}" for rule in rules]
     out.append(DOC_END)

@@ -114,6 +114,7 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill.parallelism.pipeline: parallelism.pipeline 2 is not supported by this version of splitserve"),
         ({"model": {"uri": "hf://a/b", "quantization": "fp8"}}, "spec.model.quantization: quantization fp8 is not supported by this version of splitserve (supported: none)"),
         ({"model": {"uri": "hf://a/b", "quantization": "fp4"}}, "spec.model.quantization: Input should be none, fp8, int8 or int4"),
+        ({"model": {"uri": "hf://a/b", "hubTokenSecretRef": {"name": "hf"}}}, "spec.model: model.hubTokenSecretRef is not supported by this version of splitserve"),
         ({"decode": {"parallelism": {"tensor": 3}}}, "spec.decode.parallelism.tensor: Input should be 1, 2, 4 or 8"),
         ({"kvCache": {"blockSize": 24}}, "spec.kvCache.blockSize: Input should be 8, 16, 32, 64 or 128"),
         ({"kvCache": {"memoryFraction": 0.99}}, "spec.kvCache.memoryFraction: Input should be less than or equal to 0.98"),
