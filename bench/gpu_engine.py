@@ -1,5 +1,5 @@
 """The engine on one GPU: KV pool sizing, decode speed vs the memory roofline, and how long
-the device sits idle between steps waiting for Python (DESIGN.md section 7).
+the device sits idle between steps waiting for Python (docs/architecture.md, "Performance method").
 
 The model has the Llama-3.1-8B shape (32 layers, hidden 4096, MLP 14336, 32 query / 8 KV
 heads, vocab 128256) with random bf16 weights built in memory (nothing to download). For

@@ -2,7 +2,7 @@
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, KV block 16, hidden 4096,
 intermediate 14336. Every figure is a ratio against something measured in the same process
-(DESIGN.md section 7):
+(docs/architecture.md, "Performance method"):
 
 * decode attention, batch {1, 8, 32, 64} x context {1k, 4k, 16k, 32k}: achieved HBM GB/s
   (K+V+q+out bytes / time) vs the 4.3 TB/s measured copy bandwidth of an H200, and vs torch

@@ -1,4 +1,4 @@
-"""A point-in-time snapshot of the engine's gauges and counters (DESIGN.md section 5).
+"""A point-in-time snapshot of the engine's gauges and counters (docs/architecture.md, "Metrics").
 
 The server exports these as the ``splitserve_*`` metrics; field names match the metric
 names without prefix. Counters only grow for the engine's lifetime.

@@ -81,7 +81,7 @@ def unavailable(message: str, *, retry_after_seconds: int = 1,
 
 
 def from_engine_error(exc: EngineError, *, prompt_param: str) -> APIError:
-    """Map an engine admission error onto the HTTP answer (DESIGN.md section 9)."""
+    """Map an engine admission error onto the HTTP answer (docs/architecture.md, "Reliability")."""
     if isinstance(exc, ContextLengthExceeded | PromptExceedsKVCapacity):
         return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, QueueFull):

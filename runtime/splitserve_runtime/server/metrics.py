@@ -1,4 +1,4 @@
-"""Prometheus metrics of one runtime process, named exactly as in DESIGN.md section 5.
+"""Prometheus metrics of one runtime process, named exactly as in docs/architecture.md, "Metrics".
 
 Two sources feed one private registry (never the global one, so several apps can live in a
 test process):
