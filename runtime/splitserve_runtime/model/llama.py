@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
                     hidden, residual, layer.input_layernorm, cfg.rms_norm_eps,
                 )
             qkv = F.linear(hidden, layer.qkv_proj, layer.qkv_bias)
-            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)

@@ -21,6 +21,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 from splitserve_contract import HTTP_PORT, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE, Role
 
@@ -47,7 +48,7 @@ def parse_static(*, role: Role, endpoints: str) -> list[Target]:
     return targets
 
 
-def targets_from_slices(*, slices: Iterable[dict], service_roles: dict[str, Role]) -> dict[Role, list[Target]]:
+def targets_from_slices(*, slices: Iterable[dict[str, Any]], service_roles: dict[str, Role]) -> dict[Role, list[Target]]:
     """Ready endpoints of EndpointSlice objects (as dicts) grouped by role."""
     found: dict[Role, list[Target]] = {role: [] for role in service_roles.values()}
     for eps in slices:
@@ -73,7 +74,7 @@ def targets_from_slices(*, slices: Iterable[dict], service_roles: dict[str, Role
     return found
 
 
-def loopback_targets_from_pods(*, pods: Iterable[dict], inference_service: str) -> dict[Role, list[Target]]:
+def loopback_targets_from_pods(*, pods: Iterable[dict[str, Any]], inference_service: str) -> dict[Role, list[Target]]:
     """Ready, non-terminating pods of ``inference_service`` with a loopback pod IP, by role
     label (pods as dicts). See the module docstring for why."""
     found: dict[Role, list[Target]] = {role: [] for role in SERVICE_SUFFIX}
@@ -110,7 +111,7 @@ class KubernetesDiscovery:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inference_service = inference_service
-        self._slices: dict[str, dict] = {}
+        self._slices: dict[str, dict[str, Any]] = {}
         self._loopback: dict[Role, list[Target]] = {}
         self._lock = threading.Lock()
 
@@ -123,7 +124,7 @@ class KubernetesDiscovery:
     def stop(self) -> None:
         self._stop.set()
 
-    def _publish(self, slices: dict[str, dict] | None = None) -> None:
+    def _publish(self, slices: dict[str, dict[str, Any]] | None = None) -> None:
         with self._lock:
             if slices is not None:
                 self._slices = dict(slices)
@@ -145,11 +146,12 @@ class KubernetesDiscovery:
         except config.ConfigException:
             config.load_kube_config()
         api = client.CoreV1Api()
-        to_dict = client.ApiClient().sanitize_for_serialization
+        api_client: Any = client.ApiClient()
+        to_dict = api_client.sanitize_for_serialization
         selector = f"{LABEL_INSTANCE}={self._inference_service}"
         while not self._stop.is_set():
             try:
-                listed: dict = to_dict(api.list_namespaced_pod(self._namespace, label_selector=selector))
+                listed: dict[str, Any] = to_dict(api.list_namespaced_pod(self._namespace, label_selector=selector))
                 found = loopback_targets_from_pods(pods=listed.get("items", []),
                                                    inference_service=self._inference_service)
                 if found != self._loopback:
@@ -171,12 +173,13 @@ class KubernetesDiscovery:
         except config.ConfigException:
             config.load_kube_config()
         api = client.DiscoveryV1Api()
-        to_dict = client.ApiClient().sanitize_for_serialization
+        api_client: Any = client.ApiClient()
+        to_dict = api_client.sanitize_for_serialization
         selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._service_roles))})"
         while not self._stop.is_set():
             try:
-                listed: dict = to_dict(api.list_namespaced_endpoint_slice(self._namespace, label_selector=selector))
-                slices: dict[str, dict] = {s["metadata"]["name"]: s for s in listed.get("items", [])}
+                listed: dict[str, Any] = to_dict(api.list_namespaced_endpoint_slice(self._namespace, label_selector=selector))
+                slices: dict[str, dict[str, Any]] = {s["metadata"]["name"]: s for s in listed.get("items", [])}
                 self._publish(slices)
                 stream = watch.Watch().stream(
                     api.list_namespaced_endpoint_slice, self._namespace, label_selector=selector,
@@ -185,7 +188,7 @@ class KubernetesDiscovery:
                 for event in stream:
                     if self._stop.is_set():
                         return
-                    obj: dict = to_dict(event["object"])
+                    obj: dict[str, Any] = to_dict(event["object"])
                     name = obj["metadata"]["name"]
                     if event["type"] == "DELETED":
                         slices.pop(name, None)
