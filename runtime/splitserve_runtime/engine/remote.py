@@ -44,11 +44,11 @@ from ..transfer import (
     TransferError,
 )
 from .async_engine import AsyncEngine
+from .delegate import DelegatingEngine
 from .errors import KVTransferFailed, QueueFull
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from .sampling_params import SamplingParams
-from .stats import EngineStats
 from .stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def kv_layout_of(core: LLMEngine, *, compat_hash: str) -> KVLayout:
                     compat_hash=compat_hash)
 
 
-class HandoffEngine:
+class HandoffEngine(DelegatingEngine):
     """Delegates the :class:`~splitserve_runtime.server.engine_client.EngineClient` surface
     to an AsyncEngine and adds the two handoff entry points. ``role``: prefill or decode."""
 
@@ -116,7 +116,8 @@ class HandoffEngine:
                  fetch_timeout_seconds: float = KV_FETCH_TIMEOUT_SECONDS) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"HandoffEngine serves the prefill or decode role, not {role!r}")
-        self._engine = engine
+        super().__init__(engine=engine)
+        self._engine: AsyncEngine = engine
         self.role = role
         self.compat_hash = compat_hash
         self.kv_endpoint = kv_endpoint
@@ -134,21 +135,9 @@ class HandoffEngine:
 
     # ------------------------------------------------------------------ EngineClient
     @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
-
-    @property
     def num_unclaimed_exports(self) -> int:
         """Prefill role: requests whose KV waits for a decode pod's pull (drain waits for them)."""
         return len(self.registry)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.max_model_len
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._engine.is_healthy
 
     def set_observer(self, observer: TransferObserver) -> None:
         """Where transfer metrics go (set before :meth:`start`)."""
@@ -176,11 +165,6 @@ class HandoffEngine:
         return self._engine.generate(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params)
 
-    def abort(self, request_id: str) -> None:
-        self._engine.abort(request_id)
-
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
 
     @property
     def kv_server_port(self) -> int:

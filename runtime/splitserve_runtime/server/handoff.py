@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Role, ServeArgs
+from splitserve_runtime.engine.delegate import DelegatingEngine
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams
-from splitserve_runtime.engine.stats import EngineStats
-from splitserve_runtime.server.engine_client import EngineClient, TokenizerLike
+from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import SERVER_ERROR, APIError, bad_request
 from splitserve_runtime.server.metrics import ServerMetrics
 
@@ -32,41 +32,24 @@ if TYPE_CHECKING:
     from splitserve_runtime.engine.remote import HandoffEngine, RemotePrefill
 
 
-class RoutedEngine:
+class RoutedEngine(DelegatingEngine):
     """``engine`` for one request, with ``generate`` bound to its handoff path.
     ``kv_transfer_params`` is set once a prefill pod has exported the request's KV."""
 
     def __init__(self, *, engine: EngineClient, handoff: HandoffEngine | None = None,
                  export: bool = False, source: RemotePrefill | None = None) -> None:
-        self._engine = engine
+        super().__init__(engine=engine)
+        self._engine: EngineClient = engine
         self._handoff = handoff
         self._export = export
         self._source = source
         self.kv_transfer_params: dict[str, Any] | None = None
-
-    @property
-    def tokenizer(self) -> TokenizerLike:
-        return self._engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.max_model_len
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._engine.is_healthy
 
     async def start(self) -> None:
         raise RuntimeError("a RoutedEngine wraps an engine that is already running")
 
     async def shutdown(self) -> None:
         raise RuntimeError("a RoutedEngine does not own its engine")
-
-    def abort(self, request_id: str) -> None:
-        self._engine.abort(request_id)
-
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
 
     def generate(self, *, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -19,7 +19,7 @@ from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import bad_request
 from splitserve_runtime.server.generation import Generation
-from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
+from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     ChatChoice,
@@ -34,14 +34,12 @@ from splitserve_runtime.server.protocol import (
     now_seconds,
 )
 from splitserve_runtime.server.serving_common import (
-    build_sampling_params,
     chat_logprobs,
     check_model,
     finish_reason,
-    new_request_id,
     output_usage,
     reject_unsupported,
-    resolve_max_tokens,
+    start_generation,
 )
 from splitserve_runtime.server.state import ServerState
 from splitserve_runtime.server.streaming import respond, sse_event
@@ -73,17 +71,12 @@ class ChatService:
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt_token_ids = render_prompt(engine=engine, body=body)
-        params = build_sampling_params(
-            body=body, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            max_tokens=resolve_max_tokens(requested=body.requested_max_tokens(),
-                                          num_prompt_tokens=len(prompt_token_ids),
-                                          max_model_len=engine.max_model_len))
-        routed = route_handoff(engine=engine, role=self._state.role,
-                               params=body.kv_transfer_params, stream=bool(body.stream))
-        generation = Generation(
-            state=self._state, metrics=self._metrics, engine=routed,
-            request_id=new_request_id(prefix="chatcmpl"), prompt_token_ids=prompt_token_ids,
-            params=params, prompt_param="messages")
+        routed, generation = start_generation(
+            state=self._state, metrics=self._metrics, engine=engine, body=body,
+            prompt_token_ids=prompt_token_ids,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            requested_max_tokens=body.requested_max_tokens(), id_prefix="chatcmpl",
+            prompt_param="messages")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, engine=engine, generation=generation),

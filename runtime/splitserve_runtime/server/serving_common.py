@@ -12,8 +12,11 @@ from typing import Literal
 
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
 from splitserve_runtime.engine.sampling_params import SamplingParams
-from splitserve_runtime.server.engine_client import TokenizerLike
+from splitserve_runtime.server.engine_client import EngineClient, TokenizerLike
 from splitserve_runtime.server.errors import bad_request, model_not_found
+from splitserve_runtime.server.generation import Generation
+from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
+from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -23,6 +26,26 @@ from splitserve_runtime.server.protocol import (
     Usage,
 )
 from splitserve_runtime.server.state import ServerState
+
+
+def start_generation(*, state: ServerState, metrics: ServerMetrics, engine: EngineClient,
+                     body: SamplingFields, prompt_token_ids: list[int], logprobs: int | None,
+                     requested_max_tokens: int | None, id_prefix: str,
+                     prompt_param: str) -> tuple[RoutedEngine, Generation]:
+    """The part of a request both endpoints share once the prompt is tokens: the token budget,
+    the sampling parameters, the prefill/decode handoff route and the :class:`Generation`."""
+    params = build_sampling_params(
+        body=body, logprobs=logprobs,
+        max_tokens=resolve_max_tokens(requested=requested_max_tokens,
+                                      num_prompt_tokens=len(prompt_token_ids),
+                                      max_model_len=engine.max_model_len))
+    routed = route_handoff(engine=engine, role=state.role,
+                           params=body.kv_transfer_params, stream=bool(body.stream))
+    generation = Generation(
+        state=state, metrics=metrics, engine=routed,
+        request_id=new_request_id(prefix=id_prefix), prompt_token_ids=prompt_token_ids,
+        params=params, prompt_param=prompt_param)
+    return routed, generation
 
 
 def new_request_id(*, prefix: str) -> str:

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.generation import Generation
-from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
+from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
 from splitserve_runtime.server.protocol import (
     CompletionChoice,
@@ -19,14 +19,12 @@ from splitserve_runtime.server.protocol import (
     now_seconds,
 )
 from splitserve_runtime.server.serving_common import (
-    build_sampling_params,
     check_model,
     completion_logprobs,
     finish_reason,
-    new_request_id,
     output_usage,
     reject_unsupported,
-    resolve_max_tokens,
+    start_generation,
 )
 from splitserve_runtime.server.state import ServerState
 from splitserve_runtime.server.streaming import respond, sse_event
@@ -46,17 +44,10 @@ class CompletionsService:
         prompt = body.single_prompt()
         prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) \
             else list(prompt)
-        params = build_sampling_params(
-            body=body, logprobs=body.logprobs,
-            max_tokens=resolve_max_tokens(requested=body.max_tokens,
-                                          num_prompt_tokens=len(prompt_token_ids),
-                                          max_model_len=engine.max_model_len))
-        routed = route_handoff(engine=engine, role=self._state.role,
-                               params=body.kv_transfer_params, stream=bool(body.stream))
-        generation = Generation(
-            state=self._state, metrics=self._metrics, engine=routed,
-            request_id=new_request_id(prefix="cmpl"), prompt_token_ids=prompt_token_ids,
-            params=params, prompt_param="prompt")
+        routed, generation = start_generation(
+            state=self._state, metrics=self._metrics, engine=engine, body=body,
+            prompt_token_ids=prompt_token_ids, logprobs=body.logprobs,
+            requested_max_tokens=body.max_tokens, id_prefix="cmpl", prompt_param="prompt")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, generation=generation),
