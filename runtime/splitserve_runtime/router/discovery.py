@@ -20,8 +20,8 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 from splitserve_contract import HTTP_PORT, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE, Role
 
@@ -138,16 +138,11 @@ class KubernetesDiscovery:
             self._loop.call_soon_threadsafe(functools.partial(self._pods.set_targets, role=role, targets=targets))
 
     def _poll_loopback_pods(self) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        to_dict = _load_kube_config()
         api = client.CoreV1Api()
-        api_client: Any = client.ApiClient()
-        to_dict = api_client.sanitize_for_serialization
         selector = f"{LABEL_INSTANCE}={self._inference_service}"
         while not self._stop.is_set():
             try:
@@ -165,16 +160,11 @@ class KubernetesDiscovery:
             self._stop.wait(LOOPBACK_POLL_SECONDS)
 
     def _run(self) -> None:
-        from kubernetes import client, config, watch
+        from kubernetes import client, watch
         from kubernetes.client.exceptions import ApiException
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        to_dict = _load_kube_config()
         api = client.DiscoveryV1Api()
-        api_client: Any = client.ApiClient()
-        to_dict = api_client.sanitize_for_serialization
         selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._service_roles))})"
         while not self._stop.is_set():
             try:
@@ -202,3 +192,16 @@ class KubernetesDiscovery:
             except Exception as exc:  # a broken connection must not end discovery
                 log.warning("EndpointSlice watch broke (%s); relisting", exc)
                 self._stop.wait(2.0)
+
+
+def _load_kube_config() -> Callable[[object], Any]:
+    """Load the in-cluster config (or ``$KUBECONFIG`` outside a pod) and return the client's
+    converter from API objects to plain dicts."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api_client: Any = client.ApiClient()
+    return cast(Callable[[object], Any], api_client.sanitize_for_serialization)
