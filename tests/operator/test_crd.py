@@ -79,7 +79,8 @@ def structural_violations(schema: dict[str, Any]) -> list[str]:
 
 @functools.cache
 def _schema() -> dict[str, Any]:
-    return crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema: dict[str, Any] = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
 
 
 def test_schema_is_structural() -> None:

@@ -56,7 +56,9 @@ def _prefill_and_move(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
 
 @pytest.fixture(scope="module")
 def prompt(tiny_llama_dir: Path) -> list[int]:
-    return _engine(tiny_llama_dir).tokenizer.encode("Once upon a time in a land far away")  # type: ignore[attr-defined]
+    tokenizer: Any = _engine(tiny_llama_dir).tokenizer
+    ids: list[int] = tokenizer.encode("Once upon a time in a land far away")
+    return ids
 
 
 def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int]) -> None:

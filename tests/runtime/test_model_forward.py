@@ -43,10 +43,10 @@ def _ours(model_dir: Path) -> LlamaForCausalLM:
     )
 
 
-def _hf(model_dir: Path) -> Any:
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager",
-    ).eval()
+def _hf(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager")
+    return model.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -67,7 +67,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 def _hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
+        logits: torch.Tensor = hf(torch.tensor([tokens])).logits[0].float()
+        return logits
 
 
 def test_prefill_logits_match_hf(pair: tuple[Any, LlamaForCausalLM]) -> None:
@@ -131,9 +132,7 @@ def test_bf16_error_is_no_worse_than_hf_bf16(tiny_llama_dir: Path) -> None:
     """In bf16 our logits must sit as close to HF's fp32 logits as HF's own bf16 run does."""
     tokens = _prompt(40, seed=7)
     hf32 = _hf_logits(_hf(tiny_llama_dir), tokens)
-    hf16_model = AutoModelForCausalLM.from_pretrained(
-        tiny_llama_dir, dtype=torch.bfloat16, attn_implementation="eager",
-    ).eval()
+    hf16_model = _hf(tiny_llama_dir, torch.bfloat16)
     hf16 = _hf_logits(hf16_model, tokens)
     ours16_model = load_model(
         model_dir=tiny_llama_dir, ops=get_ops(name="torch", device=CPU), dtype=torch.bfloat16, device=CPU,

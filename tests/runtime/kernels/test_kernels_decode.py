@@ -85,11 +85,11 @@ def test_decode_ignores_stale_rows_past_context() -> None:
     args = dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,
                 context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
                 max_context_len=17, scale=0.125, num_splits=1, block_n=16)
-    before = decode_attention(**args)  # type: ignore[arg-type]
+    before = decode_attention(**args)
     second = int(kv.block_tables[0, 1])
     kv.k_cache[second, 1:] = 1e4  # slots after position 16 are garbage
     kv.v_cache[second, 1:] = float("nan")
-    after = decode_attention(**args)  # type: ignore[arg-type]
+    after = decode_attention(**args)
     torch.testing.assert_close(after, before, atol=0.0, rtol=0.0)
 
 
