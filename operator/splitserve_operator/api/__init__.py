@@ -1,0 +1,125 @@
+"""The InferenceService API (``splitserve.dev/v1alpha1``) as pydantic models.
+
+These models are the single source of the API: :mod:`splitserve_operator.crdgen` turns
+them into the CRD's structural OpenAPI schema (defaults, enums, bounds, patterns and the
+CEL rules in :data:`SPEC_CEL_RULES` and friends), and the controller and the autoscaler
+parse objects into them with :meth:`InferenceService.parse`. The cross-field rules are
+written twice on purpose: once as CEL (the API server rejects bad objects with the
+message) and once as pydantic validators with the *same* messages (so the operator never
+acts on an object that slipped past an older CRD, and tests need no cluster).
+
+JSON names are camelCase (``alias``); Python attributes are snake_case
+(``populate_by_name`` accepts both). Serialise with :meth:`ApiModel.dump`.
+
+The package is split by concern: :mod:`.fields` (patterns, base model, capability-bound
+fields), :mod:`.spec`, :mod:`.status`, :mod:`.resource` (the whole object, parsing, pool
+helpers) and :mod:`.rules` (CEL rules and their messages); everything is importable from here.
+
+Replica ownership: the spec holds only ``replicas.min``/``replicas.max``. The current
+replica count lives on the child Deployments, written by the autoscaler's field manager.
+"""
+
+from __future__ import annotations
+
+from splitserve_contract import ConditionType, Reason  # noqa: F401
+
+from ..naming import child_name  # noqa: F401
+from .fields import (  # noqa: F401
+    API_VERSION_STRING,
+    DURATION_PATTERN,
+    ENV_NAME_PATTERN,
+    K8S_NAME_PATTERN,
+    MAX_SCALING_HISTORY,
+    MODEL_URI_PATTERN,
+    QUANTITY_PATTERN,
+    ApiModel,
+    BlockSize,
+    DtypeName,
+    FreeFormObject,
+    PipelineParallelSize,
+    Quantity,
+    QuantizationName,
+    TensorParallelSize,
+    parse_duration_seconds,
+    utc_now,
+)
+from .resource import (  # noqa: F401
+    InferenceService,
+    InvalidSpecError,
+    ObjectMeta,
+    pool_names,
+    pool_spec,
+)
+from .rules import (  # noqa: F401
+    AGGREGATED_RULE_MESSAGE,
+    CPU_PARALLELISM_RULE_MESSAGE,
+    DISAGGREGATED_RULE_MESSAGE,
+    GPU_BUDGET_RULE_MESSAGE,
+    HUB_TOKEN_RULE_MESSAGE,
+    MODEL_CEL_RULES,
+    NAME_LENGTH_RULE_MESSAGE,
+    NAME_PATTERN_RULE_MESSAGE,
+    PARALLELISM_CEL_RULES,
+    PARALLELISM_RULE_MESSAGE,
+    POOL_CEL_RULES,
+    REPLICAS_CEL_RULES,
+    REPLICAS_RULE_MESSAGE,
+    ROOT_CEL_RULES,
+    SPEC_CEL_RULES,
+    CelRule,
+)
+from .spec import (  # noqa: F401
+    ApiKeySecretRef,
+    AutoscalingSpec,
+    DecodeScalingSpec,
+    EngineSpec,
+    EnvVar,
+    InferenceServiceSpec,
+    KVCacheSpec,
+    Mode,
+    ModelSpec,
+    ParallelismSpec,
+    PoolSpec,
+    PrefillScalingSpec,
+    ReplicasSpec,
+    ResourcesSpec,
+    RouterSpec,
+    RuntimeSpec,
+    ScaleDownBehavior,
+    ScaleUpBehavior,
+    ScalingBehavior,
+    SecretKeyRef,
+)
+from .status import (  # noqa: F401
+    Condition,
+    ConditionStatus,
+    InferenceServiceStatus,
+    PoolStatus,
+    ScalingDecision,
+    ScalingEvent,
+)
+
+__all__ = [
+    "API_VERSION_STRING",
+    "MAX_SCALING_HISTORY",
+    "ApiModel",
+    "AutoscalingSpec",
+    "Condition",
+    "ConditionStatus",
+    "ConditionType",
+    "InferenceService",
+    "InferenceServiceSpec",
+    "InferenceServiceStatus",
+    "InvalidSpecError",
+    "Mode",
+    "PoolSpec",
+    "PoolStatus",
+    "Reason",
+    "ScalingDecision",
+    "ScalingEvent",
+    "child_name",
+    "parse_duration_seconds",
+    "pool_names",
+    "pool_spec",
+    "utc_now",
+]

@@ -1,0 +1,92 @@
+"""Cross-field rules of the API, written once as CEL for the API server (with the messages the
+pydantic validators in :mod:`.spec` and :mod:`.resource` raise too) and generated from the
+capabilities table for settings this version does not serve.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from splitserve_contract import capabilities as caps
+
+from ..naming import MAX_NAME_LENGTH, NAME_PATTERN
+
+# =========================================================================== CEL rules
+# Messages are shared with the pydantic validators above so both paths read the same.
+REPLICAS_RULE_MESSAGE: Final = "replicas.min must be less than or equal to replicas.max"
+PARALLELISM_RULE_MESSAGE: Final = (
+    "resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"
+)
+CPU_PARALLELISM_RULE_MESSAGE: Final = (
+    "resources.gpus 0 (CPU) requires parallelism.tensor 1 and parallelism.pipeline 1"
+)
+DISAGGREGATED_RULE_MESSAGE: Final = (
+    "mode Disaggregated requires spec.prefill and spec.decode and forbids spec.aggregated"
+)
+AGGREGATED_RULE_MESSAGE: Final = (
+    "mode Aggregated requires spec.aggregated and forbids spec.prefill and spec.decode"
+)
+GPU_BUDGET_RULE_MESSAGE: Final = (
+    "autoscaling.gpuBudget must be at least the sum over pools of replicas.min * resources.gpus"
+)
+NAME_LENGTH_RULE_MESSAGE: Final = (
+    f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
+    "(children append suffixes such as -prefill)"
+)
+NAME_PATTERN_RULE_MESSAGE: Final = (
+    "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', "
+    "starting with a letter (children include Services)"
+)
+
+CelRule = dict[str, str]
+
+ROOT_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {"rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}", "message": NAME_LENGTH_RULE_MESSAGE},
+    {"rule": f"self.metadata.name.matches('{NAME_PATTERN}')", "message": NAME_PATTERN_RULE_MESSAGE},
+)
+_POOL_GPUS = "(has(self.{p}) ? self.{p}.replicas.min * self.{p}.resources.gpus : 0)"
+SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {
+        "rule": "self.mode != 'Disaggregated' || (has(self.prefill) && has(self.decode) && !has(self.aggregated))",
+        "message": DISAGGREGATED_RULE_MESSAGE,
+    },
+    {
+        "rule": "self.mode != 'Aggregated' || (has(self.aggregated) && !has(self.prefill) && !has(self.decode))",
+        "message": AGGREGATED_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.autoscaling) || !has(self.autoscaling.gpuBudget) || self.autoscaling.gpuBudget >= "
+        + " + ".join(_POOL_GPUS.format(p=p) for p in ("prefill", "decode", "aggregated")),
+        "message": GPU_BUDGET_RULE_MESSAGE,
+    },
+)
+def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
+    return tuple(caps.cel_rule(c) for c in capabilities if c.supported != c.known)
+
+
+HUB_TOKEN_RULE_MESSAGE: Final = (
+    f"model.hubTokenSecretRef {caps.SUPPORT_NOTE}: hf:// models are not downloaded yet "
+    "(pre-fill the runtime's model cache, or use pvc:// or file://)"
+)
+MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    *_capability_rules(caps.DTYPE, caps.QUANTIZATION),
+    *(() if caps.HF_DOWNLOAD_SUPPORTED else
+      ({"rule": "!has(self.hubTokenSecretRef)", "message": HUB_TOKEN_RULE_MESSAGE},)),
+)
+"""Generated from the capabilities table: known-but-unsupported values are refused with
+"... is not supported by this version of splitserve"."""
+PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
+    caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE)
+REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},
+)
+POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {
+        "rule": "self.resources.gpus != 0 || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
+        "message": CPU_PARALLELISM_RULE_MESSAGE,
+    },
+    {
+        "rule": "self.resources.gpus == 0 || self.resources.gpus % (self.parallelism.tensor * self.parallelism.pipeline) == 0",
+        "message": PARALLELISM_RULE_MESSAGE,
+    },
+)

@@ -1,0 +1,421 @@
+"""The InferenceService spec: what the user asks for.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from splitserve_contract import (
+    RoutingPolicy,
+    defaults,
+)
+from splitserve_contract import capabilities as caps
+
+from .fields import (
+    DURATION_PATTERN,
+    ENV_NAME_PATTERN,
+    K8S_NAME_PATTERN,
+    MODEL_URI_PATTERN,
+    ApiModel,
+    BlockSize,
+    DtypeName,
+    FreeFormObject,
+    PipelineParallelSize,
+    Quantity,
+    QuantizationName,
+    TensorParallelSize,
+    _capability_field,
+    _object,
+    parse_duration_seconds,
+)
+from .rules import (
+    AGGREGATED_RULE_MESSAGE,
+    CPU_PARALLELISM_RULE_MESSAGE,
+    DISAGGREGATED_RULE_MESSAGE,
+    GPU_BUDGET_RULE_MESSAGE,
+    HUB_TOKEN_RULE_MESSAGE,
+    PARALLELISM_RULE_MESSAGE,
+    REPLICAS_RULE_MESSAGE,
+)
+
+
+# =========================================================================== spec
+class Mode(enum.StrEnum):
+    """How the model is served."""
+
+    DISAGGREGATED = "Disaggregated"
+    AGGREGATED = "Aggregated"
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret in the InferenceService's namespace. The operator references
+    it in pod specs and never reads it."""
+
+    name: str = Field(pattern=K8S_NAME_PATTERN, max_length=253, description="Name of the Secret.")
+    key: str = Field(
+        default="HF_TOKEN",
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        max_length=253,
+        description="Key inside the Secret that holds the token.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """Which model to serve and how to load it."""
+
+    uri: str = Field(
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+        description=(
+            "Model location: hf://org/name (resolved in the runtime's model cache, "
+            "SPLITSERVE_MODEL_CACHE), pvc://claim/path (mounted read-only) or "
+            "file:///absolute/path (a path on the node)."
+        ),
+    )
+    revision: str | None = Field(
+        default=None,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="Model revision (branch, tag or commit) for hf:// URIs. Empty: the default revision.",
+    )
+    served_name: str | None = Field(
+        default=None,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9._/:-]+$",
+        description="Name clients put in the OpenAI `model` field. Empty: the InferenceService name.",
+    )
+    dtype: DtypeName = _capability_field(
+        caps.DTYPE, default="auto",
+        description="Weight and activation dtype. auto: bfloat16 on GPUs that support it, else the model's dtype.",
+    )
+    quantization: QuantizationName = _capability_field(
+        caps.QUANTIZATION, default="none", description="Weight quantization applied at load time."
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_048_576,
+        description="Longest prompt plus completion in tokens. Empty: from the model's config.json.",
+    )
+    hub_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "Secret with a model hub token, passed to the runtime as an environment variable. "
+            "Not supported by this version: hf:// models are read from the runtime's model "
+            "cache and never downloaded, so the API refuses this field until downloads land."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _hub_token_needs_downloads(self) -> ModelSpec:
+        if self.hub_token_secret_ref is not None and not caps.HF_DOWNLOAD_SUPPORTED:
+            raise ValueError(HUB_TOKEN_RULE_MESSAGE)
+        return self
+
+
+class ApiKeySecretRef(ApiModel):
+    """A key in a Secret in the InferenceService's namespace that holds the API key clients
+    must present. The Secret is referenced in the pod spec, never read by the operator."""
+
+    name: str = Field(pattern=K8S_NAME_PATTERN, max_length=253, description="Name of the Secret.")
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253,
+                     description="Key inside the Secret that holds the API key.")
+
+
+class EnvVar(ApiModel):
+    """A plain environment variable for the runtime container."""
+
+    name: str = Field(pattern=ENV_NAME_PATTERN, max_length=256, description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Variable value.")
+
+
+class RuntimeSpec(ApiModel):
+    """The runtime container shared by all pools."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="Runtime image. Empty: the operator's default runtime image (--runtime-image).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy. Empty: the Kubernetes default."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra environment variables for every runtime and router container.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra `splitserve serve` arguments appended after the rendered ones.",
+    )
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        default=None,
+        description="Secret with the API key the router and runtime require from clients, passed to "
+                    "them as an environment variable. The Secret is referenced in the pod spec, never "
+                    "read by the operator. Empty: no API key is required.",
+    )
+
+
+class ReplicasSpec(ApiModel):
+    """Bounds for a pool's replica count. The autoscaler picks a count in [min, max];
+    without autoscaling the pool runs min replicas."""
+
+    min: int = Field(default=1, ge=1, le=1024, description="Fewest replicas.")
+    max: int = Field(default=4, ge=1, le=1024, description="Most replicas.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> ReplicasSpec:
+        if self.min > self.max:
+            raise ValueError(REPLICAS_RULE_MESSAGE)
+        return self
+
+
+class ResourcesSpec(ApiModel):
+    """Resources of one pod of the pool."""
+
+    gpus: int = Field(
+        default=1,
+        ge=0,
+        le=8,
+        description="GPUs per pod (nvidia.com/gpu request and limit). 0: run on CPU.",
+    )
+    cpu: Quantity | None = Field(default=None, description="CPU request, e.g. 4 or \"500m\".")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit, e.g. \"32Gi\".")
+
+
+class ParallelismSpec(ApiModel):
+    """How one model replica is split across the GPUs of a pod."""
+
+    tensor: TensorParallelSize = _capability_field(
+        caps.TENSOR_PARALLEL_SIZE, default=1, description="Tensor-parallel size.")
+    pipeline: PipelineParallelSize = _capability_field(
+        caps.PIPELINE_PARALLEL_SIZE, default=1, description="Pipeline-parallel stages.")
+
+
+class PoolSpec(ApiModel):
+    """One pool of identical runtime pods (prefill, decode or aggregated)."""
+
+    replicas: ReplicasSpec = _object(ReplicasSpec, "Replica bounds of the pool.")
+    resources: ResourcesSpec = _object(ResourcesSpec, "Resources of each pod.")
+    parallelism: ParallelismSpec = _object(ParallelismSpec, "Model parallelism inside each pod.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Node labels the pods must match.",
+    )
+    tolerations: list[FreeFormObject] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Pod tolerations (core/v1 Toleration objects).",
+    )
+    affinity: FreeFormObject | None = Field(
+        default=None, description="Pod affinity (a core/v1 Affinity object)."
+    )
+    priority_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        description="PriorityClass of the pods.",
+    )
+
+    @model_validator(mode="after")
+    def _parallelism_fits(self) -> PoolSpec:
+        if self.resources.gpus == 0:
+            if self.parallelism.tensor * self.parallelism.pipeline != 1:
+                raise ValueError(CPU_PARALLELISM_RULE_MESSAGE)
+        elif self.resources.gpus % (self.parallelism.tensor * self.parallelism.pipeline) != 0:
+            raise ValueError(PARALLELISM_RULE_MESSAGE)
+        return self
+
+
+class RouterSpec(ApiModel):
+    """The OpenAI-compatible router in front of the pools."""
+
+    replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    policy: RoutingPolicy = Field(
+        default=RoutingPolicy.PREFIX_AFFINITY,
+        description="How a prefill (or aggregated) pod is chosen for a request.",
+    )
+    session_header: str = Field(
+        default="x-session-id",
+        pattern=r"^[A-Za-z0-9-]+$",
+        max_length=128,
+        description="Request header that pins a chat session to one pod.",
+    )
+    short_prompt_threshold: int = Field(
+        default=64,
+        ge=0,
+        le=1_048_576,
+        description="Prompts with fewer uncached tokens skip prefill and go straight to decode. 0: never.",
+    )
+
+
+class KVCacheSpec(ApiModel):
+    """Paged KV cache layout and budget. blockSize is part of the compat hash."""
+
+    block_size: BlockSize = Field(default=defaults.BLOCK_SIZE, description="Tokens per KV block.",
+                            json_schema_extra={"enum": list(defaults.BLOCK_SIZES)})
+    memory_fraction: float = Field(
+        default=defaults.KV_MEMORY_FRACTION,
+        gt=0,
+        le=0.98,
+        description="Fraction of free GPU memory, measured at start-up, given to the KV cache.",
+    )
+    prefix_caching: bool = Field(
+        default=True, description="Reuse KV blocks of identical prompt prefixes."
+    )
+
+
+class EngineSpec(ApiModel):
+    """Scheduler limits of each runtime engine."""
+
+    max_num_seqs: int = Field(default=defaults.MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences per engine step.")
+    max_batched_tokens: int = Field(
+        default=defaults.MAX_NUM_BATCHED_TOKENS, ge=16, le=1_048_576, description="Token budget per engine step."
+    )
+    chunked_prefill: bool = Field(default=True, description="Split long prompts across engine steps.")
+
+
+class PrefillScalingSpec(ApiModel):
+    """Scaling targets of the prefill (or aggregated) pool, per pod."""
+
+    target_queue_depth: float = Field(
+        default=4, gt=0, le=10_000, description="Waiting requests per pod to aim for."
+    )
+    target_prompt_tokens_waiting: int | None = Field(
+        default=None,
+        ge=1,
+        description="Uncached prompt tokens waiting per pod to aim for. Empty: not used.",
+    )
+
+
+class DecodeScalingSpec(ApiModel):
+    """Scaling targets of the decode pool, per pod."""
+
+    target_kv_cache_utilization: float = Field(
+        default=0.8,
+        validation_alias="targetKVCacheUtilization",
+        serialization_alias="targetKVCacheUtilization",
+        gt=0,
+        le=1,
+        description="KV cache usage ratio per pod to aim for.",
+    )
+    target_queue_depth: float = Field(
+        default=2, gt=0, le=10_000, description="Waiting requests per pod to aim for."
+    )
+
+
+class ScaleUpBehavior(ApiModel):
+    """How fast a pool may grow."""
+
+    stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Use the lowest recommendation of this window."
+    )
+    max_step_percent: int = Field(
+        default=100, ge=1, le=1000, description="Largest growth per decision, percent of current replicas (at least one pod)."
+    )
+
+
+class ScaleDownBehavior(ApiModel):
+    """How fast a pool may shrink."""
+
+    stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600, description="Use the highest recommendation of this window."
+    )
+    max_step: int = Field(default=1, ge=1, le=1024, description="Most pods removed per decision.")
+
+
+class ScalingBehavior(ApiModel):
+    """Rate limits of scaling decisions."""
+
+    scale_up: ScaleUpBehavior = _object(ScaleUpBehavior, "Scale-up limits.")
+    scale_down: ScaleDownBehavior = _object(ScaleDownBehavior, "Scale-down limits.")
+
+
+class AutoscalingSpec(ApiModel):
+    """Metric-driven scaling of prefill and decode, decided jointly."""
+
+    enabled: bool = Field(default=True, description="Scale the pools between replicas.min and replicas.max.")
+    dry_run: bool = Field(
+        default=False,
+        description="Compute and record decisions in status without changing replicas.",
+    )
+    interval: str = Field(
+        default=defaults.AUTOSCALING_INTERVAL,
+        pattern=DURATION_PATTERN,
+        max_length=32,
+        description="Time between decisions, e.g. 15s or 1m.",
+    )
+    prefill: PrefillScalingSpec = _object(PrefillScalingSpec, "Targets for the prefill (and aggregated) pool.")
+    decode: DecodeScalingSpec = _object(DecodeScalingSpec, "Targets for the decode pool.")
+    behavior: ScalingBehavior = _object(ScalingBehavior, "Rate limits.")
+    tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="No change while |observed/target - 1| is within this fraction.",
+    )
+    gpu_budget: int | None = Field(
+        default=None,
+        ge=0,
+        le=100_000,
+        description="Most GPUs all pools may use together. Empty: no joint cap.",
+    )
+
+    @property
+    def interval_seconds(self) -> float:
+        """``interval`` in seconds."""
+        return parse_duration_seconds(self.interval)
+
+
+class InferenceServiceSpec(ApiModel):
+    """Desired state of an InferenceService."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    runtime: RuntimeSpec = _object(RuntimeSpec, "The runtime container.")
+    mode: Mode = Field(
+        default=Mode.DISAGGREGATED,
+        description="Disaggregated: separate prefill and decode pools. Aggregated: one pool does both.",
+    )
+    prefill: PoolSpec | None = Field(
+        default=None, description="Prefill pool (Disaggregated mode only; required there)."
+    )
+    decode: PoolSpec | None = Field(
+        default=None, description="Decode pool (Disaggregated mode only; required there)."
+    )
+    aggregated: PoolSpec | None = Field(
+        default=None, description="The single pool (Aggregated mode only; required there)."
+    )
+    router: RouterSpec = _object(RouterSpec, "The router.")
+    kv_cache: KVCacheSpec = _object(KVCacheSpec, "KV cache settings of every pool.")
+    engine: EngineSpec = _object(EngineSpec, "Engine scheduler settings of every pool.")
+    autoscaling: AutoscalingSpec = _object(AutoscalingSpec, "Autoscaling of the pools.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> InferenceServiceSpec:
+        if self.mode is Mode.DISAGGREGATED and not (
+            self.prefill is not None and self.decode is not None and self.aggregated is None
+        ):
+            raise ValueError(DISAGGREGATED_RULE_MESSAGE)
+        if self.mode is Mode.AGGREGATED and not (
+            self.aggregated is not None and self.prefill is None and self.decode is None
+        ):
+            raise ValueError(AGGREGATED_RULE_MESSAGE)
+        budget = self.autoscaling.gpu_budget
+        if budget is not None:
+            floor = sum(p.replicas.min * p.resources.gpus for p in (self.prefill, self.decode, self.aggregated) if p)
+            if budget < floor:
+                raise ValueError(f"{GPU_BUDGET_RULE_MESSAGE} (budget {budget}, minimum use {floor})")
+        return self
+
+
