@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitserve_contract import Role
+from splitserve_contract import Role, defaults
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import ClusterOptions, LocalCluster
 from splitserve_e2e.demo import (
@@ -50,8 +50,6 @@ from splitserve_e2e.demo import (
 )
 from splitserve_e2e.demo import apply_object as apply
 from splitserve_operator.api import parse_duration_seconds
-from splitserve_operator.autoscaler.loop import BASE_TICK_SECONDS, DEFAULT_SCRAPE_INTERVAL_SECONDS
-from splitserve_operator.autoscaler.signals import DEFAULT_WINDOW_SECONDS
 from splitserve_operator.naming import child_name
 
 NAMESPACE = "bench-reaction"
@@ -133,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 scale_down_stabilization_seconds=args.down_stabilization_seconds))
             wait_ready(cluster=cluster, namespace=NAMESPACE, name=NAME, timeout_seconds=300)
             endpoint = router_endpoints(cluster=cluster, namespace=NAMESPACE, name=NAME)[0]
-            down_timeout = args.down_stabilization_seconds + DEFAULT_WINDOW_SECONDS + 90
+            down_timeout = args.down_stabilization_seconds + defaults.SIGNAL_WINDOW_SECONDS + 90
             trials = [asyncio.run(_trial(cluster, base_url=f"http://{endpoint}/v1",
                                          concurrency=args.concurrency,
                                          down_timeout_seconds=down_timeout))
@@ -151,9 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"scrape_seconds": args.scrape_seconds, "interval_seconds": interval_seconds,
                    "scrape_plus_interval_s": unit, "concurrency": args.concurrency,
                    "down_stabilization_seconds": args.down_stabilization_seconds,
-                   "operator_base_tick_seconds": BASE_TICK_SECONDS,
-                   "operator_smoothing_window_seconds": DEFAULT_WINDOW_SECONDS,
-                   "operator_assumed_scrape_seconds": DEFAULT_SCRAPE_INTERVAL_SECONDS},
+                   "operator_base_tick_seconds": defaults.AUTOSCALER_BASE_TICK_SECONDS,
+                   "operator_smoothing_window_seconds": defaults.SIGNAL_WINDOW_SECONDS,
+                   "operator_assumed_scrape_seconds": defaults.SCRAPE_INTERVAL_SECONDS},
         "reaction": figure("load_step_to_replicas_write_s"),
         "new_pod_ready": figure("load_step_to_new_pod_ready_s"),
         "first_scale_down": figure("load_drop_to_first_scale_down_s"),

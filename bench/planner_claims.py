@@ -32,6 +32,7 @@ from splitserve_planner.gpus import get_gpu
 from splitserve_planner.model_presets import load_model
 from splitserve_planner.perf_model import RooflineModel, roofline_model
 from splitserve_planner.search import (
+    AGGREGATED_BUDGETS,
     Demand,
     PlanError,
     PlanInputs,
@@ -120,7 +121,7 @@ def claim_disaggregation(perf: RooflineModel, *, slo: Slo, shapes: list[Shape]) 
                         f"infeasible: {str(exc).split(';')[0]} | | |")
             continue
         best_agg: tuple[float, int] = (0.0, 0)
-        for budget in (8192, 2048, 512):
+        for budget in AGGREGATED_BUDGETS:
             engine = EngineSettings(max_batched_tokens=budget)
             cap_p, cap_d, demand = _capacity(perf, shape, engine=engine, slo=slo)
             if cap_d == 0:

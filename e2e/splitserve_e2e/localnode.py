@@ -59,6 +59,8 @@ TOKEN_SECONDS = 3600
 SLICE_SYNC_SECONDS = 1.0
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 10.0)
 UNSUPPORTED_CONDITION = "splitserve.dev/LocalNodeSupported"
+TERMINATION_LOG_LINES = 80
+TERMINATION_LOG_BYTES = 2048
 
 
 def _body(document: dict[str, Any]) -> Any:
@@ -376,6 +378,12 @@ class LocalNode:
                 "exitCode": code if code is not None and code >= 0 else 128 + abs(code or 0),
                 "reason": "Completed" if code == 0 else "Error",
                 "startedAt": run.started_at, "finishedAt": _now()}}
+            container = pod["spec"]["containers"][0]
+            if code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+                # kubelet: no termination message file here, so the tail of the log
+                message = log_tail(run.log_path)
+                if message:
+                    run.last_termination["terminated"]["message"] = message
             run.process = None
             run.ready = False
             if policy == "Never" or (policy == "OnFailure" and code == 0):
@@ -633,6 +641,22 @@ class LocalNode:
         except ApiException as error:  # events are best effort, as in kubelet
             log.warning("event %s for %s/%s not recorded: %s", reason, run.namespace, run.name,
                         error.reason)
+
+
+def log_tail(path: Path, *, max_lines: int = TERMINATION_LOG_LINES,
+             max_bytes: int = TERMINATION_LOG_BYTES) -> str:
+    """The kubelet's FallbackToLogsOnError message: the last ``max_lines`` lines of the
+    container's log or its last ``max_bytes`` bytes, whichever is smaller ('' if none)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ""
+    lines = data.splitlines(keepends=True)[-max_lines:]
+    return b"".join(lines).decode("utf-8", "replace")
 
 
 def read_pod_log(*, pods_dir: Path, namespace: str, pod: str) -> str:

@@ -5,7 +5,7 @@ local API server, authenticating with the harness's admin certificate. It keeps 
 labelled ``splitserve.dev/scrape=true`` (contract.LABEL_SCRAPE) and running, scrapes
 ``<podIP>:<port>`` where the port is contract.HTTP_PORT unless the annotation
 ``prometheus.io/port`` says otherwise, and adds the labels ``namespace``, ``pod`` and
-``inferenceservice`` (from ``app.kubernetes.io/instance``) named in DESIGN.md section 5.
+``inferenceservice`` (from ``app.kubernetes.io/instance``) named in docs/architecture.md, "Metrics".
 The short default interval (2 s) keeps tests fast.
 """
 

@@ -1,4 +1,4 @@
-"""Server-side apply of one rendered child, with the ownership rules of DESIGN.md section 3/4.
+"""Server-side apply of one rendered child, with the ownership rules of docs/architecture.md, "Children and field ownership".
 
 :func:`apply_child` is the only way the reconciler writes a child:
 
@@ -106,7 +106,7 @@ def _without_replicas(obj: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _hand_over_replicas(*, api: kube.Kube, obj: Mapping[str, Any], replicas: int) -> dict[str, Any]:
+def _hand_over_replicas(*, api: kube.KubeAPI, obj: Mapping[str, Any], replicas: int) -> dict[str, Any]:
     meta = obj["metadata"]
     patch = {
         "apiVersion": obj["apiVersion"],
@@ -123,7 +123,7 @@ def with_owner(obj: Mapping[str, Any], *, owner: Owner) -> dict[str, Any]:
     return out
 
 
-def apply_child(*, api: kube.Kube, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None) -> Applied:
+def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None) -> Applied:
     """Apply one child (see the module docstring). ``desired`` is as rendered, without
     ``spec.replicas``; ``initial_replicas`` is the count a Deployment is created with (None for
     kinds without replicas). Raises :class:`NameConflict` or the API error."""

@@ -14,8 +14,10 @@ Triggers, all level-based (every reconcile recomputes everything):
   the pool counts in status. ``spec.replicas`` drift needs no special case: the apply never
   contains it. These reconciles are coalesced per object by :class:`Coalescer` (a burst of
   child events costs one or two reconciles) and retried with bounded backoff.
-* Unschedulable pods of our pools -> reconcile their InferenceService, so a capacity
-  shortfall is reported as soon as the scheduler gives up on a pod.
+* Unschedulable pods of our pools, and pods whose containers keep exiting at start-up
+  (:func:`reconcile.pod_start_failure`: a model that cannot be loaded, a crash loop) ->
+  reconcile their InferenceService, so a capacity shortfall or a start failure is reported
+  as soon as it shows.
 * Pause: objects annotated ``splitserve.dev/paused: "true"`` are filtered out by ``when=``
   before kopf computes anything, so kopf stores no progress and writes nothing to them, and
   the child path skips them too: zero writes.
@@ -71,6 +73,11 @@ def not_paused(body: Mapping[str, Any], **_: Any) -> bool:
 def pod_unschedulable(body: Mapping[str, Any], **_: Any) -> bool:
     conditions = (body.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conditions)
+
+
+def pod_needs_reconcile(body: Mapping[str, Any], **_: Any) -> bool:
+    """Pod events worth a reconcile: unschedulable, or failing at start-up."""
+    return pod_unschedulable(body) or reconcile.pod_start_failure(body) is not None
 
 
 def owner_key(obj: Mapping[str, Any]) -> Key | None:
@@ -254,10 +261,11 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
 
     labels = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
 
-    @kopf.on.event("v1", "pods", registry=registry, labels=labels, when=pod_unschedulable, id="unschedulable-pods")
+    @kopf.on.event("v1", "pods", registry=registry, labels=labels, when=pod_needs_reconcile, id="pod-problems")
     async def pod_event(body: kopf.Body, **_: Any) -> None:
         # Pods are owned by ReplicaSets; the instance label names the InferenceService. Only
-        # unschedulable pods matter here (capacity conditions); Deployment status covers the rest.
+        # unschedulable pods (capacity) and pods failing at start-up (their termination
+        # message) matter here; Deployment status covers the rest.
         instance = (body.metadata.labels or {}).get(contract.LABEL_INSTANCE)
         if instance:
             coalescer.request((str(body.metadata.namespace), str(instance)))

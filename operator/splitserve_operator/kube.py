@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 from kubernetes import client as k8s_client
@@ -90,6 +90,26 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
         return f"{exc.status} {exc.reason}"
     return f"{type(exc).__name__}: {exc}"
+
+
+class StatusAPI(Protocol):
+    """The two calls a status writer needs (:func:`.status.patch_status`): read, merge-patch."""
+
+    def get(self, *, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None: ...
+
+    def merge_patch(
+        self, *, kind: Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
+        subresource: str | None = None, field_manager: str | None = None,
+    ) -> dict[str, Any]: ...
+
+
+class KubeAPI(StatusAPI, Protocol):
+    """What the reconciler (:mod:`.reconcile`, :mod:`.apply`, :mod:`.status`) uses of
+    :class:`Kube`; tests pass fakes that implement just this."""
+
+    def list(self, *, kind: Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]: ...
+
+    def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]: ...
 
 
 class Kube:

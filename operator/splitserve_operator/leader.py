@@ -27,6 +27,7 @@ import datetime
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Final
 
 from kubernetes.client.exceptions import ApiException
@@ -65,10 +66,23 @@ def _microtime(moment: datetime.datetime) -> str:
     return moment.astimezone(datetime.UTC).strftime(MICROTIME_FORMAT)
 
 
+def utc_now() -> datetime.datetime:
+    """The wall clock of the Lease's timestamps (``acquireTime``, ``renewTime``)."""
+    return datetime.datetime.now(datetime.UTC)
+
+
 class LeaderElector:
-    def __init__(self, *, api: kube.Kube, config: LeaderConfig) -> None:
+    """One candidate. ``clock`` (monotonic seconds) measures expiry and the renew deadline;
+    ``wall_clock`` stamps the Lease for humans. Both are injected so tests can drive them."""
+
+    def __init__(
+        self, *, api: kube.Kube, config: LeaderConfig, clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime.datetime] = utc_now,
+    ) -> None:
         self._api = api
         self.config = config
+        self._clock = clock
+        self._wall_clock = wall_clock
         self._observed_spec: dict[str, Any] | None = None
         self._observed_at = 0.0
         self._last_renew = 0.0
@@ -81,7 +95,7 @@ class LeaderElector:
     def try_acquire_or_renew(self) -> bool:
         """One round: True if we hold the Lease afterwards. Synchronous (runs in a thread)."""
         cfg = self.config
-        now = datetime.datetime.now(datetime.UTC)
+        now = self._wall_clock()
         duration = max(1, int(round(cfg.lease_duration_seconds)))
         lease = self._api.get(kind=kube.LEASE, namespace=cfg.namespace, name=cfg.name)
         if lease is None:
@@ -106,7 +120,7 @@ class LeaderElector:
             self._observe(spec)
         holder = spec.get("holderIdentity") or ""
         observed_duration = float(spec.get("leaseDurationSeconds") or cfg.lease_duration_seconds)
-        if holder and holder != cfg.identity and time.monotonic() < self._observed_at + observed_duration:
+        if holder and holder != cfg.identity and self._clock() < self._observed_at + observed_duration:
             return False  # somebody else's, and not expired
         new_spec = dict(spec)
         if holder != cfg.identity:
@@ -126,14 +140,14 @@ class LeaderElector:
 
     def _observe(self, spec: dict[str, Any]) -> None:
         self._observed_spec = dict(spec)
-        self._observed_at = time.monotonic()
+        self._observed_at = self._clock()
 
     def release_sync(self) -> None:
         cfg = self.config
         lease = self._api.get(kind=kube.LEASE, namespace=cfg.namespace, name=cfg.name)
         if lease is None or (lease.get("spec") or {}).get("holderIdentity") != cfg.identity:
             return
-        now = _microtime(datetime.datetime.now(datetime.UTC))
+        now = _microtime(self._wall_clock())
         spec = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": now}
         self._api.replace(kind=kube.LEASE, namespace=cfg.namespace, name=cfg.name, obj={**lease, "spec": spec})
 
@@ -150,7 +164,7 @@ class LeaderElector:
         logger.info("Waiting for Lease %s/%s as %s", self.config.namespace, self.config.name, self.identity)
         while not stop.is_set():
             if await self._attempt():
-                self._last_renew = time.monotonic()
+                self._last_renew = self._clock()
                 logger.info("Acquired Lease %s/%s", self.config.namespace, self.config.name)
                 return True
             with contextlib.suppress(TimeoutError):
@@ -163,9 +177,9 @@ class LeaderElector:
         while True:
             await asyncio.sleep(cfg.retry_period_seconds)
             if await self._attempt():
-                self._last_renew = time.monotonic()
+                self._last_renew = self._clock()
                 continue
-            if time.monotonic() - self._last_renew >= cfg.renew_deadline_seconds:
+            if self._clock() - self._last_renew >= cfg.renew_deadline_seconds:
                 raise LeadershipLost(f"Lease {cfg.namespace}/{cfg.name} not renewed for {cfg.renew_deadline_seconds:g}s")
 
     async def release(self) -> None:

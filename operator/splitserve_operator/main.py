@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Final
+from typing import Any, Final
 
 import kopf
 from kubernetes import client as k8s_client
@@ -153,12 +153,12 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
         registry=registry, settings=kopf_settings(identity=identity, namespaced=bool(namespaces)), standalone=True,
         clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop_flag, ready_flag=ready_flag,
     ), name="kopf")
-    waiters: set[asyncio.Task[object]] = {kopf_task}  # type: ignore[arg-type]
+    waiters: set[asyncio.Task[Any]] = {kopf_task}
     hold_task = asyncio.create_task(elector.hold(), name="lease") if elector else None
     if hold_task is not None:
-        waiters.add(hold_task)  # type: ignore[arg-type]
+        waiters.add(hold_task)
     stop_task = asyncio.create_task(stop.wait(), name="stop")
-    waiters.add(stop_task)  # type: ignore[arg-type]
+    waiters.add(stop_task)
 
     async def mark_ready() -> None:
         await ready_flag.wait()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from splitserve_contract import Flag, add_arguments
+from splitserve_contract import Flag, add_arguments, defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +28,8 @@ class OperatorArgs:
     lease_name: str = "splitserve-operator"
     lease_namespace: str = ""  # empty: the pod's namespace (POD_NAMESPACE)
     prometheus_url: str = ""  # empty: autoscaling reports MetricsHealthy=False
-    prometheus_scrape_interval_seconds: float = 15.0  # staleness is judged against 3x this
-    metrics_window_seconds: float = 30.0  # PromQL smoothing window (avg_over_time)
+    prometheus_scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS  # staleness is judged against 3x this
+    metrics_window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS  # PromQL smoothing window (avg_over_time)
     log_level: str = "info"
 
 

@@ -7,6 +7,14 @@ given the live object it renders the desired children (:mod:`render`), applies e
 after a crash half-way, converges on the same children, one per role, because every write is
 a server-side apply of a fixed name.
 
+The stages, each a small function passing a typed value to the next::
+
+    parse -> render -> apply -> observe -> decide (conditions) -> write status
+    obj      _Parsed   _Rendered _ApplyReport _Observed _Verdict
+
+Observation covers the Deployments, the pods (pending ones, and pods whose containers keep
+exiting at start-up: :func:`pod_start_failure`), and GPU capacity.
+
 Conditions are kstatus-compatible (Ready / Reconciling / Stalled) with CamelCase reasons;
 problems become conditions and Events, never exceptions out of the operator. The only
 exception that escapes is :class:`RetryableError`, for API failures worth retrying with
@@ -20,35 +28,27 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from kubernetes.client.exceptions import ApiException
 
 import splitserve_contract as contract
-from splitserve_contract import Role
+from splitserve_contract import ConditionType, Reason, Role
 
 from . import apply, capacity, events, kube, naming, render, status
 from .api import InferenceService, InvalidSpecError
+from .render import Component
 from .status import ConditionUpdate
 
 logger = logging.getLogger(__name__)
 
-READY: Final = "Ready"
-RECONCILING: Final = "Reconciling"
-STALLED: Final = "Stalled"
-
-REASON_RECONCILED: Final = "Reconciled"
-REASON_CHILDREN_CREATED: Final = "ChildrenCreated"
-REASON_ROLLOUT: Final = "RolloutInProgress"
-REASON_NAME_CONFLICT: Final = "NameConflict"
-REASON_INVALID_SPEC: Final = "InvalidSpec"
-REASON_API_ERROR: Final = "ApiError"
-REASON_NO_GPU: Final = "InsufficientGPUCapacity"
-REASON_PROGRESSING: Final = "Progressing"
-
 NODE_CACHE_SECONDS: Final = 10.0
 APPLY_CONCURRENCY: Final = 8
+MAX_POD_MESSAGE_CHARS: Final = 1024
+"""A pod's termination message is trimmed to this in conditions and Events."""
+MODEL_FAILURE_MARKERS: Final = ("is not in the local cache", "ModelLoadError", "model '")
+"""Text of a termination message that says the model could not be loaded (most specific first)."""
 
 
 class RetryableError(Exception):
@@ -75,7 +75,9 @@ class PoolObservation:
 class Result:
     """What one reconcile did (returned for tests, metrics and logs)."""
 
-    outcome: str  # Reconciled | Progressing | NameConflict | InvalidSpec | InsufficientGPUCapacity
+    outcome: str
+    """Reconciled | Progressing | NameConflict | InvalidSpec | InsufficientGPUCapacity |
+    ModelUnavailable | PodStartFailed | Paused (a :class:`~splitserve_contract.Reason`)."""
     created: tuple[str, ...] = ()
     updated: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
@@ -93,7 +95,7 @@ class NodeCache:
         self._nodes: list[dict[str, Any]] | None = None
         self._warned = False
 
-    def nodes(self, *, api: kube.Kube) -> list[dict[str, Any]] | None:
+    def nodes(self, *, api: kube.KubeAPI) -> list[dict[str, Any]] | None:
         with self._lock:
             if time.monotonic() - self._at < self._ttl:
                 return self._nodes
@@ -140,6 +142,76 @@ def observe_deployment(*, role: Role, deployment: Mapping[str, Any], pods: list[
                            desired=desired, pending=pending, rolled_out=rolled_out)
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class PodStartFailure:
+    """A container of a pod that keeps exiting at start-up (crash loop)."""
+
+    pod: str
+    role: str
+    container: str
+    exit_code: int
+    model_unavailable: bool
+    message: str
+    """The container's termination message (the runtime's load error, or the log tail)."""
+
+    @property
+    def reason(self) -> str:
+        return Reason.MODEL_UNAVAILABLE if self.model_unavailable else Reason.POD_START_FAILED
+
+    def describe(self) -> str:
+        head = f"pod {self.pod} (container {self.container}) exited with code {self.exit_code}"
+        return f"{head}: {self.message}" if self.message else head
+
+
+def _relevant_text(message: str) -> tuple[bool, str]:
+    """(mentions a model load failure, the part worth showing, at most ~1 KiB)."""
+    text = message.strip()
+    for marker in MODEL_FAILURE_MARKERS:
+        lines = [line.strip() for line in text.splitlines() if marker in line]
+        if lines:
+            return True, lines[-1][-MAX_POD_MESSAGE_CHARS:]
+    if len(text) > MAX_POD_MESSAGE_CHARS:  # the end of a log tail says most
+        text = "..." + text[-(MAX_POD_MESSAGE_CHARS - 3):]
+    return False, text
+
+
+def _failed_termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The failed termination of a container that keeps failing at start-up, else None."""
+    if container_status.get("ready"):
+        return None
+    state = container_status.get("state") or {}
+    current = state.get("terminated") or {}
+    last = (container_status.get("lastState") or {}).get("terminated") or {}
+    crash_loop = (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff"
+    restarted_after_failure = int(container_status.get("restartCount") or 0) >= 1 and \
+        int(last.get("exitCode") or 0) != 0
+    if not (crash_loop or restarted_after_failure):
+        return None
+    if int(current.get("exitCode") or 0) != 0:
+        return dict(current)
+    return dict(last)
+
+
+def pod_start_failure(pod: Mapping[str, Any]) -> PodStartFailure | None:
+    """The first container of ``pod`` that keeps failing at start-up (restartCount >= 1 after
+    a non-zero exit, or CrashLoopBackOff), with its termination message; None otherwise."""
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = _failed_termination(cs)
+        if term is None:
+            continue
+        model_unavailable, message = _relevant_text(str(term.get("message") or ""))
+        return PodStartFailure(
+            pod=str(meta.get("name", "")), role=str((meta.get("labels") or {}).get(contract.LABEL_ROLE, "")),
+            container=str(cs.get("name", "")), exit_code=int(term.get("exitCode") or 0),
+            model_unavailable=model_unavailable, message=message)
+    return None
+
+
 def _status_key(role: Role) -> str:
     return role.value  # prefill | decode | aggregated | router
 
@@ -151,7 +223,7 @@ def _previous_reason(obj: Mapping[str, Any], type_: str) -> str | None:
     return None
 
 
-def _write_status(*, api: kube.Kube, obj: Mapping[str, Any], fields: Mapping[str, Any],
+def _write_status(*, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[str, Any],
                   conditions: list[ConditionUpdate]) -> None:
     meta = obj["metadata"]
     try:
@@ -166,145 +238,257 @@ Observation = tuple[status.ConditionStatusValue, str, str]
 
 
 def _conditions(*, ready: Observation, reconciling: Observation, stalled: Observation) -> list[ConditionUpdate]:
-    return [ConditionUpdate(READY, *ready), ConditionUpdate(RECONCILING, *reconciling),
-            ConditionUpdate(STALLED, *stalled)]
+    return [ConditionUpdate(ConditionType.READY, *ready), ConditionUpdate(ConditionType.RECONCILING, *reconciling),
+            ConditionUpdate(ConditionType.STALLED, *stalled)]
 
 
-def reconcile(*, api: kube.Kube, obj: Mapping[str, Any], settings: ReconcileSettings,
-              nodes: NodeCache | None = None) -> Result:
-    """Converge the children of ``obj`` (a live InferenceService) and write its status.
-    A paused object is not touched at all (the caller should not even call this)."""
-    if is_paused(obj):
-        return Result(outcome="Paused")
+def _stalled(reason: str, message: str) -> list[ConditionUpdate]:
+    """Ready=False, Reconciling=False, Stalled=True, all for ``reason``."""
+    return _conditions(ready=("False", reason, message), reconciling=("False", reason, message),
+                       stalled=("True", reason, message))
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    obj: Mapping[str, Any]
+    name: str
+    namespace: str
+    isvc: InferenceService
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rendered:
+    children: list[dict[str, Any]]
+    comps: list[Component]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ApplyReport:
+    created: list[str]
+    updated: list[str]
+    conflicts: list[str]
+    conflict_messages: list[str]
+    deployments: dict[Role, dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Observed:
+    pools: dict[Role, PoolObservation]
+    shortfalls: list[str]
+    start_failures: list[PodStartFailure]
+    """Failing pods of pools without a ready replica (one per pool)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    conditions: list[ConditionUpdate]
+    outcome: str
+    ready: bool
+    message: str
+
+
+def _parse(*, api: kube.KubeAPI, obj: Mapping[str, Any]) -> _Parsed | None:
+    """The parsed spec; None after reporting an invalid one (Event on transition, status)."""
     meta = obj["metadata"]
-    name, namespace = str(meta["name"]), str(meta["namespace"])
-
     try:
         isvc = InferenceService.parse(obj)
     except InvalidSpecError as exc:
         message = str(exc)
-        if _previous_reason(obj, STALLED) != REASON_INVALID_SPEC:
-            events.warning(obj=obj, reason=REASON_INVALID_SPEC, message=message)
+        if _previous_reason(obj, ConditionType.STALLED) != Reason.INVALID_SPEC:
+            events.warning(obj=obj, reason=Reason.INVALID_SPEC, message=message)
         _write_status(api=api, obj=obj, fields={"observedGeneration": meta.get("generation")},
-                      conditions=_conditions(ready=("False", REASON_INVALID_SPEC, message),
-                                             reconciling=("False", REASON_INVALID_SPEC, message),
-                                             stalled=("True", REASON_INVALID_SPEC, message)))
-        return Result(outcome=REASON_INVALID_SPEC)
+                      conditions=_stalled(Reason.INVALID_SPEC, message))
+        return None
+    return _Parsed(obj=obj, name=str(meta["name"]), namespace=str(meta["namespace"]), isvc=isvc)
 
-    owner = apply.Owner(name=name, uid=str(meta["uid"]))
-    children = render.render_children(isvc=isvc, runtime_image=settings.runtime_image,
+
+def _render(*, parsed: _Parsed, settings: ReconcileSettings) -> _Rendered:
+    children = render.render_children(isvc=parsed.isvc, runtime_image=settings.runtime_image,
                                       router_service_account=settings.router_service_account)
-    comps = render.components(isvc.spec)
-    created: list[str] = []
-    updated: list[str] = []
-    conflicts: list[str] = []
-    conflict_messages: list[str] = []
-    deployments: dict[Role, dict[str, Any]] = {}
+    return _Rendered(children=children, comps=render.components(parsed.isvc.spec))
+
+
+def _role_of(child: Mapping[str, Any]) -> str | None:
+    role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+    return str(role) if role else None
+
+
+def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> list[apply.Applied | BaseException]:
+    """Apply every child; children are independent objects, so concurrently (a GET + PATCH each)."""
+    owner = apply.Owner(name=parsed.name, uid=str(parsed.obj["metadata"]["uid"]))
+
     def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
-        role_value = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
-        initial = render.initial_replicas(isvc=isvc, role=Role(role_value)) if child["kind"] == "Deployment" else None
+        role_value = _role_of(child)
+        initial = (render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value)))
+                   if child["kind"] == "Deployment" else None)
         try:
             return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial)
         except (apply.NameConflict, ApiException) as exc:
             return exc
 
-    # Children are independent objects: apply them concurrently (one GET + PATCH each).
     with concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY) as pool:
-        applied_list = list(pool.map(apply_one, children))
+        return list(pool.map(apply_one, rendered.children))
+
+
+def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _ApplyReport:
+    """Apply the children and report what happened (Events); API errors are written to
+    status and raised as :class:`RetryableError`."""
+    obj = parsed.obj
+    report = _ApplyReport(created=[], updated=[], conflicts=[], conflict_messages=[], deployments={})
     api_errors: list[str] = []
-    for child, result in zip(children, applied_list, strict=True):
+    results = _apply_all(api=api, parsed=parsed, rendered=rendered)
+    for child, result in zip(rendered.children, results, strict=True):
         label = f"{child['kind']}/{child['metadata']['name']}"
         if isinstance(result, apply.NameConflict):
-            conflicts.append(label)
-            conflict_messages.append(str(result))
+            report.conflicts.append(label)
+            report.conflict_messages.append(str(result))
         elif isinstance(result, BaseException):
             api_errors.append(f"applying {label} failed: {kube.error_message(result)}")
-        elif isinstance(result, apply.Applied):
+        else:
             if result.outcome is apply.Outcome.CREATED:
-                created.append(label)
+                report.created.append(label)
             elif result.outcome is apply.Outcome.UPDATED:
-                updated.append(label)
-            role_value = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+                report.updated.append(label)
+            role_value = _role_of(child)
             if child["kind"] == "Deployment" and role_value:
-                deployments[Role(role_value)] = result.obj
+                report.deployments[Role(role_value)] = result.obj
     if api_errors:
         message = "; ".join(api_errors)
-        events.warning(obj=obj, reason=REASON_API_ERROR, message=message)
+        events.warning(obj=obj, reason=Reason.API_ERROR, message=message)
         _write_status(api=api, obj=obj, fields={}, conditions=_conditions(
-            ready=("False", REASON_API_ERROR, message), reconciling=("True", REASON_API_ERROR, message),
-            stalled=("False", REASON_API_ERROR, message)))
+            ready=("False", Reason.API_ERROR, message), reconciling=("True", Reason.API_ERROR, message),
+            stalled=("False", Reason.API_ERROR, message)))
         raise RetryableError(message)
+    if report.created:
+        events.normal(obj=obj, reason=Reason.CHILDREN_CREATED, message="Created " + ", ".join(report.created))
+    if report.updated:
+        events.normal(obj=obj, reason=Reason.CHILDREN_UPDATED, message="Updated " + ", ".join(report.updated))
+    if report.conflicts and _previous_reason(obj, ConditionType.STALLED) != Reason.NAME_CONFLICT:
+        events.warning(obj=obj, reason=Reason.NAME_CONFLICT, message="; ".join(report.conflict_messages))
+    return report
 
-    if created:
-        events.normal(obj=obj, reason=REASON_CHILDREN_CREATED, message="Created " + ", ".join(created))
-    if updated:
-        events.normal(obj=obj, reason="ChildrenUpdated", message="Updated " + ", ".join(updated))
-    if conflicts and _previous_reason(obj, STALLED) != REASON_NAME_CONFLICT:
-        events.warning(obj=obj, reason=REASON_NAME_CONFLICT, message="; ".join(conflict_messages))
 
+def _list_pods(*, api: kube.KubeAPI, parsed: _Parsed) -> list[dict[str, Any]]:
+    selector = f"{contract.LABEL_INSTANCE}={parsed.name},{contract.LABEL_NAME}={contract.LABEL_NAME_VALUE}"
     try:
-        pods = api.list(kind=kube.POD, namespace=namespace,
-                        label_selector=f"{contract.LABEL_INSTANCE}={name},{contract.LABEL_NAME}={contract.LABEL_NAME_VALUE}")
+        return api.list(kind=kube.POD, namespace=parsed.namespace, label_selector=selector)
     except ApiException as exc:
         raise RetryableError(f"listing pods failed: {kube.error_message(exc)}") from exc
-    observations = {role: observe_deployment(role=role, deployment=dep, pods=pods) for role, dep in deployments.items()}
 
+
+def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObservation],
+                    pods: Sequence[Mapping[str, Any]], node_list: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """Pools whose GPU pods do not fit the eligible nodes, else pods stuck Pending for GPUs."""
     shortfalls: list[str] = []
-    node_list = (nodes or NodeCache()).nodes(api=api)
     for comp in comps:
-        if comp.pool is None or comp.role not in observations:
+        if comp.pool is None or comp.role not in pools or node_list is None:
             continue
-        if node_list is not None:
-            gap = capacity.gpu_shortfall(
-                pool=comp.role.value, pods=observations[comp.role].desired,
-                gpus_per_pod=comp.pool.resources.gpus, node_selector=comp.pool.node_selector,
-                tolerations=comp.pool.tolerations, nodes=node_list)
-            if gap is not None:
-                shortfalls.append(gap.message())
+        gap = capacity.gpu_shortfall(
+            pool=comp.role.value, pods=pools[comp.role].desired,
+            gpus_per_pod=comp.pool.resources.gpus, node_selector=comp.pool.node_selector,
+            tolerations=comp.pool.tolerations, nodes=node_list)
+        if gap is not None:
+            shortfalls.append(gap.message())
     stuck = capacity.unschedulable_gpu_pods(pods)
     if stuck and not shortfalls:
         shortfalls.append(f"pods pending for lack of {capacity.GPU_RESOURCE}: {', '.join(sorted(stuck)[:5])}")
-    if shortfalls and _previous_reason(obj, STALLED) != REASON_NO_GPU:
-        events.warning(obj=obj, reason=REASON_NO_GPU, message="; ".join(shortfalls))
+    return shortfalls
 
-    all_present = len(observations) == len(comps)
-    ready = all_present and not conflicts and all(o.ready >= 1 and o.rolled_out for o in observations.values())
+
+def start_failures(*, pools: Mapping[Role, PoolObservation],
+                   pods: Sequence[Mapping[str, Any]]) -> list[PodStartFailure]:
+    """One failing pod per pool that has no ready replica (a pool still serving from another
+    replica is not reported: its rollout or the Deployment's own status says enough)."""
+    out: list[PodStartFailure] = []
+    for role, pool in pools.items():
+        if pool.ready >= 1:
+            continue
+        failures = [f for f in map(pod_start_failure, pods) if f is not None and f.role == role.value]
+        if failures:  # a model failure says the most, then any other
+            out.append(sorted(failures, key=lambda f: (not f.model_unavailable, f.pod))[0])
+    return out
+
+
+def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport,
+             nodes: NodeCache | None) -> _Observed:
+    pods = _list_pods(api=api, parsed=parsed)
+    pools = {role: observe_deployment(role=role, deployment=dep, pods=pods)
+             for role, dep in report.deployments.items()}
+    node_list = (nodes or NodeCache()).nodes(api=api)
+    shortfalls = _gpu_shortfalls(comps=rendered.comps, pools=pools, pods=pods, node_list=node_list)
+    if shortfalls and _previous_reason(parsed.obj, ConditionType.STALLED) != Reason.INSUFFICIENT_GPU_CAPACITY:
+        events.warning(obj=parsed.obj, reason=Reason.INSUFFICIENT_GPU_CAPACITY, message="; ".join(shortfalls))
+    return _Observed(pools=pools, shortfalls=shortfalls, start_failures=start_failures(pools=pools, pods=pods))
+
+
+def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, observed: _Observed) -> _Verdict:
+    """The three conditions, by precedence: name conflict, ready, GPU shortfall, pods failing
+    at start-up, progressing. A newly reported start failure gets one Warning Event."""
+    pools = observed.pools
+    all_present = len(pools) == len(rendered.comps)
+    ready = all_present and not report.conflicts and all(o.ready >= 1 and o.rolled_out for o in pools.values())
     waiting = ", ".join(
-        f"{o.role.value} {o.ready}/{o.desired} ready" for o in observations.values() if not (o.ready >= 1 and o.rolled_out)
+        f"{o.role.value} {o.ready}/{o.desired} ready" for o in pools.values() if not (o.ready >= 1 and o.rolled_out)
     )
-    if conflicts:
-        msg = "; ".join(conflict_messages)
-        conds = _conditions(ready=("False", REASON_NAME_CONFLICT, msg), reconciling=("False", REASON_NAME_CONFLICT, msg),
-                            stalled=("True", REASON_NAME_CONFLICT, msg))
-        outcome = REASON_NAME_CONFLICT
-    elif ready:
+    if report.conflicts:
+        msg = "; ".join(report.conflict_messages)
+        return _Verdict(_stalled(Reason.NAME_CONFLICT, msg), Reason.NAME_CONFLICT, False, msg)
+    if ready:
         msg = "All pools are ready and rolled out"
-        conds = _conditions(ready=("True", REASON_RECONCILED, msg), reconciling=("False", REASON_RECONCILED, msg),
-                            stalled=("False", REASON_RECONCILED, msg))
-        outcome = REASON_RECONCILED
-    elif shortfalls:
-        msg = "; ".join(shortfalls)
-        conds = _conditions(ready=("False", REASON_NO_GPU, msg), reconciling=("True", REASON_ROLLOUT, waiting or msg),
-                            stalled=("True", REASON_NO_GPU, msg))
-        outcome = REASON_NO_GPU
-    else:
-        reason = REASON_CHILDREN_CREATED if created else REASON_ROLLOUT
-        msg = f"Waiting for {waiting}" if waiting else "Waiting for rollouts"
-        conds = _conditions(ready=("False", reason, msg), reconciling=("True", reason, msg),
-                            stalled=("False", REASON_PROGRESSING, "Rollout is progressing"))
-        outcome = REASON_PROGRESSING
+        conds = _conditions(ready=("True", Reason.RECONCILED, msg), reconciling=("False", Reason.RECONCILED, msg),
+                            stalled=("False", Reason.RECONCILED, msg))
+        return _Verdict(conds, Reason.RECONCILED, True, msg)
+    if observed.shortfalls or observed.start_failures:
+        if observed.shortfalls:
+            reason, msg = Reason.INSUFFICIENT_GPU_CAPACITY, "; ".join(observed.shortfalls)
+        else:
+            reason = observed.start_failures[0].reason
+            msg = "; ".join(f.describe() for f in observed.start_failures)
+            if _previous_reason(parsed.obj, ConditionType.STALLED) != reason:
+                events.warning(obj=parsed.obj, reason=reason, message=msg)
+        conds = _conditions(ready=("False", reason, msg),
+                            reconciling=("True", Reason.ROLLOUT_IN_PROGRESS, waiting or msg),
+                            stalled=("True", reason, msg))
+        return _Verdict(conds, reason, False, msg)
+    reason = Reason.CHILDREN_CREATED if report.created else Reason.ROLLOUT_IN_PROGRESS
+    msg = f"Waiting for {waiting}" if waiting else "Waiting for rollouts"
+    conds = _conditions(ready=("False", reason, msg), reconciling=("True", reason, msg),
+                        stalled=("False", Reason.PROGRESSING, "Rollout is progressing"))
+    return _Verdict(conds, Reason.PROGRESSING, False, msg)
 
+
+def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _Observed) -> dict[str, Any]:
     fields: dict[str, Any] = {
-        "observedGeneration": meta.get("generation"),
-        "endpoint": endpoint_of(name=name, namespace=namespace),
-        "compatHash": render.compat_hash_of(isvc=isvc, runtime_image=settings.runtime_image),
+        "observedGeneration": parsed.obj["metadata"].get("generation"),
+        "endpoint": endpoint_of(name=parsed.name, namespace=parsed.namespace),
+        "compatHash": render.compat_hash_of(isvc=parsed.isvc, runtime_image=settings.runtime_image),
     }
-    for role, o in observations.items():
+    for role, o in observed.pools.items():
         fields[_status_key(role)] = {"replicas": o.replicas, "readyReplicas": o.ready,
                                      "desiredReplicas": o.desired, "pendingReplicas": o.pending,
                                      "summary": f"{o.ready}/{o.desired}"}
-    _write_status(api=api, obj=obj, fields=fields, conditions=conds)
-    if ready and _previous_reason(obj, READY) != REASON_RECONCILED:
-        events.normal(obj=obj, reason="Ready", message=msg)
-    return Result(outcome=outcome, created=tuple(created), updated=tuple(updated),
-                  conflicts=tuple(conflicts), ready=ready)
+    return fields
+
+
+def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileSettings,
+              nodes: NodeCache | None = None) -> Result:
+    """Converge the children of ``obj`` (a live InferenceService) and write its status.
+    A paused object is not touched at all (the caller should not even call this)."""
+    if is_paused(obj):
+        return Result(outcome=Reason.PAUSED)
+    parsed = _parse(api=api, obj=obj)
+    if parsed is None:
+        return Result(outcome=Reason.INVALID_SPEC)
+    rendered = _render(parsed=parsed, settings=settings)
+    report = _apply(api=api, parsed=parsed, rendered=rendered)
+    observed = _observe(api=api, parsed=parsed, rendered=rendered, report=report, nodes=nodes)
+    verdict = _decide(parsed=parsed, rendered=rendered, report=report, observed=observed)
+    _write_status(api=api, obj=obj, fields=_status_fields(parsed=parsed, settings=settings, observed=observed),
+                  conditions=verdict.conditions)
+    if verdict.ready and _previous_reason(obj, ConditionType.READY) != Reason.RECONCILED:
+        events.normal(obj=obj, reason=Reason.READY, message=verdict.message)
+    return Result(outcome=verdict.outcome, created=tuple(report.created), updated=tuple(report.updated),
+                  conflicts=tuple(report.conflicts), ready=verdict.ready)

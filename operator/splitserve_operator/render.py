@@ -308,6 +308,11 @@ def _pod_spec(
         "resources": _resources(component.pool),
         "securityContext": _CONTAINER_SECURITY,
         "volumeMounts": mounts,
+        # The runtime writes why it exited (e.g. a model that cannot be loaded) to the
+        # termination message file; without one, the log tail is used. The reconciler reads
+        # it from the pod's status into the InferenceService's conditions.
+        "terminationMessagePath": contract.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy

@@ -91,7 +91,7 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
 
 def patch_status(
     *,
-    api: kube.Kube,
+    api: kube.StatusAPI,
     namespace: str,
     name: str,
     fields: Mapping[str, Any] | None = None,

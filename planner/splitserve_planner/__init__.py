@@ -7,7 +7,9 @@ Layers, each talking only down:
   one engine step takes, and how many KV tokens a pod holds.
 * :mod:`.workload` — request streams: Poisson, bursty (MMPP), or a replayed trace CSV.
 * :mod:`.simulator` — the fleet: router, prefill/decode/aggregated pools with continuous
-  batching, chunked prefill, KV capacity with preemption, prefix caching, KV transfer.
+  batching, chunked prefill, KV capacity with preemption, prefix caching, KV transfer (its
+  parts in :mod:`.sim`; the autoscaling decision in :mod:`.autoscale`).
+* :mod:`.supported` — what a plan may use: this version's capabilities (the CRD's table).
 * :mod:`.search` — the cheapest pool sizes meeting the SLOs under the headroom rule.
 * :mod:`.manifest`, :mod:`.plot`, :mod:`.cli` — ``splitserve plan``.
 

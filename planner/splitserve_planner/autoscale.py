@@ -19,6 +19,8 @@ from splitserve_operator.autoscaler.decision import (
     decide,
 )
 
+from .sim.config import AutoscaleSettings
+
 
 @dataclass(frozen=True, kw_only=True)
 class PoolObservation:
@@ -34,10 +36,8 @@ class PoolObservation:
 class SimAutoscaler:
     """One :class:`RecommendationHistory` per pool, one :func:`decide` call per pool and tick."""
 
-    def __init__(self, *, settings: object, initial_replicas: dict[str, int], gpus_per_replica: int) -> None:
-        from .simulator import AutoscaleSettings
-
-        assert isinstance(settings, AutoscaleSettings)
+    def __init__(self, *, settings: AutoscaleSettings, initial_replicas: dict[str, int],
+                 gpus_per_replica: int) -> None:
         self.settings = settings
         self.gpus_per_replica = gpus_per_replica
         self.histories = {role: RecommendationHistory.fresh(now_seconds=0.0, current_replicas=count)

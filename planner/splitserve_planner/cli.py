@@ -5,7 +5,10 @@ without prefix caching), each found by :mod:`.search` (headroom rule, then simul
 the overall choice. ``--emit-manifest`` writes an InferenceService for the choice,
 ``--plot`` a PNG of p99 latency vs load for it. Bad input exits with code 2 and one line
 saying what is wrong (unknown GPU: the known ones; a model that does not fit: the memory it
-needs; an SLO no fleet can meet: why).
+needs; an SLO no fleet can meet: why). Settings this version of splitserve does not serve
+(``--tp`` above 1, ``--dtype fp8``: :mod:`splitserve_contract.capabilities`) are refused with the
+capabilities table's message, as the CRD refuses them; ``--what-if`` prices them with the
+roofline instead, labelled as such, and never emits a manifest for them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+
+from splitserve_contract import capabilities as caps
+from splitserve_contract import defaults
 
 from .gpus import get_gpu
 from .model_presets import HF_IDS, load_model
@@ -36,11 +43,28 @@ from .simulator import (
     SimOptions,
     simulate,
 )
+from .supported import (
+    QUANTIZED_DTYPES,
+    known_tensor_parallel_sizes,
+    remedies,
+    supported_tensor_parallel_sizes,
+    unsupported_settings,
+)
 from .workload import Arrivals, LengthDist, Request, WorkloadSpec, load_trace
 
 EXIT_BAD_INPUT = 2
 MIN_SIMULATED_REQUESTS = 3000
 MAX_SIMULATED_REQUESTS = 20000
+
+
+_ROOFLINE_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+"""``--dtype`` values the roofline prices (``fp8`` is ``spec.model.quantization: fp8``)."""
+
+
+def _values(values: Iterable[object]) -> str:
+    """``1, 2, 4 or 8``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,10 +79,17 @@ def _parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and hardware")
     m.add_argument("--model", default="llama-3.1-8b", help="preset (llama-3.1-8b, llama-3.1-70b, qwen2-7b, tiny) or a config.json path")
     m.add_argument("--gpu", default="H100-SXM", help="GPU type (H100-SXM, H200, A100-80GB, L40S, ...)")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per pod")
-    m.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32 or fp8")
+    m.add_argument("--tp", type=int, default=1,
+                   help=f"tensor-parallel GPUs per pod (this version serves {_values(supported_tensor_parallel_sizes())}; "
+                        "others only with --what-if)")
+    m.add_argument("--dtype", default="bfloat16",
+                   help=f"{_values(_ROOFLINE_DTYPES)} ({_values(QUANTIZED_DTYPES[:1])} is spec.model.quantization: "
+                        "only with --what-if while this version serves none)")
+    m.add_argument("--what-if", action="store_true",
+                   help="price settings this version does not serve (TP > 1, fp8) with the roofline; "
+                        "labelled as a what-if, never with --emit-manifest")
     m.add_argument("--profile", type=Path, default=None, help="measured profile (JSON/YAML) instead of the roofline")
-    m.add_argument("--memory-fraction", type=float, default=0.9)
+    m.add_argument("--memory-fraction", type=float, default=defaults.KV_MEMORY_FRACTION)
     m.add_argument("--compute-efficiency", type=float, default=None, help="override the GPU default (fraction of peak FLOP/s)")
     m.add_argument("--bandwidth-efficiency", type=float, default=None, help="override the GPU default (fraction of HBM bandwidth)")
     w = p.add_argument_group("workload")
@@ -81,8 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-replicas", type=int, default=128, help="search limit per pool")
     s.add_argument("--min-rate", type=float, default=None, help="off-peak rate for replicas.min (default: rate / 4)")
     e = p.add_argument_group("engine and router")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-batched-tokens", type=int, default=8192)
+    e.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS)
+    e.add_argument("--max-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--router", choices=[r for r in ROUTER_POLICIES if r != "central-queue"], default="prefix-affinity")
     e.add_argument("--kv-link-gbps", type=float, default=50.0, help="prefill->decode KV link, GB/s")
@@ -136,12 +167,24 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     if args.ttft_p99_ms <= 0 or args.itl_p99_ms <= 0:
         raise ValueError("--ttft-p99-ms and --itl-p99-ms must be > 0")
-    if args.tp not in (1, 2, 4, 8):
-        raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
+    if args.tp not in known_tensor_parallel_sizes():
+        raise ValueError(f"--tp must be {_values(known_tensor_parallel_sizes())}, got {args.tp}")
+    if args.dtype not in _ROOFLINE_DTYPES:
+        raise ValueError(f"--dtype must be {_values(_ROOFLINE_DTYPES)}, got {args.dtype!r}")
+    unsupported = _unsupported(args)
+    if unsupported and not args.what_if:
+        raise caps.UnsupportedError("; ".join(unsupported) + "; --what-if prices it with the roofline anyway")
+    if unsupported and args.emit_manifest is not None:
+        raise caps.UnsupportedError("--emit-manifest writes only what this version serves: " + "; ".join(unsupported))
     if args.kv_link_gbps <= 0:
         raise ValueError("--kv-link-gbps must be > 0")
     if args.name is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", args.name):
         raise ValueError(f"--name {args.name!r} must be a lowercase DNS label")
+
+
+def _unsupported(args: argparse.Namespace) -> list[str]:
+    """Capability messages for the settings given that this version does not serve."""
+    return unsupported_settings(tensor_parallel=args.tp, dtype=args.dtype)
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -223,11 +266,14 @@ def run(args: argparse.Namespace) -> int:
     inputs = PlanInputs(perf=perf, requests=requests, slo=slo, headroom=args.headroom, engine=engine,
                         gpus_per_replica=args.tp, router_policy=args.router,
                         kv_link_bytes_per_second=args.kv_link_gbps * 1e9, max_replicas=args.max_replicas,
-                        seed=args.seed)
+                        seed=args.seed, what_if=args.what_if)
     step_1 = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
     prefill_1k = prefill_seconds(perf, num_tokens=1024)
     print(f"model {args.model}, TP={args.tp}, {args.dtype}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
           f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms, prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
+    what_if = _unsupported(args)
+    if what_if:
+        print(f"WHAT-IF (not servable by this version, no manifest): {'; '.join(what_if)}")
     print(f"workload: {workload_label}")
     print(f"SLOs: TTFT p99 <= {args.ttft_p99_ms:g} ms, ITL p99 <= {args.itl_p99_ms:g} ms; headroom {args.headroom:.0%}; "
           f"router {args.router}\n")
@@ -236,12 +282,14 @@ def run(args: argparse.Namespace) -> int:
     best = table.best
     if best is None:
         print(f"\nsplitserve plan: error: no configuration with at most {args.max_replicas} replicas per pool meets "
-              "the SLOs; relax them, raise --max-replicas, or use a larger --tp", file=sys.stderr)
+              f"the SLOs; relax them, raise --max-replicas, or use {remedies(tensor_parallel=args.tp, what_if=args.what_if)}",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     label = next(k for k, v in table.plans.items() if v is best)
     pods = (f"{best.aggregated_replicas} pods" if best.mode == AGGREGATED
             else f"{best.prefill_replicas} prefill + {best.decode_replicas} decode pods")
-    print(f"\nchosen: {label}: {pods} x {best.gpus_per_replica} GPU = {best.num_gpus} GPUs "
+    chosen = "what-if, not servable by this version" if what_if else "chosen"
+    print(f"\n{chosen}: {label}: {pods} x {best.gpus_per_replica} GPU = {best.num_gpus} GPUs "
           f"(token budget {best.max_batched_tokens}); {'; '.join(best.notes)}")
     if args.emit_manifest is not None:
         from .manifest import build_manifest, manifest_yaml
@@ -256,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         args.emit_manifest.write_text(manifest_yaml(manifest, header=header), encoding="utf-8")
         print(f"wrote {args.emit_manifest}")
     if args.plot is not None:
-        _plot(plan=best, inputs=inputs, args=args, path=args.plot, title=f"{args.model} {label}: {pods}")
+        _plot(plan=best, inputs=inputs, args=args, path=args.plot, title=f"{'what-if: ' if what_if else ''}{args.model} {label}: {pods}")
         print(f"wrote {args.plot}")
     return 0
 

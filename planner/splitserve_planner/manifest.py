@@ -2,7 +2,9 @@
 
 Built as a plain dict and validated with the operator's own API models
 (:meth:`splitserve_operator.api.InferenceService.parse`) before it is written, so a plan never
-emits a manifest the CRD would reject. Replica bounds: ``max`` is the planned count at the peak
+emits a manifest the CRD would reject; settings this version does not serve (tensor
+parallelism, fp8: :mod:`splitserve_contract.capabilities`) are refused before that, with the
+capabilities table's message, even when ``splitserve plan --what-if`` priced them. Replica bounds: ``max`` is the planned count at the peak
 rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
 fleet when traffic falls. ``autoscaling.gpuBudget`` caps both pools at the planned peak.
 """
@@ -17,6 +19,7 @@ from splitserve_operator.api import InferenceService
 
 from .search import Plan
 from .simulator import AGGREGATED
+from .supported import check_servable
 
 ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "LeastLoad",
                        "round-robin": "RoundRobin", "central-queue": "LeastLoad"}
@@ -24,17 +27,18 @@ ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "Least
 
 def build_manifest(*, plan: Plan, name: str, model_uri: str, dtype: str, min_replicas: dict[str, int],
                    router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int) -> dict[str, Any]:
-    """The manifest dict (validated; raises :class:`~splitserve_operator.api.InvalidSpecError`)."""
+    """The manifest dict (validated; raises :class:`~splitserve_contract.capabilities.UnsupportedError`
+    for a setting this version does not serve, :class:`~splitserve_operator.api.InvalidSpecError`
+    for anything else the API refuses)."""
     tp = plan.gpus_per_replica
+    check_servable(tensor_parallel=tp, dtype=dtype)
 
     def pool(*, role: str, count: int) -> dict[str, Any]:
         low = max(1, min(count, min_replicas.get(role, 1)))
         return {"replicas": {"min": low, "max": count}, "resources": {"gpus": tp},
                 "parallelism": {"tensor": tp}}
 
-    model: dict[str, Any] = {"uri": model_uri, "dtype": "bfloat16" if dtype == "fp8" else dtype}
-    if dtype == "fp8":
-        model["quantization"] = "fp8"
+    model: dict[str, Any] = {"uri": model_uri, "dtype": dtype}
     spec: dict[str, Any] = {
         "model": model,
         "mode": "Aggregated" if plan.mode == AGGREGATED else "Disaggregated",

@@ -28,9 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve_contract import defaults
 from splitserve_contract.model_config import ModelConfig
 
 from .gpus import GIB, GpuSpec
+from .supported import known_tensor_parallel_sizes, remedies
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 ALL_REDUCE_LATENCY_SECONDS = 8e-6
@@ -128,7 +130,7 @@ class RooflineModel:
     gpu: GpuSpec
     tensor_parallel: int
     dtype: str
-    memory_fraction: float = 0.9
+    memory_fraction: float = defaults.KV_MEMORY_FRACTION
     activation_reserve_bytes: int = 4 * GIB
     compute_efficiency: float | None = None
     bandwidth_efficiency: float | None = None
@@ -137,8 +139,9 @@ class RooflineModel:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
-        if self.tensor_parallel not in (1, 2, 4, 8):
-            raise ValueError(f"tensor parallel size must be 1, 2, 4 or 8, got {self.tensor_parallel}")
+        if self.tensor_parallel not in known_tensor_parallel_sizes():
+            sizes = ", ".join(str(v) for v in known_tensor_parallel_sizes())
+            raise ValueError(f"tensor parallel size must be one of {sizes}, got {self.tensor_parallel}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
         self.gpu.flops_per_second(dtype=self.dtype)  # FP8 on a GPU without it: ValueError
@@ -184,7 +187,7 @@ class RooflineModel:
                 f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
                 f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
                 f"{self.gpu.memory_bytes / GIB:.1f} GiB ({self.gpu.memory_bytes / 1e9:.0f} GB): "
-                f"use a larger --tp, fp8, or a bigger GPU")
+                f"use {remedies(tensor_parallel=self.tensor_parallel)}")
 
     # ------------------------------------------------------------------ time
     def _coefficients(self) -> tuple[float, float, float, float, float, float, float]:
@@ -222,7 +225,7 @@ class RooflineModel:
 
 
 def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_parallel: int, dtype: str,
-                   memory_fraction: float = 0.9, compute_efficiency: float | None = None,
+                   memory_fraction: float = defaults.KV_MEMORY_FRACTION, compute_efficiency: float | None = None,
                    bandwidth_efficiency: float | None = None,
                    step_overhead_seconds: float | None = None) -> RooflineModel:
     """Build the roofline for ``config`` on ``gpu`` (raises :class:`ModelDoesNotFit`, ValueError)."""

@@ -22,6 +22,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from splitserve_contract import capabilities as caps
+from splitserve_contract import defaults
+
 from .perf_model import StepCost, decode_step_seconds, max_decode_batch, prefill_attention_pairs
 from .simulator import (
     AGGREGATED,
@@ -32,9 +35,12 @@ from .simulator import (
     SimResult,
     simulate,
 )
+from .supported import remedies, supported_tensor_parallel_sizes
 from .workload import Request
 
-AGGREGATED_BUDGETS = (8192, 2048, 512)
+AGGREGATED_BUDGETS = (defaults.MAX_NUM_BATCHED_TOKENS, 2048, 512)
+"""Token budgets tried for aggregated pods: the runtime's default, then smaller ones (a smaller
+budget bounds the ITL spike a prefill chunk causes)."""
 
 
 class PlanError(ValueError):
@@ -64,8 +70,12 @@ class PlanInputs:
     warmup_seconds: float = 10.0
     max_replicas: int = 128
     seed: int = 0
+    what_if: bool = False
+    """Allow a TP size this version does not serve (roofline what-if; never emitted)."""
 
     def __post_init__(self) -> None:
+        if not self.what_if and self.gpus_per_replica not in supported_tensor_parallel_sizes():
+            raise PlanError(caps.TENSOR_PARALLEL_SIZE.unsupported_message(self.gpus_per_replica))
         if not 0.1 <= self.headroom <= 1.0:
             raise PlanError(f"headroom must be in [0.1, 1.0] (e.g. 0.75 for the 70–80 % rule), got {self.headroom}")
         if len(self.requests) < 10:
@@ -146,12 +156,13 @@ class Plan:
 def check_feasible(inputs: PlanInputs) -> None:
     """Reject SLOs no fleet size can meet, with the reason (raises :class:`PlanError`)."""
     perf, slo, engine = inputs.perf, inputs.slo, inputs.engine
+    remedy = remedies(tensor_parallel=inputs.gpus_per_replica, what_if=inputs.what_if)
     demand = Demand.of(inputs.requests, prefix_caching=engine.prefix_caching, block_size=engine.block_size)
     single = decode_step_seconds(perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens))
     if single > slo.itl_p99_seconds:
         raise PlanError(f"impossible ITL SLO: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one decode step of a "
-                        f"single sequence ({single * 1e3:.2f} ms for {perf.name}); relax --itl-p99-ms or use a larger "
-                        "--tp / faster GPU")
+                        f"single sequence ({single * 1e3:.2f} ms for {perf.name}); relax --itl-p99-ms or use "
+                        f"{remedy}")
     tokens = demand.p99_uncached_prompt_tokens
     chunk = min(tokens, engine.max_batched_tokens)
     steps = math.ceil(tokens / chunk)
@@ -161,11 +172,11 @@ def check_feasible(inputs: PlanInputs) -> None:
     if alone > slo.ttft_p99_seconds:
         raise PlanError(f"impossible TTFT SLO: p99 {slo.ttft_p99_seconds * 1e3:g} ms is below the prefill of a "
                         f"p99-length prompt ({tokens} uncached tokens) on an idle pod ({alone * 1e3:.1f} ms for "
-                        f"{perf.name}); relax --ttft-p99-ms or use a larger --tp / faster GPU")
+                        f"{perf.name}); relax --ttft-p99-ms or use {remedy}")
     longest = max(r.num_prompt_tokens + r.num_output_tokens for r in inputs.requests)
     if longest > perf.kv_capacity_tokens:
         raise PlanError(f"a request of {longest} tokens does not fit the KV cache of one pod "
-                        f"({perf.kv_capacity_tokens} tokens); use a larger --tp")
+                        f"({perf.kv_capacity_tokens} tokens); use {remedy}")
 
 
 def _smallest(low: int, high: int, ok: Callable[[int], bool]) -> int | None:

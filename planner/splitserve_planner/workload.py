@@ -85,7 +85,8 @@ class LengthDist:
             values = np.rint(rng.lognormal(mu, self.sigma, size=count))
         else:
             values = rng.integers(self.low, self.high + 1, size=count).astype(float)
-        return np.clip(values, 1, self.max_tokens).astype(np.int64)
+        clipped: np.ndarray = np.clip(values, 1, self.max_tokens).astype(np.int64)
+        return clipped
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,33 +1,95 @@
 """Real Prometheus plumbing shared by the autoscaler tests.
 
 :class:`FakePod` is a ``prometheus_client`` HTTP server with its own registry exporting the
-runtime's gauges for one pod; :func:`start_prometheus` runs the Debian Prometheus binary
+runtime's gauges for one pod; :func:`start_prometheus` runs the harness' Prometheus binary
 scraping such pods every second, with ``static_configs`` labels adding ``namespace``,
-``pod`` and ``inferenceservice`` the way the chart's pod relabelling does.
+``pod`` and ``inferenceservice`` the way the chart's pod relabelling does. The binaries
+(Prometheus, etcd, kube-apiserver) are the harness' own builds
+(:func:`splitserve_e2e.build.ensure_binaries`, cached under ``~/.cache/splitserve``).
+
+:func:`wait_until` and :func:`eventually` wait on an observable condition; tests never sleep
+to order events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import functools
+import inspect
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
+import pytest
 import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from urllib3.util.retry import Retry
 
+from splitserve_e2e import build
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
+from splitserve_operator.autoscaler.signals import quote_label_value
 
-PROMETHEUS = "/usr/bin/prometheus"
 T = TypeVar("T")
+
+
+@functools.cache
+def harness_binaries() -> build.Binaries | None:
+    """The harness' binaries (reused from the cache; built when missing and Go is available),
+    or None when they cannot be had."""
+    try:
+        return build.ensure_binaries()
+    except build.BuildError:
+        return None
+
+
+def require_binaries() -> build.Binaries:
+    """:func:`harness_binaries`, or skip the test."""
+    binaries = harness_binaries()
+    if binaries is None:
+        pytest.skip("needs the harness' binaries (python -m splitserve_e2e.build)")
+    return binaries
+
+
+async def wait_until(
+    predicate: Callable[[], object], *, timeout_seconds: float = 10.0,
+    poll_seconds: float = 0.05, what: str = "condition",
+) -> None:
+    """Poll ``predicate`` (plain or async; any truthy result) until it holds; fail after
+    ``timeout_seconds``."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        outcome = predicate()
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if outcome:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds:g}s waiting for {what}")
+        await asyncio.sleep(poll_seconds)
+
+
+def wait_for_window(
+    client: PrometheusConnect, *, values: Mapping[tuple[str, str], float], window_seconds: float,
+    timeout_seconds: float = 15.0,
+) -> None:
+    """Wait until Prometheus' last ``window_seconds`` hold only ``values`` ((pod, metric) ->
+    value): every smoothed query from then on sees the new values and nothing older."""
+    def settled() -> None:
+        for (pod, metric), value in values.items():
+            selector = f"{metric}{{pod={quote_label_value(pod)}}}"
+            for fn in ("min_over_time", "max_over_time"):
+                result = client.custom_query(query=f"{fn}({selector}[{window_seconds:g}s])")
+                assert result and float(result[0]["value"][1]) == value, (fn, pod, metric, result)
+
+    eventually(settled, timeout_seconds=timeout_seconds)
 
 
 def free_port() -> int:
@@ -100,7 +162,7 @@ scrape_configs:
     port = free_port()
     with (workdir / "prometheus.log").open("w") as log:
         proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}",
+            [str(require_binaries().prometheus), f"--config.file={workdir / 'prometheus.yml'}",
              f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
             stdout=log, stderr=subprocess.STDOUT,
         )

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from splitserve_contract import Reason
 from splitserve_operator.autoscaler.decision import (
     Behavior,
     Decision,
     MetricsUnavailable,
     PoolPolicy,
-    Reason,
     RecommendationHistory,
     SignalValue,
     decide,
@@ -141,11 +141,11 @@ def test_clamped_to_min_and_max() -> None:
     policy = PoolPolicy(min_replicas=2, max_replicas=5, behavior=Behavior(scale_down_stabilization_seconds=0))
     surge = {"kv": 0.8, "queue": 20.0}  # ratio 10
     d = one(current=4, values=surge, policy=policy)
-    assert (d.result, d.reason) == (5, Reason.AT_MAX)
+    assert (d.result, d.reason) == (5, Reason.AT_MAX_REPLICAS)
     d = one(current=5, values=surge, policy=policy)
-    assert (d.result, d.reason, d.write) == (5, Reason.AT_MAX, False)
+    assert (d.result, d.reason, d.write) == (5, Reason.AT_MAX_REPLICAS, False)
     d = one(current=2, values={"kv": 0.0, "queue": 0.0}, policy=policy)
-    assert (d.result, d.reason) == (2, Reason.AT_MIN)
+    assert (d.result, d.reason) == (2, Reason.AT_MIN_REPLICAS)
     d = one(current=7, values={"kv": 0.8, "queue": 2.0}, policy=policy)  # max lowered below current
     assert (d.result, d.direction) == (5, "down")
 
@@ -174,8 +174,8 @@ def test_pending_pods_block_further_scale_up_but_not_scale_down() -> None:
 @pytest.mark.parametrize(
     "unavailable",
     [
-        MetricsUnavailable(reason=MetricsUnavailable.STALE, message="newest sample 90s old"),
-        MetricsUnavailable(reason=MetricsUnavailable.NO_DATA, message="no series"),
+        MetricsUnavailable(reason=Reason.STALE, message="newest sample 90s old"),
+        MetricsUnavailable(reason=Reason.NO_DATA, message="no series"),
     ],
 )
 def test_missing_or_stale_metrics_hold_and_count_as_a_proposal(unavailable: MetricsUnavailable) -> None:
@@ -208,7 +208,7 @@ def test_dry_run_reports_the_decision_but_flags_no_write() -> None:
 
 def test_single_pool_gpu_budget() -> None:
     d = one(current=2, values={"kv": 0.8, "queue": 6.0}, gpus_per_replica=2, gpu_budget_remaining=3)
-    assert (d.result, d.reason) == (3, Reason.GPU_BUDGET)  # wants 6, room for one 2-GPU pod
+    assert (d.result, d.reason) == (3, Reason.GPU_BUDGET_LIMITED)  # wants 6, room for one 2-GPU pod
     assert "gpu-budget 3" in d.formula
 
 
@@ -230,7 +230,7 @@ def test_joint_gpu_budget_trims_scale_ups_fairly_by_pressure() -> None:
     plan = _joint(11, prefill=(3, 2.0, 1), decode=(2, 2.0, 2))
     assert (plan["prefill"].result, plan["decode"].result) == (5, 3)
     assert plan["prefill"].gpus + plan["decode"].gpus == 11
-    assert {d.reason for d in plan.values()} == {Reason.GPU_BUDGET}
+    assert {d.reason for d in plan.values()} == {Reason.GPU_BUDGET_LIMITED}
     assert plan["decode"].formula.endswith("joint gpu-budget 11 3")
     # Plenty of budget: untouched.
     plan = _joint(14, prefill=(3, 2.0, 1), decode=(2, 2.0, 2))
@@ -246,7 +246,7 @@ def test_joint_gpu_budget_never_exceeded_during_a_rebalance() -> None:
     # held this round, so prefill waits; next round they are free.
     plan = _joint(10, prefill=(2, 2.0, 1), decode=(4, 0.0, 2))
     assert (plan["prefill"].result, plan["decode"].result) == (2, 3)
-    assert plan["prefill"].reason == Reason.GPU_BUDGET
+    assert plan["prefill"].reason == Reason.GPU_BUDGET_LIMITED
     plan = _joint(10, prefill=(2, 2.0, 1), decode=(3, 0.0, 2))
     assert plan["prefill"].result == 4
     assert sum(max(d.result, d.current_replicas) * d.gpus_per_replica for d in plan.values()) <= 10

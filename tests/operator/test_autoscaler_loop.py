@@ -6,6 +6,10 @@ pods, and sets the pods' status (Ready, or Pending for lack of GPUs) through the
 subresource. Then it checks what :func:`run_once` wrote: ``spec.replicas`` owned by the
 autoscaler's field manager, deletion costs before a scale-down, the decisions, history and
 conditions in status, and no write at all in dry run or while paused.
+
+Binaries are the harness' builds (etcd, kube-apiserver, Prometheus). Nothing here sleeps to
+order events: the tests wait for Prometheus' window to hold the new values, for the loop's
+rounds and ticks (counted through its injected clock), or for objects to change.
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
-from autoscaler_testing import PROMETHEUS, FakePod, free_port, running_prometheus
+from autoscaler_testing import (
+    FakePod,
+    free_port,
+    require_binaries,
+    running_prometheus,
+    wait_for_window,
+    wait_until,
+)
 from kubernetes import client as k8s
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
@@ -41,8 +50,6 @@ from splitserve_operator.autoscaler.loop import make_prometheus, register, run_o
 from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
 from splitserve_operator.autoscaler.state import AutoscalerState
 
-KUBE_APISERVER = Path.home() / ".cache" / "splitserve" / "bin" / "k8s-v1.34.4" / "kube-apiserver"
-ETCD = Path("/usr/bin/etcd")
 NS = "ns"
 NS_KOPF = "kopf"
 CRD = kube.Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", namespaced=False)
@@ -52,13 +59,7 @@ EVENT = kube.Kind("v1", "Event", "events")
 CLIENTS: list[k8s.ApiClient] = []  # the admin client of the module's API server
 NAME = "svc"
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (KUBE_APISERVER.is_file() and ETCD.is_file() and shutil.which(PROMETHEUS)),
-        reason="needs kube-apiserver (python -m splitserve_e2e.build), etcd and prometheus",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 def gauges(*, waiting: float, running: float, kv: float) -> dict[str, float]:
@@ -89,14 +90,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     from splitserve_e2e.etcd import start_etcd
     from splitserve_e2e.pki import ensure_pki
 
+    binaries = require_binaries()
     state = tmp_path_factory.mktemp("cluster")
     logs, pids = state / "logs", state / "pids"
     logs.mkdir()
     pids.mkdir()
     pki = ensure_pki(directory=state / "pki")
-    etcd = start_etcd(binary=ETCD, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
+    etcd = start_etcd(binary=binaries.etcd, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
     try:
-        server = start_apiserver(binary=KUBE_APISERVER, etcd_url=etcd.client_url, pki=pki, log_dir=logs, pid_dir=pids)
+        server = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki, log_dir=logs, pid_dir=pids)
         try:
             configuration = k8s.Configuration()
             configuration.host = server.url
@@ -249,7 +251,10 @@ async def test_rounds_scale_record_and_hold(cluster: Cluster, prometheus: Promet
         pod.set(Metric.REQUESTS_WAITING, 0)
         pod.set(Metric.KV_CACHE_USAGE_RATIO, 0.1)
     POD_A.set(Metric.REQUESTS_RUNNING, 0)
-    time.sleep(3.5)  # two scrapes, so the 2 s window holds only the new values
+    wait_for_window(prometheus, window_seconds=2, values={  # the 2 s window holds only the new values
+        (POD_A.name, Metric.REQUESTS_WAITING): 0, (POD_B.name, Metric.REQUESTS_WAITING): 0,
+        (POD_A.name, Metric.KV_CACHE_USAGE_RATIO): 0.1, (POD_B.name, Metric.KV_CACHE_USAGE_RATIO): 0.1,
+        (POD_A.name, Metric.REQUESTS_RUNNING): 0})
     d = await round_()
     assert (d["decode"].result, d["decode"].reason) == (1, "ScaledDown"), d["decode"].formula
     assert d["prefill"].result == 3  # still 1 ready pod with 12 waiting: 3 wanted
@@ -276,7 +281,7 @@ async def test_rounds_scale_record_and_hold(cluster: Cluster, prometheus: Promet
                     patch={"spec": {"autoscaling": {"dryRun": True}}})
     k8s.CoreV1Api(CLIENTS[0]).delete_namespaced_pod(name="svc-decode-pending", namespace=NS, grace_period_seconds=0)
     POD_A.set(Metric.REQUESTS_WAITING, 6)
-    time.sleep(3.5)
+    wait_for_window(prometheus, window_seconds=2, values={(POD_A.name, Metric.REQUESTS_WAITING): 6})
     d = await round_()
     assert (d["decode"].result, d["decode"].write) == (2, False), d["decode"].formula
     assert replicas_and_owner(api, "decode")[0] == 1
@@ -313,8 +318,17 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         create_pod(api, name=f"{NAME}-{role}-0", role=role, ready=True, namespace=NS_KOPF)
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(cluster.login)
+    ticks = 0
+
+    def counting_clock() -> float:
+        """The loop's monotonic clock, read once per tick: counts the ticks."""
+        nonlocal ticks
+        ticks += 1
+        return time.monotonic()
+
     loop = register(registry=registry, api=api, prometheus_url=prometheus.url,
-                    metrics_registry=CollectorRegistry(), base_tick_seconds=1.0, scrape_interval_seconds=1)
+                    metrics_registry=CollectorRegistry(), base_tick_seconds=1.0, scrape_interval_seconds=1,
+                    clock=counting_clock)
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING
     stop = asyncio.Event()
@@ -327,22 +341,26 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         return [e for e in found if e.get("reason") == "MetricsUnhealthy"
                 and e.get("involvedObject", {}).get("name") == NAME]
 
+    def round_just_finished(after: float) -> bool:
+        """A round that started (on the loop's clock) later than ``after`` is done, and the
+        next one is not due for a while."""
+        task, last = loop.rounds.get(key), loop.state.last_run_seconds.get(key)
+        return (task is not None and task.done() and last is not None and last > after
+                and time.monotonic() - last < 1.0)
+
     async def between_rounds(after: float = 0.0) -> float:
         """Wait until a round that started later than ``after`` has just finished; returns
         when it started."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            task = loop.rounds.get(key)
-            last = loop.state.last_run_seconds.get(key)
-            if task is not None and task.done() and last is not None and last > after and time.time() - last < 1.0:
-                return last
-            await asyncio.sleep(0.05)
-        raise AssertionError("no round finished")
+        await wait_until(lambda: round_just_finished(after), timeout_seconds=10, poll_seconds=0.02,
+                         what="a round to finish")
+        return loop.state.last_run_seconds[key]
+
+    def paused_in_loop() -> bool:
+        annotations = loop.bodies.get(key, {}).get("metadata", {}).get("annotations") or {}
+        return annotations.get("splitserve.dev/paused") == "true"
 
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not await warning_events():
-            await asyncio.sleep(0.5)
+        await wait_until(warning_events, timeout_seconds=30, poll_seconds=0.5, what="a MetricsUnhealthy Event")
         obj = isvc(api, namespace=NS_KOPF)
         healthy = condition(obj, "MetricsHealthy")
         assert (healthy["status"], healthy["reason"]) == ("False", "NoData"), healthy
@@ -361,7 +379,10 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         paused = await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
                                          patch={"metadata": {"annotations": {"splitserve.dev/paused": "true"}}})
         assert paused is not None
-        await asyncio.sleep(5)
+        await wait_until(paused_in_loop, what="the loop to see the pause")
+        seen_at = ticks
+        # four ticks (1 s each) span more than the 2 s interval: a round would have started
+        await wait_until(lambda: ticks >= seen_at + 4, what="four ticks")
         obj = isvc(api, namespace=NS_KOPF)
         assert obj["metadata"]["resourceVersion"] == paused["metadata"]["resourceVersion"]
         assert obj["metadata"].get("finalizers") in (None, [])
@@ -373,9 +394,7 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         # Deleted (no finalizer: gone at once), the object is forgotten, state and all.
         await asyncio.to_thread(k8s.CustomObjectsApi(CLIENTS[0]).delete_namespaced_custom_object,
                                 API_GROUP, API_VERSION, NS_KOPF, PLURAL, NAME)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and key in loop.bodies:
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: key not in loop.bodies, what="the deletion to reach the loop")
         assert key not in loop.bodies and key not in loop.rounds and key not in loop.state.last_run_seconds
     finally:
         stop.set()

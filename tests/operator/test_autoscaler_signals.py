@@ -1,23 +1,23 @@
-"""The signal queries against a real Prometheus (the Debian binary) scraping real targets.
+"""The signal queries against a real Prometheus (the harness' build) scraping real targets.
 
 Each fake pod is a ``prometheus_client`` HTTP server with its own registry exporting the
 runtime's gauges; Prometheus scrapes them every second, and ``static_configs`` labels add
 ``namespace``, ``pod`` and ``inferenceservice`` the way the chart's pod relabelling does.
-A pod of another namespace with the same InferenceService name checks the pinning.
+A pod of another namespace with the same InferenceService name checks the pinning. Tests
+may run in any order (pytest-randomly): the one that stops a target has a pod of its own.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 
 import pytest
-from autoscaler_testing import PROMETHEUS, FakePod, eventually, free_port, running_prometheus
+from autoscaler_testing import FakePod, eventually, free_port, running_prometheus
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from splitserve_contract import Metric
+from splitserve_contract import Metric, Reason
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import (
     KV,
@@ -29,8 +29,6 @@ from splitserve_operator.autoscaler.signals import (
     pool_signals,
     query_by_pod,
 )
-
-pytestmark = pytest.mark.skipif(shutil.which(PROMETHEUS) is None, reason="needs the Debian prometheus binary")
 
 PODS = [
     FakePod("ns", "svc-decode-a", "decode", {
@@ -50,6 +48,11 @@ PODS = [
         Metric.REQUESTS_WAITING: 100, Metric.REQUESTS_RUNNING: 100, Metric.KV_CACHE_USAGE_RATIO: 1.0,
         Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
     }),
+    # Stopped by test_stopped_target_is_detected, and queried by no other test.
+    FakePod("ns", "stoppable-prefill-s", "prefill", {
+        Metric.REQUESTS_WAITING: 1, Metric.REQUESTS_RUNNING: 1, Metric.KV_CACHE_USAGE_RATIO: 0.1,
+        Metric.PROMPT_TOKENS_WAITING: 10, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+    }, inferenceservice="stoppable"),
 ]
 
 
@@ -96,42 +99,44 @@ def test_pod_filter_and_prefill_prompt_tokens(prometheus: PrometheusConnect) -> 
     assert KV not in got
     with pytest.raises(MetricsUnavailable) as info:  # KV targeted, but prefill does not query it
         pool_signals(sample=prefill, ready_replicas=1, targets=Targets(queue_depth=4, kv_cache_utilization=0.8))
-    assert info.value.reason == MetricsUnavailable.NO_DATA
+    assert info.value.reason == Reason.NO_DATA
 
 
 def test_unknown_pool_is_no_data_and_old_samples_are_stale(prometheus: PrometheusConnect) -> None:
     with pytest.raises(MetricsUnavailable) as info:
         fetch_pool_sample(prometheus=prometheus, namespace="ns", inferenceservice='we"ird', role="decode",
                           now_seconds=time.time(), stale_after_seconds=45)
-    assert info.value.reason == MetricsUnavailable.NO_DATA
+    assert info.value.reason == Reason.NO_DATA
     # Evaluated 20 s after the last scrape (injected time): the newest sample is too old.
     with pytest.raises(MetricsUnavailable) as info:
         fetch_pool_sample(prometheus=prometheus, namespace="ns", inferenceservice="svc", role="decode",
                           now_seconds=time.time() + 20, stale_after_seconds=3 * 3)
-    assert info.value.reason == MetricsUnavailable.STALE
+    assert info.value.reason == Reason.STALE
     assert "limit 9s" in info.value.message
 
 
 def test_query_errors_are_query_failed(prometheus: PrometheusConnect) -> None:
     with pytest.raises(MetricsUnavailable) as info:
         query_by_pod(prometheus=prometheus, promql="max by (pod (splitserve_requests_waiting", now_seconds=time.time())
-    assert info.value.reason == MetricsUnavailable.QUERY_FAILED
+    assert info.value.reason == Reason.QUERY_FAILED
     assert "400" in info.value.message
     unreachable = PrometheusConnect(url=f"http://127.0.0.1:{free_port()}", retry=Retry(total=0), timeout=2)
     with pytest.raises(MetricsUnavailable) as info:
         fetch_pool_sample(prometheus=unreachable, namespace="ns", inferenceservice="svc", role="decode",
                           now_seconds=time.time(), stale_after_seconds=45)
-    assert info.value.reason == MetricsUnavailable.QUERY_FAILED
+    assert info.value.reason == Reason.QUERY_FAILED
 
 
 def test_stopped_target_is_detected(prometheus: PrometheusConnect) -> None:
-    """Runs last in this module: it stops the only prefill pod."""
-    prefill_pod = next(p for p in PODS if p.role == "prefill")
-    prefill_pod.stop()
+    """Stops the only pod of its own InferenceService (no other test queries it)."""
+    target = next(p for p in PODS if p.inferenceservice == "stoppable")
+    eventually(lambda: fetch_pool_sample(prometheus=prometheus, namespace="ns", inferenceservice="stoppable",
+                                         role="prefill", now_seconds=time.time(), stale_after_seconds=3))
+    target.stop()
 
     def gone() -> MetricsUnavailable:
         try:
-            fetch_pool_sample(prometheus=prometheus, namespace="ns", inferenceservice="svc", role="prefill",
+            fetch_pool_sample(prometheus=prometheus, namespace="ns", inferenceservice="stoppable", role="prefill",
                               now_seconds=time.time(), stale_after_seconds=3)
         except MetricsUnavailable as exc:
             return exc
@@ -139,5 +144,5 @@ def test_stopped_target_is_detected(prometheus: PrometheusConnect) -> None:
 
     started = time.monotonic()
     exc = eventually(gone, timeout_seconds=10)
-    assert exc.reason in (MetricsUnavailable.NO_DATA, MetricsUnavailable.STALE)
+    assert exc.reason in (Reason.NO_DATA, Reason.STALE)
     assert time.monotonic() - started < 5  # a failed scrape marks the series stale at once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -62,8 +63,8 @@ class _ConflictingKube:
     def get(self, **_: Any) -> dict[str, Any]:
         return self.obj
 
-    def merge_patch(self, *, patch: dict[str, Any], **_: Any) -> dict[str, Any]:
-        self.patches.append(patch)
+    def merge_patch(self, *, patch: Mapping[str, Any], **_: Any) -> dict[str, Any]:
+        self.patches.append(dict(patch))
         if self.conflicts:
             self.conflicts -= 1
             # someone else wrote meanwhile: a new condition of theirs appears
@@ -80,7 +81,7 @@ class _ConflictingKube:
 
 def test_patch_status_retries_conflicts_without_losing_conditions() -> None:
     fake = _ConflictingKube(conflicts=2)
-    written = status.patch_status(api=fake, namespace="n", name="a",  # type: ignore[arg-type]
+    written = status.patch_status(api=fake, namespace="n", name="a",
                                   conditions=[ConditionUpdate("Ready", "True", "Reconciled")],
                                   observed_generation=4, clock=lambda: T0)
     assert written is not None
@@ -90,9 +91,9 @@ def test_patch_status_retries_conflicts_without_losing_conditions() -> None:
 
 def test_patch_status_writes_nothing_when_unchanged() -> None:
     fake = _ConflictingKube(conflicts=0)
-    status.patch_status(api=fake, namespace="n", name="a",  # type: ignore[arg-type]
+    status.patch_status(api=fake, namespace="n", name="a",
                         conditions=[ConditionUpdate("Ready", "True", "Reconciled")], clock=lambda: T0)
-    status.patch_status(api=fake, namespace="n", name="a",  # type: ignore[arg-type]
+    status.patch_status(api=fake, namespace="n", name="a",
                         conditions=[ConditionUpdate("Ready", "True", "Reconciled")], clock=lambda: T1)
     assert len(fake.patches) == 1
 
@@ -100,7 +101,7 @@ def test_patch_status_writes_nothing_when_unchanged() -> None:
 def test_patch_status_gives_up_after_bounded_conflicts() -> None:
     fake = _ConflictingKube(conflicts=100)
     with pytest.raises(ApiException):
-        status.patch_status(api=fake, namespace="n", name="a",  # type: ignore[arg-type]
+        status.patch_status(api=fake, namespace="n", name="a",
                             conditions=[ConditionUpdate("Ready", "True", "Reconciled")])
     assert len(fake.patches) == status.MAX_ATTEMPTS
 

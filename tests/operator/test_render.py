@@ -49,7 +49,7 @@ def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 def _container(dep: dict[str, Any]) -> dict[str, Any]:
     containers = dep["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1
-    return containers[0]
+    return dict(containers[0])
 
 
 def _parse_serve(command: list[str]) -> contract.ServeArgs:
@@ -189,7 +189,11 @@ def test_ports_probes_env_and_security() -> None:
     assert pod["terminationGracePeriodSeconds"] > contract.ServeArgs().drain_timeout_seconds
 
 
-def test_hub_token_is_a_secret_reference() -> None:
+def test_hub_token_is_a_secret_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The API refuses hubTokenSecretRef until downloads land; the rendering is ready for it.
+    from splitserve_contract import capabilities
+
+    monkeypatch.setattr(capabilities, "HF_DOWNLOAD_SUPPORTED", True)
     isvc = _isvc({"model": {"uri": "hf://meta/llama-3", "hubTokenSecretRef": {"name": "hf", "key": "token"}}})
     env = {e["name"]: e for e in _container(_by(_render(isvc), "Deployment", "llama-prefill"))["env"]}
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
@@ -294,3 +298,13 @@ def test_user_strings_cannot_change_structure(value: str) -> None:
     assert _container(dep)["command"][-1] == value
     assert {e["name"]: e.get("value") for e in _container(dep)["env"]}["X"] == value
     assert copy.deepcopy(objs) == objs
+
+
+def test_containers_report_why_they_exited() -> None:
+    """The runtime writes its load error to the termination message file, and the log tail is
+    the fallback: the reconciler turns either into a ModelUnavailable/PodStartFailed condition."""
+    objs = _render(_isvc())
+    for role in ("prefill", "decode", "router"):
+        container = _container(_by(objs, "Deployment", f"llama-{role}"))
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", role
+        assert container["terminationMessagePath"] == contract.TERMINATION_MESSAGE_PATH, role

@@ -8,14 +8,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitserve_contract import capabilities as caps
 from splitserve_operator.api import InferenceService
 from splitserve_planner.cli import main
+from splitserve_planner.manifest import build_manifest
 from splitserve_planner.perf_model import RooflineModel
 from splitserve_planner.search import PlanError, PlanInputs, Slo, check_feasible, plan_all
-from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec
+from splitserve_planner.simulator import ROUTER_POLICIES
+from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
 
 
-def _requests(rate: float, seconds: float = 60.0):
+def _requests(rate: float, seconds: float = 60.0) -> list[Request]:
     spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("lognormal:2048:0.8"),
                         output_tokens=LengthDist.parse("lognormal:256:0.8"))
     return spec.generate(duration_seconds=seconds, seed=0)
@@ -68,7 +71,13 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     (("--rate", "0"), "--rate must be > 0"),
     ((), "give --rate (requests/s) or --trace"),
     (("--rate", "1", "--prompt-tokens", "gaussian:5"), "bad token distribution 'gaussian:5'"),
-    (("--rate", "1", "--dtype", "fp8", "--gpu", "A100"), "A100-80GB has no FP8 tensor cores"),
+    (("--rate", "1", "--dtype", "fp8", "--gpu", "A100", "--what-if"), "A100-80GB has no FP8 tensor cores"),
+    (("--rate", "1", "--dtype", "fp8"), caps.QUANTIZATION.unsupported_message("fp8")),
+    (("--rate", "1", "--dtype", "fp8"), "quantization fp8 is not supported by this version of splitserve (supported: none)"),
+    (("--rate", "1", "--tp", "4"), caps.TENSOR_PARALLEL_SIZE.unsupported_message(4)),
+    (("--rate", "1", "--tp", "4"), "parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
+    (("--rate", "1", "--tp", "2", "--what-if", "--emit-manifest", "x.yaml"), "--emit-manifest writes only what this version serves"),
+    (("--rate", "1", "--dtype", "int4"), "--dtype must be bfloat16, float16, float32 or fp8"),
     (("--rate", "1", "--tp", "3"), "--tp must be 1, 2, 4 or 8"),
     (("--rate", "1", "--bogus"), "unrecognized arguments: --bogus"),
 ])
@@ -129,3 +138,58 @@ def test_cli_with_the_shipped_cpu_profile(capsys: pytest.CaptureFixture[str]) ->
                           "--max-batched-tokens", "2048")
     assert code == 0, err
     assert "profile" in out and "chosen:" in out
+
+
+@pytest.mark.parametrize(("rate", "prompt", "output", "prefix_share"), [
+    (6, "lognormal:2048:0.8", "lognormal:256:0.8", 0.0),
+    (12, "lognormal:512:0.6", "lognormal:512:0.6", 0.6),
+    (3, "uniform:4000:6000", "exponential:128", 0.3),
+])
+def test_every_manifest_the_planner_can_emit_parses(llama8b_h100: RooflineModel, rate: float, prompt: str,
+                                                    output: str, prefix_share: float) -> None:
+    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse(prompt),
+                        output_tokens=LengthDist.parse(output), prefix_share=prefix_share,
+                        prefix_tokens=1024 if prefix_share else 0)
+    requests = spec.generate(duration_seconds=30, seed=0)
+    table = plan_all(PlanInputs(perf=llama8b_h100, requests=requests, slo=Slo(ttft_p99_seconds=1.5, itl_p99_seconds=0.05)))
+    plans = [plan for plan in table.plans.values() if plan is not None]
+    assert plans
+    for plan in plans:
+        assert plan.gpus_per_replica in caps.TENSOR_PARALLEL_SIZE.supported
+        for dtype in ("bfloat16", "float16"):
+            for router in ROUTER_POLICIES:
+                manifest = build_manifest(plan=plan, name="planned", model_uri="hf://meta-llama/Llama-3.1-8B",
+                                          dtype=dtype, min_replicas={"prefill": 1, "decode": 1, "aggregated": 1},
+                                          router_policy=router, memory_fraction=0.9, max_num_seqs=256, block_size=16)
+                isvc = InferenceService.parse(manifest)
+                assert isvc.spec.model.quantization == "none"
+                pools = [p for p in (isvc.spec.prefill, isvc.spec.decode, isvc.spec.aggregated) if p is not None]
+                assert all(p.parallelism.tensor == 1 for p in pools)
+
+
+def test_unsupported_settings_never_reach_a_plan_or_a_manifest(llama8b_h100: RooflineModel) -> None:
+    requests = _requests(4, seconds=20)
+    slo = Slo(ttft_p99_seconds=1, itl_p99_seconds=0.05)
+    with pytest.raises(PlanError, match="parallelism.tensor 2 is not supported by this version of splitserve"):
+        PlanInputs(perf=llama8b_h100, requests=requests, slo=slo, gpus_per_replica=2)
+    what_if = plan_all(PlanInputs(perf=llama8b_h100, requests=requests, slo=slo, gpus_per_replica=2, what_if=True),
+                       compare_prefix_caching=False).best
+    assert what_if is not None and what_if.gpus_per_replica == 2
+    with pytest.raises(caps.UnsupportedError, match="parallelism.tensor 2 is not supported"):
+        build_manifest(plan=what_if, name="x", model_uri="hf://x/y", dtype="bfloat16", min_replicas={},
+                       router_policy="least-load", memory_fraction=0.9, max_num_seqs=256, block_size=16)
+    servable = plan_all(PlanInputs(perf=llama8b_h100, requests=requests, slo=slo), compare_prefix_caching=False).best
+    assert servable is not None
+    with pytest.raises(caps.UnsupportedError, match="quantization fp8 is not supported"):
+        build_manifest(plan=servable, name="x", model_uri="hf://x/y", dtype="fp8", min_replicas={},
+                       router_policy="least-load", memory_fraction=0.9, max_num_seqs=256, block_size=16)
+
+
+def test_cli_what_if_is_labelled_and_writes_no_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--rate", "4", "--duration-s", "30", "--tp", "2", "--dtype", "fp8", "--what-if")
+    assert code == 0, err
+    assert "TP=2, fp8" in out
+    assert "WHAT-IF (not servable by this version, no manifest)" in out
+    assert caps.TENSOR_PARALLEL_SIZE.unsupported_message(2) in out
+    assert caps.QUANTIZATION.unsupported_message("fp8") in out
+    assert "\nwhat-if, not servable by this version: " in out and "\nchosen:" not in out

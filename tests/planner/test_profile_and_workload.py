@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +18,10 @@ from splitserve_planner.profile import (
     save_profile,
     shipped_profiles,
 )
-from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec, load_trace
+from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec, load_trace
 
 
-def _synthetic_profile() -> dict:
+def _synthetic_profile() -> dict[str, Any]:
     def step(tokens: int, seqs: int, pairs: int, kv: int) -> float:  # a known linear truth
         return 1e-3 + 2e-6 * tokens + 5e-5 * seqs + 1e-9 * pairs + 3e-8 * kv
 
@@ -75,7 +77,8 @@ def test_jitter_keeps_the_mean_and_is_seeded(tmp_path: Path) -> None:
     (lambda d: d.update(decode=d["decode"][:1]), "decode: List should have at least 2 items"),
     (lambda d: d.update(schemaVersion=2), "schemaVersion must be 1, got 2"),
 ])
-def test_bad_profiles_name_the_problem(tmp_path: Path, mutate, message: str) -> None:
+def test_bad_profiles_name_the_problem(tmp_path: Path, mutate: Callable[[dict[str, Any]], object],
+                                       message: str) -> None:
     raw = _synthetic_profile()
     mutate(raw)
     path = tmp_path / "bad.json"
@@ -93,7 +96,7 @@ def test_shipped_cpu_profile_loads() -> None:
         assert model.fit_errors()["median_relative_error"] < 0.5
 
 
-def _spec(rate: float, **kw) -> WorkloadSpec:
+def _spec(rate: float, **kw: Any) -> WorkloadSpec:
     return WorkloadSpec(arrivals=Arrivals(rate_per_second=rate, **kw), prompt_tokens=LengthDist.parse("lognormal:512:1"),
                         output_tokens=LengthDist.parse("exponential:128"), prefix_share=0.5, prefix_tokens=256)
 
@@ -114,7 +117,7 @@ def test_bursty_arrivals_keep_the_mean_rate_and_are_burstier() -> None:
     bursty = _spec(10, kind="bursty", burst_factor=5, burst_seconds=20).generate(duration_seconds=4000, seed=1)
     assert len(bursty) == pytest.approx(len(poisson), rel=0.1)
 
-    def dispersion(requests) -> float:  # variance/mean of counts per 10 s window (1 for Poisson)
+    def dispersion(requests: list[Request]) -> float:  # variance/mean of counts per 10 s window (1 for Poisson)
         counts = np.bincount([int(r.arrival_seconds // 10) for r in requests])
         return float(counts.var() / counts.mean())
 

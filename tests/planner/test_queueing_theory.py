@@ -15,19 +15,19 @@ import pytest
 
 from splitserve_planner.gpus import get_gpu
 from splitserve_planner.model_presets import load_model
-from splitserve_planner.perf_model import roofline_model
+from splitserve_planner.perf_model import RooflineModel, roofline_model
 from splitserve_planner.simulator import AGGREGATED, FleetConfig, SimOptions, simulate
-from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec
+from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
 
 TOLERANCE = 0.05
 
 
-def _perf():  # only its KV capacity is read in exponential-service mode
+def _perf() -> RooflineModel:  # only its KV capacity is read in exponential-service mode
     name, config = load_model(name_or_path="tiny")
     return roofline_model(name=name, config=config, gpu=get_gpu("H100-SXM"), tensor_parallel=1, dtype="float32")
 
 
-def _requests(*, rate: float, count: int, seed: int):
+def _requests(*, rate: float, count: int, seed: int) -> list[Request]:
     spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("16"),
                         output_tokens=LengthDist.parse("4"))
     return spec.generate(duration_seconds=count / rate, seed=seed)

@@ -20,6 +20,7 @@ p99 is not asserted: ~100 requests give too few tail samples.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -31,19 +32,20 @@ from splitserve_planner.simulator import (  # noqa: E402
     AGGREGATED,
     EngineSettings,
     FleetConfig,
+    SimResult,
     simulate,
 )
 from splitserve_planner.workload import Arrivals, LengthDist, WorkloadSpec  # noqa: E402
 
 
-def _bench_module():
+def _bench_module() -> ModuleType:
     from splitserve_planner import runtime_profile
 
     return runtime_profile
 
 
-def _ratios(sim, real_ttft, real_itl) -> dict[str, float]:
-    out = {}
+def _ratios(sim: SimResult, real_ttft: list[float], real_itl: list[float]) -> dict[str, float]:
+    out: dict[str, float] = {}
     for q in (50, 90):
         out[f"ttft_p{q}"] = sim.ttft_percentile(q) / float(np.percentile(real_ttft, q))
         out[f"itl_p{q}"] = sim.itl_percentile(q) / float(np.percentile(real_itl, q))

@@ -5,6 +5,8 @@ advanced, so a few routing choices differ; measured differences are below 1 %)."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from splitserve_planner.perf_model import (
@@ -18,6 +20,7 @@ from splitserve_planner.simulator import (
     EngineSettings,
     FleetConfig,
     SimOptions,
+    SimResult,
     simulate,
 )
 from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
@@ -30,7 +33,7 @@ def _workload(*, rate: float, seconds: float, seed: int = 0, prefix_share: float
     return spec.generate(duration_seconds=seconds, seed=seed)
 
 
-def _disagg(p: int = 1, d: int = 1, **kw) -> FleetConfig:
+def _disagg(p: int = 1, d: int = 1, **kw: Any) -> FleetConfig:
     return FleetConfig(mode=DISAGGREGATED, prefill_replicas=p, decode_replicas=d, **kw)
 
 
@@ -111,7 +114,7 @@ def test_continuous_batching_keeps_more_slots_busy_than_static(llama8b_h100: Roo
     requests = _workload(rate=40, seconds=60)
     engine = EngineSettings(max_num_seqs=64)
 
-    def run(batching: str):
+    def run(batching: str) -> SimResult:
         from dataclasses import replace
 
         fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1, engine=replace(engine, batching=batching))

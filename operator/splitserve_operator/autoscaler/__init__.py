@@ -10,6 +10,8 @@ Layers, each talking only down:
   :mod:`.state` (in-memory recommendation history);
 * :mod:`.decision` -- the pure target-tracking rules, with time passed in.
 
+Reasons are :class:`splitserve_contract.Reason` (one definition for the whole project).
+
 Only :mod:`.decision` is re-exported here, so importing the package needs neither kopf
 nor a Kubernetes client.
 """
@@ -19,7 +21,6 @@ from .decision import (
     Decision,
     MetricsUnavailable,
     PoolPolicy,
-    Reason,
     RecommendationHistory,
     SignalValue,
     decide,
@@ -31,7 +32,6 @@ __all__ = [
     "Decision",
     "MetricsUnavailable",
     "PoolPolicy",
-    "Reason",
     "RecommendationHistory",
     "SignalValue",
     "decide",

@@ -1,7 +1,7 @@
 """The autoscaler's only writes to workloads: a pool Deployment's ``spec.replicas``, and
 the pod-deletion-cost annotations that pick which pods a scale-down removes.
 
-Replica ownership (DESIGN.md section 3): ``spec.replicas`` of a pool Deployment is owned by
+Replica ownership (docs/architecture.md, "Children and field ownership"): ``spec.replicas`` of a pool Deployment is owned by
 the field manager :data:`~splitserve_contract.FIELD_MANAGER_AUTOSCALER`. We write it
 with server-side apply carrying nothing but ``apiVersion``, ``kind``, ``metadata.name`` and
 ``spec.replicas``, so the apply can never touch a field the reconciler owns, and the

@@ -39,38 +39,17 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from ..api import Reason as ApiReason
+from splitserve_contract import Reason
 
 _CEIL_EPSILON: Final = 1e-9
 """ceil(2 * 1.5000000000000002) must be 3, not 4, and 0.88/0.8 is on the 10 % band's
 edge, not outside it: float noise is not load."""
 
 
-class Reason:
-    """CamelCase reasons of a :class:`Decision` (shared ones come from the API module)."""
-
-    SCALED_UP: Final = ApiReason.SCALED_UP
-    SCALED_DOWN: Final = ApiReason.SCALED_DOWN
-    WITHIN_TOLERANCE: Final = ApiReason.WITHIN_TOLERANCE
-    AT_MIN: Final = ApiReason.AT_MIN_REPLICAS
-    AT_MAX: Final = ApiReason.AT_MAX_REPLICAS
-    GPU_BUDGET: Final = ApiReason.GPU_BUDGET_LIMITED
-    METRICS_UNAVAILABLE: Final = ApiReason.METRICS_UNAVAILABLE
-    STABILIZING: Final = "Stabilizing"
-    PENDING_PODS: Final = "PendingPods"
-    NO_READY_REPLICAS: Final = "NoReadyReplicas"
-    REPLICAS_STARTING: Final = "ReplicasStarting"
-    STEADY: Final = "Steady"
-
-
 class MetricsUnavailable(Exception):
     """The pool's metrics cannot be trusted this round. ``reason`` is CamelCase:
-    ``QueryFailed`` (Prometheus error or unreachable), ``NoData`` (no series for the pool)
-    or ``Stale`` (the newest sample is too old)."""
-
-    QUERY_FAILED: Final = "QueryFailed"
-    NO_DATA: Final = "NoData"
-    STALE: Final = "Stale"
+    :attr:`Reason.QUERY_FAILED` (Prometheus error or unreachable), :attr:`Reason.NO_DATA`
+    (no series for the pool) or :attr:`Reason.STALE` (the newest sample is too old)."""
 
     def __init__(self, *, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -202,6 +181,196 @@ def _signal_terms(signals: Mapping[str, SignalValue]) -> str:
     return ", ".join(f"{name} {s.value:.2f}/{s.target:g}" for name, s in sorted(signals.items()))
 
 
+# ---------------------------------------------------------------------------- the steps
+# Each step below is one rule of the module docstring, pure but for the history that
+# stabilization reads and appends to. decide() chains them and joins their formula parts.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hold:
+    """Why no recommendation is computed this round (the count is held)."""
+
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Proposal:
+    """Steps 1-2: what the signals ask for, before stabilization and limits."""
+
+    ratio: float
+    replicas: int
+    within_tolerance: bool
+    awaiting_starting: bool
+    """Upward pressure that the replicas already requested (starting pods) will absorb."""
+    formula: str
+
+
+def _screen(signals: Mapping[str, SignalValue] | MetricsUnavailable, *, ready_replicas: int) -> dict[str, SignalValue] | _Hold:
+    """The usable signals (positive target, finite value), or why the count must be held."""
+    if isinstance(signals, MetricsUnavailable):
+        return _Hold(Reason.METRICS_UNAVAILABLE, str(signals))
+    if ready_replicas <= 0:
+        return _Hold(Reason.NO_READY_REPLICAS, "no ready replicas")
+    usable = {name: s for name, s in signals.items() if s.target > 0 and math.isfinite(s.value)}
+    return usable if usable else _Hold(Reason.METRICS_UNAVAILABLE, "no usable signal")
+
+
+def _within_tolerance(ratio: float, *, tolerance: float) -> bool:
+    """Step 2's band: ``|ratio - 1| <= tolerance`` (edges included, float noise ignored)."""
+    return abs(ratio - 1.0) <= tolerance + _CEIL_EPSILON
+
+
+def _recommend(*, ratio: float, ready_replicas: int, current_replicas: int) -> tuple[int, int]:
+    """Step 1 outside the band: ``(raw, proposal)``, where ``raw = ceil(ready * ratio)`` and
+    the proposal never goes against the pressure's direction from the current count."""
+    raw = math.ceil(ready_replicas * ratio - _CEIL_EPSILON)
+    proposal = max(raw, current_replicas) if ratio > 1.0 else min(raw, current_replicas)
+    return raw, proposal
+
+
+def _propose(
+    usable: Mapping[str, SignalValue], *, ready_replicas: int, current_replicas: int, tolerance: float,
+) -> _Proposal:
+    """Steps 1-2: the ratio of the most loaded signal, then the tolerance band."""
+    ratio = max(s.ratio for s in usable.values())
+    head = f"ceil({ready_replicas} ready × max({_signal_terms(usable)}))"
+    if _within_tolerance(ratio, tolerance=tolerance):
+        return _Proposal(
+            ratio=ratio, replicas=current_replicas, within_tolerance=True, awaiting_starting=False,
+            formula=f"{head}: ratio {ratio:.2f} within ±{tolerance:g} → keep {current_replicas}",
+        )
+    raw, proposal = _recommend(ratio=ratio, ready_replicas=ready_replicas, current_replicas=current_replicas)
+    return _Proposal(
+        ratio=ratio, replicas=proposal, within_tolerance=False,
+        awaiting_starting=ratio > 1.0 and raw <= current_replicas,
+        formula=f"{head} = {raw}" + (f" → {proposal} (current)" if proposal != raw else ""),
+    )
+
+
+def _keep_seconds(behavior: Behavior) -> float:
+    """How long the history must remember proposals: the longer stabilization window."""
+    return max(behavior.scale_up_stabilization_seconds, behavior.scale_down_stabilization_seconds)
+
+
+def _stabilize(
+    *, proposal: int, current_replicas: int, history: RecommendationHistory, now_seconds: float,
+    behavior: Behavior,
+) -> int:
+    """Step 3 (the HPA's rule): move the current count only as far as the lowest proposal of
+    the up-window and the highest of the down-window allow. Records ``proposal``."""
+    up_window = history.within(now_seconds=now_seconds, window_seconds=behavior.scale_up_stabilization_seconds)
+    down_window = history.within(now_seconds=now_seconds, window_seconds=behavior.scale_down_stabilization_seconds)
+    history.record(time_seconds=now_seconds, replicas=proposal, keep_seconds=_keep_seconds(behavior))
+    return min(max(current_replicas, min([proposal, *up_window])), max([proposal, *down_window]))
+
+
+def _blocked_by_pending(*, stabilized: int, current_replicas: int, pending_replicas: int) -> bool:
+    """Step 4: while pods wait for GPUs, no scale-up beyond the current count."""
+    return pending_replicas > 0 and stabilized > current_replicas
+
+
+def _step_limit(*, target: int, current_replicas: int, pending_replicas: int, behavior: Behavior) -> int:
+    """Step 5: up by ``maxStepPercent`` of current (at least one pod), down by ``maxStep``
+    pods counted from ``current - pending`` (Pending pods go for free)."""
+    up_step = max(1, math.floor(current_replicas * behavior.scale_up_max_step_percent / 100))
+    low = max(0, current_replicas - pending_replicas - behavior.scale_down_max_step)
+    return _clamp(target, low=low, high=current_replicas + up_step)
+
+
+def _budget_limit(
+    replicas: int, *, current_replicas: int, gpus_per_replica: int, gpu_budget_remaining: int | None,
+) -> int:
+    """Step 6 for this pool alone: a scale-up adds at most the GPUs the budget has left."""
+    if gpu_budget_remaining is None or gpus_per_replica <= 0 or replicas <= current_replicas:
+        return replicas
+    return min(replicas, current_replicas + max(0, gpu_budget_remaining) // gpus_per_replica)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Limited:
+    """Steps 4-7 applied to the stabilized count, with their formula parts."""
+
+    blocked_by_pending: bool
+    step_limited: int
+    budgeted: int
+    result: int
+    stages: tuple[str, ...]
+
+
+def _apply_limits(
+    stabilized: int, *, current_replicas: int, pending_replicas: int, policy: PoolPolicy,
+    gpus_per_replica: int, gpu_budget_remaining: int | None,
+) -> _Limited:
+    """Pending pods, step limits, this pool's GPU budget, then ``[min, max]``, in that order."""
+    stages: list[str] = []
+    blocked = _blocked_by_pending(stabilized=stabilized, current_replicas=current_replicas,
+                                  pending_replicas=pending_replicas)
+    if blocked:
+        stages.append(f"{pending_replicas} pending for GPUs → held {current_replicas}")
+    step_limited = _step_limit(target=current_replicas if blocked else stabilized, current_replicas=current_replicas,
+                               pending_replicas=pending_replicas, behavior=policy.behavior)
+    stages.append(f"step-limited {step_limited}")
+    budgeted = _budget_limit(step_limited, current_replicas=current_replicas, gpus_per_replica=gpus_per_replica,
+                             gpu_budget_remaining=gpu_budget_remaining)
+    if budgeted != step_limited:
+        stages.append(f"gpu-budget {budgeted}")
+    result = _clamp(budgeted, low=policy.min_replicas, high=policy.max_replicas)
+    stages.append(f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}")
+    return _Limited(blocked_by_pending=blocked, step_limited=step_limited, budgeted=budgeted, result=result,
+                    stages=tuple(stages))
+
+
+def _limit_reason(limited: _Limited, *, policy: PoolPolicy) -> str | None:
+    """The reason when a limit decided the count (pending pods, budget, bounds), else None."""
+    if limited.blocked_by_pending:
+        return Reason.PENDING_PODS
+    if limited.budgeted != limited.step_limited and limited.result == limited.budgeted:
+        return Reason.GPU_BUDGET_LIMITED
+    if limited.result == policy.max_replicas and limited.budgeted > policy.max_replicas:
+        return Reason.AT_MAX_REPLICAS
+    if limited.result == policy.min_replicas and limited.budgeted < policy.min_replicas:
+        return Reason.AT_MIN_REPLICAS
+    return None
+
+
+def _movement_reason(*, result: int, current_replicas: int, proposal: _Proposal) -> str:
+    """The reason when no limit decided: the direction, or why the count stays."""
+    if result > current_replicas:
+        return Reason.SCALED_UP
+    if result < current_replicas:
+        return Reason.SCALED_DOWN
+    if proposal.within_tolerance:
+        return Reason.WITHIN_TOLERANCE
+    if proposal.awaiting_starting:
+        return Reason.REPLICAS_STARTING
+    if proposal.replicas != current_replicas:
+        return Reason.STABILIZING
+    return Reason.STEADY
+
+
+def _hold(
+    why: _Hold, *, pool: str, now_seconds: float, current_replicas: int, ready_replicas: int,
+    pending_replicas: int, policy: PoolPolicy, history: RecommendationHistory, gpus_per_replica: int,
+    dry_run: bool,
+) -> Decision:
+    """Keep the current count (clamped to the bounds) and record it as a proposal."""
+    history.record(time_seconds=now_seconds, replicas=current_replicas, keep_seconds=_keep_seconds(policy.behavior))
+    result = _clamp(current_replicas, low=policy.min_replicas, high=policy.max_replicas)
+    return Decision(
+        pool=pool, time_seconds=now_seconds, current_replicas=current_replicas,
+        ready_replicas=ready_replicas, pending_replicas=pending_replicas,
+        min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus_per_replica, signals={}, ratio=None,
+        proposal=current_replicas, stabilized=current_replicas, step_limited=current_replicas,
+        result=result, reason=why.reason, hold=True, dry_run=dry_run, message=why.message,
+        formula=(
+            f"hold {current_replicas} ({why.message}) → "
+            f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"
+        ),
+    )
+
+
 def decide(
     *,
     pool: str,
@@ -223,99 +392,28 @@ def decide(
     ``gpu_budget_remaining`` is how many GPUs this pool may add on top of what its current
     replicas request (None: no cap). Appends the proposal to ``history``.
     """
-    def hold(reason: str, message: str) -> Decision:
-        history.record(time_seconds=now_seconds, replicas=current_replicas, keep_seconds=keep_seconds)
-        result = _clamp(current_replicas, low=policy.min_replicas, high=policy.max_replicas)
-        return Decision(
-            pool=pool, time_seconds=now_seconds, current_replicas=current_replicas,
-            ready_replicas=ready_replicas, pending_replicas=pending_replicas,
-            min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
-            gpus_per_replica=gpus_per_replica, signals={}, ratio=None,
-            proposal=current_replicas, stabilized=current_replicas, step_limited=current_replicas,
-            result=result, reason=reason, hold=True, dry_run=dry_run, message=message,
-            formula=(
-                f"hold {current_replicas} ({message}) → "
-                f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"
-            ),
-        )
+    current, pending = current_replicas, pending_replicas
+    usable = _screen(signals, ready_replicas=ready_replicas)
+    if isinstance(usable, _Hold):
+        return _hold(usable, pool=pool, now_seconds=now_seconds, current_replicas=current,
+                     ready_replicas=ready_replicas, pending_replicas=pending, policy=policy,
+                     history=history, gpus_per_replica=gpus_per_replica, dry_run=dry_run)
 
-    behavior = policy.behavior
-    keep_seconds = max(behavior.scale_up_stabilization_seconds, behavior.scale_down_stabilization_seconds)
-    if isinstance(signals, MetricsUnavailable):
-        return hold(Reason.METRICS_UNAVAILABLE, str(signals))
-    if ready_replicas <= 0:
-        return hold(Reason.NO_READY_REPLICAS, "no ready replicas")
-    usable = {name: s for name, s in signals.items() if s.target > 0 and math.isfinite(s.value)}
-    if not usable:
-        return hold(Reason.METRICS_UNAVAILABLE, "no usable signal")
-
-    ratio = max(s.ratio for s in usable.values())
-    stages: list[str] = []
-    head = f"ceil({ready_replicas} ready × max({_signal_terms(usable)}))"
-    within_tolerance = abs(ratio - 1.0) <= policy.tolerance + _CEIL_EPSILON
-    awaiting_starting = False
-    if within_tolerance:
-        proposal = current_replicas
-        stages.append(f"{head}: ratio {ratio:.2f} within ±{policy.tolerance:g} → keep {proposal}")
-    else:
-        raw = math.ceil(ready_replicas * ratio - _CEIL_EPSILON)
-        proposal = max(raw, current_replicas) if ratio > 1.0 else min(raw, current_replicas)
-        awaiting_starting = ratio > 1.0 and raw <= current_replicas
-        stages.append(f"{head} = {raw}" + (f" → {proposal} (current)" if proposal != raw else ""))
-
-    # Stabilization (HPA): move the current count only as far as the window bounds allow.
-    up_bound = min([proposal, *history.within(now_seconds=now_seconds, window_seconds=behavior.scale_up_stabilization_seconds)])
-    down_bound = max([proposal, *history.within(now_seconds=now_seconds, window_seconds=behavior.scale_down_stabilization_seconds)])
-    history.record(time_seconds=now_seconds, replicas=proposal, keep_seconds=keep_seconds)
-    stabilized = min(max(current_replicas, up_bound), down_bound)
-    stages.append(f"stabilized {stabilized}")
-
-    blocked_by_pending = pending_replicas > 0 and stabilized > current_replicas
-    target = current_replicas if blocked_by_pending else stabilized
-    if blocked_by_pending:
-        stages.append(f"{pending_replicas} pending for GPUs → held {target}")
-
-    up_step = max(1, math.floor(current_replicas * behavior.scale_up_max_step_percent / 100))
-    low_step = max(0, current_replicas - pending_replicas - behavior.scale_down_max_step)
-    step_limited = _clamp(target, low=low_step, high=current_replicas + up_step)
-    stages.append(f"step-limited {step_limited}")
-
-    budgeted = step_limited
-    if gpu_budget_remaining is not None and gpus_per_replica > 0 and step_limited > current_replicas:
-        budgeted = min(step_limited, current_replicas + max(0, gpu_budget_remaining) // gpus_per_replica)
-        if budgeted != step_limited:
-            stages.append(f"gpu-budget {budgeted}")
-
-    result = _clamp(budgeted, low=policy.min_replicas, high=policy.max_replicas)
-    stages.append(f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}")
-
-    if blocked_by_pending:
-        reason = Reason.PENDING_PODS
-    elif budgeted != step_limited and result == budgeted:
-        reason = Reason.GPU_BUDGET
-    elif result == policy.max_replicas and budgeted > policy.max_replicas:
-        reason = Reason.AT_MAX
-    elif result == policy.min_replicas and budgeted < policy.min_replicas:
-        reason = Reason.AT_MIN
-    elif result > current_replicas:
-        reason = Reason.SCALED_UP
-    elif result < current_replicas:
-        reason = Reason.SCALED_DOWN
-    elif within_tolerance:
-        reason = Reason.WITHIN_TOLERANCE
-    elif awaiting_starting:
-        reason = Reason.REPLICAS_STARTING
-    elif proposal != current_replicas:
-        reason = Reason.STABILIZING
-    else:
-        reason = Reason.STEADY
+    proposal = _propose(usable, ready_replicas=ready_replicas, current_replicas=current, tolerance=policy.tolerance)
+    stabilized = _stabilize(proposal=proposal.replicas, current_replicas=current, history=history,
+                            now_seconds=now_seconds, behavior=policy.behavior)
+    limited = _apply_limits(stabilized, current_replicas=current, pending_replicas=pending, policy=policy,
+                            gpus_per_replica=gpus_per_replica, gpu_budget_remaining=gpu_budget_remaining)
+    reason = _limit_reason(limited, policy=policy) or _movement_reason(
+        result=limited.result, current_replicas=current, proposal=proposal)
+    stages = [proposal.formula, f"stabilized {stabilized}", *limited.stages]
     return Decision(
-        pool=pool, time_seconds=now_seconds, current_replicas=current_replicas,
-        ready_replicas=ready_replicas, pending_replicas=pending_replicas,
+        pool=pool, time_seconds=now_seconds, current_replicas=current,
+        ready_replicas=ready_replicas, pending_replicas=pending,
         min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
-        gpus_per_replica=gpus_per_replica, signals=dict(usable), ratio=ratio,
-        proposal=proposal, stabilized=stabilized, step_limited=step_limited, result=result,
-        reason=reason, formula=" → ".join(stages), dry_run=dry_run,
+        gpus_per_replica=gpus_per_replica, signals=dict(usable), ratio=proposal.ratio,
+        proposal=proposal.replicas, stabilized=stabilized, step_limited=limited.step_limited,
+        result=limited.result, reason=reason, formula=" → ".join(stages), dry_run=dry_run,
     )
 
 
@@ -364,7 +462,7 @@ def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list
             continue
         trimmed = d.current_replicas + granted[d.pool]
         out.append(dataclasses.replace(
-            d, result=trimmed, reason=Reason.GPU_BUDGET,
+            d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
             formula=f"{d.formula} → joint gpu-budget {gpu_budget} {trimmed}",
         ))
     return out

@@ -21,8 +21,10 @@ write to a paused object). Instead :func:`register` installs an ``on.event`` han
 keeps the latest body of every InferenceService (no finalizer, no writes) and one
 operator-wide :class:`AutoscalerLoop`, started by ``on.startup`` and stopped by
 ``on.cleanup`` of the same registry, so like every other handler it runs only on the leader.
-Every :data:`BASE_TICK_SECONDS` the loop starts a round for each known, non-paused object
-whose own ``spec.autoscaling.interval`` has passed; rounds run as separate tasks (one slow
+Every ``base_tick_seconds`` (default
+:data:`splitserve_contract.defaults.AUTOSCALER_BASE_TICK_SECONDS`) the loop starts a round for
+each known, non-paused object whose own ``spec.autoscaling.interval`` has passed, judged on the
+loop's injected monotonic ``clock``; rounds run as separate tasks (one slow
 Prometheus never delays another object), at most one at a time per object, and a failing
 round is logged and never stops the loop. kopf's Event poster (:func:`kopf.event`) works only
 in the context kopf gives its per-object tasks, so each round runs in a copy of the context of
@@ -38,7 +40,7 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import kopf
@@ -48,20 +50,17 @@ from prometheus_client import CollectorRegistry
 from urllib3.util.retry import Retry
 
 import splitserve_contract as contract
+from splitserve_contract import ConditionType, Reason, defaults
 
 from .. import events, kube, status
 from ..api import (
     MAX_SCALING_HISTORY,
-    ConditionType,
     InferenceService,
     InferenceServiceSpec,
     InvalidSpecError,
     parse_duration_seconds,
     pool_names,
     pool_spec,
-)
-from ..api import (
-    Reason as ApiReason,
 )
 from . import actuator
 from .decision import (
@@ -75,21 +74,12 @@ from .decision import (
 )
 from .metrics import AutoscalerMetrics
 from .observe import PoolObservation, observe_pool
-from .signals import DEFAULT_WINDOW_SECONDS, PoolSample, Targets, fetch_pool_sample, pool_signals
+from .signals import PoolSample, Targets, fetch_pool_sample, pool_signals
 from .state import AutoscalerState, ServiceKey
 
-BASE_TICK_SECONDS: Final = 5.0
 STALE_AFTER_INTERVALS: Final = 3
 """Metrics older than this many intervals (autoscaler or scrape, whichever is longer) are stale."""
-DEFAULT_SCRAPE_INTERVAL_SECONDS: Final = 15.0
 PROMETHEUS_TIMEOUT_SECONDS: Final = 5
-ACTIVE_REASON: Final = "Active"
-DRY_RUN_REASON: Final = ApiReason.DRY_RUN
-EVENT_SCALED_UP: Final = ApiReason.SCALED_UP
-EVENT_SCALED_DOWN: Final = ApiReason.SCALED_DOWN
-EVENT_METRICS_UNHEALTHY: Final = "MetricsUnhealthy"
-EVENT_METRICS_HEALTHY: Final = "MetricsHealthy"
-EVENT_SCALE_FAILED: Final = "ScaleFailed"
 MAX_FORMULA_LENGTH: Final = 1024
 MAX_MESSAGE_LENGTH: Final = 2048
 
@@ -218,14 +208,13 @@ async def run_once(
     metrics: AutoscalerMetrics,
     now_seconds: float,
     logger: logging.Logger | logging.LoggerAdapter[Any],
-    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
-    window_seconds: float = DEFAULT_WINDOW_SECONDS,
+    scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
+    window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
 ) -> list[Decision]:
     """One round for ``isvc`` (a full object: dict or kopf body); returns the decisions
     (after the joint GPU budget). A paused or invalid object gets no writes at all."""
     meta = isvc.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-    state.mark_run(namespace=namespace, name=name, now_seconds=now_seconds)
     if _is_paused(isvc) or meta.get("deletionTimestamp"):
         return []
     try:
@@ -243,7 +232,7 @@ async def run_once(
         await asyncio.to_thread(
             status.patch_status, api=api, namespace=namespace, name=name, observed_generation=generation,
             clock=clock, conditions=[status.ConditionUpdate(
-                type=ConditionType.SCALING_ACTIVE.value, status="False", reason=ApiReason.SCALING_DISABLED,
+                type=ConditionType.SCALING_ACTIVE.value, status="False", reason=Reason.SCALING_DISABLED,
                 message="spec.autoscaling.enabled is false: replicas stay where they are",
             )],
         )
@@ -281,7 +270,7 @@ async def run_once(
     conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
     _post_health_events(isvc=isvc, state=state, namespace=namespace, name=name, rounds=rounds)
     for failure in failures:
-        events.warning(obj=isvc, reason=EVENT_SCALE_FAILED, message=failure)
+        events.warning(obj=isvc, reason=Reason.SCALE_FAILED, message=failure)
     await asyncio.to_thread(
         status.patch_status, api=api, namespace=namespace, name=name, fields=fields,
         conditions=conditions, observed_generation=generation, clock=clock,
@@ -311,14 +300,14 @@ def _record(
         if decision.pool in written:
             entry["desiredReplicas"] = decision.result
             entry["lastScaleTime"] = _timestamp(now_seconds)
-            reason = EVENT_SCALED_UP if decision.direction == "up" else EVENT_SCALED_DOWN
+            reason = Reason.SCALED_UP if decision.direction == "up" else Reason.SCALED_DOWN
             history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
                             "from": decision.current_replicas, "to": decision.result, "reason": decision.reason})
             events.normal(obj=isvc, reason=reason, message=change)
         elif decision.dry_run and decision.direction != "none" and state.last_recommendation.get(key) != decision.result:
             history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
-                            "from": decision.current_replicas, "to": decision.result, "reason": DRY_RUN_REASON})
-            events.normal(obj=isvc, reason=DRY_RUN_REASON, message=f"would scale {change}")
+                            "from": decision.current_replicas, "to": decision.result, "reason": Reason.DRY_RUN})
+            events.normal(obj=isvc, reason=Reason.DRY_RUN, message=f"would scale {change}")
         state.last_recommendation[key] = decision.result
         fields[decision.pool] = entry
     if len(history) != history_before:
@@ -346,24 +335,24 @@ def _conditions(
         ))
     elif queried:
         out.append(status.ConditionUpdate(
-            type=ConditionType.METRICS_HEALTHY.value, status="True", reason=ApiReason.METRICS_AVAILABLE,
+            type=ConditionType.METRICS_HEALTHY.value, status="True", reason=Reason.METRICS_AVAILABLE,
             message=f"fresh metrics for {', '.join(queried)}",
         ))
     if failures:
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=ApiReason.API_ERROR, message="; ".join(failures)[:MAX_MESSAGE_LENGTH])
+                                        reason=Reason.API_ERROR, message="; ".join(failures)[:MAX_MESSAGE_LENGTH])
     elif dry_run:
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=DRY_RUN_REASON,
+                                        reason=Reason.DRY_RUN,
                                         message="dry run: decisions are recorded, replicas are not changed")
     elif problems:
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=ApiReason.METRICS_UNAVAILABLE,
+                                        reason=Reason.METRICS_UNAVAILABLE,
                                         message=f"replicas held for {', '.join(pool for pool, _ in problems)}")
     else:
         summary = ", ".join(f"{d.pool} {d.result} ({d.reason})" for d in decisions)
         active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="True",
-                                        reason=ACTIVE_REASON, message=summary[:MAX_MESSAGE_LENGTH])
+                                        reason=Reason.ACTIVE, message=summary[:MAX_MESSAGE_LENGTH])
     out.append(active)
     return out
 
@@ -379,10 +368,10 @@ def _post_health_events(
     before = state.metrics_problem.get((namespace, name), "")
     state.metrics_problem[(namespace, name)] = now_problem
     if now_problem and now_problem != before:
-        events.warning(obj=isvc, reason=EVENT_METRICS_UNHEALTHY,
+        events.warning(obj=isvc, reason=Reason.METRICS_UNHEALTHY,
                        message="; ".join(f"{pool}: {p}" for pool, p in problems))
     elif before and not now_problem:
-        events.normal(obj=isvc, reason=EVENT_METRICS_HEALTHY, message="scaling metrics are available again")
+        events.normal(obj=isvc, reason=Reason.METRICS_HEALTHY, message="scaling metrics are available again")
 
 
 def make_prometheus(*, url: str) -> PrometheusConnect:
@@ -393,20 +382,27 @@ def make_prometheus(*, url: str) -> PrometheusConnect:
 @dataclasses.dataclass
 class AutoscalerLoop:
     """The operator-wide loop: the latest body of every InferenceService seen (fed by
-    :meth:`observe`), and a ticker that starts the rounds that are due."""
+    :meth:`observe`), and a ticker that starts the rounds that are due.
+
+    ``clock`` (monotonic seconds) decides when a round is due
+    (:attr:`AutoscalerState.last_run_seconds` is on it); ``wall_clock`` (Unix seconds) is the
+    ``now_seconds`` of each round: status timestamps and Prometheus evaluation time. Both are
+    injected so tests can drive them."""
 
     api: kube.Kube
     prometheus: PrometheusConnect
     state: AutoscalerState
     metrics: AutoscalerMetrics
-    base_tick_seconds: float = BASE_TICK_SECONDS
-    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS
-    window_seconds: float = DEFAULT_WINDOW_SECONDS
+    base_tick_seconds: float = defaults.AUTOSCALER_BASE_TICK_SECONDS
+    scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS
+    window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS
     bodies: dict[ServiceKey, dict[str, Any]] = dataclasses.field(default_factory=dict)
     contexts: dict[ServiceKey, contextvars.Context] = dataclasses.field(default_factory=dict)
     """Per object, the context of its latest ``on.event`` call (kopf's Event poster lives there)."""
     rounds: dict[ServiceKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     ticker: asyncio.Task[None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
 
     def observe(self, *, event_type: str | None, body: Mapping[str, Any]) -> None:
         """Remember ``body`` (a copy: kopf's view is not ours to keep), or forget the object
@@ -442,13 +438,14 @@ class AutoscalerLoop:
     async def _tick_forever(self) -> None:
         while True:
             try:
-                self.tick(now_seconds=time.time())
+                self.tick()
             except Exception:  # noqa: BLE001 - a bad tick must not end autoscaling for good
                 logger.exception("Autoscaler tick failed")
             await asyncio.sleep(self.base_tick_seconds)
 
-    def tick(self, *, now_seconds: float) -> list[ServiceKey]:
+    def tick(self) -> list[ServiceKey]:
         """Start a round for every known object that is due; returns their keys."""
+        now, wall_now = self.clock(), self.wall_clock()
         started: list[ServiceKey] = []
         for key, body in list(self.bodies.items()):
             running = self.rounds.get(key)
@@ -456,18 +453,20 @@ class AutoscalerLoop:
                 continue  # the last round is still going: never two at once for one object
             if _is_paused(body) or (body.get("metadata") or {}).get("deletionTimestamp"):
                 continue
-            interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval") or "15s")
+            interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval")
+                           or defaults.AUTOSCALING_INTERVAL)
             try:
                 interval_seconds = parse_duration_seconds(interval)
             except ValueError:
                 continue  # the CRD rejects this; an old object is reported by the reconciler
             # half a tick of slack, so a 15 s interval on a 5 s tick runs every 15 s, not 20 s
-            if not self.state.due(namespace=key[0], name=key[1], now_seconds=now_seconds,
+            if not self.state.due(namespace=key[0], name=key[1], now_seconds=now,
                                   interval_seconds=interval_seconds - self.base_tick_seconds / 2):
                 continue
+            self.state.mark_run(namespace=key[0], name=key[1], now_seconds=now)
             context = self.contexts.get(key)
             self.rounds[key] = asyncio.create_task(
-                self._round(key=key, body=body, now_seconds=now_seconds), name=f"autoscaler {key[0]}/{key[1]}",
+                self._round(key=key, body=body, now_seconds=wall_now), name=f"autoscaler {key[0]}/{key[1]}",
                 context=context.copy() if context is not None else None)
             started.append(key)
         return started
@@ -489,20 +488,24 @@ def register(
     api: kube.Kube,
     prometheus_url: str,
     metrics_registry: CollectorRegistry,
-    base_tick_seconds: float = BASE_TICK_SECONDS,
-    scrape_interval_seconds: float = DEFAULT_SCRAPE_INTERVAL_SECONDS,
-    window_seconds: float = DEFAULT_WINDOW_SECONDS,
+    base_tick_seconds: float = defaults.AUTOSCALER_BASE_TICK_SECONDS,
+    scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
+    window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
 ) -> AutoscalerLoop:
     """Install the autoscaler into ``registry``: an ``on.event`` handler that feeds the
     :class:`AutoscalerLoop` every InferenceService's body (and forgets deleted ones), and
     ``on.startup``/``on.cleanup`` handlers that start and stop its ticker. No handler needs a
     finalizer or writes anything to the object. ``scrape_interval_seconds`` is Prometheus'
     scrape interval (staleness is judged against the longer of it and the object's interval);
-    ``window_seconds`` the smoothing window of every gauge. Returns the loop, for inspection."""
+    ``window_seconds`` the smoothing window of every gauge; ``clock`` and ``wall_clock`` as in
+    :class:`AutoscalerLoop`. Returns the loop, for inspection."""
     autoscaler = AutoscalerLoop(
         api=api, prometheus=make_prometheus(url=prometheus_url), state=AutoscalerState(),
         metrics=AutoscalerMetrics.create(registry=metrics_registry), base_tick_seconds=base_tick_seconds,
         scrape_interval_seconds=scrape_interval_seconds, window_seconds=window_seconds,
+        clock=clock, wall_clock=wall_clock,
     )
     group, version, plural = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 

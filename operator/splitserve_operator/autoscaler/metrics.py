@@ -1,4 +1,4 @@
-"""The autoscaler's own Prometheus series (DESIGN.md section 5).
+"""The autoscaler's own Prometheus series (docs/architecture.md, "Metrics").
 
 ``splitserve_autoscaler_desired_replicas{namespace,inferenceservice,role}`` is the count the
 last decision asked for (also in dry run: it is the recommendation), and

@@ -1,7 +1,7 @@
 """Scaling signals of one pool, read from Prometheus.
 
 Every query is pinned to one namespace, one InferenceService and one role (the labels
-Prometheus adds from pod labels, DESIGN.md section 5), and optionally to the pool's Ready
+Prometheus adds from pod labels, docs/architecture.md, "Metrics"), and optionally to the pool's Ready
 pods, so another tenant's pods or a terminating pod never leak into a decision. Each
 metric is smoothed over a short window (``avg_over_time``), reduced to one value per pod
 (``max by (pod)``, which also de-duplicates a pod scraped twice), and aggregated here:
@@ -11,7 +11,8 @@ been scraped yet counts as an empty queue), the KV usage ratio is averaged over 
 Failures are typed, never a silent zero: a Prometheus error or an unreachable server is
 ``QueryFailed``, no series for the pool is ``NoData``, and a newest sample older than
 ``stale_after_seconds`` is ``Stale`` (all :class:`MetricsUnavailable`). Queries are
-evaluated at the caller's ``now_seconds`` so the whole decision sees one instant.
+evaluated at the caller's ``now_seconds`` so the whole decision sees one instant. Every gauge
+is smoothed over ``window_seconds`` (default :data:`splitserve_contract.defaults.SIGNAL_WINDOW_SECONDS`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import requests
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_api_client import PrometheusConnect
+from prometheus_api_client.exceptions import PrometheusApiClientException
 
-from splitserve_contract import Metric, Role
+from splitserve_contract import Metric, Reason, Role, defaults
 
 from .decision import MetricsUnavailable, SignalValue
-
-DEFAULT_WINDOW_SECONDS: Final = 30.0
-"""Smoothing window of every gauge (two scrapes at the usual 15 s scrape interval)."""
 
 QUEUE: Final = "queue"
 KV: Final = "kv"
@@ -68,7 +67,7 @@ def query_by_pod(*, prometheus: PrometheusConnect, promql: str, now_seconds: flo
         result: Any = prometheus.custom_query(query=promql, params={"time": f"{now_seconds:.3f}"})
     except (PrometheusApiClientException, requests.RequestException, ValueError) as exc:
         raise MetricsUnavailable(
-            reason=MetricsUnavailable.QUERY_FAILED, message=f"{promql}: {exc}"[:1000]
+            reason=Reason.QUERY_FAILED, message=f"{promql}: {exc}"[:1000]
         ) from exc
     out: dict[str, float] = {}
     for series in result if isinstance(result, list) else []:
@@ -77,7 +76,7 @@ def query_by_pod(*, prometheus: PrometheusConnect, promql: str, now_seconds: flo
             value = float(series["value"][1])
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise MetricsUnavailable(
-                reason=MetricsUnavailable.QUERY_FAILED, message=f"{promql}: malformed result {series!r}"[:1000]
+                reason=Reason.QUERY_FAILED, message=f"{promql}: malformed result {series!r}"[:1000]
             ) from exc
         if math.isfinite(value):
             out[pod] = value
@@ -115,13 +114,13 @@ def fetch_pool_sample(
     role: str,
     now_seconds: float,
     stale_after_seconds: float,
-    window_seconds: float = DEFAULT_WINDOW_SECONDS,
+    window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
     pods: Sequence[str] | None = None,
 ) -> PoolSample:
     """Query one pool's gauges. ``pods`` (the Ready pods) restricts the series; None
     takes every pod of the pool. Raises :class:`MetricsUnavailable`."""
     if pods is not None and not pods:
-        raise MetricsUnavailable(reason=MetricsUnavailable.NO_DATA, message=f"no ready {role} pods to query")
+        raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no ready {role} pods to query")
     selector = pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=role, pods=pods)
     where = f"{role} pods of {namespace}/{inferenceservice}"
 
@@ -132,12 +131,12 @@ def fetch_pool_sample(
     )
     if not newest:
         raise MetricsUnavailable(
-            reason=MetricsUnavailable.NO_DATA, message=f"no {Metric.REQUESTS_WAITING} series for {where}"
+            reason=Reason.NO_DATA, message=f"no {Metric.REQUESTS_WAITING} series for {where}"
         )
     age_seconds = now_seconds - max(newest.values())
     if age_seconds > stale_after_seconds:
         raise MetricsUnavailable(
-            reason=MetricsUnavailable.STALE,
+            reason=Reason.STALE,
             message=f"newest {Metric.REQUESTS_WAITING} sample for {where} is {age_seconds:.0f}s old "
             f"(limit {stale_after_seconds:.0f}s)",
         )
@@ -176,7 +175,7 @@ def pool_signals(*, sample: PoolSample, ready_replicas: int, targets: Targets) -
 
     def required(values: Mapping[str, float], metric: str) -> Mapping[str, float]:
         if not values:
-            raise MetricsUnavailable(reason=MetricsUnavailable.NO_DATA, message=f"no {metric} series")
+            raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no {metric} series")
         return values
 
     out = {

@@ -30,6 +30,7 @@ class AutoscalerState:
     histories: dict[PoolKey, RecommendationHistory] = dataclasses.field(default_factory=dict)
     last_recommendation: dict[PoolKey, int] = dataclasses.field(default_factory=dict)
     last_run_seconds: dict[ServiceKey, float] = dataclasses.field(default_factory=dict)
+    """When the loop last started a round per service, on the loop's monotonic clock."""
     metrics_problem: dict[ServiceKey, str] = dataclasses.field(default_factory=dict)
     """Last MetricsUnavailable reason per service ("" while healthy)."""
 

@@ -1,0 +1,80 @@
+"""A model that cannot be loaded shows in the InferenceService's status, not only in pod logs.
+
+hf:// models are not downloaded yet: a runtime pod whose model is not in its cache exits at
+start-up with a ModelLoadError. The chart's operator, on the local node, must turn the pod's
+termination message (the local node's kubelet falls back to the log tail, as
+``terminationMessagePolicy: FallbackToLogsOnError`` says) into Ready=False with reason
+ModelUnavailable and the runtime's own words in the message.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import splitserve_contract as contract
+from splitserve_contract import ConditionType, Reason
+from splitserve_e2e.build import cache_root
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import (
+    RELEASE,
+    apply_object,
+    condition,
+    ensure_model_cache,
+    get_isvc,
+    install_operator,
+    isvc_manifest,
+    pod_summary,
+    remove_demo,
+)
+
+pytestmark = pytest.mark.e2e
+
+NAME = "missing-model"
+MISSING_MODEL = "hf://nobody/not-in-cache"
+TIMEOUT_SECONDS = 240.0
+POLL_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module")
+def namespace(cluster: LocalCluster) -> Iterator[str]:
+    name = f"nomodel-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
+    try:
+        install_operator(cluster=cluster, namespace=name,
+                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+        manifest = isvc_manifest(name=NAME, namespace=name, mode="Aggregated", model_cache=model_cache)
+        manifest["spec"]["model"]["uri"] = MISSING_MODEL
+        manifest["spec"]["autoscaling"]["enabled"] = False
+        apply_object(cluster=cluster, obj=manifest)
+        yield name
+    finally:
+        remove_demo(cluster=cluster, namespace=name, release=RELEASE)
+
+
+def test_missing_model_is_reported_as_model_unavailable(namespace: str, cluster: LocalCluster) -> None:
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    seen: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        ready = condition(get_isvc(cluster=cluster, namespace=namespace, name=NAME), ConditionType.READY) or {}
+        seen = ready
+        if ready.get("reason") == Reason.MODEL_UNAVAILABLE:
+            break
+        time.sleep(POLL_SECONDS)
+    else:
+        pytest.fail(f"no {Reason.MODEL_UNAVAILABLE} within {TIMEOUT_SECONDS:.0f}s; Ready={seen}\n"
+                    f"{pod_summary(cluster=cluster, namespace=namespace)}")
+    assert seen["status"] == "False"
+    assert "not in the local cache" in str(seen["message"]), seen
+    assert MISSING_MODEL in str(seen["message"]), seen
+    obj = get_isvc(cluster=cluster, namespace=namespace, name=NAME)
+    stalled = condition(obj, ConditionType.STALLED) or {}
+    assert (stalled.get("status"), stalled.get("reason")) == ("True", Reason.MODEL_UNAVAILABLE), stalled
+    warnings = cluster.kubectl(
+        "get", "events", "-n", namespace, "-o", "jsonpath={range .items[*]}{.reason}/{.type}{'\\n'}{end}",
+        "--field-selector", f"involvedObject.kind={contract.KIND},involvedObject.name={NAME}")
+    assert f"{Reason.MODEL_UNAVAILABLE}/Warning" in warnings.stdout.split(), warnings.stdout

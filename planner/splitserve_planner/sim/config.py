@@ -1,0 +1,98 @@
+"""What to simulate: per-pod engine settings, the fleet, autoscaling targets, run options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve_contract import defaults
+
+DISAGGREGATED = "disaggregated"
+AGGREGATED = "aggregated"
+ROUTER_POLICIES = ("prefix-affinity", "least-load", "round-robin", "central-queue")
+PREFIX_AFFINITY_LOAD_PENALTY_BLOCKS = 4.0
+"""As :class:`splitserve_runtime.router.policy.PrefillSelector`: a queued request ~ 4 blocks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """Per-pod engine settings (as ``spec.engine`` and ``spec.kvCache``)."""
+
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    block_size: int = defaults.BLOCK_SIZE
+    batching: str = "continuous"
+    prefix_cache_groups: int = 64
+    """LRU capacity of a pod's prefix cache, in prefix groups."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_batched_tokens < self.max_num_seqs:
+            raise ValueError("need max_num_seqs >= 1 and max_batched_tokens >= max_num_seqs")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        if self.block_size < 1 or self.prefix_cache_groups < 0:
+            raise ValueError("block_size must be >= 1 and prefix_cache_groups >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoscaleSettings:
+    """Targets and limits for the simulated autoscaler (as ``spec.autoscaling``)."""
+
+    interval_seconds: float = 15.0
+    startup_seconds: float = 60.0
+    prefill_target_queue_depth: float = 4.0
+    decode_target_kv_utilization: float = 0.8
+    decode_target_queue_depth: float = 2.0
+    min_replicas: int = 1
+    max_replicas: int = 64
+    scale_down_stabilization_seconds: float = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetConfig:
+    """The fleet to simulate. Aggregated mode uses ``aggregated_replicas`` only."""
+
+    mode: str
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    aggregated_replicas: int = 0
+    gpus_per_replica: int = 1
+    engine: EngineSettings = EngineSettings()
+    router_policy: str = "prefix-affinity"
+    kv_link_bytes_per_second: float = 50e9
+    kv_transfer_latency_seconds: float = 0.0005
+    exponential_service_rate: float | None = None
+    autoscale: AutoscaleSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == DISAGGREGATED:
+            if self.prefill_replicas < 1 or self.decode_replicas < 1 or self.aggregated_replicas:
+                raise ValueError("disaggregated mode needs prefill and decode replicas >= 1 and no aggregated ones")
+        elif self.mode == AGGREGATED:
+            if self.aggregated_replicas < 1 or self.prefill_replicas or self.decode_replicas:
+                raise ValueError("aggregated mode needs aggregated replicas >= 1 and no prefill/decode ones")
+        else:
+            raise ValueError(f"mode must be {DISAGGREGATED} or {AGGREGATED}, got {self.mode!r}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router policy {self.router_policy!r}; choose one of: {', '.join(ROUTER_POLICIES)}")
+        if self.kv_link_bytes_per_second <= 0 or self.gpus_per_replica < 1:
+            raise ValueError("KV link bandwidth must be > 0 and gpus per replica >= 1")
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.prefill_replicas + self.decode_replicas + self.aggregated_replicas) * self.gpus_per_replica
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    warmup_seconds: float = 0.0
+    """Requests arriving before this are simulated but not measured."""
+    drain_limit_seconds: float | None = None
+    """Stop this long after the last arrival (None: 2 × the arrival span + 60 s); requests
+    still unfinished count as missing every SLO."""
+    sample_interval_seconds: float = 1.0
+    seed: int = 0
+    macro_steps: bool = True
+    """Run runs of identical-batch decode steps as one event (exact up to the ITL of each step
+    being the run's mean); False: one event per step."""
