@@ -21,10 +21,10 @@ replica count lives on the child Deployments, written by the autoscaler's field 
 
 from __future__ import annotations
 
-from splitserve_contract import ConditionType, Reason  # noqa: F401
+from splitserve_contract import ConditionType, Reason
 
-from ..naming import child_name  # noqa: F401
-from .fields import (  # noqa: F401
+from ..naming import child_name
+from .fields import (
     API_VERSION_STRING,
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
@@ -43,14 +43,14 @@ from .fields import (  # noqa: F401
     parse_duration_seconds,
     utc_now,
 )
-from .resource import (  # noqa: F401
+from .resource import (
     InferenceService,
     InvalidSpecError,
     ObjectMeta,
     pool_names,
     pool_spec,
 )
-from .rules import (  # noqa: F401
+from .rules import (
     AGGREGATED_RULE_MESSAGE,
     CPU_PARALLELISM_RULE_MESSAGE,
     DISAGGREGATED_RULE_MESSAGE,
@@ -68,7 +68,7 @@ from .rules import (  # noqa: F401
     SPEC_CEL_RULES,
     CelRule,
 )
-from .spec import (  # noqa: F401
+from .spec import (
     ApiKeySecretRef,
     AutoscalingSpec,
     DecodeScalingSpec,
@@ -90,7 +90,7 @@ from .spec import (  # noqa: F401
     ScalingBehavior,
     SecretKeyRef,
 )
-from .status import (  # noqa: F401
+from .status import (
     Condition,
     ConditionStatus,
     InferenceServiceStatus,
@@ -100,23 +100,68 @@ from .status import (  # noqa: F401
 )
 
 __all__ = [
+    "AGGREGATED_RULE_MESSAGE",
     "API_VERSION_STRING",
-    "MAX_SCALING_HISTORY",
+    "ApiKeySecretRef",
     "ApiModel",
     "AutoscalingSpec",
+    "BlockSize",
+    "CPU_PARALLELISM_RULE_MESSAGE",
+    "CelRule",
     "Condition",
     "ConditionStatus",
     "ConditionType",
+    "DISAGGREGATED_RULE_MESSAGE",
+    "DURATION_PATTERN",
+    "DecodeScalingSpec",
+    "DtypeName",
+    "ENV_NAME_PATTERN",
+    "EngineSpec",
+    "EnvVar",
+    "FreeFormObject",
+    "GPU_BUDGET_RULE_MESSAGE",
+    "HUB_TOKEN_RULE_MESSAGE",
     "InferenceService",
     "InferenceServiceSpec",
     "InferenceServiceStatus",
     "InvalidSpecError",
+    "K8S_NAME_PATTERN",
+    "KVCacheSpec",
+    "MAX_SCALING_HISTORY",
+    "MODEL_CEL_RULES",
+    "MODEL_URI_PATTERN",
     "Mode",
+    "ModelSpec",
+    "NAME_LENGTH_RULE_MESSAGE",
+    "NAME_PATTERN_RULE_MESSAGE",
+    "ObjectMeta",
+    "PARALLELISM_CEL_RULES",
+    "PARALLELISM_RULE_MESSAGE",
+    "POOL_CEL_RULES",
+    "ParallelismSpec",
+    "PipelineParallelSize",
     "PoolSpec",
     "PoolStatus",
+    "PrefillScalingSpec",
+    "QUANTITY_PATTERN",
+    "Quantity",
+    "QuantizationName",
+    "REPLICAS_CEL_RULES",
+    "REPLICAS_RULE_MESSAGE",
+    "ROOT_CEL_RULES",
     "Reason",
+    "ReplicasSpec",
+    "ResourcesSpec",
+    "RouterSpec",
+    "RuntimeSpec",
+    "SPEC_CEL_RULES",
+    "ScaleDownBehavior",
+    "ScaleUpBehavior",
+    "ScalingBehavior",
     "ScalingDecision",
     "ScalingEvent",
+    "SecretKeyRef",
+    "TensorParallelSize",
     "child_name",
     "parse_duration_seconds",
     "pool_names",
