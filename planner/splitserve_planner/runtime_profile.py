@@ -18,13 +18,16 @@ of the planner is torch-free (import-linter, ``.importlinter``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -153,19 +156,8 @@ def measure_mixed(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_token
     newcomer = ids.request_id()
     engine.add_request(request_id=newcomer, prompt_token_ids=ids.prompt(new_tokens),
                        params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    original = sched.schedule
-    scheduled: list[SchedulerOutput] = []
-
-    def spy() -> SchedulerOutput:
-        out = original()
-        scheduled.append(out)
-        return out
-
-    sched.schedule = spy  # type: ignore[method-assign]
-    try:
+    with _recording_schedules(sched) as scheduled:
         seconds = _timed_step(engine, clock)
-    finally:
-        sched.schedule = original  # type: ignore[method-assign]
     for rid in [*rids, newcomer]:
         engine.abort_request(rid)
     tokens, seqs, pairs, kv = _step_shape(scheduled[-1])
@@ -254,16 +246,6 @@ def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: i
     """
     ids = _Ids(vocab_size=vocab_size, seed=seed)
     prompts = {r.request_id: _replay_prompt(ids, r) for r in requests}
-    scheduler = engine.scheduler
-    original = scheduler.schedule
-    scheduled: list[SchedulerOutput] = []
-
-    def spy() -> SchedulerOutput:
-        out = original()
-        scheduled.append(out)
-        return out
-
-    scheduler.schedule = spy  # type: ignore[method-assign]
     ttft: list[float] = []
     itl: list[float] = []
     steps: list[StepSample] = []
@@ -273,7 +255,7 @@ def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: i
     virtual = 0.0
     step_clock = _CLOCKS[clock]
     index = 0
-    try:
+    with _recording_schedules(engine.scheduler) as scheduled:
         while index < len(requests) or engine.has_unfinished():
             now = virtual if clock == "cpu" else time.monotonic() - wall_start
             while index < len(requests) and requests[index].arrival_seconds <= now:
@@ -311,9 +293,26 @@ def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: i
                 if clock != "cpu":
                     itl.extend(out.itl_seconds)
                 last_token[rid] = emitted
-    finally:
-        scheduler.schedule = original  # type: ignore[method-assign]
     return ReplayResult(ttft_seconds=ttft, itl_seconds=itl, steps=steps)
+
+
+@contextlib.contextmanager
+def _recording_schedules(scheduler: Any) -> Iterator[list[SchedulerOutput]]:
+    """Record every ``SchedulerOutput`` the engine's scheduler hands out while in the block
+    (the step's shape is read from it), then restore the scheduler."""
+    original = scheduler.schedule
+    scheduled: list[SchedulerOutput] = []
+
+    def spy() -> SchedulerOutput:
+        out: SchedulerOutput = original()
+        scheduled.append(out)
+        return out
+
+    scheduler.schedule = spy
+    try:
+        yield scheduled
+    finally:
+        scheduler.schedule = original
 
 
 def _replay_prompt(ids: _Ids, r: Request) -> list[int]:
