@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,6 +46,7 @@ from ..transfer import (
 from .async_engine import AsyncEngine
 from .delegate import DelegatingEngine
 from .errors import KVTransferFailed, QueueFull
+from .handoff import ImportReservation
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from .sampling_params import SamplingParams
@@ -244,9 +245,40 @@ class HandoffEngine(DelegatingEngine):
         source: RemotePrefill,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Pull the prompt's KV from ``source`` and continue decoding here."""
-        engine = self._engine
-        core = engine.engine
+        core = self._engine.engine
         started = time.monotonic()
+        first = self._check_remote(prompt_token_ids=prompt_token_ids, params=params, source=source)
+        num_prompt = len(prompt_token_ids)
+        num_remote_blocks = math.ceil(num_prompt / core.block_manager.block_size)
+        token_reason = StopChecker(params=params, eos_token_ids=core.eos_token_ids,
+                                   detokenizer=None).check_token(token_id=first, num_output_tokens=1)
+        if token_reason is not None:  # the first token already ends it: nothing to decode
+            await self._release_remote(source, first_block=num_remote_blocks)
+            text = "" if token_reason == "stop" else self.tokenizer.decode([first])
+            yield self._first_output(request_id=request_id, first=first, text=text, finish_reason=token_reason,
+                                     num_prompt=num_prompt, num_cached=0, started=started)
+            return
+        reservation = await self._reserve_import(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                                 params=params, first=first)
+        if reservation == "stop":
+            await self._release_remote(source, first_block=num_remote_blocks)
+            yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
+                                     num_prompt=num_prompt, num_cached=0, started=started)
+            return
+        stream = await self._import_and_activate(request_id=request_id, params=params, source=source,
+                                                 reservation=reservation, num_prompt=num_prompt,
+                                                 num_remote_blocks=num_remote_blocks)
+        yield self._first_output(request_id=request_id, first=first, text=reservation.imported_text,
+                                 finish_reason=None, num_prompt=num_prompt,
+                                 num_cached=reservation.num_cached_tokens, started=started)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+
+    def _check_remote(self, *, prompt_token_ids: list[int], params: SamplingParams,
+                      source: RemotePrefill) -> int:
+        """Validate the request and the handoff against this pod; return the first token."""
+        core = self._engine.engine
         core.check_request(prompt_token_ids=prompt_token_ids, params=params)
         if source.compat_hash and self.compat_hash and source.compat_hash != self.compat_hash:
             raise KVTransferFailed(code="compat_mismatch", message=(
@@ -259,17 +291,18 @@ class HandoffEngine(DelegatingEngine):
         first = source.first_token_id
         if not 0 <= first < core.vocab_size:
             raise ValueError(f"kv_transfer_params.first_token_id {first} is outside the vocabulary")
-        num_remote_blocks = math.ceil(num_prompt / core.block_manager.block_size)
-        token_reason = StopChecker(params=params, eos_token_ids=core.eos_token_ids,
-                                   detokenizer=None).check_token(token_id=first, num_output_tokens=1)
-        if token_reason is not None:  # the first token already ends it: nothing to decode
-            await self._release_remote(source, first_block=num_remote_blocks)
-            text = "" if token_reason == "stop" else self.tokenizer.decode([first])
-            yield self._first_output(request_id=request_id, first=first, text=text, finish_reason=token_reason,
-                                     num_prompt=num_prompt, num_cached=0, started=started)
-            return
+        return first
 
-        def reserve(c: LLMEngine) -> Any:
+    async def _reserve_import(
+        self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first: int,
+    ) -> ImportReservation | Literal["stop"]:
+        """Reserve blocks for the prompt plus ``first``; "stop" when a stop string inside the
+        first token already finishes the request. Raises QueueFull when no room is found
+        within IMPORT_WAIT_SECONDS."""
+        engine = self._engine
+        num_prompt = len(prompt_token_ids)
+
+        def reserve(c: LLMEngine) -> ImportReservation | Literal["stop"] | None:
             try:
                 return c.reserve_imported_request(
                     request_id=request_id, token_ids=[*prompt_token_ids, first], num_prompt_tokens=num_prompt,
@@ -292,55 +325,67 @@ class HandoffEngine(DelegatingEngine):
             if reservation is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(IMPORT_RETRY_SECONDS)
-        if reservation == "stop":
-            await self._release_remote(source, first_block=num_remote_blocks)
-            yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
-                                     num_prompt=num_prompt, num_cached=0, started=started)
-            return
         if reservation is None:
+            core = engine.engine
             raise QueueFull(num_waiting=core.scheduler.num_waiting, max_queue_len=core.config.max_queue_len,
                             retry_after_seconds=1.0,
                             reason=f"no room (KV blocks or batch slots) for a {num_prompt}-token prompt "
                                    f"from prefill within {IMPORT_WAIT_SECONDS:.0f} s")
+        return reservation
+
+    async def _import_and_activate(
+        self, *, request_id: str, params: SamplingParams, source: RemotePrefill,
+        reservation: ImportReservation, num_prompt: int, num_remote_blocks: int,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Pull the KV into ``reservation`` and activate the request; return its stream. Any
+        failure aborts the reservation, which frees its blocks (engine thread)."""
         activated = False
         try:
-            block_ids = reservation.block_ids
-            runner = core.runner
-
-            def on_block(index: int, data: memoryview) -> None:
-                if not reservation.first_block_index <= index < num_remote_blocks:
-                    raise TransferError(code="protocol", message=f"block {index} outside the prompt")
-                runner.write_block(block_ids[index], data)  # reserved: the engine thread ignores it
-
-            try:
-                result = await self._connector.fetch(
-                    endpoint=source.remote_endpoint, request_id=source.remote_request_id,
-                    first_block=reservation.first_block_index, layout=self.layout, on_block=on_block,
-                    timeout_seconds=self._fetch_timeout_seconds)
-            except TransferError as exc:
-                raise KVTransferFailed(code=exc.code, message=exc.message) from None
-            if result.num_tokens != num_prompt:
-                self._observe(0, 0.0, False)
-                raise KVTransferFailed(code="prompt_mismatch", message=(
-                    f"the prefill pod holds {result.num_tokens} tokens, the prompt has {num_prompt}"))
-            stream = engine.open_stream(request_id)
-            try:
-                await asyncio.shield(engine.call(lambda c: self._activate(c, request_id=request_id,
-                                                                          params=params)))
-            except BaseException:
-                engine.abort(request_id)
-                self._spawn(_consume(stream))
-                raise
+            await self._pull_kv(source=source, reservation=reservation, num_prompt=num_prompt,
+                                num_remote_blocks=num_remote_blocks)
+            stream = await self._activate_stream(request_id=request_id, params=params)
             activated = True
         finally:
-            if not activated:  # aborting a reservation frees its blocks (engine thread)
-                engine.abort(request_id)
-        yield self._first_output(request_id=request_id, first=first, text=reservation.imported_text,
-                                 finish_reason=None, num_prompt=num_prompt,
-                                 num_cached=reservation.num_cached_tokens, started=started)
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                yield out
+            if not activated:
+                self._engine.abort(request_id)
+        return stream
+
+    async def _pull_kv(self, *, source: RemotePrefill, reservation: ImportReservation,
+                       num_prompt: int, num_remote_blocks: int) -> None:
+        """Fetch the blocks this pod lacks from the prefill pod straight into the reservation."""
+        block_ids = reservation.block_ids
+        runner = self._engine.engine.runner
+
+        def on_block(index: int, data: memoryview) -> None:
+            if not reservation.first_block_index <= index < num_remote_blocks:
+                raise TransferError(code="protocol", message=f"block {index} outside the prompt")
+            runner.write_block(block_ids[index], data)  # reserved: the engine thread ignores it
+
+        try:
+            result = await self._connector.fetch(
+                endpoint=source.remote_endpoint, request_id=source.remote_request_id,
+                first_block=reservation.first_block_index, layout=self.layout, on_block=on_block,
+                timeout_seconds=self._fetch_timeout_seconds)
+        except TransferError as exc:
+            raise KVTransferFailed(code=exc.code, message=exc.message) from None
+        if result.num_tokens != num_prompt:
+            self._observe(0, 0.0, False)
+            raise KVTransferFailed(code="prompt_mismatch", message=(
+                f"the prefill pod holds {result.num_tokens} tokens, the prompt has {num_prompt}"))
+
+    async def _activate_stream(self, *, request_id: str,
+                               params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Open the request's output stream, then let the engine schedule it."""
+        engine = self._engine
+        stream = engine.open_stream(request_id)
+        try:
+            await asyncio.shield(engine.call(lambda c: self._activate(c, request_id=request_id,
+                                                                      params=params)))
+        except BaseException:
+            engine.abort(request_id)
+            self._spawn(_consume(stream))
+            raise
+        return stream
 
     @staticmethod
     def _activate(core: LLMEngine, *, request_id: str, params: SamplingParams) -> None:

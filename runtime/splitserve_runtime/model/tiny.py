@@ -236,13 +236,11 @@ def _write_weights(*, out_dir: Path, weights: dict[str, torch.Tensor], num_shard
     )
 
 
-def write_tiny_model(
-    *, out_dir: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512,
-    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-    intermediate_size: int = 128, max_position_embeddings: int = 2048, num_shards: int = 1,
-    rope_scaling: dict[str, Any] | None = None, tie_word_embeddings: bool = False,
-) -> Path:
-    """Write a random ``arch`` checkpoint with a trained tokenizer into ``out_dir``; return it."""
+def _check_arguments(
+    *, arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+    num_kv_heads: int, num_shards: int,
+) -> _Flavour:
+    """Validate ``write_tiny_model``'s arguments; return the flavour of ``arch``."""
     if arch not in _FLAVOURS:
         raise ValueError(f"unknown tiny model arch {arch!r}; choose one of: {', '.join(ARCHES)}")
     flavour = _FLAVOURS[arch]
@@ -255,19 +253,22 @@ def write_tiny_model(
     min_vocab = 256 + len(flavour.special_tokens) + 1
     if vocab_size < min_vocab:
         raise ValueError(f"vocab_size must be at least {min_vocab} (bytes + special tokens)")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return flavour
 
-    tokenizer = _train_tokenizer(flavour=flavour, vocab_size=vocab_size)
-    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
 
-    def token_id(token: str) -> int:
-        found = tokenizer.token_to_id(token)
-        if found is None:
-            raise ValueError(f"special token {token!r} missing from the trained vocabulary")
-        return int(found)
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise ValueError(f"special token {token!r} missing from the trained vocabulary")
+    return int(found)
 
-    bos_id = None if flavour.bos_token is None else token_id(flavour.bos_token)
-    eos_id = token_id(flavour.eos_token)
+
+def _model_config(
+    *, flavour: _Flavour, bos_id: int | None, eos_id: int, vocab_size: int, hidden_size: int,
+    num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+    max_position_embeddings: int, rope_scaling: dict[str, Any] | None, tie_word_embeddings: bool,
+) -> dict[str, Any]:
+    """The ``config.json`` of the checkpoint (Hugging Face names)."""
     config: dict[str, Any] = {
         "architectures": [flavour.architecture],
         "model_type": flavour.model_type,
@@ -290,19 +291,20 @@ def write_tiny_model(
         "initializer_range": WEIGHT_STD,
         "use_cache": True,
     }
-    if arch == "llama":
+    if flavour.model_type == "llama":
         config.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     else:
         config.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers})
-    _write_json(out_dir / "config.json", config)
-    _write_json(
-        out_dir / "generation_config.json",
-        {
-            "bos_token_id": bos_id,
-            "eos_token_id": [token_id(t) for t in flavour.generation_eos],
-            "do_sample": False,
-        },
-    )
+    return config
+
+
+def _write_tokenizer(*, out_dir: Path, tokenizer: Tokenizer) -> None:
+    """``tokenizer.json``: the trained tokenizer itself."""
+    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer_config(*, out_dir: Path, flavour: _Flavour, max_position_embeddings: int) -> None:
+    """``tokenizer_config.json``: special tokens and the chat template."""
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": flavour.bos_token,
@@ -314,6 +316,46 @@ def write_tiny_model(
         "chat_template": flavour.chat_template,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def _write_generation_config(*, out_dir: Path, tokenizer: Tokenizer, flavour: _Flavour,
+                             bos_id: int | None) -> None:
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": bos_id,
+            "eos_token_id": [_token_id(tokenizer, t) for t in flavour.generation_eos],
+            "do_sample": False,
+        },
+    )
+
+
+def write_tiny_model(
+    *, out_dir: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512,
+    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+    intermediate_size: int = 128, max_position_embeddings: int = 2048, num_shards: int = 1,
+    rope_scaling: dict[str, Any] | None = None, tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a random ``arch`` checkpoint with a trained tokenizer into ``out_dir``; return it."""
+    flavour = _check_arguments(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                               num_layers=num_layers, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, num_shards=num_shards)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = _train_tokenizer(flavour=flavour, vocab_size=vocab_size)
+    _write_tokenizer(out_dir=out_dir, tokenizer=tokenizer)
+    bos_id = None if flavour.bos_token is None else _token_id(tokenizer, flavour.bos_token)
+    config = _model_config(
+        flavour=flavour, bos_id=bos_id, eos_id=_token_id(tokenizer, flavour.eos_token),
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    _write_json(out_dir / "config.json", config)
+    _write_generation_config(out_dir=out_dir, tokenizer=tokenizer, flavour=flavour, bos_id=bos_id)
+    _write_tokenizer_config(out_dir=out_dir, flavour=flavour,
+                            max_position_embeddings=max_position_embeddings)
 
     shapes = _tensor_shapes(
         flavour=flavour, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,

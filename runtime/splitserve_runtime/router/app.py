@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,8 @@ def make_tokenize(*, model: str) -> Tokenize:
     return tokenize
 
 
-def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> FastAPI:
+def _static_pods(args: RouterArgs) -> PodSet:
+    """The pod set, filled from the static endpoint flags when discovery is static."""
     pods = PodSet()
     static = {
         Role.PREFILL: args.prefill_endpoints,
@@ -89,9 +90,13 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     if args.discovery == "static":
         for role, endpoints in static.items():
             pods.set_targets(role=role, targets=parse_static(role=role, endpoints=endpoints))
-    selector = PrefillSelector(policy=RoutingPolicy(args.policy))
-    model_label = args.served_model_name or args.model or "unknown"
-    state: dict[str, Any] = {}
+    return pods
+
+
+def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector, tokenize: Tokenize | None,
+                   model_label: str, state: dict[str, Any],
+                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the HTTP client, health polling, discovery and the Router in ``state``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -120,10 +125,10 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
                     discovery.stop()
                 await poller.stop()
 
-    app = FastAPI(title="splitserve router", lifespan=lifespan)
-    app.state.pods = pods
-    app.state.selector = selector
+    return lifespan
 
+
+def _add_api_key_middleware(app: FastAPI, *, api_key: str | None) -> None:
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
         if api_key and request.url.path not in OPEN_PATHS:
@@ -131,6 +136,10 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(status=401, message="invalid or missing API key", type_="authentication_error", code="invalid_api_key")
         return await call_next(request)
+
+
+def _add_health_routes(app: FastAPI, *, pods: PodSet) -> None:
+    """/health, /ready and /metrics (open even with an API key)."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -147,6 +156,10 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> None:
+    """/v1/models (from a healthy pod) and the proxied completion routes."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         pool = pods.healthy(Role.DECODE) or pods.healthy(Role.AGGREGATED) or pods.healthy(Role.PREFILL)
@@ -160,24 +173,39 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
             return error_response(status=502, message=f"model listing failed: {type(exc).__name__}", type_="upstream_error")
         return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
 
-    async def _proxy(request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(status=400, message="request body is not valid JSON", type_="invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(status=400, message="request body must be a JSON object", type_="invalid_request_error")
-        router: Router = state["router"]
-        return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _proxy(request, "/v1/completions")
+        return await _proxy(request, "/v1/completions", state=state)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _proxy(request, "/v1/chat/completions")
+        return await _proxy(request, "/v1/chat/completions", state=state)
 
+
+async def _proxy(request: Request, path: str, *, state: dict[str, Any]) -> Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(status=400, message="request body is not valid JSON", type_="invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(status=400, message="request body must be a JSON object", type_="invalid_request_error")
+    router: Router = state["router"]
+    return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
+
+
+def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> FastAPI:
+    pods = _static_pods(args)
+    selector = PrefillSelector(policy=RoutingPolicy(args.policy))
+    model_label = args.served_model_name or args.model or "unknown"
+    state: dict[str, Any] = {}
+    lifespan = _make_lifespan(args=args, pods=pods, selector=selector, tokenize=tokenize,
+                              model_label=model_label, state=state)
+    app = FastAPI(title="splitserve router", lifespan=lifespan)
+    app.state.pods = pods
+    app.state.selector = selector
+    _add_api_key_middleware(app, api_key=api_key)
+    _add_health_routes(app, pods=pods)
+    _add_openai_routes(app, pods=pods, state=state)
     return app
 
 

@@ -69,6 +69,26 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
         state.engine_or_none.stats() if state.engine_or_none is not None else None))
     completions = CompletionsService(state=state, metrics=metrics)
     chat = ChatService(state=state, metrics=metrics)
+    lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader)
+    app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.metrics = metrics
+    install_exception_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_health_routes(app, state=state, metrics=metrics)
+    _add_info_route(app, state=state, role=role, served_model_name=served_model_name,
+                    compat_hash=compat_hash, kv_endpoint=kv_endpoint, block_size=block_size)
+    _add_openai_routes(app, state=state, served_model_name=served_model_name,
+                       completions=completions, chat=chat)
+    return app
+
+
+def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
+                   engine_loader: EngineLoader | None,
+                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start the given engine (or load one in the background); shut it down on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,13 +109,11 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
             if running is not None:
                 await running.shutdown()
 
-    app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
-    app.state.server = state
-    app.state.metrics = metrics
-    install_exception_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return lifespan
+
+
+def _add_health_routes(app: FastAPI, *, state: ServerState, metrics: ServerMetrics) -> None:
+    """/health (alive), /ready (engine up, not draining) and the Prometheus metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -115,12 +133,22 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_info_route(app: FastAPI, *, state: ServerState, role: str, served_model_name: str,
+                    compat_hash: str, kv_endpoint: str, block_size: int) -> None:
+    """contract.INFO_PATH: what the router needs to pair prefill and decode pods."""
+
     @app.get(contract.INFO_PATH)
     async def info() -> RuntimeInfo:
         running = state.engine_or_none
         return RuntimeInfo(role=role, model=served_model_name, compat_hash=compat_hash,
                            kv_endpoint=kv_endpoint, block_size=block_size,
                            max_model_len=running.max_model_len if running is not None else None)
+
+
+def _add_openai_routes(app: FastAPI, *, state: ServerState, served_model_name: str,
+                       completions: CompletionsService, chat: ChatService) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions."""
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -136,8 +164,6 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body=body, request=request)
-
-    return app
 
 
 async def _load(*, state: ServerState, loader: EngineLoader) -> None:
@@ -293,4 +319,32 @@ def main(argv: list[str]) -> int:
     logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,
                 args.role, args.host, args.port, "on" if api_key else "off")
     server.run()
+    if app.state.server.load_error is not None:
+        write_termination_message(app.state.server.load_error)
     return server.exit_code
+
+
+TERMINATION_LOG_ENV = "SPLITSERVE_TERMINATION_LOG"
+"""Overrides :data:`~splitserve_contract.TERMINATION_MESSAGE_PATH` (a pod's
+``terminationMessagePath`` other than the default; tests)."""
+MAX_TERMINATION_MESSAGE_BYTES = 4096  # the kubelet reads at most this much
+
+
+def write_termination_message(message: str) -> bool:
+    """Tell Kubernetes why the process exits: write ``message`` to the termination message
+    file, which the kubelet shows as the container's ``lastState.terminated.message`` (and the
+    operator in the InferenceService's conditions). Only a file that already exists is
+    written (the kubelet creates it in a container); nothing is created, so running the
+    server on a dev machine never touches ``/dev``. Returns whether it was written."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or contract.TERMINATION_MESSAGE_PATH
+    data = message.encode("utf-8", "replace")[:MAX_TERMINATION_MESSAGE_BYTES]
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "r+b") as handle:  # r+: never creates the file
+            handle.write(data)
+            handle.truncate()
+    except OSError as exc:
+        logger.warning("cannot write the termination message to %s: %s", path, exc)
+        return False
+    return True
