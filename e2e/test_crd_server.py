@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
+from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_operator import api, crdgen
+from splitserve_operator.api import rules
 
 pytestmark = pytest.mark.e2e
 
@@ -49,16 +51,28 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
 
 
+def _refusals(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
+    """What the API server may say for a known-but-unsupported value: the CEL rule's
+    messageExpression (names the value) or, where that is not evaluated, its static message."""
+    return (capability.unsupported_message(value), caps.cel_rule(capability)["message"])
+
+
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"spec": {"prefill": {"replicas": {"min": 3, "max": 2}}}}, api.REPLICAS_RULE_MESSAGE),
-        ({"spec": {"aggregated": {}}}, api.DISAGGREGATED_RULE_MESSAGE),
-        ({"spec": {"mode": "Aggregated"}}, api.AGGREGATED_RULE_MESSAGE),
-        ({"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}}, api.PARALLELISM_RULE_MESSAGE),
-        ({"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}}, api.CPU_PARALLELISM_RULE_MESSAGE),
-        ({"spec": {"autoscaling": {"gpuBudget": 1}}}, api.GPU_BUDGET_RULE_MESSAGE),
-        ({"metadata": {"name": "x" * 41}}, api.NAME_LENGTH_RULE_MESSAGE),
+        ({"spec": {"prefill": {"replicas": {"min": 3, "max": 2}}}}, rules.REPLICAS_RULE_MESSAGE),
+        ({"spec": {"aggregated": {}}}, rules.DISAGGREGATED_RULE_MESSAGE),
+        ({"spec": {"mode": "Aggregated"}}, rules.AGGREGATED_RULE_MESSAGE),
+        # tensor/pipeline parallelism and quantization other than the supported values: the
+        # capability message wins over the gpus-multiple and CPU rules.
+        ({"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}},
+         _refusals(caps.TENSOR_PARALLEL_SIZE, 4)),
+        ({"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}},
+         _refusals(caps.TENSOR_PARALLEL_SIZE, 2)),
+        ({"spec": {"decode": {"parallelism": {"pipeline": 2}}}}, _refusals(caps.PIPELINE_PARALLEL_SIZE, 2)),
+        ({"spec": {"model": {"quantization": "fp8"}}}, _refusals(caps.QUANTIZATION, "fp8")),
+        ({"spec": {"autoscaling": {"gpuBudget": 1}}}, rules.GPU_BUDGET_RULE_MESSAGE),
+        ({"metadata": {"name": "x" * 41}}, rules.NAME_LENGTH_RULE_MESSAGE),
         ({"spec": {"kvCache": {"memoryFraction": 0.99}}}, "memoryFraction"),
         ({"spec": {"kvCache": {"blockSize": 24}}}, "blockSize"),
         ({"spec": {"model": {"uri": "s3://bucket/model"}}}, "spec.model.uri"),
@@ -66,11 +80,11 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
     ],
 )
 def test_invalid_objects_are_rejected_with_a_message(cluster: LocalCluster, crd: str, namespace: str,
-                                                    patch: dict[str, Any], message: str) -> None:
+                                                    patch: dict[str, Any], message: str | tuple[str, ...]) -> None:
     obj = _merge(_minimal(), patch)
     result = _apply(cluster, namespace, obj)
     assert result.returncode != 0, f"accepted: {obj}"
-    assert message in result.stderr, result.stderr
+    assert any(m in result.stderr for m in ((message,) if isinstance(message, str) else message)), result.stderr
     # The models reject the same object (the operator never acts on what the CRD refuses).
     with pytest.raises(api.InvalidSpecError):
         api.InferenceService.parse(obj)

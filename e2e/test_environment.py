@@ -124,7 +124,10 @@ def test_failing_readiness_probe_keeps_pod_unready(cluster: LocalCluster, namesp
     # the server answers (404 on the probe path), so the process is up but never Ready
     cluster.wait_for(lambda: httpx.get(f"http://{pod.status.pod_ip}:8000/", timeout=2).status_code == 200,
                      timeout_seconds=30, what="server answering")
-    time.sleep(3)
+    # The probe (every second, failure threshold 1) has run and failed several times once the
+    # server has logged that many requests for its path: only then is "still unready" a result.
+    cluster.wait_for(lambda: cluster.pod_log(namespace=namespace, pod=pod.metadata.name)
+                     .count("GET /no-such-page") >= 3, timeout_seconds=30, what="three failed readiness probes")
     pod = core.read_namespaced_pod(pod.metadata.name, namespace)
     assert pod.status.phase == "Running" and not _ready(pod)
     assert cluster.endpoints_of(namespace=namespace, service="unready") == []
@@ -191,7 +194,7 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(cluster: Loc
         try:
             core.read_namespaced_pod(name, namespace)
         except ApiException as error:
-            return error.status == 404
+            return bool(error.status == 404)
         return False
 
     cluster.wait_for(lambda: gone("polite"), timeout_seconds=30, what="polite pod removed")
@@ -207,25 +210,25 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(cluster: Loc
 def test_garbage_collector_deletes_owned_configmap(cluster: LocalCluster, namespace: str) -> None:
     core: Any = cluster.core()
     apps: Any = cluster.apps()
-    owner = apps.create_namespaced_deployment(namespace, {  # type: ignore[arg-type]
+    owner = apps.create_namespaced_deployment(namespace, {
         "metadata": {"name": "owner"},
         "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "owner"}},
                  "template": {"metadata": {"labels": {"app": "owner"}},
                               "spec": {"containers": [{"name": "c", "image": IMAGE,
                                                        "command": ["true"]}]}}}})
-    core.create_namespaced_config_map(namespace, {  # type: ignore[arg-type]
+    core.create_namespaced_config_map(namespace, {
         "metadata": {"name": "owned", "ownerReferences": [{
             "apiVersion": "apps/v1", "kind": "Deployment", "name": "owner",
             "uid": owner.metadata.uid, "controller": True, "blockOwnerDeletion": True}]},
         "data": {"k": "v"}})
-    core.create_namespaced_config_map(namespace, {"metadata": {"name": "free"}})  # type: ignore[arg-type]
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "free"}})
     apps.delete_namespaced_deployment("owner", namespace, propagation_policy="Background")
 
     def owned_gone() -> bool:
         try:
             core.read_namespaced_config_map("owned", namespace)
         except ApiException as error:
-            return error.status == 404
+            return bool(error.status == 404)
         return False
 
     cluster.wait_for(owned_gone, timeout_seconds=60, what="owned ConfigMap garbage-collected")
@@ -234,7 +237,7 @@ def test_garbage_collector_deletes_owned_configmap(cluster: LocalCluster, namesp
 
 def test_gpu_pod_is_scheduled_onto_a_kwok_gpu_node(cluster: LocalCluster, namespace: str) -> None:
     core: Any = cluster.core()
-    core.create_namespaced_pod(namespace, {  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, {
         "metadata": {"name": "gpu"},
         "spec": {"nodeSelector": {"type": "kwok"}, "tolerations": [kwok_toleration()],
                  "containers": [{"name": "c", "image": "vllm/vllm-openai:latest",
@@ -247,7 +250,7 @@ def test_gpu_pod_is_scheduled_onto_a_kwok_gpu_node(cluster: LocalCluster, namesp
     assert node.metadata.labels[GPU_PRODUCT_LABEL] == "NVIDIA-H200"
     assert node.status.allocatable[GPU_RESOURCE] == "8"
     # a pod asking for more GPUs than any node has stays Pending with the scheduler's reason
-    core.create_namespaced_pod(namespace, {  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, {
         "metadata": {"name": "too-big"},
         "spec": {"tolerations": [kwok_toleration()],
                  "containers": [{"name": "c", "image": IMAGE,
@@ -330,9 +333,9 @@ PRINT_ENV = "import json, os, sys; print('ENV=' + json.dumps(dict(os.environ)) +
 def test_env_sources_and_expansion_reach_the_process(cluster: LocalCluster,
                                                      namespace: str) -> None:
     core: Any = cluster.core()
-    core.create_namespaced_config_map(namespace, {  # type: ignore[arg-type]
+    core.create_namespaced_config_map(namespace, {
         "metadata": {"name": "settings"}, "data": {"model": "tiny-llama", "BULK": "from-envfrom"}})
-    core.create_namespaced_secret(namespace, {  # type: ignore[arg-type]
+    core.create_namespaced_secret(namespace, {
         "metadata": {"name": "key"}, "stringData": {"api-key": "s3cret"}})
     pod = _pod("env", command=["python", "-c", PRINT_ENV],
                args=["$(MODEL)", "$$(MODEL)", "$(NOPE)", "/cache/x", "--config=/etc/settings/model"],
@@ -384,7 +387,7 @@ LIST_PODS = textwrap.dedent("""
 def test_service_account_kubeconfig_is_subject_to_rbac(cluster: LocalCluster,
                                                        namespace: str) -> None:
     core: Any = cluster.core()
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})  # type: ignore[arg-type]
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
     kubeconfig = cluster.service_account_kubeconfig(namespace=namespace, service_account="reader")
 
     def can_list() -> str:
@@ -400,7 +403,7 @@ def test_service_account_kubeconfig_is_subject_to_rbac(cluster: LocalCluster,
     core.create_namespaced_pod(namespace, pod)
 
     rbac: Any = k8s.RbacAuthorizationV1Api(cluster.api_client())
-    rbac.create_namespaced_role(namespace, {  # type: ignore[arg-type]
+    rbac.create_namespaced_role(namespace, {
         "metadata": {"name": "pod-reader"},
         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]})
 
@@ -411,7 +414,7 @@ def test_service_account_kubeconfig_is_subject_to_rbac(cluster: LocalCluster,
 
     assert cluster.wait_for(lambda: pod_result("denied"), timeout_seconds=60,
                             what="denied pod result") == "RESULT=403"
-    rbac.create_namespaced_role_binding(namespace, {  # type: ignore[arg-type]
+    rbac.create_namespaced_role_binding(namespace, {
         "metadata": {"name": "reader"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}]})

@@ -7,6 +7,7 @@ the children die with their parent (parent-death signal), and ``down`` must clea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve_e2e.process import is_alive
+from splitserve_e2e.process import is_alive, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -35,13 +36,12 @@ def _recorded_pids(state_dir: Path) -> dict[str, int]:
 
 
 def _wait_dead(pids: dict[str, int], *, timeout_seconds: float) -> list[str]:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        alive = [name for name, pid in pids.items() if is_alive(pid)]
-        if not alive:
-            return []
-        time.sleep(0.2)
-    return alive
+    """Wait (bounded) until none of ``pids`` is alive; returns the names still alive."""
+    def alive() -> list[str]:
+        return [name for name, pid in pids.items() if is_alive(pid)]
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not alive(), timeout_seconds=timeout_seconds, what="recorded processes gone")
+    return alive()
 
 
 def test_up_status_down_and_killed_daemon_leave_no_process(tmp_path: Path) -> None:

@@ -250,7 +250,8 @@ class LocalCluster:
             configuration.cert_file = str(self._pki.admin.cert)
             configuration.key_file = str(self._pki.admin.key)
             return k8s.ApiClient(configuration)
-        return k8s_config.new_client_from_config(config_file=str(self.kubeconfig))
+        client: k8s.ApiClient = k8s_config.new_client_from_config(config_file=str(self.kubeconfig))
+        return client
 
     def core(self) -> k8s.CoreV1Api:
         return k8s.CoreV1Api(self.api_client())

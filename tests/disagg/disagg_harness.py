@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,10 +207,10 @@ class Cluster:
         return f"{self.router.url}/v1"
 
 
-def wait_for(predicate: object, *, timeout_seconds: float, what: str) -> None:
+def wait_for(predicate: Callable[[], object], *, timeout_seconds: float, what: str) -> None:
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_seconds} s waiting for {what}")

@@ -8,7 +8,6 @@ reach the same decode pod, and each must wait for the one before it to finish, t
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from disagg_harness import MODEL_NAME, Cluster
+from disagg_harness import MODEL_NAME, Cluster, wait_for
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD
 
@@ -24,10 +23,16 @@ PROMPT = "a prompt long enough to go through the prefill pod rather than straigh
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from splitserve_runtime.model.tiny import write_tiny_model
 
-    model_dir: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+    return out
+
+
+@pytest.fixture
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One per test: two of them stop the prefill pod, so none may share it."""
     with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=1, num_decode=1,
                  decode_overrides={"max_num_seqs": 1}, health_interval_seconds=30.0) as running:
         yield running
@@ -41,16 +46,17 @@ def test_concurrent_imports_wait_for_the_single_batch_slot(cluster: Cluster) -> 
                                            temperature=0)
         return answer.choices[0].finish_reason or ""
 
+    assert cluster.router is not None
+    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated")
     with ThreadPoolExecutor(max_workers=4) as pool:
         reasons = list(pool.map(ask, range(4)))
     assert len(reasons) == 4 and all(r in ("length", "stop") for r in reasons)
-    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated") if cluster.router else 0
-    assert routed == 4
+    assert cluster.router.metric("splitserve_router_routes_total", route="disaggregated") == routed + 4
 
 
 def test_draining_prefill_pod_waits_for_its_kv_to_be_pulled(cluster: Cluster) -> None:
     """SIGTERM on a prefill pod that still holds exported KV: it keeps serving the pull, and
-    exits once the decode pod has claimed it. Runs last: it stops the prefill pod."""
+    exits once the decode pod has claimed it."""
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     body = {"model": MODEL_NAME, "prompt": f"{PROMPT} drain", "max_tokens": 8, "temperature": 0}
     handoff = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
@@ -59,8 +65,12 @@ def test_draining_prefill_pod_waits_for_its_kv_to_be_pulled(cluster: Cluster) ->
     params = handoff.json()[KV_TRANSFER_PARAMS_FIELD]
     assert prefill.popen is not None
     prefill.popen.send_signal(signal.SIGTERM)
-    time.sleep(1.5)
-    assert prefill.alive(), "the prefill pod exited with KV still unclaimed"
+    # The pod has seen the SIGTERM once it reports "draining" (readiness) and its drain loop has
+    # looked at the unclaimed export (log); a pod that did not wait would exit on that same tick.
+    wait_for(lambda: not prefill.ready() and "draining:" in prefill.log_tail(num_chars=100_000),
+             timeout_seconds=10, what="the prefill pod draining")
+    assert prefill.alive() and "drained in" not in prefill.log_tail(num_chars=100_000), \
+        "the prefill pod exited with KV still unclaimed"
     answer = httpx.post(f"{decode.url}/v1/completions", timeout=30, json={**body, KV_TRANSFER_PARAMS_FIELD: params})
     assert answer.status_code == 200, answer.text
     prefill.popen.wait(timeout=10)
@@ -68,8 +78,9 @@ def test_draining_prefill_pod_waits_for_its_kv_to_be_pulled(cluster: Cluster) ->
 
 
 def test_with_no_prefill_pod_left_the_decode_pod_computes_the_prompt(cluster: Cluster) -> None:
-    """After the previous test stopped the only prefill pod, requests still succeed: the
-    router's prefill attempt fails and it falls back to computing on the decode pod."""
+    """With the only prefill pod gone, requests still succeed: the router's prefill attempt
+    fails and it falls back to computing on the decode pod."""
+    cluster.prefill[0].kill()
     assert cluster.router is not None and not cluster.prefill[0].alive()
     client = openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=60)
     answer = client.completions.create(model=MODEL_NAME, prompt=f"{PROMPT} fallback", max_tokens=8, temperature=0)

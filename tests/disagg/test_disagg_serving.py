@@ -47,11 +47,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
 
 
+def _cluster(model_dir: Path, log_dir: Path) -> Cluster:
+    return Cluster(model_dir=model_dir, log_dir=log_dir, num_prefill=2, num_decode=2,
+                   kv_ttl_seconds=KV_TTL_SECONDS, health_interval_seconds=30.0)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=2,
-                 num_decode=2, kv_ttl_seconds=KV_TTL_SECONDS,
-                 health_interval_seconds=30.0) as running:
+    """Shared by the tests that leave every pod running."""
+    with _cluster(model_dir, tmp_path_factory.mktemp("logs")) as running:
+        yield running
+
+
+@pytest.fixture
+def own_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster for one test that kills its pods (so the order of tests does not matter)."""
+    with _cluster(model_dir, tmp_path_factory.mktemp("logs")) as running:
         yield running
 
 
@@ -62,11 +73,11 @@ def reference(model_dir: Path) -> Reference:
 
 @pytest.fixture
 def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=30)
+    return _client(cluster)
 
 
 def _total(pods: list[Proc], name: str, **labels: str) -> float:
-    return sum(p.metric(name, **labels) for p in pods)
+    return float(sum(p.metric(name, **labels) for p in pods))
 
 
 def _decode_idle(cluster: Cluster) -> bool:
@@ -87,7 +98,7 @@ def test_completions_equal_aggregated(cluster: Cluster, client: openai.OpenAI,
     prompt = f"{STORY} ({'streamed' if stream else 'whole'})"
     want_text, want_tokens = reference.generate(reference.tokenizer.encode(prompt), max_tokens=24,
                                                 ignore_eos=True)
-    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated")  # type: ignore[union-attr]
+    routed = cluster.router.metric("splitserve_router_routes_total", route="disaggregated")
     received = _total(cluster.decode, Metric.KV_TRANSFER_BYTES_TOTAL)
     if stream:
         chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
@@ -103,7 +114,7 @@ def test_completions_equal_aggregated(cluster: Cluster, client: openai.OpenAI,
         assert answer.choices[0].finish_reason == "length"
     assert text == want_text
     # it really went prefill -> KV transfer -> decode
-    assert cluster.router.metric("splitserve_router_routes_total", route="disaggregated") == routed + 1  # type: ignore[union-attr]
+    assert cluster.router.metric("splitserve_router_routes_total", route="disaggregated") == routed + 1
     assert _total(cluster.decode, Metric.KV_TRANSFER_BYTES_TOTAL) > received
 
 
@@ -175,12 +186,12 @@ def test_one_token_answer_comes_from_prefill_and_frees_its_kv_at_once(
 
 def test_short_prompt_goes_straight_to_decode(cluster: Cluster, client: openai.OpenAI,
                                               reference: Reference) -> None:
-    direct = cluster.router.metric("splitserve_router_routes_total", route="direct")  # type: ignore[union-attr]
+    direct = cluster.router.metric("splitserve_router_routes_total", route="direct")
     want_text, _ = reference.generate(reference.tokenizer.encode("Hi"), max_tokens=8, ignore_eos=True)
     answer = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert answer.choices[0].text == want_text
-    assert cluster.router.metric("splitserve_router_routes_total", route="direct") == direct + 1  # type: ignore[union-attr]
+    assert cluster.router.metric("splitserve_router_routes_total", route="direct") == direct + 1
 
 
 def _served(cluster: Cluster) -> list[float]:
@@ -360,14 +371,18 @@ def test_bad_handoff_params_are_client_errors(cluster: Cluster) -> None:
 
 
 # --------------------------------------------------------------------------- killed pods
-# These kill processes of the module's cluster, so they come last. The router polls health only
-# every 30 s here, so it is the request path, not the poller, that notices the dead pods.
+# These kill pods, so each has a cluster of its own. The router polls health only every 30 s
+# here, so it is the request path, not the poller, that notices the dead pods.
 
 CLEAN_ERROR_SECONDS = 10.0
 
 
-def test_killed_prefill_pod_is_retried_on_the_other(cluster: Cluster, client: openai.OpenAI,
-                                                    reference: Reference) -> None:
+def _client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def test_killed_prefill_pod_is_retried_on_the_other(own_cluster: Cluster, reference: Reference) -> None:
+    cluster, client = own_cluster, _client(own_cluster)
     router = cluster.router
     assert router is not None
     prompt = f"{STORY}, said the prefill probe"
@@ -390,8 +405,8 @@ def test_killed_prefill_pod_is_retried_on_the_other(cluster: Cluster, client: op
     assert again.choices[0].text == want
 
 
-def test_decode_pod_killed_mid_stream_gives_a_clean_error(cluster: Cluster,
-                                                          client: openai.OpenAI) -> None:
+def test_decode_pod_killed_mid_stream_gives_a_clean_error(own_cluster: Cluster) -> None:
+    cluster, client = own_cluster, _client(own_cluster)
     busy_before = [p.metric(Metric.GENERATION_TOKENS_TOTAL) for p in cluster.decode]
     stream = client.completions.create(model=MODEL_NAME, prompt=STORY, max_tokens=400,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from splitserve_contract import Role
@@ -9,7 +11,7 @@ from splitserve_runtime.router.discovery import parse_static, targets_from_slice
 from splitserve_runtime.router.pods import PodSet, parse_load
 
 
-def _slice(service: str, endpoints: list[dict]) -> dict:
+def _slice(service: str, endpoints: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "metadata": {"name": f"{service}-abc", "labels": {"kubernetes.io/service-name": service}},
         "ports": [{"name": "http", "port": 8000}, {"name": "kv", "port": 8100}],

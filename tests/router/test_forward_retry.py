@@ -59,7 +59,9 @@ class _Server:
     def __enter__(self) -> _Server:
         self.thread.start()
         deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
+        while not self.server.started:  # bounded poll of uvicorn's own "started" flag
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise AssertionError("the fake pod's server did not start")
             time.sleep(0.02)
         return self
 

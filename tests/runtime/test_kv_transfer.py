@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -59,7 +60,8 @@ async def test_round_trip_delivers_every_block_and_releases_once() -> None:
             endpoint=f"127.0.0.1:{server.port}", request_id="r1", first_block=0, layout=LAYOUT,
             on_block=lambda i, data: received.__setitem__(i, bytes(data)), timeout_seconds=2.0,
         )
-        await asyncio.sleep(0.05)
+        # the server releases once it has seen the connector's RELEASE, after fetch returned
+        await _wait_until(lambda: export.released == 1, what="the export released")
     finally:
         await server.stop()
     assert received == dict(enumerate(export.blocks))
@@ -110,16 +112,62 @@ async def test_unknown_request_and_layout_mismatch_are_reported_with_codes() -> 
     assert export.released == 0  # a failed fetch leaves the export to its lease
 
 
-async def test_lease_expiry_frees_unclaimed_kv() -> None:
-    registry = KVExportRegistry(ttl_seconds=0.1)
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_expires_exactly_after_the_ttl() -> None:
+    clock = FakeClock()
+    registry = KVExportRegistry(ttl_seconds=30, clock=clock)
+    export = Export(request_id="r4", num_blocks=2)
+    registry.add(export.exported)
+    clock.now += 29.9
+    assert registry.expire() == 0 and export.released == 0 and registry.get("r4") is not None
+    clock.now += 0.1
+    assert registry.expire() == 1
+    assert export.released == 1 and len(registry) == 0 and registry.num_expired == 1
+    assert registry.expire() == 0 and export.released == 1  # released exactly once
+
+
+def test_re_adding_a_request_renews_its_lease_and_releases_the_old_export() -> None:
+    clock = FakeClock()
+    registry = KVExportRegistry(ttl_seconds=10, clock=clock)
+    first, second = Export(request_id="r5", num_blocks=1), Export(request_id="r5", num_blocks=1)
+    registry.add(first.exported)
+    clock.now += 8
+    registry.add(second.exported)
+    assert first.released == 1 and second.released == 0
+    clock.now += 8  # 16 s after the first add, 8 s after the second
+    assert registry.expire() == 0 and registry.get("r5") is second.exported
+    clock.now += 2
+    assert registry.expire() == 1 and second.released == 1
+
+
+async def test_server_expiry_task_frees_unclaimed_kv() -> None:
+    """The server's periodic task calls `expire`: with a clock past the TTL, the export goes."""
+    clock = FakeClock()
+    registry = KVExportRegistry(ttl_seconds=30, clock=clock)
     export = Export(request_id="r4", num_blocks=2)
     registry.add(export.exported)
     server = await _server(registry)
     try:
-        await asyncio.sleep(0.4)
+        clock.now += 31
+        await _wait_until(lambda: export.released == 1, what="the expiry task to free the export")
     finally:
         await server.stop()
-    assert export.released == 1 and len(registry) == 0 and registry.num_expired == 1
+    assert len(registry) == 0 and registry.num_expired == 1
+
+
+async def _wait_until(predicate: Callable[[], bool], *, what: str, timeout_seconds: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_seconds
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds} s waiting for {what}")
+        await asyncio.sleep(0.01)  # poll interval of this bounded wait, not a synchronisation
 
 
 async def _fake_prefill(handler) -> tuple[asyncio.Server, int]:  # type: ignore[no-untyped-def]
@@ -151,7 +199,7 @@ async def test_corrupt_block_is_detected_by_crc() -> None:
         header = framing.encode_header(frame_type=FrameType.BLOCK, payload_len=len(payload), crc=0xDEADBEEF)
         writer.write(header + payload)
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await reader.read()  # keep the connection open until the client, having detected it, hangs up
         writer.close()
 
     server, port = await _fake_prefill(handler)
@@ -178,7 +226,8 @@ async def test_truncated_block_is_detected() -> None:
 
 async def test_silent_peer_times_out_instead_of_hanging() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)
+        await reader.read()  # silent: never answers; returns once the client gives up and hangs up
+        writer.close()
 
     server, port = await _fake_prefill(handler)
     async with server:
@@ -203,7 +252,7 @@ async def test_oversized_frame_is_rejected_before_reading_it() -> None:
         writer.write(_layout_frame(1))
         writer.write(framing.encode_header(frame_type=FrameType.BLOCK, payload_len=1 << 30, crc=0))
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await reader.read()  # keep the connection open until the client, having detected it, hangs up
         writer.close()
 
     server, port = await _fake_prefill(handler)

@@ -1,4 +1,4 @@
-"""Odd request bodies never make the real server answer 5xx (DESIGN.md section 9).
+"""Odd request bodies never make the real server answer 5xx (docs/architecture.md, "Reliability").
 
 A seeded generator sets random fields, each to a valid value or (sometimes) an odd JSON value
 (wrong types, NaN, huge numbers, nesting), and some invalid-but-plausible values are among

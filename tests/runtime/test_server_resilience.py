@@ -47,8 +47,8 @@ def _outcomes(server: InProcessServer) -> dict[str, float]:
 
 def _idle(server: InProcessServer) -> bool:
     stats = server.stats()
-    return (stats.requests_running == 0 and stats.requests_waiting == 0
-            and stats.kv_cache_usage_ratio == 0.0 and server.state.num_in_flight == 0)
+    return bool(stats.requests_running == 0 and stats.requests_waiting == 0
+                and stats.kv_cache_usage_ratio == 0.0 and server.state.num_in_flight == 0)
 
 
 def _long_request(*, stream: bool) -> dict[str, object]:
@@ -243,7 +243,7 @@ def test_engine_failure_fails_health_and_ends_streams_with_an_error(
         def broken_step() -> list[object]:
             raise RuntimeError("simulated device fault")
 
-        srv.engine.engine.step = broken_step  # type: ignore[method-assign, assignment]
+        srv.engine.engine.step = broken_step
         with pytest.raises(openai.APIError) as info:
             for _ in chunks:
                 pass
