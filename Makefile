@@ -2,8 +2,9 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 # Test order is fixed by default (-p no:randomly); `make test-shuffled` runs the same suite in
-# a random order (pytest-randomly prints the seed; reproduce with PYTEST_ARGS="-p randomly -p no:cacheprovider --randomly-seed=N").
+# a random order (pytest-randomly); it prints the seed, and `make test-shuffled SEED=N` repeats that order.
 ORDER ?= -p no:randomly
+SEED ?= $(shell date +%s)
 PACKAGES = contract/splitserve_contract operator/splitserve_operator runtime/splitserve_runtime planner/splitserve_planner cli/splitserve_cli e2e/splitserve_e2e
 
 .PHONY: help deps install test test-shuffled test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
@@ -24,8 +25,9 @@ test: deps ## lint-imports, unit tests, then end-to-end tests on the local contr
 	lint-imports
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) tests e2e
 
-test-shuffled: deps ## the whole suite in a random order (pytest-randomly prints the seed)
-	$(PYTHON) -m pytest -q -p no:cacheprovider -p randomly $(PYTEST_ARGS) tests e2e
+test-shuffled: deps ## the whole suite in a random order (SEED=N repeats an order)
+	@echo "==> test order shuffled with --randomly-seed=$(SEED)"
+	$(PYTHON) -m pytest -q -p no:cacheprovider -p randomly --randomly-seed=$(SEED) $(PYTEST_ARGS) tests e2e
 
 test-unit: ## unit tests only (no cluster)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) tests
