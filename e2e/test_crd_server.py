@@ -77,6 +77,7 @@ def _refusals(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
         ({"spec": {"kvCache": {"blockSize": 24}}}, "blockSize"),
         ({"spec": {"model": {"uri": "s3://bucket/model"}}}, "spec.model.uri"),
         ({"spec": {"autoscaling": {"interval": "fast"}}}, "spec.autoscaling.interval"),
+        ({"spec": {"autoscaling": {"interval": "0s"}}}, rules.INTERVAL_RULE_MESSAGE),
     ],
 )
 def test_invalid_objects_are_rejected_with_a_message(cluster: LocalCluster, crd: str, namespace: str,

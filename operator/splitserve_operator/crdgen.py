@@ -55,6 +55,7 @@ HEADER: Final = (
 
 CEL_RULES_BY_MODEL: Final[dict[str, tuple[api.CelRule, ...]]] = {
     api.InferenceServiceSpec.__name__: api.SPEC_CEL_RULES,
+    api.AutoscalingSpec.__name__: api.AUTOSCALING_CEL_RULES,
     api.PoolSpec.__name__: api.POOL_CEL_RULES,
     api.ReplicasSpec.__name__: api.REPLICAS_CEL_RULES,
     api.ModelSpec.__name__: api.MODEL_CEL_RULES,
@@ -296,7 +297,7 @@ def api_reference() -> str:
     header = ["| Field | Type | Default | Allowed | Description |", "| --- | --- | --- | --- | --- |"]
     for part in ("spec", "status"):
         out += ["", f"#### `{part}`", "", *header, *_doc_rows(schema[part], part, False, {})[1:]]
-    rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
+    rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.AUTOSCALING_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
              *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES]
     out += ["", "#### What this version supports", "",
             "Generated from the capabilities table (`splitserve_contract.capabilities`). Known "

@@ -119,6 +119,8 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"kvCache": {"blockSize": 24}}, "spec.kvCache.blockSize: Input should be 8, 16, 32, 64 or 128"),
         ({"kvCache": {"memoryFraction": 0.99}}, "spec.kvCache.memoryFraction: Input should be less than or equal to 0.98"),
         ({"kvCache": {"memoryFraction": 0}}, "spec.kvCache.memoryFraction: Input should be greater than 0"),
+        ({"autoscaling": {"interval": "0s"}}, "spec.autoscaling: autoscaling.interval must be at least 1s"),
+        ({"autoscaling": {"interval": "500ms"}}, "spec.autoscaling: autoscaling.interval must be at least 1s"),
         ({"autoscaling": {"interval": "15"}}, "spec.autoscaling.interval: must be a duration such as 15s"),
         ({"autoscaling": {"behavior": {"scaleUp": {"maxStepPercent": 0}}}}, "spec.autoscaling.behavior.scaleUp.maxStepPercent: Input should be greater than or equal to 1"),
         ({"autoscaling": {"decode": {"targetKVCacheUtilization": 1.5}}}, "spec.autoscaling.decode.targetKVCacheUtilization: Input should be less than or equal to 1"),

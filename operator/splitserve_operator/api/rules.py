@@ -45,6 +45,12 @@ ROOT_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": f"self.metadata.name.matches('{NAME_PATTERN}')", "message": NAME_PATTERN_RULE_MESSAGE},
 )
 _POOL_GPUS = "(has(self.{p}) ? self.{p}.replicas.min * self.{p}.resources.gpus : 0)"
+MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
+INTERVAL_RULE_MESSAGE: Final = "autoscaling.interval must be at least 1s"
+AUTOSCALING_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {"rule": "!has(self.interval) || duration(self.interval) >= duration('1s')",
+     "message": INTERVAL_RULE_MESSAGE},
+)
 SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         "rule": "self.mode != 'Disaggregated' || (has(self.prefill) && has(self.decode) && !has(self.aggregated))",

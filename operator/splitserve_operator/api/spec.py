@@ -40,6 +40,8 @@ from .rules import (
     DISAGGREGATED_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
     HUB_TOKEN_RULE_MESSAGE,
+    INTERVAL_RULE_MESSAGE,
+    MIN_AUTOSCALING_INTERVAL_SECONDS,
     PARALLELISM_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
 )
@@ -371,6 +373,12 @@ class AutoscalingSpec(ApiModel):
         le=100_000,
         description="Most GPUs all pools may use together. Empty: no joint cap.",
     )
+
+    @model_validator(mode="after")
+    def _interval_is_long_enough(self) -> AutoscalingSpec:
+        if parse_duration_seconds(self.interval) < MIN_AUTOSCALING_INTERVAL_SECONDS:
+            raise ValueError(INTERVAL_RULE_MESSAGE)
+        return self
 
     @property
     def interval_seconds(self) -> float:
