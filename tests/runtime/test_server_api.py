@@ -25,7 +25,7 @@ MAX_MODEL_LEN = 512
 KV_POOL_TOKENS = 256
 
 GAUGES = (Metric.REQUESTS_WAITING, Metric.REQUESTS_RUNNING, Metric.PROMPT_TOKENS_WAITING,
-          Metric.KV_CACHE_USAGE_RATIO, Metric.KV_CACHE_BLOCKS_TOTAL)
+          Metric.KV_CACHE_USAGE_RATIO, Metric.KV_CACHE_BLOCKS)
 COUNTERS = (Metric.PROMPT_TOKENS_TOTAL, Metric.GENERATION_TOKENS_TOTAL,
             Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL, Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL,
             Metric.PREEMPTIONS_TOTAL, Metric.REQUESTS_TOTAL, Metric.KV_TRANSFER_BYTES_TOTAL,
@@ -86,11 +86,12 @@ def test_probes_and_openapi(server: InProcessServer) -> None:
                     "kv_endpoint": "", "block_size": 16, "max_model_len": MAX_MODEL_LEN}
 
 
-def test_kv_handoff_is_refused_until_wired(server: InProcessServer) -> None:
+def test_kv_handoff_to_an_aggregated_pod_is_a_client_mistake(server: InProcessServer) -> None:
     response = httpx.post(f"{server.base_url}/v1/completions", timeout=10, json={
         "model": MODEL_NAME, "prompt": "hi", "max_tokens": 1,
         KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}})
-    assert response.status_code == 501
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == KV_TRANSFER_PARAMS_FIELD
     assert response.json()["error"]["code"] == "handoff_unavailable"
 
 
@@ -379,7 +380,7 @@ def test_metrics_expose_every_contract_name_and_counters_move(
     for name in HISTOGRAMS:
         _value(before, f"{name}_count")
         _value(before, f"{name}_bucket", le="+Inf")
-    assert _value(before, Metric.KV_CACHE_BLOCKS_TOTAL) == KV_POOL_TOKENS // 16
+    assert _value(before, Metric.KV_CACHE_BLOCKS) == KV_POOL_TOKENS // 16
 
     client.completions.create(model=MODEL_NAME, prompt="count me", max_tokens=5,
                               extra_body={"ignore_eos": True})

@@ -10,6 +10,7 @@ internals (the traceback goes to the log).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,15 @@ UNAVAILABLE = "service_unavailable"
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote client text (a model name)
+    holding a lone surrogate, which is valid JSON as ``\\ud800`` but not encodable as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("ascii")
+
+
 class APIError(Exception):
     """An error the server answers with; raise it anywhere below a route."""
 
@@ -61,12 +71,25 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return ErrorJSONResponse(self.body(), status_code=self.status_code,
+                                 headers=self.headers)
 
 
 def bad_request(message: str, *, param: str | None = None,
                 code: str | None = None) -> APIError:
     return APIError(status_code=400, message=message, type=INVALID_REQUEST, param=param, code=code)
+
+
+def check_text(text: str, *, param: str) -> None:
+    """Raise a 400 for client text no tokenizer can take: a lone UTF-16 surrogate
+    (``"\\ud800"``) is valid JSON and a valid Python str, but not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{param} is not valid Unicode text: it holds a lone UTF-16 surrogate "
+            f"(U+{ord(text[exc.start]):04X}) at character {exc.start}",
+            param=param, code="invalid_text") from None
 
 
 def model_not_found(model: str) -> APIError:
@@ -164,7 +187,11 @@ async def _handle_engine(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    """The catch-all: any exception no other handler took is a bug in the server. The client
+    gets a 500 in the OpenAI error shape (never the internals); the traceback goes to the log.
+    Starlette calls this from ServerErrorMiddleware, then re-raises for the ASGI server."""
+    logger.error("unhandled error on %s %s", request.method, request.url.path,
+                 exc_info=(type(exc), exc, exc.__traceback__))
     return APIError(status_code=500, type=SERVER_ERROR, code="internal_error",
                     message="internal server error").response()
 

@@ -84,8 +84,12 @@ def route_handoff(*, engine: EngineClient, role: str, params: dict[str, Any] | N
     docstring); raises APIError for a handoff this pod cannot take part in."""
     if params is None:
         return RoutedEngine(engine=engine)
+    if role == Role.AGGREGATED.value:  # the client's mistake: no handoff on this pod
+        raise bad_request(f"{KV_TRANSFER_PARAMS_FIELD} is only accepted by prefill and decode "
+                          f"pods; this pod's role is {role}", param=KV_TRANSFER_PARAMS_FIELD,
+                          code="handoff_unavailable")
     handoff = _handoff_engine(engine)
-    if handoff is None or role == Role.AGGREGATED.value:
+    if handoff is None:  # a prefill/decode pod built without the handoff engine: our bug
         raise APIError(status_code=501, type=SERVER_ERROR, code="handoff_unavailable",
                        param=KV_TRANSFER_PARAMS_FIELD,
                        message="this server does not take part in the prefill/decode KV "

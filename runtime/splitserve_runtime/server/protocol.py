@@ -32,6 +32,13 @@ MAX_STOP_SEQUENCES = 16
 """OpenAI allows 4; a few more are harmless, thousands would slow every decode step."""
 
 
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""The seeds ``torch.Generator.manual_seed`` takes (it raises outside them); a negative seed
+is the same generator state as ``seed + 2**64``, as in torch. Outside, the sampler's 64-bit
+mask would alias them (2**64 behaving as 0), so they are refused instead."""
+
+
 class _Request(BaseModel):
     # strict: "0.5" is not a number and true is not 1, as in the OpenAI API
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -52,7 +59,7 @@ class SamplingFields(_Request):
     n: int | None = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

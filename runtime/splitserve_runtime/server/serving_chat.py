@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
-from splitserve_runtime.server.errors import bad_request
+from splitserve_runtime.server.errors import bad_request, check_text
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
@@ -36,6 +36,7 @@ from splitserve_runtime.server.protocol import (
 from splitserve_runtime.server.serving_common import (
     chat_logprobs,
     check_model,
+    encode_prompt,
     finish_reason,
     output_usage,
     reject_unsupported,
@@ -51,12 +52,15 @@ def render_prompt(*, engine: EngineClient, body: ChatCompletionRequest) -> list[
     messages: list[dict[str, Any]] = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in body.messages]
+    for message in messages:
+        check_text(message["content"], param="messages")
     try:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, TypeError, KeyError) as exc:  # the template's raise_exception() too
         raise bad_request(str(exc), param="messages") from None
     # the rendered template already holds the special tokens (BOS), so add none
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return encode_prompt(tokenizer=engine.tokenizer, text=text, param="messages",
+                         add_special_tokens=False)
 
 
 class ChatService:

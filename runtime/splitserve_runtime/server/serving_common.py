@@ -13,7 +13,7 @@ from typing import Literal
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import EngineClient, TokenizerLike
-from splitserve_runtime.server.errors import bad_request, model_not_found
+from splitserve_runtime.server.errors import bad_request, check_text, model_not_found
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
 from splitserve_runtime.server.metrics import ServerMetrics
@@ -50,6 +50,14 @@ def start_generation(*, state: ServerState, metrics: ServerMetrics, engine: Engi
 
 def new_request_id(*, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def encode_prompt(*, tokenizer: TokenizerLike, text: str, param: str,
+                  add_special_tokens: bool = True) -> list[int]:
+    """Token ids of client text; text the tokenizer cannot take (a lone surrogate: the
+    tokenizer raises TypeError) is a 400 naming ``param``, not a 500."""
+    check_text(text, param=param)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:

@@ -21,6 +21,7 @@ from splitserve_runtime.server.protocol import (
 from splitserve_runtime.server.serving_common import (
     check_model,
     completion_logprobs,
+    encode_prompt,
     finish_reason,
     output_usage,
     reject_unsupported,
@@ -42,7 +43,8 @@ class CompletionsService:
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt = body.single_prompt()
-        prompt_token_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) \
+        prompt_token_ids = encode_prompt(tokenizer=engine.tokenizer, text=prompt,
+                                         param="prompt") if isinstance(prompt, str) \
             else list(prompt)
         routed, generation = start_generation(
             state=self._state, metrics=self._metrics, engine=engine, body=body,
