@@ -16,7 +16,7 @@ class Metric:
     REQUESTS_RUNNING: Final = "splitserve_requests_running"
     PROMPT_TOKENS_WAITING: Final = "splitserve_prompt_tokens_waiting"
     KV_CACHE_USAGE_RATIO: Final = "splitserve_kv_cache_usage_ratio"
-    KV_CACHE_BLOCKS_TOTAL: Final = "splitserve_kv_cache_blocks_total"
+    KV_CACHE_BLOCKS: Final = "splitserve_kv_cache_blocks"  # a gauge: no _total suffix
     PROMPT_TOKENS_TOTAL: Final = "splitserve_prompt_tokens_total"
     GENERATION_TOKENS_TOTAL: Final = "splitserve_generation_tokens_total"
     PREFIX_CACHE_QUERIED_TOKENS_TOTAL: Final = "splitserve_prefix_cache_queried_tokens_total"

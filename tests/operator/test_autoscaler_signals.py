@@ -33,25 +33,25 @@ from splitserve_operator.autoscaler.signals import (
 PODS = [
     FakePod("ns", "svc-decode-a", "decode", {
         Metric.REQUESTS_WAITING: 3, Metric.REQUESTS_RUNNING: 5, Metric.KV_CACHE_USAGE_RATIO: 0.9,
-        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS: 1000,
     }),
     FakePod("ns", "svc-decode-b", "decode", {
         Metric.REQUESTS_WAITING: 1, Metric.REQUESTS_RUNNING: 1, Metric.KV_CACHE_USAGE_RATIO: 0.5,
-        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS: 1000,
     }),
     FakePod("ns", "svc-prefill-c", "prefill", {
         Metric.REQUESTS_WAITING: 6, Metric.REQUESTS_RUNNING: 2, Metric.KV_CACHE_USAGE_RATIO: 0.1,
-        Metric.PROMPT_TOKENS_WAITING: 1200, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+        Metric.PROMPT_TOKENS_WAITING: 1200, Metric.KV_CACHE_BLOCKS: 1000,
     }),
     # Another tenant: same InferenceService name and role, other namespace, huge queue.
     FakePod("other", "svc-decode-x", "decode", {
         Metric.REQUESTS_WAITING: 100, Metric.REQUESTS_RUNNING: 100, Metric.KV_CACHE_USAGE_RATIO: 1.0,
-        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+        Metric.PROMPT_TOKENS_WAITING: 0, Metric.KV_CACHE_BLOCKS: 1000,
     }),
     # Stopped by test_stopped_target_is_detected, and queried by no other test.
     FakePod("ns", "stoppable-prefill-s", "prefill", {
         Metric.REQUESTS_WAITING: 1, Metric.REQUESTS_RUNNING: 1, Metric.KV_CACHE_USAGE_RATIO: 0.1,
-        Metric.PROMPT_TOKENS_WAITING: 10, Metric.KV_CACHE_BLOCKS_TOTAL: 1000,
+        Metric.PROMPT_TOKENS_WAITING: 10, Metric.KV_CACHE_BLOCKS: 1000,
     }, inferenceservice="stoppable"),
 ]
 

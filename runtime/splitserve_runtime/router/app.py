@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve_contract import (
     ENV_API_KEY,
@@ -33,6 +33,7 @@ from splitserve_contract import (
     router_args_from_namespace,
 )
 
+from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware
 from . import metrics
 from .discovery import KubernetesDiscovery, parse_static
 from .pods import HealthPoller, PodSet
@@ -41,7 +42,7 @@ from .proxy import Router, RouterConfig, Tokenize, error_response
 
 log = logging.getLogger("splitserve.router")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = ROUTER_OPEN_PATHS
 
 
 def byte_chunk_tokens(text: str) -> list[int]:
@@ -128,14 +129,44 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
     return lifespan
 
 
+class CatchAllErrors:
+    """Turns an unexpected exception into a 500 in the OpenAI error shape, with the traceback logged.
+
+    Starlette's own fallback answers plain text and re-raises, and uvicorn closes the
+    keep-alive connection of a request whose application raised. Catching here (outermost
+    user middleware, pure ASGI) answers JSON and keeps the connection. An exception after the
+    response started cannot be answered any more and is re-raised after logging.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method", ""), scope.get("path", ""))
+            if started:
+                raise
+            response = error_response(status=500, message="internal router error", type_="server_error")
+            await response(scope, receive, send)
+
+
 def _add_api_key_middleware(app: FastAPI, *, api_key: str | None) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(status=401, message="invalid or missing API key", type_="authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    """The pods' own key check (splitserve_runtime.auth), with the router's open paths."""
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=ROUTER_OPEN_PATHS)
 
 
 def _add_health_routes(app: FastAPI, *, pods: PodSet) -> None:
@@ -203,9 +234,10 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     app = FastAPI(title="splitserve router", lifespan=lifespan)
     app.state.pods = pods
     app.state.selector = selector
-    _add_api_key_middleware(app, api_key=api_key)
     _add_health_routes(app, pods=pods)
     _add_openai_routes(app, pods=pods, state=state)
+    _add_api_key_middleware(app, api_key=api_key)
+    app.add_middleware(CatchAllErrors)  # added last: outermost, so it covers the key check too
     return app
 
 

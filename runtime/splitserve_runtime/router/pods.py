@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,6 +25,27 @@ from splitserve_contract import INFO_PATH, Metric, Role
 from .policy import Candidate, PodLoad
 
 log = logging.getLogger(__name__)
+
+_IN_POLL: contextvars.ContextVar[bool] = contextvars.ContextVar("splitserve_router_in_poll", default=False)
+"""True inside the health poller's requests (the poller runs each poll in its own task context)."""
+
+
+class _QuietPollRequests(logging.Filter):
+    """Drops httpx's per-request INFO line ("HTTP Request: GET .../ready 200 OK") for poll
+    requests: with two pods and a 1 s interval that was 4 INFO lines a second. The poller logs
+    each poll's result itself at DEBUG and state changes at INFO/WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_IN_POLL.get() and record.levelno <= logging.INFO)
+
+
+_QUIET_POLL_FILTER = _QuietPollRequests()
+
+
+def _install_quiet_poll_filter() -> None:
+    httpx_logger = logging.getLogger("httpx")
+    if _QUIET_POLL_FILTER not in httpx_logger.filters:
+        httpx_logger.addFilter(_QUIET_POLL_FILTER)
 
 
 @dataclass
@@ -63,11 +85,13 @@ class PodSet:
         wanted = {t.name: t for t in targets if t.role is role}
         gone = [name for name, pod in self._pods.items() if pod.role is role and name not in wanted]
         for name in gone:
-            del self._pods[name]
+            removed = self._pods.pop(name)
+            log.info("%s pod %s (%s) removed", role.value, name, removed.url)
         for name, target in wanted.items():
             pod = self._pods.get(name)
             if pod is None or pod.url != target.url:
                 self._pods[name] = Pod(name=name, url=target.url, role=role)
+                log.info("%s pod %s (%s) added", role.value, name, target.url)
         self.changed.set()
         return gone
 
@@ -91,6 +115,9 @@ class PodSet:
         pod.consecutive_failures += 1
         if pod.consecutive_failures >= self._unhealthy_after or pod.healthy:
             # A request-path failure takes the pod out at once; polling brings it back.
+            if pod.healthy:
+                log.warning("%s pod %s (%s) failed a request; out of rotation until it answers a poll",
+                            pod.role.value, pod.name, pod.url)
             pod.healthy = False
 
     def mark_ok(self, name: str) -> None:
@@ -124,6 +151,7 @@ class HealthPoller:
         self._interval_seconds = interval_seconds
         self._timeout_seconds = timeout_seconds
         self._task: asyncio.Task[None] | None = None
+        _install_quiet_poll_filter()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -135,7 +163,12 @@ class HealthPoller:
                 await self._task
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(pod) for pod in self._pods.all()))
+        # gather() runs each poll in a task with a copy of this context: the flag stays there.
+        token = _IN_POLL.set(True)
+        try:
+            await asyncio.gather(*(self._poll(pod) for pod in self._pods.all()))
+        finally:
+            _IN_POLL.reset(token)
 
     async def _run(self) -> None:
         while True:
@@ -163,8 +196,14 @@ class HealthPoller:
             pod.healthy = False
             if was_healthy:
                 log.warning("%s pod %s (%s) is unhealthy: %s", pod.role.value, pod.name, pod.url, exc)
+            else:
+                log.debug("poll %s pod %s: still unhealthy (%d failures): %s", pod.role.value,
+                          pod.name, pod.consecutive_failures, exc)
             return
         if not pod.healthy:
             log.info("%s pod %s (%s) is healthy", pod.role.value, pod.name, pod.url)
+        log.debug("poll %s pod %s: ready, waiting=%g running=%g kv_usage=%.3f", pod.role.value,
+                  pod.name, pod.load.requests_waiting, pod.load.requests_running,
+                  pod.load.kv_cache_usage_ratio)
         pod.consecutive_failures = 0
         pod.healthy = True

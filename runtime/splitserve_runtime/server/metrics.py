@@ -46,7 +46,7 @@ _GAUGES: Sequence[tuple[str, str, str]] = (
     (M.PROMPT_TOKENS_WAITING, "prompt_tokens_waiting", "uncached prompt tokens queued"),
     (M.KV_CACHE_USAGE_RATIO, "kv_cache_usage_ratio",
      "KV blocks held by live requests / total (cached-but-free blocks count as free)"),
-    (M.KV_CACHE_BLOCKS_TOTAL, "kv_cache_blocks_total", "KV cache blocks in the pool"),
+    (M.KV_CACHE_BLOCKS, "kv_cache_blocks_total", "KV cache blocks in the pool"),
 )
 _COUNTERS: Sequence[tuple[str, str, str]] = (
     (M.PROMPT_TOKENS_TOTAL, "prompt_tokens_total", "prompt tokens admitted"),
