@@ -127,3 +127,35 @@ async def test_async_open_stream_then_activate(tiny_llama_dir: Path, prompt: lis
 
 async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [o async for o in stream]
+
+
+def test_failed_import_resumed_locally_matches_one_engine(tiny_llama_dir: Path, prompt: list[int]) -> None:
+    """A pull that failed half-way (garbage in a reserved block): the reservation is cancelled,
+    nothing enters the prefix cache, and the request resumed from prompt + the prefill pod's
+    first token decodes what one engine does, without streaming that token again."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = _generate(_engine(tiny_llama_dir), "ref", prompt, params)
+    decode = _engine(tiny_llama_dir)
+    reservation = decode.reserve_imported_request(
+        request_id="r", token_ids=prompt + reference[:1], num_prompt_tokens=len(prompt), params=params,
+        num_imported_tokens=len(prompt))
+    assert reservation is not None and reservation.num_cached_tokens == 0
+    garbage = bytes(len(decode.runner.read_block(reservation.block_ids[0])))
+    decode.runner.write_block(reservation.block_ids[0], garbage)  # then the transfer broke
+    assert decode.cancel_imported_request("r")
+    assert decode.block_manager.usage_ratio == 0.0 and decode.block_manager.num_cached_blocks == 0
+    text = decode.add_resumed_request(request_id="r", token_ids=prompt + reference[:1],
+                                      num_prompt_tokens=len(prompt), params=params)
+    assert text == reservation.imported_text
+    rest: list[int] = []
+    outs: list[RequestOutput] = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            rest.extend(out.new_token_ids)
+            outs.append(out)
+    assert [reference[0], *rest] == reference
+    assert outs[-1].num_output_tokens == MAX_TOKENS and outs[-1].finish_reason == "length"
+    assert decode.block_manager.usage_ratio == 0.0
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        decode.add_resumed_request(request_id="s", token_ids=prompt, num_prompt_tokens=len(prompt),
+                                   params=params)

@@ -345,19 +345,46 @@ class LLMEngine:
         num_cached = self.block_manager.allocate_for_known_prefix(seq=seq, num_tokens=num_imported_tokens)
         if num_cached is None:
             return None
-        for index, token_id in enumerate(seq.output_token_ids, start=1):  # already streamed
-            reason = state.stop.check_token(token_id=token_id, num_output_tokens=index)
-            reason = state.stop.append_text(token_id=token_id, num_output_tokens=index,
-                                            token_reason=reason)
-            if reason is not None:
-                self.block_manager.free(seq)
-                raise ValueError(f"the imported tokens already finish request {request_id!r} ({reason})")
-        imported_text = state.stop.take_new_text(finished=False)
+        try:
+            imported_text = self._replay_imported_tokens(state)
+        except ValueError:
+            self.block_manager.free(seq)
+            raise
         seq.num_cached_tokens = num_cached
         self._reserved[request_id] = (state, num_imported_tokens)
         return ImportReservation(request_id=request_id, block_ids=list(seq.block_table),
                                  num_cached_tokens=num_cached, block_size=self.block_manager.block_size,
                                  imported_text=imported_text)
+
+    def add_resumed_request(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                            params: SamplingParams, arrival_time_s: float | None = None) -> str:
+        """Queue a request whose first output tokens were generated on another pod but whose
+        KV never arrived (decode role, a failed pull): ``token_ids`` is the prompt plus those
+        tokens, all computed here as one prefill. The tokens after the prompt count toward
+        ``max_tokens`` and are not streamed again; returns their text (as
+        ``ImportReservation.imported_text``). Raises ValueError if they already finish it."""
+        if not 1 <= num_prompt_tokens < len(token_ids):
+            raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids) - 1}], "
+                             f"got {num_prompt_tokens}")
+        state = self._new_state(request_id=request_id, token_ids=token_ids,
+                                num_prompt_tokens=num_prompt_tokens, params=params,
+                                arrival_time_s=arrival_time_s)
+        imported_text = self._replay_imported_tokens(state)
+        self._requests[request_id] = state
+        self.scheduler.add(state.seq)
+        return imported_text
+
+    def _replay_imported_tokens(self, state: _RequestState) -> str:
+        """Feed the output tokens generated elsewhere (already streamed) through the stop
+        checker; return their text. Raises ValueError if they already finish the request."""
+        seq = state.seq
+        for index, token_id in enumerate(seq.output_token_ids, start=1):
+            reason = state.stop.check_token(token_id=token_id, num_output_tokens=index)
+            reason = state.stop.append_text(token_id=token_id, num_output_tokens=index,
+                                            token_reason=reason)
+            if reason is not None:
+                raise ValueError(f"the imported tokens already finish request {seq.request_id!r} ({reason})")
+        return state.stop.take_new_text(finished=False)
 
     def activate_imported_request(self, request_id: str) -> None:
         """The reserved blocks are filled: index them and start decoding."""

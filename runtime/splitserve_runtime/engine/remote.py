@@ -17,7 +17,12 @@ Decode role: :meth:`HandoffEngine.generate_from_remote` reserves blocks for the 
 the missing ones with the connector straight into the reserved blocks, then activates the
 request with the prefill pod's first token and streams the rest. Reserved blocks are not
 indexed in the prefix cache until activation, so a failed or partial transfer leaves no
-corrupt block behind: the reservation is freed and :class:`~.errors.KVTransferFailed` raised.
+corrupt block behind: the reservation is freed (never registered in the prefix cache). The
+request is not lost then: the decode pod logs the failure (WARNING, with the transfer error
+code; the connector counts it in the transfer-failure metric) and computes the prompt plus the
+prefill pod's first token itself, as an ordinary queued request that continues after that
+token (streamed once, as after a pull). Only a handoff this pod cannot use at all (compat hash
+or prompt length mismatch) raises :class:`~.errors.KVTransferFailed`.
 The same seeded request decodes the same tokens as on an aggregated pod: the decode side
 advances the request's generator past the draw the prefill pod made.
 """
@@ -265,12 +270,22 @@ class HandoffEngine(DelegatingEngine):
             yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
                                      num_prompt=num_prompt, num_cached=0, started=started)
             return
-        stream = await self._import_and_activate(request_id=request_id, params=params, source=source,
-                                                 reservation=reservation, num_prompt=num_prompt,
-                                                 num_remote_blocks=num_remote_blocks)
-        yield self._first_output(request_id=request_id, first=first, text=reservation.imported_text,
+        num_cached = reservation.num_cached_tokens
+        text = reservation.imported_text
+        try:
+            stream = await self._import_and_activate(request_id=request_id, params=params, source=source,
+                                                     reservation=reservation, num_prompt=num_prompt,
+                                                     num_remote_blocks=num_remote_blocks)
+        except KVTransferFailed as exc:  # the reservation is freed; the prompt is still here
+            log.warning("KV pull for request %s from %s failed (code %s): %s; computing the prompt "
+                        "on this pod", request_id, source.remote_endpoint, exc.code, exc)
+            stream, text = await self._recompute_locally(request_id=request_id,
+                                                         prompt_token_ids=prompt_token_ids,
+                                                         params=params, first=first)
+            num_cached = 0
+        yield self._first_output(request_id=request_id, first=first, text=text,
                                  finish_reason=None, num_prompt=num_prompt,
-                                 num_cached=reservation.num_cached_tokens, started=started)
+                                 num_cached=num_cached, started=started)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
@@ -350,6 +365,32 @@ class HandoffEngine(DelegatingEngine):
                 self._engine.abort(request_id)
         return stream
 
+    async def _recompute_locally(
+        self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first: int,
+    ) -> tuple[AsyncGenerator[RequestOutput, None], str]:
+        """The pull failed: compute the prompt plus the prefill pod's first token here, as an
+        ordinary queued request that continues after ``first`` (which is not sampled or
+        streamed again, so greedy and seeded requests decode what the pull would have given).
+        Returns the request's stream and the first token's text. (A stop string inside the
+        first token was already handled by :meth:`_reserve_import`.)"""
+        engine = self._engine
+        num_prompt = len(prompt_token_ids)
+
+        def add(core: LLMEngine) -> str:
+            text = core.add_resumed_request(request_id=request_id, token_ids=[*prompt_token_ids, first],
+                                            num_prompt_tokens=num_prompt, params=params)
+            self._skip_prefill_draw(core, request_id=request_id, params=params)
+            return text
+
+        stream = engine.open_stream(request_id)
+        try:
+            text = await asyncio.shield(engine.call(add))
+        except BaseException:
+            engine.abort(request_id)
+            self._spawn(_consume(stream))
+            raise
+        return stream, text
+
     async def _pull_kv(self, *, source: RemotePrefill, reservation: ImportReservation,
                        num_prompt: int, num_remote_blocks: int) -> None:
         """Fetch the blocks this pod lacks from the prefill pod straight into the reservation."""
@@ -389,12 +430,16 @@ class HandoffEngine(DelegatingEngine):
 
     @staticmethod
     def _activate(core: LLMEngine, *, request_id: str, params: SamplingParams) -> None:
+        HandoffEngine._skip_prefill_draw(core, request_id=request_id, params=params)
+        core.activate_imported_request(request_id)
+
+    @staticmethod
+    def _skip_prefill_draw(core: LLMEngine, *, request_id: str, params: SamplingParams) -> None:
         if params.seed is not None and params.temperature > 0:  # the prefill pod drew one
             # noise row for the first token; draw it here too so the seed's sequence lines up
             sampler = core.runner.sampler
             generator = sampler._generator(request_id, params.seed)
             torch.empty(core.vocab_size, device=generator.device).exponential_(generator=generator)
-        core.activate_imported_request(request_id)
 
     async def _release_remote(self, source: RemotePrefill, *, first_block: int) -> None:
         """Pull nothing, but tell the prefill pod to unpin now (else its lease does)."""
