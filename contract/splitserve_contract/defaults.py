@@ -15,6 +15,8 @@ KV_MEMORY_FRACTION: Final = 0.9
 MAX_NUM_SEQS: Final = 256
 MAX_NUM_BATCHED_TOKENS: Final = 8192
 MAX_QUEUE_LEN: Final = 1024
+MAX_REQUEST_BODY_BYTES: Final = 8 * 1024 * 1024
+"""Largest HTTP request body the runtime and the router read (413 above; 0: no limit)."""
 SHORT_PROMPT_THRESHOLD: Final = 64
 """Prompts with fewer uncached tokens go straight to decode."""
 DRAIN_TIMEOUT_SECONDS: Final = 30.0

@@ -54,6 +54,7 @@ class ServeArgs:
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     chunked_prefill: bool = True
     max_queue_len: int = defaults.MAX_QUEUE_LEN
+    max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     drain_timeout_seconds: float = defaults.DRAIN_TIMEOUT_SECONDS
@@ -87,6 +88,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("max-num-batched-tokens", "max_num_batched_tokens", "token budget per engine step", type=int),
     Flag("chunked-prefill", "chunked_prefill", "split long prompts across steps", is_bool=True),
     Flag("max-queue-len", "max_queue_len", "waiting requests before answering 429", type=int),
+    Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
     Flag("tensor-parallel-size", "tensor_parallel_size", "GPUs per tensor-parallel group", type=int),
     Flag("pipeline-parallel-size", "pipeline_parallel_size", "pipeline stages", type=int),
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
@@ -127,6 +129,7 @@ class RouterArgs:
     short_prompt_threshold: int = defaults.SHORT_PROMPT_THRESHOLD
     health_interval_seconds: float = defaults.ROUTER_HEALTH_INTERVAL_SECONDS
     request_timeout_seconds: float = 600.0
+    max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
 
 
 ROUTER_FLAGS: tuple[Flag, ...] = (
@@ -146,6 +149,7 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
     Flag("short-prompt-threshold", "short_prompt_threshold", "send prompts shorter than this straight to decode (0: never)", type=int),
     Flag("health-interval-seconds", "health_interval_seconds", "pod health-check period", type=float),
     Flag("request-timeout-seconds", "request_timeout_seconds", "upper bound for one upstream request", type=float),
+    Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
 )
 
 

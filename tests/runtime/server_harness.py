@@ -100,7 +100,7 @@ def start_server(*, args: ServeArgs, api_key: str | None = None) -> InProcessSer
     """A ready-to-enter server with a real engine built from `args`."""
     engine = AsyncEngine.from_args(args)
     app = build_app(engine=engine, served_model_name=args.served_model_name, role=args.role,
-                    api_key=api_key)
+                    api_key=api_key, max_request_body_bytes=args.max_request_body_bytes)
     return InProcessServer(app=app, engine=engine)
 
 

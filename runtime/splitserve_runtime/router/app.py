@@ -34,6 +34,7 @@ from splitserve_contract import (
 )
 
 from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware
+from ..body_limit import BodySizeLimit
 from . import metrics
 from .discovery import KubernetesDiscovery, parse_static
 from .pods import HealthPoller, PodSet
@@ -236,6 +237,7 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     app.state.selector = selector
     _add_health_routes(app, pods=pods)
     _add_openai_routes(app, pods=pods, state=state)
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
     _add_api_key_middleware(app, api_key=api_key)
     app.add_middleware(CatchAllErrors)  # added last: outermost, so it covers the key check too
     return app

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 import splitserve_contract as contract
+from splitserve_runtime.body_limit import BodySizeLimit
 from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
@@ -57,7 +58,8 @@ ABORT_FLUSH_SECONDS = 1.0
 
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               api_key: str | None, engine_loader: EngineLoader | None = None,
-              compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE) -> FastAPI:
+              compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
+              max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
@@ -75,6 +77,7 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     app.state.server = state
     app.state.metrics = metrics
     install_exception_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)  # inside the key check
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_health_routes(app, state=state, metrics=metrics)
@@ -311,7 +314,8 @@ def main(argv: list[str]) -> int:
     kv_endpoint = _kv_endpoint(args)
     app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
                     role=args.role, api_key=api_key, compat_hash=args.compat_hash,
-                    kv_endpoint=kv_endpoint, block_size=args.block_size)
+                    kv_endpoint=kv_endpoint, block_size=args.block_size,
+                    max_request_body_bytes=args.max_request_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                             log_level="info", lifespan="on", timeout_graceful_shutdown=1)
     server = DrainingServer(config, state=app.state.server,
