@@ -239,14 +239,26 @@ def _config_hash(dep: dict[str, Any]) -> str:
     return str(dep["spec"]["template"]["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH])
 
 
+def _rolled_out(cluster: LocalCluster, ns: str, deployment: str, replicas: int) -> bool:
+    d = _get(cluster, ns, "deployment", deployment)
+    if d is None:
+        return False
+    st = d.get("status") or {}
+    return (d["spec"].get("replicas") == replicas
+            and st.get("observedGeneration", 0) >= d["metadata"]["generation"]
+            and st.get("replicas") == st.get("updatedReplicas") == st.get("readyReplicas") == replicas)
+
+
 def _wait_pools(cluster: LocalCluster, ns: str, name: str, *, prefill: int, decode: int) -> dict[str, Any]:
+    """Both pool Deployments rolled out at the given sizes (their own status: a surge pod
+    during a rollout does not count), then the InferenceService observed at its generation."""
     def ok() -> dict[str, Any] | None:
+        if not (_rolled_out(cluster, ns, f"{name}-prefill", prefill)
+                and _rolled_out(cluster, ns, f"{name}-decode", decode)):
+            return None
         obj = _isvc(cluster, ns, name)
         st = obj.get("status") or {}
-        good = ((st.get("prefill") or {}).get("readyReplicas") == prefill
-                and (st.get("decode") or {}).get("readyReplicas") == decode
-                and st.get("observedGeneration") == obj["metadata"]["generation"])
-        return obj if good else None
+        return obj if st.get("observedGeneration") == obj["metadata"]["generation"] else None
     return _until(cluster, ok, timeout_seconds=CONVERGE_SECONDS, what=f"{name}: prefill {prefill} / decode {decode} ready")
 
 
