@@ -6,24 +6,15 @@ draining but that the health poller has not noticed yet); the router is the real
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
+from threaded_server import ThreadedServer, free_port
 
 from splitserve_contract import RouterArgs
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pod(*, status: int, hits: list[str], name: str) -> FastAPI:
@@ -51,31 +42,12 @@ def _pod(*, status: int, hits: list[str], name: str) -> FastAPI:
     return app
 
 
-class _Server:
-    def __init__(self, app: FastAPI, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:  # bounded poll of uvicorn's own "started" flag
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise AssertionError("the fake pod's server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture
 def pods() -> Iterator[tuple[list[str], int, int]]:
     hits: list[str] = []
-    draining_port, healthy_port = _free_port(), _free_port()
-    with _Server(_pod(status=503, hits=hits, name="draining"), draining_port), \
-            _Server(_pod(status=200, hits=hits, name="healthy"), healthy_port):
+    draining_port, healthy_port = free_port(), free_port()
+    with ThreadedServer(_pod(status=503, hits=hits, name="draining"), draining_port), \
+            ThreadedServer(_pod(status=200, hits=hits, name="healthy"), healthy_port):
         yield hits, draining_port, healthy_port
 
 

@@ -14,31 +14,21 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse as StarlettePlainText
 from starlette.routing import Route
+from threaded_server import ThreadedServer, free_port
 
 from splitserve_contract import INFO_PATH, Metric, Role, RouterArgs
 
 KEY = "sk-router-test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pod() -> FastAPI:
@@ -64,29 +54,10 @@ def _pod() -> FastAPI:
     return app
 
 
-class _Server:
-    def __init__(self, app: Any, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:  # bounded poll of uvicorn's own "started" flag
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise AssertionError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture
 def pod_port() -> Iterator[int]:
-    port = _free_port()
-    with _Server(_pod(), port):
+    port = free_port()
+    with ThreadedServer(_pod(), port):
         yield port
 
 
@@ -134,7 +105,7 @@ def test_router_and_pod_agree_on_every_header(pod_port: int) -> None:
     from splitserve_runtime.router import app as router_app
     from splitserve_runtime.server import auth as server_auth
 
-    assert server_auth.APIKeyMiddleware is auth.APIKeyMiddleware is router_app.APIKeyMiddleware
+    assert server_auth.APIKeyMiddleware is auth.APIKeyMiddleware is router_app.APIKeyMiddleware  # type: ignore[attr-defined]  # the name the router app uses
 
     async def ok(_request: object) -> StarlettePlainText:
         return StarlettePlainText("ok")
@@ -240,8 +211,8 @@ def test_unexpected_error_is_a_json_500_on_a_kept_connection(
 
     monkeypatch.setattr(Router, "handle", broken)
     caplog.set_level(logging.INFO)
-    port = _free_port()
-    with _Server(_router(pod_port), port):
+    port = free_port()
+    with ThreadedServer(_router(pod_port), port):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
             status, headers, body = _post(conn)
