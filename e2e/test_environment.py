@@ -320,7 +320,11 @@ def test_unsupported_pod_is_refused_with_a_clear_event(cluster: LocalCluster,
             if e.reason == "Unsupported"), None), timeout_seconds=30, what="Unsupported event")
     assert event.type == "Warning"
     assert "spec.initContainers" in event.message and "hostPath" in event.message
-    status = core.read_namespaced_pod("unsupported", namespace).status
+    # The event and the status are two writes: wait for the node to publish the status too.
+    status: Any = cluster.wait_for(
+        lambda: (lambda st: st if st.container_statuses else None)(
+            core.read_namespaced_pod("unsupported", namespace).status),
+        timeout_seconds=30, what="status of the refused pod")
     assert status.phase == "Pending"
     assert status.container_statuses[0].state.waiting.reason == "Unsupported"
     assert cluster.pod_pid(namespace=namespace, pod="unsupported") is None

@@ -61,6 +61,7 @@ class ServeArgs:
     kv_ttl_seconds: float = defaults.KV_TTL_SECONDS  # prefill role: unclaimed KV is freed after this
     seed: int = 0
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
+    handoff_key_file: str = ""  # P/D roles: HMAC key authenticating kv_transfer_params ("" = none)
 
 
 def _str_choices(capability: caps.Capability) -> tuple[str, ...]:
@@ -95,6 +96,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
     Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
+    Flag("handoff-key-file", "handoff_key_file",
+         "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
+         "decode accepts only params signed with it"),
 )
 
 

@@ -65,6 +65,14 @@ ENV_POD_IP: Final = "POD_IP"
 ENV_MODEL_CACHE: Final = "SPLITSERVE_MODEL_CACHE"
 """Directory that `hf://org/name` URIs resolve in (HF hub cache layout or org/name dirs)."""
 
+HANDOFF_KEY_SECRET_SUFFIX: Final = "-kv-handoff"
+"""The operator creates Secret `<InferenceService>-kv-handoff` (one random key per service,
+created once, owned by it) and mounts it into the prefill and decode pods."""
+HANDOFF_KEY_SECRET_KEY: Final = "key"
+HANDOFF_KEY_MOUNT_DIR: Final = "/var/run/splitserve/handoff"
+"""Mount directory of that Secret; the file is HANDOFF_KEY_MOUNT_DIR/HANDOFF_KEY_SECRET_KEY,
+passed to the runtime as `--handoff-key-file`."""
+
 TERMINATION_MESSAGE_PATH: Final = "/dev/termination-log"
 """Where a runtime pod writes why it could not start (the kubelet copies it into the
 container status; the operator shows it in the InferenceService's conditions)."""
