@@ -7,7 +7,7 @@ ORDER ?= -p no:randomly
 SEED ?= $(shell date +%s)
 PACKAGES = contract/splitserve_contract operator/splitserve_operator runtime/splitserve_runtime planner/splitserve_planner cli/splitserve_cli e2e/splitserve_e2e
 
-.PHONY: help deps install test test-shuffled test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench
+.PHONY: help deps install test test-shuffled test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench soak
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -55,6 +55,9 @@ cluster-up: ## start the local control plane (detached); prints KUBECONFIG
 
 cluster-down: ## stop the local control plane and everything it started
 	$(PYTHON) -m splitserve_e2e down
+
+soak: deps ## the operator soak at full length: 1,000 InferenceService create/delete cycles (make test runs 200)
+	SPLITSERVE_SOAK_CYCLES=1000 $(PYTHON) -m pytest -q -s -p no:cacheprovider e2e/test_soak.py
 
 bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py

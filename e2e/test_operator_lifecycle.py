@@ -259,7 +259,35 @@ def _wait_pools(cluster: LocalCluster, ns: str, name: str, *, prefill: int, deco
         obj = _isvc(cluster, ns, name)
         st = obj.get("status") or {}
         return obj if st.get("observedGeneration") == obj["metadata"]["generation"] else None
-    return _until(cluster, ok, timeout_seconds=CONVERGE_SECONDS, what=f"{name}: prefill {prefill} / decode {decode} ready")
+    try:
+        return _until(cluster, ok, timeout_seconds=CONVERGE_SECONDS,
+                      what=f"{name}: prefill {prefill} / decode {decode} ready")
+    except TimeoutError as error:
+        raise TimeoutError(f"{error}\n{_diagnosis(cluster, ns, name)}") from None
+
+
+def _diagnosis(cluster: LocalCluster, ns: str, name: str) -> str:
+    """What a failed convergence wait saw: the InferenceService's status, its Deployments'
+    status, the Lease holder and the operator pods' log tails (a rare failure under CI load
+    is only debuggable from this)."""
+    lines: list[str] = []
+    try:
+        obj = _isvc(cluster, ns, name)
+        lines.append(f"generation={obj['metadata'].get('generation')} status={json.dumps(obj.get('status'))}")
+        for role in ("prefill", "decode", "router"):
+            d = _get(cluster, ns, "deployment", f"{name}-{role}")
+            lines.append(f"deployment {role}: " + (json.dumps({"spec.replicas": d["spec"].get("replicas"),
+                                                               "generation": d["metadata"].get("generation"),
+                                                               "status": d.get("status")}) if d else "absent"))
+        lines.append(f"lease holder: {_lease_holder(cluster, ns)!r}")
+        for pod in _operator_pods(cluster, ns):
+            pod_name = pod["metadata"]["name"]
+            lines.append(f"operator pod {pod_name} phase={(pod.get('status') or {}).get('phase')}")
+            log = cluster.pod_log(namespace=ns, pod=pod_name)
+            lines.extend(f"  | {line}" for line in log.splitlines()[-40:])
+    except Exception as error:  # noqa: BLE001 - a diagnosis must never hide the real failure
+        lines.append(f"(diagnosis incomplete: {error!r})")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- tests

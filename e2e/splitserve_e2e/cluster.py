@@ -31,7 +31,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from splitserve_e2e import kubeconfig as kubeconfigs
-from splitserve_e2e.apiserver import start_apiserver
+from splitserve_e2e.apiserver import readyz_ok, start_apiserver
 from splitserve_e2e.build import Binaries, cache_root, ensure_binaries
 from splitserve_e2e.controllers import start_controller_manager, start_scheduler
 from splitserve_e2e.etcd import start_etcd
@@ -224,6 +224,27 @@ class LocalCluster:
         (self.state_dir / INFO_FILE).unlink(missing_ok=True)
         atexit.unregister(self.stop)
 
+    def restart_component(self, name: str, *, timeout_seconds: float = 120.0) -> float:
+        """Restart one control-plane process (``kube-apiserver``, ``prometheus``, ...) on the
+        same address and wait until it answers again; returns the seconds it was away."""
+        index = next((i for i, p in enumerate(self._processes) if p.name == name), None)
+        if index is None:
+            raise ValueError(f"no managed component {name!r} "
+                             f"(have: {[p.name for p in self._processes]})")
+        started = time.monotonic()
+        process = self._processes[index] = self._processes[index].restart()
+        pki = self._pki
+        if name == "kube-apiserver" and pki is not None:
+            wait_until(lambda: readyz_ok(url=self.api_server_url, pki=pki),
+                       timeout_seconds=timeout_seconds, what="kube-apiserver /readyz after restart",
+                       alive=process, interval_seconds=0.5)
+        elif name == "prometheus" and self.prometheus_url:
+            url = self.prometheus_url
+            wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1.0).status_code == 200,
+                       timeout_seconds=timeout_seconds, what="prometheus /-/ready after restart",
+                       alive=process)
+        return time.monotonic() - started
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -258,6 +279,9 @@ class LocalCluster:
 
     def apps(self) -> k8s.AppsV1Api:
         return k8s.AppsV1Api(self.api_client())
+
+    def custom(self) -> k8s.CustomObjectsApi:
+        return k8s.CustomObjectsApi(self.api_client())
 
     def _binary(self, name: str) -> Path:
         if self._binaries is None:

@@ -56,6 +56,10 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes]
     log_path: Path
     pid_file: Path | None
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+    die_with_parent: bool = True
 
     @property
     def pid(self) -> int:
@@ -86,6 +90,17 @@ class ManagedProcess:
         return self.popen.returncode
 
 
+    def restart(self, *, grace_seconds: float = 5.0) -> ManagedProcess:
+        """Stop the group and start the same command again (same log, same pid file): a
+        component restart, as chaos tests do to the API server or Prometheus."""
+        if not self.argv:
+            raise RuntimeError(f"{self.name}: started without its argv, cannot restart")
+        self.stop(grace_seconds=grace_seconds)
+        return start_process(name=self.name, argv=self.argv, log_path=self.log_path,
+                             pid_dir=self.pid_file.parent if self.pid_file is not None else None,
+                             env=self.env, cwd=self.cwd, die_with_parent=self.die_with_parent)
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -112,7 +127,8 @@ def start_process(*, name: str, argv: Sequence[str], log_path: Path, pid_dir: Pa
             "pid": popen.pid, "start_ticks": process_start_ticks(popen.pid),
             "argv0": argv[0], "name": name,
         }))
-    return ManagedProcess(name=name, popen=popen, log_path=log_path, pid_file=pid_file)
+    return ManagedProcess(name=name, popen=popen, log_path=log_path, pid_file=pid_file,
+                          argv=tuple(argv), env=env, cwd=cwd, die_with_parent=die_with_parent)
 
 
 def kill_recorded(*, pid_dir: Path, grace_seconds: float = 5.0) -> list[str]:

@@ -1,0 +1,373 @@
+"""Chaos under load on the local cluster (issue 12): nothing lost when parts die.
+
+A Disaggregated InferenceService with the tiny model (two prefill, two decode and two router
+pods, real processes on the local node) serves a bounded load from client threads that talk
+to the router Service's endpoints as a client behind a Service would. While the load runs, the
+test in turn
+
+* SIGKILLs a prefill pod's process (the kubelet restarts the container),
+* SIGKILLs a decode pod's process,
+* deletes a router pod (a rollout or node drain: graceful),
+* force-deletes the operator's leader pod,
+* restarts the kube-apiserver, then edits the spec and sees the edit applied,
+* restarts Prometheus, then sees the autoscaler's metrics healthy again,
+
+and prints a table of requests sent / ok / failed per phase with each failure's reason. The
+bar: no failed request except those that were running on the killed decode pod (their work
+is lost with the process); the client retries only a connect that never reached a router
+(what any HTTP client does with a refused connection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import splitserve_contract as contract
+from splitserve_e2e.build import cache_root
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import (
+    RELEASE,
+    SERVED_NAME,
+    apply_object,
+    condition,
+    ensure_model_cache,
+    get_isvc,
+    install_operator,
+    isvc_manifest,
+    pod_summary,
+    remove_demo,
+    router_endpoints,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.e2e
+
+NAME = "chaos"
+REPLICAS = 2
+CONCURRENCY = 4
+MAX_TOKENS = 12
+STEADY_SECONDS = 5.0
+RECOVER_SECONDS = 180.0
+CONNECT_RETRY_SECONDS = 60.0
+KILL_DECODE = "kill decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    phase: str
+    ok: bool
+    stream: bool
+    reason: str = ""
+    connect_retries: int = 0
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class ChaosLoad:
+    """``CONCURRENCY`` client threads, each sending its next completion (alternately streamed
+    and not) when the last one ends, to the router endpoints in turn. A request that failed
+    to connect, or whose connection closed before any response byte, is sent again to the
+    next endpoint (it never reached a router); everything else is recorded as it ended."""
+
+    def __init__(self, endpoints: Callable[[], list[str]], *, max_requests: int = 20_000) -> None:
+        self._endpoints_source = endpoints
+        self._endpoints: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sent = 0
+        self._max_requests = max_requests
+        self.phase = "steady"
+        self.outcomes: list[Outcome] = []
+
+    def start(self) -> None:
+        self._refresh()
+        self._threads = [threading.Thread(target=self._worker, name=f"chaos-load-{i}", daemon=True)
+                         for i in range(CONCURRENCY)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def _refresh(self) -> list[str]:
+        try:
+            found = self._endpoints_source()
+        except Exception:  # noqa: BLE001 - the API server may be restarting: keep the last list
+            found = []
+        with self._lock:
+            if found:
+                self._endpoints = found
+            return list(self._endpoints)
+
+    def _next_index(self) -> int | None:
+        with self._lock:
+            if self._sent >= self._max_requests:
+                return None
+            self._sent += 1
+            return self._sent
+
+    def _worker(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(90.0, connect=5.0)) as client:
+            while not self._stop.is_set():
+                index = self._next_index()
+                if index is None:
+                    return
+                outcome = self._one(client, index)
+                with self._lock:
+                    self.outcomes.append(outcome)
+
+    def _one(self, client: httpx.Client, index: int) -> Outcome:
+        stream = index % 2 == 0
+        body = {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": stream,
+                "prompt": f"request {index} {uuid.uuid4().hex}: the router pairs prefill and decode pods "
+                          "and the decode pod pulls the prompt's KV blocks before it answers."}
+        retries = 0
+        deadline = time.monotonic() + CONNECT_RETRY_SECONDS
+        while True:
+            endpoints = self._refresh() if retries else list(self._endpoints)
+            endpoint = endpoints[(index + retries) % len(endpoints)] if endpoints else ""
+            responded = False
+            try:
+                if not endpoint:
+                    raise httpx.ConnectError("no router endpoint")
+                url = f"http://{endpoint}/v1/completions"
+                if stream:
+                    with client.stream("POST", url, json=body) as response:
+                        responded = True
+                        if response.status_code != 200:
+                            response.read()
+                            return self._failed(stream, retries, f"HTTP {response.status_code}: "
+                                                f"{response.text[:160]}")
+                        reason = _stream_problem(response.iter_lines())
+                else:
+                    response = client.post(url, json=body)
+                    responded = True
+                    reason = "" if response.status_code == 200 and response.json().get("choices") else (
+                        f"HTTP {response.status_code}: {response.text[:160]}")
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as error:
+                if not responded and time.monotonic() < deadline:
+                    retries += 1
+                    time.sleep(0.2)
+                    continue
+                reason = f"{type(error).__name__}: {error}"[:200]
+            except httpx.HTTPError as error:
+                reason = f"{type(error).__name__}: {error}"[:200]
+            if reason:
+                return self._failed(stream, retries, reason)
+            return Outcome(phase=self.phase, ok=True, stream=stream, connect_retries=retries)
+
+    def _failed(self, stream: bool, retries: int, reason: str) -> Outcome:
+        return Outcome(phase=self.phase, ok=False, stream=stream, reason=reason, connect_retries=retries)
+
+
+def _stream_problem(lines: Iterator[str]) -> str:
+    """"" when the SSE stream carried at least one token and ended with [DONE]; else why not."""
+    tokens = 0
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return "" if tokens else "stream ended without a token"
+        event = json.loads(data)
+        if "error" in event:
+            return f"error event: {json.dumps(event['error'])[:160]}"
+        tokens += sum(1 for c in event.get("choices") or [] if c.get("text"))
+    return f"stream cut after {tokens} tokens"
+
+
+# --------------------------------------------------------------------------- cluster helpers
+def _pods(cluster: LocalCluster, namespace: str, role: str) -> list[Any]:
+    selector = f"{contract.LABEL_INSTANCE}={NAME},{contract.LABEL_ROLE}={role}"
+    core: Any = cluster.core()
+    return [p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+            if not p.metadata.deletion_timestamp]
+
+
+def _restarts(pod: Any) -> int:
+    return sum(int(s.restart_count or 0) for s in (pod.status.container_statuses or []))
+
+
+def _ready(pod: Any) -> bool:
+    statuses = pod.status.container_statuses or []
+    return bool(statuses) and all(s.ready for s in statuses)
+
+
+def _kill_container(cluster: LocalCluster, namespace: str, role: str) -> str:
+    """SIGKILL one pod's process group (a crash); wait until the kubelet restarted it and it
+    is Ready again."""
+    pod = _pods(cluster, namespace, role)[0]
+    name, restarts = pod.metadata.name, _restarts(pod)
+    pid = cluster.pod_pid(namespace=namespace, pod=name)
+    assert pid is not None, f"{name} has no live process"
+    os.killpg(pid, signal.SIGKILL)
+
+    def back() -> bool:
+        current = cluster.core().read_namespaced_pod(name, namespace)
+        return _restarts(current) > restarts and _ready(current)
+    cluster.wait_for(back, timeout_seconds=RECOVER_SECONDS, what=f"{name} restarted and Ready")
+    return str(name)
+
+
+def _wait_pool_ready(cluster: LocalCluster, namespace: str, role: str, replicas: int) -> None:
+    def ready() -> bool:
+        pods = _pods(cluster, namespace, role)
+        return len(pods) == replicas and all(_ready(p) for p in pods)
+    try:
+        cluster.wait_for(ready, timeout_seconds=RECOVER_SECONDS, what=f"{role} pool {replicas} Ready")
+    except TimeoutError as error:
+        raise TimeoutError(f"{error}; pods: {pod_summary(cluster=cluster, namespace=namespace)}") from None
+
+
+def _lease_holder(cluster: LocalCluster, namespace: str) -> str:
+    result = cluster.kubectl("get", "lease", f"{RELEASE}-splitserve" if "splitserve" not in RELEASE else RELEASE,
+                             "-n", namespace, "-o", "jsonpath={.spec.holderIdentity}", check=False)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def _operator_pods(cluster: LocalCluster, namespace: str) -> list[str]:
+    selector = "app.kubernetes.io/component=operator"
+    core: Any = cluster.core()
+    return [str(p.metadata.name) for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+            if not p.metadata.deletion_timestamp and p.status.phase == "Running"]
+
+
+def _kill_operator_leader(cluster: LocalCluster, namespace: str) -> str:
+    holder = _lease_holder(cluster, namespace)
+    leader = next(p for p in _operator_pods(cluster, namespace) if holder.startswith(f"{p}_"))
+    cluster.kubectl("delete", "pod", leader, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
+
+    def new_leader() -> str:
+        held = _lease_holder(cluster, namespace)
+        return next((p for p in _operator_pods(cluster, namespace)
+                     if p != leader and held.startswith(f"{p}_")), "")
+    return str(cluster.wait_for(new_leader, timeout_seconds=RECOVER_SECONDS, what="a new operator leader"))
+
+
+def _router_replicas(cluster: LocalCluster, namespace: str) -> int:
+    deployment = cluster.apps().read_namespaced_deployment(f"{NAME}-router", namespace)
+    return int(deployment.spec.replicas or 0)
+
+
+def _metrics_healthy(cluster: LocalCluster, namespace: str) -> bool:
+    healthy = condition(get_isvc(cluster=cluster, namespace=namespace, name=NAME),
+                        contract.ConditionType.METRICS_HEALTHY) or {}
+    return healthy.get("status") == "True"
+
+
+# --------------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def served(cluster: LocalCluster) -> Iterator[str]:
+    """The namespace of a Ready Disaggregated InferenceService with every pool at two pods."""
+    namespace = f"chaos-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
+    try:
+        install_operator(cluster=cluster, namespace=namespace,
+                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+        manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated",
+                                 model_cache=model_cache, max_replicas=REPLICAS)
+        for role in ("prefill", "decode"):
+            manifest["spec"][role]["replicas"] = {"min": REPLICAS, "max": REPLICAS}
+        manifest["spec"]["router"]["replicas"] = REPLICAS
+        apply_object(cluster=cluster, obj=manifest)
+        wait_ready(cluster=cluster, namespace=namespace, name=NAME, timeout_seconds=300)
+        for role in ("prefill", "decode", "router"):
+            _wait_pool_ready(cluster, namespace, role, REPLICAS)
+        yield namespace
+    finally:
+        remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
+
+
+def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
+        cluster: LocalCluster, served: str, capsys: pytest.CaptureFixture[str]) -> None:
+    namespace = served
+    load = ChaosLoad(lambda: router_endpoints(cluster=cluster, namespace=namespace, name=NAME))
+    phases: list[Phase] = []
+
+    def run_phase(name: str, action: Callable[[], str]) -> None:
+        load.phase = name
+        started = time.monotonic()
+        detail = action()
+        phases.append(Phase(name=name, seconds=time.monotonic() - started, detail=detail))
+        time.sleep(STEADY_SECONDS)  # serve a while on the recovered system within the phase
+
+    def delete_router() -> str:
+        pod = str(_pods(cluster, namespace, "router")[0].metadata.name)
+        cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=false")
+        cluster.wait_for(lambda: pod not in [p.metadata.name for p in _pods(cluster, namespace, "router")],
+                         timeout_seconds=RECOVER_SECONDS, what=f"{pod} gone")
+        _wait_pool_ready(cluster, namespace, "router", REPLICAS)
+        return pod
+
+    def restart_apiserver_then_edit() -> str:
+        away = cluster.restart_component("kube-apiserver")
+        cluster.kubectl("patch", contract.PLURAL, NAME, "-n", namespace, "--type=merge",
+                        "-p", json.dumps({"spec": {"router": {"replicas": REPLICAS + 1}}}))
+        cluster.wait_for(lambda: _router_replicas(cluster, namespace) == REPLICAS + 1,
+                         timeout_seconds=RECOVER_SECONDS, what="the spec edit applied after the restart")
+        _wait_pool_ready(cluster, namespace, "router", REPLICAS + 1)
+        return f"API server back after {away:.1f}s; router replicas {REPLICAS} -> {REPLICAS + 1} applied"
+
+    def restart_prometheus() -> str:
+        away = cluster.restart_component("prometheus")
+        cluster.wait_for(lambda: _metrics_healthy(cluster, namespace), timeout_seconds=RECOVER_SECONDS,
+                         what="MetricsHealthy=True after the Prometheus restart")
+        return f"Prometheus back after {away:.1f}s; MetricsHealthy=True"
+
+    load.start()
+    try:
+        run_phase("steady", lambda: "")
+        run_phase("kill prefill", lambda: _kill_container(cluster, namespace, "prefill"))
+        run_phase(KILL_DECODE, lambda: _kill_container(cluster, namespace, "decode"))
+        run_phase("delete router pod", delete_router)
+        run_phase("kill operator leader", lambda: "new leader " + _kill_operator_leader(cluster, namespace))
+        run_phase("restart kube-apiserver", restart_apiserver_then_edit)
+        run_phase("restart prometheus", restart_prometheus)
+    finally:
+        load.stop()
+
+    table = _table(phases, load.outcomes)
+    with capsys.disabled():
+        print("\n" + table)
+    assert len(load.outcomes) > 10 * len(phases), table
+    for phase in phases:
+        assert any(o.ok for o in load.outcomes if o.phase == phase.name), f"nothing served during {phase.name}\n{table}"
+    unexpected = [o for o in load.outcomes if not o.ok and o.phase != KILL_DECODE]
+    assert not unexpected, f"requests failed outside the decode kill:\n{table}"
+    lost_on_decode = [o for o in load.outcomes if not o.ok and o.phase == KILL_DECODE]
+    assert len(lost_on_decode) <= CONCURRENCY, f"more failures than requests in flight at the kill:\n{table}"
+
+
+def _table(phases: list[Phase], outcomes: list[Outcome]) -> str:
+    lines = [f"{'phase':<24} {'sent':>5} {'ok':>5} {'failed':>6} {'retried':>7} {'seconds':>7}  detail",
+             "-" * 100]
+    for phase in phases:
+        mine = [o for o in outcomes if o.phase == phase.name]
+        lines.append(f"{phase.name:<24} {len(mine):>5} {sum(o.ok for o in mine):>5} "
+                     f"{sum(not o.ok for o in mine):>6} {sum(o.connect_retries > 0 for o in mine):>7} "
+                     f"{phase.seconds:>7.1f}  {phase.detail}")
+    failures = [o for o in outcomes if not o.ok]
+    lines.append(f"{'total':<24} {len(outcomes):>5} {sum(o.ok for o in outcomes):>5} {len(failures):>6}")
+    for failure in failures:
+        lines.append(f"  failed in {failure.phase!r} ({'stream' if failure.stream else 'plain'}): {failure.reason}")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""Soak: many InferenceService create/delete cycles against the real control plane (issue 12).
+
+The chart's operator (on the local node, its own ServiceAccount) reconciles ``SOAK_CYCLES``
+InferenceServices, created and deleted in batches, in a namespace whose ResourceQuota allows
+no pods: every child (ConfigMap, Deployments, Services, PDBs, NetworkPolicies, the handoff
+key Secret) is rendered, applied, watched, status-reported and garbage-collected as in
+production, while no pod process starts, so the run measures the operator and not the
+runtime. It asserts, and prints, that
+
+* the operator's resident memory stays flat (growth after warm-up within ``RSS_GROWTH_BOUND``),
+* nothing is left behind (no child of any kind with the managed-by label),
+* there is no hot loop: at idle, the API server's request rate and the operator's CPU use
+  after the soak are what they were before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import splitserve_contract as contract
+from splitserve_e2e.build import cache_root
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import (
+    RELEASE,
+    ensure_model_cache,
+    install_operator,
+    isvc_manifest,
+    remove_demo,
+)
+
+pytestmark = pytest.mark.e2e
+
+SOAK_CYCLES = int(os.environ.get("SPLITSERVE_SOAK_CYCLES", "200"))
+"""`make test` runs 200 cycles; `make soak` runs the full 1,000 (about 15 minutes here)."""
+BATCH = 25
+WARMUP_CYCLES = 100
+RSS_GROWTH_BOUND = 40 * 2**20
+"""Allowed growth of the operator's RSS between the end of warm-up and the end of the soak.
+CPython's allocator keeps arenas, so a flat process still wanders by some MiB; a leak of even
+10 KiB per cycle (the size of one InferenceService body and its children) crosses this bound."""
+IDLE_SECONDS = 10.0
+CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,networkpolicies,secrets,replicasets"
+
+
+@dataclasses.dataclass(frozen=True)
+class Idle:
+    """What an idle window of IDLE_SECONDS saw."""
+
+    api_requests_per_second: float
+    operator_cpu_percent: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Process:
+    """The operator's process, read from /proc (pid and its start time, so a restart shows)."""
+
+    pid: int
+    start_ticks: int
+
+    def _stat(self) -> list[str]:
+        text = Path(f"/proc/{self.pid}/stat").read_text()
+        return text[text.rindex(")") + 2:].split()
+
+    def is_running(self) -> bool:
+        try:
+            return int(self._stat()[19]) == self.start_ticks
+        except (OSError, ValueError):
+            return False
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for pid {self.pid}")
+
+    def cpu_seconds(self) -> float:
+        fields = self._stat()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _operator_process(cluster: LocalCluster, namespace: str) -> Process:
+    core: Any = cluster.core()
+    pods = [p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
+            if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+    assert len(pods) == 1, [p.metadata.name for p in pods]
+    pid = cluster.pod_pid(namespace=namespace, pod=pods[0].metadata.name)
+    assert pid is not None
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return Process(pid=pid, start_ticks=int(text[text.rindex(")") + 2:].split()[19]))
+
+
+def _api_requests(cluster: LocalCluster) -> float:
+    """Non-watch requests the API server has answered so far (all clients)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != "apiserver_request":
+            continue
+        for sample in family.samples:
+            if sample.name == "apiserver_request_total" and sample.labels.get("verb") not in ("WATCH", "CONNECT"):
+                total += sample.value
+    return total
+
+
+def _idle(cluster: LocalCluster, process: Process) -> Idle:
+    requests, cpu = _api_requests(cluster), process.cpu_seconds()
+    time.sleep(IDLE_SECONDS)
+    # the closing scrape itself is one request: not subtracted, the same in both windows
+    return Idle(api_requests_per_second=(_api_requests(cluster) - requests) / IDLE_SECONDS,
+                operator_cpu_percent=100.0 * (process.cpu_seconds() - cpu) / IDLE_SECONDS)
+
+
+def _managed_children(cluster: LocalCluster, namespace: str) -> list[str]:
+    result = cluster.kubectl("get", CHILD_KINDS, "-n", namespace, "-o", "name",
+                             "-l", f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}")
+    return result.stdout.split()
+
+
+def _applied(cluster: LocalCluster, namespace: str, names: frozenset[str]) -> bool:
+    """Every InferenceService of ``names`` has its Deployments (the last kind applied)."""
+    apps: Any = cluster.apps()
+    deployments = apps.list_namespaced_deployment(
+        namespace, label_selector=f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}").items
+    return names <= {str((d.metadata.labels or {}).get(contract.LABEL_INSTANCE)) for d in deployments}
+
+
+@pytest.fixture(scope="module")
+def soak_ns(cluster: LocalCluster) -> Iterator[str]:
+    """A namespace with the operator installed and a quota of zero pods for everything else."""
+    namespace = f"soak-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        install_operator(cluster=cluster, namespace=namespace,
+                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+        # After the operator pod exists: the quota stops the InferenceServices' pods only.
+        cluster.core().create_namespaced_resource_quota(namespace, {  # type: ignore[arg-type]
+            "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "1"}}})
+        yield namespace
+    finally:
+        remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
+
+
+def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
+        cluster: LocalCluster, soak_ns: str, capsys: pytest.CaptureFixture[str]) -> None:
+    namespace = soak_ns
+    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
+    custom: Any = cluster.custom()
+    process = _operator_process(cluster, namespace)
+    before = _idle(cluster, process)
+    curve: list[tuple[int, int, float]] = []  # (cycles done, RSS bytes, seconds)
+    started = time.monotonic()
+    done = 0
+    while done < SOAK_CYCLES:
+        batch_started = time.monotonic()
+        names = [f"soak-{done + i}" for i in range(min(BATCH, SOAK_CYCLES - done))]
+        for name in names:
+            body = isvc_manifest(name=name, namespace=namespace, mode="Disaggregated", model_cache=model_cache)
+            custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
+                                                   contract.PLURAL, body)
+
+        batch = frozenset(names)
+        cluster.wait_for(functools.partial(_applied, cluster, namespace, batch), timeout_seconds=120, what=f"children of {names[0]}..{names[-1]}")
+        applied_at = time.monotonic()
+        for name in names:
+            custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
+                                                   contract.PLURAL, name)
+        cluster.wait_for(lambda: not _managed_children(cluster, namespace), timeout_seconds=120,
+                         what=f"children of {names[0]}..{names[-1]} collected")
+        print(f"batch {done}: applied {applied_at - batch_started:.1f}s, collected {time.monotonic() - applied_at:.1f}s",
+              flush=True)
+        done += len(names)
+        curve.append((done, process.rss_bytes(), time.monotonic() - started))
+    after = _idle(cluster, process)
+
+    warm = next((rss for cycles, rss, _ in curve if cycles >= WARMUP_CYCLES), curve[0][1])
+    final = curve[-1][1]
+    lines = [f"soak: {done} create/delete cycles in {curve[-1][2]:.0f}s ({done / curve[-1][2]:.1f}/s), "
+             f"batches of {BATCH}",
+             "  cycles  operator RSS (MiB)"]
+    step = max(1, len(curve) // 10)
+    lines += [f"  {cycles:>6}  {rss / 2**20:8.1f}" for cycles, rss, _ in curve[::step] + curve[-1:]]
+    lines.append(f"  RSS growth after {WARMUP_CYCLES} cycles: {(final - warm) / 2**20:+.1f} MiB "
+                 f"(bound {RSS_GROWTH_BOUND / 2**20:.0f} MiB)")
+    lines.append(f"  idle before: {before.api_requests_per_second:.2f} API req/s, operator CPU "
+                 f"{before.operator_cpu_percent:.1f}%; after: {after.api_requests_per_second:.2f} req/s, "
+                 f"{after.operator_cpu_percent:.1f}%")
+    report = "\n".join(lines)
+    with capsys.disabled():
+        print("\n" + report)
+    assert process.is_running(), "the operator restarted during the soak"
+    assert final - warm <= RSS_GROWTH_BOUND, report
+    assert not _managed_children(cluster, namespace)
+    assert after.api_requests_per_second <= before.api_requests_per_second * 1.5 + 2.0, report
+    assert after.operator_cpu_percent <= before.operator_cpu_percent + 5.0, report
