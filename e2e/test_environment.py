@@ -9,6 +9,7 @@ enforced for ServiceAccounts; unsupported pod features are refused loudly.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import textwrap
@@ -373,6 +374,28 @@ def test_env_sources_and_expansion_reach_the_process(cluster: LocalCluster,
     assert Path(config_flag.split("=", 1)[1]).read_text() == "tiny-llama"
     events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=env").items
     assert any(e.reason == "EmptyDirNotIsolated" and "not isolated" in e.message for e in events)
+
+
+READ_KEY = "import sys; data = open(sys.argv[1], 'rb').read(); print('KEY=' + data.hex())"
+
+
+def test_secret_volume_holds_the_secret_bytes(cluster: LocalCluster, namespace: str) -> None:
+    """A secret volume (the operator mounts the KV handoff key this way) holds the Secret's
+    bytes as they are, also when they are not text."""
+    core: Any = cluster.core()
+    key = bytes(range(256))[::-7]  # not valid UTF-8
+    core.create_namespaced_secret(namespace, {
+        "metadata": {"name": "binary"}, "data": {"key": base64.b64encode(key).decode()}})
+    pod = _pod("secret-volume", command=["python", "-c", READ_KEY], args=["/var/run/keys/key"],
+               restart_policy="Never", volumeMounts=[{"name": "keys", "mountPath": "/var/run/keys",
+                                                      "readOnly": True}])
+    pod["spec"]["volumes"] = [{"name": "keys", "secret": {"secretName": "binary"}}]
+    core.create_namespaced_pod(namespace, pod)
+    cluster.wait_for(lambda: core.read_namespaced_pod("secret-volume", namespace).status.phase == "Succeeded",
+                     timeout_seconds=60, what="secret-volume pod Succeeded")
+    line = next(text for text in cluster.pod_log(namespace=namespace, pod="secret-volume").splitlines()
+                if text.startswith("KEY="))
+    assert bytes.fromhex(line[len("KEY="):]) == key
 
 
 LIST_PODS = textwrap.dedent("""

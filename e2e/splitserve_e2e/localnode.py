@@ -18,6 +18,7 @@ kubeconfig built from a TokenRequest for that ServiceAccount, so RBAC applies to
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import datetime
@@ -445,7 +446,7 @@ class LocalNode:
                     message=f"Started process {run.process.pid} on {run.ip}: {' '.join(argv)[:300]}")
 
     def _prepare_volumes(self, pod: dict[str, Any], run: _PodRun) -> dict[str, str]:
-        """Create emptyDir/configMap volume directories; return mountPath -> local path."""
+        """Create emptyDir/configMap/secret volume directories; return mountPath -> local path."""
         container = pod["spec"]["containers"][0]
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         rewrites: dict[str, str] = {}
@@ -464,6 +465,16 @@ class LocalNode:
                         target = local / item["path"]
                         target.parent.mkdir(parents=True, exist_ok=True)
                         target.write_text(data[item["key"]])
+            if "secret" in volume:
+                source = volume["secret"]
+                secret = self._secret_bytes(run.namespace, source["secretName"])
+                items = source.get("items") or [{"key": k, "path": k} for k in secret]
+                for item in items:
+                    if item["key"] in secret:
+                        target = local / item["path"]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(secret[item["key"]])
+                        target.chmod(0o400)
             rewrites[mount["mountPath"].rstrip("/")] = str(local)
         return rewrites
 
@@ -481,6 +492,17 @@ class LocalNode:
             path=run.directory / "kubeconfig", server=self._server_url, ca_cert=self._ca_cert,
             token=token.status.token, user_name=f"system:serviceaccount:{run.namespace}:{account}",
             namespace=run.namespace)
+
+    def _secret_bytes(self, namespace: str, name: str) -> dict[str, bytes]:
+        """A Secret's data as bytes (a volume holds them as they are: keys need not be text);
+        empty when it does not exist."""
+        try:
+            secret: Any = self._core.read_namespaced_secret(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return {}
+            raise
+        return {key: base64.b64decode(value) for key, value in (secret.data or {}).items()}
 
     def _lookup(self, kind: str, namespace: str, name: str) -> Mapping[str, str] | None:
         try:

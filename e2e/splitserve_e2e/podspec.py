@@ -23,7 +23,7 @@ Pod = dict[str, Any]
 # kind is "ConfigMap" or "Secret" (Secret values already base64-decoded)
 ObjectLookup = Callable[[str, str, str], Mapping[str, str] | None]
 
-SUPPORTED_VOLUME_TYPES = ("emptyDir", "configMap")
+SUPPORTED_VOLUME_TYPES = ("emptyDir", "configMap", "secret")
 SUPPORTED_FIELD_PATHS = (
     "metadata.name", "metadata.namespace", "metadata.uid", "spec.nodeName",
     "spec.serviceAccountName", "status.podIP", "status.hostIP",
