@@ -40,6 +40,19 @@ class Reason:
     """A runtime pod exited because its model could not be loaded (message from the pod)."""
     POD_START_FAILED: Final = "PodStartFailed"
     """A runtime pod keeps exiting at start-up for another reason (message from the pod)."""
+    # children's own reasons, passed into Stalled (kstatus) with the child's message
+    FAILED_CREATE: Final = "FailedCreate"
+    """A pool's pods cannot be created (Deployment ReplicaFailure: a missing PriorityClass,
+    an exceeded quota, an admission policy)."""
+    PROGRESS_DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
+    """A pool's rollout made no progress within the Deployment's progress deadline."""
+    IMAGE_PULL_BACK_OFF: Final = "ImagePullBackOff"
+    ERR_IMAGE_PULL: Final = "ErrImagePull"
+    CREATE_CONTAINER_CONFIG_ERROR: Final = "CreateContainerConfigError"
+    """A container cannot be configured (e.g. a referenced Secret or key does not exist)."""
+    OOM_KILLED: Final = "OOMKilled"
+    CHILD_FAILED: Final = "ChildFailed"
+    """A child failed with a reason that is not a valid condition reason (its text is in the message)."""
     # autoscaler: conditions and Events
     ACTIVE: Final = "Active"
     METRICS_AVAILABLE: Final = "MetricsAvailable"

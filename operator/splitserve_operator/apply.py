@@ -123,10 +123,14 @@ def with_owner(obj: Mapping[str, Any], *, owner: Owner) -> dict[str, Any]:
     return out
 
 
-def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None) -> Applied:
+def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None,
+                fixed_replicas: int | None = None) -> Applied:
     """Apply one child (see the module docstring). ``desired`` is as rendered, without
-    ``spec.replicas``; ``initial_replicas`` is the count a Deployment is created with (None for
-    kinds without replicas). Raises :class:`NameConflict` or the API error."""
+    ``spec.replicas``; ``initial_replicas`` is the count a pool Deployment is created with and
+    then handed to the autoscaler (None for kinds without replicas); ``fixed_replicas`` is
+    the count the reconciler itself keeps on every apply (the router: no autoscaler scales it,
+    so an edit of ``spec.router.replicas`` must reach it). Raises :class:`NameConflict` or the
+    API error."""
     kind = kube.kind_of(desired)
     meta = desired["metadata"]
     live = api.get(kind=kind, namespace=meta.get("namespace"), name=meta["name"])
@@ -135,6 +139,9 @@ def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, 
         owner_text = f"{ref.get('kind')}/{ref.get('name')}" if ref else None
         raise NameConflict(kind=kind.kind, name=meta["name"], owner=owner_text)
     body = with_owner(_without_replicas(desired), owner=owner)
+    if fixed_replicas is not None:
+        body["spec"]["replicas"] = fixed_replicas
+        initial_replicas = None  # ours for good: never handed over
     if live is None:
         if initial_replicas is not None:
             body["spec"]["replicas"] = initial_replicas

@@ -14,10 +14,14 @@ Triggers, all level-based (every reconcile recomputes everything):
   the pool counts in status. ``spec.replicas`` drift needs no special case: the apply never
   contains it. These reconciles are coalesced per object by :class:`Coalescer` (a burst of
   child events costs one or two reconciles) and retried with bounded backoff.
-* Unschedulable pods of our pools, and pods whose containers keep exiting at start-up
-  (:func:`reconcile.pod_start_failure`: a model that cannot be loaded, a crash loop) ->
-  reconcile their InferenceService, so a capacity shortfall or a start failure is reported
-  as soon as it shows.
+* Unschedulable pods of our pools, and pods that cannot run (:func:`failures.pod_failure`: a
+  model that cannot be loaded, a crash loop, an OOM kill, an image that cannot be pulled) ->
+  reconcile their InferenceService, so a capacity shortfall or a child failure is reported
+  as soon as it shows. A Deployment that cannot create pods (ReplicaFailure) or is past its
+  progress deadline changes its status, which the Deployment watch above already delivers.
+* A spec that can never apply is reported as Stalled/InvalidSpec by the reconcile and then
+  left alone (:func:`reconcile.spec_never_applies`): neither kopf nor the child path retries
+  it until its generation changes.
 * Pause: objects annotated ``splitserve.dev/paused: "true"`` are filtered out by ``when=``
   before kopf computes anything, so kopf stores no progress and writes nothing to them, and
   the child path skips them too: zero writes.
@@ -42,7 +46,7 @@ import kopf
 
 import splitserve_contract as contract
 
-from . import kube, reconcile
+from . import failures, kube, reconcile
 from .metrics import OperatorMetrics
 
 logger = logging.getLogger(__name__)
@@ -76,8 +80,9 @@ def pod_unschedulable(body: Mapping[str, Any], **_: Any) -> bool:
 
 
 def pod_needs_reconcile(body: Mapping[str, Any], **_: Any) -> bool:
-    """Pod events worth a reconcile: unschedulable, or failing at start-up."""
-    return pod_unschedulable(body) or reconcile.pod_start_failure(body) is not None
+    """Pod events worth a reconcile: unschedulable, or unable to run (failing at start-up,
+    an image that cannot be pulled, a container that cannot be configured)."""
+    return pod_unschedulable(body) or failures.pod_failure(body) is not None
 
 
 def owner_key(obj: Mapping[str, Any]) -> Key | None:
@@ -264,8 +269,8 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
     @kopf.on.event("v1", "pods", registry=registry, labels=labels, when=pod_needs_reconcile, id="pod-problems")
     async def pod_event(body: kopf.Body, **_: Any) -> None:
         # Pods are owned by ReplicaSets; the instance label names the InferenceService. Only
-        # unschedulable pods (capacity) and pods failing at start-up (their termination
-        # message) matter here; Deployment status covers the rest.
+        # unschedulable pods (capacity) and pods that cannot run (their termination or
+        # waiting message) matter here; Deployment status covers the rest.
         instance = (body.metadata.labels or {}).get(contract.LABEL_INSTANCE)
         if instance:
             coalescer.request((str(body.metadata.namespace), str(instance)))

@@ -49,6 +49,8 @@ class Kind:
 
 
 CONFIG_MAP: Final = Kind("v1", "ConfigMap", "configmaps")
+SECRET: Final = Kind("v1", "Secret", "secrets")
+"""Only ever created (the KV handoff key), never read: the operator has no Secret reads."""
 SERVICE: Final = Kind("v1", "Service", "services")
 POD: Final = Kind("v1", "Pod", "pods")
 NODE: Final = Kind("v1", "Node", "nodes", namespaced=False)
@@ -62,7 +64,7 @@ INFERENCE_SERVICE: Final = Kind(
 
 KINDS: Final[dict[tuple[str, str], Kind]] = {
     (k.api_version, k.kind): k
-    for k in (CONFIG_MAP, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE)
+    for k in (CONFIG_MAP, SECRET, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE)
 }
 
 
@@ -110,6 +112,9 @@ class KubeAPI(StatusAPI, Protocol):
     def list(self, *, kind: Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]: ...
 
     def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]: ...
+
+    def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
+               field_manager: str | None = None) -> dict[str, Any]: ...
 
 
 class Kube:

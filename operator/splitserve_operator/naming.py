@@ -18,6 +18,7 @@ import json
 from typing import Final
 
 from splitserve_contract import (
+    HANDOFF_KEY_SECRET_SUFFIX,
     LABEL_COMPAT_HASH,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
@@ -56,6 +57,11 @@ def child_name(isvc_name: str, component: Role | str) -> str:
 def config_map_name(isvc_name: str) -> str:
     """The one ConfigMap of an InferenceService (rendered runtime configuration)."""
     return f"{isvc_name}-config"
+
+
+def handoff_key_secret_name(isvc_name: str) -> str:
+    """The Secret holding the InferenceService's KV handoff key (``<isvc>-kv-handoff``)."""
+    return f"{isvc_name}{HANDOFF_KEY_SECRET_SUFFIX}"
 
 
 def network_policy_name(isvc_name: str) -> str:

@@ -12,13 +12,18 @@ The stages, each a small function passing a typed value to the next::
     parse -> render -> apply -> observe -> decide (conditions) -> write status
     obj      _Parsed   _Rendered _ApplyReport _Observed _Verdict
 
-Observation covers the Deployments, the pods (pending ones, and pods whose containers keep
-exiting at start-up: :func:`pod_start_failure`), and GPU capacity.
+Apply also creates the KV handoff key Secret of a disaggregated service, once
+(:mod:`handoff_key`). Observation covers the Deployments, the pods (pending ones, and pods
+that cannot run: :mod:`failures`), and GPU capacity.
 
 Conditions are kstatus-compatible (Ready / Reconciling / Stalled) with CamelCase reasons;
-problems become conditions and Events, never exceptions out of the operator. The only
-exception that escapes is :class:`RetryableError`, for API failures worth retrying with
-backoff (the handler turns it into ``kopf.TemporaryError``).
+problems become conditions and Events, never exceptions out of the operator. A child that
+cannot come up is ``Stalled=True`` with the child's own reason and message (FailedCreate,
+ImagePullBackOff, OOMKilled, ModelUnavailable, ProgressDeadlineExceeded, ...). A spec that can
+never apply (the models refuse it, or the API server refuses a child for good:
+:mod:`apierrors`) is ``Stalled=True``/``InvalidSpec`` and is not touched again until its
+generation changes. The only exception that escapes is :class:`RetryableError`, for API
+failures worth retrying with backoff (the handler turns it into ``kopf.TemporaryError``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,18 @@ from kubernetes.client.exceptions import ApiException
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason, Role
 
-from . import apply, capacity, events, kube, naming, render, status
+from . import (
+    apierrors,
+    apply,
+    capacity,
+    events,
+    failures,
+    handoff_key,
+    kube,
+    naming,
+    render,
+    status,
+)
 from .api import InferenceService, InvalidSpecError
 from .render import Component
 from .status import ConditionUpdate
@@ -45,10 +61,6 @@ logger = logging.getLogger(__name__)
 
 NODE_CACHE_SECONDS: Final = 10.0
 APPLY_CONCURRENCY: Final = 8
-MAX_POD_MESSAGE_CHARS: Final = 1024
-"""A pod's termination message is trimmed to this in conditions and Events."""
-MODEL_FAILURE_MARKERS: Final = ("is not in the local cache", "ModelLoadError", "model '")
-"""Text of a termination message that says the model could not be loaded (most specific first)."""
 
 
 class RetryableError(Exception):
@@ -77,7 +89,8 @@ class Result:
 
     outcome: str
     """Reconciled | Progressing | NameConflict | InvalidSpec | InsufficientGPUCapacity |
-    ModelUnavailable | PodStartFailed | Paused (a :class:`~splitserve_contract.Reason`)."""
+    Paused, or the reason of a child that cannot come up (ModelUnavailable, PodStartFailed,
+    FailedCreate, ImagePullBackOff, ...: :mod:`failures`)."""
     created: tuple[str, ...] = ()
     updated: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
@@ -144,83 +157,34 @@ def observe_deployment(*, role: Role, deployment: Mapping[str, Any], pods: list[
 
 
 
-@dataclasses.dataclass(frozen=True)
-class PodStartFailure:
-    """A container of a pod that keeps exiting at start-up (crash loop)."""
-
-    pod: str
-    role: str
-    container: str
-    exit_code: int
-    model_unavailable: bool
-    message: str
-    """The container's termination message (the runtime's load error, or the log tail)."""
-
-    @property
-    def reason(self) -> str:
-        return Reason.MODEL_UNAVAILABLE if self.model_unavailable else Reason.POD_START_FAILED
-
-    def describe(self) -> str:
-        head = f"pod {self.pod} (container {self.container}) exited with code {self.exit_code}"
-        return f"{head}: {self.message}" if self.message else head
-
-
-def _relevant_text(message: str) -> tuple[bool, str]:
-    """(mentions a model load failure, the part worth showing, at most ~1 KiB)."""
-    text = message.strip()
-    for marker in MODEL_FAILURE_MARKERS:
-        lines = [line.strip() for line in text.splitlines() if marker in line]
-        if lines:
-            return True, lines[-1][-MAX_POD_MESSAGE_CHARS:]
-    if len(text) > MAX_POD_MESSAGE_CHARS:  # the end of a log tail says most
-        text = "..." + text[-(MAX_POD_MESSAGE_CHARS - 3):]
-    return False, text
-
-
-def _failed_termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The failed termination of a container that keeps failing at start-up, else None."""
-    if container_status.get("ready"):
-        return None
-    state = container_status.get("state") or {}
-    current = state.get("terminated") or {}
-    last = (container_status.get("lastState") or {}).get("terminated") or {}
-    crash_loop = (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff"
-    restarted_after_failure = int(container_status.get("restartCount") or 0) >= 1 and \
-        int(last.get("exitCode") or 0) != 0
-    if not (crash_loop or restarted_after_failure):
-        return None
-    if int(current.get("exitCode") or 0) != 0:
-        return dict(current)
-    return dict(last)
-
-
-def pod_start_failure(pod: Mapping[str, Any]) -> PodStartFailure | None:
-    """The first container of ``pod`` that keeps failing at start-up (restartCount >= 1 after
-    a non-zero exit, or CrashLoopBackOff), with its termination message; None otherwise."""
-    meta = pod.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
-        return None
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        term = _failed_termination(cs)
-        if term is None:
-            continue
-        model_unavailable, message = _relevant_text(str(term.get("message") or ""))
-        return PodStartFailure(
-            pod=str(meta.get("name", "")), role=str((meta.get("labels") or {}).get(contract.LABEL_ROLE, "")),
-            container=str(cs.get("name", "")), exit_code=int(term.get("exitCode") or 0),
-            model_unavailable=model_unavailable, message=message)
-    return None
-
-
 def _status_key(role: Role) -> str:
     return role.value  # prefill | decode | aggregated | router
 
 
-def _previous_reason(obj: Mapping[str, Any], type_: str) -> str | None:
+def _previous(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
     for cond in (obj.get("status") or {}).get("conditions") or []:
         if cond.get("type") == type_:
-            return str(cond.get("reason"))
-    return None
+            return dict(cond)
+    return {}
+
+
+def _previous_reason(obj: Mapping[str, Any], type_: str) -> str | None:
+    reason = _previous(obj, type_).get("reason")
+    return None if reason is None else str(reason)
+
+
+def _already_stalled(obj: Mapping[str, Any], reason: str) -> bool:
+    """Whether ``obj`` was reported Stalled for ``reason`` at its current generation."""
+    cond = _previous(obj, ConditionType.STALLED)
+    generation = (obj.get("metadata") or {}).get("generation")
+    return (cond.get("status") == "True" and cond.get("reason") == reason
+            and cond.get("observedGeneration") == generation)
+
+
+def spec_never_applies(obj: Mapping[str, Any]) -> bool:
+    """An InferenceService whose current generation was found invalid (by the models, or by the
+    API server refusing its children for good): nothing is retried until the spec changes."""
+    return _already_stalled(obj, Reason.INVALID_SPEC)
 
 
 def _write_status(*, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[str, Any],
@@ -243,9 +207,19 @@ def _conditions(*, ready: Observation, reconciling: Observation, stalled: Observ
 
 
 def _stalled(reason: str, message: str) -> list[ConditionUpdate]:
-    """Ready=False, Reconciling=False, Stalled=True, all for ``reason``."""
+    """Ready=False, Reconciling=False, Stalled=True, all for ``reason``. Reconciling is False:
+    kstatus reads the first of Reconciling/Stalled that is True, and a stalled object is not
+    making progress."""
     return _conditions(ready=("False", reason, message), reconciling=("False", reason, message),
                        stalled=("True", reason, message))
+
+
+def _report_invalid_spec(*, api: kube.KubeAPI, obj: Mapping[str, Any], message: str) -> None:
+    """Stalled/InvalidSpec at the current generation, and one Warning Event per generation."""
+    if not _already_stalled(obj, Reason.INVALID_SPEC):
+        events.warning(obj=obj, reason=Reason.INVALID_SPEC, message=message)
+    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
+                  conditions=_stalled(Reason.INVALID_SPEC, message))
 
 
 # ---------------------------------------------------------------------------- stages
@@ -278,8 +252,12 @@ class _ApplyReport:
 class _Observed:
     pools: dict[Role, PoolObservation]
     shortfalls: list[str]
-    start_failures: list[PodStartFailure]
+    replica_failures: list[failures.DeploymentFailure]
+    """Pools whose pods cannot be created (Deployment ReplicaFailure)."""
+    pod_failures: list[failures.PodFailure]
     """Failing pods of pools without a ready replica (one per pool)."""
+    stuck_rollouts: list[failures.DeploymentFailure]
+    """Pools past their progress deadline."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,16 +269,12 @@ class _Verdict:
 
 
 def _parse(*, api: kube.KubeAPI, obj: Mapping[str, Any]) -> _Parsed | None:
-    """The parsed spec; None after reporting an invalid one (Event on transition, status)."""
+    """The parsed spec; None after reporting an invalid one (Event per generation, status)."""
     meta = obj["metadata"]
     try:
         isvc = InferenceService.parse(obj)
     except InvalidSpecError as exc:
-        message = str(exc)
-        if _previous_reason(obj, ConditionType.STALLED) != Reason.INVALID_SPEC:
-            events.warning(obj=obj, reason=Reason.INVALID_SPEC, message=message)
-        _write_status(api=api, obj=obj, fields={"observedGeneration": meta.get("generation")},
-                      conditions=_stalled(Reason.INVALID_SPEC, message))
+        _report_invalid_spec(api=api, obj=obj, message=str(exc))
         return None
     return _Parsed(obj=obj, name=str(meta["name"]), namespace=str(meta["namespace"]), isvc=isvc)
 
@@ -316,16 +290,35 @@ def _role_of(child: Mapping[str, Any]) -> str | None:
     return str(role) if role else None
 
 
+def _owner(parsed: _Parsed) -> apply.Owner:
+    return apply.Owner(name=parsed.name, uid=str(parsed.obj["metadata"]["uid"]))
+
+
+def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> ApiException | None:
+    """Create the KV handoff key Secret when a pool uses it (before the pods that mount it);
+    the API error, if creating it failed."""
+    if not any(render.uses_handoff_key(c.role) for c in rendered.comps):
+        return None
+    try:
+        handoff_key.ensure(api=api, isvc_name=parsed.name, namespace=parsed.namespace,
+                           owner_reference=_owner(parsed).reference())
+    except ApiException as exc:
+        return exc
+    return None
+
+
 def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> list[apply.Applied | BaseException]:
     """Apply every child; children are independent objects, so concurrently (a GET + PATCH each)."""
-    owner = apply.Owner(name=parsed.name, uid=str(parsed.obj["metadata"]["uid"]))
+    owner = _owner(parsed)
 
     def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
         role_value = _role_of(child)
-        initial = (render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value)))
-                   if child["kind"] == "Deployment" else None)
+        deployment = child["kind"] == "Deployment"
+        initial = render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value))) if deployment else None
+        fixed = parsed.isvc.spec.router.replicas if deployment and role_value == Role.ROUTER.value else None
         try:
-            return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial)
+            return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial,
+                                     fixed_replicas=fixed)
         except (apply.NameConflict, ApiException) as exc:
             return exc
 
@@ -333,12 +326,23 @@ def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> li
         return list(pool.map(apply_one, rendered.children))
 
 
-def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _ApplyReport:
-    """Apply the children and report what happened (Events); API errors are written to
-    status and raised as :class:`RetryableError`."""
+def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _ApplyReport | None:
+    """Apply the children and report what happened (Events). A child the API server refuses
+    for good (:func:`apierrors.is_permanent`) makes the spec invalid: reported as
+    Stalled/InvalidSpec with the server's words, None is returned and nothing is retried.
+    Other API errors are written to status and raised as :class:`RetryableError`."""
     obj = parsed.obj
     report = _ApplyReport(created=[], updated=[], conflicts=[], conflict_messages=[], deployments={})
-    api_errors: list[str] = []
+    permanent: list[str] = []
+    transient: list[str] = []
+
+    def failed(what: str, exc: BaseException) -> None:
+        text = f"{what} failed: {kube.error_message(exc)}"
+        (permanent if apierrors.is_permanent(exc) else transient).append(text)
+
+    key_error = _ensure_handoff_key(api=api, parsed=parsed, rendered=rendered)
+    if key_error is not None:
+        failed(f"creating Secret/{naming.handoff_key_secret_name(parsed.name)}", key_error)
     results = _apply_all(api=api, parsed=parsed, rendered=rendered)
     for child, result in zip(rendered.children, results, strict=True):
         label = f"{child['kind']}/{child['metadata']['name']}"
@@ -346,7 +350,7 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
             report.conflicts.append(label)
             report.conflict_messages.append(str(result))
         elif isinstance(result, BaseException):
-            api_errors.append(f"applying {label} failed: {kube.error_message(result)}")
+            failed(f"applying {label}", result)
         else:
             if result.outcome is apply.Outcome.CREATED:
                 report.created.append(label)
@@ -355,8 +359,11 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
             role_value = _role_of(child)
             if child["kind"] == "Deployment" and role_value:
                 report.deployments[Role(role_value)] = result.obj
-    if api_errors:
-        message = "; ".join(api_errors)
+    if permanent:  # retrying cannot help, whatever else failed
+        _report_invalid_spec(api=api, obj=obj, message="; ".join(permanent))
+        return None
+    if transient:
+        message = "; ".join(transient)
         events.warning(obj=obj, reason=Reason.API_ERROR, message=message)
         _write_status(api=api, obj=obj, fields={}, conditions=_conditions(
             ready=("False", Reason.API_ERROR, message), reconciling=("True", Reason.API_ERROR, message),
@@ -398,18 +405,11 @@ def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObse
     return shortfalls
 
 
-def start_failures(*, pools: Mapping[Role, PoolObservation],
-                   pods: Sequence[Mapping[str, Any]]) -> list[PodStartFailure]:
+def pod_failures(*, pools: Mapping[Role, PoolObservation],
+                 pods: Sequence[Mapping[str, Any]]) -> list[failures.PodFailure]:
     """One failing pod per pool that has no ready replica (a pool still serving from another
-    replica is not reported: its rollout or the Deployment's own status says enough)."""
-    out: list[PodStartFailure] = []
-    for role, pool in pools.items():
-        if pool.ready >= 1:
-            continue
-        failures = [f for f in map(pod_start_failure, pods) if f is not None and f.role == role.value]
-        if failures:  # a model failure says the most, then any other
-            out.append(sorted(failures, key=lambda f: (not f.model_unavailable, f.pod))[0])
-    return out
+    replica is not reported: its rollout, or its progress deadline, says enough)."""
+    return failures.pod_failures(roles=[role for role, pool in pools.items() if pool.ready < 1], pods=pods)
 
 
 def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport,
@@ -419,14 +419,30 @@ def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report:
              for role, dep in report.deployments.items()}
     node_list = (nodes or NodeCache()).nodes(api=api)
     shortfalls = _gpu_shortfalls(comps=rendered.comps, pools=pools, pods=pods, node_list=node_list)
-    if shortfalls and _previous_reason(parsed.obj, ConditionType.STALLED) != Reason.INSUFFICIENT_GPU_CAPACITY:
-        events.warning(obj=parsed.obj, reason=Reason.INSUFFICIENT_GPU_CAPACITY, message="; ".join(shortfalls))
-    return _Observed(pools=pools, shortfalls=shortfalls, start_failures=start_failures(pools=pools, pods=pods))
+    return _Observed(pools=pools, shortfalls=shortfalls,
+                     replica_failures=failures.replica_failures(report.deployments),
+                     pod_failures=pod_failures(pools=pools, pods=pods),
+                     stuck_rollouts=failures.stuck_rollouts(report.deployments))
+
+
+def _blocker(observed: _Observed) -> tuple[str, str] | None:
+    """(reason, message) of what keeps the pools from coming up, most direct evidence first:
+    pods that cannot be created, GPUs that do not exist, pods that cannot start, rollouts past
+    their deadline. None while the rollout may still progress."""
+    if observed.replica_failures:
+        return observed.replica_failures[0].reason, "; ".join(f.describe() for f in observed.replica_failures)
+    if observed.shortfalls:
+        return Reason.INSUFFICIENT_GPU_CAPACITY, "; ".join(observed.shortfalls)
+    if observed.pod_failures:
+        return observed.pod_failures[0].reason, "; ".join(f.describe() for f in observed.pod_failures)
+    if observed.stuck_rollouts:
+        return observed.stuck_rollouts[0].reason, "; ".join(f.describe() for f in observed.stuck_rollouts)
+    return None
 
 
 def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, observed: _Observed) -> _Verdict:
-    """The three conditions, by precedence: name conflict, ready, GPU shortfall, pods failing
-    at start-up, progressing. A newly reported start failure gets one Warning Event."""
+    """The three conditions, by precedence: name conflict, ready, a blocker (:func:`_blocker`),
+    progressing. A newly reported blocker gets one Warning Event."""
     pools = observed.pools
     all_present = len(pools) == len(rendered.comps)
     ready = all_present and not report.conflicts and all(o.ready >= 1 and o.rolled_out for o in pools.values())
@@ -441,18 +457,12 @@ def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, obser
         conds = _conditions(ready=("True", Reason.RECONCILED, msg), reconciling=("False", Reason.RECONCILED, msg),
                             stalled=("False", Reason.RECONCILED, msg))
         return _Verdict(conds, Reason.RECONCILED, True, msg)
-    if observed.shortfalls or observed.start_failures:
-        if observed.shortfalls:
-            reason, msg = Reason.INSUFFICIENT_GPU_CAPACITY, "; ".join(observed.shortfalls)
-        else:
-            reason = observed.start_failures[0].reason
-            msg = "; ".join(f.describe() for f in observed.start_failures)
-            if _previous_reason(parsed.obj, ConditionType.STALLED) != reason:
-                events.warning(obj=parsed.obj, reason=reason, message=msg)
-        conds = _conditions(ready=("False", reason, msg),
-                            reconciling=("True", Reason.ROLLOUT_IN_PROGRESS, waiting or msg),
-                            stalled=("True", reason, msg))
-        return _Verdict(conds, reason, False, msg)
+    blocker = _blocker(observed)
+    if blocker is not None:
+        reason, msg = blocker
+        if _previous_reason(parsed.obj, ConditionType.STALLED) != reason:
+            events.warning(obj=parsed.obj, reason=reason, message=msg)
+        return _Verdict(_stalled(reason, msg), reason, False, msg)
     reason = Reason.CHILDREN_CREATED if report.created else Reason.ROLLOUT_IN_PROGRESS
     msg = f"Waiting for {waiting}" if waiting else "Waiting for rollouts"
     conds = _conditions(ready=("False", reason, msg), reconciling=("True", reason, msg),
@@ -476,14 +486,19 @@ def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _O
 def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileSettings,
               nodes: NodeCache | None = None) -> Result:
     """Converge the children of ``obj`` (a live InferenceService) and write its status.
-    A paused object is not touched at all (the caller should not even call this)."""
+    A paused object is not touched at all (the caller should not even call this), nor is one
+    whose current generation is known not to apply (:func:`spec_never_applies`)."""
     if is_paused(obj):
         return Result(outcome=Reason.PAUSED)
+    if spec_never_applies(obj):
+        return Result(outcome=Reason.INVALID_SPEC)
     parsed = _parse(api=api, obj=obj)
     if parsed is None:
         return Result(outcome=Reason.INVALID_SPEC)
     rendered = _render(parsed=parsed, settings=settings)
     report = _apply(api=api, parsed=parsed, rendered=rendered)
+    if report is None:
+        return Result(outcome=Reason.INVALID_SPEC)
     observed = _observe(api=api, parsed=parsed, rendered=rendered, report=report, nodes=nodes)
     verdict = _decide(parsed=parsed, rendered=rendered, report=report, observed=observed)
     _write_status(api=api, obj=obj, fields=_status_fields(parsed=parsed, settings=settings, observed=observed),

@@ -3,7 +3,8 @@
 :func:`render_children` turns one parsed :class:`~splitserve_operator.api.InferenceService`
 into the list of objects the reconciler server-side-applies: the ConfigMap, one Deployment +
 Service + PodDisruptionBudget per component (prefill, decode, router; or engine + router in
-Aggregated mode) and the NetworkPolicies. No I/O, no clock, no randomness: the same spec and
+Aggregated mode) and the NetworkPolicies. The KV handoff key Secret that prefill and decode
+pods mount is not rendered here: it is created once, never applied (:mod:`.handoff_key`). No I/O, no clock, no randomness: the same spec and
 operator flags give byte-identical output, which is what makes two properties hold:
 
 * the pod-template annotation :data:`~splitserve_contract.ANNOTATION_CONFIG_HASH` is a
@@ -32,7 +33,7 @@ import yaml
 import splitserve_contract as contract
 from splitserve_contract import Role
 
-from . import naming
+from . import handoff_key, naming
 from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec
 
 TEMPLATE_DIR: Final = Path(__file__).parent / "templates"
@@ -119,7 +120,8 @@ def serve_args(
     *, isvc: InferenceService, role: Role, pool: PoolSpec, runtime_image: str,
 ) -> contract.ServeArgs:
     """The `splitserve serve` arguments of one pool (before runtime.extraArgs). The compat hash
-    goes on the command line too: pods report it and the router pairs only equal hashes."""
+    goes on the command line too: pods report it and the router pairs only equal hashes.
+    Prefill and decode get the KV handoff key file (:mod:`.handoff_key`)."""
     spec = isvc.spec
     model, _, _ = _model_location(spec.model.uri)
     return contract.ServeArgs(
@@ -143,7 +145,13 @@ def serve_args(
         tensor_parallel_size=pool.parallelism.tensor,
         pipeline_parallel_size=pool.parallelism.pipeline,
         compat_hash=compat_hash_of(isvc=isvc, runtime_image=runtime_image),
+        handoff_key_file=handoff_key.KEY_FILE if uses_handoff_key(role) else "",
     )
+
+
+def uses_handoff_key(role: Role) -> bool:
+    """Prefill signs the KV handoff and decode verifies it; nobody else holds the key."""
+    return role in (Role.PREFILL, Role.DECODE)
 
 
 def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
@@ -288,6 +296,9 @@ def _pod_spec(
         if component.role is not Role.AGGREGATED:
             ports.append({"name": contract.KV_TRANSFER_PORT_NAME,
                           "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"})
+        if uses_handoff_key(component.role):
+            volumes.append(handoff_key.volume(isvc.metadata.name))
+            mounts.append(handoff_key.volume_mount())
         pod = {"automountServiceAccountToken": False}
         if pool.node_selector:
             pod["nodeSelector"] = dict(pool.node_selector)

@@ -97,7 +97,7 @@ def test_quantities_accept_yaml_integers() -> None:
     isvc = api.InferenceService.parse(_minimal(prefill={"resources": {"cpu": 4, "memory": "16Gi"}}))
     assert isvc.spec.prefill is not None and isvc.spec.prefill.resources.cpu == "4"
     errors = _errors(_minimal(prefill={"resources": {"memory": "lots"}}))
-    assert errors == ["spec.prefill.resources.memory: must be a Kubernetes quantity such as 2, 500m or 16Gi, got 'lots'"]
+    assert errors == ["spec.prefill.resources.memory: must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi, got 'lots'"]
 
 
 @pytest.mark.parametrize(

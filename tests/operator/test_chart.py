@@ -114,13 +114,16 @@ def test_namespace_scope_renders_no_cluster_objects() -> None:
 
 @needs_helm
 @pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, ("router.namespaces={a,b}",)])
-def test_rbac_is_explicit_and_never_touches_secrets(sets: tuple[str, ...]) -> None:
+def test_rbac_is_explicit_and_never_reads_secrets(sets: tuple[str, ...]) -> None:
     rules = _rules(_render(*sets))
     assert rules
     for rule in rules:
         for field in ("apiGroups", "resources", "verbs"):
             assert all("*" not in item for item in rule[field]), rule
-        assert "secrets" not in rule["resources"], rule
+        # The KV handoff key Secret is created once (a 409 means it is there); nothing reads
+        # a Secret, so no rule may get, list or watch them.
+        if "secrets" in rule["resources"]:
+            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create"], rule
         assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate", "deletecollection"}, rule
 
 
@@ -139,8 +142,20 @@ def test_operator_rules_cover_what_it_manages() -> None:
                             ("policy", "poddisruptionbudgets"), ("networking.k8s.io", "networkpolicies")]:
         assert verbs(group, resource) == crud, resource
     assert verbs("", "pods") == {"get", "list", "watch", "patch"}
+    assert verbs("", "secrets") == {"create"}
     assert verbs("discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
     assert verbs("", "events") == {"create", "patch"} == verbs("events.k8s.io", "events")
+
+
+@needs_helm
+@pytest.mark.parametrize(("sets", "kind"), [((), "ClusterRole"), (NAMESPACE_SCOPE, "Role")])
+def test_operator_creates_handoff_key_secrets_in_both_scopes(sets: tuple[str, ...], kind: str) -> None:
+    # Issue 12 #4: the operator creates each disaggregated InferenceService's KV handoff key
+    # Secret where the InferenceService lives (the watched namespace in namespace scope).
+    role = _one(_render(*sets), kind, "rel-splitserve")
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]} in role["rules"]
+    if kind == "Role":
+        assert role["metadata"]["namespace"] == "team"
 
 
 @needs_helm

@@ -88,7 +88,7 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/* splitserve.operatorRules are the RBAC rules of the operator in the watched
-namespace(s): explicit verbs, no wildcards, no Secrets. */}}
+namespace(s): explicit verbs, no wildcards, and Secrets create-only (never read). */}}
 {{- define "splitserve.operatorRules" -}}
 - apiGroups: ["splitserve.dev"]
   resources: ["inferenceservices"]
@@ -119,6 +119,12 @@ namespace(s): explicit verbs, no wildcards, no Secrets. */}}
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+# The KV handoff key Secret of each disaggregated InferenceService is created once; a create
+# that finds it already there is the answer. No get/list/watch: the operator never reads a
+# Secret (it references the others in pod specs, for the kubelet to read).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -12,7 +12,8 @@ JSON names are camelCase (``alias``); Python attributes are snake_case
 (``populate_by_name`` accepts both). Serialise with :meth:`ApiModel.dump`.
 
 The package is split by concern: :mod:`.fields` (patterns, base model, capability-bound
-fields), :mod:`.spec`, :mod:`.status`, :mod:`.resource` (the whole object, parsing, pool
+fields, core/v1 pod fields), :mod:`.corev1` (Kubernetes' own schemas for those, from
+:mod:`.corev1_snapshot`), :mod:`.spec`, :mod:`.status`, :mod:`.resource` (the whole object, parsing, pool
 helpers) and :mod:`.rules` (CEL rules and their messages); everything is importable from here.
 
 Replica ownership: the spec holds only ``replicas.min``/``replicas.max``. The current
@@ -28,10 +29,13 @@ from .fields import (
     API_VERSION_STRING,
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
+    IMAGE_PATTERN,
     K8S_NAME_PATTERN,
+    LABEL_VALUE_PATTERN,
     MAX_SCALING_HISTORY,
     MODEL_URI_PATTERN,
     QUANTITY_PATTERN,
+    Affinity,
     ApiModel,
     BlockSize,
     DtypeName,
@@ -40,6 +44,7 @@ from .fields import (
     Quantity,
     QuantizationName,
     TensorParallelSize,
+    Toleration,
     parse_duration_seconds,
     utc_now,
 )
@@ -58,10 +63,12 @@ from .rules import (
     GPU_BUDGET_RULE_MESSAGE,
     HUB_TOKEN_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
+    LABEL_KEY_PATTERN,
     MIN_AUTOSCALING_INTERVAL_SECONDS,
     MODEL_CEL_RULES,
     NAME_LENGTH_RULE_MESSAGE,
     NAME_PATTERN_RULE_MESSAGE,
+    NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_CEL_RULES,
     PARALLELISM_RULE_MESSAGE,
     POOL_CEL_RULES,
@@ -69,6 +76,10 @@ from .rules import (
     REPLICAS_RULE_MESSAGE,
     ROOT_CEL_RULES,
     SPEC_CEL_RULES,
+    TOLERATION_CEL_RULES,
+    TOLERATION_KEY_RULE_MESSAGE,
+    TOLERATION_SECONDS_RULE_MESSAGE,
+    TOLERATION_VALUE_RULE_MESSAGE,
     CelRule,
 )
 from .spec import (
@@ -103,6 +114,16 @@ from .status import (
 )
 
 __all__ = [
+    "Affinity",
+    "IMAGE_PATTERN",
+    "LABEL_KEY_PATTERN",
+    "LABEL_VALUE_PATTERN",
+    "NODE_SELECTOR_RULE_MESSAGE",
+    "TOLERATION_CEL_RULES",
+    "TOLERATION_KEY_RULE_MESSAGE",
+    "TOLERATION_SECONDS_RULE_MESSAGE",
+    "TOLERATION_VALUE_RULE_MESSAGE",
+    "Toleration",
     "AUTOSCALING_CEL_RULES",
     "INTERVAL_RULE_MESSAGE",
     "MIN_AUTOSCALING_INTERVAL_SECONDS",

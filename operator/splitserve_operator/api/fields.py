@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import re
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Final
 
 from pydantic import (
@@ -25,6 +26,9 @@ from splitserve_contract import (
 )
 from splitserve_contract import capabilities as caps
 
+from . import corev1
+from .rules import TOLERATION_CEL_RULES, toleration_problems
+
 API_VERSION_STRING: Final = f"{API_GROUP}/{API_VERSION}"
 MAX_SCALING_HISTORY: Final = 20
 """status.scalingHistory keeps the most recent N scaling events."""
@@ -39,9 +43,15 @@ MODEL_URI_PATTERN: Final = (
     r"|file:///[^\s]*)$"
 )
 QUANTITY_PATTERN: Final = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
     r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+"""Kubernetes' quantity syntax without the minus sign: requests and limits must be >= 0
+(the API server says so only when the Deployment is applied)."""
+LABEL_VALUE_PATTERN: Final = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+IMAGE_PATTERN: Final = r"^\S+$"
+"""A container image reference has no whitespace (leading or trailing whitespace is refused
+when the Deployment is applied, inner whitespace by the kubelet: InvalidImageName)."""
 ENV_NAME_PATTERN: Final = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 K8S_NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
@@ -74,18 +84,46 @@ Quantity = Annotated[
     WithJsonSchema(
         {
             "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "minimum": 0,
             "pattern": QUANTITY_PATTERN,
             "x-kubernetes-int-or-string": True,
         }
     ),
 ]
-"""A Kubernetes resource quantity (``2``, ``"500m"``, ``"16Gi"``)."""
+"""A non-negative Kubernetes resource quantity (``2``, ``"500m"``, ``"16Gi"``): ``minimum``
+bounds the integer form, ``pattern`` the string form."""
 
 FreeFormObject = Annotated[
     dict[str, Any],
     WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
 ]
-"""A Kubernetes core object passed through to pod specs unchanged (affinity, toleration)."""
+"""An object passed through unchecked. Pod fields use :data:`Toleration` and :data:`Affinity`,
+which carry Kubernetes' own schemas."""
+
+
+def _core_v1_check(schema: Mapping[str, Any], *checks: Callable[[Mapping[str, Any]], list[str]]) -> AfterValidator:
+    """The model's side of a core/v1 object field whose CRD schema is ``schema`` (from
+    :mod:`.corev1`): the same schema, plus ``checks`` (the Python side of its CEL rules)."""
+
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        errors = corev1.problems(value, schema) + [e for c in checks for e in c(value)]
+        if errors:
+            raise ValueError("; ".join(errors))
+        return value
+
+    return AfterValidator(check)
+
+
+_TOLERATION_SCHEMA: Final = {
+    **corev1.crd_schema(corev1.TOLERATION),
+    "x-kubernetes-validations": [dict(rule) for rule in TOLERATION_CEL_RULES],
+}
+_AFFINITY_SCHEMA: Final = corev1.crd_schema(corev1.AFFINITY)
+Toleration = Annotated[dict[str, Any], _core_v1_check(_TOLERATION_SCHEMA, toleration_problems),
+                       WithJsonSchema(_TOLERATION_SCHEMA)]
+"""A core/v1 Toleration, validated as the API server validates a Pod's."""
+Affinity = Annotated[dict[str, Any], _core_v1_check(_AFFINITY_SCHEMA), WithJsonSchema(_AFFINITY_SCHEMA)]
+"""A core/v1 Affinity, validated with the API server's schema."""
 
 
 class ApiModel(BaseModel):

@@ -25,7 +25,9 @@ from ..naming import MAX_NAME_LENGTH, NAME_PATTERN
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
+    IMAGE_PATTERN,
     K8S_NAME_PATTERN,
+    LABEL_VALUE_PATTERN,
     MODEL_URI_PATTERN,
     QUANTITY_PATTERN,
 )
@@ -61,7 +63,9 @@ class InvalidSpecError(ValueError):
 _PATTERN_HINTS: Final = {
     MODEL_URI_PATTERN: "must be hf://org/name, pvc://claim/path or file:///absolute/path",
     DURATION_PATTERN: "must be a duration such as 15s, 1m30s or 500ms",
-    QUANTITY_PATTERN: "must be a Kubernetes quantity such as 2, 500m or 16Gi",
+    QUANTITY_PATTERN: "must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi",
+    LABEL_VALUE_PATTERN: "must be a label value: alphanumerics, '-', '_' or '.', starting and ending with an alphanumeric",
+    IMAGE_PATTERN: "must be an image reference without whitespace",
     ENV_NAME_PATTERN: "must be a valid environment variable name",
     K8S_NAME_PATTERN: "must be a lowercase Kubernetes object name",
 }

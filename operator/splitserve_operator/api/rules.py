@@ -5,7 +5,8 @@ capabilities table for settings this version does not serve.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 from splitserve_contract import capabilities as caps
 
@@ -86,7 +87,23 @@ PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
 REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},
 )
+LABEL_KEY_PATTERN: Final = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+MAX_LABEL_KEY_LENGTH: Final = 317
+"""A label key: an optional DNS-subdomain prefix (<= 253) and '/', then a name (<= 63)."""
+NODE_SELECTOR_RULE_MESSAGE: Final = (
+    "nodeSelector keys must be label keys: an optional DNS subdomain prefix and '/', then a name "
+    "of alphanumerics, '-', '_' or '.' starting and ending with an alphanumeric"
+)
 POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {
+        "rule": f"!has(self.nodeSelector) || self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY_LENGTH}"
+                f" && k.matches('{LABEL_KEY_PATTERN}'))",
+        "message": NODE_SELECTOR_RULE_MESSAGE,
+        "fieldPath": ".nodeSelector",
+    },
     {
         "rule": "self.resources.gpus != 0 || (self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
         "message": CPU_PARALLELISM_RULE_MESSAGE,
@@ -96,3 +113,33 @@ POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
         "message": PARALLELISM_RULE_MESSAGE,
     },
 )
+
+
+# The pairings Kubernetes checks in Go for a Toleration (ValidateTolerations), which its
+# OpenAPI schema cannot say; without them such a toleration passes admission and the
+# Deployment apply fails. `size()` keeps the CEL cost independent of string lengths.
+TOLERATION_KEY_RULE_MESSAGE: Final = (
+    "operator must be Exists when key is empty, which means \"match all values and all keys\""
+)
+TOLERATION_VALUE_RULE_MESSAGE: Final = "value must be empty when operator is Exists"
+TOLERATION_SECONDS_RULE_MESSAGE: Final = "effect must be NoExecute when tolerationSeconds is set"
+TOLERATION_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    {"rule": "(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
+     "message": TOLERATION_KEY_RULE_MESSAGE},
+    {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || size(self.value) == 0",
+     "message": TOLERATION_VALUE_RULE_MESSAGE},
+    {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+     "message": TOLERATION_SECONDS_RULE_MESSAGE},
+)
+
+
+def toleration_problems(toleration: Mapping[str, Any]) -> list[str]:
+    """:data:`TOLERATION_CEL_RULES` in Python (same messages)."""
+    out = []
+    if not toleration.get("key") and toleration.get("operator") != "Exists":
+        out.append(TOLERATION_KEY_RULE_MESSAGE)
+    if toleration.get("operator") == "Exists" and toleration.get("value"):
+        out.append(TOLERATION_VALUE_RULE_MESSAGE)
+    if toleration.get("tolerationSeconds") is not None and toleration.get("effect") != "NoExecute":
+        out.append(TOLERATION_SECONDS_RULE_MESSAGE)
+    return out

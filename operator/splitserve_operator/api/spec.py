@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -20,16 +21,19 @@ from splitserve_contract import capabilities as caps
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
+    IMAGE_PATTERN,
     K8S_NAME_PATTERN,
+    LABEL_VALUE_PATTERN,
     MODEL_URI_PATTERN,
+    Affinity,
     ApiModel,
     BlockSize,
     DtypeName,
-    FreeFormObject,
     PipelineParallelSize,
     Quantity,
     QuantizationName,
     TensorParallelSize,
+    Toleration,
     _capability_field,
     _object,
     parse_duration_seconds,
@@ -41,7 +45,10 @@ from .rules import (
     GPU_BUDGET_RULE_MESSAGE,
     HUB_TOKEN_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
+    LABEL_KEY_PATTERN,
+    MAX_LABEL_KEY_LENGTH,
     MIN_AUTOSCALING_INTERVAL_SECONDS,
+    NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
 )
@@ -144,6 +151,7 @@ class RuntimeSpec(ApiModel):
         default=None,
         min_length=1,
         max_length=512,
+        pattern=IMAGE_PATTERN,
         description="Runtime image. Empty: the operator's default runtime image (--runtime-image).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
@@ -210,18 +218,19 @@ class PoolSpec(ApiModel):
     replicas: ReplicasSpec = _object(ReplicasSpec, "Replica bounds of the pool.")
     resources: ResourcesSpec = _object(ResourcesSpec, "Resources of each pod.")
     parallelism: ParallelismSpec = _object(ParallelismSpec, "Model parallelism inside each pod.")
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
         default_factory=dict,
         max_length=32,
-        description="Node labels the pods must match.",
+        description="Node labels the pods must match (label keys and values).",
     )
-    tolerations: list[FreeFormObject] = Field(
+    tolerations: list[Toleration] = Field(
         default_factory=list,
         max_length=32,
-        description="Pod tolerations (core/v1 Toleration objects).",
+        description="Pod tolerations (core/v1 Toleration objects, validated with Kubernetes' schema).",
     )
-    affinity: FreeFormObject | None = Field(
-        default=None, description="Pod affinity (a core/v1 Affinity object)."
+    affinity: Affinity | None = Field(
+        default=None,
+        description="Pod affinity (a core/v1 Affinity object, validated with Kubernetes' schema).",
     )
     priority_class_name: str | None = Field(
         default=None,
@@ -229,6 +238,13 @@ class PoolSpec(ApiModel):
         pattern=K8S_NAME_PATTERN,
         description="PriorityClass of the pods.",
     )
+
+    @model_validator(mode="after")
+    def _node_selector_keys(self) -> PoolSpec:
+        bad = [k for k in self.node_selector if not re.fullmatch(LABEL_KEY_PATTERN, k) or len(k) > MAX_LABEL_KEY_LENGTH]
+        if bad:
+            raise ValueError(f"{NODE_SELECTOR_RULE_MESSAGE}, got {', '.join(repr(k) for k in bad)}")
+        return self
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> PoolSpec:

@@ -1,0 +1,426 @@
+"""Hostile InferenceService manifests against the real API server and the chart's operator.
+
+Issue 12 (operator defects 11-14): every manifest here either fails ``kubectl apply`` at once
+with the field path and our message (admission: the CRD's structural schema, Kubernetes' own
+core/v1 schemas for the pod fields, CEL rules), or is admitted and then shows what is wrong
+in its status conditions (kstatus ``Stalled=True`` with a reason): a child the API server
+refuses for good (``InvalidSpec``, not retried), pods that cannot be created
+(``FailedCreate``: a missing PriorityClass), GPUs the cluster does not have, pods that cannot
+be configured or keep crashing.
+
+One operator release (namespace scope, on the local node) serves the module; admission cases
+need only the CRD. Status cases run one at a time and delete what they made. Pools of the
+status cases run on kwok GPU nodes (nothing executes) unless the case needs a real process,
+which runs on the local node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import splitserve_contract as contract
+from splitserve_contract import ConditionType, Reason
+from splitserve_contract import capabilities as caps
+from splitserve_e2e.build import cache_root
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import (
+    ISVC_PLURAL,
+    MODEL_NAME,
+    condition,
+    ensure_model_cache,
+    get_isvc,
+    install_operator,
+    pod_summary,
+    remove_demo,
+)
+from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
+from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_operator import api, corev1gen
+from splitserve_operator.api import rules
+from splitserve_operator.api.corev1_snapshot import SNAPSHOT
+
+pytestmark = pytest.mark.e2e
+
+STATUS_TIMEOUT_SECONDS = 120.0
+QUIET_SECONDS = 6.0
+"""How long the "not retried" check watches (child events and kopf resumes happen within it)."""
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_cache() -> Path:
+    return ensure_model_cache(cache_dir=cache_root() / "models")
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: LocalCluster, model_cache: Path) -> Iterator[str]:
+    """A namespace with the CRD applied and one operator installed by the chart."""
+    name = f"hostile-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    try:
+        install_operator(cluster=cluster, namespace=name,
+                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+        yield name
+    finally:
+        remove_demo(cluster=cluster, namespace=name, release="splitserve")
+
+
+def _minimal(name: str = "hostile") -> dict[str, Any]:
+    return {"apiVersion": api.API_VERSION_STRING, "kind": contract.KIND, "metadata": {"name": name},
+            "spec": {"model": {"uri": "hf://org/model"}, "prefill": {}, "decode": {}}}
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and value:
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _prefill(**pool: Any) -> dict[str, Any]:
+    return {"spec": {"prefill": pool}}
+
+
+def _capability(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
+    """Either words the API server may use for a known-but-unsupported value."""
+    return (capability.unsupported_message(value), caps.cel_rule(capability)["message"])
+
+
+# --------------------------------------------------------------------------- admission
+# (id, patch onto the minimal object, what the refusal must say: every str, or one of a tuple)
+ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] = [
+    # issue 12 #11: pod fields checked with Kubernetes' own schemas
+    ("toleration-unknown-field", _prefill(tolerations=[{"foo": "bar"}]),
+     ['unknown field "spec.prefill.tolerations[0].foo"']),
+    ("toleration-empty", _prefill(tolerations=[{}]),
+     ["spec.prefill.tolerations[0]", rules.TOLERATION_KEY_RULE_MESSAGE]),
+    ("toleration-exists-with-value", _prefill(tolerations=[{"key": "a", "operator": "Exists", "value": "b"}]),
+     ["spec.prefill.tolerations[0]", rules.TOLERATION_VALUE_RULE_MESSAGE]),
+    ("toleration-seconds-without-noexecute",
+     _prefill(tolerations=[{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}]),
+     ["spec.prefill.tolerations[0]", rules.TOLERATION_SECONDS_RULE_MESSAGE]),
+    ("toleration-bad-effect", _prefill(tolerations=[{"key": "a", "effect": "Sometimes"}]),
+     ['spec.prefill.tolerations[0].effect: Unsupported value: "Sometimes"']),
+    ("toleration-bad-operator", _prefill(tolerations=[{"key": "a", "operator": "Like"}]),
+     ['spec.prefill.tolerations[0].operator: Unsupported value: "Like"']),
+    ("toleration-seconds-not-a-number",
+     _prefill(tolerations=[{"key": "a", "effect": "NoExecute", "tolerationSeconds": "forever"}]),
+     ["spec.prefill.tolerations[0].tolerationSeconds", "integer"]),
+    ("tolerations-not-a-list", _prefill(tolerations="NoSchedule"), ["spec.prefill.tolerations", "array"]),
+    ("too-many-tolerations", _prefill(tolerations=[{"key": f"k{i}", "operator": "Exists"} for i in range(33)]),
+     ["spec.prefill.tolerations", "Too many"]),
+    ("affinity-garbage", _prefill(affinity={"nodeAffinity": "garbage"}),
+     ["spec.prefill.affinity.nodeAffinity", "must be of type object"]),
+    ("affinity-unknown-field", _prefill(affinity={"podAffinity": {"foo": 1}}),
+     ['unknown field "spec.prefill.affinity.podAffinity.foo"']),
+    ("affinity-missing-topology-key",
+     _prefill(affinity={"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}}),
+     ["spec.prefill.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey: Required value"]),
+    ("affinity-missing-node-selector-terms",
+     _prefill(affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}),
+     ["spec.prefill.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms: Required value"]),
+    ("affinity-bad-node-operator",
+     _prefill(affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+         "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "Near"}]}]}}}),
+     ['matchExpressions[0].operator: Unsupported value: "Near"']),
+    ("affinity-weight-not-a-number",
+     _prefill(affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+         {"weight": "heavy", "preference": {}}]}}),
+     ["spec.prefill.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight", "integer"]),
+    ("memory-negative", _prefill(resources={"memory": "-1Gi"}), ["spec.prefill.resources.memory", '"-1Gi"']),
+    ("cpu-negative-integer", _prefill(resources={"cpu": -1}),
+     ["spec.prefill.resources.cpu", "greater than or equal to 0"]),
+    ("memory-not-a-quantity", _prefill(resources={"memory": "lots"}), ["spec.prefill.resources.memory"]),
+    ("node-selector-bad-key", _prefill(nodeSelector={"bad key!": "x"}),
+     ["spec.prefill.nodeSelector", rules.NODE_SELECTOR_RULE_MESSAGE]),
+    ("node-selector-bad-value", _prefill(nodeSelector={"zone": "not a label value"}),
+     ["spec.prefill.nodeSelector.zone"]),
+    ("priority-class-bad-name", _prefill(priorityClassName="Not_Valid"), ["spec.prefill.priorityClassName"]),
+    ("too-many-gpus", _prefill(resources={"gpus": 9}), ["spec.prefill.resources.gpus"]),
+    # issue 12 #14
+    ("autoscaling-interval-zero", {"spec": {"autoscaling": {"interval": "0s"}}}, [rules.INTERVAL_RULE_MESSAGE]),
+    ("autoscaling-interval-not-a-duration", {"spec": {"autoscaling": {"interval": "fast"}}},
+     ["spec.autoscaling.interval"]),
+    # the rest of the API
+    ("replicas-min-above-max", _prefill(replicas={"min": 3, "max": 2}), [rules.REPLICAS_RULE_MESSAGE]),
+    ("aggregated-with-pools", {"spec": {"mode": "Aggregated"}}, [rules.AGGREGATED_RULE_MESSAGE]),
+    ("disaggregated-with-aggregated", {"spec": {"aggregated": {}}}, [rules.DISAGGREGATED_RULE_MESSAGE]),
+    ("model-uri-scheme", {"spec": {"model": {"uri": "s3://bucket/model"}}}, ["spec.model.uri"]),
+    ("quantization-unsupported", {"spec": {"model": {"quantization": "fp8"}}},
+     [_capability(caps.QUANTIZATION, "fp8")]),
+    ("tensor-parallel-unsupported", _prefill(resources={"gpus": 4}, parallelism={"tensor": 4}),
+     [_capability(caps.TENSOR_PARALLEL_SIZE, 4)]),
+    ("gpu-budget-below-minimum", {"spec": {"autoscaling": {"gpuBudget": 1}}}, [rules.GPU_BUDGET_RULE_MESSAGE]),
+    ("name-too-long", {"metadata": {"name": "x" * 41}}, [rules.NAME_LENGTH_RULE_MESSAGE]),
+    ("name-with-dots", {"metadata": {"name": "a.b"}}, [rules.NAME_PATTERN_RULE_MESSAGE]),
+    ("kv-memory-fraction", {"spec": {"kvCache": {"memoryFraction": 0.99}}}, ["spec.kvCache.memoryFraction"]),
+    ("kv-block-size", {"spec": {"kvCache": {"blockSize": 24}}}, ["spec.kvCache.blockSize"]),
+    ("unknown-spec-field", {"spec": {"replicas": 3}}, ['unknown field "spec.replicas"']),
+    ("env-bad-name", {"spec": {"runtime": {"env": [{"name": "1 BAD=", "value": "x"}]}}},
+     ["spec.runtime.env[0].name"]),
+    ("image-with-whitespace", {"spec": {"runtime": {"image": " registry.example/splitserve:1"}}},
+     ["spec.runtime.image"]),
+    ("image-pull-policy", {"spec": {"runtime": {"imagePullPolicy": "Sometimes"}}},
+     ['spec.runtime.imagePullPolicy: Unsupported value: "Sometimes"']),
+    ("hub-token-unsupported", {"spec": {"model": {"hubTokenSecretRef": {"name": "hf"}}}},
+     [rules.HUB_TOKEN_RULE_MESSAGE]),
+    ("api-key-ref-without-key", {"spec": {"runtime": {"apiKeySecretRef": {"name": "keys"}}}},
+     ["spec.runtime.apiKeySecretRef.key: Required value"]),
+    ("extra-arg-too-long", {"spec": {"runtime": {"extraArgs": ["x" * 1025]}}}, ["spec.runtime.extraArgs[0]"]),
+    ("router-replicas-zero", {"spec": {"router": {"replicas": 0}}}, ["spec.router.replicas"]),
+    ("session-header", {"spec": {"router": {"sessionHeader": "x session"}}}, ["spec.router.sessionHeader"]),
+]
+
+
+@pytest.mark.parametrize(("patch", "expected"), [(p, e) for _, p, e in ADMISSION_CASES],
+                         ids=[case_id for case_id, _, _ in ADMISSION_CASES])
+def test_refused_at_admission_with_the_field_path(cluster: LocalCluster, ns: str, patch: dict[str, Any],
+                                                  expected: list[str | tuple[str, ...]]) -> None:
+    obj = _merge(_minimal(), patch)
+    obj["metadata"]["namespace"] = ns
+    result = cluster.kubectl("apply", "-f", "-", input_text=json.dumps(obj), check=False)
+    if result.returncode == 0:  # leave nothing behind for the other cases
+        cluster.kubectl("delete", ISVC_PLURAL, obj["metadata"]["name"], "-n", ns, "--wait=false", check=False)
+    assert result.returncode != 0, f"accepted: {json.dumps(obj)}"
+    for words in expected:
+        choices = (words,) if isinstance(words, str) else words
+        assert any(w in result.stderr for w in choices), f"{choices} not in: {result.stderr}"
+    # The models refuse it too: an object that slipped past an older CRD is never acted on.
+    with pytest.raises(api.InvalidSpecError):
+        api.InferenceService.parse(obj)
+
+
+def test_the_embedded_core_v1_schemas_are_this_api_servers(cluster: LocalCluster) -> None:
+    served = json.loads(cluster.kubectl("get", "--raw", "/openapi/v3/api/v1").stdout)
+    assert corev1gen.extract(served) == SNAPSHOT, "refresh: python -m splitserve_operator.corev1gen"
+
+
+# --------------------------------------------------------------------------- status
+def _kwok_pool(**extra: Any) -> dict[str, Any]:
+    return {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}, "tolerations": [kwok_toleration()],
+            "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}, **extra}
+
+
+def _local_pool(**extra: Any) -> dict[str, Any]:
+    return {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 0},
+            "nodeSelector": {LOCAL_NODE_LABEL: "true"}, **extra}
+
+
+def _admitted(name: str, ns: str, model_cache: Path, *, pools: dict[str, Any],
+              runtime: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A manifest the API server admits: the tiny model (the router really loads it on the
+    local node), autoscaling off, and ``pools``."""
+    mode = "Aggregated" if "aggregated" in pools else "Disaggregated"
+    env = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
+    return {
+        "apiVersion": api.API_VERSION_STRING, "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32", "maxModelLen": 1024},
+                 "runtime": {"env": env, "extraArgs": ["--device", "cpu", "--num-kv-blocks", "64"],
+                             **(runtime or {})},
+                 "mode": mode, **pools, "autoscaling": {"enabled": False}},
+    }
+
+
+def _node_term_without_values() -> dict[str, Any]:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": []}]}]}}}
+
+
+def _label_selector_with_bad_key() -> dict[str, Any]:
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"bad key!": "x"}}}]}}
+
+
+@dataclass(frozen=True)
+class StatusCase:
+    """A manifest the API server admits and the condition it must end up with."""
+
+    id: str
+    pools: dict[str, Any]
+    reason: str
+    message: tuple[str, ...]
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+
+STATUS_CASES = [
+    # issue 12 #13: child failures propagate (kstatus), with the child's reason and message
+    StatusCase("priority-class-missing",
+               {"prefill": _kwok_pool(priorityClassName="does-not-exist"), "decode": _kwok_pool()},
+               Reason.FAILED_CREATE, ("Deployment", "-prefill", "no PriorityClass with name does-not-exist")),
+    StatusCase("gpus-beyond-the-cluster",  # two kwok nodes of 8 GPUs: three 8-GPU pods do not fit
+               {"prefill": _kwok_pool(), "decode": _kwok_pool(replicas={"min": 3, "max": 3}, resources={"gpus": 8})},
+               Reason.INSUFFICIENT_GPU_CAPACITY, ("nvidia.com/gpu",)),
+    StatusCase("api-key-secret-missing", {"aggregated": _local_pool()},
+               Reason.CREATE_CONTAINER_CONFIG_ERROR, ('secret "no-such-secret" not found',),
+               runtime={"apiKeySecretRef": {"name": "no-such-secret", "key": "key"}}),
+    StatusCase("runtime-crash-loop", {"aggregated": _local_pool()},
+               Reason.POD_START_FAILED, ("exited with code", "--no-such-flag"),
+               runtime={"extraArgs": ["--device", "cpu", "--no-such-flag"]}),
+    # issue 12 #12: admitted, but the API server refuses the Deployment for good
+    StatusCase("node-selector-term-in-without-values",
+               {"prefill": _kwok_pool(affinity=_node_term_without_values()), "decode": _kwok_pool()},
+               Reason.INVALID_SPEC, ("Deployment/", "-prefill", "must be specified when `operator` is 'In' or 'NotIn'")),
+    StatusCase("toleration-key-not-a-label-key",
+               {"prefill": _kwok_pool(tolerations=[kwok_toleration(), {"key": "bad key!", "operator": "Exists"}]),
+                "decode": _kwok_pool()},
+               Reason.INVALID_SPEC, ("Deployment/", "-prefill", "tolerations[1].key", "bad key!")),
+    StatusCase("label-selector-bad-key",
+               {"prefill": _kwok_pool(), "decode": _kwok_pool(affinity=_label_selector_with_bad_key())},
+               Reason.INVALID_SPEC, ("Deployment/", "-decode", "bad key!")),
+]
+
+
+def _stalled_for(cluster: LocalCluster, ns: str, name: str, reason: str) -> dict[str, Any] | None:
+    obj = get_isvc(cluster=cluster, namespace=ns, name=name)
+    stalled = condition(obj, ConditionType.STALLED) or {}
+    if stalled.get("reason") == reason and stalled.get("observedGeneration") == obj["metadata"]["generation"]:
+        return obj
+    return None
+
+
+def _wait_stalled(cluster: LocalCluster, ns: str, name: str, reason: str) -> dict[str, Any]:
+    try:
+        obj = cluster.wait_for(lambda: _stalled_for(cluster, ns, name, reason),
+                               timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0,
+                               what=f"{name}: Stalled/{reason}")
+    except TimeoutError as error:
+        status = (get_isvc(cluster=cluster, namespace=ns, name=name).get("status") or {}).get("conditions")
+        raise TimeoutError(f"{error}\nconditions: {json.dumps(status)}\npods: "
+                           f"{pod_summary(cluster=cluster, namespace=ns)}") from None
+    assert obj is not None
+    return obj
+
+
+def _warnings(cluster: LocalCluster, ns: str, name: str, reason: str) -> int:
+    result = cluster.kubectl("get", "events", "-n", ns, "-o", "json", "--field-selector",
+                             f"involvedObject.kind={contract.KIND},involvedObject.name={name},reason={reason}")
+    return sum(int(e.get("count") or 1) for e in json.loads(result.stdout)["items"] if e.get("type") == "Warning")
+
+
+def _delete(cluster: LocalCluster, ns: str, name: str) -> None:
+    """Delete and wait (bounded) for its pods to go, so the local node is free for the next case."""
+    cluster.kubectl("delete", ISVC_PLURAL, name, "-n", ns, "--ignore-not-found", "--wait=false")
+    with contextlib.suppress(TimeoutError):
+        cluster.wait_for(lambda: not json.loads(cluster.kubectl(
+            "get", "pods", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json").stdout)["items"],
+            timeout_seconds=60, what=f"pods of {name} gone")
+
+
+def _apply(cluster: LocalCluster, obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl("apply", "--server-side", "-f", "-", input_text=json.dumps(obj))
+
+
+@pytest.mark.parametrize("case", STATUS_CASES, ids=[c.id for c in STATUS_CASES])
+def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster, ns: str, model_cache: Path,
+                                                          case: StatusCase) -> None:
+    name = f"h-{case.id[:24].strip('-')}-{uuid.uuid4().hex[:4]}"
+    try:
+        _apply(cluster, _admitted(name, ns, model_cache, pools=case.pools, runtime=case.runtime))  # admitted
+        obj = _wait_stalled(cluster, ns, name, case.reason)
+        stalled = condition(obj, ConditionType.STALLED) or {}
+        assert stalled["status"] == "True"
+        for words in case.message:
+            assert words in stalled["message"], stalled
+        # kstatus: a stalled object is not also "reconciling" (Flux, kubectl wait, Argo CD).
+        reconciling = condition(obj, ConditionType.RECONCILING) or {}
+        assert reconciling.get("status") == "False", reconciling
+        ready = condition(obj, ConditionType.READY) or {}
+        assert (ready.get("status"), ready.get("reason")) == ("False", case.reason)
+        cluster.wait_for(lambda: _warnings(cluster, ns, name, case.reason) >= 1, timeout_seconds=20,
+                         what=f"a {case.reason} Warning Event")
+        cluster.kubectl("wait", f"{ISVC_PLURAL}/{name}", "-n", ns, "--for=condition=Stalled", "--timeout=10s")
+    finally:
+        _delete(cluster, ns, name)
+
+
+def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluster, ns: str,
+                                                            model_cache: Path) -> None:
+    """Issue 12 #12: no back-off loop (an Event every few minutes, Reconciling=True forever);
+    the next generation is applied at once."""
+    name = f"h-retry-{uuid.uuid4().hex[:4]}"
+    pools = {"prefill": _kwok_pool(affinity=_node_term_without_values()), "decode": _kwok_pool()}
+    manifest = _admitted(name, ns, model_cache, pools=pools)
+    try:
+        _apply(cluster, manifest)
+        first = _wait_stalled(cluster, ns, name, Reason.INVALID_SPEC)
+        stalled = condition(first, ConditionType.STALLED) or {}
+        cluster.wait_for(lambda: _warnings(cluster, ns, name, Reason.INVALID_SPEC) >= 1, timeout_seconds=20,
+                         what="the InvalidSpec Warning Event")
+        # Child events (the decode Deployment's status, kwok's pods) keep arriving meanwhile.
+        time.sleep(QUIET_SECONDS)  # nothing to wait for: the behaviour under test is "nothing happens"
+        later = get_isvc(cluster=cluster, namespace=ns, name=name)
+        assert condition(later, ConditionType.STALLED) == stalled
+        assert _warnings(cluster, ns, name, Reason.INVALID_SPEC) == 1
+        # The user fixes the spec: a new generation, applied and no longer stalled.
+        fixed = _admitted(name, ns, model_cache, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
+        _apply(cluster, fixed)
+        generation = get_isvc(cluster=cluster, namespace=ns, name=name)["metadata"]["generation"]
+        assert generation > first["metadata"]["generation"]
+
+        def recovered() -> dict[str, Any] | None:
+            obj = get_isvc(cluster=cluster, namespace=ns, name=name)
+            cond = condition(obj, ConditionType.STALLED) or {}
+            return obj if cond.get("observedGeneration") == generation and cond.get("status") == "False" else None
+        cluster.wait_for(recovered, timeout_seconds=STATUS_TIMEOUT_SECONDS, what=f"{name} not stalled at {generation}")
+        deployment = json.loads(cluster.kubectl("get", "deployment", f"{name}-prefill", "-n", ns, "-o", "json").stdout)
+        assert "affinity" not in deployment["spec"]["template"]["spec"]
+    finally:
+        _delete(cluster, ns, name)
+
+
+def test_disaggregated_service_gets_its_handoff_key_secret(cluster: LocalCluster, ns: str,
+                                                           model_cache: Path) -> None:
+    """Issue 12 #4 (operator side): created once, owned, never rotated; mounted by prefill and
+    decode only. The operator may create Secrets but not read them (its RBAC)."""
+    name = f"h-key-{uuid.uuid4().hex[:4]}"
+    manifest = _admitted(name, ns, model_cache, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
+    secret_name = f"{name}{contract.HANDOFF_KEY_SECRET_SUFFIX}"
+    try:
+        _apply(cluster, manifest)
+        secret = cluster.wait_for(lambda: _get_json(cluster, ns, "secret", secret_name), timeout_seconds=60,
+                                  what=f"Secret {secret_name}")
+        uid = get_isvc(cluster=cluster, namespace=ns, name=name)["metadata"]["uid"]
+        assert [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [uid]
+        assert secret["immutable"] is True and len(secret["data"][contract.HANDOFF_KEY_SECRET_KEY]) == 44
+        for role in ("prefill", "decode", "router"):
+            dep = cluster.wait_for(functools.partial(_get_json, cluster, ns, "deployment", f"{name}-{role}"),
+                                   timeout_seconds=60, what=f"{role} Deployment")
+            volumes = [v.get("secret", {}).get("secretName") for v in dep["spec"]["template"]["spec"]["volumes"]]
+            assert (secret_name in volumes) == (role != "router"), (role, volumes)
+        # A spec change reconciles again; the key stays the same.
+        _apply(cluster, _merge(manifest, {"spec": {"engine": {"maxNumSeqs": 32}}}))
+        cluster.wait_for(lambda: _observed(cluster, ns, name), timeout_seconds=60, what="the new generation observed")
+        again = _get_json(cluster, ns, "secret", secret_name)
+        assert again is not None and again["data"] == secret["data"]
+        operator_sa = f"system:serviceaccount:{ns}:splitserve"
+        can = {verb: cluster.kubectl("auth", "can-i", verb, "secrets", "-n", ns, f"--as={operator_sa}",
+                                     check=False).stdout.strip() for verb in ("create", "get", "list", "watch")}
+        assert can == {"create": "yes", "get": "no", "list": "no", "watch": "no"}
+    finally:
+        _delete(cluster, ns, name)
+
+
+def _get_json(cluster: LocalCluster, ns: str, kind: str, name: str) -> dict[str, Any] | None:
+    result = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _observed(cluster: LocalCluster, ns: str, name: str) -> bool:
+    obj = get_isvc(cluster=cluster, namespace=ns, name=name)
+    return bool((obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"])
