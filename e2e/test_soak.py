@@ -1,8 +1,8 @@
 """Soak: many InferenceService create/delete cycles against the real control plane (issue 12).
 
 The chart's operator (on the local node, its own ServiceAccount) reconciles ``SOAK_CYCLES``
-InferenceServices, created and deleted in batches, in a namespace whose ResourceQuota allows
-no pods: every child (ConfigMap, Deployments, Services, PDBs, NetworkPolicies, the handoff
+InferenceServices, created and deleted in batches, in a cluster whose only untainted
+node is cordoned: every child (ConfigMap, Deployments, Services, PDBs, NetworkPolicies, the handoff
 key Secret) is rendered, applied, watched, status-reported and garbage-collected as in
 production, while no pod process starts, so the run measures the operator and not the
 runtime. It asserts, and prints, that
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,6 +38,7 @@ from splitserve_e2e.demo import (
     isvc_manifest,
     remove_demo,
 )
+from splitserve_e2e.localnode import LOCAL_NODE_LABEL
 
 pytestmark = pytest.mark.e2e
 
@@ -54,10 +56,13 @@ CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,networkpolic
 
 @dataclasses.dataclass(frozen=True)
 class Idle:
-    """What an idle window of IDLE_SECONDS saw."""
+    """What an idle window of IDLE_SECONDS saw. The API server's rate counts every client
+    (the controller manager still collecting, kwok, ...): shown, not asserted; the operator's
+    own reconciles and CPU are what a hot loop would raise."""
 
     api_requests_per_second: float
     operator_cpu_percent: float
+    reconciles_per_second: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +117,29 @@ def _api_requests(cluster: LocalCluster) -> float:
     return total
 
 
-def _idle(cluster: LocalCluster, process: Process) -> Idle:
-    requests, cpu = _api_requests(cluster), process.cpu_seconds()
+def _reconciles(metrics_url: str) -> float:
+    """Reconciles the operator has run so far (its own /metrics)."""
+    text = httpx.get(metrics_url, timeout=10.0).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == f"{contract.OperatorMetric.RECONCILE_SECONDS}_count")
+
+
+def _idle(cluster: LocalCluster, process: Process, metrics_url: str) -> Idle:
+    requests, cpu, reconciles = _api_requests(cluster), process.cpu_seconds(), _reconciles(metrics_url)
     time.sleep(IDLE_SECONDS)
     # the closing scrape itself is one request: not subtracted, the same in both windows
     return Idle(api_requests_per_second=(_api_requests(cluster) - requests) / IDLE_SECONDS,
-                operator_cpu_percent=100.0 * (process.cpu_seconds() - cpu) / IDLE_SECONDS)
+                operator_cpu_percent=100.0 * (process.cpu_seconds() - cpu) / IDLE_SECONDS,
+                reconciles_per_second=(_reconciles(metrics_url) - reconciles) / IDLE_SECONDS)
+
+
+def _operator_metrics_url(cluster: LocalCluster, namespace: str) -> str:
+    core: Any = cluster.core()
+    pod = next(p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
+               if p.status.phase == "Running" and not p.metadata.deletion_timestamp)
+    port = next((p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == "metrics"), 8080)
+    return f"http://{pod.status.pod_ip}:{port}/metrics"
 
 
 def _managed_children(cluster: LocalCluster, namespace: str) -> list[str]:
@@ -142,10 +164,18 @@ def soak_ns(cluster: LocalCluster) -> Iterator[str]:
     try:
         install_operator(cluster=cluster, namespace=namespace,
                          prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
-        # After the operator pod exists: the quota stops the InferenceServices' pods only.
-        cluster.core().create_namespaced_resource_quota(namespace, {  # type: ignore[arg-type]
-            "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "1"}}})
-        yield namespace
+        # After the operator pod runs: with the local node cordoned (kwok GPU nodes are
+        # tainted and the pools select the local node), the InferenceServices' pods stay
+        # Pending and start no process. (A ResourceQuota would be the usual tool, but this
+        # control plane has no quota controller filling its status.)
+        nodes = cluster.kubectl("get", "nodes", "-l", f"{LOCAL_NODE_LABEL}=true", "-o", "name").stdout.split()
+        for node in nodes:
+            cluster.kubectl("cordon", node)
+        try:
+            yield namespace
+        finally:
+            for node in nodes:
+                cluster.kubectl("uncordon", node)
     finally:
         remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
 
@@ -156,12 +186,12 @@ def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
     model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
     custom: Any = cluster.custom()
     process = _operator_process(cluster, namespace)
-    before = _idle(cluster, process)
+    metrics_url = _operator_metrics_url(cluster, namespace)
+    before = _idle(cluster, process, metrics_url)
     curve: list[tuple[int, int, float]] = []  # (cycles done, RSS bytes, seconds)
     started = time.monotonic()
     done = 0
     while done < SOAK_CYCLES:
-        batch_started = time.monotonic()
         names = [f"soak-{done + i}" for i in range(min(BATCH, SOAK_CYCLES - done))]
         for name in names:
             body = isvc_manifest(name=name, namespace=namespace, mode="Disaggregated", model_cache=model_cache)
@@ -170,17 +200,14 @@ def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
 
         batch = frozenset(names)
         cluster.wait_for(functools.partial(_applied, cluster, namespace, batch), timeout_seconds=120, what=f"children of {names[0]}..{names[-1]}")
-        applied_at = time.monotonic()
         for name in names:
             custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
                                                    contract.PLURAL, name)
         cluster.wait_for(lambda: not _managed_children(cluster, namespace), timeout_seconds=120,
                          what=f"children of {names[0]}..{names[-1]} collected")
-        print(f"batch {done}: applied {applied_at - batch_started:.1f}s, collected {time.monotonic() - applied_at:.1f}s",
-              flush=True)
         done += len(names)
         curve.append((done, process.rss_bytes(), time.monotonic() - started))
-    after = _idle(cluster, process)
+    after = _idle(cluster, process, metrics_url)
 
     warm = next((rss for cycles, rss, _ in curve if cycles >= WARMUP_CYCLES), curve[0][1])
     final = curve[-1][1]
@@ -191,14 +218,14 @@ def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
     lines += [f"  {cycles:>6}  {rss / 2**20:8.1f}" for cycles, rss, _ in curve[::step] + curve[-1:]]
     lines.append(f"  RSS growth after {WARMUP_CYCLES} cycles: {(final - warm) / 2**20:+.1f} MiB "
                  f"(bound {RSS_GROWTH_BOUND / 2**20:.0f} MiB)")
-    lines.append(f"  idle before: {before.api_requests_per_second:.2f} API req/s, operator CPU "
-                 f"{before.operator_cpu_percent:.1f}%; after: {after.api_requests_per_second:.2f} req/s, "
-                 f"{after.operator_cpu_percent:.1f}%")
+    for label, idle in (("idle before", before), ("idle after ", after)):
+        lines.append(f"  {label}: operator {idle.reconciles_per_second:.2f} reconciles/s, CPU "
+                     f"{idle.operator_cpu_percent:.1f}%; API server {idle.api_requests_per_second:.1f} req/s (all clients)")
     report = "\n".join(lines)
     with capsys.disabled():
         print("\n" + report)
     assert process.is_running(), "the operator restarted during the soak"
     assert final - warm <= RSS_GROWTH_BOUND, report
     assert not _managed_children(cluster, namespace)
-    assert after.api_requests_per_second <= before.api_requests_per_second * 1.5 + 2.0, report
+    assert after.reconciles_per_second <= before.reconciles_per_second + 0.5, report
     assert after.operator_cpu_percent <= before.operator_cpu_percent + 5.0, report
