@@ -53,8 +53,10 @@ INFO_PATH: Final = "/v1/splitserve/info"
 KV_TRANSFER_PARAMS_FIELD: Final = "kv_transfer_params"
 """Extension field of completion/chat requests and responses that carries the P->D handoff:
 request to prefill: {"do_remote_decode": true}; prefill's response: {"remote_endpoint",
-"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash"}; request to decode:
-that response object, which makes decode pull the KV instead of computing it."""
+"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash"} plus, when the pods
+have a handoff key, "expires_at" and "signature" (HMAC-SHA256 over the rest); request to decode:
+that response object, which makes decode pull the KV instead of computing it (decode refuses
+unsigned, forged or expired params with 403; the router never forwards a client's)."""
 HEADER_REQUEST_ID: Final = "x-request-id"
 
 # --------------------------------------------------------------------------- environment

@@ -5,11 +5,17 @@ and `--role decode` pods and a `splitserve router` with static discovery, each o
 :class:`Cluster` starts every process at once (they load in parallel), waits until each answers
 ``/ready``, and kills all of them on exit, also when a test fails; their logs go to files that
 a failing start prints. Metric helpers read one pod's ``/metrics`` into ``{(name, labels): value}``.
+
+As the operator does, the cluster gives its prefill and decode pods one KV handoff key (a file
+passed as ``--handoff-key-file``), so the handoff is authenticated as in production;
+:meth:`Cluster.sign` signs handoff parameters a test writes itself (as a prefill pod would).
+``handoff_key=None`` runs the pods without a key (loopback only, the development mode).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -30,6 +36,7 @@ MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 64
+COMPAT_HASH = "tinyhash"
 START_TIMEOUT_SECONDS = 120.0
 
 
@@ -124,6 +131,8 @@ class Cluster:
     health_interval_seconds: float = 0.5
     short_prompt_threshold: int = 8
     decode_overrides: dict[str, Any] = field(default_factory=dict)
+    prefill_overrides: dict[str, Any] = field(default_factory=dict)
+    handoff_key: bytes | None = field(default_factory=lambda: secrets.token_hex(32).encode())
     prefill: list[Proc] = field(default_factory=list)
     decode: list[Proc] = field(default_factory=list)
     router: Proc | None = None
@@ -134,10 +143,27 @@ class Cluster:
         port, kv_port = free_port(host), free_port(host)
         args = serve_args(model_dir=self.model_dir, role=role, host=host, port=port,
                           kv_port=kv_port, kv_ttl_seconds=self.kv_ttl_seconds,
-                          compat_hash="tinyhash", **(self.decode_overrides if role == "decode" else {}))
+                          compat_hash=COMPAT_HASH, handoff_key_file=self._key_file(),
+                          **(self.decode_overrides if role == "decode" else self.prefill_overrides))
         return Proc(name=f"{role}-{index}", host=host, port=port, kv_port=kv_port,
                     argv=[*_command(), "serve", *serve_argv(args)],
                     log_path=self.log_dir / f"{role}-{index}.log")
+
+    def _key_file(self) -> str:
+        if self.handoff_key is None:
+            return ""
+        path = self.log_dir / "handoff.key"
+        if not path.exists():
+            path.write_bytes(self.handoff_key + b"\n")  # a Secret's file may end in a newline
+            path.chmod(0o600)
+        return str(path)
+
+    def sign(self, params: dict[str, Any], *, lifetime_seconds: float = 30.0) -> dict[str, Any]:
+        """``params`` as a prefill pod of this cluster signs them (unchanged without a key)."""
+        from splitserve_runtime.transfer.auth import HandoffAuth, HandoffKey
+
+        key = HandoffKey(self.handoff_key) if self.handoff_key is not None else None
+        return HandoffAuth(key=key).sign(params, lifetime_seconds=lifetime_seconds)
 
     def __enter__(self) -> Cluster:
         octet = 10

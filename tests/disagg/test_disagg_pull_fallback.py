@@ -106,15 +106,16 @@ def test_prefill_pod_killed_after_handoff_decode_recomputes(
 
 def test_handoff_to_a_closed_port_is_computed_on_the_decode_pod(cluster: Cluster,
                                                               reference: Reference) -> None:
-    """kv_transfer_params naming a port nobody listens on, sent straight to the decode pod."""
+    """kv_transfer_params naming a port nobody listens on (signed, as if by a prefill pod that
+    has gone since), sent straight to the decode pod."""
     decode = cluster.decode[0]
     prompt = f"{PROMPT} (closed port)"
     token_ids = reference.tokenizer.encode(prompt)
     want_text, want_tokens = reference.generate(token_ids, max_tokens=12, ignore_eos=True)
     host = "127.0.0.98"
-    params = {"remote_endpoint": f"{host}:{free_port(host)}", "remote_request_id": "cmpl-gone",
-              "num_prompt_tokens": len(token_ids), "first_token_id": want_tokens[0],
-              "compat_hash": "tinyhash"}
+    params = cluster.sign({"remote_endpoint": f"{host}:{free_port(host)}", "remote_request_id": "cmpl-gone",
+                           "num_prompt_tokens": len(token_ids), "first_token_id": want_tokens[0],
+                           "compat_hash": "tinyhash"})
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
     for stream in (False, True):
         failures = decode.metric(Metric.KV_TRANSFER_FAILURES_TOTAL)

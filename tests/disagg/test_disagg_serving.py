@@ -249,9 +249,15 @@ def test_session_header_pins_distinct_prompts_to_one_pod(cluster: Cluster,
 
 
 class FakePrefillKV:
-    """A prefill pod's KV port that answers FETCH with a corrupt or truncated block."""
+    """A prefill pod's KV port that answers FETCH with a corrupt or truncated block. It holds
+    the cluster's handoff key (a buggy pod of ours, not a stranger: a stranger's LAYOUT is
+    refused before any block, see test_disagg_handoff_auth.py)."""
 
-    def __init__(self, *, mode: str) -> None:
+    def __init__(self, *, mode: str, cluster: Cluster) -> None:
+        from splitserve_runtime.transfer.auth import HandoffAuth, HandoffKey
+
+        assert cluster.handoff_key is not None
+        self._auth = HandoffAuth(key=HandoffKey(cluster.handoff_key))
         self.mode = mode
         self.fetches: list[dict[str, object]] = []
         self._server: asyncio.Server | None = None
@@ -278,9 +284,11 @@ class FakePrefillKV:
             block_nbytes = (2 * layout["num_layers"] * layout["block_size"] * layout["num_kv_heads"]
                             * layout["head_dim"] * layout["dtype_bytes"])
             num_tokens = int(self.mode.split(":")[1])
-            writer.write(encode_json(FrameType.LAYOUT, {
-                "num_blocks": math.ceil(num_tokens / BLOCK_SIZE), "num_tokens": num_tokens,
-                "first_block": fetch["first_block"], "block_nbytes": block_nbytes}))
+            header = {"num_blocks": math.ceil(num_tokens / BLOCK_SIZE), "num_tokens": num_tokens,
+                      "first_block": fetch["first_block"], "block_nbytes": block_nbytes}
+            proof = self._auth.layout_proof(request_id=str(fetch["request_id"]), nonce=str(fetch["nonce"]),
+                                            header=header)
+            writer.write(encode_json(FrameType.LAYOUT, {**header, **proof}))
             payload = struct.pack("!I", fetch["first_block"]) + bytes(block_nbytes)
             if self.mode.startswith("corrupt"):
                 bad_crc = zlib.crc32(payload) ^ 0xDEADBEEF
@@ -293,12 +301,13 @@ class FakePrefillKV:
             writer.close()
 
 
-async def _pull_from(decode: Proc, *, fake: FakePrefillKV, prompt: list[int], first_token_id: int,
-                     stream: bool) -> str:
+async def _pull_from(cluster: Cluster, decode: Proc, *, fake: FakePrefillKV, prompt: list[int],
+                     first_token_id: int, stream: bool) -> str:
     """A decode request whose KV is to come from `fake`; the pull fails, so the decode pod
     computes the prompt itself: returns the text it answered."""
-    params = {"remote_endpoint": fake.endpoint, "remote_request_id": "cmpl-fake",
-              "num_prompt_tokens": len(prompt), "first_token_id": first_token_id, "compat_hash": "tinyhash"}
+    params = cluster.sign({"remote_endpoint": fake.endpoint, "remote_request_id": "cmpl-fake",
+                           "num_prompt_tokens": len(prompt), "first_token_id": first_token_id,
+                           "compat_hash": "tinyhash"})
     async with httpx.AsyncClient(timeout=15) as http:
         response = await http.post(f"{decode.url}/v1/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
@@ -324,10 +333,10 @@ async def test_broken_kv_frame_falls_back_to_local_compute_and_frees_blocks(
     want_text, want_tokens = await asyncio.to_thread(reference.generate, prompt, max_tokens=8,
                                                      ignore_eos=True)
     failures = decode.metric(Metric.KV_TRANSFER_FAILURES_TOTAL)
-    async with FakePrefillKV(mode=f"{mode}:{len(prompt)}") as fake:
+    async with FakePrefillKV(mode=f"{mode}:{len(prompt)}", cluster=cluster) as fake:
         for stream in (False, True):
-            text = await _pull_from(decode, fake=fake, prompt=prompt, first_token_id=want_tokens[0],
-                                    stream=stream)
+            text = await _pull_from(cluster, decode, fake=fake, prompt=prompt,
+                                    first_token_id=want_tokens[0], stream=stream)
             assert text == want_text
         # the first pull found nothing cached; the local compute then cached the 3 full
         # blocks of the prompt (its own, not the broken frames), so the second asks for block 3

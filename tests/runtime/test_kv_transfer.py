@@ -259,3 +259,35 @@ async def test_oversized_frame_is_rejected_before_reading_it() -> None:
     async with server:
         error = await _fetch_from(port)
     assert error.code == "corrupt" and "exceeds the limit" in error.message
+
+
+@pytest.mark.parametrize(("changes", "code"), [
+    ({"num_blocks": None}, "protocol"),  # before: KeyError/TypeError escaped fetch (a 500)
+    ({"num_tokens": "4"}, "protocol"),
+    ({"num_blocks": 9}, "protocol"),  # 9 blocks cannot hold 4 tokens
+    ({"first_block": 1}, "protocol"),  # not the block asked for
+    ({"num_blocks": 2, "num_tokens": 8}, "prompt_mismatch"),  # another prompt's KV
+    ({"block_nbytes": 7}, "layout_mismatch"),
+])
+async def test_a_layout_that_does_not_describe_the_pull_is_refused_before_any_block(
+        changes: dict[str, object], code: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        header = {"num_blocks": 1, "num_tokens": 4, "first_block": 0, "block_nbytes": LAYOUT.block_nbytes}
+        header.update(changes)  # type: ignore[arg-type]
+        header = {k: v for k, v in header.items() if v is not None}
+        writer.write(framing.encode_json(FrameType.LAYOUT, header))
+        framing.write_block(writer, index=0, data=os.urandom(LAYOUT.block_nbytes))
+        writer.write(framing.encode_json(FrameType.DONE, {"num_bytes": 0}))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    server, port = await _fake_prefill(handler)
+    received: list[int] = []
+    async with server:
+        with pytest.raises(TransferError) as info:
+            await TcpKVConnector().fetch(
+                endpoint=f"127.0.0.1:{port}", request_id="r", first_block=0, layout=LAYOUT,
+                on_block=lambda i, _d: received.append(i), timeout_seconds=1.0, expected_num_tokens=4)
+    assert info.value.code == code and received == []

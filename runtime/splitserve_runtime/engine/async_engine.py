@@ -240,7 +240,10 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not self._inbox and not engine.has_unfinished() and not self._stopping:
+                    # Idle, or stalled: only a command (add, abort, a KV release) can free
+                    # the blocks the waiting requests need, so wait for one, don't spin.
+                    while (not self._inbox and not self._stopping
+                           and (not engine.has_unfinished() or engine.stalled)):
                         self._publish_stats(engine, force=True)
                         self._cv.wait()
                     if self._stopping:

@@ -70,3 +70,13 @@ class KVTransferFailed(EngineError):
     def __init__(self, *, code: str, message: str) -> None:
         self.code = code
         super().__init__(f"KV transfer failed ({code}): {message}")
+
+
+class HandoffRefused(EngineError, ValueError):
+    """Decode role: handoff parameters this pod must not act on (unsigned, forged, expired,
+    another pool's compat hash, or, without a handoff key, a non-loopback endpoint; see
+    :mod:`splitserve_runtime.transfer.auth`). A client mistake: nothing was connected to."""
+
+    def __init__(self, *, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)

@@ -106,6 +106,10 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._steps_total = 0
+        self.stalled = False
+        """Whether the last :meth:`step` could do nothing (every waiting or preempted request
+        waits for KV blocks held elsewhere): until a request is added, aborted or released,
+        stepping again changes nothing, so a driver may wait for one instead of spinning."""
         log.info("engine ready: %d KV blocks of %d tokens on %s", num_blocks, config.block_size, device)
 
     # ------------------------------------------------------------------ construction
@@ -211,7 +215,9 @@ class LLMEngine:
                                         finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
         if sched.is_empty:
             outputs.extend(self._process_pending())
+            self.stalled = not (outputs or sched.preempted or sched.finished)
             return outputs
+        self.stalled = False
         launched = self.runner.launch(sched)
         if self.overlap_output_processing:
             outputs.extend(self._process_pending())  # runs while the device computes

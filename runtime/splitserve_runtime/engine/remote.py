@@ -21,10 +21,17 @@ corrupt block behind: the reservation is freed (never registered in the prefix c
 request is not lost then: the decode pod logs the failure (WARNING, with the transfer error
 code; the connector counts it in the transfer-failure metric) and computes the prompt plus the
 prefill pod's first token itself, as an ordinary queued request that continues after that
-token (streamed once, as after a pull). Only a handoff this pod cannot use at all (compat hash
-or prompt length mismatch) raises :class:`~.errors.KVTransferFailed`.
+token (streamed once, as after a pull). Only a handoff this pod cannot use at all (prompt
+length mismatch) raises :class:`~.errors.KVTransferFailed`.
 The same seeded request decodes the same tokens as on an aggregated pod: the decode side
 advances the request's generator past the draw the prefill pod made.
+
+Authentication (:mod:`..transfer.auth`): the prefill role signs the handoff parameters it
+answers with; the decode role acts only on parameters that pass
+:meth:`HandoffEngine.accept_remote` (signed with the pool's key, not expired, this pod's
+compat hash; without a key, a loopback endpoint) and checks them again before it reserves or
+connects anything, raising :class:`~.errors.HandoffRefused` (a client error) otherwise. The KV
+connection itself is authenticated both ways by the transport.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import torch
 
 from ..transfer import (
     ExportedKV,
+    HandoffAuth,
+    HandoffRejected,
     KVExportRegistry,
     KVLayout,
     TcpKVConnector,
@@ -50,7 +59,7 @@ from ..transfer import (
 )
 from .async_engine import AsyncEngine
 from .delegate import DelegatingEngine
-from .errors import KVTransferFailed, QueueFull
+from .errors import HandoffRefused, KVTransferFailed, QueueFull
 from .handoff import ImportReservation
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
@@ -79,27 +88,36 @@ class RemotePrefill:
     num_prompt_tokens: int
     first_token_id: int
     compat_hash: str = ""
+    expires_at: int = 0
+    """Unix seconds after which the parameters are refused (with a handoff key; 0: none)."""
+    signature: str = ""
+    """The prefill pod's HMAC over the other fields (:mod:`..transfer.auth`; "": unsigned)."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
         """Parse the handoff object; raises ValueError naming the bad field."""
-        def field(name: str, kind: type) -> Any:
-            value = params.get(name)
+        def field(name: str, kind: type, default: Any = None) -> Any:
+            value = params.get(name, default)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")
             return value
-        compat = params.get("compat_hash", "")
-        if not isinstance(compat, str):
-            raise ValueError(f"kv_transfer_params.compat_hash must be a str, got {compat!r}")
         return cls(remote_endpoint=field("remote_endpoint", str),
                    remote_request_id=field("remote_request_id", str),
                    num_prompt_tokens=field("num_prompt_tokens", int),
-                   first_token_id=field("first_token_id", int), compat_hash=compat)
+                   first_token_id=field("first_token_id", int),
+                   compat_hash=field("compat_hash", str, ""),
+                   expires_at=field("expires_at", int, 0),
+                   signature=field("signature", str, ""))
 
     def to_params(self) -> dict[str, Any]:
-        return {"remote_endpoint": self.remote_endpoint, "remote_request_id": self.remote_request_id,
-                "num_prompt_tokens": self.num_prompt_tokens, "first_token_id": self.first_token_id,
-                "compat_hash": self.compat_hash}
+        """The wire object; the signed fields only when signed (the unsigned shape as before)."""
+        params: dict[str, Any] = {
+            "remote_endpoint": self.remote_endpoint, "remote_request_id": self.remote_request_id,
+            "num_prompt_tokens": self.num_prompt_tokens, "first_token_id": self.first_token_id,
+            "compat_hash": self.compat_hash}
+        if self.signature:
+            params.update(expires_at=self.expires_at, signature=self.signature)
+        return params
 
 
 def kv_layout_of(core: LLMEngine, *, compat_hash: str) -> KVLayout:
@@ -119,7 +137,9 @@ class HandoffEngine(DelegatingEngine):
     def __init__(self, *, engine: AsyncEngine, role: str, compat_hash: str, kv_host: str,
                  kv_port: int, kv_endpoint: str, kv_ttl_seconds: float,
                  observer: TransferObserver | None = None,
-                 fetch_timeout_seconds: float = KV_FETCH_TIMEOUT_SECONDS) -> None:
+                 fetch_timeout_seconds: float = KV_FETCH_TIMEOUT_SECONDS,
+                 auth: HandoffAuth | None = None) -> None:
+        """``auth``: the pool's handoff key policy (default: no key, loopback only)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"HandoffEngine serves the prefill or decode role, not {role!r}")
         super().__init__(engine=engine)
@@ -133,8 +153,9 @@ class HandoffEngine(DelegatingEngine):
         self._fetch_timeout_seconds = fetch_timeout_seconds
         self._kv_ttl_seconds = kv_ttl_seconds
         self.registry = KVExportRegistry(ttl_seconds=kv_ttl_seconds)
+        self.auth = auth if auth is not None else HandoffAuth(key=None)
         self._server: TcpKVServer | None = None
-        self._connector = TcpKVConnector(observer=self._observe)
+        self._connector = TcpKVConnector(observer=self._observe, auth=self.auth)
         self._layout: KVLayout | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -155,7 +176,7 @@ class HandoffEngine(DelegatingEngine):
         self._layout = kv_layout_of(self._engine.engine, compat_hash=self.compat_hash)
         if self.role == "prefill":
             self._server = TcpKVServer(registry=self.registry, layout=self._layout, host=self._kv_host,
-                                       port=self._kv_port, observer=self._observe)
+                                       port=self._kv_port, observer=self._observe, auth=self.auth)
             await self._server.start()
             log.info("KV server on %s:%d (lease %.0f s)", self._kv_host, self._server.port,
                      self._kv_ttl_seconds)
@@ -210,12 +231,15 @@ class HandoffEngine(DelegatingEngine):
                         exported = await asyncio.shield(engine.call(
                             lambda core: self._export(core, request_id=request_id)))
                         if not exported or first < 0:
+                            log.warning("request %s finished (%s) without kept KV to export",
+                                        request_id, out.finish_reason)
                             raise KVTransferFailed(code="export_failed",
                                                    message=f"no kept KV for request {request_id!r}")
-                        on_export(RemotePrefill(
+                        on_export(RemotePrefill.from_params(self.auth.sign(RemotePrefill(
                             remote_endpoint=self.kv_endpoint, remote_request_id=request_id,
                             num_prompt_tokens=len(prompt_token_ids), first_token_id=first,
-                            compat_hash=self.compat_hash))
+                            compat_hash=self.compat_hash).to_params(),
+                            lifetime_seconds=self._kv_ttl_seconds)))
                     yield out
         finally:
             if not exported:  # it may have finished (and pinned) while we were cancelled
@@ -245,6 +269,22 @@ class HandoffEngine(DelegatingEngine):
         return True
 
     # ------------------------------------------------------------------ decode role
+    def accept_remote(self, params: dict[str, Any]) -> RemotePrefill:
+        """The handoff parameters of a request, if this pod may act on them. Raises
+        ValueError (malformed) or :class:`~.errors.HandoffRefused` (not from a prefill pod of
+        this pool; see :mod:`..transfer.auth`). Nothing is connected to before this passes."""
+        source = RemotePrefill.from_params(params)
+        self._authenticate(source)
+        return source
+
+    def _authenticate(self, source: RemotePrefill) -> None:
+        try:
+            self.auth.check_params(source.to_params(), compat_hash=self.compat_hash)
+        except HandoffRejected as exc:
+            log.warning("refused handoff parameters naming %r (code %s)", source.remote_endpoint[:100],
+                        exc.code)
+            raise HandoffRefused(code=exc.code, message=str(exc)) from None
+
     async def generate_from_remote(
         self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         source: RemotePrefill,
@@ -294,10 +334,8 @@ class HandoffEngine(DelegatingEngine):
                       source: RemotePrefill) -> int:
         """Validate the request and the handoff against this pod; return the first token."""
         core = self._engine.engine
+        self._authenticate(source)  # again: no path reaches the connector unchecked
         core.check_request(prompt_token_ids=prompt_token_ids, params=params)
-        if source.compat_hash and self.compat_hash and source.compat_hash != self.compat_hash:
-            raise KVTransferFailed(code="compat_mismatch", message=(
-                f"prefill pod's compat hash {source.compat_hash!r} != this pod's {self.compat_hash!r}"))
         num_prompt = len(prompt_token_ids)
         if source.num_prompt_tokens != num_prompt:
             raise KVTransferFailed(code="prompt_mismatch", message=(
@@ -406,13 +444,15 @@ class HandoffEngine(DelegatingEngine):
             result = await self._connector.fetch(
                 endpoint=source.remote_endpoint, request_id=source.remote_request_id,
                 first_block=reservation.first_block_index, layout=self.layout, on_block=on_block,
-                timeout_seconds=self._fetch_timeout_seconds)
+                timeout_seconds=self._fetch_timeout_seconds, expected_num_tokens=num_prompt)
         except TransferError as exc:
             raise KVTransferFailed(code=exc.code, message=exc.message) from None
-        if result.num_tokens != num_prompt:
+        if (result.num_tokens != num_prompt
+                or result.num_blocks != num_remote_blocks - reservation.first_block_index):
             self._observe(0, 0.0, False)
             raise KVTransferFailed(code="prompt_mismatch", message=(
-                f"the prefill pod holds {result.num_tokens} tokens, the prompt has {num_prompt}"))
+                f"the prefill pod sent {result.num_blocks} blocks of {result.num_tokens} tokens, "
+                f"the prompt has {num_prompt}"))
 
     async def _activate_stream(self, *, request_id: str,
                                params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
@@ -446,7 +486,8 @@ class HandoffEngine(DelegatingEngine):
         try:
             await self._connector.fetch(endpoint=source.remote_endpoint, request_id=source.remote_request_id,
                                         first_block=first_block, layout=self.layout,
-                                        on_block=lambda _i, _d: None, timeout_seconds=self._fetch_timeout_seconds)
+                                        on_block=lambda _i, _d: None, timeout_seconds=self._fetch_timeout_seconds,
+                                        expected_num_tokens=source.num_prompt_tokens)
         except TransferError as exc:
             log.warning("could not release KV of %s on %s: %s", source.remote_request_id,
                         source.remote_endpoint, exc)

@@ -13,6 +13,13 @@ is scheduled whole or not at all. When a running sequence cannot get a KV block,
 are freed (their hashes stay cached, so it usually re-hits its own prefix) and it goes back
 to the front of the waiting queue. No admission happens in a step that preempted.
 
+Blocks the scheduler does not own are never taken: KV pinned for a decode pod's pull
+(``keep_kv``, held until RELEASE or its lease) and blocks reserved for a KV import. A
+sequence left without a victim is therefore preempted too and waits for them to be released;
+only a sequence that needs more blocks than the whole pool holds is ended (``length``).
+Counting "am I alone?" instead would end a prompt whose remaining chunk waits for exported
+KV to be pulled: on a prefill pod under KV pressure that lost the request (``export_failed``).
+
 The output (:class:`SchedulerOutput`) lists prefill chunks first, then decodes — the order
 of :class:`~splitserve_runtime.ops.interface.AttentionMetadata`.
 """
@@ -216,17 +223,20 @@ class Scheduler:
                  out: SchedulerOutput) -> bool:
         """Allocate KV for ``seq``, preempting newer unscheduled sequences as needed.
 
-        Returns False if ``seq`` itself had to be preempted (or finished, if it is alone and
-        the whole cache cannot hold it).
+        Returns False if ``seq`` itself had to be preempted (or finished, if the whole
+        cache cannot hold it).
         """
-        while not self.block_manager.allocate_slots(seq=seq, num_new_tokens=num_new_tokens):
+        bm = self.block_manager
+        while not bm.allocate_slots(seq=seq, num_new_tokens=num_new_tokens):
             victim = self._pick_victim(scheduled=scheduled)
             if victim is None or victim is seq:
-                if len(self.running) == 1 and not scheduled:
-                    # Alone and still out of blocks: it can never fit. End it.
+                if bm.num_blocks_for(seq.num_computed_tokens + num_new_tokens) > bm.num_blocks:
+                    # More than the whole pool: it can never fit. End it.
                     self.finish(seq, reason=FINISH_LENGTH)
                     out.finished.append(seq)
                 else:
+                    # The blocks it needs are held by sequences scheduled this step, or
+                    # outside the scheduler (pinned exports, KV imports): wait for them.
                     self._preempt(seq, out=out)
                 return False
             self._preempt(victim, out=out)

@@ -8,6 +8,17 @@ Disaggregated flow (the pull protocol of contract.KV_TRANSFER_PARAMS_FIELD):
 2. the original request plus those parameters goes to a decode pod with the same compat hash
    and the most KV headroom; it pulls the KV it lacks and streams the rest of the answer.
 
+Handoff parameters come only from our prefill pods: a client's own `kv_transfer_params` are
+dropped on every route (they would let a client steer a decode pod's KV connection), and a
+prefill pod's answer must name that pod's own KV endpoint (as its `/v1/splitserve/info` says).
+The decode pod checks the prefill pod's signature on them as well (`transfer.auth`).
+
+A request whose connection the pod closed before answering (a pooled keep-alive connection the
+pod dropped as idle just as the router reused it: both sides' idle timeouts are 5 s) is sent
+once more to the same pod on a fresh connection before that pod counts as failed: under a
+steady burst that race took the only decode pod out of rotation and failed every request
+until the next health poll.
+
 A prefill pod that fails (connection error or 5xx) is retried on another pod, and when every
 attempt failed the decode pod computes the prompt itself (route "fallback"); a client error
 (4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill. A
@@ -40,6 +51,9 @@ FORWARDED_HEADERS = ("authorization", "x-session-id", "openai-organization", "op
 MAX_PREFILL_ATTEMPTS = 3
 MAX_FORWARD_ATTEMPTS = 3
 RETRYABLE_STATUSES = frozenset({429, 503})
+STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""What a request on a pooled connection the pod has just closed fails with (before any
+response byte); such a request is sent once more on a new connection."""
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
@@ -87,6 +101,22 @@ class Router:
     def _timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self._config.request_timeout_seconds, connect=3.0)
 
+    async def _send(self, *, pod: Pod, url: str, body: dict[str, Any], headers: dict[str, str],
+                    stream: bool) -> httpx.Response:
+        """POST ``body`` to ``url``; a stale pooled connection is retried once (see the module
+        docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
+        for attempt in (1, 2):
+            request = self._client.build_request("POST", url, json=body, headers=headers,
+                                                 timeout=self._timeout())
+            try:
+                return await self._client.send(request, stream=stream)
+            except STALE_CONNECTION_ERRORS as exc:
+                if attempt == 2:
+                    raise
+                log.info("%s pod %s closed the connection before answering (%s); sending again",
+                         pod.role.value, pod.name, type(exc).__name__)
+        raise AssertionError("unreachable")
+
     def _prompt(self, path: str, body: dict[str, Any]) -> tuple[int | None, list[bytes]]:
         """(prompt length in tokens, leading block hashes); (None, []) when untokenizable."""
         try:
@@ -100,6 +130,9 @@ class Router:
     async def handle(self, *, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         started = time.perf_counter()
         request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{uuid.uuid4().hex}"
+        if KV_TRANSFER_PARAMS_FIELD in body:  # only our prefill pods hand requests over
+            log.debug("dropped the client's %s of request %s", KV_TRANSFER_PARAMS_FIELD, request_id)
+            body = {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS_FIELD}
         session = headers.get(self._config.session_header.lower())
         num_prompt_tokens, hashes = self._prompt(path, body)
         metrics.PREFIX_QUERIED_BLOCKS.labels(model=self._config.model_label).inc(len(hashes))
@@ -195,9 +228,8 @@ class Router:
                 metrics.PREFILL_RETRIES.labels(model=self._config.model_label).inc()
             pod.load.in_flight += 1
             try:
-                response = await self._client.post(
-                    f"{pod.url}{path}", json=prefill_body, headers=headers, timeout=self._timeout(),
-                )
+                response = await self._send(pod=pod, url=f"{pod.url}{path}", body=prefill_body,
+                                            headers=headers, stream=False)
             except httpx.HTTPError as exc:
                 last_error = f"prefill pod {pod.name} failed: {type(exc).__name__}: {exc}"
                 log.warning("%s; retrying elsewhere", last_error)
@@ -220,7 +252,11 @@ class Router:
             try:
                 params = response.json()[KV_TRANSFER_PARAMS_FIELD]
             except (ValueError, KeyError, TypeError):
-                last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD}"
+                params = None
+            if not isinstance(params, dict) or (
+                    pod.kv_endpoint and params.get("remote_endpoint") != pod.kv_endpoint):
+                last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD} for its own KV endpoint"
+                log.warning("%s; retrying elsewhere", last_error)
                 self._pods.mark_failed(pod.name)
                 continue
             self._record(pod.name, hashes, choice.matched_blocks)
@@ -243,12 +279,10 @@ class Router:
             if pod is None:
                 break
             tried.add(pod.name)
-            request = self._client.build_request(
-                "POST", f"{pod.url}{path}", json=body, headers=headers, timeout=self._timeout(),
-            )
             pod.load.in_flight += 1
             try:
-                upstream = await self._client.send(request, stream=True)
+                upstream = await self._send(pod=pod, url=f"{pod.url}{path}", body=body,
+                                            headers=headers, stream=True)
             except httpx.HTTPError as exc:
                 pod.load.in_flight -= 1
                 self._pods.mark_failed(pod.name)

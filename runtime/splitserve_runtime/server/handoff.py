@@ -3,7 +3,10 @@
 A completion or chat request may carry ``contract.KV_TRANSFER_PARAMS_FIELD``:
 - ``{"do_remote_decode": true}`` on a prefill pod: compute the prompt, export its KV and
   answer with the normal (non-streamed) response plus the handoff parameters;
-- the prefill pod's handoff object on a decode pod: pull the KV and continue decoding;
+- the prefill pod's handoff object on a decode pod: pull the KV and continue decoding, if the
+  object is authenticated (signed with the InferenceService's handoff key, not expired, this
+  pod's compat hash; without a key, naming a loopback endpoint: see
+  :mod:`splitserve_runtime.transfer.auth`), else 403 before anything is connected to;
 - anything else, or any handoff on a pod of another role, is refused with a typed error.
 A request without the field is computed locally on every role (the router sends short
 prompts straight to decode).
@@ -17,19 +20,23 @@ only when a handoff actually happens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Role, ServeArgs
 from splitserve_runtime.engine.delegate import DelegatingEngine
+from splitserve_runtime.engine.errors import HandoffRefused
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import EngineClient
-from splitserve_runtime.server.errors import SERVER_ERROR, APIError, bad_request
+from splitserve_runtime.server.errors import INVALID_REQUEST, SERVER_ERROR, APIError, bad_request
 from splitserve_runtime.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from splitserve_runtime.engine.remote import HandoffEngine, RemotePrefill
+
+logger = logging.getLogger(__name__)
 
 
 class RoutedEngine(DelegatingEngine):
@@ -78,6 +85,13 @@ def _refuse(message: str) -> APIError:
     return bad_request(message, param=KV_TRANSFER_PARAMS_FIELD, code="invalid_kv_transfer_params")
 
 
+def _forbid(exc: HandoffRefused) -> APIError:
+    """Handoff parameters that are not from a prefill pod of this pool: the caller's mistake
+    (403, the OpenAI client's PermissionDeniedError), never the server's."""
+    return APIError(status_code=403, type=INVALID_REQUEST, param=KV_TRANSFER_PARAMS_FIELD,
+                    code="kv_transfer_params_rejected", message=str(exc))
+
+
 def route_handoff(*, engine: EngineClient, role: str, params: dict[str, Any] | None,
                   stream: bool) -> RoutedEngine:
     """The engine path for a request with these ``kv_transfer_params`` (see the module
@@ -103,10 +117,10 @@ def route_handoff(*, engine: EngineClient, role: str, params: dict[str, Any] | N
     if "remote_endpoint" in params:
         if role != Role.DECODE.value:
             raise _refuse(f"remote KV goes to a decode pod; this pod's role is {role}")
-        from splitserve_runtime.engine.remote import RemotePrefill
-
         try:
-            source = RemotePrefill.from_params(params)
+            source = handoff.accept_remote(params)
+        except HandoffRefused as exc:
+            raise _forbid(exc) from None
         except ValueError as exc:
             raise _refuse(str(exc)) from None
         return RoutedEngine(engine=engine, handoff=handoff, source=source)
@@ -125,16 +139,24 @@ def _handoff_engine(engine: EngineClient) -> HandoffEngine | None:
 def build_handoff_engine(*, engine: EngineClient, args: ServeArgs, kv_endpoint: str,
                          metrics: ServerMetrics) -> EngineClient:
     """Wrap the role's AsyncEngine for the handoff (prefill: KV server on ``--kv-port``,
-    bound to ``--host``; decode: the pulling connector); transfers feed ``metrics``."""
+    bound to ``--host``; decode: the pulling connector); transfers feed ``metrics``. The
+    handoff is authenticated with ``--handoff-key-file`` (a key file that cannot be read
+    fails the start-up); without one it is confined to loopback, with a warning."""
     from splitserve_runtime.engine.async_engine import AsyncEngine
     from splitserve_runtime.engine.remote import HandoffEngine
+    from splitserve_runtime.transfer.auth import HandoffAuth, HandoffKey
 
     if not isinstance(engine, AsyncEngine):
         raise TypeError(f"the handoff needs an AsyncEngine, got {type(engine).__name__}")
+    key = HandoffKey.from_file(args.handoff_key_file) if args.handoff_key_file else None
+    if key is None:
+        logger.warning("role %s without a KV handoff key (--handoff-key-file): the prefill/decode "
+                       "handoff is limited to loopback addresses", args.role)
 
     def observe(num_bytes: int, seconds: float, ok: bool) -> None:
         metrics.record_kv_transfer(num_bytes=num_bytes, seconds=seconds, ok=ok)
 
     return HandoffEngine(engine=engine, role=args.role, compat_hash=args.compat_hash,
                          kv_host=args.host, kv_port=args.kv_port, kv_endpoint=kv_endpoint,
-                         kv_ttl_seconds=args.kv_ttl_seconds, observer=observe)
+                         kv_ttl_seconds=args.kv_ttl_seconds, observer=observe,
+                         auth=HandoffAuth(key=key))

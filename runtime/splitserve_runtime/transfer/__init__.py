@@ -6,8 +6,11 @@ hold (its own prefix cache covers the rest) and writes them into its paged cache
 connector interface (:class:`~.connector.KVConnector`) hides the transport: the TCP
 implementation here runs anywhere (CPU tests, loopback, cross-node), a GPU transport
 (NCCL, CUDA IPC, RDMA) can replace it without touching the engine or the router.
+:mod:`.auth` decides who may take part: pods holding the InferenceService's handoff key, or
+loopback peers when there is none.
 """
 
+from .auth import HandoffAuth, HandoffKey, HandoffRejected
 from .connector import FetchResult, KVConnector, KVLayout, TransferError
 from .registry import ExportedKV, KVExportRegistry
 from .tcp import TcpKVConnector, TcpKVServer
@@ -15,6 +18,9 @@ from .tcp import TcpKVConnector, TcpKVServer
 __all__ = [
     "ExportedKV",
     "FetchResult",
+    "HandoffAuth",
+    "HandoffKey",
+    "HandoffRejected",
     "KVConnector",
     "KVExportRegistry",
     "KVLayout",

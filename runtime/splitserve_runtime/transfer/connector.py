@@ -47,7 +47,9 @@ class KVLayout:
 
 class TransferError(Exception):
     """A fetch that did not deliver every block intact. `code` is stable for metrics/logs:
-    connect_failed, timeout, corrupt, truncated, unknown_request, layout_mismatch, protocol."""
+    connect_failed, timeout, corrupt, truncated, unknown_request, layout_mismatch, protocol,
+    prompt_mismatch, unauthorized (the server refused us), unauthenticated (the server did
+    not prove it holds the handoff key), endpoint_not_allowed (see :mod:`.auth`)."""
 
     def __init__(self, *, code: str, message: str) -> None:
         super().__init__(f"KV transfer failed ({code}): {message}")
@@ -70,8 +72,10 @@ BlockSink = Callable[[int, memoryview], None]
 class KVConnector(Protocol):
     async def fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink, timeout_seconds: float,
+        on_block: BlockSink, timeout_seconds: float, expected_num_tokens: int | None = None,
     ) -> FetchResult:
-        """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port").
-        Raises TransferError; blocks already handed to `on_block` must then be discarded."""
+        """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port"); with
+        `expected_num_tokens`, a server holding another number of tokens is refused before
+        any block. Raises TransferError (only); blocks already handed to `on_block` must then
+        be discarded."""
         ...

@@ -1,0 +1,254 @@
+"""Who may take part in a KV handoff: the per-InferenceService key, or loopback only.
+
+Why: ``kv_transfer_params`` tell a decode pod which host:port to connect to and whose KV to
+write into its cache. Taken from a client as they were, they made the decode pod connect
+anywhere (a port scanner: open and closed ports answer differently) and let anyone who could
+answer on a port inject KV. So handoff parameters must come from our own prefill pods, and
+each KV connection must join two of our own pods (issue 12, defect 4).
+
+How, with a key (``--handoff-key-file``: the Secret
+``<InferenceService>`` + ``contract.HANDOFF_KEY_SECRET_SUFFIX`` that the operator creates and
+mounts into the prefill and decode pods of one InferenceService):
+
+- the prefill pod signs the parameters it answers with: an HMAC-SHA256 over a canonical JSON
+  encoding of every field (endpoint, request id, prompt length, first token, compat hash) plus
+  an expiry (``expires_at``, Unix seconds: the KV lease), carried in ``signature``;
+- the decode pod checks the signature (constant-time compare), the expiry (allowing
+  :data:`CLOCK_SKEW_SECONDS` between nodes) and that the compat hash is its own *before* it
+  opens any connection; so it connects only to an endpoint one of our prefill pods named for
+  itself, and a forged, altered, replayed-late or foreign-pool handoff is a client error;
+- on the KV port, FETCH carries a fresh random nonce and a token, HMAC(request id, nonce):
+  the prefill pod's server streams nothing (no LAYOUT, no BLOCK, not even whether the request
+  exists) to a puller without a valid token; its LAYOUT answer carries a proof,
+  HMAC(request id, nonce, the layout header), which the decode pod checks before it accepts
+  a single block, so a stranger answering on that address cannot feed it KV.
+
+Each MAC is domain-separated by its purpose (``params``, ``fetch``, ``layout``), so one can
+never be replayed as another. The BLOCK frames themselves are protected by their CRC (against
+corruption) and by this authenticated start of the connection, not by a MAC: an attacker on
+the path between two pods is out of scope here (that needs TLS), a stranger is not.
+
+Without a key (a development setup on one machine, or the aggregated role) the handoff is
+confined to loopback: a decode pod accepts only parameters naming a loopback endpoint
+(127.0.0.0/8, ::1, localhost) and connects nowhere else, and a prefill pod's KV server serves
+only loopback peers. This keeps the tests' and the local node's loopback pods working, and
+makes the unauthenticated mode unable to reach, or be reached from, another host. The pods log
+a warning at start-up when they run a prefill or decode role without a key.
+
+The key is never logged, echoed or shown in a ``repr``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import math
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+MIN_KEY_BYTES = 16
+"""A shorter key file is refused at start-up (the operator writes 32 random bytes)."""
+CLOCK_SKEW_SECONDS = 30.0
+"""How far a decode pod's clock may be behind or ahead of the signing prefill pod's."""
+SIGNATURE_FIELD = "signature"
+EXPIRY_FIELD = "expires_at"
+NONCE_FIELD = "nonce"
+TOKEN_FIELD = "token"
+PROOF_FIELD = "proof"
+MAX_NONCE_CHARS = 64
+_DOMAIN = b"splitserve/kv-handoff/v1"
+_MAC_HEX_CHARS = 2 * hashlib.sha256().digest_size
+
+
+class HandoffRejected(Exception):
+    """A handoff or KV connection this pod must not take part in. ``code`` is stable for logs
+    and errors: unsigned, bad_signature, expired, compat_mismatch, endpoint_not_allowed,
+    malformed, unauthorized (a puller), unauthenticated (a server)."""
+
+    def __init__(self, *, code: str, message: str) -> None:
+        super().__init__(f"KV handoff refused ({code}): {message}")
+        self.code = code
+        self.message = message
+
+
+def canonical_json(body: Mapping[str, Any]) -> bytes:
+    """The one byte encoding a MAC covers: sorted keys, no spaces, ASCII, no NaN."""
+    try:
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False).encode("ascii")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise HandoffRejected(code="malformed", message=f"cannot be encoded: {exc}") from None
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal, bracketed or not, or ``localhost``) is loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of ``host:port`` (IPv6 in brackets or not); "" when there is none."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        return ""
+    return host.strip("[]")
+
+
+class HandoffKey:
+    """The shared secret of one InferenceService's prefill and decode pods."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"a KV handoff key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+        self._key = key
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HandoffKey:
+        """Read the key: the file's bytes as they are (the operator's key is 32 random bytes,
+        which may start or end with whitespace bytes), less one trailing newline that a key
+        written by hand with an editor carries. Raises ValueError naming the file, never its
+        content."""
+        try:
+            key = Path(path).read_bytes().removesuffix(b"\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read the KV handoff key file {str(path)!r}: "
+                             f"{exc.strerror or type(exc).__name__}") from None
+        try:
+            return cls(key)
+        except ValueError as exc:
+            raise ValueError(f"KV handoff key file {str(path)!r}: {exc}") from None
+
+    def __repr__(self) -> str:
+        return "HandoffKey(<redacted>)"
+
+    def mac(self, purpose: str, body: Mapping[str, Any]) -> str:
+        """Hex HMAC-SHA256 of ``body``'s canonical encoding, bound to ``purpose``."""
+        message = b"\0".join((_DOMAIN, purpose.encode("ascii"), canonical_json(body)))
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def verify(self, purpose: str, body: Mapping[str, Any], mac: object) -> bool:
+        """Constant-time check of ``mac`` (anything a peer sent) against ``body``."""
+        if not isinstance(mac, str) or len(mac) != _MAC_HEX_CHARS or not mac.isascii():
+            return False
+        return hmac.compare_digest(self.mac(purpose, body).encode("ascii"), mac.encode("ascii"))
+
+
+class HandoffAuth:
+    """One pod's handoff policy: authenticated with ``key``, loopback-only without one."""
+
+    def __init__(self, *, key: HandoffKey | None, clock: Callable[[], float] = time.time) -> None:
+        self._key = key
+        self._clock = clock
+
+    def __repr__(self) -> str:
+        return f"HandoffAuth({'keyed' if self._key is not None else 'loopback only'})"
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
+
+    # ------------------------------------------------------------------ handoff parameters
+    def sign(self, params: Mapping[str, Any], *, lifetime_seconds: float) -> dict[str, Any]:
+        """Prefill side: ``params`` plus an expiry and their signature (unchanged without a key)."""
+        body = {k: v for k, v in params.items() if k not in (SIGNATURE_FIELD, EXPIRY_FIELD)}
+        if self._key is None:
+            return body
+        body[EXPIRY_FIELD] = math.ceil(self._clock() + lifetime_seconds)
+        body[SIGNATURE_FIELD] = self._key.mac("params", body)
+        return body
+
+    def check_params(self, params: Mapping[str, Any], *, compat_hash: str) -> None:
+        """Decode side, before any connection: raise HandoffRejected unless ``params`` come
+        from a prefill pod of this pool (see the module docstring)."""
+        if self._key is None:
+            endpoint = params.get("remote_endpoint")
+            if not isinstance(endpoint, str) or not is_loopback_host(endpoint_host(endpoint)):
+                raise HandoffRejected(code="endpoint_not_allowed", message=(
+                    f"remote_endpoint {endpoint!r} is not a loopback address, and this pod has "
+                    "no KV handoff key (--handoff-key-file) to authenticate a handoff with"))
+        else:
+            signature = params.get(SIGNATURE_FIELD)
+            if signature is None:
+                raise HandoffRejected(code="unsigned", message=(
+                    f"the handoff parameters carry no {SIGNATURE_FIELD}; only this "
+                    "InferenceService's prefill pods can hand a request to this pod"))
+            body = {k: v for k, v in params.items() if k != SIGNATURE_FIELD}
+            if not self._key.verify("params", body, signature):
+                raise HandoffRejected(code="bad_signature", message=(
+                    "the handoff parameters are not signed with this InferenceService's key"))
+            expires_at = params.get(EXPIRY_FIELD)
+            if not isinstance(expires_at, int) or isinstance(expires_at, bool):
+                raise HandoffRejected(code="malformed", message=f"{EXPIRY_FIELD} must be an integer")
+            if self._clock() > expires_at + CLOCK_SKEW_SECONDS:
+                raise HandoffRejected(code="expired", message=(
+                    f"the handoff parameters expired at {expires_at} (Unix time)"))
+        if params.get("compat_hash", "") != compat_hash:
+            raise HandoffRejected(code="compat_mismatch", message=(
+                f"the prefill pod's compat hash {params.get('compat_hash')!r} is not this "
+                f"pod's {compat_hash!r}"))
+
+    # ------------------------------------------------------------------ the KV connection
+    def check_endpoint(self, endpoint: str) -> None:
+        """Puller side, before connecting: without a key, loopback only."""
+        if self._key is None and not is_loopback_host(endpoint_host(endpoint)):
+            raise HandoffRejected(code="endpoint_not_allowed", message=(
+                f"{endpoint!r} is not a loopback address and this pod has no KV handoff key"))
+
+    @staticmethod
+    def new_nonce() -> str:
+        return secrets.token_hex(16)
+
+    def fetch_credentials(self, *, request_id: str, nonce: str) -> dict[str, str]:
+        """Puller side: the fields FETCH carries to prove who asks (none without a key)."""
+        if self._key is None:
+            return {}
+        return {NONCE_FIELD: nonce,
+                TOKEN_FIELD: self._key.mac("fetch", {"request_id": request_id, NONCE_FIELD: nonce})}
+
+    def check_fetch(self, body: Mapping[str, Any], *, peer_host: str) -> str:
+        """Server side, before anything is sent: the puller's nonce if it proved it holds the
+        key (or, without a key, if it is on loopback); raises HandoffRejected otherwise."""
+        if self._key is None:
+            if not is_loopback_host(peer_host):
+                raise HandoffRejected(code="unauthorized", message=(
+                    f"peer {peer_host!r} is not on loopback and this pod has no KV handoff key"))
+            return ""
+        nonce = body.get(NONCE_FIELD)
+        request_id = body.get("request_id")
+        if (not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS
+                or not isinstance(request_id, str)
+                or not self._key.verify("fetch", {"request_id": request_id, NONCE_FIELD: nonce},
+                                        body.get(TOKEN_FIELD))):
+            raise HandoffRejected(code="unauthorized", message=(
+                "the FETCH carries no valid token for this InferenceService's key"))
+        return nonce
+
+    def layout_proof(self, *, request_id: str, nonce: str, header: Mapping[str, Any]) -> dict[str, str]:
+        """Server side: the field LAYOUT carries to prove it comes from a pod with the key."""
+        if self._key is None:
+            return {}
+        body = {"request_id": request_id, NONCE_FIELD: nonce, "layout": dict(header)}
+        return {PROOF_FIELD: self._key.mac("layout", body)}
+
+    def check_layout(self, header: Mapping[str, Any], *, request_id: str, nonce: str) -> None:
+        """Puller side, before any block is accepted: LAYOUT must prove the server holds the
+        key and answers this very FETCH (the nonce). No-op without a key."""
+        if self._key is None:
+            return
+        body = {"request_id": request_id, NONCE_FIELD: nonce,
+                "layout": {k: v for k, v in header.items() if k != PROOF_FIELD}}
+        if not self._key.verify("layout", body, header.get(PROOF_FIELD)):
+            raise HandoffRejected(code="unauthenticated", message=(
+                "the KV server did not prove it holds this InferenceService's key"))

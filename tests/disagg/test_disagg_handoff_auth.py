@@ -1,0 +1,186 @@
+"""Handoff parameters come only from our own prefill pods (issue 12, defect 4), with real
+processes: a prefill pod, a decode pod and a router sharing one handoff key, as the operator
+deploys them.
+
+- Parameters a client forges (unsigned, a made-up or foreign signature, altered, expired,
+  another pool's compat hash) sent straight to the decode pod are a 403, and the decode pod
+  never connects to the endpoint they name: a listening socket sees no connection (while a
+  correctly signed handoff to the same socket does reach it, so the socket would have seen one).
+- Through the router, a client's ``kv_transfer_params`` are dropped on every route.
+- A KV puller without the key gets one ERROR frame from the prefill pod and nothing else, and
+  the export stays for the real decode pod, which then pulls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, free_port
+
+from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_runtime.transfer import HandoffAuth, HandoffKey, framing
+from splitserve_runtime.transfer.framing import FrameType
+
+PROMPT = ("Once upon a time in a land far away there lived a king who had three daughters, "
+          "and the youngest of them was the cleverest of all")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from splitserve_runtime.model.tiny import write_tiny_model
+
+    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir=model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=1,
+                 num_decode=1, health_interval_seconds=30.0) as running:
+        yield running
+
+
+class Listener:
+    """A TCP port that counts the connections made to it and closes each at once."""
+
+    def __init__(self, host: str = "127.0.0.97") -> None:
+        self._sock = socket.create_server((host, free_port(host)))
+        self._sock.settimeout(0.1)
+        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def _post(pod: Proc, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{pod.url}/v1/completions", timeout=60, json=body)
+
+
+def _body(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0, **extra}
+
+
+def test_forged_handoff_params_are_refused_without_any_connection(cluster: Cluster,
+                                                                   reference: Reference) -> None:
+    decode, prefill = cluster.decode[0], cluster.prefill[0]
+    num_prompt = len(reference.tokenizer.encode(PROMPT))
+    with Listener() as listener:
+        base = {"remote_endpoint": listener.endpoint, "remote_request_id": "cmpl-probe",
+                "num_prompt_tokens": num_prompt, "first_token_id": 5, "compat_hash": "tinyhash"}
+        stranger = HandoffAuth(key=HandoffKey(b"a key of some other InferenceService"))
+        genuine_elsewhere = cluster.sign({**base, "remote_endpoint": f"{prefill.host}:{prefill.kv_port}"})
+        forged = {
+            "unsigned": base,
+            "made-up signature": {**base, "expires_at": 4_000_000_000, "signature": "0" * 64},
+            "signed with another key": stranger.sign(base, lifetime_seconds=30),
+            "endpoint altered after signing": {**genuine_elsewhere, "remote_endpoint": listener.endpoint},
+            "expired": cluster.sign(base, lifetime_seconds=-3600),
+            "another pool's compat hash": cluster.sign({**base, "compat_hash": "otherhash"}),
+        }
+        for case, params in forged.items():
+            for stream in (False, True):
+                response = _post(decode, _body(PROMPT, stream=stream, **{KV_TRANSFER_PARAMS_FIELD: params}))
+                assert response.status_code == 403, (case, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "kv_transfer_params_rejected", (case, error)
+                assert error["param"] == KV_TRANSFER_PARAMS_FIELD
+        assert listener.connections == 0
+        # the control: the same endpoint, signed by the pool's key, is connected to (the pull
+        # fails on the closed connection and the decode pod computes the prompt itself)
+        response = _post(decode, _body(PROMPT, **{KV_TRANSFER_PARAMS_FIELD: cluster.sign(base)}))
+        assert response.status_code == 200, response.text
+        assert listener.connections == 1
+    assert decode.ready()
+
+
+def test_the_router_drops_a_clients_kv_transfer_params(cluster: Cluster, reference: Reference) -> None:
+    router = cluster.router
+    assert router is not None
+    decode = cluster.decode[0]
+    with Listener() as listener:
+        for prompt, route in ((PROMPT, "disaggregated"), ("Hi", "direct")):
+            num_prompt = len(reference.tokenizer.encode(prompt))
+            # even correctly signed ones: only the prefill pod the router chose may hand over
+            params = cluster.sign({"remote_endpoint": listener.endpoint, "remote_request_id": "cmpl-c",
+                                   "num_prompt_tokens": num_prompt, "first_token_id": 5,
+                                   "compat_hash": "tinyhash"})
+            want, _ = reference.generate(reference.tokenizer.encode(prompt), max_tokens=6, ignore_eos=True)
+            routed = router.metric("splitserve_router_routes_total", route=route)
+            received = decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL)
+            response = httpx.post(f"{cluster.router_url}/completions", timeout=60,
+                                  json=_body(prompt, **{KV_TRANSFER_PARAMS_FIELD: params}))
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == want
+            assert router.metric("splitserve_router_routes_total", route=route) == routed + 1
+            if route == "disaggregated":  # the real, signed handoff of our prefill pod worked
+                assert decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL) > received
+        assert listener.connections == 0
+
+
+async def test_a_kv_puller_without_the_key_gets_nothing_and_the_real_one_pulls(
+        cluster: Cluster, reference: Reference) -> None:
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    body = _body(f"{PROMPT} (pulled)")
+    async with httpx.AsyncClient(timeout=60) as http:
+        handoff = await http.post(f"{prefill.url}/v1/completions", json={
+            **body, "max_tokens": 1, KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}})
+        assert handoff.status_code == 200, handoff.text
+        params = handoff.json()[KV_TRANSFER_PARAMS_FIELD]
+        assert params["signature"] and params["expires_at"]
+        layout = {"num_layers": 2, "block_size": 16, "num_kv_heads": 2, "head_dim": 16,
+                  "dtype": "float32", "dtype_bytes": 4, "compat_hash": "tinyhash"}
+        for credentials in ({}, {"nonce": "n1", "token": "f" * 64},
+                            HandoffAuth(key=HandoffKey(b"guessed-guessed-guessed")).fetch_credentials(
+                                request_id=params["remote_request_id"], nonce="n2")):
+            reader, writer = await asyncio.open_connection(prefill.host, prefill.kv_port)
+            writer.write(framing.encode_json(FrameType.FETCH, {
+                "request_id": params["remote_request_id"], "first_block": 0, "layout": layout,
+                **credentials}))
+            await writer.drain()
+            frame = await framing.read_frame(reader, timeout_seconds=5, max_payload_bytes=1 << 16)
+            assert frame.type is FrameType.ERROR and frame.json()["code"] == "unauthorized"
+            assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # no LAYOUT, no BLOCK
+            writer.close()
+        want, _ = await asyncio.to_thread(reference.generate, reference.tokenizer.encode(body["prompt"]),
+                                          max_tokens=6, ignore_eos=True)
+        received = await asyncio.to_thread(decode.metric, Metric.KV_TRANSFER_BYTES_TOTAL)
+        answer = await http.post(f"{decode.url}/v1/completions",
+                                 json={**body, KV_TRANSFER_PARAMS_FIELD: params})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want
+        assert await asyncio.to_thread(decode.metric, Metric.KV_TRANSFER_BYTES_TOTAL) > received
+    refused = prefill.log_tail(num_chars=1_000_000).count("(unauthorized)")
+    assert refused == 3, prefill.log_tail()
