@@ -129,6 +129,18 @@ class _PodRun:
     events_sent: set[str] = dataclasses.field(default_factory=set)
 
 
+
+def _write_items(directory: Path, source: Mapping[str, Any], data: Mapping[str, bytes], *, mode: int) -> None:
+    """The files of a configMap or secret volume: ``source.items`` (key -> path) or every key."""
+    items = source.get("items") or [{"key": k, "path": k} for k in data]
+    for item in items:
+        if item["key"] in data:
+            target = directory / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data[item["key"]])
+            target.chmod(mode)
+
+
 class LocalNode:
     """The local node agent. ``start()`` registers the node and starts the sync thread;
     ``stop()`` ends every pod process and the thread."""
@@ -458,23 +470,12 @@ class LocalNode:
             local.mkdir(parents=True, exist_ok=True)
             if "configMap" in volume:
                 source = volume["configMap"]
-                data = self._lookup("ConfigMap", run.namespace, source["name"]) or {}
-                items = source.get("items") or [{"key": k, "path": k} for k in data]
-                for item in items:
-                    if item["key"] in data:
-                        target = local / item["path"]
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        target.write_text(data[item["key"]])
+                text = self._lookup("ConfigMap", run.namespace, source["name"]) or {}
+                _write_items(local, source, {k: v.encode() for k, v in text.items()}, mode=0o644)
             if "secret" in volume:
                 source = volume["secret"]
-                secret = self._secret_bytes(run.namespace, source["secretName"])
-                items = source.get("items") or [{"key": k, "path": k} for k in secret]
-                for item in items:
-                    if item["key"] in secret:
-                        target = local / item["path"]
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        target.write_bytes(secret[item["key"]])
-                        target.chmod(0o400)
+                _write_items(local, source, self._secret_bytes(run.namespace, source["secretName"]),
+                             mode=0o400)
             rewrites[mount["mountPath"].rstrip("/")] = str(local)
         return rewrites
 

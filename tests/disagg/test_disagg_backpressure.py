@@ -22,14 +22,6 @@ from splitserve_contract import KV_TRANSFER_PARAMS_FIELD
 PROMPT = "a prompt long enough to go through the prefill pod rather than straight to decode"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from splitserve_runtime.model.tiny import write_tiny_model
-
-    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
-    return out
-
-
 @pytest.fixture
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One per test: two of them stop the prefill pod, so none may share it."""

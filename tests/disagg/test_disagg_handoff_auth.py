@@ -33,19 +33,6 @@ PROMPT = ("Once upon a time in a land far away there lived a king who had three 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from splitserve_runtime.model.tiny import write_tiny_model
-
-    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Reference:
-    return Reference(model_dir=model_dir)
-
-
-@pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(model_dir=model_dir, log_dir=tmp_path_factory.mktemp("logs"), num_prefill=1,
                  num_decode=1, health_interval_seconds=30.0) as running:

@@ -41,13 +41,6 @@ SYSTEM = ("You are a careful assistant. Answer briefly, cite your sources, and n
           "facts. If you do not know, say so plainly and suggest where to look instead.")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from splitserve_runtime.model.tiny import write_tiny_model
-
-    return write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
-
-
 def _cluster(model_dir: Path, log_dir: Path) -> Cluster:
     return Cluster(model_dir=model_dir, log_dir=log_dir, num_prefill=2, num_decode=2,
                    kv_ttl_seconds=KV_TTL_SECONDS, health_interval_seconds=30.0)
@@ -65,11 +58,6 @@ def own_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """A cluster for one test that kills its pods (so the order of tests does not matter)."""
     with _cluster(model_dir, tmp_path_factory.mktemp("logs")) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Reference:
-    return Reference(model_dir=model_dir)
 
 
 @pytest.fixture
