@@ -25,6 +25,7 @@ from splitserve_contract import ServeArgs, serve_argv
 from splitserve_runtime.engine.async_engine import AsyncEngine
 from splitserve_runtime.engine.stats import EngineStats
 from splitserve_runtime.server.app import build_app
+from splitserve_runtime.server.prompt_workers import PromptWorkers
 from splitserve_runtime.server.state import ServerState
 
 MODEL_NAME = "tiny-llama"
@@ -55,7 +56,10 @@ class InProcessServer:
         self.app = app
         self.engine = engine
         self._wait_ready = wait_ready
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections only
+        # when the listening socket says so, and without it every answer waited ~40 ms for a
+        # delayed ACK (Nagle)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
@@ -96,11 +100,13 @@ class InProcessServer:
         return self.engine.stats()
 
 
-def start_server(*, args: ServeArgs, api_key: str | None = None) -> InProcessServer:
+def start_server(*, args: ServeArgs, api_key: str | None = None,
+                 prompt_workers: PromptWorkers | None = None) -> InProcessServer:
     """A ready-to-enter server with a real engine built from `args`."""
     engine = AsyncEngine.from_args(args)
     app = build_app(engine=engine, served_model_name=args.served_model_name, role=args.role,
-                    api_key=api_key, max_request_body_bytes=args.max_request_body_bytes)
+                    api_key=api_key, max_request_body_bytes=args.max_request_body_bytes,
+                    prompt_workers=prompt_workers)
     return InProcessServer(app=app, engine=engine)
 
 

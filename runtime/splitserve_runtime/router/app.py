@@ -4,6 +4,15 @@ Wires discovery (static flags or Kubernetes EndpointSlices), health polling, the
 selection policy and the proxy into one FastAPI app. The router tokenizes only to hash prompt
 prefixes for affinity (with the model's own tokenizer when `--model` is given, else fixed byte
 chunks); the pods tokenize for real. It never holds KV and never generates.
+
+That tokenizing runs on the event loop, so it reads at most ``AFFINITY_PREFIX_CHARS`` of a
+prompt (and ``AFFINITY_MESSAGES`` of a chat): affinity hashes only the leading blocks, and a prompt cut there is long whatever the
+short-prompt threshold. A multi-megabyte prompt used to hold the router's loop for seconds.
+
+``/metrics`` adds two gauges to the router's counters, so a stuck request shows:
+``splitserve_router_requests_in_flight`` (client requests inside the router, streams until
+their last byte) and ``splitserve_router_upstream_requests_in_flight{pod}`` (the router's calls
+to each pod, the load figure its policy uses).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +30,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve_contract import (
@@ -45,6 +55,12 @@ log = logging.getLogger("splitserve.router")
 
 OPEN_PATHS = ROUTER_OPEN_PATHS
 
+AFFINITY_PREFIX_CHARS = 65_536
+"""The most prompt (or rendered chat) characters the router tokenizes for affinity: far more
+than the leading blocks it hashes, and about 50 ms of tokenizing at worst."""
+AFFINITY_MESSAGES = 64
+"""The leading chat messages rendered for affinity (rendering 150k messages took seconds)."""
+
 
 def byte_chunk_tokens(text: str) -> list[int]:
     """Fallback 'tokens' without a tokenizer: 4-byte chunks of the UTF-8 text (≈ 1 token each)."""
@@ -63,12 +79,15 @@ def make_tokenize(*, model: str) -> Tokenize:
         tokenizer = Tokenizer.from_dir(model_dir=model_dir)
 
     def tokenize(path: str, body: dict[str, Any]) -> list[int]:
+        cut = AFFINITY_PREFIX_CHARS
         if path.endswith("/chat/completions"):
             messages = body.get("messages") or []
+            if isinstance(messages, list):
+                messages = messages[:AFFINITY_MESSAGES]
             if tokenizer is not None:
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                return tokenizer.encode(text, add_special_tokens=False)
-            return byte_chunk_tokens(json.dumps(messages, sort_keys=True))
+                return tokenizer.encode(text[:cut], add_special_tokens=False)
+            return byte_chunk_tokens(json.dumps(messages, sort_keys=True)[:cut])
         prompt = body.get("prompt", "")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return [int(t) for t in prompt]
@@ -76,6 +95,7 @@ def make_tokenize(*, model: str) -> Tokenize:
             prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
         if not isinstance(prompt, str):
             return []
+        prompt = prompt[:cut]
         return tokenizer.encode(prompt) if tokenizer is not None else byte_chunk_tokens(prompt)
 
     return tokenize
@@ -170,7 +190,7 @@ def _add_api_key_middleware(app: FastAPI, *, api_key: str | None) -> None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=ROUTER_OPEN_PATHS)
 
 
-def _add_health_routes(app: FastAPI, *, pods: PodSet) -> None:
+def _add_health_routes(app: FastAPI, *, pods: PodSet, gauges: CollectorRegistry) -> None:
     """/health, /ready and /metrics (open even with an API key)."""
 
     @app.get("/health")
@@ -186,7 +206,8 @@ def _add_health_routes(app: FastAPI, *, pods: PodSet) -> None:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.REGISTRY) + generate_latest(gauges),
+                        media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> None:
@@ -214,6 +235,22 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
         return await _proxy(request, "/v1/chat/completions", state=state)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _holds_lone_surrogate(raw: bytes, body: dict[str, Any]) -> bool:
+    """Valid JSON (``"\\ud800"``) that is no Unicode text: the pods refuse it with a 400, but
+    the router could not even re-encode it to send on (it was a 500). Only a body with a
+    surrogate escape is re-encoded to tell a lone one from a pair (an escaped emoji)."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return False
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 async def _proxy(request: Request, path: str, *, state: dict[str, Any]) -> Response:
     try:
         body = await request.json()
@@ -221,6 +258,10 @@ async def _proxy(request: Request, path: str, *, state: dict[str, Any]) -> Respo
         return error_response(status=400, message="request body is not valid JSON", type_="invalid_request_error")
     if not isinstance(body, dict):
         return error_response(status=400, message="request body must be a JSON object", type_="invalid_request_error")
+    if _holds_lone_surrogate(await request.body(), body):
+        return error_response(
+            status=400, type_="invalid_request_error", code="invalid_text",
+            message="request body is not valid Unicode text: it holds a lone UTF-16 surrogate")
     router: Router = state["router"]
     return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
 
@@ -235,9 +276,13 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     app = FastAPI(title="splitserve router", lifespan=lifespan)
     app.state.pods = pods
     app.state.selector = selector
-    _add_health_routes(app, pods=pods)
+    counter = {"in_flight": 0}
+    gauges = CollectorRegistry(auto_describe=True)
+    gauges.register(metrics.InFlightCollector(pods=pods, counter=counter, model_label=model_label))
+    _add_health_routes(app, pods=pods, gauges=gauges)
     _add_openai_routes(app, pods=pods, state=state)
     app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(metrics.InFlight, counter=counter)
     _add_api_key_middleware(app, api_key=api_key)
     app.add_middleware(CatchAllErrors)  # added last: outermost, so it covers the key check too
     return app

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .pods import PodSet
 
 REGISTRY = CollectorRegistry()
 _LABELS = ("role", "model")
@@ -51,3 +58,46 @@ REQUEST_SECONDS = _Bound(Histogram(
     _LABELS, registry=REGISTRY,
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 ))
+
+
+class InFlight:
+    """Counts the client requests inside the router (OpenAI routes), each until its response
+    has sent its last byte or the request ended otherwise (an error, a disconnect)."""
+
+    def __init__(self, app: ASGIApp, *, counter: dict[str, int]) -> None:
+        self._app = app
+        self._counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1/"):
+            await self._app(scope, receive, send)
+            return
+        self._counter["in_flight"] += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._counter["in_flight"] -= 1
+
+
+class InFlightCollector(Collector):
+    """The router's in-flight gauges, read from the live objects at scrape time."""
+
+    def __init__(self, *, pods: PodSet, counter: dict[str, int], model_label: str) -> None:
+        self._pods = pods
+        self._counter = counter
+        self._model = model_label
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        requests = GaugeMetricFamily(
+            "splitserve_router_requests_in_flight",
+            "Client requests inside the router (a stream until its last byte)",
+            labels=["role", "model"])
+        requests.add_metric(["router", self._model], self._counter["in_flight"])
+        yield requests
+        upstream = GaugeMetricFamily(
+            "splitserve_router_upstream_requests_in_flight",
+            "The router's requests to each pod that have not finished",
+            labels=["role", "model", "pod"])
+        for pod in self._pods.all():
+            upstream.add_metric(["router", self._model, pod.name], pod.load.in_flight)
+        yield upstream

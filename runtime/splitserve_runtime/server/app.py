@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server of one runtime process (`splitserve serve`).
 
 :func:`build_app` composes routes, the API-key middleware, exception handlers and metrics
-around an engine; the routes only translate HTTP to the serving classes and back.
+around an engine; the routes only translate HTTP to the serving classes and back. Nothing a
+request does blocks the event loop for long (large prompts are read on worker threads:
+:mod:`.prompts`), so ``/health`` and ``/metrics`` answer at once whatever the load.
 :func:`main` owns the process concerns (vLLM's launcher split):
 - the listener starts before the model loads, so ``/health`` answers (alive) while
   ``/ready`` says 503 until the engine is up;
@@ -37,6 +39,8 @@ from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
 from splitserve_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from splitserve_runtime.server.prompt_workers import PromptWorkers
+from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,19 +63,24 @@ ABORT_FLUSH_SECONDS = 1.0
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               api_key: str | None, engine_loader: EngineLoader | None = None,
               compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
-              max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
+              prompt_workers: PromptWorkers | None = None) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
-    `block_size` are reported at contract.INFO_PATH for the router."""
+    `block_size` are reported at contract.INFO_PATH for the router. `prompt_workers` tokenize
+    large prompts off the event loop (default: :class:`PromptWorkers` with its defaults)."""
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
     state = ServerState(served_model_name=served_model_name, role=role)
     metrics = ServerMetrics(role=role, model=served_model_name, stats_source=lambda: (
         state.engine_or_none.stats() if state.engine_or_none is not None else None))
-    completions = CompletionsService(state=state, metrics=metrics)
-    chat = ChatService(state=state, metrics=metrics)
-    lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader)
+    workers = prompt_workers if prompt_workers is not None else PromptWorkers()
+    prompts = PromptReader(workers=workers, metrics=metrics)
+    completions = CompletionsService(state=state, metrics=metrics, prompts=prompts)
+    chat = ChatService(state=state, metrics=metrics, prompts=prompts)
+    lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader,
+                              workers=workers)
     app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = state
@@ -89,9 +98,10 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
 
 
 def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
-                   engine_loader: EngineLoader | None,
+                   engine_loader: EngineLoader | None, workers: PromptWorkers,
                    ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """Start the given engine (or load one in the background); shut it down on exit."""
+    """Start the given engine (or load one in the background); shut it and the prompt
+    workers down on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,6 +118,7 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                 loading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await loading
+            workers.shutdown()
             running = state.engine_or_none
             if running is not None:
                 await running.shutdown()

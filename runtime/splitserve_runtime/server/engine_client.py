@@ -17,7 +17,13 @@ from splitserve_runtime.engine.stats import EngineStats
 
 
 class TokenizerLike(Protocol):
+    @property
+    def max_chars_per_token(self) -> int | None: ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_bounded(self, text: str, *, add_special_tokens: bool = True,
+                       max_tokens: int | None = None) -> tuple[int, list[int] | None]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 

@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 # ----------------------------------------------------------------------------- requests
@@ -30,6 +31,23 @@ from pydantic import (
 
 MAX_STOP_SEQUENCES = 16
 """OpenAI allows 4; a few more are harmless, thousands would slow every decode step."""
+
+
+# Validation runs on the event loop and costs per JSON value. Unbounded, an 8 MiB body of a
+# million small items held the loop for seconds: a million nulls as the prompt took 73 s
+# (three errors per item, one per member of the prompt union), 180k one-word messages 1-3 s.
+# So lists stop at their first bad item (fail_fast) and every collection but a prompt's token
+# ids has a length bound far above any real request (a prompt's ids are bounded by the body
+# size: about a million, validated in ~0.1 s).
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
+MAX_BATCHED_PROMPTS = 1024
+"""More than one prompt is refused anyway; this only bounds the work of saying so."""
+MAX_STOP_TOKEN_IDS = 4096
+MAX_MAP_ENTRIES = 1024
+"""logit_bias, metadata, tools, tool_choice, response_format, kv_transfer_params."""
+MAX_UNKNOWN_FIELDS = 16
+"""Unknown fields an object may have and still be answered field by field."""
 
 
 SEED_MIN = -(2**63)
@@ -42,6 +60,16 @@ mask would alias them (2**64 behaving as 0), so they are refused instead."""
 class _Request(BaseModel):
     # strict: "0.5" is not a number and true is not 1, as in the OpenAI API
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        """Every unknown field is an error of its own: refuse an object with far more fields
+        than the model has before validating any (600k unknown fields took seconds)."""
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_FIELDS:
+            raise ValueError(f"the object has {len(data)} fields; {cls.__name__} has "
+                             f"{len(cls.model_fields)}")
+        return data
 
 
 class StreamOptions(_Request):
@@ -64,15 +92,16 @@ class SamplingFields(_Request):
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_MAP_ENTRIES)] | None = None
     # extensions (vLLM names)
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
     # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see server.handoff
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
 
     def wants_usage(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a streamed answer."""
@@ -104,13 +133,16 @@ class SamplingFields(_Request):
         return problems
 
 
-PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, fail_fast=True)]
+BatchedPrompts = Annotated[list[str], Field(max_length=MAX_BATCHED_PROMPTS, fail_fast=True)]
+BatchedTokenPrompts = Annotated[list[PromptTokens],
+                                Field(max_length=MAX_BATCHED_PROMPTS, fail_fast=True)]
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. The prompt is a string or a list of token ids (one prompt)."""
 
-    prompt: str | PromptTokens | list[str] | list[PromptTokens]
+    prompt: str | PromptTokens | BatchedPrompts | BatchedTokenPrompts
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool | None = False
@@ -151,7 +183,8 @@ class TextContentPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | Annotated[list[TextContentPart],
+                             Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -166,16 +199,18 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage],
+                        Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]],
+                     Field(max_length=MAX_MAP_ENTRIES, fail_fast=True)] | None = None
+    tool_choice: str | Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    response_format: Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] | None = None
     store: bool | None = None
 
     def unsupported_fields(self) -> list[tuple[str, str]]:

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions: messages -> chat template -> one assistant message.
 
 The prompt is built by the model's own chat template (``tokenizer.apply_chat_template`` with
-``add_generation_prompt=True``); message content given as text parts is joined into one
-string first. Streaming follows OpenAI's chunk sequence: a first chunk with the role, then
-content deltas, then a chunk carrying only ``finish_reason``, then (if
-``stream_options.include_usage``) a chunk with empty ``choices`` and the usage.
+``add_generation_prompt=True``, off the event loop when large: :mod:`.prompts`); message
+content given as text parts is joined into one string first. Streaming follows OpenAI's chunk
+sequence: a first chunk with the role, then content deltas, then a chunk carrying only
+``finish_reason``, then (if ``stream_options.include_usage``) a chunk with empty ``choices``
+and the usage.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from starlette.responses import JSONResponse, Response
 
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
-from splitserve_runtime.server.errors import bad_request, check_text
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,7 +37,6 @@ from splitserve_runtime.server.protocol import (
 from splitserve_runtime.server.serving_common import (
     chat_logprobs,
     check_model,
-    encode_prompt,
     finish_reason,
     output_usage,
     reject_unsupported,
@@ -46,41 +46,36 @@ from splitserve_runtime.server.state import ServerState
 from splitserve_runtime.server.streaming import respond, sse_event
 
 
-def render_prompt(*, engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
-    # OpenAI's "developer" role is the newer name of "system"; model templates know only the
-    # latter
-    messages: list[dict[str, Any]] = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages]
-    for message in messages:
-        check_text(message["content"], param="messages")
-    try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (ValueError, TypeError, KeyError) as exc:  # the template's raise_exception() too
-        raise bad_request(str(exc), param="messages") from None
-    # the rendered template already holds the special tokens (BOS), so add none
-    return encode_prompt(tokenizer=engine.tokenizer, text=text, param="messages",
-                         add_special_tokens=False)
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text content; OpenAI's "developer" role
+    is the newer name of "system", which is the only one model templates know."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages]
 
 
 class ChatService:
     """Renders the chat prompt, runs it through a Generation, formats the answer."""
 
-    def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
+    def __init__(self, *, state: ServerState, metrics: ServerMetrics,
+                 prompts: PromptReader) -> None:
         self._state = state
         self._metrics = metrics
+        self._prompts = prompts
 
     async def create(self, *, body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
-        prompt_token_ids = render_prompt(engine=engine, body=body)
-        routed, generation = start_generation(
-            state=self._state, metrics=self._metrics, engine=engine, body=body,
-            prompt_token_ids=prompt_token_ids,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            requested_max_tokens=body.requested_max_tokens(), id_prefix="chatcmpl",
-            prompt_param="messages")
+        with self._state.preparing():  # a drain waits for a prompt being tokenized
+            prompt_token_ids = await self._prompts.chat(
+                engine=engine, messages=template_messages(body),
+                requested_max_tokens=body.requested_max_tokens(), param="messages")
+            routed, generation = start_generation(
+                state=self._state, metrics=self._metrics, engine=engine, body=body,
+                prompt_token_ids=prompt_token_ids,
+                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                requested_max_tokens=body.requested_max_tokens(), id_prefix="chatcmpl",
+                prompt_param="messages")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, engine=engine, generation=generation),

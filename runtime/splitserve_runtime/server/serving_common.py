@@ -13,10 +13,11 @@ from typing import Literal
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import EngineClient, TokenizerLike
-from splitserve_runtime.server.errors import bad_request, check_text, model_not_found
+from splitserve_runtime.server.errors import bad_request, model_not_found
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prompt_length import resolve_max_tokens
 from splitserve_runtime.server.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -52,14 +53,6 @@ def new_request_id(*, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def encode_prompt(*, tokenizer: TokenizerLike, text: str, param: str,
-                  add_special_tokens: bool = True) -> list[int]:
-    """Token ids of client text; text the tokenizer cannot take (a lone surrogate: the
-    tokenizer raises TypeError) is a 400 naming ``param``, not a 500."""
-    check_text(text, param=param)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
 def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:
     if problems:
         param, message = problems[0]
@@ -69,18 +62,6 @@ def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:
 def check_model(*, state: ServerState, model: str) -> None:
     if model != state.served_model_name:
         raise model_not_found(model)
-
-
-def resolve_max_tokens(*, requested: int | None, num_prompt_tokens: int,
-                       max_model_len: int) -> int:
-    """The client's max_tokens, or (when absent) whatever room the context leaves.
-
-    Too-large explicit values are left for the engine, which answers ContextLengthExceeded
-    with the numbers in the message.
-    """
-    if requested is not None:
-        return requested
-    return max(1, max_model_len - num_prompt_tokens)
 
 
 def usage(*, num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> Usage:

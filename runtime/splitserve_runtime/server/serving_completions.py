@@ -11,6 +11,7 @@ from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,7 +22,6 @@ from splitserve_runtime.server.protocol import (
 from splitserve_runtime.server.serving_common import (
     check_model,
     completion_logprobs,
-    encode_prompt,
     finish_reason,
     output_usage,
     reject_unsupported,
@@ -34,22 +34,30 @@ from splitserve_runtime.server.streaming import respond, sse_event
 class CompletionsService:
     """Validates a completion request, runs it through a Generation, formats the answer."""
 
-    def __init__(self, *, state: ServerState, metrics: ServerMetrics) -> None:
+    def __init__(self, *, state: ServerState, metrics: ServerMetrics,
+                 prompts: PromptReader) -> None:
         self._state = state
         self._metrics = metrics
+        self._prompts = prompts
 
     async def create(self, *, body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
         check_model(state=self._state, model=body.model)
         engine = self._state.admit()
         prompt = body.single_prompt()
-        prompt_token_ids = encode_prompt(tokenizer=engine.tokenizer, text=prompt,
-                                         param="prompt") if isinstance(prompt, str) \
-            else list(prompt)
-        routed, generation = start_generation(
-            state=self._state, metrics=self._metrics, engine=engine, body=body,
-            prompt_token_ids=prompt_token_ids, logprobs=body.logprobs,
-            requested_max_tokens=body.max_tokens, id_prefix="cmpl", prompt_param="prompt")
+        with self._state.preparing():  # a drain waits for a prompt being tokenized
+            if isinstance(prompt, str):
+                prompt_token_ids = await self._prompts.text(
+                    engine=engine, text=prompt, requested_max_tokens=body.max_tokens,
+                    param="prompt")
+            else:
+                prompt_token_ids = self._prompts.token_ids(
+                    engine=engine, token_ids=list(prompt), requested_max_tokens=body.max_tokens,
+                    param="prompt")
+            routed, generation = start_generation(
+                state=self._state, metrics=self._metrics, engine=engine, body=body,
+                prompt_token_ids=prompt_token_ids, logprobs=body.logprobs,
+                requested_max_tokens=body.max_tokens, id_prefix="cmpl", prompt_param="prompt")
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, generation=generation),

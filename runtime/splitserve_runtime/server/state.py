@@ -9,6 +9,8 @@ process is in; routes ask it for the engine and register each generation request
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import unavailable
@@ -21,6 +23,7 @@ class ServerState:
         self._engine: EngineClient | None = None
         self._draining = False
         self._in_flight: set[str] = set()
+        self._num_preparing = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.load_error: str | None = None
@@ -56,7 +59,8 @@ class ServerState:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        """Generation requests, and requests whose prompt is still being read."""
+        return len(self._in_flight) + self._num_preparing
 
     @property
     def in_flight_request_ids(self) -> list[str]:
@@ -89,5 +93,20 @@ class ServerState:
 
     def request_finished(self, *, request_id: str) -> None:
         self._in_flight.discard(request_id)
-        if not self._in_flight:
+        self._update_idle()
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Count a request in flight while its prompt is read (tokenizing a large one takes
+        seconds off the loop), before it has an engine request id."""
+        self._num_preparing += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._num_preparing -= 1
+            self._update_idle()
+
+    def _update_idle(self) -> None:
+        if not self._in_flight and not self._num_preparing:
             self._idle.set()
