@@ -24,8 +24,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
-from threaded_server import ThreadedServer, free_port
+from threaded_server import ThreadedServer, free_port, gauges
 
 from splitserve_contract import RouterArgs, ServeArgs
 
@@ -133,14 +132,6 @@ def _wait_ready(url: str) -> None:
             pass
         time.sleep(0.05)
     raise AssertionError(f"{url} never became ready")
-
-
-def gauges(url: str, *names: str) -> float:
-    """The sum of the named gauges' samples in ``url``'s /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    families = [f for f in text_string_to_metric_families(text) if f.name in names]
-    assert {f.name for f in families} == set(names), f"{url}/metrics lacks one of {names}"
-    return sum(sample.value for family in families for sample in family.samples)
 
 
 def check_answer(response: httpx.Response, *, case: object) -> None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from threaded_server import ThreadedServer, free_port
+from threaded_server import ThreadedServer, free_port, gauges
 
 from splitserve_contract import RouterArgs, ServeArgs
 
@@ -95,13 +94,6 @@ def _wait(predicate: Any, *, what: str, timeout_s: float = 60) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def gauge(url: str, *names: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    families = [f for f in text_string_to_metric_families(text) if f.name in names]
-    assert {f.name for f in families} == set(names), f"{url}/metrics lacks one of {names}"
-    return sum(sample.value for family in families for sample in family.samples)
-
-
 async def _client(http: httpx.AsyncClient, index: int, answers: list[tuple[int, str]]) -> None:
     for round_ in range(ROUNDS):
         body = {"model": MODEL_NAME, "prompt": f"Once upon a time, client {index} round {round_}",
@@ -143,11 +135,11 @@ def test_ten_times_capacity_gives_200_or_429_and_leaves_nothing_stuck(
     assert statuses[200] >= CAPACITY and statuses[429] > 0  # it was an overload, and served
 
     # nothing stuck: the router's gauges and the pods' queues are back to 0
-    _wait(lambda: gauge(deployment.router_url, "splitserve_router_requests_in_flight",
+    _wait(lambda: gauges(deployment.router_url, "splitserve_router_requests_in_flight",
                         "splitserve_router_upstream_requests_in_flight") == 0,
           what="the router's in-flight gauges to reach 0", timeout_s=10)
     for url, app in zip(deployment.pod_urls, deployment.pod_apps, strict=True):
-        _wait(lambda url=url: gauge(url, "splitserve_requests_running",
+        _wait(lambda url=url: gauges(url, "splitserve_requests_running",
                                     "splitserve_requests_waiting") == 0,
               what=f"{url}'s queue to empty", timeout_s=10)
         assert app.state.server.num_in_flight == 0

@@ -1,4 +1,5 @@
-"""A uvicorn server on a thread for the router tests' fake pods, and a free loopback port."""
+"""A uvicorn server on a thread for the router tests' fake pods, a free loopback port, and a
+/metrics gauge reader."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -35,3 +38,11 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def gauges(url: str, *names: str) -> float:
+    """The sum of the named gauges' samples in ``url``'s /metrics (each must be exported)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text) if f.name in names]
+    assert {f.name for f in families} == set(names), f"{url}/metrics lacks one of {names}"
+    return sum(sample.value for family in families for sample in family.samples)
