@@ -57,7 +57,7 @@ cluster-down: ## stop the local control plane and everything it started
 	$(PYTHON) -m splitserve_e2e down
 
 soak: deps ## the operator soak at full length: 1,000 InferenceService create/delete cycles (make test runs 200)
-	SPLITSERVE_SOAK_CYCLES=1000 $(PYTHON) -m pytest -q -s -p no:cacheprovider e2e/test_soak.py
+	SPLITSERVE_SOAK_CYCLES=1000 $(PYTHON) -m pytest -q -s -p no:cacheprovider --timeout=3600 e2e/test_soak.py
 
 bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py
