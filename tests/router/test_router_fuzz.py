@@ -79,15 +79,6 @@ BODIES = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from splitserve_runtime.model.tiny import write_tiny_model
-
-    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama",
-                                 seed=0)
-    return out
-
-
 @dataclasses.dataclass
 class Deployment:
     router_url: str

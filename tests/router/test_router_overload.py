@@ -32,15 +32,6 @@ CLIENTS = 10 * CAPACITY
 ROUNDS = 3
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from splitserve_runtime.model.tiny import write_tiny_model
-
-    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-llama"), arch="llama",
-                                 seed=0)
-    return out
-
-
 @dataclasses.dataclass
 class Deployment:
     router_url: str
