@@ -182,16 +182,9 @@ def test_a_lone_surrogate_through_the_router_is_a_400(deployment: Deployment, pa
     assert emoji.status_code == 200, emoji.text  # a surrogate pair is an escaped emoji
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_huge_prompt_does_not_stall_the_router(deployment: Deployment, path: str) -> None:
-    """The router tokenizes prompts for affinity on its event loop; it used to tokenize all of
-    a 4 MB prompt (seconds), stalling every other request. Now it reads only the prefix it
-    hashes. Measured: the longest gap between two router /health answers meanwhile."""
-    text = ("Once upon a time there lived a king. " * 110_000)[:4_000_000]
-    body = {"model": MODEL_NAME, "max_tokens": 1, **(
-        {"prompt": text} if path == "/v1/completions" else
-        {"messages": [{"role": "user", "content": text}] * 2})}
-    payload = json.dumps(body).encode()
+def router_health_gap(deployment: Deployment, path: str, payload: bytes) -> tuple[int, float]:
+    """Post `payload` on a thread and poll the router's /health until it is answered: (its
+    status, the longest gap between two /health answers meanwhile)."""
     result: dict[str, Any] = {}
 
     def send() -> None:
@@ -210,10 +203,35 @@ def test_a_huge_prompt_does_not_stall_the_router(deployment: Deployment, path: s
     sender.join()
     marks.append(time.perf_counter())
     gap = max(b - a for a, b in zip(marks, marks[1:], strict=False))
-    print(f"router {path}: 4 MB prompt answered {result['status']} in "
+    print(f"router {path}: {len(payload) / 1e6:.1f} MB body answered {result['status']} in "
           f"{marks[-1] - started:.2f} s, longest router /health gap {gap:.3f} s")
-    assert result["status"] == 400  # the pod's context is 64 tokens
+    return int(result["status"]), gap
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_huge_prompt_does_not_stall_the_router(deployment: Deployment, path: str) -> None:
+    """The router tokenizes prompts for affinity on its event loop; it used to tokenize all of
+    a 4 MB prompt (seconds), stalling every other request. Now it reads only the prefix it
+    hashes. Measured: the longest gap between two router /health answers meanwhile."""
+    text = ("Once upon a time there lived a king. " * 110_000)[:4_000_000]
+    body = {"model": MODEL_NAME, "max_tokens": 1, **(
+        {"prompt": text} if path == "/v1/completions" else
+        {"messages": [{"role": "user", "content": text}] * 2})}
+    status, gap = router_health_gap(deployment, path, json.dumps(body).encode())
+    assert status == 400  # the pod's context is 64 tokens
     assert gap < 1.0
+
+
+def test_a_body_of_millions_of_tiny_arrays_does_not_stall_the_router(
+        deployment: Deployment) -> None:
+    """Decoding 8 MiB of ``[],[],...`` held the router's loop about 1 s (json.loads keeps the
+    GIL); it is now decoded in the decoder process and refused there, so only the refusal
+    crosses back."""
+    arrays = ",".join(["[]"] * ((8 * 1024 * 1024 - 200) // 3))
+    payload = f'{{"model": "{MODEL_NAME}", "prompt": "x", "user": [{arrays}]}}'.encode()
+    status, gap = router_health_gap(deployment, "/v1/completions", payload)
+    assert status == 400
+    assert gap < 0.5
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))

@@ -5,7 +5,8 @@ selection policy and the proxy into one FastAPI app. The router tokenizes only t
 prefixes for affinity (with the model's own tokenizer when `--model` is given, else fixed byte
 chunks); the pods tokenize for real. It never holds KV and never generates.
 
-That tokenizing runs on the event loop, so it reads at most ``AFFINITY_PREFIX_CHARS`` of a
+A large request body is decoded off the event loop (:mod:`.bodies`). Affinity tokenizing
+runs on the event loop, so it reads at most ``AFFINITY_PREFIX_CHARS`` of a
 prompt (and ``AFFINITY_MESSAGES`` of a chat): affinity hashes only the leading blocks, and a prompt cut there is long whatever the
 short-prompt threshold. A multi-megabyte prompt used to hold the router's loop for seconds.
 
@@ -22,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,9 @@ from splitserve_contract import (
 
 from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware
 from ..body_limit import BodySizeLimit
+from ..json_bodies import BodyDecoder, DecoderBusy, DecoderFailed
 from . import metrics
+from .bodies import BodyRefusal, decode_client_body
 from .discovery import KubernetesDiscovery, parse_static
 from .pods import HealthPoller, PodSet
 from .policy import PrefillSelector
@@ -140,9 +142,11 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
                 ),
             )
             state["client"] = client
+            state["decoder"] = BodyDecoder()
             try:
                 yield
             finally:
+                state["decoder"].shutdown()
                 if discovery is not None:
                     discovery.stop()
                 await poller.stop()
@@ -235,33 +239,19 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
         return await _proxy(request, "/v1/chat/completions", state=state)
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def _holds_lone_surrogate(raw: bytes, body: dict[str, Any]) -> bool:
-    """Valid JSON (``"\\ud800"``) that is no Unicode text: the pods refuse it with a 400, but
-    the router could not even re-encode it to send on (it was a 500). Only a body with a
-    surrogate escape is re-encoded to tell a lone one from a pair (an escaped emoji)."""
-    if not _SURROGATE_ESCAPE.search(raw):
-        return False
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
 async def _proxy(request: Request, path: str, *, state: dict[str, Any]) -> Response:
+    decoder: BodyDecoder = state["decoder"]
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return error_response(status=400, message="request body is not valid JSON", type_="invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(status=400, message="request body must be a JSON object", type_="invalid_request_error")
-    if _holds_lone_surrogate(await request.body(), body):
-        return error_response(
-            status=400, type_="invalid_request_error", code="invalid_text",
-            message="request body is not valid Unicode text: it holds a lone UTF-16 surrogate")
+        body = await decoder.run(decode_client_body, await request.body())
+    except DecoderBusy as exc:
+        return error_response(status=429, message=str(exc), type_="rate_limit_error",
+                              code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    except DecoderFailed as exc:
+        return error_response(status=503, message=str(exc), type_="service_unavailable",
+                              code="decoder_failed", headers={"Retry-After": "1"})
+    if isinstance(body, BodyRefusal):
+        return error_response(status=400, message=body.message, type_="invalid_request_error",
+                              code=body.code)
     router: Router = state["router"]
     return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
 

@@ -59,10 +59,12 @@ Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
 
 
-def error_response(*, status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
+def error_response(*, status: int, message: str, type_: str, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": type_, "param": None, "code": code}},
+        headers=headers,
     )
 
 

@@ -2,8 +2,9 @@
 
 :func:`build_app` composes routes, the API-key middleware, exception handlers and metrics
 around an engine; the routes only translate HTTP to the serving classes and back. Nothing a
-request does blocks the event loop for long (large prompts are read on worker threads:
-:mod:`.prompts`), so ``/health`` and ``/metrics`` answer at once whatever the load.
+request does blocks the event loop for long (a large body is decoded in a separate process:
+:mod:`.request_bodies`; a large prompt is tokenized on worker threads: :mod:`.prompts`), so
+``/health`` and ``/metrics`` answer at once whatever the load.
 :func:`main` owns the process concerns (vLLM's launcher split):
 - the listener starts before the model loads, so ``/health`` answers (alive) while
   ``/ready`` says 503 until the engine is up;
@@ -48,6 +49,7 @@ from splitserve_runtime.server.protocol import (
     ModelList,
     RuntimeInfo,
 )
+from splitserve_runtime.server.request_bodies import RequestReader
 from splitserve_runtime.server.serving_chat import ChatService
 from splitserve_runtime.server.serving_completions import CompletionsService
 from splitserve_runtime.server.state import ServerState
@@ -64,12 +66,14 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               api_key: str | None, engine_loader: EngineLoader | None = None,
               compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
               max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
-              prompt_workers: PromptWorkers | None = None) -> FastAPI:
+              prompt_workers: PromptWorkers | None = None,
+              request_reader: RequestReader | None = None) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
     `block_size` are reported at contract.INFO_PATH for the router. `prompt_workers` tokenize
-    large prompts off the event loop (default: :class:`PromptWorkers` with its defaults)."""
+    large prompts off the event loop (default: :class:`PromptWorkers` with its defaults);
+    `request_reader` decodes large bodies off it (default: :class:`RequestReader`)."""
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
     state = ServerState(served_model_name=served_model_name, role=role)
@@ -79,8 +83,9 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     prompts = PromptReader(workers=workers, metrics=metrics)
     completions = CompletionsService(state=state, metrics=metrics, prompts=prompts)
     chat = ChatService(state=state, metrics=metrics, prompts=prompts)
+    reader = request_reader if request_reader is not None else RequestReader()
     lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader,
-                              workers=workers)
+                              workers=workers, reader=reader)
     app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = state
@@ -93,15 +98,15 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     _add_info_route(app, state=state, role=role, served_model_name=served_model_name,
                     compat_hash=compat_hash, kv_endpoint=kv_endpoint, block_size=block_size)
     _add_openai_routes(app, state=state, served_model_name=served_model_name,
-                       completions=completions, chat=chat)
+                       completions=completions, chat=chat, reader=reader)
     return app
 
 
 def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                    engine_loader: EngineLoader | None, workers: PromptWorkers,
-                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """Start the given engine (or load one in the background); shut it and the prompt
-    workers down on exit."""
+                   reader: RequestReader) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start the given engine (or load one in the background); shut it, the prompt workers
+    and the body decoder down on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -119,6 +124,7 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                 with contextlib.suppress(asyncio.CancelledError):
                     await loading
             workers.shutdown()
+            reader.shutdown()
             running = state.engine_or_none
             if running is not None:
                 await running.shutdown()
@@ -161,7 +167,8 @@ def _add_info_route(app: FastAPI, *, state: ServerState, role: str, served_model
 
 
 def _add_openai_routes(app: FastAPI, *, state: ServerState, served_model_name: str,
-                       completions: CompletionsService, chat: ChatService) -> None:
+                       completions: CompletionsService, chat: ChatService,
+                       reader: RequestReader) -> None:
     """/v1/models, /v1/completions and /v1/chat/completions."""
 
     @app.get("/v1/models")
@@ -172,11 +179,13 @@ def _add_openai_routes(app: FastAPI, *, state: ServerState, served_model_name: s
             max_model_len=running.max_model_len if running is not None else None)])
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    async def create_completion(request: Request) -> Response:
+        body = await reader.read(request, CompletionRequest)
         return await completions.create(body=body, request=request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    async def create_chat_completion(request: Request) -> Response:
+        body = await reader.read(request, ChatCompletionRequest)
         return await chat.create(body=body, request=request)
 
 

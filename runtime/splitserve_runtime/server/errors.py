@@ -160,7 +160,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
                 str(err.get("msg", "invalid request"))
         messages[text] = None
     shown = list(itertools.islice(messages, 3)) or ["invalid request"]
-    num_more = len(messages) - len(shown) + max(0, len(errors) - MAX_ERRORS_READ)
+    num_errors = int(getattr(exc, "num_errors", len(errors)))  # a reader may hold only the first
+    num_more = len(messages) - len(shown) + max(0, num_errors - MAX_ERRORS_READ)
     more = f" (and {num_more} more)" if num_more > 0 else ""
     return bad_request("; ".join(shown) + more, param=first_param)
 
