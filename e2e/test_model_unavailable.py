@@ -1,7 +1,7 @@
 """A model that cannot be loaded shows in the InferenceService's status, not only in pod logs.
 
-hf:// models are not downloaded yet: a runtime pod whose model is not in its cache exits at
-start-up with a ModelLoadError. The chart's operator, on the local node, must turn the pod's
+With downloads off (``HF_HUB_OFFLINE=1``), a runtime pod whose hf:// model is not in its
+cache exits at start-up with a ModelLoadError (``test_model_hub.py`` covers a refused download). The chart's operator, on the local node, must turn the pod's
 termination message (the local node's kubelet falls back to the log tail, as
 ``terminationMessagePolicy: FallbackToLogsOnError`` says) into Ready=False with reason
 ModelUnavailable and the runtime's own words in the message.
@@ -49,6 +49,8 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
                          prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
         manifest = isvc_manifest(name=NAME, namespace=name, mode="Aggregated", model_cache=model_cache)
         manifest["spec"]["model"]["uri"] = MISSING_MODEL
+        # Cache only: the pods would otherwise try to download it from huggingface.co.
+        manifest["spec"]["runtime"]["env"].append({"name": "HF_HUB_OFFLINE", "value": "1"})
         manifest["spec"]["autoscaling"]["enabled"] = False
         apply_object(cluster=cluster, obj=manifest)
         yield name

@@ -68,9 +68,6 @@ SPECULATIVE_METHOD: Final = Capability(
     name="speculative decoding method", known=("none", "ngram", "draft"), supported=("none",))
 MODEL_URI_SCHEME: Final = Capability(
     name="model URI scheme", known=("hf", "file", "pvc"), supported=("hf", "file", "pvc"))
-HF_DOWNLOAD_SUPPORTED: Final = False
-"""``hf://`` models are resolved in the runtime's model cache only; downloading is not
-implemented yet, so a model missing from the cache is a start-up error the pod reports."""
 ARCHITECTURE: Final = Capability(
     name="model architecture",
     known=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),

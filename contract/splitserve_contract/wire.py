@@ -66,6 +66,16 @@ ENV_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_POD_IP: Final = "POD_IP"
 ENV_MODEL_CACHE: Final = "SPLITSERVE_MODEL_CACHE"
 """Directory that `hf://org/name` URIs resolve in (HF hub cache layout or org/name dirs)."""
+ENV_HUB_ENDPOINT: Final = "HF_ENDPOINT"
+"""The model hub `hf://` models are downloaded from (default https://huggingface.co): the
+operator sets it from `spec.model.hubEndpoint`, e.g. a private hub mirror."""
+ENV_HUB_TOKEN: Final = "HF_TOKEN"
+"""The model hub token; the operator fills it from the Secret `spec.model.hubTokenSecretRef`."""
+ENV_HUB_TOKEN_SOURCE: Final = "SPLITSERVE_HUB_TOKEN_SOURCE"
+"""Where HF_TOKEN came from, in words (`Secret hf-token, key HF_TOKEN`): the runtime names it
+when the hub refuses the token, so the InferenceService's status says which Secret to fix."""
+ENV_HUB_OFFLINE: Final = "HF_HUB_OFFLINE"
+"""`1`: `hf://` models are only looked up in the model cache, never downloaded."""
 
 HANDOFF_KEY_SECRET_SUFFIX: Final = "-kv-handoff"
 """The operator creates Secret `<InferenceService>-kv-handoff` (one random key per service,

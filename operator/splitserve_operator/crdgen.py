@@ -306,8 +306,8 @@ def api_reference() -> str:
             "| Setting | Known values | Supported by this version |", "| --- | --- | --- |"]
     out += [f"| {cap.name} | {', '.join(str(v) for v in cap.known)} | "
             f"{', '.join(str(v) for v in cap.supported)} |" for cap in caps.ALL]
-    out += [f"| hf:// download from a hub | yes, no | {'yes' if caps.HF_DOWNLOAD_SUPPORTED else 'no'}"
-            " (models are read from the runtime's model cache) |"]
+    out += ["| hf:// download from a hub | yes, no | yes (models missing from the runtime's "
+            "model cache are downloaded into it; HF_HUB_OFFLINE=1: cache only) |"]
     out += ["", "#### Cross-field rules (CEL, enforced by the API server)", ""]
     out += [f"- {rule['message']}" for rule in rules]
     out.append(DOC_END)

@@ -46,7 +46,6 @@ PVC_MOUNT_ROOT: Final = "/mnt/models"
 SHM_SIZE: Final = "2Gi"
 RUN_AS_USER: Final = 65532
 GPU_RESOURCE: Final = "nvidia.com/gpu"
-HUB_TOKEN_ENV: Final = "HF_TOKEN"
 TERMINATION_GRACE_MARGIN_SECONDS: Final = 15
 ROUTER_DRAIN_SECONDS: Final = 30
 STARTUP_PROBE_BUDGET_SECONDS: Final = 1800
@@ -157,6 +156,9 @@ def uses_handoff_key(role: Role) -> bool:
 def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
     spec = isvc.spec
     model, _, _ = _model_location(spec.model.uri)
+    if model.startswith("hf://") and spec.model.revision:
+        # The router has no --revision: it reads the pinned revision's tokenizer from the URI.
+        model = f"{model}@{spec.model.revision}"
     return contract.RouterArgs(
         host=f"$({contract.ENV_POD_IP})",
         port=contract.HTTP_PORT,
@@ -177,8 +179,9 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 
 def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
-    """Container env: pod identity from fieldRefs, secrets by reference (never read here),
-    then runtime.env. A user variable replaces ours of the same name (SSA keys env by name,
+    """Container env: pod identity from fieldRefs, the model cache and hub (every container
+    resolves the model: the router loads its tokenizer), secrets by reference (never read
+    here), then runtime.env. A user variable replaces ours of the same name (SSA keys env by name,
     so duplicates would be rejected)."""
     env: dict[str, dict[str, Any]] = {}
     for var, path in (
@@ -188,12 +191,18 @@ def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
     ):
         env[var] = _field_env(var, path)
     env[contract.ENV_MODEL_CACHE] = {"name": contract.ENV_MODEL_CACHE, "value": MODEL_CACHE_DIR}
-    hub = isvc.spec.model.hub_token_secret_ref
+    model = isvc.spec.model
+    if model.hub_endpoint:
+        env[contract.ENV_HUB_ENDPOINT] = {"name": contract.ENV_HUB_ENDPOINT, "value": model.hub_endpoint}
+    hub = model.hub_token_secret_ref
     if hub is not None:
-        env[HUB_TOKEN_ENV] = {
-            "name": HUB_TOKEN_ENV,
+        env[contract.ENV_HUB_TOKEN] = {
+            "name": contract.ENV_HUB_TOKEN,
             "valueFrom": {"secretKeyRef": {"name": hub.name, "key": hub.key}},
         }
+        # Named by the runtime when the hub refuses the token, so the status says what to fix.
+        env[contract.ENV_HUB_TOKEN_SOURCE] = {"name": contract.ENV_HUB_TOKEN_SOURCE,
+                                              "value": f"Secret {hub.name}, key {hub.key}"}
     api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         env[contract.ENV_API_KEY] = {

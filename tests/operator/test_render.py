@@ -11,7 +11,7 @@ import pytest
 import splitserve_contract as contract
 from splitserve_operator import naming
 from splitserve_operator.api import InferenceService, InvalidSpecError
-from splitserve_operator.render import render_children
+from splitserve_operator.render import render_children, router_args
 
 IMAGE = "registry.example/splitserve:1.2.3"
 
@@ -189,15 +189,33 @@ def test_ports_probes_env_and_security() -> None:
     assert pod["terminationGracePeriodSeconds"] > contract.ServeArgs().drain_timeout_seconds
 
 
-def test_hub_token_is_a_secret_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The API refuses hubTokenSecretRef until downloads land; the rendering is ready for it.
-    from splitserve_contract import capabilities
+def test_hub_token_and_endpoint_reach_every_container() -> None:
+    isvc = _isvc({"model": {"uri": "hf://meta/llama-3", "hubEndpoint": "https://hf-mirror.corp.example/hub",
+                            "hubTokenSecretRef": {"name": "hf", "key": "token"}}})
+    children = _render(isvc)
+    for deployment in (c for c in children if c["kind"] == "Deployment"):
+        env = {e["name"]: e for e in _container(deployment)["env"]}
+        name = deployment["metadata"]["name"]
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}, name
+        assert "value" not in env["HF_TOKEN"]
+        assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.corp.example/hub", name
+        assert env["SPLITSERVE_HUB_TOKEN_SOURCE"]["value"] == "Secret hf, key token"
+    default_key = _isvc({"model": {"uri": "hf://meta/llama-3", "hubTokenSecretRef": {"name": "hf"}}})
+    env = {e["name"]: e for e in _container(_by(_render(default_key), "Deployment", "llama-prefill"))["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "HF_TOKEN"}
+    assert "HF_ENDPOINT" not in env  # the runtime's default: huggingface.co
 
-    monkeypatch.setattr(capabilities, "HF_DOWNLOAD_SUPPORTED", True)
-    isvc = _isvc({"model": {"uri": "hf://meta/llama-3", "hubTokenSecretRef": {"name": "hf", "key": "token"}}})
-    env = {e["name"]: e for e in _container(_by(_render(isvc), "Deployment", "llama-prefill"))["env"]}
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
-    assert "value" not in env["HF_TOKEN"]
+
+def test_router_reads_the_pinned_revision_from_its_model_uri() -> None:
+    pinned = _isvc({"model": {"uri": "hf://meta/llama-3", "revision": "v1.2"}})
+    assert router_args(isvc=pinned).model == "hf://meta/llama-3@v1.2"
+    assert router_args(isvc=_isvc()).model == "hf://meta/llama-3"
+
+
+def test_no_hub_token_without_a_secret_ref() -> None:
+    env = {e["name"] for e in _container(_by(_render(_isvc({"model": {"uri": "hf://meta/llama-3"}})),
+                                                 "Deployment", "llama-prefill"))["env"]}
+    assert not env & {"HF_TOKEN", "HF_ENDPOINT", "SPLITSERVE_HUB_TOKEN_SOURCE"}
 
 
 def test_api_key_is_a_secret_reference_in_every_container() -> None:

@@ -56,7 +56,7 @@ def test_hf_uri_single_snapshot_without_refs(tmp_path: Path) -> None:
 
 
 def test_hf_uri_absent_says_where_it_looked(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"not in the local cache .*models--org--missing.*nothing is downloaded"):
+    with pytest.raises(ModelLoadError, match=r"not in the local cache .*models--org--missing.*HF_HUB_OFFLINE is set, so nothing is downloaded"):
         resolve_model_uri("hf://org/missing", cache_dir=tmp_path)
     with pytest.raises(ModelLoadError, match="expected hf://org/name"):
         resolve_model_uri("hf://just-a-name", cache_dir=tmp_path)

@@ -42,6 +42,10 @@ MODEL_URI_PATTERN: Final = (
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
     r"|file:///[^\s]*)$"
 )
+HUB_ENDPOINT_PATTERN: Final = (
+    r"^https?://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[^\s?#]*)?$"
+)
+"""A model hub base URL: http(s), a host name or [IPv6], an optional port and path; no query."""
 QUANTITY_PATTERN: Final = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
     r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"

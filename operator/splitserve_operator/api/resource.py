@@ -25,6 +25,7 @@ from ..naming import MAX_NAME_LENGTH, NAME_PATTERN
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
+    HUB_ENDPOINT_PATTERN,
     IMAGE_PATTERN,
     K8S_NAME_PATTERN,
     LABEL_VALUE_PATTERN,
@@ -62,6 +63,7 @@ class InvalidSpecError(ValueError):
 
 _PATTERN_HINTS: Final = {
     MODEL_URI_PATTERN: "must be hf://org/name, pvc://claim/path or file:///absolute/path",
+    HUB_ENDPOINT_PATTERN: "must be an http:// or https:// URL: host[:port][/path], no query",
     DURATION_PATTERN: "must be a duration such as 15s, 1m30s or 500ms",
     QUANTITY_PATTERN: "must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi",
     LABEL_VALUE_PATTERN: "must be a label value: alphanumerics, '-', '_' or '.', starting and ending with an alphanumeric",

@@ -71,15 +71,7 @@ def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
     return tuple(caps.cel_rule(c) for c in capabilities if c.supported != c.known)
 
 
-HUB_TOKEN_RULE_MESSAGE: Final = (
-    f"model.hubTokenSecretRef {caps.SUPPORT_NOTE}: hf:// models are not downloaded yet "
-    "(pre-fill the runtime's model cache, or use pvc:// or file://)"
-)
-MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    *_capability_rules(caps.DTYPE, caps.QUANTIZATION),
-    *(() if caps.HF_DOWNLOAD_SUPPORTED else
-      ({"rule": "!has(self.hubTokenSecretRef)", "message": HUB_TOKEN_RULE_MESSAGE},)),
-)
+MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(caps.DTYPE, caps.QUANTIZATION)
 """Generated from the capabilities table: known-but-unsupported values are refused with
 "... is not supported by this version of splitserve"."""
 PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(

@@ -21,6 +21,7 @@ from splitserve_contract import capabilities as caps
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
+    HUB_ENDPOINT_PATTERN,
     IMAGE_PATTERN,
     K8S_NAME_PATTERN,
     LABEL_VALUE_PATTERN,
@@ -43,7 +44,6 @@ from .rules import (
     CPU_PARALLELISM_RULE_MESSAGE,
     DISAGGREGATED_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
-    HUB_TOKEN_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
     MAX_LABEL_KEY_LENGTH,
@@ -82,8 +82,9 @@ class ModelSpec(ApiModel):
         pattern=MODEL_URI_PATTERN,
         max_length=1024,
         description=(
-            "Model location: hf://org/name (resolved in the runtime's model cache, "
-            "SPLITSERVE_MODEL_CACHE), pvc://claim/path (mounted read-only) or "
+            "Model location: hf://org/name (looked up in the runtime's model cache, "
+            "SPLITSERVE_MODEL_CACHE, and downloaded from the hub into it when missing: only "
+            "config, tokenizer and *.safetensors files), pvc://claim/path (mounted read-only) or "
             "file:///absolute/path (a path on the node)."
         ),
     )
@@ -115,17 +116,22 @@ class ModelSpec(ApiModel):
     hub_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description=(
-            "Secret with a model hub token, passed to the runtime as an environment variable. "
-            "Not supported by this version: hf:// models are read from the runtime's model "
-            "cache and never downloaded, so the API refuses this field until downloads land."
+            "Secret with a model hub token for private or gated hf:// models, passed to the "
+            "runtime as HF_TOKEN (a secretKeyRef: the operator never reads it). Empty: no token "
+            "is sent. A token the hub refuses shows in the Ready condition (ModelUnavailable, "
+            "HTTP 401/403 and this Secret's name)."
         ),
     )
-
-    @model_validator(mode="after")
-    def _hub_token_needs_downloads(self) -> ModelSpec:
-        if self.hub_token_secret_ref is not None and not caps.HF_DOWNLOAD_SUPPORTED:
-            raise ValueError(HUB_TOKEN_RULE_MESSAGE)
-        return self
+    hub_endpoint: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=HUB_ENDPOINT_PATTERN,
+        description=(
+            "Model hub that hf:// models are downloaded from, e.g. a private hub mirror such as "
+            "https://hf-mirror.internal.example (anything that speaks the Hugging Face hub API); "
+            "passed to the runtime as HF_ENDPOINT. Empty: https://huggingface.co."
+        ),
+    )
 
 
 class ApiKeySecretRef(ApiModel):

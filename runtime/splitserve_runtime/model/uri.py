@@ -1,13 +1,17 @@
-"""Resolve a model URI to a local directory, offline.
+"""Resolve a model URI to a local directory, downloading ``hf://`` models the cache lacks.
 
-The runtime never downloads: weights arrive through a volume the operator mounts or a cache
-something else filled. Accepted forms:
+Weights arrive through a volume the operator mounts, a cache something else filled, or, for
+``hf://`` models missing from the cache, a download from the hub into that cache
+(:mod:`.download`), as in production. Accepted forms:
 
 - ``hf://org/name[@revision]``: looked up in ``cache_dir``, else ``$SPLITSERVE_MODEL_CACHE``,
   else ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``. Within that
   root either a plain ``org/name/`` directory (no revision allowed) or the Hugging Face hub
   cache layout ``models--org--name/snapshots/<commit>/``, where the revision is a commit hash
   or a name in ``refs/`` (default ``main``; with no ``refs/main`` a single snapshot is used).
+  What the cache lacks is downloaded from ``$HF_ENDPOINT`` into that layout, unless
+  ``HF_HUB_OFFLINE=1``: then the cache is all there is. The cache is consulted first, so a
+  restarted pod with a filled cache does not need the hub.
 - ``pvc://claim/path``: the PersistentVolumeClaim ``claim`` is mounted by the operator at
   ``/models/<claim>`` (:data:`PVC_MOUNT_ROOT`), so this resolves to ``/models/<claim>/<path>``.
 - ``file:///abs/path`` and plain paths: used as they are.
@@ -20,15 +24,18 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
-from splitserve_contract import ENV_MODEL_CACHE
+from splitserve_contract import ENV_HUB_OFFLINE, ENV_MODEL_CACHE
 
 from .errors import ModelLoadError
 
 PVC_MOUNT_ROOT = Path("/models")
 """Where the operator mounts a ``pvc://claim/...`` volume: ``PVC_MOUNT_ROOT / claim``."""
 
+TOKENIZER_ONLY_DIR = "tokenizer-only"
+"""Under the cache root: snapshots downloaded without weights (for the router)."""
 _HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -55,25 +62,34 @@ def _require_model_dir(path: Path, uri: str) -> Path:
     return path
 
 
-def _resolve_hf(spec: str, *, uri: str, revision: str, cache_dir: Path | None) -> Path:
-    name, _, uri_revision = spec.partition("@")
+def hub_offline(environ: Mapping[str, str] | None = None) -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to a true value: never download."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_HUB_OFFLINE) or env.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_hf_uri(uri: str, *, revision: str = "") -> tuple[str, str]:
+    """``(org/name, revision)`` of an ``hf://`` URI; ``revision`` is the separate setting
+    (``--revision``), which must agree with an ``@revision`` in the URI."""
+    name, _, uri_revision = uri.removeprefix("hf://").partition("@")
     if uri_revision and revision and uri_revision != revision:
         raise ModelLoadError(
             f"model {uri!r}: revision {uri_revision!r} in the URI conflicts with revision {revision!r}"
         )
-    revision = uri_revision or revision
     if not _HF_NAME.match(name):
         raise ModelLoadError(f"model {uri!r}: expected hf://org/name[@revision]")
-    root = hf_cache_root(cache_dir=cache_dir)
+    return name, uri_revision or revision
+
+
+def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
+    """The snapshot directory of ``name`` at ``revision`` in ``root``, or why there is none."""
     plain = root / name
     if not revision and (plain / "config.json").is_file():
         return plain
     repo = root / ("models--" + name.replace("/", "--"))
     if not repo.is_dir():
-        raise ModelLoadError(
-            f"model {uri!r} is not in the local cache {root} (looked for {plain} and {repo}; "
-            f"nothing is downloaded: pre-fill the cache or set {ENV_MODEL_CACHE})"
-        )
+        return f"model {uri!r} is not in the local cache {root} (looked for {plain} and {repo})"
     snapshots = repo / "snapshots"
     ref = revision or "main"
     if _COMMIT.match(ref):
@@ -83,18 +99,55 @@ def _resolve_hf(spec: str, *, uri: str, revision: str, cache_dir: Path | None) -
     elif not revision and snapshots.is_dir() and len(list(snapshots.iterdir())) == 1:
         commit = next(snapshots.iterdir()).name
     else:
-        raise ModelLoadError(f"model {uri!r}: revision {ref!r} not found under {repo / 'refs'}")
-    return _require_model_dir(snapshots / commit, uri)
+        return f"model {uri!r}: revision {ref!r} not found under {repo / 'refs'}"
+    snapshot = snapshots / commit
+    if not (snapshot / "config.json").is_file():
+        # A download writes config.json last, so without it the snapshot is incomplete.
+        return f"model {uri!r} is not in the local cache {root} ({snapshot} has no config.json)"
+    return snapshot
+
+
+def _resolve_hf(uri: str, *, revision: str, cache_dir: Path | None, offline: bool | None,
+                weights: bool) -> Path:
+    name, revision = parse_hf_uri(uri, revision=revision)
+    root = hf_cache_root(cache_dir=cache_dir)
+    cached = _cached_hf(name, uri=uri, revision=revision, root=root)
+    if isinstance(cached, Path):
+        return cached
+    if not weights:
+        # A snapshot without weights must never look complete to a pod that needs them
+        # (config.json marks a finished download), so it lives in a root of its own.
+        root = root / TOKENIZER_ONLY_DIR
+        cached = _cached_hf(name, uri=uri, revision=revision, root=root)
+        if isinstance(cached, Path):
+            return cached
+    if hub_offline() if offline is None else offline:
+        raise ModelLoadError(
+            f"{cached}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache "
+            f"or set {ENV_MODEL_CACHE}"
+        )
+    from .download import HubSettings, download_hf_model
+
+    snapshot = download_hf_model(
+        uri=uri, repo_id=name, revision=revision, cache_root=root, hub=HubSettings.from_env(),
+        weights=weights)
+    return _require_model_dir(snapshot, uri)
 
 
 def resolve_model_uri(
     uri: str, *, cache_dir: Path | None, revision: str = "", pvc_mount_root: Path = PVC_MOUNT_ROOT,
+    offline: bool | None = None, weights: bool = True,
 ) -> Path:
-    """Local directory for ``uri`` (``revision`` only applies to ``hf://``)."""
+    """Local directory for ``uri`` (``revision`` only applies to ``hf://``). An ``hf://`` model
+    missing from the cache is downloaded into it unless ``offline`` (default: from
+    ``$HF_HUB_OFFLINE``); failures are :class:`ModelLoadError` saying what the hub answered.
+    ``weights=False``: the config and tokenizer are enough (the router), so a download skips
+    the weights and goes to :data:`TOKENIZER_ONLY_DIR` under the cache root."""
     if not uri:
         raise ModelLoadError("no model given (expected hf://org/name, pvc://claim/path, file:///path or a path)")
     if uri.startswith("hf://"):
-        return _resolve_hf(uri[len("hf://") :], uri=uri, revision=revision, cache_dir=cache_dir)
+        return _resolve_hf(uri, revision=revision, cache_dir=cache_dir, offline=offline,
+                           weights=weights)
     if revision:
         raise ModelLoadError(f"model {uri!r}: a revision only applies to hf:// URIs")
     if uri.startswith("pvc://"):

@@ -77,7 +77,9 @@ def make_tokenize(*, model: str) -> Tokenize:
         from ..model.uri import resolve_model_uri
 
         cache = os.environ.get(ENV_MODEL_CACHE)
-        model_dir = resolve_model_uri(model, cache_dir=Path(cache) if cache else None)
+        # the tokenizer is all the router reads: a download skips the weights
+        model_dir = resolve_model_uri(model, cache_dir=Path(cache) if cache else None,
+                                      weights=False)
         tokenizer = Tokenizer.from_dir(model_dir=model_dir)
 
     def tokenize(path: str, body: dict[str, Any]) -> list[int]:
