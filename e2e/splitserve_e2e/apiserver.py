@@ -36,8 +36,15 @@ def readyz_ok(*, url: str, pki: ClusterPki) -> bool:
 
 
 def start_apiserver(*, binary: Path, etcd_url: str, pki: ClusterPki, log_dir: Path,
-                    pid_dir: Path, timeout_seconds: float = 120.0) -> ApiServer:
-    """Start kube-apiserver against ``etcd_url`` and wait for ``/readyz``."""
+                    pid_dir: Path, timeout_seconds: float = 120.0,
+                    pod_reachable_address: str | None = None) -> ApiServer:
+    """Start kube-apiserver against ``etcd_url`` and wait for ``/readyz``.
+
+    ``pod_reachable_address`` (the kubelet node's bridge gateway) makes pods able to reach it:
+    it then listens on all addresses, advertises that one as the ``kubernetes`` Service's
+    endpoint (lease reconciler) and presents the admin certificate to kubelets (logs, exec).
+    Without it, everything stays on loopback as before.
+    """
     port = free_port()
     url = f"https://{LOOPBACK}:{port}"
     argv = [
@@ -62,6 +69,17 @@ def start_apiserver(*, binary: Path, etcd_url: str, pki: ClusterPki, log_dir: Pa
         f"--cert-dir={log_dir.parent / 'apiserver-certs'}",
         "--v=1",
     ]
+    if pod_reachable_address is not None:
+        overrides = {
+            "--bind-address": "0.0.0.0",
+            "--advertise-address": pod_reachable_address,
+            "--endpoint-reconciler-type": "lease",
+            "--kubelet-client-certificate": str(pki.admin.cert),
+            "--kubelet-client-key": str(pki.admin.key),
+            "--kubelet-preferred-address-types": "InternalIP",
+        }
+        argv = [arg for arg in argv if arg.split("=", 1)[0] not in overrides]
+        argv += [f"{flag}={value}" for flag, value in overrides.items()]
     process = start_process(name="kube-apiserver", argv=argv,
                             log_path=log_dir / "kube-apiserver.log", pid_dir=pid_dir)
     wait_until(lambda: readyz_ok(url=url, pki=pki), timeout_seconds=timeout_seconds,

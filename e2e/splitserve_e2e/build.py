@@ -13,7 +13,8 @@ interrupted build is redone on the next call, a changed recipe is rebuilt, and a
 is reused without invoking Go at all. Go builds print nothing for
 minutes, so a heartbeat line with the elapsed seconds is printed while one runs.
 
-Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests.
+Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests (``--node`` adds
+the optional kubelet node's kubelet, kube-proxy and image binaries).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ class Binaries:
     kwok_stages: Path  # kwok >= 0.8 has no built-in stages: the "fast" set of its release
     helm: Path
     prometheus: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBinaries:
+    """Executables of the optional real node (:mod:`splitserve_e2e.kubeletnode`)."""
+
+    kubelet: Path
+    kube_proxy: Path
+    pause: Path  # static sandbox binary, packed into the pause image
+    apiprobe: Path  # static in-cluster API client, packed into the test image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +197,34 @@ def _groups() -> tuple[_ToolGroup, ...]:
                      f"-ldflags=-s -w -X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
                      f"{HELM_MODULE}@{HELM_VERSION}"),
             workdir=None,
+        ),
+    )
+
+
+def _node_groups() -> tuple[_ToolGroup, ...]:
+    """kubelet and kube-proxy (same pinned module and version stamp as the control plane, built
+    in a scratch copy of gobin/ whose tools file imports them, like kubectl) and the static
+    binaries of its images (gobin/pause, gobin/apiprobe). Separate groups: only the kubelet
+    node needs them, and the control plane's stamps stay as they are."""
+    k8s = "k8s.io/kubernetes/cmd/"
+    return (
+        _ToolGroup(
+            name="node",
+            version=KUBERNETES_VERSION,
+            binaries=("kubelet", "kube-proxy"),
+            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/",
+                     k8s + "kubelet", k8s + "kube-proxy"),
+            workdir=GOBIN_MODULE_DIR,
+            scratch_imports=(k8s + "kubelet", k8s + "kube-proxy"),
+        ),
+        _ToolGroup(
+            name="node-images",
+            version="splitserve-1",
+            binaries=("pause", "apiprobe"),
+            # stdlib only; netgo/osusergo keep cgo out, so both link statically (for images)
+            go_args=("build", *_GO_BUILD_FLAGS, "-tags=netgo,osusergo", "-o", "{out}/",
+                     "./pause", "./apiprobe"),
+            workdir=GOBIN_MODULE_DIR,
         ),
     )
 
@@ -313,10 +352,19 @@ def ensure_binaries() -> Binaries:
     )
 
 
+def ensure_node_binaries() -> NodeBinaries:
+    """Build (idempotent) and return the kubelet node's binaries."""
+    directories = {group.name: _ensure_group(group)[0] for group in _node_groups()}
+    return NodeBinaries(kubelet=directories["node"] / "kubelet",
+                        kube_proxy=directories["node"] / "kube-proxy",
+                        pause=directories["node-images"] / "pause",
+                        apiprobe=directories["node-images"] / "apiprobe")
+
+
 def recorded_build_seconds() -> dict[str, float]:
     """Build durations recorded in the stamps (for reports); groups not built are absent."""
     seconds: dict[str, float] = {}
-    for group in _groups():
+    for group in (*_groups(), *_node_groups()):
         stamp = _group_dir(group) / STAMP_NAME
         if stamp.is_file():
             seconds[f"{group.name}-{group.version}"] = float(
@@ -333,6 +381,14 @@ def main() -> int:
         return 1
     for field in dataclasses.fields(binaries):
         print(f"{field.name:24} {getattr(binaries, field.name)}")
+    if "--node" in sys.argv[1:]:
+        try:
+            node_binaries = ensure_node_binaries()
+        except BuildError as error:
+            _log(f"FAILED: {error}")
+            return 1
+        for field in dataclasses.fields(node_binaries):
+            print(f"{field.name:24} {getattr(node_binaries, field.name)}")
     for name, seconds in recorded_build_seconds().items():
         print(f"build time {name:24} {seconds:.0f}s")
     print(f"ready in {time.monotonic() - started:.1f}s")

@@ -35,6 +35,7 @@ from splitserve_e2e.apiserver import readyz_ok, start_apiserver
 from splitserve_e2e.build import Binaries, cache_root, ensure_binaries
 from splitserve_e2e.controllers import start_controller_manager, start_scheduler
 from splitserve_e2e.etcd import start_etcd
+from splitserve_e2e.kubeletnode import KubeletNode
 from splitserve_e2e.kwok import GpuNodeShape, create_gpu_nodes, node_ready, start_kwok
 from splitserve_e2e.localnode import LocalNode, pod_pid_from_files, read_pod_log
 from splitserve_e2e.pki import ClusterPki, ensure_pki
@@ -60,6 +61,9 @@ class ClusterOptions:
     with_local_node: bool = True
     local_node_gpus: int = 4
     scrape_interval_seconds: float = 2.0
+    # a real node (kubelet, containerd, CNI bridge, kube-proxy; root only): see kubeletnode.py
+    with_kubelet_node: bool = False
+    kubelet_node_gpus: int = 4
 
     def __post_init__(self) -> None:
         if self.num_gpu_nodes < 0 or self.gpus_per_node < 0 or self.local_node_gpus < 0:
@@ -93,6 +97,7 @@ class LocalCluster:
         self._pki: ClusterPki | None = None
         self._processes: list[ManagedProcess] = []
         self._local_node: LocalNode | None = None
+        self.kubelet_node: KubeletNode | None = None
         self._stopped = False
         self._attached_state_dir: Path | None = None
         if not self.managed:
@@ -162,8 +167,17 @@ class LocalCluster:
         etcd = start_etcd(binary=binaries.etcd, data_dir=self.state_dir / "etcd-data",
                           log_dir=self.log_dir, pid_dir=self.pid_dir)
         self._processes.append(etcd.process)
+        pod_reachable_address = None
+        if self.options.with_kubelet_node:  # its bridge first: the API server advertises it
+            self.kubelet_node = KubeletNode(
+                directory=self.state_dir / "kn", pki=pki, api_client_factory=self.api_client,
+                log_dir=self.log_dir, pid_dir=self.pid_dir,
+                num_gpus=self.options.kubelet_node_gpus)
+            self.kubelet_node.prepare()
+            pod_reachable_address = self.kubelet_node.network.gateway
         apiserver = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url,
-                                    pki=pki, log_dir=self.log_dir, pid_dir=self.pid_dir)
+                                    pki=pki, log_dir=self.log_dir, pid_dir=self.pid_dir,
+                                    pod_reachable_address=pod_reachable_address)
         self._processes.append(apiserver.process)
         self.api_server_url = apiserver.url
 
@@ -203,6 +217,8 @@ class LocalCluster:
                 ca_cert=pki.ca_cert, state_dir=self.state_dir, pid_dir=self.pid_dir,
                 num_gpus=self.options.local_node_gpus)
             self._local_node.start()
+        if self.kubelet_node is not None:
+            self.kubelet_node.start(server_url=apiserver.url)
         if self.options.with_prometheus:
             prometheus = start_prometheus(
                 binary=binaries.prometheus, api_server_url=apiserver.url, pki=pki,
@@ -218,6 +234,8 @@ class LocalCluster:
         self._stopped = True
         if self._local_node is not None:
             self._local_node.stop()
+        if self.kubelet_node is not None:
+            self.kubelet_node.stop()
         for process in reversed(self._processes):
             process.stop(grace_seconds=5.0)
         kill_recorded(pid_dir=self.pid_dir, grace_seconds=2.0)
