@@ -8,9 +8,13 @@ runtime's own metrics. So the demo runs only real parts, the same ones the e2e t
    controller manager, scheduler, one kwok GPU node, the local node with 4 fake GPUs,
    Prometheus scraping every 2 s). It runs as the harness's detached daemon, so ``--keep``
    can leave it running after the demo exits (``make cluster-down`` stops it);
-2. a tiny random Llama written once into a model cache directory, so the pods find
-   ``hf://splitserve/tiny-llama`` (``spec.runtime.env`` points ``SPLITSERVE_MODEL_CACHE``
-   at it: the operator's default is an in-pod emptyDir);
+2. a tiny random Llama (written once under ``~/.cache/splitserve/models``) published as
+   ``splitserve/tiny-llama`` on a token-protected :class:`~splitserve_e2e.hub.LocalHub` on
+   127.0.0.1, which runs inside the demo process for as long as it runs. The pods download
+   it as in production: ``spec.model.uri: hf://splitserve/tiny-llama`` with
+   ``hubEndpoint`` (the hub) and ``hubTokenSecretRef`` (a Secret the demo creates), each pod
+   into its own model cache (the operator's default emptyDir); the router fetches the
+   tokenizer only;
 3. the Helm chart, with the operator pod on the local node and ``prometheus.url`` set;
 4. ``examples/tiny-aggregated.yaml`` (``--mode Disaggregated``: the disaggregated one) with
    a 5 s autoscaling interval and a short scale-down window. Aggregated is the default while
@@ -18,9 +22,11 @@ runtime's own metrics. So the demo runs only real parts, the same ones the e2e t
 5. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
    ``--duration-seconds``), then idle until the pools are back at their minimum.
 
-Every few seconds it prints a row (replicas desired/ready per pool, queue depth and KV usage
-from Prometheus, requests done/failed), and at the end writes ``timeline.csv`` and
-``timeline.png`` to ``--out`` and prints a summary. Everything is torn down on exit, also on
+Once the service is Ready it prints where the model came from (hub endpoint, commit, files
+and bytes each pod downloaded, from the pod logs). Every few seconds it prints a row
+(replicas desired/ready per pool, queue depth and KV usage from Prometheus, requests
+done/failed), and at the end writes ``timeline.csv`` and ``timeline.png`` to ``--out`` and
+prints a summary, with every pod's download and what the hub served. Everything is torn down on exit, also on
 Ctrl-C, unless ``--keep``.
 
 The building blocks (:func:`install_operator`, :func:`isvc_manifest`, :class:`LoadBurst`,
@@ -39,6 +45,9 @@ import dataclasses
 import json
 import math
 import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,12 +57,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from urllib.parse import unquote
 
 import yaml
 
 import splitserve_contract as contract
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
+from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.localnode import LOCAL_NODE_LABEL
 from splitserve_operator.naming import child_name
 
@@ -64,6 +75,10 @@ MODEL_NAME = "splitserve/tiny-llama"
 SERVED_NAME = "tiny-llama"
 RELEASE = "splitserve"
 DEMO_NAMESPACE = "splitserve-demo"
+HUB_PORT = 8765
+"""The demo hub's port when free (``examples/tiny-aggregated.yaml`` names it), else any."""
+HUB_TOKEN_SECRET = "tiny-llama-hub-token"
+"""The Secret (key ``HF_TOKEN``) ``spec.model.hubTokenSecretRef`` names."""
 ISVC_PLURAL = f"{contract.PLURAL}.{contract.API_GROUP}"
 ROLES_BY_MODE: Mapping[str, tuple[str, ...]] = {
     "Disaggregated": (contract.Role.PREFILL.value, contract.Role.DECODE.value),
@@ -133,20 +148,68 @@ def install_operator(*, cluster: LocalCluster, namespace: str, prometheus_url: s
                      what=f"the operator ({namespace}) holding Lease {lease}")
 
 
-def isvc_manifest(*, name: str, namespace: str, mode: str, model_cache: Path,
+@dataclasses.dataclass(frozen=True)
+class ModelHub:
+    """Where the pods download ``hf://splitserve/tiny-llama`` from: the hub's endpoint and
+    the Secret (key ``HF_TOKEN``) holding its token."""
+
+    endpoint: str
+    token_secret: str = HUB_TOKEN_SECRET
+
+
+def start_model_hub(*, model_dir: Path, root: Path, token: str,
+                    port: int = HUB_PORT) -> tuple[LocalHub, str]:
+    """A :class:`LocalHub` on 127.0.0.1 (``port`` if free, else any) serving ``model_dir``
+    as ``MODEL_NAME`` and requiring ``token``; returns it, started, with the commit. ``root``
+    is emptied first, so the commit id is the same every run."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    try:
+        hub = LocalHub(root, token=token, port=port)
+    except OSError:  # in use: any free port (the manifest gets the actual endpoint)
+        hub = LocalHub(root, token=token, port=0)
+    commit = hub.publish(MODEL_NAME, model_dir)
+    return hub.start(), commit
+
+
+def create_hub_token_secret(*, cluster: LocalCluster, namespace: str, token: str,
+                            name: str = HUB_TOKEN_SECRET) -> None:
+    core: Any = cluster.core()
+    core.create_namespaced_secret(namespace, {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+        "type": "Opaque", "stringData": {contract.ENV_HUB_TOKEN: token}})
+
+
+def isvc_manifest(*, name: str, namespace: str, mode: str, model_cache: Path | None = None,
+                  hub: ModelHub | None = None,
                   interval: str = "5s", max_replicas: int = 3,
                   scale_down_stabilization_seconds: int = 20,
                   prefill_target_queue_depth: float = 2.0,
                   decode_target_queue_depth: float = 2.0,
                   decode_target_kv: float = 0.6,
                   extra_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The example InferenceService of ``mode`` with the demo's model cache and a fast,
-    short-windowed autoscaler."""
+    """The example InferenceService of ``mode`` with a fast, short-windowed autoscaler,
+    taking the model from exactly one of: ``hub`` (``hf://`` downloaded by every pod into its
+    own model cache, as in production; what the demo does) or ``model_cache`` (a host
+    directory already holding ``splitserve/tiny-llama``, named by ``SPLITSERVE_MODEL_CACHE``
+    in ``spec.runtime.env``; no hub involved)."""
+    if (model_cache is None) == (hub is None):
+        raise ValueError("isvc_manifest: pass exactly one of model_cache and hub")
     example = "tiny-disaggregated.yaml" if mode == "Disaggregated" else "tiny-aggregated.yaml"
     body: dict[str, Any] = yaml.safe_load((EXAMPLES / example).read_text())
     body["metadata"] = {"name": name, "namespace": namespace}
     spec = body["spec"]
-    spec["runtime"]["env"] = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
+    model = spec["model"]
+    # The example's hub (a fixed port, a Secret by name) is for applying it by hand.
+    model.pop("hubEndpoint", None)
+    model.pop("hubTokenSecretRef", None)
+    if hub is not None:
+        model.update({"uri": f"hf://{MODEL_NAME}", "hubEndpoint": hub.endpoint,
+                      "hubTokenSecretRef": {"name": hub.token_secret}})
+        # Pods inherit the local node's environment: downloads on even if it turned them off.
+        spec["runtime"]["env"] = [{"name": contract.ENV_HUB_OFFLINE, "value": "0"}]
+    else:
+        spec["runtime"]["env"] = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
     for role in ROLES_BY_MODE[mode]:
         spec[role]["replicas"] = {"min": 1, "max": max_replicas}
     spec["autoscaling"] = {
@@ -163,6 +226,73 @@ def isvc_manifest(*, name: str, namespace: str, mode: str, model_cache: Path,
     for key, value in (extra_spec or {}).items():
         spec[key] = copy.deepcopy(value)
     return body
+
+
+_DOWNLOADED = re.compile(r"downloaded (?P<repo>\S+)@\S+ \(commit (?P<commit>[0-9a-f]+)\): (?P<files>\d+) files, "
+                         r"(?P<bytes>\d+) bytes in (?P<seconds>[0-9.]+) s")
+
+
+@dataclasses.dataclass(frozen=True)
+class PodDownload:
+    """A pod's model download, from the runtime's last log line about it."""
+
+    pod: str
+    commit: str
+    files: int
+    bytes: int
+    seconds: float
+
+
+def pod_downloads(*, pods_dir: Path, namespace: str, since: float) -> list[PodDownload]:
+    """The downloads the pods of ``namespace`` logged, one per pod that downloaded, for the
+    pods whose log the local node wrote at or after ``since`` (``time.time()``); pods that
+    are gone count too (the local node keeps their directories ``<pod>_<uid>``)."""
+    out = []
+    directory = pods_dir / namespace
+    for log in sorted(directory.glob("*_*/container.log")) if directory.is_dir() else []:
+        try:
+            if log.stat().st_mtime < since:
+                continue
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        found = list(_DOWNLOADED.finditer(text))
+        if found:
+            match = found[-1]
+            out.append(PodDownload(pod=log.parent.name.rsplit("_", 1)[0], commit=match["commit"],
+                                   files=int(match["files"]), bytes=int(match["bytes"]),
+                                   seconds=float(match["seconds"])))
+    return out
+
+
+def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]:
+    """(model downloads, files, bytes) the hub sent of ``repo_id``: a download per
+    ``config.json`` (every pod's download fetches it, last), bytes of the full (200) GETs."""
+    prefix = f"/{repo_id}/resolve/"
+    downloads = files = sent = 0
+    for record in hub.requests:
+        if record.method != "GET" or record.status not in (200, 206) or not record.path.startswith(prefix):
+            continue
+        revision, _, name = unquote(record.path[len(prefix):]).partition("/")
+        files += 1
+        downloads += name == "config.json"
+        if record.status == 200:
+            with contextlib.suppress(Exception):
+                sent += (hub.store.resolve(repo_id, revision)[1] / name).stat().st_size
+    return downloads, files, sent
+
+
+def model_source_lines(*, hub: LocalHub, commit: str, downloads: Sequence[PodDownload],
+                       secret: str = HUB_TOKEN_SECRET) -> list[str]:
+    lines = [f"model hf://{MODEL_NAME} from the hub {hub.endpoint} (commit {commit[:12]}, "
+             f"token from Secret {secret}), downloaded by each pod into its own model cache:"]
+    lines += [f"  {d.pod}: {d.files} files, {d.bytes:,} bytes in {d.seconds:.2f}s"
+              + ("" if d.commit == commit else f" (commit {d.commit[:12]})") for d in downloads]
+    if not downloads:
+        lines.append("  (no download line in the pod logs)")
+    count, files, sent = hub_served(hub)
+    lines.append(f"  the hub sent {count} model downloads: {files} files, {sent:,} bytes")
+    return lines
 
 
 def apply_object(*, cluster: LocalCluster, obj: Mapping[str, Any]) -> None:
@@ -535,7 +665,7 @@ def _scaling_history(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
              load_window: tuple[float, float], isvc: Mapping[str, Any], csv_path: Path,
-             png_path: Path, total_seconds: float) -> list[str]:
+             png_path: Path, total_seconds: float, model_lines: Sequence[str] = ()) -> list[str]:
     roles = ROLES_BY_MODE[config.mode]
     events = scaling_events(samples, roles, load_window[1])
     latencies = [r.seconds for r in burst.results if r.ok]
@@ -566,6 +696,7 @@ def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
         decision = ((isvc.get("status") or {}).get(role) or {}).get("lastDecision") or {}
         if decision:
             lines.append(f"last {role} decision: {decision.get('formula')} ({decision.get('reason')})")
+    lines += list(model_lines)
     lines += [f"timeline:   {png_path}", f"data:       {csv_path}",
               f"total demo time {total_seconds:.0f}s"]
     return lines
@@ -626,15 +757,23 @@ def _stage(title: str) -> Iterator[None]:
 
 def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: Path) -> int:
     started = time.monotonic()
+    since = time.time()
     roles = ROLES_BY_MODE[config.mode]
     config.out_dir.mkdir(parents=True, exist_ok=True)
     own_cluster = True
     cluster: LocalCluster | None = None
+    hub: LocalHub | None = None
+    hub_root = cache_root() / "demo-hub"
+    pods_dir = state_dir / "pods"
     try:
         with _stage("binaries (built once, then cached under ~/.cache/splitserve/bin)"):
             ensure_binaries()
-        with _stage("tiny model (hf://splitserve/tiny-llama)"):
-            model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
+        with _stage(f"tiny model on a loopback model hub (hf://{MODEL_NAME})"):
+            model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
+            token = f"hf_demo_{secrets.token_hex(16)}"  # a new one every run
+            hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token)
+            _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; "
+                 "every request needs the token")
         if reuse_cluster:
             try:
                 read_info(state_dir=state_dir)
@@ -661,12 +800,17 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         with _stage(f"helm install the chart into {config.namespace} (operator on the local node)"):
             install_operator(cluster=cluster, namespace=config.namespace,
                              prometheus_url=prometheus_url)
+        create_hub_token_secret(cluster=cluster, namespace=config.namespace, token=token)
         manifest = isvc_manifest(name=config.name, namespace=config.namespace, mode=config.mode,
-                                 model_cache=model_cache)
-        with _stage(f"InferenceService {config.name} ({config.mode}) until Ready"):
+                                 hub=ModelHub(endpoint=hub.endpoint))
+        with _stage(f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from "
+                    f"{hub.endpoint}) until Ready"):
             apply_object(cluster=cluster, obj=manifest)
             wait_ready(cluster=cluster, namespace=config.namespace, name=config.name,
                        progress=lambda line: _say(f"  {line}"))
+        for line in model_source_lines(hub=hub, commit=commit, downloads=pod_downloads(
+                pods_dir=pods_dir, namespace=config.namespace, since=since)):
+            _say(line)
         endpoint = router_endpoints(cluster=cluster, namespace=config.namespace,
                                     name=config.name)[0]
         _say(f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
@@ -681,9 +825,12 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         write_png(path=png_path, samples=samples, roles=roles, load_window=(load_start, load_end),
                   title=f"splitserve demo: {config.mode} InferenceService under a load burst")
         isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
+        model_lines = model_source_lines(hub=hub, commit=commit, downloads=pod_downloads(
+            pods_dir=pods_dir, namespace=config.namespace, since=since))
         for line in _summary(config=config, samples=samples, burst=burst,
                              load_window=(load_start, load_end), isvc=isvc, csv_path=csv_path,
-                             png_path=png_path, total_seconds=time.monotonic() - started):
+                             png_path=png_path, total_seconds=time.monotonic() - started,
+                             model_lines=model_lines):
             _say(line)
         if keep:
             _say("--keep: the cluster stays up")
@@ -694,6 +841,18 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             print(f"  kubectl get {ISVC_PLURAL} {config.name} -n {config.namespace} "
                   "-o jsonpath='{.status.scalingHistory}'")
             print(f"  prometheus:  {prometheus_url}")
+            port = hub.endpoint.rsplit(":", 1)[1]
+            print(f"  model hub:   {hub.endpoint} runs inside this demo process and stops when it "
+                  "exits (now).")
+            print("               The running pods keep serving: each downloaded the model into "
+                  "its own cache at start.")
+            print("               A new pod (a scale-up, a replaced pod) downloads it too: with "
+                  "no hub it restarts, its log")
+            print("               saying the hub endpoint is unreachable, until the hub serves "
+                  "again (same port and repository):")
+            print(f"    python -m splitserve_e2e.hub {hub_root} --port {port} --token "
+                  f"\"$(kubectl get secret {HUB_TOKEN_SECRET} -n {config.namespace} "
+                  f"-o jsonpath='{{.data.{contract.ENV_HUB_TOKEN}}}' | base64 -d)\"")
             print("  stop it:     make cluster-down")
         return 0
     finally:
@@ -704,6 +863,8 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             elif cluster is not None:
                 _say(f"uninstalling the demo from the reused cluster ({config.namespace})")
                 remove_demo(cluster=cluster, namespace=config.namespace)
+        if hub is not None:
+            hub.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
