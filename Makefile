@@ -59,5 +59,15 @@ cluster-down: ## stop the local control plane and everything it started
 soak: deps ## the operator soak at full length: 1,000 InferenceService create/delete cycles (make test runs 200)
 	SPLITSERVE_SOAK_CYCLES=1000 $(PYTHON) -m pytest -q -s -p no:cacheprovider --timeout=3600 e2e/test_soak.py
 
+.PHONY: image push
+IMAGE ?=
+
+image: ## build the container image (local Debian base, buildah) and push it to the loopback registry
+	$(PYTHON) -m splitserve_e2e.image build
+
+push: ## push the image to a registry: make push IMAGE=registry.example.com/splitserve:TAG
+	@test -n "$(IMAGE)" || { echo "make push: set IMAGE=registry.example.com/splitserve:TAG" >&2; exit 2; }
+	$(PYTHON) -m splitserve_e2e.image push $(IMAGE)
+
 bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py

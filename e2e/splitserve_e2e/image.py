@@ -1,0 +1,712 @@
+"""Build the splitserve container image without a daemon and serve it from a loopback registry.
+
+The repository's ``Containerfile`` is what real users build with docker or podman on the public
+Python base. Machines of this project have no Docker daemon and no reachable public registry,
+so this module builds the *same* Containerfile here:
+
+* a base image made locally: ``mmdebstrap`` writes a bookworm root file system with Python 3.11,
+  its headers, gcc, tini and CA certificates as a tarball (cached), which is committed into
+  buildah's storage as ``localhost/splitserve-base:<recipe hash>``;
+* ``buildah bud --layers`` (rootful, host network so pip reaches PyPI, the host's CA bundle as
+  the ``pip-ca`` build secret for TLS-intercepting proxies) with ``BASE`` pointing at it, tagged
+  ``localhost/splitserve:<version>`` and ``:<version>-<git revision>``;
+* Debian's ``docker-registry`` (the distribution registry) on 127.0.0.1, so nodes pull the image
+  by name as they would on a real cluster.
+
+A stamp over the build inputs (the Containerfile, .containerignore, the files of the build
+context, the base, version and revision) makes a no-change build a check of a few seconds. The
+build prints buildah's step lines with the elapsed time, and a heartbeat while a step is quiet.
+
+Other harness code finds the registry with :func:`registry_address` (``host:port``, no side
+effects) and :func:`ensure_registry` (starts it when needed); :func:`ensure_image` builds and
+pushes when needed and returns the reference to pull (``127.0.0.1:5000/splitserve:<tag>``).
+
+CLI: ``python -m splitserve_e2e.image build|push IMAGE|ref|registry start|stop|status|address|reset``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from .build import cache_root
+from .process import is_alive, process_start_ticks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+CONTAINERFILE = "Containerfile"
+IGNORE_FILE = ".containerignore"
+# What the build context holds (the .containerignore whitelist); the stamp hashes exactly this.
+CONTEXT_PATHS = ("pyproject.toml", "README.md", "contract/splitserve_contract",
+                 "operator/splitserve_operator", "runtime/splitserve_runtime",
+                 "planner/splitserve_planner", "cli/splitserve_cli", "e2e/splitserve_e2e")
+_SKIPPED_NAMES = frozenset({"__pycache__", ".mypy_cache"})
+
+IMAGE_NAME = "splitserve"
+LOCAL_REPOSITORY = f"localhost/{IMAGE_NAME}"
+BASE_REPOSITORY = "localhost/splitserve-base"
+BASE_SUITE = "bookworm"
+BASE_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev", "tini",
+                 "ca-certificates")
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PIP_CA_SECRET = "pip-ca"
+
+REGISTRY_HOST = "127.0.0.1"
+DEFAULT_REGISTRY_PORT = 5000
+ENV_REGISTRY_PORT = "SPLITSERVE_REGISTRY_PORT"
+# Layers pushed to the loopback registry are gzip, which every puller reads: zstd was measured
+# at 95 s and 2.75 GB for a cold push on two busy cores against 126 s and 3.05 GB for gzip, but
+# umoci 0.4 (Debian 12) cannot unpack zstd layers and skopeo 1.9 cannot decompress them. Only
+# a cold push pays this; later pushes send the changed layers.
+LOCAL_COMPRESSION = "gzip"
+
+HEARTBEAT_SECONDS = 20.0
+STAMP_NAME = "stamp.json"
+
+
+class ImageError(RuntimeError):
+    """The image or the registry could not be built, pushed or started; the message says why."""
+
+
+def _log(message: str) -> None:
+    print(f"[splitserve-e2e image] {message}", file=sys.stderr, flush=True)
+
+
+def image_cache() -> Path:
+    """Base tarballs, stamps, build logs and buildah's cache mounts (pip's downloads)."""
+    return cache_root() / "image"
+
+
+def registry_dir() -> Path:
+    """Registry storage, config, log and pid file."""
+    return cache_root() / "registry"
+
+
+@contextmanager
+def _exclusive(name: str) -> Iterator[None]:
+    """Serialise builds (or registry starts) across processes: make, pytest, a second shell."""
+    lock_path = cache_root() / "locks" / f"{name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise ImageError(f"`{name}` is not on PATH; `make deps` (.ci/deps) installs it "
+                         "(Debian packages buildah, mmdebstrap, skopeo, docker-registry)")
+    return path
+
+
+def _run(argv: Sequence[str], *, what: str, env: dict[str, str] | None = None,
+         timeout: float = 600.0) -> str:
+    result = subprocess.run(list(argv), capture_output=True, text=True, env=env,
+                            timeout=timeout, check=False)
+    if result.returncode != 0:
+        raise ImageError(f"{what} failed (exit {result.returncode}): `{' '.join(argv)}`\n"
+                         f"{(result.stderr or result.stdout)[-4000:]}")
+    return result.stdout
+
+
+def _stream(argv: Sequence[str], *, label: str, log_path: Path,
+            env: dict[str, str] | None = None) -> float:
+    """Run a long command, echoing its lines with the elapsed seconds and a heartbeat while
+    it is quiet; the whole output also goes to ``log_path``. Returns the seconds it took."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    lines: queue.Queue[str | None] = queue.Queue()
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+        assert process.stdout is not None
+        stdout = process.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        tail: list[str] = []
+        while True:
+            try:
+                line = lines.get(timeout=HEARTBEAT_SECONDS)
+            except queue.Empty:
+                _log(f"  {label}: still running, {time.monotonic() - started:.0f}s elapsed")
+                continue
+            if line is None:
+                break
+            log_file.write(line)
+            tail = (tail + [line])[-60:]
+            print(f"[{label} {time.monotonic() - started:5.0f}s] {line.rstrip()}",
+                  file=sys.stderr, flush=True)
+        return_code = process.wait()
+    if return_code != 0:
+        raise ImageError(f"{label} failed (exit {return_code}; log {log_path}):\n"
+                         + "".join(tail[-30:]))
+    return time.monotonic() - started
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def context_files(root: Path = REPO_ROOT) -> list[Path]:
+    """The files the build context holds (what .containerignore lets through), sorted."""
+    files: list[Path] = []
+    for entry in CONTEXT_PATHS:
+        path = root / entry
+        if path.is_file():
+            files.append(path)
+            continue
+        if not path.is_dir():
+            raise ImageError(f"build context entry {entry} is missing under {root}")
+        for directory, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_NAMES)
+            files.extend(Path(directory) / name for name in filenames
+                         if not name.endswith(".pyc"))
+    return sorted(files)
+
+
+def context_digest(root: Path = REPO_ROOT) -> str:
+    """sha256 over the Containerfile, the ignore file and every context file (path, exec
+    bit, bytes): any change there means the image must be rebuilt."""
+    digest = hashlib.sha256()
+    for path in [root / CONTAINERFILE, root / IGNORE_FILE, *context_files(root)]:
+        relative = path.relative_to(root).as_posix()
+        executable = os.access(path, os.X_OK)
+        digest.update(f"{relative}\0{int(executable)}\0".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def package_version(root: Path = REPO_ROOT) -> str:
+    """The version the wheel gets (pyproject's; ``splitserve_contract.__version__`` reports
+    the same once installed)."""
+    with (root / "pyproject.toml").open("rb") as handle:
+        return str(tomllib.load(handle)["project"]["version"])
+
+
+def git_revision(root: Path = REPO_ROOT, *, digest: str | None = None) -> str:
+    """``<12-hex commit>``, with ``-dirty-<8 hex of the context digest>`` when the build inputs
+    differ from that commit (each distinct tree gets its own tag), or ``unknown`` outside git."""
+    git = shutil.which("git")
+    if git is None:
+        return "unknown"
+    head = subprocess.run([git, "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        return "unknown"
+    status = subprocess.run(
+        [git, "-C", str(root), "status", "--porcelain", "--", CONTAINERFILE, IGNORE_FILE,
+         *CONTEXT_PATHS], capture_output=True, text=True, check=False)
+    revision = head.stdout.strip()
+    if status.stdout.strip():
+        revision += f"-dirty-{(digest or context_digest(root))[:8]}"
+    return revision
+
+
+# --------------------------------------------------------------------------- base
+
+
+def base_reference() -> str:
+    """``localhost/splitserve-base:<suite>-<hash of suite, mirror and packages>``."""
+    recipe = json.dumps([BASE_SUITE, BASE_MIRROR, list(BASE_PACKAGES), PATH_ENV])
+    return f"{BASE_REPOSITORY}:{BASE_SUITE}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+
+
+def local_image_id(reference: str) -> str | None:
+    """The image ID of ``reference`` in buildah's storage, or None when it is not there."""
+    result = subprocess.run([_tool("buildah"), "inspect", "--type", "image", "--format",
+                             "{{.FromImageID}}", reference],
+                            capture_output=True, text=True, check=False)
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def ensure_base() -> str:
+    """Make the local base image unless it is in buildah's storage; returns its reference."""
+    reference = base_reference()
+    if local_image_id(reference) is not None:
+        return reference
+    with _exclusive("image-base"):
+        if local_image_id(reference) is not None:
+            return reference
+        tarball = image_cache() / "base" / f"{reference.rsplit(':', 1)[1]}.tar"
+        if not tarball.is_file():
+            tarball.parent.mkdir(parents=True, exist_ok=True)
+            partial = tarball.with_suffix(".partial.tar")
+            _log(f"mmdebstrap {BASE_SUITE} with {', '.join(BASE_PACKAGES)} -> {tarball}")
+            seconds = _stream([_tool("mmdebstrap"), "--variant=minbase", "--mode=root",
+                               "--include=" + ",".join(BASE_PACKAGES), "--format=tar",
+                               BASE_SUITE, str(partial), BASE_MIRROR],
+                              label="mmdebstrap", log_path=image_cache() / "logs" / "base.log")
+            partial.rename(tarball)
+            _log(f"base root file system in {seconds:.0f}s ({tarball.stat().st_size >> 20} MiB)")
+        buildah = _tool("buildah")
+        started = time.monotonic()
+        container = _run([buildah, "from", "scratch"], what="buildah from scratch").strip()
+        try:
+            _run([buildah, "add", "--quiet", container, str(tarball), "/"], what="buildah add")
+            _run([buildah, "config", "--env", PATH_ENV, "--env", "LANG=C.UTF-8",
+                  "--cmd", '["python3"]', "--label", f"org.opencontainers.image.title={reference}",
+                  container], what="buildah config")
+            _run([buildah, "commit", "--quiet", container, reference], what="buildah commit")
+        finally:
+            subprocess.run([buildah, "rm", container], capture_output=True, check=False)
+        _log(f"committed {reference} in {time.monotonic() - started:.0f}s")
+        return reference
+
+
+# --------------------------------------------------------------------------- build
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltImage:
+    """What a build produced: the local tags and the inputs they were built from."""
+
+    image_id: str
+    version: str
+    revision: str
+    inputs: str  # sha256 of everything the build depended on
+
+    @property
+    def tag(self) -> str:
+        """The unique tag: ``<version>-<revision>``."""
+        return f"{self.version}-{self.revision}"
+
+    @property
+    def local_references(self) -> tuple[str, str]:
+        return (f"{LOCAL_REPOSITORY}:{self.tag}", f"{LOCAL_REPOSITORY}:{self.version}")
+
+
+def _stamp_path() -> Path:
+    return image_cache() / STAMP_NAME
+
+
+def _read_stamp() -> dict[str, object]:
+    try:
+        data = json.loads(_stamp_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_stamp(data: dict[str, object]) -> None:
+    path = _stamp_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=2))
+    partial.replace(path)
+
+
+def _ca_bundle() -> Path | None:
+    """The host's CA bundle for pip inside the build (it may include a proxy's CA)."""
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def _buildah_env() -> dict[str, str]:
+    """buildah keeps ``RUN --mount=type=cache`` directories (pip's downloads) under $TMPDIR."""
+    tmp = image_cache() / "buildah-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp)}
+
+
+def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
+    """Build the Containerfile on the local base unless the stamp says nothing changed."""
+    buildah = _tool("buildah")
+    with _exclusive("image-build"):
+        base = ensure_base()
+        base_id = local_image_id(base)
+        digest = context_digest(root)
+        version = package_version(root)
+        revision = git_revision(root, digest=digest)
+        inputs = hashlib.sha256(
+            json.dumps([digest, base, base_id, version, revision]).encode()).hexdigest()
+        stamp = _read_stamp()
+        built = BuiltImage(image_id="", version=version, revision=revision, inputs=inputs)
+        existing = local_image_id(built.local_references[0])
+        if not force and stamp.get("inputs") == inputs and existing == stamp.get("image_id"):
+            assert existing is not None
+            _log(f"up to date: {built.local_references[0]} ({existing[:12]})")
+            return dataclasses.replace(built, image_id=existing)
+        argv = [buildah, "bud", "--layers", "--network", "host", "--format", "oci",
+                "--file", str(root / CONTAINERFILE),
+                "--build-arg", f"BASE={base}", "--build-arg", f"VERSION={version}",
+                "--build-arg", f"REVISION={revision}"]
+        ca = _ca_bundle()
+        if ca is not None:
+            argv += ["--secret", f"id={PIP_CA_SECRET},src={ca}"]
+        for reference in built.local_references:
+            argv += ["--tag", reference]
+        argv.append(str(root))
+        _log(f"building {built.local_references[0]} on {base} (a cold build downloads and "
+             "unpacks several GB of CUDA wheels; later builds reuse those layers)")
+        seconds = _stream(argv, label="buildah", log_path=image_cache() / "logs" / "build.log",
+                          env=_buildah_env())
+        image_id = local_image_id(built.local_references[0])
+        if image_id is None:
+            raise ImageError(f"buildah finished but {built.local_references[0]} is missing")
+        previous = stamp.get("image_id")
+        if isinstance(previous, str) and previous != image_id:
+            # the old final image lost its tags; its unique layers (the package) go with it,
+            # the shared ones (torch) stay, and so do buildah's cached intermediate images
+            subprocess.run([buildah, "rmi", previous], capture_output=True, check=False)
+        _write_stamp({"inputs": inputs, "image_id": image_id, "tag": built.tag,
+                      "version": version, "revision": revision, "base": base,
+                      "build_seconds": round(seconds, 1), "built_at": time.time()})
+        _log(f"built {built.local_references[0]} ({image_id[:12]}) in {seconds:.0f}s, "
+             f"{image_size(image_id)} uncompressed")
+        return dataclasses.replace(built, image_id=image_id)
+
+
+def image_size(reference: str) -> str:
+    """Uncompressed size of a local image as buildah prints it (``5.63 GB``)."""
+    output = _run([_tool("buildah"), "images", "--json", reference], what="buildah images")
+    entries = json.loads(output)
+    return str(entries[0]["size"]) if entries else "?"
+
+
+def image_config(reference: str) -> dict[str, object]:
+    """The OCI image configuration of a local image (User, Labels, Entrypoint, Env, ...)."""
+    output = _run([_tool("buildah"), "inspect", "--type", "image", reference],
+                  what="buildah inspect")
+    config = json.loads(output)["OCIv1"]["config"]
+    return dict(config)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def registry_address() -> str:
+    """``host:port`` of the loopback registry (``$SPLITSERVE_REGISTRY_PORT``, default 5000).
+    Nothing is started: see :func:`ensure_registry`."""
+    port = os.environ.get(ENV_REGISTRY_PORT, str(DEFAULT_REGISTRY_PORT))
+    if not port.isdigit():
+        raise ImageError(f"${ENV_REGISTRY_PORT}={port!r} is not a port number")
+    return f"{REGISTRY_HOST}:{port}"
+
+
+def _registry_get(path: str, *, method: str = "GET", accept: str | None = None,
+                  timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(f"http://{registry_address()}{path}", method=method)
+    if accept:
+        request.add_header("Accept", accept)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def registry_running() -> bool:
+    """True when a distribution registry answers ``/v2/`` at :func:`registry_address`."""
+    try:
+        status, headers, _ = _registry_get("/v2/", timeout=2.0)
+    except OSError:
+        return False
+    return status == 200 and headers.get("Docker-Distribution-Api-Version") == "registry/2.0"
+
+
+def _pid_file() -> Path:
+    return registry_dir() / "registry.pid"
+
+
+def _recorded_registry() -> tuple[int, int] | None:
+    try:
+        pid_text, ticks_text = _pid_file().read_text().split()
+        return int(pid_text), int(ticks_text)
+    except (OSError, ValueError):
+        return None
+
+
+def ensure_registry(*, timeout_seconds: float = 30.0) -> str:
+    """Start the loopback registry unless it answers already; returns its ``host:port``.
+
+    Idempotent and safe to call from several processes. The registry runs detached (it
+    outlives ``make image`` so nodes can pull); :func:`stop_registry` ends it.
+    """
+    address = registry_address()
+    if registry_running():
+        return address
+    with _exclusive("registry"):
+        if registry_running():
+            return address
+        host, port = address.rsplit(":", 1)
+        from .net import port_open
+
+        if port_open(host=host, port=int(port)):
+            raise ImageError(f"{address} is taken by something that is not a distribution "
+                             f"registry; set ${ENV_REGISTRY_PORT} to a free port")
+        directory = registry_dir()
+        (directory / "data").mkdir(parents=True, exist_ok=True)
+        config = directory / "config.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "version": 0.1,
+            "log": {"level": "info", "accesslog": {"disabled": True}},
+            "storage": {"filesystem": {"rootdirectory": str(directory / "data")},
+                        "delete": {"enabled": True}},
+            "http": {"addr": address},
+        }, indent=2))
+        log = (directory / "registry.log").open("ab")
+        process = subprocess.Popen([_tool("docker-registry"), "serve", str(config)],
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        _pid_file().write_text(f"{process.pid} {process_start_ticks(process.pid) or 0}\n")
+        deadline = time.monotonic() + timeout_seconds
+        while not registry_running():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                tail = (directory / "registry.log").read_text(errors="replace")[-2000:]
+                raise ImageError(f"the registry did not start on {address} "
+                                 f"(log {directory / 'registry.log'}):\n{tail}")
+            time.sleep(0.1)
+        _log(f"registry on {address} (storage {directory / 'data'}, pid {process.pid})")
+        return address
+
+
+def stop_registry(*, grace_seconds: float = 10.0) -> bool:
+    """SIGTERM the registry this module started (checked by pid and start time), SIGKILL
+    after ``grace_seconds``; returns False when none was running."""
+    recorded = _recorded_registry()
+    _pid_file().unlink(missing_ok=True)
+    if recorded is None:
+        return False
+    pid, ticks = recorded
+    if process_start_ticks(pid) != ticks or not is_alive(pid):
+        return False  # gone, or the pid was reused by an unrelated process
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while is_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if is_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def reset_registry() -> str:
+    """Stop the registry, delete everything it stores and start it empty."""
+    with _exclusive("image-push"):
+        stop_registry()
+        shutil.rmtree(registry_dir() / "data", ignore_errors=True)
+        stamp = _read_stamp()
+        stamp.pop("pushed", None)
+        _write_stamp(stamp)
+        return ensure_registry()
+
+
+def registry_reference(tag: str) -> str:
+    """``127.0.0.1:5000/splitserve:<tag>``: the name nodes pull."""
+    return f"{registry_address()}/{IMAGE_NAME}:{tag}"
+
+
+_MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json,"
+                   "application/vnd.docker.distribution.manifest.v2+json")
+
+
+def registry_manifest(tag: str) -> tuple[str, dict[str, object]] | None:
+    """(digest, manifest) of ``splitserve:<tag>`` in the loopback registry, or None."""
+    status, headers, body = _registry_get(f"/v2/{IMAGE_NAME}/manifests/{tag}",
+                                          accept=_MANIFEST_TYPES)
+    if status != 200:
+        return None
+    return headers.get("Docker-Content-Digest", ""), dict(json.loads(body))
+
+
+def push(*, image: BuiltImage, destination: str, tls_verify: bool = True,
+         compression: str = "gzip") -> float:
+    """``buildah push`` the built image to ``docker://destination``; returns the seconds."""
+    argv = [_tool("buildah"), "push", "--format", "oci", "--compression-format", compression,
+            f"--tls-verify={'true' if tls_verify else 'false'}",
+            image.local_references[0], f"docker://{destination}"]
+    _log(f"pushing {image.local_references[0]} to {destination} ({compression} layers)")
+    return _stream(argv, label="push", log_path=image_cache() / "logs" / "push.log",
+                   env=_buildah_env())
+
+
+def ensure_image(*, root: Path = REPO_ROOT) -> str:
+    """Build when the inputs changed, push to the loopback registry when it lacks this build,
+    and return the reference nodes pull (``127.0.0.1:5000/splitserve:<version>-<revision>``)."""
+    built = build(root=root)
+    ensure_registry()
+    with _exclusive("image-push"):
+        stamp = _read_stamp()
+        present = registry_manifest(built.tag)
+        if present is None or stamp.get("pushed") != [registry_address(), present[0],
+                                                      built.image_id]:
+            seconds = push(image=built, destination=registry_reference(built.tag),
+                           tls_verify=False, compression=LOCAL_COMPRESSION)
+            present = registry_manifest(built.tag)
+            if present is None:
+                raise ImageError(f"pushed, but {registry_reference(built.tag)} is not in the "
+                                 "registry")
+            layers = present[1].get("layers", [])
+            assert isinstance(layers, list)
+            wrong = {layer["mediaType"] for layer in layers
+                     if not layer["mediaType"].endswith(f"+{LOCAL_COMPRESSION}")}
+            if wrong:
+                # buildah reuses a blob the registry holds in another compression (it does
+                # not check the requested one); pullers such as umoci then fail
+                raise ImageError(f"the pushed manifest has {sorted(wrong)} layers, not "
+                                 f"{LOCAL_COMPRESSION}: the registry holds blobs of another "
+                                 "compression; `python -m splitserve_e2e.image registry reset`")
+            compressed = sum(int(layer["size"]) for layer in layers)
+            _log(f"pushed {registry_reference(built.tag)} in {seconds:.0f}s "
+                 f"({compressed / 1e9:.2f} GB {LOCAL_COMPRESSION})")
+            _write_stamp({**stamp, "pushed": [registry_address(), present[0], built.image_id],
+                          "push_seconds": round(seconds, 1), "compressed_bytes": compressed})
+    return registry_reference(built.tag)
+
+
+def registry_config(tag: str) -> dict[str, object]:
+    """The image configuration (``config`` of the OCI config blob) of ``splitserve:<tag>``,
+    read through the registry API as a puller does."""
+    found = registry_manifest(tag)
+    if found is None:
+        raise ImageError(f"{registry_reference(tag)} is not in the registry")
+    descriptor = found[1].get("config")
+    if not isinstance(descriptor, dict):
+        raise ImageError(f"the manifest of {registry_reference(tag)} has no config: {found[1]}")
+    status, _, body = _registry_get(f"/v2/{IMAGE_NAME}/blobs/{descriptor['digest']}")
+    if status != 200:
+        raise ImageError(f"config blob {descriptor['digest']}: HTTP {status}")
+    return dict(json.loads(body)["config"])
+
+
+def pull_bundle(reference: str) -> Path:
+    """Pull ``reference`` from the loopback registry (skopeo, into an OCI layout whose blobs
+    are reused) and unpack it with umoci into a runtime bundle (``rootfs/`` plus the
+    ``config.json`` umoci generates from the image config). Cached by manifest digest; only
+    the newest bundle is kept (an unpacked image is several GB)."""
+    tag = reference.rsplit(":", 1)[1]
+    found = registry_manifest(tag)
+    if found is None:
+        raise ImageError(f"{reference} is not in the registry at {registry_address()}")
+    digest = found[0].removeprefix("sha256:")
+    bundles = image_cache() / "bundles"
+    bundle = bundles / digest[:16]
+    if (bundle / ".complete").is_file():
+        return bundle
+    with _exclusive("image-bundle"):
+        if (bundle / ".complete").is_file():
+            return bundle
+        layout = image_cache() / "oci"
+        started = time.monotonic()
+        _stream([_tool("skopeo"), "copy", "--src-tls-verify=false",
+                 f"docker://{reference}", f"oci:{layout}:{digest[:16]}"], label="skopeo",
+                log_path=image_cache() / "logs" / "pull.log")
+        pulled = time.monotonic() - started
+        if bundles.is_dir():
+            for old in bundles.iterdir():
+                shutil.rmtree(old, ignore_errors=True)
+        partial = bundles / f"{digest[:16]}.partial"
+        _stream([_tool("umoci"), "unpack", "--image", f"{layout}:{digest[:16]}", str(partial)],
+                label="umoci", log_path=image_cache() / "logs" / "unpack.log")
+        for name in _run([_tool("umoci"), "ls", "--layout", str(layout)],
+                         what="umoci ls").split():
+            if name != digest[:16]:
+                _run([_tool("umoci"), "rm", "--image", f"{layout}:{name}"], what="umoci rm")
+        _run([_tool("umoci"), "gc", "--layout", str(layout)], what="umoci gc")
+        (partial / ".complete").write_text(reference + "\n")
+        partial.rename(bundle)
+        _log(f"pulled {reference} in {pulled:.0f}s, unpacked in "
+             f"{time.monotonic() - started - pulled:.0f}s into {bundle}")
+        return bundle
+
+
+def built_reference() -> str | None:
+    """The loopback-registry reference of the last build (from the stamp), or None."""
+    tag = _read_stamp().get("tag")
+    return registry_reference(tag) if isinstance(tag, str) else None
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splitserve_e2e.image", description=(
+        "Build the splitserve image (local base, buildah) and serve it on a loopback registry."))
+    commands = parser.add_subparsers(dest="command", required=True)
+    build_parser = commands.add_parser(
+        "build", help="build (when inputs changed) and push to the loopback registry")
+    build_parser.add_argument("--force", action="store_true", help="build even when up to date")
+    build_parser.add_argument("--no-push", action="store_true",
+                              help="do not push to the loopback registry")
+    push_parser = commands.add_parser("push", help="build when needed, push to a registry")
+    push_parser.add_argument("destination", help="e.g. registry.example.com/splitserve:TAG")
+    push_parser.add_argument("--compression", default="gzip", choices=("gzip", "zstd"))
+    push_parser.add_argument("--tls-verify", default="true", choices=("true", "false"))
+    registry_parser = commands.add_parser("registry", help="the loopback registry")
+    registry_parser.add_argument("action",
+                                 choices=("start", "stop", "status", "address", "reset"))
+    commands.add_parser("ref", help="print the loopback reference of the last build")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        if args.command == "build":
+            if args.no_push:
+                image = build(force=args.force)
+                print(image.local_references[0])
+            else:
+                if args.force:
+                    build(force=True)
+                print(ensure_image())
+        elif args.command == "push":
+            if not args.destination or args.destination.startswith("-"):
+                raise ImageError("say where to push: IMAGE=registry.example.com/splitserve:TAG")
+            image = build()
+            seconds = push(image=image, destination=args.destination,
+                           tls_verify=args.tls_verify == "true", compression=args.compression)
+            print(f"pushed {image.local_references[0]} to {args.destination} in {seconds:.0f}s")
+        elif args.command == "registry":
+            if args.action == "start":
+                print(ensure_registry())
+            elif args.action == "stop":
+                print("stopped" if stop_registry() else "not running")
+            elif args.action == "reset":
+                print(reset_registry())
+            elif args.action == "status":
+                running = registry_running()
+                print(f"{registry_address()} {'running' if running else 'not running'}")
+                return 0 if running else 3
+            else:
+                print(registry_address())
+        else:
+            reference = built_reference()
+            if reference is None:
+                raise ImageError("no image built yet: python -m splitserve_e2e.image build")
+            print(reference)
+    except ImageError as error:
+        _log(f"FAILED: {error}")
+        return 1
+    _log(f"done in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
