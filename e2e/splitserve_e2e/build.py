@@ -234,8 +234,9 @@ def _log(message: str) -> None:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Serialise builds of one group across processes (two pytest sessions, make + pytest)."""
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (created if missing) across processes: builds of
+    one group, image builds and registry starts (two pytest sessions, make + pytest, a shell)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -302,7 +303,7 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
     directory = _group_dir(group)
     if _is_complete(group, directory):
         return directory, 0.0
-    with _exclusive(directory.with_name(directory.name + ".lock")):
+    with exclusive(directory.with_name(directory.name + ".lock")):
         if _is_complete(group, directory):  # another process finished it while we waited
             return directory, 0.0
         directory.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ CLI: ``python -m splitserve_e2e.image build|push IMAGE|ref|registry start|stop|s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -42,11 +42,10 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
-from .build import cache_root
+from .build import cache_root, exclusive
 from .process import is_alive, process_start_ticks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -99,17 +98,9 @@ def registry_dir() -> Path:
     return cache_root() / "registry"
 
 
-@contextmanager
-def _exclusive(name: str) -> Iterator[None]:
+def _exclusive(name: str) -> contextlib.AbstractContextManager[None]:
     """Serialise builds (or registry starts) across processes: make, pytest, a second shell."""
-    lock_path = cache_root() / "locks" / f"{name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return exclusive(cache_root() / "locks" / f"{name}.lock")
 
 
 def _tool(name: str) -> str:
