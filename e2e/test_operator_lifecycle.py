@@ -311,7 +311,7 @@ def test_children_created_with_expected_fields(cluster: LocalCluster, isvc: Isvc
     assert deployments[isvc.child("prefill")]["spec"]["replicas"] == 2
     assert deployments[isvc.child("decode")]["spec"]["replicas"] == 1
     container = deployments[isvc.child("decode")]["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"][:2] == ["splitserve", "serve"]
+    assert container["args"][:2] == ["splitserve", "serve"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     # The replica count belongs to the autoscaler's field manager from the first apply on.
     managers = {e["manager"]: e for e in deployments[isvc.child("prefill")]["metadata"]["managedFields"]}
@@ -393,7 +393,7 @@ def test_spec_edit_rolls_pods(cluster: LocalCluster, isvc: Isvc, tiny_model: Pat
         dep = _get(cluster, ns, "deployment", prefill)
         return dep if dep and _config_hash(dep) != _config_hash(before) else None
     after = _until(cluster, rolled, timeout_seconds=CONVERGE_SECONDS, what="new pod template")
-    assert "32" in after["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "32" in after["spec"]["template"]["spec"]["containers"][0]["args"]
     assert after["spec"]["replicas"] == before["spec"]["replicas"]
     _wait_pools(cluster, ns, isvc.name, prefill=2, decode=1)
 

@@ -98,7 +98,15 @@ def test_every_unsupported_feature_is_named() -> None:
         assert expected in problems, (expected, problems)
 
 
-def test_container_without_command_is_unsupported() -> None:
+def test_container_without_command_or_args_is_unsupported() -> None:
     pod = _pod()
     del pod["spec"]["containers"][0]["command"]
     assert any("command" in p for p in podspec.unsupported_features(pod))
+
+
+def test_args_alone_run_without_the_image_entrypoint() -> None:
+    pod = _pod(args=["splitserve", "serve", "--host", "$(POD_IP)"])
+    del pod["spec"]["containers"][0]["command"]
+    assert not any("command" in p for p in podspec.unsupported_features(pod))
+    assert podspec.container_argv(pod=pod, env={"POD_IP": "127.0.0.9"}) == [
+        "splitserve", "serve", "--host", "127.0.0.9"]

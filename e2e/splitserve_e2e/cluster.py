@@ -38,6 +38,7 @@ from splitserve_e2e.etcd import start_etcd
 from splitserve_e2e.kubeletnode import KubeletNode
 from splitserve_e2e.kwok import GpuNodeShape, create_gpu_nodes, node_ready, start_kwok
 from splitserve_e2e.localnode import LocalNode, pod_pid_from_files, read_pod_log
+from splitserve_e2e.net import LOOPBACK
 from splitserve_e2e.pki import ClusterPki, ensure_pki
 from splitserve_e2e.process import ManagedProcess, kill_recorded, wait_until
 from splitserve_e2e.prometheus import query as prometheus_query
@@ -223,7 +224,10 @@ class LocalCluster:
             prometheus = start_prometheus(
                 binary=binaries.prometheus, api_server_url=apiserver.url, pki=pki,
                 state_dir=self.state_dir, log_dir=self.log_dir, pid_dir=self.pid_dir,
-                interval_seconds=self.options.scrape_interval_seconds)
+                interval_seconds=self.options.scrape_interval_seconds,
+                # with a kubelet node, on its bridge gateway: pods (the operator) reach it
+                # there, the host too
+                listen_host=pod_reachable_address or LOOPBACK)
             self._processes.append(prometheus.process)
             self.prometheus_url = prometheus.url
 

@@ -6,7 +6,19 @@ or the system socket, so it cannot disturb (or be disturbed by) another containe
 machine. Cgroups are cgroupfs (cgroup v1 here, no systemd as PID 1); network namespaces are
 mounted under its state directory (``netns_mounts_under_state_dir``) so that teardown finds
 them there; the sandbox image is the locally built pause image, imported into the ``k8s.io``
-namespace (the CRI plugin's) together with the test images, because nothing can be pulled.
+namespace (the CRI plugin's) together with the test images: nothing outside the machine can
+be pulled (the project's image comes from the loopback registry).
+
+The root (content store, snapshots, metadata) may live elsewhere than the rest
+(``ContainerdLayout(root_directory=...)``): the kubelet node keeps it in the cache, so the
+project's image (several GB) is pulled and unpacked once, not once per cluster. Only one
+containerd uses it at a time (the kubelet node's machine-wide lock); state, socket and
+mounts stay per cluster. Before the kubelet starts, :meth:`Containerd.forget_containers`
+removes what a killed run left in the shared metadata (:func:`start_containerd` does it).
+
+Pulls from a loopback registry (``127.0.0.1:5000``) need no registry configuration: without
+``registry.config_path`` the CRI plugin's default endpoint scheme is ``http`` for localhost
+and loopback hosts, ``https`` for every other.
 
 Shims (``containerd-shim-runc-v2``) start their own sessions, so stopping the containerd
 process group does not end them: :meth:`Containerd.remove_all` kills and deletes every task
@@ -31,6 +43,8 @@ class ContainerdLayout:
     """Where one private containerd keeps everything."""
 
     directory: Path
+    root_directory: Path | None = None
+    """Content store, snapshots and metadata; ``None``: ``directory/root``."""
 
     @property
     def config(self) -> Path:
@@ -42,7 +56,7 @@ class ContainerdLayout:
 
     @property
     def root(self) -> Path:
-        return self.directory / "root"
+        return self.root_directory or self.directory / "root"
 
     @property
     def state(self) -> Path:
@@ -158,6 +172,37 @@ class Containerd:
                 out[fields[0]] = int(fields[1])
         return out
 
+    def images(self) -> dict[str, str]:
+        """Image reference → target digest in the CRI namespace."""
+        out: dict[str, str] = {}
+        for line in self.ctr("images", "ls").stdout.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 3:
+                out[fields[0]] = fields[2]
+        return out
+
+    def remove_images(self, *, prefix: str, keep: str) -> list[str]:
+        """Remove the images whose reference starts with ``prefix``, except ``keep``, with
+        every other reference to them (the CRI plugin adds ``name@sha256:<manifest>`` and the
+        image id ``sha256:<config>``), then collect garbage synchronously (the shared root
+        keeps every image ever pulled otherwise; each new build adds its changed layers)."""
+        images = self.images()
+        kept_digest = images.get(keep)
+        doomed_digests = {digest for ref, digest in images.items()
+                          if ref.startswith(prefix) and ref != keep and digest != kept_digest}
+        doomed = [ref for ref, digest in images.items() if digest in doomed_digests]
+        if doomed:
+            self.ctr("images", "rm", "--sync", *doomed, timeout_seconds=300.0)
+        return doomed
+
+    def forget_containers(self) -> list[str]:
+        """Remove every container (and its task) the metadata still lists, e.g. after a
+        killed run on a shared root; returns their ids."""
+        listing = self.ctr("containers", "ls", "--quiet", check=False).stdout.split()
+        if listing:
+            self.remove_all()
+        return listing
+
     def remove_all(self) -> None:
         """Kill and delete every task and container (ends their shims cleanly)."""
         for container_id in self.tasks():
@@ -187,7 +232,14 @@ def start_containerd(*, layout: ContainerdLayout, log_dir: Path, pid_dir: Path,
         name="containerd", argv=[*cgroup_wrapper, binary, "--config", str(layout.config)],
         log_path=log_dir / "containerd.log", pid_dir=pid_dir)
     runtime = Containerd(layout=layout, process=process, ctr_binary=Path(ctr_binary))
-    wait_until(lambda: runtime.ctr("version", timeout_seconds=5.0, check=False).returncode == 0,
-               timeout_seconds=timeout_seconds, what="containerd socket", alive=process,
-               interval_seconds=0.2)
+    def answers() -> bool:
+        return runtime.ctr("version", timeout_seconds=5.0, check=False).returncode == 0
+
+    wait_until(answers, timeout_seconds=timeout_seconds, what="containerd socket",
+               alive=process, interval_seconds=0.2)
+    if runtime.forget_containers():
+        # the CRI plugin loaded them into memory at start: restart it on the cleaned metadata
+        runtime.process = process = process.restart()
+        wait_until(answers, timeout_seconds=timeout_seconds, what="containerd socket",
+                   alive=process, interval_seconds=0.2)
     return runtime

@@ -83,6 +83,11 @@ def _issue_client_cert(*, pki: ClusterPki, directory: Path, stem: str, common_na
     return pair
 
 
+def containerd_root_dir() -> Path:
+    """Where the kubelet node's containerd keeps images across clusters (under the cache)."""
+    return cache_root() / "containerd-root"
+
+
 def node_ready(node: Any) -> bool:
     """True when the Node's Ready condition is True."""
     return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
@@ -100,8 +105,13 @@ class KubeletNode:
     def __init__(self, *, directory: Path, pki: ClusterPki,
                  api_client_factory: Callable[[], k8s.ApiClient], log_dir: Path, pid_dir: Path,
                  num_gpus: int = 4, network: cni.PodNetwork | None = None,
-                 binaries: NodeBinaries | None = None) -> None:
+                 binaries: NodeBinaries | None = None,
+                 containerd_root: Path | None = None) -> None:
+        """``containerd_root``: containerd's content store and snapshots (default
+        :func:`containerd_root_dir`, shared by every cluster on the machine so that pulled
+        images survive; the state, socket and mounts stay under ``directory``)."""
         self.directory = directory.resolve()
+        self.containerd_root = (containerd_root or containerd_root_dir()).resolve()
         longest = self.directory / "kubelet" / "device-plugins" / "kubelet.sock"
         if len(str(longest)) > MAX_SOCKET_PATH:
             raise ValueError(f"{self.directory} is too long for the kubelet's unix sockets "
@@ -220,6 +230,7 @@ class KubeletNode:
     def _cleanup_host(self) -> None:
         nodehost.kill_cgroup_tree(nodehost.CGROUP_ROOT)
         nodehost.unmount_under(self.directory)
+        nodehost.unmount_under(self.containerd_root)  # none expected: rootfs mounts are in state
         binaries = self._binaries
         if binaries is not None and binaries.kube_proxy.is_file():
             # removes the KUBE-* chains (only one kubelet node per machine: the lock)
@@ -233,7 +244,8 @@ class KubeletNode:
 
     # ------------------------------------------------------------------ pieces
     def _start_containerd(self, binaries: NodeBinaries) -> None:
-        layout = ContainerdLayout(self.directory / "containerd")
+        layout = ContainerdLayout(self.directory / "containerd",
+                                  root_directory=self.containerd_root)
         runc = shutil.which("runc")
         if runc is None:
             raise RuntimeError("runc not found (Debian package `runc`)")

@@ -117,8 +117,9 @@ def unsupported_features(pod: Pod) -> list[str]:
             problems.append(f"volume {volume.get('name')}: {'/'.join(kinds) or 'no source'} "
                             f"(supported: {', '.join(SUPPORTED_VOLUME_TYPES)})")
     for container in containers[:1]:
-        if not container.get("command"):
-            problems.append("container without `command` (image entrypoints cannot run locally)")
+        if not container.get("command") and not container.get("args"):
+            problems.append("container without `command` or `args` (image entrypoints and "
+                            "commands cannot run locally)")
         problems += _probe_problems(container)
         problems += _env_problems(container)
         for mount in container.get("volumeMounts") or []:
@@ -214,7 +215,9 @@ def container_environment(*, pod: Pod, pod_ip: str, host_ip: str,
 
 
 def container_argv(*, pod: Pod, env: Mapping[str, str]) -> list[str]:
-    """command + args with ``$(VAR)`` references expanded against ``env``."""
+    """command + args with ``$(VAR)`` references expanded against ``env``. A container with
+    only ``args`` (the image's ENTRYPOINT, e.g. tini, stays PID 1 on a real node) runs its
+    ``args`` alone: there is no image here, so no entrypoint to put in front of them."""
     container = pod["spec"]["containers"][0]
     words = list(container.get("command") or []) + list(container.get("args") or [])
     return [expand_references(word, env) for word in words]

@@ -94,22 +94,24 @@ def query(*, url: str, promql: str, timeout_seconds: float = 10.0) -> list[dict[
 
 def start_prometheus(*, binary: Path, api_server_url: str, pki: ClusterPki, state_dir: Path,
                      log_dir: Path, pid_dir: Path, interval_seconds: float = 2.0,
-                     timeout_seconds: float = 60.0) -> Prometheus:
-    """Write the config, start Prometheus and wait for ``/-/ready``."""
+                     timeout_seconds: float = 60.0, listen_host: str = LOOPBACK) -> Prometheus:
+    """Write the config, start Prometheus and wait for ``/-/ready``. ``listen_host``: the
+    address it serves on (loopback; the kubelet node's bridge gateway when pods, such as the
+    operator running as a container, must reach it)."""
     if interval_seconds <= 0:
         raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
-    port = free_port()
+    port = free_port(host=listen_host)
     config_path = state_dir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(scrape_config(
         api_server_url=api_server_url, pki=pki, interval_seconds=interval_seconds)))
     storage = state_dir / "prometheus-data"
     storage.mkdir(parents=True, exist_ok=True)
-    url = f"http://{LOOPBACK}:{port}"
+    url = f"http://{listen_host}:{port}"
     argv = [
         str(binary),
         f"--config.file={config_path}",
         f"--storage.tsdb.path={storage}",
-        f"--web.listen-address={LOOPBACK}:{port}",
+        f"--web.listen-address={listen_host}:{port}",
         "--storage.tsdb.retention.time=1d",
         "--log.level=warn",
     ]

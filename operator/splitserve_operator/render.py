@@ -42,6 +42,8 @@ MONITORING_NAMESPACE_LABEL: Final = "splitserve.dev/monitoring"
 """Namespaces labelled ``splitserve.dev/monitoring=true`` may scrape pods on the HTTP port."""
 
 MODEL_CACHE_DIR: Final = "/var/cache/splitserve/models"
+TRITON_CACHE_DIR: Final = "/var/cache/splitserve/triton"
+"""``TRITON_CACHE_DIR`` of the image: compiled kernels; an emptyDir (the root is read-only)."""
 PVC_MOUNT_ROOT: Final = "/mnt/models"
 SHM_SIZE: Final = "2Gi"
 RUN_AS_USER: Final = 65532
@@ -286,7 +288,7 @@ def _pod_spec(
     ports = [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.HTTP_PORT, "protocol": "TCP"}]
     pod: dict[str, Any]
     if component.is_router:
-        command = ["splitserve", "router", *contract.router_argv(router_args(isvc=isvc))]
+        argv = ["splitserve", "router", *contract.router_argv(router_args(isvc=isvc))]
         grace = ROUTER_DRAIN_SECONDS + TERMINATION_GRACE_MARGIN_SECONDS
         probes = _probes(startup_budget_seconds=300)
         pod = {}
@@ -297,11 +299,13 @@ def _pod_spec(
         pool = component.pool
         assert pool is not None
         args = serve_args(isvc=isvc, role=component.role, pool=pool, runtime_image=runtime_image)
-        command = ["splitserve", "serve", *contract.serve_argv(args), *spec.runtime.extra_args]
+        argv = ["splitserve", "serve", *contract.serve_argv(args), *spec.runtime.extra_args]
         grace = int(args.drain_timeout_seconds) + TERMINATION_GRACE_MARGIN_SECONDS
         probes = _probes(startup_budget_seconds=STARTUP_PROBE_BUDGET_SECONDS)
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "triton-cache", "emptyDir": {}})
+        mounts.append({"name": "triton-cache", "mountPath": TRITON_CACHE_DIR})
         if component.role is not Role.AGGREGATED:
             ports.append({"name": contract.KV_TRANSFER_PORT_NAME,
                           "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"})
@@ -321,7 +325,9 @@ def _pod_spec(
     container: dict[str, Any] = {
         "name": container_name,
         "image": image,
-        "command": command,
+        # `args`, not `command`: the image's ENTRYPOINT (tini) stays PID 1, forwarding SIGTERM
+        # (the runtime drains on it) and reaping Triton's compiler children.
+        "args": argv,
         "env": _env(isvc=isvc),
         "ports": ports,
         **probes,

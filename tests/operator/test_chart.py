@@ -177,8 +177,9 @@ def test_leader_election_role_and_flags() -> None:
 
 def _operator_args(docs: tuple[dict[str, Any], ...]) -> list[str]:
     container = _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["splitserve", "operator"]
-    return list(container["args"])
+    assert "command" not in container  # the image's ENTRYPOINT (tini) stays PID 1
+    assert container["args"][:2] == ["splitserve", "operator"]
+    return list(container["args"][2:])
 
 
 @needs_helm

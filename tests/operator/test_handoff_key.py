@@ -109,7 +109,7 @@ def test_prefill_and_decode_mount_the_key_read_only_and_get_the_flag() -> None:
         mount = next(m for m in container["volumeMounts"] if m["name"] == handoff_key.VOLUME_NAME)
         assert mount == {"name": handoff_key.VOLUME_NAME, "mountPath": contract.HANDOFF_KEY_MOUNT_DIR,
                          "readOnly": True}
-        command = container["command"]
+        command = container["args"]
         assert command[command.index("--handoff-key-file") + 1] == KEY_FILE
         # the runtime's own parser (built from the same table) reads it back
         parser = argparse.ArgumentParser()
@@ -117,10 +117,10 @@ def test_prefill_and_decode_mount_the_key_read_only_and_get_the_flag() -> None:
         assert contract.serve_args_from_namespace(parser.parse_args(command[2:])).handoff_key_file == KEY_FILE
     router = pods[Role.ROUTER.value]
     assert handoff_key.VOLUME_NAME not in {v["name"] for v in router["volumes"]}
-    assert "--handoff-key-file" not in router["containers"][0]["command"]
+    assert "--handoff-key-file" not in router["containers"][0]["args"]
 
 
 def test_aggregated_pods_do_not_mount_it() -> None:
     for spec in _pod_specs("tiny-aggregated.yaml").values():
         assert handoff_key.VOLUME_NAME not in {v["name"] for v in spec["volumes"]}
-        assert "--handoff-key-file" not in spec["containers"][0]["command"]
+        assert "--handoff-key-file" not in spec["containers"][0]["args"]

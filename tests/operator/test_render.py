@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import splitserve_contract as contract
-from splitserve_operator import naming
+from splitserve_operator import naming, render
 from splitserve_operator.api import InferenceService, InvalidSpecError
 from splitserve_operator.render import render_children, router_args
 
@@ -79,7 +79,7 @@ def test_aggregated_mode_has_engine_and_router_only() -> None:
     deps = {o["metadata"]["name"] for o in objs if o["kind"] == "Deployment"}
     assert deps == {"llama-engine", "llama-router"}
     engine = _by(objs, "Deployment", "llama-engine")
-    args = _parse_serve(_container(engine)["command"])
+    args = _parse_serve(_container(engine)["args"])
     assert args.role == "aggregated"
     assert args.device == "cpu"
     ports = {p["name"]: p["containerPort"] for p in _container(engine)["ports"]}
@@ -112,7 +112,7 @@ def test_serve_argv_round_trips_through_the_runtime_parser() -> None:
     objs = _render(_isvc({"kvCache": {"blockSize": 32, "memoryFraction": 0.8, "prefixCaching": False},
                           "engine": {"maxNumSeqs": 64, "maxBatchedTokens": 4096, "chunkedPrefill": False},
                           "runtime": {}}))
-    decode = _parse_serve(_container(_by(objs, "Deployment", "llama-decode"))["command"])
+    decode = _parse_serve(_container(_by(objs, "Deployment", "llama-decode"))["args"])
     assert decode.role == "decode"
     assert decode.model == "hf://meta/llama-3"
     assert decode.served_model_name == "llama"
@@ -133,24 +133,24 @@ def test_compat_hash_is_passed_to_pods_and_matches_their_label() -> None:
     hashes = set()
     for role in ("prefill", "decode"):
         dep = _by(objs, "Deployment", f"llama-{role}")
-        args = _parse_serve(_container(dep)["command"])
+        args = _parse_serve(_container(dep)["args"])
         label = dep["spec"]["template"]["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
         assert args.compat_hash == label != ""
         hashes.add(args.compat_hash)
     assert len(hashes) == 1  # prefill and decode pods pair with each other
     other = _render(_isvc({"model": {"uri": "hf://meta/llama-3", "dtype": "float16"}}))
-    assert _parse_serve(_container(_by(other, "Deployment", "llama-decode"))["command"]).compat_hash not in hashes
+    assert _parse_serve(_container(_by(other, "Deployment", "llama-decode"))["args"]).compat_hash not in hashes
 
 
 def test_extra_args_are_appended_and_parse() -> None:
-    command = _container(_by(_render(_isvc()), "Deployment", "llama-prefill"))["command"]
+    command = _container(_by(_render(_isvc()), "Deployment", "llama-prefill"))["args"]
     assert command[-2:] == ["--max-queue-len", "64"]
     assert _parse_serve(command).max_queue_len == 64
 
 
 def test_router_argv() -> None:
     router = _by(_render(_isvc()), "Deployment", "llama-router")
-    command = _container(router)["command"]
+    command = _container(router)["args"]
     assert command[:2] == ["splitserve", "router"]
     parser = argparse.ArgumentParser()
     contract.add_router_arguments(parser)
@@ -182,9 +182,12 @@ def test_ports_probes_env_and_security() -> None:
     assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
     pod = prefill["spec"]["template"]["spec"]
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert {"/tmp", "/dev/shm"} <= mounts
-    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    # the root filesystem is read-only: every path the image writes to is a volume
+    assert {"/tmp", "/dev/shm", render.MODEL_CACHE_DIR, render.TRITON_CACHE_DIR} <= set(mounts)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[render.TRITON_CACHE_DIR]]["emptyDir"] == {}
+    shm = volumes["dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert pod["terminationGracePeriodSeconds"] > contract.ServeArgs().drain_timeout_seconds
 
@@ -302,7 +305,7 @@ def test_config_map_holds_engine_config() -> None:
 def test_pvc_model_is_mounted_read_only() -> None:
     objs = _render(_isvc({"model": {"uri": "pvc://models/llama/8b"}}))
     dep = _by(objs, "Deployment", "llama-prefill")
-    args = _parse_serve(_container(dep)["command"])
+    args = _parse_serve(_container(dep)["args"])
     assert args.model == "file:///mnt/models/models/llama/8b"
     vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v)
     assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -313,7 +316,7 @@ def test_user_strings_cannot_change_structure(value: str) -> None:
     isvc = _isvc({"runtime": {"env": [{"name": "X", "value": value}], "extraArgs": [value]}})
     objs = _render(isvc)
     dep = _by(objs, "Deployment", "llama-prefill")
-    assert _container(dep)["command"][-1] == value
+    assert _container(dep)["args"][-1] == value
     assert {e["name"]: e.get("value") for e in _container(dep)["env"]}["X"] == value
     assert copy.deepcopy(objs) == objs
 
@@ -326,3 +329,14 @@ def test_containers_report_why_they_exited() -> None:
         container = _container(_by(objs, "Deployment", f"llama-{role}"))
         assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", role
         assert container["terminationMessagePath"] == contract.TERMINATION_MESSAGE_PATH, role
+
+
+def test_containers_keep_the_image_entrypoint() -> None:
+    """`args` only: the image's ENTRYPOINT (tini) stays PID 1 and forwards SIGTERM."""
+    for mode_isvc in (_isvc(), _isvc({"mode": "Aggregated", "aggregated": {"resources": {"gpus": 1}},
+                                      "prefill": None, "decode": None})):
+        for deployment in (c for c in _render(mode_isvc) if c["kind"] == "Deployment"):
+            container = _container(deployment)
+            assert "command" not in container, deployment["metadata"]["name"]
+            assert container["args"][0] == "splitserve"
+            assert container["args"][1] in ("serve", "router")
