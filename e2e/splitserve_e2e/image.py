@@ -348,7 +348,12 @@ def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
         argv = [buildah, "bud", "--layers", "--network", "host", "--format", "oci",
                 "--file", str(root / CONTAINERFILE),
                 "--build-arg", f"BASE={base}", "--build-arg", f"VERSION={version}",
-                "--build-arg", f"REVISION={revision}"]
+                "--build-arg", f"REVISION={revision}",
+                # buildah 1.28's layer cache ignores a changed build arg in LABEL: a build of the
+                # same files under a new commit reused the old revision label. --label is set on
+                # the final image config, after the cache.
+                "--label", f"org.opencontainers.image.version={version}",
+                "--label", f"org.opencontainers.image.revision={revision}"]
         ca = _ca_bundle()
         if ca is not None:
             argv += ["--secret", f"id={PIP_CA_SECRET},src={ca}"]
