@@ -18,6 +18,9 @@ image's digest (``imageID``) with tini as PID 1, a completion through the router
 ClusterIP (kube-proxy) is served from the host, and after the runtime process is SIGKILLed the
 kubelet restarts the container and requests through the router succeed again.
 
+The stack (cluster, hub, namespaces, chart, operator) is set up by
+:func:`splitserve_e2e.realnode.real_node_stack`, shared with ``test_real_node_oom.py``.
+
 Figures printed: image build/push, pull (kubelet event), cluster start, time to Ready, and the
 pod list with image digests. On a failure the pods' statuses, events and logs (read through
 the API) and the node's log tails are printed.
@@ -28,253 +31,56 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import signal
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
-from splitserve_e2e.cluster import ClusterOptions, LocalCluster
-from splitserve_e2e.demo import (
-    CHART,
-    MODEL_NAME,
-    ROLES_BY_MODE,
-    SERVED_NAME,
-    ModelHub,
-    apply_object,
-    condition,
-    create_hub_token_secret,
-    ensure_model_cache,
-    get_isvc,
-    isvc_manifest,
+from splitserve_e2e.demo import MODEL_NAME, SERVED_NAME, apply_object, condition, get_isvc
+from splitserve_e2e.kubeletnode import NODE_NAME
+from splitserve_e2e.realnode import (
+    ISVC_NAME,
+    OPERATOR_NAMESPACE,
+    RELEASE,
+    Stack,
+    explained,
+    isvc_for_node,
+    log,
+    missing_prerequisites,
+    operator_pod,
+    real_node_stack,
+    wait,
 )
-from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.image import ensure_image, registry_manifest
-from splitserve_e2e.kubeletnode import NODE_NAME, KubeletNode
-from splitserve_e2e.nodehost import is_cgroup_v1
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
-T = TypeVar("T")
-RELEASE = "splitserve"
-OPERATOR_NAMESPACE = "splitserve-system"
-ISVC_NAME = "tiny"
-HUB_TOKEN = "hf_real_node_token"
-PULL_TIMEOUT_SECONDS = 1200.0  # a cold pull: ~3 GB gzip layers, unpacked to 5.6 GB, 2 cores
 READY_TIMEOUT_SECONDS = 600.0
 RESTART_TIMEOUT_SECONDS = 300.0
 
 
-def _missing_prerequisites() -> list[str]:
-    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip", "buildah")
-               if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    if not Path("/usr/lib/cni/bridge").is_file():
-        missing.append("containernetworking-plugins")
-    if not is_cgroup_v1():
-        missing.append("cgroup v1 hierarchies")
-    return missing
-
-
-def _log(message: str) -> None:
-    print(f"[real-node {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# --------------------------------------------------------------------------- diagnostics
-def _tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as error:
-        return f"({error})"
-
-
-def diagnostics(cluster: LocalCluster, namespaces: list[str]) -> str:
-    """Pod statuses, recent events and container logs (all through the API), node logs."""
-    core: Any = cluster.core()
-    out: list[str] = []
-    for namespace in namespaces:
-        with contextlib.suppress(Exception):
-            for pod in core.list_namespaced_pod(namespace).items:
-                out.append(f"--- pod {namespace}/{pod.metadata.name} phase={pod.status.phase} "
-                           f"node={pod.spec.node_name} ip={pod.status.pod_ip}")
-                for status in pod.status.container_statuses or []:
-                    out.append(f"  {status.name}: ready={status.ready} "
-                               f"restarts={status.restart_count} state={status.state} "
-                               f"last={status.last_state} imageID={status.image_id}")
-                    for previous in (False, True) if status.restart_count else (False,):
-                        with contextlib.suppress(Exception):
-                            log = core.read_namespaced_pod_log(
-                                pod.metadata.name, namespace, container=status.name,
-                                tail_lines=40, previous=previous)
-                            out.append(f"  log{' (previous)' if previous else ''}:\n{log}")
-        with contextlib.suppress(Exception):
-            events = core.list_namespaced_event(namespace).items
-            events.sort(key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp)
-            out.append(f"--- events in {namespace}:")
-            out += [f"  {e.type} {e.reason} {e.involved_object.kind}/{e.involved_object.name}: "
-                    f"{e.message}" for e in events[-30:]]
-    for name in ("kubelet.log", "containerd.log", "kube-proxy.log", "prometheus.log"):
-        out.append(f"--- {name} (tail):\n{_tail(cluster.log_dir / name, 25)}")
-    return "\n".join(out)
-
-
-@contextlib.contextmanager
-def explained(cluster: LocalCluster, namespaces: list[str]) -> Iterator[None]:
-    """On any failure inside, print :func:`diagnostics` before it propagates."""
-    try:
-        yield
-    except BaseException:
-        print(f"\n===== diagnostics =====\n{diagnostics(cluster, namespaces)}", flush=True)
-        raise
-
-
-def wait(cluster: LocalCluster, predicate: Callable[[], T | None], *, timeout: float,
-         what: str, interval: float = 1.0) -> T:
-    return cluster.wait_for(predicate, timeout_seconds=timeout, interval_seconds=interval,
-                            what=what)
-
-
 # --------------------------------------------------------------------------- fixtures
-@dataclass
-class Stack:
-    """What the module set up, with the figures it measured."""
-
-    cluster: LocalCluster
-    image: str
-    manifest_digest: str
-    hub: LocalHub
-    namespace: str
-    pd_namespace: str
-    figures: dict[str, str]
-
-    @property
-    def node(self) -> KubeletNode:
-        assert self.cluster.kubelet_node is not None
-        return self.cluster.kubelet_node
-
-    @property
-    def namespaces(self) -> list[str]:
-        return [OPERATOR_NAMESPACE, self.namespace, self.pd_namespace]
-
-
-def _restricted_namespace(cluster: LocalCluster, name: str) -> None:
-    core: Any = cluster.core()
-    core.create_namespace({"metadata": {"name": name, "labels": {
-        "pod-security.kubernetes.io/enforce": "restricted",
-        "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    wait(cluster, lambda: core.read_namespaced_service_account("default", name), timeout=60,
-         what=f"ServiceAccount {name}/default", interval=0.5)
-
-
-def _pull_event(cluster: LocalCluster, namespace: str, pod: str) -> str:
-    """The kubelet's Pulled event of ``pod`` ("Successfully pulled ... in 1m2s" or
-    "... already present on machine")."""
-    core: Any = cluster.core()
-    events = core.list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={pod},reason=Pulled").items
-    return str(events[-1].message) if events else ""
-
-
-def _install_chart(stack: Stack) -> None:
-    cluster = stack.cluster
-    repository, tag = stack.image.rsplit(":", 1)
-    prometheus = cluster.prometheus_url
-    assert prometheus and prometheus.startswith(f"http://{stack.node.network.gateway}:"), prometheus
-    interval = cluster.options.scrape_interval_seconds
-    cluster.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-                 "--set-string", f"image.repository={repository}",
-                 "--set-string", f"image.tag={tag}",
-                 "--set-string", "image.pullPolicy=IfNotPresent",
-                 "--set", "replicaCount=1",
-                 "--set-string", f"prometheus.url={prometheus}",
-                 "--set", f"prometheus.scrapeIntervalSeconds={interval:g}",
-                 "--set", f"prometheus.windowSeconds={max(3 * interval, 6):g}",
-                 "--set", f"router.namespaces={{{stack.namespace},{stack.pd_namespace}}}",
-                 timeout_seconds=180)
-
-
-def _operator_pod(cluster: LocalCluster) -> Any:
-    core: Any = cluster.core()
-    pods = core.list_namespaced_pod(
-        OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items
-    ready = [p for p in pods if p.status.container_statuses
-             and all(s.ready for s in p.status.container_statuses)]
-    return ready[0] if ready else None
-
-
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
-    missing = _missing_prerequisites()
+    """The cluster, hub and operator (:func:`~splitserve_e2e.realnode.real_node_stack`), with
+    two workload namespaces: Aggregated (``stack.namespace``) and Disaggregated
+    (``stack.workloads[1]``)."""
+    missing = missing_prerequisites()
     if missing:
         pytest.skip(f"the kubelet node and the image need {', '.join(missing)}")
-    figures: dict[str, str] = {}
-    started = time.monotonic()
-    image = ensure_image()  # built from this working tree; a no-change call takes seconds
-    figures["image build+push (ensure_image)"] = f"{time.monotonic() - started:.1f}s"
-    found = registry_manifest(image.rsplit(":", 1)[1])
-    assert found is not None, f"{image} is not in the loopback registry"
-    _log(f"image {image} (manifest {found[0]})")
-
-    runs = cache_root() / "e2e-runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(tempfile.mkdtemp(prefix="rn-", dir=runs))  # short: unix socket paths
-    cluster = LocalCluster(state_dir=state_dir, options=ClusterOptions(
-        num_gpu_nodes=0, with_local_node=False, with_prometheus=True, with_kubelet_node=True,
-        scrape_interval_seconds=2.0))
-    model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
     failures_before = request.session.testsfailed
-    hub: LocalHub | None = None
     suffix = uuid.uuid4().hex[:4]
-    namespace, pd_namespace = f"inference-{suffix}", f"inference-pd-{suffix}"
-    try:
-        cluster.start()
-        node = cluster.kubelet_node
-        assert node is not None
-        figures["cluster start (with kubelet node)"] = f"{cluster.start_seconds:.1f}s"
-        figures["kubelet node process start -> Ready"] = f"{node.ready_seconds:.1f}s"
-        _log(f"cluster started in {cluster.start_seconds:.1f}s (state {state_dir}); "
-             f"Prometheus {cluster.prometheus_url}")
-        hub = LocalHub(tmp_path_factory.mktemp("hub"), token=HUB_TOKEN,
-                       host=node.network.gateway).start()
-        hub.publish(MODEL_NAME, model_dir)
-        result = Stack(cluster=cluster, image=image, manifest_digest=found[0], hub=hub,
-                       namespace=namespace, pd_namespace=pd_namespace, figures=figures)
-        with explained(cluster, result.namespaces):
-            for name in result.namespaces:
-                _restricted_namespace(cluster, name)
-            started = time.monotonic()
-            _install_chart(result)
-            operator = wait(cluster, lambda: _operator_pod(cluster), timeout=PULL_TIMEOUT_SECONDS,
-                            what="the operator pod Ready (includes pulling the image)")
-            figures["helm install -> operator Ready"] = f"{time.monotonic() - started:.1f}s"
-            figures["operator image pull (kubelet)"] = _pull_event(
-                cluster, OPERATOR_NAMESPACE, operator.metadata.name)
-            _log(f"operator Ready; {figures['operator image pull (kubelet)']}")
-            removed = node.containerd.remove_images(prefix=image.rsplit(":", 1)[0] + ":",
-                                                    keep=image)
-            if removed:
-                _log(f"removed older builds from containerd's shared root: {removed}")
+    with real_node_stack(workloads=[f"inference-{suffix}", f"inference-pd-{suffix}"],
+                         hub_root=tmp_path_factory.mktemp("hub"),
+                         keep_state=lambda: request.session.testsfailed != failures_before
+                         ) as result:
         yield result
-    finally:
-        if hub is not None:
-            hub.stop()
-        cluster.stop()
-        if request.session.testsfailed == failures_before:
-            shutil.rmtree(state_dir, ignore_errors=True)
-        else:
-            print(f"kubelet node state and logs kept in {state_dir}")
-        print("\nfigures:\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items()))
 
 
 def _apply_and_wait(stack: Stack, *, namespace: str, mode: str, cpu: str) -> float:
@@ -282,15 +88,7 @@ def _apply_and_wait(stack: Stack, *, namespace: str, mode: str, cpu: str) -> flo
     ``cpu`` requested per pool: the node has the machine's cores) and wait for Ready;
     returns the seconds from apply to Ready."""
     cluster = stack.cluster
-    create_hub_token_secret(cluster=cluster, namespace=namespace, token=HUB_TOKEN)
-    manifest = isvc_manifest(name=ISVC_NAME, namespace=namespace, mode=mode,
-                             hub=ModelHub(endpoint=stack.hub.endpoint), max_replicas=1)
-    spec = manifest["spec"]
-    for role in ROLES_BY_MODE[mode]:
-        spec[role].pop("nodeSelector", None)  # only the kubelet node here
-        spec[role]["resources"]["cpu"] = cpu
-    spec["runtime"]["imagePullPolicy"] = "IfNotPresent"
-    assert spec["runtime"]["extraArgs"][:2] == ["--device", "cpu"], spec["runtime"]
+    manifest = isvc_for_node(stack, namespace=namespace, mode=mode, cpu=cpu)
     started = time.monotonic()
     apply_object(cluster=cluster, obj=manifest)
 
@@ -308,7 +106,7 @@ def served(stack: Stack) -> Stack:
     with explained(stack.cluster, stack.namespaces):
         seconds = _apply_and_wait(stack, namespace=stack.namespace, mode="Aggregated", cpu="1")
         stack.figures["Aggregated InferenceService apply -> Ready"] = f"{seconds:.1f}s"
-        _log(f"{stack.namespace}/{ISVC_NAME} (Aggregated) Ready in {seconds:.1f}s")
+        log(f"{stack.namespace}/{ISVC_NAME} (Aggregated) Ready in {seconds:.1f}s")
     return stack
 
 
@@ -317,10 +115,10 @@ def served_disaggregated(stack: Stack) -> Stack:
     """The Disaggregated InferenceService (prefill + decode + router) Ready in its own
     namespace; small CPU requests, so that it fits next to the Aggregated one."""
     with explained(stack.cluster, stack.namespaces):
-        seconds = _apply_and_wait(stack, namespace=stack.pd_namespace, mode="Disaggregated",
+        seconds = _apply_and_wait(stack, namespace=stack.workloads[1], mode="Disaggregated",
                                   cpu="300m")
         stack.figures["Disaggregated InferenceService apply -> Ready"] = f"{seconds:.1f}s"
-        _log(f"{stack.pd_namespace}/{ISVC_NAME} (Disaggregated) Ready in {seconds:.1f}s")
+        log(f"{stack.workloads[1]}/{ISVC_NAME} (Disaggregated) Ready in {seconds:.1f}s")
     return stack
 
 
@@ -400,7 +198,7 @@ def _children(pid: int) -> list[int]:
 # --------------------------------------------------------------------------- tests
 def test_operator_runs_from_the_image_as_a_restricted_container(stack: Stack) -> None:
     with explained(stack.cluster, stack.namespaces):
-        pod = _operator_pod(stack.cluster)
+        pod = operator_pod(stack.cluster)
         assert pod is not None
         assert pod.spec.node_name == NODE_NAME
         assert pod.spec.service_account_name == RELEASE
@@ -452,7 +250,7 @@ def test_completion_through_the_router_cluster_ip(served: Stack) -> None:
         body = wait(stack.cluster, lambda: _complete(url, "The kubelet runs"), timeout=60,
                     what=f"a completion from {url}")
         assert body["usage"]["completion_tokens"] == 4, body
-        _log(f"completion via the router ClusterIP {url}: {body['choices'][0]['text']!r}")
+        log(f"completion via the router ClusterIP {url}: {body['choices'][0]['text']!r}")
 
 
 def test_operator_reads_metrics_from_prometheus(served: Stack) -> None:
@@ -463,7 +261,7 @@ def test_operator_reads_metrics_from_prometheus(served: Stack) -> None:
             found = condition(obj, "MetricsHealthy") or {}
             return found if found.get("status") == "True" else None
         found = wait(stack.cluster, healthy, timeout=180, what="MetricsHealthy=True", interval=2.0)
-        _log(f"MetricsHealthy: {found.get('reason')} {found.get('message', '')}")
+        log(f"MetricsHealthy: {found.get('reason')} {found.get('message', '')}")
 
 
 def test_killed_runtime_is_restarted_and_served_again(served: Stack) -> None:
@@ -475,8 +273,8 @@ def test_killed_runtime_is_restarted_and_served_again(served: Stack) -> None:
         tini = _main_pid(stack, status.container_id)
         serve = [pid for pid in _children(tini) if "serve" in _cmdline(pid)]
         assert len(serve) == 1, [(pid, _cmdline(pid)) for pid in _children(tini)]
-        _log(f"SIGKILL to the runtime process {serve[0]} (child of tini {tini}) in "
-             f"{before.metadata.name}")
+        log(f"SIGKILL to the runtime process {serve[0]} (child of tini {tini}) in "
+            f"{before.metadata.name}")
         killed_at = time.monotonic()
         os.kill(serve[0], signal.SIGKILL)
 
@@ -499,21 +297,21 @@ def test_killed_runtime_is_restarted_and_served_again(served: Stack) -> None:
             _complete(url, f"steady {i}")
         stack.figures["runtime SIGKILL -> container Ready again"] = f"{restarted:.1f}s"
         stack.figures["runtime SIGKILL -> served through the router again"] = f"{served_again:.1f}s"
-        _log(f"restarted (exit {current.last_state.terminated.exit_code}, "
-             f"{current.last_state.terminated.reason}) and Ready {restarted:.1f}s after the kill; "
-             f"served again through the router after {served_again:.1f}s")
+        log(f"restarted (exit {current.last_state.terminated.exit_code}, "
+            f"{current.last_state.terminated.reason}) and Ready {restarted:.1f}s after the kill; "
+            f"served again through the router after {served_again:.1f}s")
 
 
 
 def test_disaggregated_serves_through_prefill_and_decode(served_disaggregated: Stack) -> None:
     stack = served_disaggregated
     with explained(stack.cluster, stack.namespaces):
-        pods = _pods(stack, [stack.pd_namespace])
+        pods = _pods(stack, [stack.workloads[1]])
         print("\n" + _pod_table(pods))
         roles = sorted(str(p.metadata.labels[contract.LABEL_COMPONENT]) for p in pods)
         assert roles == ["decode", "prefill", "router"], roles
         _assert_from_the_image(stack, pods)
-        url = _router_url(stack, stack.pd_namespace)
+        url = _router_url(stack, stack.workloads[1])
         for i in range(3):
             body = wait(stack.cluster, functools.partial(_complete, url, f"Prefill then decode {i}"),
                         timeout=60, what=f"a completion from {url}")
@@ -522,7 +320,7 @@ def test_disaggregated_serves_through_prefill_and_decode(served_disaggregated: S
         transferred = {str(p.metadata.labels[contract.LABEL_COMPONENT]): _kv_bytes(p)
                        for p in pods if p.metadata.labels[contract.LABEL_COMPONENT] != "router"}
         assert all(value > 0 for value in transferred.values()), transferred
-        _log(f"Disaggregated: completions via the router ClusterIP {url}; KV bytes {transferred}")
+        log(f"Disaggregated: completions via the router ClusterIP {url}; KV bytes {transferred}")
 
 
 def _kv_bytes(pod: Any) -> float:

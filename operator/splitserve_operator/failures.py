@@ -9,9 +9,9 @@ reconciler already holds:
 * Deployment conditions (:func:`replica_failures`, :func:`stuck_rollouts`):
   ``ReplicaFailure=True`` (reason ``FailedCreate``: the ReplicaSet cannot create pods) and
   ``Progressing=False`` with reason ``ProgressDeadlineExceeded``;
-* pods whose container keeps exiting at start-up (:func:`pod_start_failure`): the
-  termination message says why (``ModelUnavailable``), or the kubelet does (``OOMKilled``),
-  else ``PodStartFailed``;
+* pods whose container keeps exiting at start-up (:func:`pod_start_failure`): the kubelet
+  says why (``OOMKilled``: the message names the pool, the container and its memory limit), or
+  the termination message does (``ModelUnavailable``), else ``PodStartFailed``;
 * pods whose container cannot be started at all (:func:`pod_waiting_failure`):
   ``ImagePullBackOff``, ``ErrImagePull``, ``CreateContainerConfigError`` and the like, with
   the kubelet's message.
@@ -69,18 +69,30 @@ class PodStartFailure:
     """The container's termination message (the runtime's load error, or the log tail)."""
     termination_reason: str = ""
     """The kubelet's reason for the last exit (``Error``, ``OOMKilled``)."""
+    memory_limit: str = ""
+    """The container's ``resources.limits.memory`` ("" when it has none)."""
+
+    @property
+    def oom_killed(self) -> bool:
+        return self.termination_reason == Reason.OOM_KILLED
 
     @property
     def reason(self) -> str:
         if self.model_unavailable:
             return Reason.MODEL_UNAVAILABLE
-        if self.termination_reason == Reason.OOM_KILLED:
+        if self.oom_killed:
             return Reason.OOM_KILLED
         return Reason.POD_START_FAILED
 
     def describe(self) -> str:
-        killed = " (OOMKilled)" if self.termination_reason == Reason.OOM_KILLED else ""
-        head = f"pod {self.pod} (container {self.container}) exited with code {self.exit_code}{killed}"
+        if self.oom_killed:
+            pool = f"pool {self.role}, " if self.role else ""
+            limit = (f"at its memory limit of {self.memory_limit}" if self.memory_limit
+                     else "with no memory limit of its own")
+            head = (f"pod {self.pod} ({pool}container {self.container}) was OOMKilled {limit} "
+                    f"(exit code {self.exit_code})")
+        else:
+            head = f"pod {self.pod} (container {self.container}) exited with code {self.exit_code}"
         return f"{head}: {self.message}" if self.message else head
 
 
@@ -141,9 +153,19 @@ def _identity(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return str(meta.get("name", "")), str((meta.get("labels") or {}).get(contract.LABEL_ROLE, ""))
 
 
+def _memory_limit(pod: Mapping[str, Any], container: str) -> str:
+    """``resources.limits.memory`` of ``container`` in ``pod``'s spec, "" when none."""
+    for spec in (pod.get("spec") or {}).get("containers") or []:
+        if spec.get("name") == container:
+            limit = ((spec.get("resources") or {}).get("limits") or {}).get("memory")
+            return "" if limit is None else str(limit)
+    return ""
+
+
 def pod_start_failure(pod: Mapping[str, Any]) -> PodStartFailure | None:
     """The first container of ``pod`` that keeps failing at start-up (restartCount >= 1 after
-    a non-zero exit, or CrashLoopBackOff), with its termination message; None otherwise."""
+    a non-zero exit, or CrashLoopBackOff), with its termination message (and, when the
+    kubelet OOM-killed it, its memory limit); None otherwise."""
     identity = _identity(pod)
     if identity is None:
         return None
@@ -151,11 +173,19 @@ def pod_start_failure(pod: Mapping[str, Any]) -> PodStartFailure | None:
         term = _failed_termination(cs)
         if term is None:
             continue
-        model_unavailable, message = _relevant_text(str(term.get("message") or ""))
+        name = str(cs.get("name", ""))
+        reason = str(term.get("reason") or "")
+        text = str(term.get("message") or "")
+        if reason == Reason.OOM_KILLED:
+            # The kubelet's word: the message is the log tail (FallbackToLogsOnError), which
+            # may well mention a model without the model being the problem.
+            model_unavailable, message = False, _trim(text)
+        else:
+            model_unavailable, message = _relevant_text(text)
         return PodStartFailure(
-            pod=identity[0], role=identity[1], container=str(cs.get("name", "")),
+            pod=identity[0], role=identity[1], container=name,
             exit_code=int(term.get("exitCode") or 0), model_unavailable=model_unavailable,
-            message=message, termination_reason=str(term.get("reason") or ""))
+            message=message, termination_reason=reason, memory_limit=_memory_limit(pod, name))
     return None
 
 

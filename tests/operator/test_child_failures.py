@@ -6,7 +6,9 @@ InferenceService said ``RolloutInProgress`` and ``Stalled=False`` for over an ho
 child's reason and message become Stalled (kstatus: Reconciling=False, so Argo CD, Flux and
 ``kubectl wait`` see it): Deployment ReplicaFailure and ProgressDeadlineExceeded, and pods in
 ImagePullBackOff / ErrImagePull / CreateContainerConfigError or OOMKilled, next to the
-existing ModelUnavailable / PodStartFailed (``test_pod_failures.py``)."""
+existing ModelUnavailable / PodStartFailed (``test_pod_failures.py``). Issue 11: an OOMKilled
+message names the pool, the container and its memory limit (on the kubelet node:
+``e2e/test_real_node_oom.py``)."""
 
 from __future__ import annotations
 
@@ -35,12 +37,18 @@ def _waiting_pod(name: str, *, role: str, reason: str, message: str = "") -> dic
                 {"name": "runtime", "ready": False, "restartCount": 0, "state": {"waiting": waiting}}]}}
 
 
-def _oom_pod(name: str, *, role: str) -> dict[str, Any]:
+OOM_TERMINATED = {"exitCode": 137, "reason": "OOMKilled"}
+
+
+def _oom_pod(name: str, *, role: str, memory: str | None = "96Mi", restarts: int = 2,
+             state: dict[str, Any] | None = None, last: dict[str, Any] | None = None) -> dict[str, Any]:
+    resources = {"requests": {"cpu": "1"}, **({"limits": {"memory": memory}} if memory else {})}
     return {"metadata": {"name": name, "labels": {contract.LABEL_ROLE: role, contract.LABEL_INSTANCE: "tiny"}},
+            "spec": {"containers": [{"name": "runtime", "resources": resources}]},
             "status": {"phase": "Running", "containerStatuses": [{
-                "name": "runtime", "ready": False, "restartCount": 2,
-                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}
+                "name": "runtime", "ready": False, "restartCount": restarts,
+                "state": state if state is not None else {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": last if last is not None else OOM_TERMINATED}}]}}
 
 
 @pytest.fixture
@@ -98,7 +106,43 @@ def test_oom_killed_pods_are_stalled_oom_killed() -> None:
     fake.pods = [_oom_pod("tiny-aggregated-1", role="aggregated")]
     result, conds = run(fake)
     assert result.outcome == Reason.OOM_KILLED and _stalled(conds) == ("True", Reason.OOM_KILLED)
-    assert "exited with code 137 (OOMKilled)" in conds[ConditionType.STALLED]["message"]
+    expected = ("pod tiny-aggregated-1 (pool aggregated, container runtime) was OOMKilled "
+                "at its memory limit of 96Mi (exit code 137)")
+    for type_ in (ConditionType.STALLED, ConditionType.READY):  # Ready says why, too
+        assert (conds[type_]["reason"], conds[type_]["message"]) == (Reason.OOM_KILLED, expected)
+    assert conds[ConditionType.READY]["status"] == "False"
+
+
+@pytest.mark.parametrize(
+    ("restarts", "state", "last"),
+    [  # what the kubelet reports as an OOM-killed container is restarted and killed again
+        (1, {"running": {"startedAt": "2026-12-03T12:00:05Z"}}, OOM_TERMINATED),
+        (1, {"terminated": OOM_TERMINATED}, OOM_TERMINATED),
+        (2, {"terminated": OOM_TERMINATED}, {"exitCode": 1, "reason": "Error"}),
+        (3, {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}}, OOM_TERMINATED),
+    ],
+)
+def test_oom_kills_are_recognised_in_every_state_of_the_crash_loop(
+        restarts: int, state: dict[str, Any], last: dict[str, Any]) -> None:
+    failure = failures.pod_start_failure(_oom_pod("p", role="decode", restarts=restarts, state=state, last=last))
+    assert isinstance(failure, failures.PodStartFailure) and failure.reason == Reason.OOM_KILLED
+    assert failure.describe() == "pod p (pool decode, container runtime) was OOMKilled at its memory limit of 96Mi (exit code 137)"
+
+
+def test_oom_kill_beats_the_text_of_its_log_tail_and_says_when_there_is_no_limit() -> None:
+    # FallbackToLogsOnError: an OOM-killed runtime's message is its log tail, which may mention
+    # a model; the kubelet's OOMKilled is what happened
+    tail = "INFO fetching model 'hf://splitserve/tiny-llama'\nINFO importing torch"
+    last = {**OOM_TERMINATED, "message": tail}
+    failure = failures.pod_start_failure(_oom_pod("p", role="prefill", memory=None, last=last))
+    assert failure is not None and failure.reason == Reason.OOM_KILLED
+    assert failure.describe() == (f"pod p (pool prefill, container runtime) was OOMKilled with no memory "
+                                  f"limit of its own (exit code 137): {tail}")
+    # in a pool, a pod whose model cannot be loaded still says the most
+    load_error = {"exitCode": 1, "reason": "Error", "message": "ModelLoadError: no such model"}
+    pods = [_oom_pod("a", role="prefill", last=last), _oom_pod("b", role="prefill", last=load_error)]
+    found = failures.pod_failures(roles=[Role.PREFILL], pods=pods)
+    assert [(f.pod, f.reason) for f in found] == [("b", Reason.MODEL_UNAVAILABLE)]
 
 
 def test_still_starting_pods_are_not_failures() -> None:
