@@ -37,9 +37,9 @@ from splitserve_e2e.kubeletnode import (
     NODE_NAME,
     KubeletNode,
     allocatable,
+    missing_prerequisites,
     node_ready,
 )
-from splitserve_e2e.nodehost import is_cgroup_v1
 
 pytestmark = pytest.mark.e2e
 
@@ -47,21 +47,9 @@ NODE_GPUS = 4
 HTTP_PORT = 8080
 
 
-def _missing_prerequisites() -> list[str]:
-    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip")
-               if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    if not Path("/usr/lib/cni/bridge").is_file():
-        missing.append("containernetworking-plugins")
-    if not is_cgroup_v1():
-        missing.append("cgroup v1 hierarchies")
-    return missing
-
-
 @pytest.fixture(scope="module")
 def node_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
-    missing = _missing_prerequisites()
+    missing = missing_prerequisites()
     if missing:
         pytest.skip(f"the kubelet node needs {', '.join(missing)}")
     runs = cache_root() / "e2e-runs"

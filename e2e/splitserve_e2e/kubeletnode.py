@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import os
 import shutil
 import subprocess
 import time
@@ -96,6 +97,19 @@ def node_ready(node: Any) -> bool:
 def allocatable(node: Any) -> dict[str, str]:
     """The Node's status.allocatable ({} when not reported yet)."""
     return dict(node.status.allocatable or {}) if node.status is not None else {}
+
+
+def missing_prerequisites() -> list[str]:
+    """What this machine lacks to run the kubelet node (empty: nothing)."""
+    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip")
+               if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    if not Path("/usr/lib/cni/bridge").is_file():
+        missing.append("containernetworking-plugins")
+    if not nodehost.is_cgroup_v1():
+        missing.append("cgroup v1 hierarchies")
+    return missing
 
 
 class KubeletNode:

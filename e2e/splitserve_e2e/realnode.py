@@ -16,7 +16,6 @@ Used by ``e2e/test_real_node.py`` and ``e2e/test_real_node_oom.py``.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from . import kubeletnode
 from .build import cache_root
 from .cluster import ClusterOptions, LocalCluster
 from .demo import (
@@ -39,7 +39,6 @@ from .demo import (
 from .hub import LocalHub
 from .image import ensure_image, registry_manifest
 from .kubeletnode import KubeletNode
-from .nodehost import is_cgroup_v1
 
 T = TypeVar("T")
 RELEASE: Final = "splitserve"
@@ -51,14 +50,9 @@ PULL_TIMEOUT_SECONDS: Final = 1200.0  # a cold pull: ~3 GB gzip layers, unpacked
 
 def missing_prerequisites() -> list[str]:
     """What this machine lacks for the kubelet node and the image (empty: nothing)."""
-    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip", "buildah")
-               if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    if not Path("/usr/lib/cni/bridge").is_file():
-        missing.append("containernetworking-plugins")
-    if not is_cgroup_v1():
-        missing.append("cgroup v1 hierarchies")
+    missing = kubeletnode.missing_prerequisites()
+    if shutil.which("buildah") is None:
+        missing.append("buildah")
     return missing
 
 
