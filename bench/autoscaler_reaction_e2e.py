@@ -2,8 +2,8 @@
 
 ``bench/autoscaler_reaction.py`` times the control loop alone (simulated pods and queues).
 This one times what a user sees: the local control plane (real scheduler and ReplicaSets),
-Prometheus scraping real runtime pods (tiny model on CPU) on the local node, the operator
-installed by its chart, and a load step through the router's OpenAI endpoint:
+Prometheus scraping real runtime pods (tiny model on CPU, containers from the image built
+from this tree on the kubelet node, ``hf://`` from a hub), the operator installed by its chart, and a load step through the router's OpenAI endpoint:
 
 * load step (2 -> ``--concurrency`` streams) -> first ``spec.replicas`` write (reaction) and
   -> a second pod Ready (capacity; adds pod start-up: process, model load, readiness probe);
@@ -13,10 +13,10 @@ installed by its chart, and a load step through the router's OpenAI endpoint:
 Each figure is also printed as a multiple of ``scrape + interval``: the least time any
 metrics-driven loop can take to see a step and act on it.
 
-An HPA-style CPU rule is not measured: this cluster has no metrics-server, the local node
-agent serves no kubelet resource metrics (so pod CPU usage is unknown to the API), and the
-controller manager runs without the horizontal-pod-autoscaler controller; the comparison
-would need all three. The script says so in its output.
+An HPA-style CPU rule is not measured: this cluster has no metrics-server (the kubelet serves
+resource metrics, but nothing aggregates them into the metrics API), and the controller
+manager runs without the horizontal-pod-autoscaler controller; the comparison would need
+both. The script says so in its output.
 
     python bench/autoscaler_reaction_e2e.py [--scrape-seconds 2] [--interval 5s] [--trials 1]
 
@@ -39,24 +39,26 @@ from typing import Any
 from splitserve_contract import Role, defaults
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import ClusterOptions, LocalCluster
-from splitserve_e2e.demo import (
-    LoadBurst,
-    ensure_model_cache,
-    install_operator,
-    isvc_manifest,
-    remove_demo,
-    router_endpoints,
-    wait_ready,
-)
+from splitserve_e2e.demo import LoadBurst, router_endpoints, wait_ready
 from splitserve_e2e.demo import apply_object as apply
+from splitserve_e2e.image import ensure_image
+from splitserve_e2e.stack import (
+    MODEL_NAME,
+    ModelHub,
+    ensure_model_cache,
+    isvc_manifest,
+    operator_namespace,
+    start_model_hub,
+)
 from splitserve_operator.api import parse_duration_seconds
 from splitserve_operator.naming import child_name
 
 NAMESPACE = "bench-reaction"
 NAME = "react"
+HUB_TOKEN = "hf_bench_token"
 POLL_SECONDS = 0.25
-HPA_NOTE = ("HPA-style CPU rule: not measured. It needs metrics-server (absent), kubelet "
-            "resource metrics for pod CPU (the local node agent serves none) and the "
+HPA_NOTE = ("HPA-style CPU rule: not measured. It needs metrics-server (absent: nothing "
+            "aggregates the kubelet's resource metrics into the metrics API) and the "
             "horizontal-pod-autoscaler controller (not enabled in the harness's "
             "kube-controller-manager).")
 
@@ -113,30 +115,34 @@ async def _trial(cluster: LocalCluster, *, base_url: str, concurrency: int,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     interval_seconds = parse_duration_seconds(args.interval)
     unit = args.scrape_seconds + interval_seconds
-    with tempfile.TemporaryDirectory(prefix="splitserve-bench-e2e-") as tmp:
+    image = ensure_image()
+    with tempfile.TemporaryDirectory(prefix="sbe-", dir=cache_root()) as tmp:
         options = ClusterOptions(num_gpu_nodes=0, scrape_interval_seconds=args.scrape_seconds)
-        with LocalCluster(state_dir=Path(tmp) / "cluster", options=options) as cluster:
-            assert cluster.prometheus_url is not None
-            # not under /tmp: runtime pods mount an emptyDir there (see e2e/test_autoscaling.py)
-            cache = ensure_model_cache(cache_dir=cache_root() / "models")
-            core = cluster.core()
-            core.create_namespace({"metadata": {"name": NAMESPACE}})  # type: ignore[arg-type]
-            cluster.wait_for(lambda: core.read_namespaced_service_account("default", NAMESPACE),
-                             timeout_seconds=60, what="default ServiceAccount")
-            install_operator(cluster=cluster, namespace=NAMESPACE,
-                             prometheus_url=cluster.prometheus_url)
-            apply(cluster=cluster, obj=isvc_manifest(
-                name=NAME, namespace=NAMESPACE, mode="Aggregated", model_cache=cache,
-                interval=args.interval, max_replicas=3,
-                scale_down_stabilization_seconds=args.down_stabilization_seconds))
-            wait_ready(cluster=cluster, namespace=NAMESPACE, name=NAME, timeout_seconds=300)
-            endpoint = router_endpoints(cluster=cluster, namespace=NAMESPACE, name=NAME)[0]
-            down_timeout = args.down_stabilization_seconds + defaults.SIGNAL_WINDOW_SECONDS + 90
-            trials = [asyncio.run(_trial(cluster, base_url=f"http://{endpoint}/v1",
-                                         concurrency=args.concurrency,
-                                         down_timeout_seconds=down_timeout))
-                      for _ in range(args.trials)]
-            remove_demo(cluster=cluster, namespace=NAMESPACE)
+        with LocalCluster(state_dir=Path(tmp) / "c", options=options) as cluster:
+            assert cluster.prometheus_url is not None and cluster.pod_gateway is not None
+            model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
+            hub, _ = start_model_hub(model_dir=model_dir, root=Path(tmp) / "hub",
+                                     token=HUB_TOKEN, host=cluster.pod_gateway, port=0)
+            model_hub = ModelHub(endpoint=hub.endpoint, token=HUB_TOKEN)
+            try:
+                with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                                        stem=NAMESPACE, unique=False) as namespace:
+                    apply(cluster=cluster, obj=isvc_manifest(
+                        name=NAME, namespace=namespace, mode="Aggregated", hub=model_hub,
+                        interval=args.interval, max_replicas=3,
+                        scale_down_stabilization_seconds=args.down_stabilization_seconds))
+                    wait_ready(cluster=cluster, namespace=namespace, name=NAME,
+                               timeout_seconds=300)
+                    endpoint = router_endpoints(cluster=cluster, namespace=namespace,
+                                                name=NAME)[0]
+                    down_timeout = (args.down_stabilization_seconds
+                                    + defaults.SIGNAL_WINDOW_SECONDS + 90)
+                    trials = [asyncio.run(_trial(cluster, base_url=f"http://{endpoint}/v1",
+                                                 concurrency=args.concurrency,
+                                                 down_timeout_seconds=down_timeout))
+                              for _ in range(args.trials)]
+            finally:
+                hub.stop()
 
     def figure(key: str) -> dict[str, float | None]:
         values = [t[key] for t in trials if t[key] is not None]

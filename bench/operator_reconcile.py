@@ -129,7 +129,7 @@ def main() -> int:
     args = parser.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="bench-operator-"))
-    options = ClusterOptions(num_gpu_nodes=args.nodes, with_prometheus=False, with_local_node=False)
+    options = ClusterOptions(num_gpu_nodes=args.nodes, with_prometheus=False, with_kubelet_node=False)
     result: dict[str, Any] = {"runs": args.runs, "services": args.services, "nodes": args.nodes}
     with LocalCluster(state_dir=state, options=options) as cluster:
         api = cluster.api_client()

@@ -1,13 +1,17 @@
 """pytest fixtures for the end-to-end tests: one real local cluster per session.
 
-``cluster`` starts a :class:`LocalCluster` in a pytest temp directory (logs stay there for
-inspection) and stops it at session end, also after a failure or Ctrl-C (pytest tears
-session fixtures down on KeyboardInterrupt; atexit and the children's parent-death signal cover
-harder exits). ``--existing-cluster[=KUBECONFIG]`` or ``SPLITSERVE_E2E_KUBECONFIG`` run the
-same tests against a cluster that is already up (``python -m splitserve_e2e up``, or any other);
-with a bare kubeconfig, tests that need the local node's files (pod logs, pids) fail with
-:class:`LocalNodeUnavailable` saying so; with the `up` cluster they work (files in its state
-directory).
+``cluster`` starts a :class:`LocalCluster` (control plane, two kwok GPU nodes, the kubelet
+node that runs pods as containers, Prometheus) in a state directory under the cache (logs stay
+there for inspection when a test failed) and stops it at session end, also after a failure or
+Ctrl-C (pytest tears session fixtures down on KeyboardInterrupt; atexit and the children's
+parent-death signal cover harder exits). ``--existing-cluster[=KUBECONFIG]`` or
+``SPLITSERVE_E2E_KUBECONFIG`` run the same tests against a cluster that is already up
+(``python -m splitserve_e2e up``, or any other); with a bare kubeconfig, tests that kill a
+container's process fail with :class:`NodeUnavailable` saying so.
+
+``image`` is the image built from this working tree and pushed to the loopback registry
+(``$SPLITSERVE_E2E_IMAGE`` names another, e.g. for an existing cluster); ``model_hub`` is the
+token-protected hub serving ``hf://splitserve/tiny-llama`` where the pods reach it.
 ``namespace`` gives each test a fresh namespace and deletes it afterwards.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from splitserve_e2e import kubeletnode
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import (
     ENV_EXISTING_KUBECONFIG,
@@ -31,6 +36,19 @@ from splitserve_e2e.cluster import (
     LocalCluster,
     default_state_dir,
 )
+from splitserve_e2e.hub import LocalHub
+from splitserve_e2e.image import ensure_image
+from splitserve_e2e.net import LOOPBACK
+from splitserve_e2e.stack import (
+    MODEL_NAME,
+    ModelHub,
+    ensure_model_cache,
+    pull_on_node,
+    start_model_hub,
+)
+
+ENV_IMAGE = "SPLITSERVE_E2E_IMAGE"
+HUB_TOKEN = "hf_e2e_session_token"
 
 _USE_UP_CLUSTER = "__up__"
 
@@ -52,7 +70,7 @@ def _existing(config: pytest.Config) -> LocalCluster | None:
         return LocalCluster.from_existing(kubeconfig=Path(option))
     if from_env:
         return LocalCluster.from_existing(kubeconfig=Path(from_env))
-    return LocalCluster.attach(state_dir=default_state_dir())  # pod logs/pids work too
+    return LocalCluster.attach(state_dir=default_state_dir())  # container pids work too
 
 
 @pytest.fixture(scope="session")
@@ -62,10 +80,15 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
         yield existing
         return
     # not pytest's tmp_path: other pytest sessions on the machine prune those while we run
+    missing = kubeletnode.missing_prerequisites()
+    if missing:
+        pytest.fail(f"the e2e cluster's kubelet node needs {', '.join(missing)} "
+                    "(`make deps` installs the packages; run as root)", pytrace=False)
     runs = cache_root() / "e2e-runs"
     runs.mkdir(parents=True, exist_ok=True)
     _prune_kept_runs(runs)
-    state_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=runs))
+    # short: the kubelet's unix sockets live below it
+    state_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%m%d%H%M%S-"), dir=runs))
     local = LocalCluster(state_dir=state_dir,
                          options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
     failures_before = request.session.testsfailed
@@ -78,7 +101,47 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
         if request.session.testsfailed == failures_before:
             shutil.rmtree(state_dir, ignore_errors=True)
         else:
-            print(f"\nlocal cluster logs kept in {state_dir / 'logs'} and {state_dir / 'pods'}")
+            print(f"\nlocal cluster logs kept in {state_dir / 'logs'}")
+
+
+@pytest.fixture(scope="session")
+def image(cluster: LocalCluster) -> str:
+    """The image the pods run: ``$SPLITSERVE_E2E_IMAGE``, else the one built from this
+    working tree and pushed to the loopback registry (a no-change call takes seconds); on
+    this harness's kubelet node it is pulled once up front
+    (:func:`~splitserve_e2e.stack.pull_on_node`)."""
+    reference = os.environ.get(ENV_IMAGE)
+    if not reference:
+        started = time.monotonic()
+        reference = ensure_image()
+        print(f"\nimage {reference} built and pushed in {time.monotonic() - started:.1f}s")
+    if cluster.kubelet_node is not None:
+        started = time.monotonic()
+        pulled = pull_on_node(cluster=cluster, image=reference)
+        print(f"image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
+    return reference
+
+
+@pytest.fixture(scope="session")
+def local_hub(cluster: LocalCluster) -> Iterator[LocalHub]:
+    """The token-protected hub serving ``splitserve/tiny-llama`` where the pods reach it (the
+    kubelet node's bridge gateway); its request log says what was downloaded."""
+    model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
+    root = Path(tempfile.mkdtemp(prefix="e2e-hub-", dir=cache_root()))
+    hub, _ = start_model_hub(model_dir=model_dir, root=root, token=HUB_TOKEN,
+                             host=cluster.pod_gateway or LOOPBACK, port=0)
+    try:
+        yield hub
+    finally:
+        hub.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_hub(local_hub: LocalHub) -> ModelHub:
+    """``hf://splitserve/tiny-llama`` from :func:`local_hub`; each namespace needs the token
+    Secret (:func:`~splitserve_e2e.stack.create_hub_token_secret`)."""
+    return ModelHub(endpoint=local_hub.endpoint, token=HUB_TOKEN)
 
 
 def _prune_kept_runs(runs: Path, *, keep: int = 5) -> None:

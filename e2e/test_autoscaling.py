@@ -1,8 +1,9 @@
 """The autoscaler's closed loop end to end: real Prometheus scraping real runtime pods.
 
-The operator is installed by its chart (namespace scope, on the local node, pointed at the
-harness's Prometheus) once for the module; InferenceServices run the tiny model on CPU on the
-local node, and load goes through the router's OpenAI endpoint, as in ``make demo``.
+The operator is installed by its chart (namespace scope, a container from the image built
+from this tree, pointed at the harness's Prometheus) once for the module; InferenceServices run
+the tiny model on CPU in containers on the kubelet node (``hf://`` from the session's hub), and
+load goes through the router's OpenAI endpoint, as in ``make demo``.
 
 * ``burst`` (one module-scoped scenario, three tests read it): a high-concurrency burst
   scales the pool up; a trickle of load follows, during which the pool scales back down after
@@ -23,32 +24,25 @@ import asyncio
 import dataclasses
 import datetime
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
-    RELEASE,
     LoadBurst,
     PoolSample,
     condition,
-    ensure_model_cache,
     get_isvc,
-    install_operator,
-    isvc_manifest,
-    remove_demo,
     router_endpoints,
     sample_pools,
     wait_ready,
 )
 from splitserve_e2e.demo import apply_object as apply
 from splitserve_e2e.prometheus import query as prometheus_query
+from splitserve_e2e.stack import CHART, RELEASE, ModelHub, isvc_manifest, operator_namespace
 from splitserve_operator.naming import child_name
 
 pytestmark = pytest.mark.e2e
@@ -90,25 +84,13 @@ def _pool_pods(cluster: LocalCluster, namespace: str, name: str, role: str) -> i
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_cache() -> Path:
-    """The shared model cache (never under /tmp: runtime pods mount an emptyDir there, and
-    the local node rewrites env values under a mount path to the pod's own directory)."""
-    return ensure_model_cache(cache_dir=cache_root() / "models")
-
-
-@pytest.fixture(scope="module")
-def ns(cluster: LocalCluster) -> Iterator[str]:
+def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The module's namespace with the operator installed by Helm, reading Prometheus."""
     if not cluster.prometheus_url:
         pytest.fail("the autoscaling e2e tests need the cluster's Prometheus")
-    name = f"e2e-autoscaling-{uuid.uuid4().hex[:5]}"
-    core = cluster.core()
-    core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
-    cluster.wait_for(lambda: core.read_namespaced_service_account("default", name),
-                     timeout_seconds=30, what="default ServiceAccount")
-    install_operator(cluster=cluster, namespace=name, prometheus_url=cluster.prometheus_url)
-    yield name
-    remove_demo(cluster=cluster, namespace=name)
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="e2e-autoscaling") as name:
+        yield name
 
 
 async def _run_burst(cluster: LocalCluster, ns: str, name: str, endpoint: str) -> Timeline:
@@ -153,11 +135,11 @@ async def _run_burst(cluster: LocalCluster, ns: str, name: str, endpoint: str) -
 
 
 @pytest.fixture(scope="module")
-def burst(cluster: LocalCluster, ns: str, model_cache: Path) -> Iterator[Timeline]:
+def burst(cluster: LocalCluster, ns: str, model_hub: ModelHub) -> Iterator[Timeline]:
     """An Aggregated InferenceService under a burst then a trickle (see the module doc)."""
     name = "burst"
     apply(cluster=cluster, obj=isvc_manifest(
-        name=name, namespace=ns, mode="Aggregated", model_cache=model_cache,
+        name=name, namespace=ns, mode="Aggregated", hub=model_hub,
         interval=f"{INTERVAL_SECONDS}s", max_replicas=3,
         scale_down_stabilization_seconds=DOWN_STABILIZATION_SECONDS))
     wait_ready(cluster=cluster, namespace=ns, name=name, timeout_seconds=240)
@@ -206,9 +188,10 @@ def test_scale_down_during_load_loses_no_request(burst: Timeline) -> None:
 
 
 # --------------------------------------------------------------------------- prefill
-def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str, model_cache: Path) -> None:
+def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str,
+                                          model_hub: ModelHub) -> None:
     name = "prefill"
-    manifest = isvc_manifest(name=name, namespace=ns, mode="Disaggregated", model_cache=model_cache,
+    manifest = isvc_manifest(name=name, namespace=ns, mode="Disaggregated", hub=model_hub,
                              interval=f"{INTERVAL_SECONDS}s", max_replicas=2,
                              prefill_target_queue_depth=1.0, decode_target_queue_depth=1000.0,
                              decode_target_kv=1.0)
@@ -250,7 +233,7 @@ def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str, model_
 
 # --------------------------------------------------------------------------- outage (last)
 def _set_prometheus_url(cluster: LocalCluster, ns: str, url: str) -> None:
-    cluster.helm("upgrade", RELEASE, str(Path(__file__).resolve().parent.parent / "helm" / "splitserve"),
+    cluster.helm("upgrade", RELEASE, str(CHART),
                  "-n", ns, "--reuse-values", "--skip-crds", "--set-string", f"prometheus.url={url}")
 
     def rolled() -> bool:

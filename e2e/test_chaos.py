@@ -1,12 +1,12 @@
 """Chaos under load on the local cluster (issue 12): nothing lost when parts die.
 
 A Disaggregated InferenceService with the tiny model (two prefill, two decode and two router
-pods, real processes on the local node) serves a bounded load from client threads that talk
+pods, containers on the kubelet node) serves a bounded load from client threads that talk
 to the router Service's endpoints as a client behind a Service would. While the load runs, the
 test in turn
 
-* SIGKILLs a prefill pod's process (the kubelet restarts the container),
-* SIGKILLs a decode pod's process,
+* SIGKILLs a prefill pod's container (its PID 1; the kubelet restarts the container),
+* SIGKILLs a decode pod's container,
 * deletes a router pod (a rollout or node drain: graceful),
 * force-deletes the operator's leader pod,
 * restarts the kube-apiserver, then edits the spec and sees the edit applied,
@@ -34,22 +34,16 @@ import httpx
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
-    RELEASE,
-    SERVED_NAME,
     apply_object,
     condition,
-    ensure_model_cache,
     get_isvc,
-    install_operator,
-    isvc_manifest,
     pod_summary,
-    remove_demo,
     router_endpoints,
     wait_ready,
 )
+from splitserve_e2e.stack import RELEASE, SERVED_NAME, ModelHub, isvc_manifest, operator_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -213,13 +207,14 @@ def _ready(pod: Any) -> bool:
 
 
 def _kill_container(cluster: LocalCluster, namespace: str, role: str) -> str:
-    """SIGKILL one pod's process group (a crash); wait until the kubelet restarted it and it
-    is Ready again."""
+    """SIGKILL one pod's container (its PID 1, tini: the kernel ends every process in the
+    container with it, as a crash would); wait until the kubelet restarted it and it is
+    Ready again."""
     pod = _pods(cluster, namespace, role)[0]
     name, restarts = pod.metadata.name, _restarts(pod)
-    pid = cluster.pod_pid(namespace=namespace, pod=name)
-    assert pid is not None, f"{name} has no live process"
-    os.killpg(pid, signal.SIGKILL)
+    pid = cluster.container_pid(namespace=namespace, pod=name)
+    assert pid is not None, f"{name} has no running container"
+    os.kill(pid, signal.SIGKILL)
 
     def back() -> bool:
         current = cluster.core().read_namespaced_pod(name, namespace)
@@ -276,16 +271,12 @@ def _metrics_healthy(cluster: LocalCluster, namespace: str) -> bool:
 
 # --------------------------------------------------------------------------- the test
 @pytest.fixture(scope="module")
-def served(cluster: LocalCluster) -> Iterator[str]:
+def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The namespace of a Ready Disaggregated InferenceService with every pool at two pods."""
-    namespace = f"chaos-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
-    try:
-        install_operator(cluster=cluster, namespace=namespace,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="chaos") as namespace:
         manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated",
-                                 model_cache=model_cache, max_replicas=REPLICAS)
+                                 hub=model_hub, max_replicas=REPLICAS)
         for role in ("prefill", "decode"):
             manifest["spec"][role]["replicas"] = {"min": REPLICAS, "max": REPLICAS}
         manifest["spec"]["router"]["replicas"] = REPLICAS
@@ -294,8 +285,6 @@ def served(cluster: LocalCluster) -> Iterator[str]:
         for role in ("prefill", "decode", "router"):
             _wait_pool_ready(cluster, namespace, role, REPLICAS)
         yield namespace
-    finally:
-        remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
 
 
 def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(

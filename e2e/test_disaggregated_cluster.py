@@ -1,8 +1,9 @@
 """Disaggregated serving end to end on the local control plane.
 
-The chart's operator (on the local node, under its own ServiceAccount) turns a Disaggregated
-InferenceService with the tiny model into real prefill, decode and router pods on the local
-node. A client talks to the router's pod through the Service's endpoints, exactly as a user
+The chart's operator (a container from the image, under its own ServiceAccount) turns a
+Disaggregated InferenceService with the tiny model (``hf://`` from the session's hub) into
+prefill, decode and router containers on the kubelet node, in a namespace enforcing the
+``restricted`` Pod Security level. A client talks to the router's pod through the Service's endpoints, exactly as a user
 would through the Service: the router discovers the pools from EndpointSlices, the prompt is
 prefilled on the prefill pod, its KV pulled by the decode pod over the KV port, and the answer
 streamed back. The same request sent straight to the decode pod (computed locally there) must
@@ -11,7 +12,6 @@ give the same greedy text, which proves the handed-over KV was right.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -20,19 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import (
-    RELEASE,
-    SERVED_NAME,
-    apply_object,
-    ensure_model_cache,
-    install_operator,
-    isvc_manifest,
-    remove_demo,
-    router_endpoints,
-    wait_ready,
-)
+from splitserve_e2e.demo import apply_object, router_endpoints, wait_ready
+from splitserve_e2e.stack import SERVED_NAME, ModelHub, isvc_manifest, operator_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -57,23 +47,17 @@ def _counter(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def served(cluster: LocalCluster) -> Iterator[tuple[str, str]]:
+def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[tuple[str, str]]:
     """(namespace, router URL) of a Ready Disaggregated InferenceService."""
-    namespace = f"disagg-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
-    try:
-        install_operator(cluster=cluster, namespace=namespace,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="disagg") as namespace:
         manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated",
-                                 model_cache=model_cache)
+                                 hub=model_hub)
         manifest["spec"]["autoscaling"]["enabled"] = False
         apply_object(cluster=cluster, obj=manifest)
         wait_ready(cluster=cluster, namespace=namespace, name=NAME, timeout_seconds=300)
         routers = router_endpoints(cluster=cluster, namespace=namespace, name=NAME)
         yield namespace, _url(routers[0])
-    finally:
-        remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
 
 
 def test_status_reports_both_pools_ready(served: tuple[str, str], cluster: LocalCluster) -> None:

@@ -8,10 +8,10 @@ refuses for good (``InvalidSpec``, not retried), pods that cannot be created
 (``FailedCreate``: a missing PriorityClass), GPUs the cluster does not have, pods that cannot
 be configured or keep crashing.
 
-One operator release (namespace scope, on the local node) serves the module; admission cases
-need only the CRD. Status cases run one at a time and delete what they made. Pools of the
-status cases run on kwok GPU nodes (nothing executes) unless the case needs a real process,
-which runs on the local node.
+One operator release (namespace scope, a container on the kubelet node) serves the module;
+admission cases need only the CRD. Status cases run one at a time and delete what they made.
+Pools of the status cases run on kwok GPU nodes (nothing executes) unless the case needs a
+real container, which runs on the kubelet node.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,20 +32,10 @@ import pytest
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason
 from splitserve_contract import capabilities as caps
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import (
-    ISVC_PLURAL,
-    MODEL_NAME,
-    condition,
-    ensure_model_cache,
-    get_isvc,
-    install_operator,
-    pod_summary,
-    remove_demo,
-)
+from splitserve_e2e.demo import condition, get_isvc, pod_summary
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
-from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_e2e.stack import ISVC_PLURAL, MODEL_NAME, POOL_CPU, ModelHub, operator_namespace
 from splitserve_operator import api, corev1gen
 from splitserve_operator.api import rules
 from splitserve_operator.api.corev1_snapshot import SNAPSHOT
@@ -60,21 +49,12 @@ QUIET_SECONDS = 6.0
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_cache() -> Path:
-    return ensure_model_cache(cache_dir=cache_root() / "models")
-
-
-@pytest.fixture(scope="module")
-def ns(cluster: LocalCluster, model_cache: Path) -> Iterator[str]:
-    """A namespace with the CRD applied and one operator installed by the chart."""
-    name = f"hostile-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    try:
-        install_operator(cluster=cluster, namespace=name,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
+    """A namespace with the CRD applied, the hub's token Secret, and one operator installed
+    by the chart."""
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="hostile") as name:
         yield name
-    finally:
-        remove_demo(cluster=cluster, namespace=name, release="splitserve")
 
 
 def _minimal(name: str = "hostile") -> dict[str, Any]:
@@ -216,22 +196,23 @@ def _kwok_pool(**extra: Any) -> dict[str, Any]:
             "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}, **extra}
 
 
-def _local_pool(**extra: Any) -> dict[str, Any]:
-    return {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 0},
-            "nodeSelector": {LOCAL_NODE_LABEL: "true"}, **extra}
+def _node_pool(**extra: Any) -> dict[str, Any]:
+    """A CPU pool: its pods run on the kubelet node (the kwok nodes are tainted)."""
+    return {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 0, "cpu": POOL_CPU}, **extra}
 
 
-def _admitted(name: str, ns: str, model_cache: Path, *, pools: dict[str, Any],
+def _admitted(name: str, ns: str, hub: ModelHub, *, pools: dict[str, Any],
               runtime: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A manifest the API server admits: the tiny model (the router really loads it on the
-    local node), autoscaling off, and ``pools``."""
+    """A manifest the API server admits: the tiny model from the hub (the router really
+    loads its tokenizer on the kubelet node), autoscaling off, and ``pools``."""
     mode = "Aggregated" if "aggregated" in pools else "Disaggregated"
-    env = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
     return {
         "apiVersion": api.API_VERSION_STRING, "kind": contract.KIND,
         "metadata": {"name": name, "namespace": ns},
-        "spec": {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32", "maxModelLen": 1024},
-                 "runtime": {"env": env, "extraArgs": ["--device", "cpu", "--num-kv-blocks", "64"],
+        "spec": {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32", "maxModelLen": 1024,
+                           "hubEndpoint": hub.endpoint,
+                           "hubTokenSecretRef": {"name": hub.token_secret}},
+                 "runtime": {"extraArgs": ["--device", "cpu", "--num-kv-blocks", "64"],
                              **(runtime or {})},
                  "mode": mode, **pools, "autoscaling": {"enabled": False}},
     }
@@ -266,10 +247,10 @@ STATUS_CASES = [
     StatusCase("gpus-beyond-the-cluster",  # two kwok nodes of 8 GPUs: three 8-GPU pods do not fit
                {"prefill": _kwok_pool(), "decode": _kwok_pool(replicas={"min": 3, "max": 3}, resources={"gpus": 8})},
                Reason.INSUFFICIENT_GPU_CAPACITY, ("nvidia.com/gpu",)),
-    StatusCase("api-key-secret-missing", {"aggregated": _local_pool()},
+    StatusCase("api-key-secret-missing", {"aggregated": _node_pool()},
                Reason.CREATE_CONTAINER_CONFIG_ERROR, ('secret "no-such-secret" not found',),
                runtime={"apiKeySecretRef": {"name": "no-such-secret", "key": "key"}}),
-    StatusCase("runtime-crash-loop", {"aggregated": _local_pool()},
+    StatusCase("runtime-crash-loop", {"aggregated": _node_pool()},
                Reason.POD_START_FAILED, ("exited with code", "--no-such-flag"),
                runtime={"extraArgs": ["--device", "cpu", "--no-such-flag"]}),
     # issue 12 #12: admitted, but the API server refuses the Deployment for good
@@ -314,7 +295,7 @@ def _warnings(cluster: LocalCluster, ns: str, name: str, reason: str) -> int:
 
 
 def _delete(cluster: LocalCluster, ns: str, name: str) -> None:
-    """Delete and wait (bounded) for its pods to go, so the local node is free for the next case."""
+    """Delete and wait (bounded) for its pods to go, so the kubelet node is free for the next case."""
     cluster.kubectl("delete", ISVC_PLURAL, name, "-n", ns, "--ignore-not-found", "--wait=false")
     with contextlib.suppress(TimeoutError):
         cluster.wait_for(lambda: not json.loads(cluster.kubectl(
@@ -327,11 +308,11 @@ def _apply(cluster: LocalCluster, obj: dict[str, Any]) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("case", STATUS_CASES, ids=[c.id for c in STATUS_CASES])
-def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster, ns: str, model_cache: Path,
+def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster, ns: str, model_hub: ModelHub,
                                                           case: StatusCase) -> None:
     name = f"h-{case.id[:24].strip('-')}-{uuid.uuid4().hex[:4]}"
     try:
-        _apply(cluster, _admitted(name, ns, model_cache, pools=case.pools, runtime=case.runtime))  # admitted
+        _apply(cluster, _admitted(name, ns, model_hub, pools=case.pools, runtime=case.runtime))  # admitted
         obj = _wait_stalled(cluster, ns, name, case.reason)
         stalled = condition(obj, ConditionType.STALLED) or {}
         assert stalled["status"] == "True"
@@ -350,12 +331,12 @@ def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster,
 
 
 def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluster, ns: str,
-                                                            model_cache: Path) -> None:
+                                                            model_hub: ModelHub) -> None:
     """Issue 12 #12: no back-off loop (an Event every few minutes, Reconciling=True forever);
     the next generation is applied at once."""
     name = f"h-retry-{uuid.uuid4().hex[:4]}"
     pools = {"prefill": _kwok_pool(affinity=_node_term_without_values()), "decode": _kwok_pool()}
-    manifest = _admitted(name, ns, model_cache, pools=pools)
+    manifest = _admitted(name, ns, model_hub, pools=pools)
     try:
         _apply(cluster, manifest)
         first = _wait_stalled(cluster, ns, name, Reason.INVALID_SPEC)
@@ -368,7 +349,7 @@ def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluste
         assert condition(later, ConditionType.STALLED) == stalled
         assert _warnings(cluster, ns, name, Reason.INVALID_SPEC) == 1
         # The user fixes the spec: a new generation, applied and no longer stalled.
-        fixed = _admitted(name, ns, model_cache, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
+        fixed = _admitted(name, ns, model_hub, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
         _apply(cluster, fixed)
         generation = get_isvc(cluster=cluster, namespace=ns, name=name)["metadata"]["generation"]
         assert generation > first["metadata"]["generation"]
@@ -385,11 +366,11 @@ def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluste
 
 
 def test_disaggregated_service_gets_its_handoff_key_secret(cluster: LocalCluster, ns: str,
-                                                           model_cache: Path) -> None:
+                                                           model_hub: ModelHub) -> None:
     """Issue 12 #4 (operator side): created once, owned, never rotated; mounted by prefill and
     decode only. The operator may create Secrets but not read them (its RBAC)."""
     name = f"h-key-{uuid.uuid4().hex[:4]}"
-    manifest = _admitted(name, ns, model_cache, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
+    manifest = _admitted(name, ns, model_hub, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
     secret_name = f"{name}{contract.HANDOFF_KEY_SECRET_SUFFIX}"
     try:
         _apply(cluster, manifest)

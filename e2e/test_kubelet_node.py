@@ -1,9 +1,8 @@
 """The kubelet node is a real node: images, namespaces, cgroups, CNI, kube-proxy.
 
-One cluster for the module (no kwok nodes, no process-based local node, no Prometheus) with
-the optional kubelet node (:mod:`splitserve_e2e.kubeletnode`). Each test checks something the
-process-based local node cannot do and that the project's pods will rely on once they run
-here: the restricted Pod Security level enforced by the runtime (capabilities, seccomp, user,
+The session's cluster runs every pod on its kubelet node (:mod:`splitserve_e2e.kubeletnode`).
+Each test checks something the project's pods rely on, with busybox pods (an image made here
+from Debian's busybox-static): the restricted Pod Security level enforced by the runtime (capabilities, seccomp, user,
 read-only root), pod IPs from the CNI bridge, ClusterIP Services through kube-proxy from the
 host and from pods, OOM kills by the memory cgroup, kubelet restarts of a killed container,
 GPU pods scheduled through the advertised extended resource, and the API server reached from
@@ -15,9 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,8 +25,7 @@ import httpx
 import pytest
 from kubernetes import client as k8s
 
-from splitserve_e2e.build import cache_root
-from splitserve_e2e.cluster import ClusterOptions, LocalCluster
+from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.cni import POD_SUBNET
 from splitserve_e2e.kubeletnode import (
     BUSYBOX_IMAGE,
@@ -37,7 +33,6 @@ from splitserve_e2e.kubeletnode import (
     NODE_NAME,
     KubeletNode,
     allocatable,
-    missing_prerequisites,
     node_ready,
 )
 
@@ -47,47 +42,21 @@ NODE_GPUS = 4
 HTTP_PORT = 8080
 
 
-@pytest.fixture(scope="module")
-def node_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
-    missing = missing_prerequisites()
-    if missing:
-        pytest.skip(f"the kubelet node needs {', '.join(missing)}")
-    runs = cache_root() / "e2e-runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(tempfile.mkdtemp(prefix="kn-", dir=runs))  # short: unix socket paths
-    cluster = LocalCluster(state_dir=state_dir, options=ClusterOptions(
-        num_gpu_nodes=0, with_prometheus=False, with_local_node=False,
-        with_kubelet_node=True, kubelet_node_gpus=NODE_GPUS))
-    failures_before = request.session.testsfailed
-    try:
-        cluster.start()
-        node = _node(cluster)
-        print(f"\ncluster with kubelet node started in {cluster.start_seconds:.1f}s; node "
-              f"process start -> Ready + GPUs in {node.ready_seconds:.1f}s (state {state_dir})")
-        yield cluster
-    finally:
-        cluster.stop()
-        if request.session.testsfailed == failures_before:
-            shutil.rmtree(state_dir, ignore_errors=True)
-        else:
-            print(f"kubelet node state and logs kept in {state_dir}")
-
-
 def _node(cluster: LocalCluster) -> KubeletNode:
     assert cluster.kubelet_node is not None
     return cluster.kubelet_node
 
 
 @pytest.fixture
-def namespace(node_cluster: LocalCluster) -> Iterator[str]:
+def namespace(cluster: LocalCluster) -> Iterator[str]:
     """A fresh namespace where Pod Security Admission enforces ``restricted``."""
     name = f"kn-{uuid.uuid4().hex[:6]}"
-    core = node_cluster.core()
+    core = cluster.core()
     body: Any = {"metadata": {"name": name, "labels": {
         "pod-security.kubernetes.io/enforce": "restricted",
         "pod-security.kubernetes.io/enforce-version": "latest"}}}
     core.create_namespace(body)
-    node_cluster.wait_for(lambda: core.read_namespaced_service_account("default", name),
+    cluster.wait_for(lambda: core.read_namespaced_service_account("default", name),
                           timeout_seconds=30, what="default ServiceAccount")
     yield name
     core.delete_namespace(name, grace_period_seconds=0)
@@ -154,8 +123,8 @@ def _log_when(cluster: LocalCluster, namespace: str, name: str, needle: str) -> 
     return cluster.wait_for(log, timeout_seconds=60, what=f"{needle!r} in {name}'s log")
 
 
-def test_node_is_ready_and_keeps_its_gpus(node_cluster: LocalCluster) -> None:
-    core = node_cluster.core()
+def test_node_is_ready_and_keeps_its_gpus(cluster: LocalCluster) -> None:
+    core = cluster.core()
     node: Any = core.read_node(NODE_NAME)
     assert node_ready(node)
     assert node.status.node_info.kubelet_version == "v1.34.4"
@@ -166,18 +135,18 @@ def test_node_is_ready_and_keeps_its_gpus(node_cluster: LocalCluster) -> None:
     node = core.read_node(NODE_NAME)
     assert node.status.capacity[GPU_RESOURCE] == str(NODE_GPUS)
     assert allocatable(node)[GPU_RESOURCE] == str(NODE_GPUS)
-    assert _node(node_cluster).kubelet_healthy()
+    assert _node(cluster).kubelet_healthy()
 
 
-def test_restricted_pod_serves_http_and_is_confined(node_cluster: LocalCluster,
+def test_restricted_pod_serves_http_and_is_confined(cluster: LocalCluster,
                                                    namespace: str) -> None:
-    pod = _web(node_cluster, namespace)
+    pod = _web(cluster, namespace)
     assert pod.spec.node_name == NODE_NAME
     assert ipaddress.ip_address(pod.status.pod_ip) in ipaddress.ip_network(POD_SUBNET)
     response = httpx.get(f"http://{pod.status.pod_ip}:{HTTP_PORT}/", timeout=5.0)
     assert response.text == "splitserve kubelet node\n"
     # what the restricted profile promises, read from the container's process on the host
-    pid = _container_pid(node_cluster, pod)
+    pid = _container_pid(cluster, pod)
     status = dict(line.split(":", 1) for line in
                   Path(f"/proc/{pid}/status").read_text().splitlines())
     assert status["Uid"].split()[:2] == ["65534", "65534"]
@@ -190,83 +159,83 @@ def test_restricted_pod_serves_http_and_is_confined(node_cluster: LocalCluster,
     assert Path(f"/proc/{pid}/ns/net").resolve() != Path("/proc/self/ns/net").resolve()
 
 
-def test_restricted_namespace_refuses_a_root_pod(node_cluster: LocalCluster,
+def test_restricted_namespace_refuses_a_root_pod(cluster: LocalCluster,
                                                  namespace: str) -> None:
     pod = _pod("root", ["sleep", "3600"])
     pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 0}
     with pytest.raises(k8s.ApiException) as error:
-        _create(node_cluster, namespace, pod)
+        _create(cluster, namespace, pod)
     assert error.value.status == 403 and "violates PodSecurity" in str(error.value.body)
 
 
-def test_cluster_ip_service_from_host_and_from_a_pod(node_cluster: LocalCluster,
+def test_cluster_ip_service_from_host_and_from_a_pod(cluster: LocalCluster,
                                                      namespace: str) -> None:
-    _web(node_cluster, namespace)
+    _web(cluster, namespace)
     service: Any = {"metadata": {"name": "web"}, "spec": {
         "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": HTTP_PORT}]}}
-    created: Any = node_cluster.core().create_namespaced_service(namespace, service)
+    created: Any = cluster.core().create_namespaced_service(namespace, service)
     cluster_ip = created.spec.cluster_ip
     url = f"http://{cluster_ip}/"
-    text = node_cluster.wait_for(lambda: httpx.get(url, timeout=2.0).text, timeout_seconds=30,
+    text = cluster.wait_for(lambda: httpx.get(url, timeout=2.0).text, timeout_seconds=30,
                                  what=f"{url} from the host")
     assert text == "splitserve kubelet node\n"
-    _create(node_cluster, namespace, _pod("client", [
+    _create(cluster, namespace, _pod("client", [
         "sh", "-c", f"while true; do timeout 2 wget -q -O - {url} && echo FETCHED; sleep 1; done"]))
-    log = _log_when(node_cluster, namespace, "client", "FETCHED")
+    log = _log_when(cluster, namespace, "client", "FETCHED")
     assert "splitserve kubelet node\nFETCHED" in log
 
 
-def test_memory_limit_oom_kills(node_cluster: LocalCluster, namespace: str) -> None:
-    _create(node_cluster, namespace, _pod(
+def test_memory_limit_oom_kills(cluster: LocalCluster, namespace: str) -> None:
+    _create(cluster, namespace, _pod(
         "hog", ["dd", "if=/dev/zero", "of=/dev/null", "bs=64M", "count=1"],
         resources={"limits": {"memory": "16Mi", "cpu": "200m"}}))
 
     def oom_killed() -> Any:
-        statuses = _status(node_cluster, namespace, "hog").status.container_statuses or []
+        statuses = _status(cluster, namespace, "hog").status.container_statuses or []
         last = statuses[0].last_state.terminated if statuses else None
         return last if last is not None and last.reason == "OOMKilled" else None
-    terminated = node_cluster.wait_for(oom_killed, timeout_seconds=60, what="OOMKilled")
+    terminated = cluster.wait_for(oom_killed, timeout_seconds=60, what="OOMKilled")
     assert terminated.exit_code == 137
 
 
-def test_killed_container_is_restarted_by_the_kubelet(node_cluster: LocalCluster,
+def test_killed_container_is_restarted_by_the_kubelet(cluster: LocalCluster,
                                                       namespace: str) -> None:
-    pod = _web(node_cluster, namespace, "victim")
-    first_pid = _container_pid(node_cluster, pod)
+    pod = _web(cluster, namespace, "victim")
+    first_pid = _container_pid(cluster, pod)
     os.kill(first_pid, signal.SIGKILL)
 
     def restarted() -> Any:
-        current = _ready(node_cluster, namespace, "victim")
+        current = _ready(cluster, namespace, "victim")
         return current if current.status.container_statuses[0].restart_count >= 1 else None
-    current = node_cluster.wait_for(restarted, timeout_seconds=60, what="restartCount >= 1")
+    current = cluster.wait_for(restarted, timeout_seconds=60, what="restartCount >= 1")
     assert current.status.container_statuses[0].last_state.terminated.exit_code == 137
-    assert _container_pid(node_cluster, current) != first_pid
+    assert _container_pid(cluster, current) != first_pid
 
 
-def test_gpu_pod_schedules_on_the_node(node_cluster: LocalCluster, namespace: str) -> None:
+def test_gpu_pod_schedules_on_the_node(cluster: LocalCluster, namespace: str) -> None:
     one = {"limits": {GPU_RESOURCE: "1"}}
-    _create(node_cluster, namespace, _pod("gpu", ["sleep", "3600"], resources=one))
-    pod = _ready(node_cluster, namespace, "gpu")
+    _create(cluster, namespace, _pod("gpu", ["sleep", "3600"], resources=one))
+    pod = _ready(cluster, namespace, "gpu")
     assert pod.spec.node_name == NODE_NAME
     too_many = {"limits": {GPU_RESOURCE: str(NODE_GPUS + 1)}}
-    _create(node_cluster, namespace, _pod("greedy", ["sleep", "3600"], resources=too_many))
+    _create(cluster, namespace, _pod("greedy", ["sleep", "3600"], resources=too_many))
 
     def unschedulable() -> bool:
-        conditions = _status(node_cluster, namespace, "greedy").status.conditions or []
+        conditions = _status(cluster, namespace, "greedy").status.conditions or []
         return any(c.type == "PodScheduled" and c.reason == "Unschedulable"
                    and GPU_RESOURCE in (c.message or "") for c in conditions)
-    node_cluster.wait_for(unschedulable, timeout_seconds=30, what="greedy pod unschedulable")
+    cluster.wait_for(unschedulable, timeout_seconds=30, what="greedy pod unschedulable")
 
 
 def test_pod_reaches_the_api_server_through_the_kubernetes_service(
-        node_cluster: LocalCluster, namespace: str) -> None:
+        cluster: LocalCluster, namespace: str) -> None:
     # apiprobe: $KUBERNETES_SERVICE_HOST:PORT, server cert checked against the mounted CA,
     # the mounted ServiceAccount token, POST SelfSubjectReview (gobin/apiprobe)
-    _create(node_cluster, namespace, _pod(
+    _create(cluster, namespace, _pod(
         "whoami", ["sh", "-c", "while true; do apiprobe; sleep 2; done"], automount_token=True))
-    log = _log_when(node_cluster, namespace, "whoami", "SelfSubjectReview")
+    log = _log_when(cluster, namespace, "whoami", "SelfSubjectReview")
     answer = json.loads(next(line for line in log.splitlines() if "SelfSubjectReview" in line))
     assert answer["status"]["userInfo"]["username"] == (
         f"system:serviceaccount:{namespace}:default")
-    kubernetes: Any = node_cluster.core().read_namespaced_service("kubernetes", "default")
+    kubernetes: Any = cluster.core().read_namespaced_service("kubernetes", "default")
     assert kubernetes.spec.cluster_ip == "10.96.0.1"

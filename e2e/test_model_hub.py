@@ -1,7 +1,7 @@
 """hf:// models reach pods from a hub, as in production, and a refused token shows in status.
 
-A :class:`~splitserve_e2e.hub.LocalHub` on 127.0.0.1 (the local node runs pods as host
-processes, so they reach it) serves the tiny model as ``org/tiny`` and requires a token. Two
+A :class:`~splitserve_e2e.hub.LocalHub` on the kubelet node's bridge gateway (where the pods
+reach it) serves the tiny model as ``org/tiny`` and requires its own token. Two
 Aggregated InferenceServices point ``spec.model.hubEndpoint`` at it, each with
 ``hubTokenSecretRef``: with the right token the pods (engine and router, each with its own
 emptyDir model cache) download the model and the service becomes Ready and answers a
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,21 +23,23 @@ from splitserve_contract import ConditionType, Reason
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
-    MODEL_NAME,
-    RELEASE,
-    SERVED_NAME,
     apply_object,
     condition,
-    ensure_model_cache,
     get_isvc,
-    install_operator,
-    isvc_manifest,
     pod_summary,
-    remove_demo,
     router_endpoints,
     wait_ready,
 )
 from splitserve_e2e.hub import LocalHub
+from splitserve_e2e.net import LOOPBACK
+from splitserve_e2e.stack import (
+    MODEL_NAME,
+    SERVED_NAME,
+    ModelHub,
+    ensure_model_cache,
+    isvc_manifest,
+    operator_namespace,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -56,41 +56,36 @@ def _secret(cluster: LocalCluster, namespace: str, name: str, token: str) -> Non
         "data": {"HF_TOKEN": base64.b64encode(token.encode()).decode()}})
 
 
-def _manifest(*, name: str, namespace: str, endpoint: str, secret: str) -> dict[str, object]:
-    manifest = isvc_manifest(name=name, namespace=namespace, mode="Aggregated", model_cache=Path("/unused"))
+def _manifest(*, name: str, namespace: str, hub: LocalHub, secret: str) -> dict[str, object]:
+    """The tiny Aggregated service with the operator's default model cache (an emptyDir per
+    pod), its model ``hf://org/tiny`` from ``hub`` with the token in Secret ``secret``."""
+    manifest = isvc_manifest(name=name, namespace=namespace, mode="Aggregated",
+                             hub=ModelHub(endpoint=hub.endpoint, token="", token_secret=secret))
     spec = manifest["spec"]
-    spec["model"].update({"uri": f"hf://{REPO}", "hubEndpoint": endpoint,
-                          "hubTokenSecretRef": {"name": secret}})
-    # The operator's default cache (an emptyDir per pod), not a host directory; and downloads
-    # on even if the test session's environment, which pods inherit, turned them off.
-    spec["runtime"]["env"] = [{"name": "HF_HUB_OFFLINE", "value": "0"}]
+    spec["model"]["uri"] = f"hf://{REPO}"
     spec["autoscaling"]["enabled"] = False
     return manifest
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
+def hub(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
     model = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-    with LocalHub(tmp_path_factory.mktemp("hub"), token=TOKEN) as running:
+    with LocalHub(tmp_path_factory.mktemp("hub"), token=TOKEN,
+                  host=cluster.pod_gateway or LOOPBACK) as running:
         running.publish(REPO, model, extra_files={"pytorch_model.bin": b"\0" * 4096})
         yield running
 
 
 @pytest.fixture(scope="module")
-def namespace(cluster: LocalCluster, hub: LocalHub) -> Iterator[str]:
-    name = f"hub-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    try:
-        install_operator(cluster=cluster, namespace=name,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
+def namespace(cluster: LocalCluster, image: str, model_hub: ModelHub, hub: LocalHub
+              ) -> Iterator[str]:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="hub") as name:
         _secret(cluster, name, "hf-token", TOKEN)
         _secret(cluster, name, "hf-wrong", "hf_not_the_token")
         for isvc, secret in ((GOOD, "hf-token"), (BAD, "hf-wrong")):
-            apply_object(cluster=cluster, obj=_manifest(name=isvc, namespace=name, endpoint=hub.endpoint,
+            apply_object(cluster=cluster, obj=_manifest(name=isvc, namespace=name, hub=hub,
                                                         secret=secret))
         yield name
-    finally:
-        remove_demo(cluster=cluster, namespace=name, release=RELEASE)
 
 
 def test_model_is_downloaded_from_the_hub_and_served(namespace: str, cluster: LocalCluster, hub: LocalHub) -> None:

@@ -1,35 +1,25 @@
 """A model that cannot be loaded shows in the InferenceService's status, not only in pod logs.
 
 With downloads off (``HF_HUB_OFFLINE=1``), a runtime pod whose hf:// model is not in its
-cache exits at start-up with a ModelLoadError (``test_model_hub.py`` covers a refused download). The chart's operator, on the local node, must turn the pod's
-termination message (the local node's kubelet falls back to the log tail, as
-``terminationMessagePolicy: FallbackToLogsOnError`` says) into Ready=False with reason
-ModelUnavailable and the runtime's own words in the message.
+cache exits at start-up with a ModelLoadError (``test_model_hub.py`` covers a refused
+download). The chart's operator (a container on the kubelet node) must turn the pod's
+termination message (the kubelet falls back to the log tail, as ``terminationMessagePolicy:
+FallbackToLogsOnError`` says) into Ready=False with reason ModelUnavailable and the runtime's
+own words in the message.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import (
-    RELEASE,
-    apply_object,
-    condition,
-    ensure_model_cache,
-    get_isvc,
-    install_operator,
-    isvc_manifest,
-    pod_summary,
-    remove_demo,
-)
+from splitserve_e2e.demo import apply_object, condition, get_isvc, pod_summary
+from splitserve_e2e.stack import ModelHub, isvc_manifest, operator_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -40,22 +30,16 @@ POLL_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
-def namespace(cluster: LocalCluster) -> Iterator[str]:
-    name = f"nomodel-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
-    try:
-        install_operator(cluster=cluster, namespace=name,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
-        manifest = isvc_manifest(name=NAME, namespace=name, mode="Aggregated", model_cache=model_cache)
+def namespace(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="nomodel") as name:
+        manifest = isvc_manifest(name=NAME, namespace=name, mode="Aggregated", hub=model_hub)
         manifest["spec"]["model"]["uri"] = MISSING_MODEL
-        # Cache only: the pods would otherwise try to download it from huggingface.co.
-        manifest["spec"]["runtime"]["env"].append({"name": "HF_HUB_OFFLINE", "value": "1"})
+        # Cache only: the pods would otherwise try to download it.
+        manifest["spec"]["runtime"]["env"] = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
         manifest["spec"]["autoscaling"]["enabled"] = False
         apply_object(cluster=cluster, obj=manifest)
         yield name
-    finally:
-        remove_demo(cluster=cluster, namespace=name, release=RELEASE)
 
 
 def test_missing_model_is_reported_as_model_unavailable(namespace: str, cluster: LocalCluster) -> None:

@@ -1,5 +1,5 @@
-"""The operator end to end: installed by its Helm chart, running on the local node with the
-chart's ServiceAccount (so the chart's RBAC is what it gets), against a real API server,
+"""The operator end to end: installed by its Helm chart, a container from the image on the
+kubelet node with the chart's ServiceAccount (so the chart's RBAC is what it gets), against a real API server,
 controller manager, scheduler and kwok GPU nodes.
 
 One operator release serves the module (in its own namespace, namespace-scoped RBAC); every
@@ -28,6 +28,13 @@ import splitserve_contract as contract
 from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
+from splitserve_e2e.stack import (
+    MODEL_NAME,
+    ModelHub,
+    create_hub_token_secret,
+    create_namespace,
+    install_operator,
+)
 from splitserve_operator import api as isvc_api
 from splitserve_operator import naming
 from splitserve_operator.api import InferenceService, rules
@@ -51,33 +58,17 @@ IN_FLIGHT_GRACE_SECONDS = 2.0
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny checkpoint: the router really runs on the local node and loads its tokenizer."""
-    out = tmp_path_factory.mktemp("tiny-model") / "tiny"
-    subprocess.run(["splitserve", "make-tiny-model", str(out)], check=True, capture_output=True, timeout=180)
-    return out
-
-
-def _install_operator(cluster: LocalCluster, *, prefix: str, release: str, replicas: int) -> str:
-    """A fresh namespace with the CRDs applied and the operator installed there by Helm
-    (namespace scope); returns once a live operator pod holds the Lease."""
+def _install_operator(cluster: LocalCluster, image: str, hub: ModelHub, *, prefix: str,
+                      release: str, replicas: int) -> str:
+    """A fresh restricted namespace with the CRDs applied (like a platform team would: Helm
+    installs crds/ only once, never upgrades), the hub's token Secret, and the operator
+    installed there by Helm (namespace scope, no Prometheus: no autoscaling decisions);
+    returns once a live operator pod holds the Lease."""
     name = f"{prefix}-{uuid.uuid4().hex[:5]}"
-    core = cluster.core()
-    core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
-    cluster.wait_for(lambda: core.read_namespaced_service_account("default", name), timeout_seconds=30,
-                     what="default ServiceAccount")
-    # CRDs: applied like a platform team would (Helm installs crds/ only once, never upgrades).
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-
-    def established() -> bool:
-        crd = _get(cluster, "", "crd", "inferenceservices.splitserve.dev") or {}
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in (crd.get("status") or {}).get("conditions") or [])
-    cluster.wait_for(established, timeout_seconds=60, what="CRD Established")
-    cluster.helm("install", release, str(CHART), "-n", name, "--skip-crds",
-                 "--set", "rbac.scope=namespace", "--set", f"replicaCount={replicas}",
-                 "--set-string", "nodeSelector.splitserve\\.dev/local-node=true")
+    create_namespace(cluster, name, restricted=True)
+    create_hub_token_secret(cluster=cluster, namespace=name, hub=hub)
+    install_operator(cluster=cluster, namespace=name, image=image, release=release,
+                     replicas=replicas, with_prometheus=False)
     _wait_leader(cluster, name, release=release)
     return name
 
@@ -88,17 +79,19 @@ def _uninstall_operator(cluster: LocalCluster, ns: str, *, release: str) -> None
 
 
 @pytest.fixture(scope="module")
-def ns(cluster: LocalCluster) -> Iterator[str]:
+def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The module's namespace with one operator replica installed by Helm (namespace scope)."""
-    name = _install_operator(cluster, prefix="e2e-operator", release=RELEASE, replicas=1)
+    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator", release=RELEASE,
+                             replicas=1)
     yield name
     _uninstall_operator(cluster, name, release=RELEASE)
 
 
 @pytest.fixture
-def ha_ns(cluster: LocalCluster) -> Iterator[str]:
+def ha_ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """A namespace of its own with a two-replica operator release (leader election)."""
-    name = _install_operator(cluster, prefix="e2e-operator-ha", release=HA_RELEASE, replicas=2)
+    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator-ha",
+                             release=HA_RELEASE, replicas=2)
     yield name
     _uninstall_operator(cluster, name, release=HA_RELEASE)
 
@@ -116,7 +109,7 @@ class Isvc:
 
 
 @pytest.fixture
-def isvc(cluster: LocalCluster, ns: str, tiny_model: Path) -> Iterator[Isvc]:
+def isvc(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> Iterator[Isvc]:
     """A fresh InferenceService (prefill 2, decode 1), applied and waited for until both pools
     are ready at the current generation; deleted (children collected) afterwards."""
     name = f"alpha-{uuid.uuid4().hex[:5]}"
@@ -128,7 +121,7 @@ def isvc(cluster: LocalCluster, ns: str, tiny_model: Path) -> Iterator[Isvc]:
 
 
 def _delete_isvc(cluster: LocalCluster, ns: str, name: str) -> None:
-    """Delete and wait (bounded, best effort) for its pods to go, so GPUs and the local node's
+    """Delete and wait (bounded, best effort) for its pods to go, so GPUs and the kubelet node's
     CPUs are free for the next test."""
     cluster.kubectl("delete", "inferenceservices.splitserve.dev", name, "-n", ns, "--ignore-not-found",
                     "--wait=false")
@@ -138,7 +131,14 @@ def _delete_isvc(cluster: LocalCluster, ns: str, name: str) -> None:
             timeout_seconds=60, what=f"pods of {name} gone")
 
 
-def _manifest(name: str, namespace: str, *, model: Path, prefill_min: int = 2, decode_min: int = 1,
+@pytest.fixture(scope="module")
+def tiny_model(model_hub: ModelHub) -> ModelHub:
+    """Where the tiny model comes from: the router really runs on the kubelet node and
+    downloads its tokenizer from the session's hub."""
+    return model_hub
+
+
+def _manifest(name: str, namespace: str, *, model: ModelHub, prefill_min: int = 2, decode_min: int = 1,
               decode_gpus: int = 2, **spec: Any) -> dict[str, Any]:
     """Parallelism stays at its default (tensor 1, pipeline 1: all this version serves)."""
     kwok = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
@@ -146,7 +146,9 @@ def _manifest(name: str, namespace: str, *, model: Path, prefill_min: int = 2, d
         "apiVersion": isvc_api.API_VERSION_STRING, "kind": contract.KIND,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "model": {"uri": f"file://{model}", "dtype": "float32"},
+            "model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32",
+                      "hubEndpoint": model.endpoint,
+                      "hubTokenSecretRef": {"name": model.token_secret}},
             "mode": "Disaggregated",
             "prefill": {"replicas": {"min": prefill_min, "max": 4}, "resources": {"gpus": 1}, **kwok},
             "decode": {"replicas": {"min": decode_min, "max": 4}, "resources": {"gpus": decode_gpus}, **kwok},
@@ -349,7 +351,7 @@ def test_ready_condition_tracks_router(cluster: LocalCluster, isvc: Isvc) -> Non
     assert stalled is not None and stalled["status"] == "False"
 
 
-def test_reconciler_and_autoscaler_conditions_coexist(cluster: LocalCluster, isvc: Isvc, tiny_model: Path) -> None:
+def test_reconciler_and_autoscaler_conditions_coexist(cluster: LocalCluster, isvc: Isvc, tiny_model: ModelHub) -> None:
     """Two writers of status.conditions (reconciler: Ready/Reconciling/Stalled; autoscaler:
     MetricsHealthy/ScalingActive) merge by type: neither erases the other."""
     ns, name = isvc.ns, isvc.name
@@ -385,7 +387,7 @@ def test_server_side_apply_twice_shows_no_drift(cluster: LocalCluster, isvc: Isv
     assert _isvc(cluster, isvc.ns, isvc.name)["metadata"]["generation"] == before
 
 
-def test_spec_edit_rolls_pods(cluster: LocalCluster, isvc: Isvc, tiny_model: Path) -> None:
+def test_spec_edit_rolls_pods(cluster: LocalCluster, isvc: Isvc, tiny_model: ModelHub) -> None:
     ns, prefill = isvc.ns, isvc.child("prefill")
     before = _get(cluster, ns, "deployment", prefill)
     assert before is not None
@@ -434,7 +436,7 @@ def test_drift_is_reverted_but_foreign_replicas_are_kept(cluster: LocalCluster, 
     assert final["spec"]["template"]["spec"]["containers"][0]["image"] == image
 
 
-def test_name_conflict_leaves_foreign_object_untouched(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
+def test_name_conflict_leaves_foreign_object_untouched(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
     name = f"beta-{uuid.uuid4().hex[:5]}"
     foreign = {"apiVersion": "v1", "kind": "ConfigMap",
                "metadata": {"name": f"{name}-config", "namespace": ns}, "data": {"owner": "someone else"}}
@@ -475,7 +477,7 @@ def _our_writes(cluster: LocalCluster, ns: str, name: str) -> dict[str, str]:
     return out
 
 
-def test_paused_object_gets_zero_writes(cluster: LocalCluster, isvc: Isvc, tiny_model: Path) -> None:
+def test_paused_object_gets_zero_writes(cluster: LocalCluster, isvc: Isvc, tiny_model: ModelHub) -> None:
     ns, name, prefill, router = isvc.ns, isvc.name, isvc.child("prefill"), isvc.child("router")
     annotated = cluster.kubectl("annotate", f"inferenceservices.splitserve.dev/{name}", "-n", ns,
                                 f"{contract.ANNOTATION_PAUSED}=true", "-o", "jsonpath={.metadata.resourceVersion}")
@@ -505,7 +507,7 @@ def test_paused_object_gets_zero_writes(cluster: LocalCluster, isvc: Isvc, tiny_
                      timeout_seconds=30, what="rollout after unpause")
 
 
-def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
+def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
     # Two kwok nodes with 8 GPUs each: three 8-GPU decode pods cannot all be placed.
     name = f"gamma-{uuid.uuid4().hex[:5]}"
     _apply(cluster, _manifest(name, ns, model=tiny_model, prefill_min=1, decode_min=3, decode_gpus=8))
@@ -549,7 +551,7 @@ INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
 ]
 
 
-def test_invalid_manifests_are_rejected_with_messages(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
+def test_invalid_manifests_are_rejected_with_messages(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
     failures = []
     for label, patch, message in INVALID_CASES:
         body = _manifest(f"bad-{abs(hash(label)) % 10_000}", ns, model=tiny_model)
@@ -592,7 +594,7 @@ def test_rendered_children_and_chart_validate_against_the_api(cluster: LocalClus
     assert result.returncode == 0, result.stderr
 
 
-def test_operator_killed_mid_reconcile_converges(cluster: LocalCluster, ns: str, tiny_model: Path) -> None:
+def test_operator_killed_mid_reconcile_converges(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
     leader = _wait_leader(cluster, ns)
     assert len(_operator_pods(cluster, ns)) == 1
     name = f"delta-{uuid.uuid4().hex[:5]}"
@@ -622,7 +624,7 @@ def test_delete_garbage_collects_children(cluster: LocalCluster, isvc: Isvc) -> 
                      what=f"children of {name} collected")
 
 
-def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str, tiny_model: Path) -> None:
+def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str, tiny_model: ModelHub) -> None:
     ns = ha_ns
     cluster.wait_for(lambda: len([p for p in _operator_pods(cluster, ns, release=HA_RELEASE)
                                   if p.get("status", {}).get("phase") == "Running"]) == 2,

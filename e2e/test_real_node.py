@@ -1,8 +1,7 @@
 """The product as a platform team gets it: the image built from this commit, on a real node.
 
-One cluster for the module with only the kubelet node (no kwok nodes, no process-based local
-node) and Prometheus on the node's bridge gateway, where pods reach it. The image is built and
-pushed to the loopback registry (:func:`splitserve_e2e.image.ensure_image`); containerd pulls
+The session's cluster: its kubelet node, and Prometheus on the node's bridge gateway, where
+pods reach it. The image is built and pushed to the loopback registry (:func:`splitserve_e2e.image.ensure_image`); containerd pulls
 it by name through the CRI (plain HTTP to ``127.0.0.1:5000``) into its root under the cache,
 which outlives the cluster: the first run pulls and unpacks several GB, later runs find it
 ("already present") or fetch only the changed layers of a rebuild.
@@ -18,7 +17,7 @@ image's digest (``imageID``) with tini as PID 1, a completion through the router
 ClusterIP (kube-proxy) is served from the host, and after the runtime process is SIGKILLed the
 kubelet restarts the container and requests through the router succeed again.
 
-The stack (cluster, hub, namespaces, chart, operator) is set up by
+The stack (namespaces, the chart cluster-scoped, the operator) is set up by
 :func:`splitserve_e2e.realnode.real_node_stack`, shared with ``test_real_node_oom.py``.
 
 Figures printed: image build/push, pull (kubelet event), cluster start, time to Ready, and the
@@ -42,7 +41,9 @@ import httpx
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e.demo import MODEL_NAME, SERVED_NAME, apply_object, condition, get_isvc
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import apply_object, condition, get_isvc
+from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.kubeletnode import NODE_NAME
 from splitserve_e2e.realnode import (
     ISVC_NAME,
@@ -52,11 +53,11 @@ from splitserve_e2e.realnode import (
     explained,
     isvc_for_node,
     log,
-    missing_prerequisites,
     operator_pod,
     real_node_stack,
     wait,
 )
+from splitserve_e2e.stack import MODEL_NAME, SERVED_NAME, ModelHub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -66,20 +67,14 @@ RESTART_TIMEOUT_SECONDS = 300.0
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub
           ) -> Iterator[Stack]:
-    """The cluster, hub and operator (:func:`~splitserve_e2e.realnode.real_node_stack`), with
-    two workload namespaces: Aggregated (``stack.namespace``) and Disaggregated
-    (``stack.workloads[1]``)."""
-    missing = missing_prerequisites()
-    if missing:
-        pytest.skip(f"the kubelet node and the image need {', '.join(missing)}")
-    failures_before = request.session.testsfailed
+    """The cluster-scoped operator (:func:`~splitserve_e2e.realnode.real_node_stack`) on the
+    session's cluster, with two workload namespaces: Aggregated (``stack.namespace``) and
+    Disaggregated (``stack.workloads[1]``)."""
     suffix = uuid.uuid4().hex[:4]
-    with real_node_stack(workloads=[f"inference-{suffix}", f"inference-pd-{suffix}"],
-                         hub_root=tmp_path_factory.mktemp("hub"),
-                         keep_state=lambda: request.session.testsfailed != failures_before
-                         ) as result:
+    with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
+                         workloads=[f"inference-{suffix}", f"inference-pd-{suffix}"]) as result:
         yield result
 
 
@@ -104,7 +99,7 @@ def _apply_and_wait(stack: Stack, *, namespace: str, mode: str, cpu: str) -> flo
 def served(stack: Stack) -> Stack:
     """The Aggregated InferenceService applied (hf:// from the hub) and Ready."""
     with explained(stack.cluster, stack.namespaces):
-        seconds = _apply_and_wait(stack, namespace=stack.namespace, mode="Aggregated", cpu="1")
+        seconds = _apply_and_wait(stack, namespace=stack.namespace, mode="Aggregated", cpu="500m")
         stack.figures["Aggregated InferenceService apply -> Ready"] = f"{seconds:.1f}s"
         log(f"{stack.namespace}/{ISVC_NAME} (Aggregated) Ready in {seconds:.1f}s")
     return stack

@@ -1,5 +1,6 @@
-"""Issue 11: a pool whose memory limit is too small is OOMKilled by the kubelet, and the
-InferenceService says so, on the real node.
+"""Issue 11: failures that bite real clusters first, on the real node, and the
+InferenceService saying so: a pool whose memory limit is too small is OOMKilled by the
+kubelet; a runtime image the registry lacks ends in ErrImagePull / ImagePullBackOff.
 
 The stack is ``test_real_node.py``'s (:func:`~splitserve_e2e.realnode.real_node_stack`: the
 kubelet node, the image built from this working tree, the operator from the chart as a
@@ -20,7 +21,11 @@ the pod, the pool, the container and the limit (``pod tiny-aggregated-... (pool 
 container runtime) was OOMKilled at its memory limit of 96Mi (exit code 137)``), not a bare
 "not ready" or ``RolloutInProgress``. Bounded: each wait has a timeout and prints the pods'
 statuses, events and logs and the node's log tails when it runs out. The InferenceService is
-deleted at the end, and the module's cluster is stopped.
+deleted at the end, with the module's namespaces and operator.
+
+The image case sets ``spec.runtime.image`` to a tag the loopback registry does not have: the
+kubelet's pull gets a 404, the container waits in ``ErrImagePull``/``ImagePullBackOff``, and
+``Stalled=True`` and ``Ready=False`` carry that reason with the image reference in the message.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import pytest
 
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason
+from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import apply_object, get_isvc
+from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.kubeletnode import NODE_NAME
 from splitserve_e2e.realnode import (
     ISVC_NAME,
@@ -42,10 +49,10 @@ from splitserve_e2e.realnode import (
     explained,
     isvc_for_node,
     log,
-    missing_prerequisites,
     real_node_stack,
     wait,
 )
+from splitserve_e2e.stack import ModelHub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -58,16 +65,10 @@ STALLED_TIMEOUT_SECONDS = 180.0
 
 
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub
           ) -> Iterator[Stack]:
-    missing = missing_prerequisites()
-    if missing:
-        pytest.skip(f"the kubelet node and the image need {', '.join(missing)}")
-    failures_before = request.session.testsfailed
-    with real_node_stack(workloads=[f"inference-oom-{uuid.uuid4().hex[:4]}"],
-                         hub_root=tmp_path_factory.mktemp("hub"),
-                         keep_state=lambda: request.session.testsfailed != failures_before
-                         ) as result:
+    with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
+                         workloads=[f"inference-oom-{uuid.uuid4().hex[:4]}"]) as result:
         yield result
 
 
@@ -102,7 +103,7 @@ def _describe(conditions: dict[str, dict[str, Any]]) -> str:
 
 def test_pool_over_its_memory_limit_is_oom_killed_and_the_status_says_so(stack: Stack) -> None:
     cluster = stack.cluster
-    manifest = isvc_for_node(stack, namespace=stack.namespace, mode="Aggregated", cpu="1",
+    manifest = isvc_for_node(stack, namespace=stack.namespace, mode="Aggregated", cpu="500m",
                              memory=MEMORY_LIMIT)
     assert manifest["spec"]["aggregated"]["resources"]["memory"] == MEMORY_LIMIT
     try:
@@ -163,3 +164,45 @@ def test_pool_over_its_memory_limit_is_oom_killed_and_the_status_says_so(stack: 
                 f"{(deleted.stdout + deleted.stderr).strip()}")
         except Exception as error:  # cleanup must not hide the test's outcome
             log(f"deleting the InferenceService failed: {error!r}")
+
+
+MISSING_TAG = "no-such-build"
+PULL_FAILED_TIMEOUT_SECONDS = 180.0
+"""Apply -> the kubelet's ErrImagePull / ImagePullBackOff (the registry answers 404 at once),
+then the operator's reconcile."""
+
+
+def test_image_the_registry_lacks_is_reported_with_the_pull_error(stack: Stack) -> None:
+    """What a platform team sees first when the image was never pushed: the kubelet cannot
+    pull it (ErrImagePull, then ImagePullBackOff), and the InferenceService says which image."""
+    cluster = stack.cluster
+    missing = f"{stack.image.rsplit(':', 1)[0]}:{MISSING_TAG}"
+    manifest = isvc_for_node(stack, namespace=stack.namespace, mode="Aggregated", cpu="100m")
+    manifest["metadata"]["name"] = "unpulled"
+    manifest["spec"]["runtime"]["image"] = missing
+    pull_reasons = (Reason.ERR_IMAGE_PULL, Reason.IMAGE_PULL_BACK_OFF)
+    try:
+        with explained(cluster, stack.namespaces):
+            started = time.monotonic()
+            apply_object(cluster=cluster, obj=manifest)
+
+            def stalled_on_pull() -> dict[str, Any] | None:
+                obj = get_isvc(cluster=cluster, namespace=stack.namespace, name="unpulled")
+                found = {str(c["type"]): c for c in (obj.get("status") or {}).get("conditions") or []}
+                stalled = found.get(ConditionType.STALLED) or {}
+                return found if stalled.get("status") == "True" and \
+                    stalled.get("reason") in pull_reasons else None
+            conditions = wait(cluster, stalled_on_pull, timeout=PULL_FAILED_TIMEOUT_SECONDS,
+                              what="Stalled=True with the image pull error", interval=1.0)
+            reported = time.monotonic() - started
+            print(f"\nconditions of {stack.namespace}/unpulled:\n{_describe(conditions)}")
+            ready = conditions[ConditionType.READY]
+            assert (ready["status"], ready["reason"]) == ("False", conditions[ConditionType.STALLED]["reason"])
+            for type_ in (ConditionType.STALLED, ConditionType.READY):
+                assert missing in str(conditions[type_].get("message", "")), conditions[type_]
+            stack.figures["InferenceService apply -> Stalled=True/image pull error"] = f"{reported:.1f}s"
+            log(f"Stalled=True/{conditions[ConditionType.STALLED]['reason']} {reported:.1f}s after apply")
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "unpulled", "-n", stack.namespace,
+                        "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                        timeout_seconds=150)

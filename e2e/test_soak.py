@@ -1,6 +1,6 @@
 """Soak: many InferenceService create/delete cycles against the real control plane (issue 12).
 
-The chart's operator (on the local node, its own ServiceAccount) reconciles ``SOAK_CYCLES``
+The chart's operator (a container on the kubelet node, its own ServiceAccount) reconciles ``SOAK_CYCLES``
 InferenceServices, created and deleted in batches, in a cluster whose only untainted
 node is cordoned: every child (ConfigMap, Deployments, Services, PDBs, NetworkPolicies, the handoff
 key Secret) is rendered, applied, watched, status-reported and garbage-collected as in
@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import (
-    RELEASE,
-    ensure_model_cache,
-    install_operator,
-    isvc_manifest,
-    remove_demo,
-)
-from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_e2e.kubeletnode import NODE_NAME
+from splitserve_e2e.stack import ModelHub, isvc_manifest, operator_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -101,8 +93,12 @@ def _operator_process(cluster: LocalCluster, namespace: str) -> Process:
     pods = [p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
             if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
     assert len(pods) == 1, [p.metadata.name for p in pods]
-    pid = cluster.pod_pid(namespace=namespace, pod=pods[0].metadata.name)
-    assert pid is not None
+    init = cluster.container_pid(namespace=namespace, pod=pods[0].metadata.name)
+    assert init is not None
+    # the operator is the only child of the container's PID 1 (tini)
+    children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+    assert len(children) == 1, children
+    pid = int(children[0])
     text = Path(f"/proc/{pid}/stat").read_text()
     return Process(pid=pid, start_ticks=int(text[text.rindex(")") + 2:].split()[19]))
 
@@ -160,33 +156,25 @@ def _applied(cluster: LocalCluster, namespace: str, names: frozenset[str]) -> bo
 
 
 @pytest.fixture(scope="module")
-def soak_ns(cluster: LocalCluster) -> Iterator[str]:
-    """A namespace with the operator installed and a quota of zero pods for everything else."""
-    namespace = f"soak-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    try:
-        install_operator(cluster=cluster, namespace=namespace,
-                         prometheus_url=cluster.prometheus_url or "http://127.0.0.1:9")
-        # After the operator pod runs: with the local node cordoned (kwok GPU nodes are
-        # tainted and the pools select the local node), the InferenceServices' pods stay
-        # Pending and start no process. (A ResourceQuota would be the usual tool, but this
-        # control plane has no quota controller filling its status.)
-        nodes = cluster.kubectl("get", "nodes", "-l", f"{LOCAL_NODE_LABEL}=true", "-o", "name").stdout.split()
-        for node in nodes:
-            cluster.kubectl("cordon", node)
+def soak_ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
+    """A namespace with the operator installed, and no node that would start a pod."""
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
+                            stem="soak") as namespace:
+        # After the operator pod runs: with the kubelet node cordoned (the kwok GPU nodes are
+        # tainted and the pools do not tolerate it), the InferenceServices' pods stay Pending
+        # and start no container. (A ResourceQuota would be the usual tool, but this control
+        # plane has no quota controller filling its status.)
+        cluster.kubectl("cordon", NODE_NAME)
         try:
             yield namespace
         finally:
-            for node in nodes:
-                cluster.kubectl("uncordon", node)
-    finally:
-        remove_demo(cluster=cluster, namespace=namespace, release=RELEASE)
+            cluster.kubectl("uncordon", NODE_NAME)
 
 
 def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
-        cluster: LocalCluster, soak_ns: str, capsys: pytest.CaptureFixture[str]) -> None:
+        cluster: LocalCluster, soak_ns: str, model_hub: ModelHub,
+        capsys: pytest.CaptureFixture[str]) -> None:
     namespace = soak_ns
-    model_cache = ensure_model_cache(cache_dir=cache_root() / "models")
     custom: Any = cluster.custom()
     process = _operator_process(cluster, namespace)
     metrics_url = _operator_metrics_url(cluster, namespace)
@@ -197,7 +185,7 @@ def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
     while done < SOAK_CYCLES:
         names = [f"soak-{done + i}" for i in range(min(BATCH, SOAK_CYCLES - done))]
         for name in names:
-            body = isvc_manifest(name=name, namespace=namespace, mode="Disaggregated", model_cache=model_cache)
+            body = isvc_manifest(name=name, namespace=namespace, mode="Disaggregated", hub=model_hub)
             custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
                                                    contract.PLURAL, body)
 

@@ -1,7 +1,7 @@
 """``python -m splitserve_e2e up|down|status`` (``make cluster-up`` / ``cluster-down``).
 
-``up`` starts a detached daemon that owns the cluster (the local node agent is a thread and
-needs a living process), waits until the cluster is ready, prints how to use it and returns.
+``up`` starts a detached daemon that owns the cluster (its processes, and the kubelet node's
+host changes, which ``stop`` undoes), waits until the cluster is ready, prints how to use it and returns.
 ``down`` asks the daemon to stop (SIGTERM), then kills anything still recorded in the state
 directory's pid files, so nothing survives even a daemon that was SIGKILLed.
 """
@@ -29,26 +29,28 @@ def _options_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-nodes", type=int, default=2, help="kwok GPU nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default="NVIDIA-H200")
-    parser.add_argument("--local-node-gpus", type=int, default=4)
+    parser.add_argument("--node-gpus", type=int, default=4,
+                        help="nvidia.com/gpu the kubelet node advertises (pods run on CPU)")
     parser.add_argument("--no-prometheus", action="store_true")
-    parser.add_argument("--no-local-node", action="store_true")
+    parser.add_argument("--no-kubelet-node", action="store_true",
+                        help="control plane and kwok nodes only (no root needed)")
     parser.add_argument("--scrape-interval-seconds", type=float, default=2.0)
 
 
 def _options_argv(args: argparse.Namespace) -> list[str]:
     """The cluster options of ``up`` rendered back as flags for the daemon."""
     argv = [f"--num-gpu-nodes={args.num_gpu_nodes}", f"--gpus-per-node={args.gpus_per_node}",
-            f"--gpu-product={args.gpu_product}", f"--local-node-gpus={args.local_node_gpus}",
+            f"--gpu-product={args.gpu_product}", f"--node-gpus={args.node_gpus}",
             f"--scrape-interval-seconds={args.scrape_interval_seconds}"]
     argv += ["--no-prometheus"] if args.no_prometheus else []
-    return argv + (["--no-local-node"] if args.no_local_node else [])
+    return argv + (["--no-kubelet-node"] if args.no_kubelet_node else [])
 
 
 def _options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(
         num_gpu_nodes=args.num_gpu_nodes, gpus_per_node=args.gpus_per_node,
-        gpu_product=args.gpu_product, local_node_gpus=args.local_node_gpus,
-        with_prometheus=not args.no_prometheus, with_local_node=not args.no_local_node,
+        gpu_product=args.gpu_product, kubelet_node_gpus=args.node_gpus,
+        with_prometheus=not args.no_prometheus, with_kubelet_node=not args.no_kubelet_node,
         scrape_interval_seconds=args.scrape_interval_seconds)
 
 
@@ -100,7 +102,7 @@ def _up(args: argparse.Namespace) -> int:
     print(f"api server:     {info['api_server_url']}")
     print(f"prometheus:     {info['prometheus_url']}")
     print(f"gpu nodes:      {', '.join(info['gpu_nodes']) or '-'}")
-    print(f"local node:     {info['local_node'] or '-'} (pod logs: {state_dir / 'pods'})")
+    print(f"kubelet node:   {info.get('kubelet_node') or '-'} (pods {info.get('pod_network') or '-'})")
     print(f"export KUBECONFIG={info['kubeconfig']}")
     return 0
 

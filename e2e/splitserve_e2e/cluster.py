@@ -1,11 +1,14 @@
 """The facade: one object that is a running local Kubernetes cluster, or an existing one.
 
 ``LocalCluster`` starts (in order) etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler, kwok with fake GPU nodes, the local node agent and Prometheus, all on
-loopback, with logs and pid files in one state directory; ``stop()`` ends them in reverse
-order and then kills anything still recorded there. ``LocalCluster.from_existing(kubeconfig)``
-wraps a cluster someone else runs: the same client helpers, no process management, and the
-local-node helpers raise :class:`LocalNodeUnavailable` saying why.
+kube-scheduler, kwok with fake GPU nodes, the kubelet node (kubelet, containerd, CNI bridge,
+kube-proxy: :mod:`splitserve_e2e.kubeletnode`) and Prometheus, with logs and pid files in one
+state directory; ``stop()`` ends them in reverse order and then kills anything still recorded
+there. The control plane listens on loopback; with the kubelet node, the API server and
+Prometheus also answer on the node's bridge gateway, where pods reach them.
+``LocalCluster.from_existing(kubeconfig)`` wraps a cluster someone else runs: the same client
+helpers, no process management, and :meth:`LocalCluster.container_pid` (which needs the node's
+containerd) raises :class:`NodeUnavailable` saying why.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from kubernetes.client.exceptions import ApiException
 from splitserve_e2e import kubeconfig as kubeconfigs
 from splitserve_e2e.apiserver import readyz_ok, start_apiserver
 from splitserve_e2e.build import Binaries, cache_root, ensure_binaries
+from splitserve_e2e.containerd import CtrClient, attached_containerd
 from splitserve_e2e.controllers import start_controller_manager, start_scheduler
 from splitserve_e2e.etcd import start_etcd
 from splitserve_e2e.kubeletnode import KubeletNode
 from splitserve_e2e.kwok import GpuNodeShape, create_gpu_nodes, node_ready, start_kwok
-from splitserve_e2e.localnode import LocalNode, pod_pid_from_files, read_pod_log
 from splitserve_e2e.net import LOOPBACK
 from splitserve_e2e.pki import ClusterPki, ensure_pki
 from splitserve_e2e.process import ManagedProcess, kill_recorded, wait_until
@@ -49,8 +52,8 @@ INFO_FILE = "cluster.json"
 ENV_EXISTING_KUBECONFIG = "SPLITSERVE_E2E_KUBECONFIG"
 
 
-class LocalNodeUnavailable(RuntimeError):
-    """A helper that needs the local node agent was used where there is none."""
+class NodeUnavailable(RuntimeError):
+    """A helper that needs this harness's kubelet node was used where there is none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +62,14 @@ class ClusterOptions:
     gpu_product: str = "NVIDIA-H200"
     gpus_per_node: int = 8
     with_prometheus: bool = True
-    with_local_node: bool = True
-    local_node_gpus: int = 4
     scrape_interval_seconds: float = 2.0
-    # a real node (kubelet, containerd, CNI bridge, kube-proxy; root only): see kubeletnode.py
-    with_kubelet_node: bool = False
+    # the real node that runs the pods (kubelet, containerd, CNI bridge, kube-proxy; root
+    # only; one per machine): see kubeletnode.py
+    with_kubelet_node: bool = True
     kubelet_node_gpus: int = 4
 
     def __post_init__(self) -> None:
-        if self.num_gpu_nodes < 0 or self.gpus_per_node < 0 or self.local_node_gpus < 0:
+        if self.num_gpu_nodes < 0 or self.gpus_per_node < 0 or self.kubelet_node_gpus < 0:
             raise ValueError(f"node and GPU counts must be >= 0: {self}")
         if self.scrape_interval_seconds <= 0:
             raise ValueError("scrape_interval_seconds must be > 0")
@@ -91,16 +93,17 @@ class LocalCluster:
         self.state_dir = (state_dir or default_state_dir()).resolve()
         self.kubeconfig: Path = existing_kubeconfig or self.state_dir / "admin.kubeconfig"
         self.prometheus_url: str | None = None
+        self.pod_gateway: str | None = None
+        """The kubelet node's bridge gateway: a host address its pods reach (None without)."""
         self.api_server_url: str = ""
         self.gpu_node_names: list[str] = []
         self.start_seconds: float = 0.0
         self._binaries: Binaries | None = None
         self._pki: ClusterPki | None = None
         self._processes: list[ManagedProcess] = []
-        self._local_node: LocalNode | None = None
         self.kubelet_node: KubeletNode | None = None
         self._stopped = False
-        self._attached_state_dir: Path | None = None
+        self._attached_containerd: CtrClient | None = None
         if not self.managed:
             self.api_server_url = kubeconfigs.server_of(kubeconfig=self.kubeconfig)
 
@@ -121,8 +124,11 @@ class LocalCluster:
         info = read_info(state_dir=directory)
         cluster = cls.from_existing(kubeconfig=Path(info["kubeconfig"]),
                                     prometheus_url=info.get("prometheus_url"))
-        if info.get("local_node"):
-            cluster._attached_state_dir = directory  # pod logs and pids are files there
+        cluster.pod_gateway = info.get("pod_gateway")
+        if info.get("containerd_directory"):  # container pids through the node's containerd
+            cluster._attached_containerd = attached_containerd(
+                directory=Path(info["containerd_directory"]),
+                root=Path(info["containerd_root"]))
         return cluster
 
     @property
@@ -175,7 +181,7 @@ class LocalCluster:
                 log_dir=self.log_dir, pid_dir=self.pid_dir,
                 num_gpus=self.options.kubelet_node_gpus)
             self.kubelet_node.prepare()
-            pod_reachable_address = self.kubelet_node.network.gateway
+            pod_reachable_address = self.pod_gateway = self.kubelet_node.network.gateway
         apiserver = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url,
                                     pki=pki, log_dir=self.log_dir, pid_dir=self.pid_dir,
                                     pod_reachable_address=pod_reachable_address)
@@ -212,12 +218,6 @@ class LocalCluster:
                                                    shape=shape)
             wait_until(lambda: all(node_ready(core.read_node(n)) for n in self.gpu_node_names),
                        timeout_seconds=60, what="kwok GPU nodes Ready", alive=kwok.process)
-        if self.options.with_local_node:
-            self._local_node = LocalNode(
-                api_client_factory=self.api_client, server_url=apiserver.url,
-                ca_cert=pki.ca_cert, state_dir=self.state_dir, pid_dir=self.pid_dir,
-                num_gpus=self.options.local_node_gpus)
-            self._local_node.start()
         if self.kubelet_node is not None:
             self.kubelet_node.start(server_url=apiserver.url)
         if self.options.with_prometheus:
@@ -236,8 +236,6 @@ class LocalCluster:
         if not self.managed or self._stopped:
             return
         self._stopped = True
-        if self._local_node is not None:
-            self._local_node.stop()
         if self.kubelet_node is not None:
             self.kubelet_node.stop()
         for process in reversed(self._processes):
@@ -279,7 +277,13 @@ class LocalCluster:
     def _write_info(self) -> None:
         info = {"kubeconfig": str(self.kubeconfig), "api_server_url": self.api_server_url,
                 "prometheus_url": self.prometheus_url, "gpu_nodes": self.gpu_node_names,
-                "local_node": self._local_node.name if self._local_node else None,
+                "kubelet_node": self.kubelet_node.name if self.kubelet_node else None,
+                "pod_network": str(self.kubelet_node.network.subnet) if self.kubelet_node else None,
+                "pod_gateway": self.pod_gateway,
+                "containerd_directory": (str(self.kubelet_node.containerd.layout.directory)
+                                         if self.kubelet_node else None),
+                "containerd_root": (str(self.kubelet_node.containerd.layout.root)
+                                    if self.kubelet_node else None),
                 "start_seconds": round(self.start_seconds, 1), "pid": os.getpid()}
         (self.state_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
 
@@ -354,35 +358,52 @@ class LocalCluster:
             server=self.api_server_url, ca_cert=ca, token=token.status.token,
             user_name=f"system:serviceaccount:{namespace}:{service_account}", namespace=namespace)
 
-    # ------------------------------------------------------------------ local node
-    def _require_local_node(self) -> LocalNode:
-        if self._local_node is None:
+    # ------------------------------------------------------------------ pods
+    def pod_log(self, *, namespace: str, pod: str, container: str | None = None,
+                previous: bool = False) -> str:
+        """A pod's container log, through the API server (the kubelet serves it)."""
+        core: Any = self.core()
+        kwargs: dict[str, Any] = {"previous": previous}
+        if container is not None:
+            kwargs["container"] = container
+        try:
+            return str(core.read_namespaced_pod_log(pod, namespace, **kwargs))
+        except ApiException as error:
+            if error.status in (400, 404):  # not started yet, or gone
+                return ""
+            raise
+
+    def container_pid(self, *, namespace: str, pod: str, container: str | None = None
+                      ) -> int | None:
+        """Host pid of the main process (tini, PID 1 in the container) of a running
+        container of ``pod`` (its first container by default), or None when it does not run.
+        SIGKILL to it ends the container as an OOM kill or a crash would."""
+        containerd: CtrClient | None = (self.kubelet_node.containerd
+                                        if self.kubelet_node is not None
+                                        else self._attached_containerd)
+        if containerd is None:
             why = ("this is an existing cluster not started by this harness (use "
                    "LocalCluster.attach() for one started with `python -m splitserve_e2e up`)"
-                   if not self.managed else "it was started with with_local_node=False")
-            raise LocalNodeUnavailable(f"the local node agent is not available: {why}")
-        return self._local_node
-
-    def pod_log(self, *, namespace: str, pod: str) -> str:
-        """stdout+stderr of a pod that ran on the local node."""
-        if self._attached_state_dir is not None:
-            return read_pod_log(pods_dir=self._attached_state_dir / "pods", namespace=namespace,
-                                pod=pod)
-        return self._require_local_node().pod_log(namespace=namespace, pod=pod)
-
-    def pod_pid(self, *, namespace: str, pod: str) -> int | None:
-        """pid of the live local process of a pod on the local node, or None."""
-        if self._attached_state_dir is not None:
-            return pod_pid_from_files(pid_dir=self._attached_state_dir / "pids",
-                                      namespace=namespace, pod=pod)
-        return self._require_local_node().pod_pid(namespace=namespace, pod=pod)
+                   if not self.managed else "it was started with with_kubelet_node=False")
+            raise NodeUnavailable(f"the kubelet node's containerd is not available: {why}")
+        core: Any = self.core()
+        try:
+            status = core.read_namespaced_pod(pod, namespace).status
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        for found in status.container_statuses or []:
+            if (container is None or found.name == container) and found.container_id \
+                    and found.state is not None and found.state.running is not None:
+                return containerd.tasks().get(found.container_id.removeprefix("containerd://"))
+        return None
 
     # ------------------------------------------------------------------ helpers
     def endpoints_of(self, *, namespace: str, service: str, port_name: str | None = None
                      ) -> list[str]:
-        """``ip:port`` of the ready endpoints of a Service, from its EndpointSlices (there is no
-        kube-proxy on loopback, so tests and the demo call pods directly). Local-node pods
-        appear through the FQDN slices the local node publishes (see ``localslices``)."""
+        """``ip:port`` of the ready endpoints of a Service, from its EndpointSlices (pod IPs
+        on the kubelet node's bridge answer from the host)."""
         discovery: Any = k8s.DiscoveryV1Api(self.api_client())
         slices = discovery.list_namespaced_endpoint_slice(
             namespace, label_selector=f"kubernetes.io/service-name={service}")

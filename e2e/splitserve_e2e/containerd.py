@@ -140,11 +140,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
 
 @dataclasses.dataclass
-class Containerd:
-    """A running private containerd and the ``ctr`` client bound to it."""
+class CtrClient:
+    """The ``ctr`` client bound to one private containerd's socket."""
 
     layout: ContainerdLayout
-    process: ManagedProcess
     ctr_binary: Path
 
     def ctr(self, *args: str, timeout_seconds: float = 60.0, check: bool = True
@@ -214,6 +213,23 @@ class Containerd:
         listing = self.ctr("containers", "ls", "--quiet", check=False).stdout.split()
         if listing:
             self.ctr("containers", "delete", *listing, check=False, timeout_seconds=30.0)
+
+
+@dataclasses.dataclass
+class Containerd(CtrClient):
+    """A running private containerd (started by this process) and its ``ctr`` client."""
+
+    process: ManagedProcess = dataclasses.field(kw_only=True)
+
+
+def attached_containerd(*, directory: Path, root: Path) -> CtrClient:
+    """A ``ctr`` client for the containerd another process runs in ``directory`` (the
+    ``python -m splitserve_e2e up`` daemon's kubelet node)."""
+    ctr_binary = shutil.which("ctr")
+    if ctr_binary is None:
+        raise RuntimeError("ctr not found (Debian package `containerd`)")
+    return CtrClient(layout=ContainerdLayout(directory, root_directory=root),
+                     ctr_binary=Path(ctr_binary))
 
 
 def start_containerd(*, layout: ContainerdLayout, log_dir: Path, pid_dir: Path,

@@ -4,34 +4,40 @@ A newcomer should see, with one command, what splitserve is for: an InferenceSer
 pools grow when load arrives and shrink when it leaves, decided by the operator from the
 runtime's own metrics. So the demo runs only real parts, the same ones the e2e tests use:
 
-1. the local control plane (``python -m splitserve_e2e up``: etcd, kube-apiserver,
-   controller manager, scheduler, one kwok GPU node, the local node with 4 fake GPUs,
-   Prometheus scraping every 2 s). It runs as the harness's detached daemon, so ``--keep``
-   can leave it running after the demo exits (``make cluster-down`` stops it);
-2. a tiny random Llama (written once under ``~/.cache/splitserve/models``) published as
+1. the container image, built from this working tree (``make image``: a Debian base made
+   here, then buildah; rebuilt only when its inputs change) and pushed to the loopback
+   registry;
+2. the local control plane (``python -m splitserve_e2e up``: etcd, kube-apiserver,
+   controller manager, scheduler, one kwok GPU node, the kubelet node with 4 advertised GPUs
+   that runs every pod as a container from that image, Prometheus scraping every 2 s). It
+   runs as the harness's detached daemon, so ``--keep`` can leave it running after the demo
+   exits (``make cluster-down`` stops it);
+3. a tiny random Llama (written once under ``~/.cache/splitserve/models``) published as
    ``splitserve/tiny-llama`` on a token-protected :class:`~splitserve_e2e.hub.LocalHub` on
-   127.0.0.1, which runs inside the demo process for as long as it runs. The pods download
-   it as in production: ``spec.model.uri: hf://splitserve/tiny-llama`` with
+   the node's bridge gateway, which runs inside the demo process for as long as it runs. The
+   pods download it as in production: ``spec.model.uri: hf://splitserve/tiny-llama`` with
    ``hubEndpoint`` (the hub) and ``hubTokenSecretRef`` (a Secret the demo creates), each pod
    into its own model cache (the operator's default emptyDir); the router fetches the
    tokenizer only;
-3. the Helm chart, with the operator pod on the local node and ``prometheus.url`` set;
-4. ``examples/tiny-aggregated.yaml`` (``--mode Disaggregated``: the disaggregated one) with
-   a 5 s autoscaling interval and a short scale-down window. Aggregated is the default while
-   the runtime's prefill->decode KV hand-off is being wired (prefill pods answered 501);
-5. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
+4. the Helm chart with ``image.repository``/``image.tag`` set to the pushed image and
+   ``prometheus.url``, in a namespace enforcing the ``restricted`` Pod Security level;
+5. ``examples/tiny-aggregated.yaml`` (``--mode Disaggregated``: the disaggregated one) with
+   a 5 s autoscaling interval and a short scale-down window;
+6. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
    ``--duration-seconds``), then idle until the pools are back at their minimum.
 
-Once the service is Ready it prints where the model came from (hub endpoint, commit, files
-and bytes each pod downloaded, from the pod logs). Every few seconds it prints a row
-(replicas desired/ready per pool, queue depth and KV usage from Prometheus, requests
-done/failed), and at the end writes ``timeline.csv`` and ``timeline.png`` to ``--out`` and
-prints a summary, with every pod's download and what the hub served. Everything is torn down on exit, also on
-Ctrl-C, unless ``--keep``.
+Once the service is Ready it prints every pod's image and digest, and where the model came
+from (hub endpoint, commit, files and bytes each pod downloaded, from the pod logs read
+through the API). Every few seconds it prints a row (replicas desired/ready per pool, queue
+depth and KV usage from Prometheus, requests done/failed), and at the end writes
+``timeline.csv`` and ``timeline.png`` to ``--out`` and prints a summary, with every pod's
+download and what the hub served. Everything is torn down on exit, also on Ctrl-C, unless
+``--keep``.
 
-The building blocks (:func:`install_operator`, :func:`isvc_manifest`, :class:`LoadBurst`,
-:func:`sample_pools`, ...) are public: ``e2e/test_autoscaling.py`` and
-``bench/autoscaler_reaction.py`` drive the same stack through them.
+The stack itself (image, hub, chart, manifests) is :mod:`splitserve_e2e.stack`; the load
+and sampling pieces here (:class:`LoadBurst`, :func:`sample_pools`, ...) are public:
+``e2e/test_autoscaling.py`` and ``bench/autoscaler_reaction_e2e.py`` drive the same stack
+through them.
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import csv
 import dataclasses
 import json
@@ -47,7 +52,6 @@ import math
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,31 +63,29 @@ from types import FrameType
 from typing import Any
 from urllib.parse import unquote
 
-import yaml
-
 import splitserve_contract as contract
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
 from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.localnode import LOCAL_NODE_LABEL
+from splitserve_e2e.image import ensure_image
+from splitserve_e2e.stack import (
+    HUB_TOKEN_SECRET,
+    ISVC_PLURAL,
+    MODEL_NAME,
+    ROLES_BY_MODE,
+    SERVED_NAME,
+    ModelHub,
+    create_hub_token_secret,
+    create_namespace,
+    ensure_model_cache,
+    install_operator,
+    isvc_manifest,
+    remove_release,
+    start_model_hub,
+)
 from splitserve_operator.naming import child_name
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "splitserve"
-EXAMPLES = REPO / "examples"
-MODEL_NAME = "splitserve/tiny-llama"
-SERVED_NAME = "tiny-llama"
-RELEASE = "splitserve"
 DEMO_NAMESPACE = "splitserve-demo"
-HUB_PORT = 8765
-"""The demo hub's port when free (``examples/tiny-aggregated.yaml`` names it), else any."""
-HUB_TOKEN_SECRET = "tiny-llama-hub-token"
-"""The Secret (key ``HF_TOKEN``) ``spec.model.hubTokenSecretRef`` names."""
-ISVC_PLURAL = f"{contract.PLURAL}.{contract.API_GROUP}"
-ROLES_BY_MODE: Mapping[str, tuple[str, ...]] = {
-    "Disaggregated": (contract.Role.PREFILL.value, contract.Role.DECODE.value),
-    "Aggregated": (contract.Role.AGGREGATED.value,),
-}
 _PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
                  "the", "operator", "watches", "queues", "grow", "and", "shrink", "on", "a",
                  "small", "machine")
@@ -91,141 +93,6 @@ _PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy",
 
 def _say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# --------------------------------------------------------------------------- model and stack
-def ensure_model_cache(*, cache_dir: Path) -> Path:
-    """``cache_dir`` holding ``splitserve/tiny-llama`` (written once, reused after). Keep it
-    out of /tmp: runtime pods mount an emptyDir on /tmp, and the local node rewrites env
-    values under a mount path into the pod's own directory."""
-    if cache_dir.resolve().is_relative_to("/tmp"):
-        raise ValueError(f"model cache {cache_dir} must not be under /tmp (an emptyDir mount "
-                         "of the runtime pods)")
-    model_dir = cache_dir / MODEL_NAME
-    if not (model_dir / "config.json").is_file():
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(["splitserve", "make-tiny-model", str(model_dir)],
-                                capture_output=True, text=True, timeout=300, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"`splitserve make-tiny-model {model_dir}` failed:\n"
-                               f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return cache_dir
-
-
-def install_operator(*, cluster: LocalCluster, namespace: str, prometheus_url: str,
-                     release: str = RELEASE, timeout_seconds: float = 120.0) -> None:
-    """The chart into ``namespace`` (namespace-scoped RBAC, one replica, on the local node,
-    reading ``prometheus_url``); returns once the operator holds its Lease."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-
-    def established() -> bool:
-        result = cluster.kubectl("get", "crd", ISVC_PLURAL, "-o",
-                                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                                 check=False)
-        return result.returncode == 0 and result.stdout.strip() == "True"
-
-    cluster.wait_for(established, timeout_seconds=60, interval_seconds=0.5,
-                     what=f"CRD {ISVC_PLURAL} Established")
-    escaped_label = LOCAL_NODE_LABEL.replace(".", "\\.")
-    result = cluster.helm("install", release, str(CHART), "-n", namespace, "--skip-crds",
-                          "--set", "rbac.scope=namespace", "--set", "replicaCount=1",
-                          "--set-string", f"nodeSelector.{escaped_label}=true",
-                          "--set-string", f"prometheus.url={prometheus_url}",
-                          # match the harness's fast scrape so the loop reacts in seconds
-                          "--set", f"prometheus.scrapeIntervalSeconds={cluster.options.scrape_interval_seconds:g}",
-                          "--set", f"prometheus.windowSeconds={max(3 * cluster.options.scrape_interval_seconds, 6):g}",
-                          check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"helm install {release} -n {namespace} failed: {result.stderr.strip()}")
-    lease = release if "splitserve" in release else f"{release}-splitserve"  # chart fullname
-
-    def holder() -> str:
-        result = cluster.kubectl("get", "lease", lease, "-n", namespace, "-o",
-                                 "jsonpath={.spec.holderIdentity}", check=False)
-        return result.stdout.strip() if result.returncode == 0 else ""
-
-    cluster.wait_for(holder, timeout_seconds=timeout_seconds, interval_seconds=1.0,
-                     what=f"the operator ({namespace}) holding Lease {lease}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelHub:
-    """Where the pods download ``hf://splitserve/tiny-llama`` from: the hub's endpoint and
-    the Secret (key ``HF_TOKEN``) holding its token."""
-
-    endpoint: str
-    token_secret: str = HUB_TOKEN_SECRET
-
-
-def start_model_hub(*, model_dir: Path, root: Path, token: str,
-                    port: int = HUB_PORT) -> tuple[LocalHub, str]:
-    """A :class:`LocalHub` on 127.0.0.1 (``port`` if free, else any) serving ``model_dir``
-    as ``MODEL_NAME`` and requiring ``token``; returns it, started, with the commit. ``root``
-    is emptied first, so the commit id is the same every run."""
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    try:
-        hub = LocalHub(root, token=token, port=port)
-    except OSError:  # in use: any free port (the manifest gets the actual endpoint)
-        hub = LocalHub(root, token=token, port=0)
-    commit = hub.publish(MODEL_NAME, model_dir)
-    return hub.start(), commit
-
-
-def create_hub_token_secret(*, cluster: LocalCluster, namespace: str, token: str,
-                            name: str = HUB_TOKEN_SECRET) -> None:
-    core: Any = cluster.core()
-    core.create_namespaced_secret(namespace, {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-        "type": "Opaque", "stringData": {contract.ENV_HUB_TOKEN: token}})
-
-
-def isvc_manifest(*, name: str, namespace: str, mode: str, model_cache: Path | None = None,
-                  hub: ModelHub | None = None,
-                  interval: str = "5s", max_replicas: int = 3,
-                  scale_down_stabilization_seconds: int = 20,
-                  prefill_target_queue_depth: float = 2.0,
-                  decode_target_queue_depth: float = 2.0,
-                  decode_target_kv: float = 0.6,
-                  extra_spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The example InferenceService of ``mode`` with a fast, short-windowed autoscaler,
-    taking the model from exactly one of: ``hub`` (``hf://`` downloaded by every pod into its
-    own model cache, as in production; what the demo does) or ``model_cache`` (a host
-    directory already holding ``splitserve/tiny-llama``, named by ``SPLITSERVE_MODEL_CACHE``
-    in ``spec.runtime.env``; no hub involved)."""
-    if (model_cache is None) == (hub is None):
-        raise ValueError("isvc_manifest: pass exactly one of model_cache and hub")
-    example = "tiny-disaggregated.yaml" if mode == "Disaggregated" else "tiny-aggregated.yaml"
-    body: dict[str, Any] = yaml.safe_load((EXAMPLES / example).read_text())
-    body["metadata"] = {"name": name, "namespace": namespace}
-    spec = body["spec"]
-    model = spec["model"]
-    # The example's hub (a fixed port, a Secret by name) is for applying it by hand.
-    model.pop("hubEndpoint", None)
-    model.pop("hubTokenSecretRef", None)
-    if hub is not None:
-        model.update({"uri": f"hf://{MODEL_NAME}", "hubEndpoint": hub.endpoint,
-                      "hubTokenSecretRef": {"name": hub.token_secret}})
-        # Pods inherit the local node's environment: downloads on even if it turned them off.
-        spec["runtime"]["env"] = [{"name": contract.ENV_HUB_OFFLINE, "value": "0"}]
-    else:
-        spec["runtime"]["env"] = [{"name": contract.ENV_MODEL_CACHE, "value": str(model_cache)}]
-    for role in ROLES_BY_MODE[mode]:
-        spec[role]["replicas"] = {"min": 1, "max": max_replicas}
-    spec["autoscaling"] = {
-        "interval": interval,
-        "prefill": {"targetQueueDepth": prefill_target_queue_depth},
-        "decode": {"targetKVCacheUtilization": decode_target_kv,
-                   "targetQueueDepth": decode_target_queue_depth},
-        "behavior": {"scaleUp": {"stabilizationSeconds": 0, "maxStepPercent": 100},
-                     "scaleDown": {"stabilizationSeconds": scale_down_stabilization_seconds,
-                                   "maxStep": 1}},
-    }
-    if mode == "Disaggregated":
-        spec["autoscaling"]["gpuBudget"] = 4
-    for key, value in (extra_spec or {}).items():
-        spec[key] = copy.deepcopy(value)
-    return body
 
 
 _DOWNLOADED = re.compile(r"downloaded (?P<repo>\S+)@\S+ \(commit (?P<commit>[0-9a-f]+)\): (?P<files>\d+) files, "
@@ -243,26 +110,31 @@ class PodDownload:
     seconds: float
 
 
-def pod_downloads(*, pods_dir: Path, namespace: str, since: float) -> list[PodDownload]:
-    """The downloads the pods of ``namespace`` logged, one per pod that downloaded, for the
-    pods whose log the local node wrote at or after ``since`` (``time.time()``); pods that
-    are gone count too (the local node keeps their directories ``<pod>_<uid>``)."""
+def pod_downloads(*, cluster: LocalCluster, namespace: str) -> list[PodDownload]:
+    """The downloads the pods of ``namespace`` logged (their logs through the API server),
+    one per pod that downloaded."""
     out = []
-    directory = pods_dir / namespace
-    for log in sorted(directory.glob("*_*/container.log")) if directory.is_dir() else []:
-        try:
-            if log.stat().st_mtime < since:
-                continue
-            text = log.read_text(errors="replace")
-        except OSError:
-            continue
-        found = list(_DOWNLOADED.finditer(text))
+    core: Any = cluster.core()
+    for pod in core.list_namespaced_pod(namespace).items:
+        found = list(_DOWNLOADED.finditer(cluster.pod_log(namespace=namespace,
+                                                          pod=pod.metadata.name)))
         if found:
             match = found[-1]
-            out.append(PodDownload(pod=log.parent.name.rsplit("_", 1)[0], commit=match["commit"],
+            out.append(PodDownload(pod=pod.metadata.name, commit=match["commit"],
                                    files=int(match["files"]), bytes=int(match["bytes"]),
                                    seconds=float(match["seconds"])))
     return out
+
+
+def pod_images(*, cluster: LocalCluster, namespace: str) -> list[str]:
+    """One line per running container: pod, node, image and the digest the kubelet ran."""
+    lines = []
+    core: Any = cluster.core()
+    for pod in core.list_namespaced_pod(namespace).items:
+        for status in (pod.status.container_statuses if pod.status else None) or []:
+            lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {status.image} "
+                         f"({status.image_id or 'not pulled yet'})")
+    return lines
 
 
 def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]:
@@ -702,27 +574,13 @@ def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
     return lines
 
 
-def remove_demo(*, cluster: LocalCluster, namespace: str, release: str = RELEASE) -> None:
-    """InferenceServices first, while the operator still runs to release its finalizer, then
-    the release and the namespace (a finalizer left behind is cleared rather than waited on)."""
-    cluster.kubectl("delete", ISVC_PLURAL, "--all", "-n", namespace, "--timeout=60s",
-                    check=False, timeout_seconds=90)
-    cluster.helm("uninstall", release, "-n", namespace, check=False)
-    listed = cluster.kubectl("get", ISVC_PLURAL, "-n", namespace, "-o", "name", check=False)
-    for name in listed.stdout.split():
-        cluster.kubectl("patch", name, "-n", namespace, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)
-    cluster.kubectl("delete", "namespace", namespace, "--timeout=90s", check=False,
-                    timeout_seconds=120)
-
-
 def _namespace_exists(*, cluster: LocalCluster, name: str) -> bool:
     return cluster.kubectl("get", "namespace", name, check=False).returncode == 0
 
 
 def _start_cluster(*, state_dir: Path) -> LocalCluster:
     command = [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "up",
-               "--num-gpu-nodes=1", "--gpus-per-node=8", "--local-node-gpus=4",
+               "--num-gpu-nodes=1", "--gpus-per-node=8", "--node-gpus=4",
                "--scrape-interval-seconds=2"]
     result = subprocess.run(command, text=True, capture_output=True, check=False)
     if result.returncode != 0:
@@ -757,23 +615,20 @@ def _stage(title: str) -> Iterator[None]:
 
 def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: Path) -> int:
     started = time.monotonic()
-    since = time.time()
     roles = ROLES_BY_MODE[config.mode]
     config.out_dir.mkdir(parents=True, exist_ok=True)
     own_cluster = True
     cluster: LocalCluster | None = None
     hub: LocalHub | None = None
     hub_root = cache_root() / "demo-hub"
-    pods_dir = state_dir / "pods"
+    downloads: dict[str, PodDownload] = {}
     try:
         with _stage("binaries (built once, then cached under ~/.cache/splitserve/bin)"):
             ensure_binaries()
-        with _stage(f"tiny model on a loopback model hub (hf://{MODEL_NAME})"):
-            model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-            token = f"hf_demo_{secrets.token_hex(16)}"  # a new one every run
-            hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token)
-            _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; "
-                 "every request needs the token")
+        with _stage("the container image from this working tree (rebuilt only when its "
+                    "inputs change), pushed to the loopback registry"):
+            image = ensure_image()
+            _say(f"  {image}")
         if reuse_cluster:
             try:
                 read_info(state_dir=state_dir)
@@ -781,52 +636,67 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             except FileNotFoundError:
                 pass
         if own_cluster:
-            with _stage("local cluster: etcd, kube-apiserver, controllers, kwok, local node, "
-                        "Prometheus"):
+            with _stage("local cluster: etcd, kube-apiserver, controllers, kwok, the kubelet "
+                        "node (containerd, CNI bridge, kube-proxy), Prometheus"):
                 cluster = _start_cluster(state_dir=state_dir)
         else:
             _say(f"reusing the running cluster in {state_dir}")
             cluster = LocalCluster.attach(state_dir=state_dir)
-        prometheus_url = cluster.prometheus_url
-        if not prometheus_url:
-            raise RuntimeError("the cluster has no Prometheus")
-        core = cluster.core()
+        if not cluster.prometheus_url or not cluster.pod_gateway:
+            raise RuntimeError("the demo needs the cluster's Prometheus and its kubelet node")
+        with _stage(f"tiny model on a model hub the pods reach (hf://{MODEL_NAME})"):
+            model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
+            token = f"hf_demo_{secrets.token_hex(16)}"  # a new one every run
+            hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token,
+                                          host=cluster.pod_gateway)
+            model_hub = ModelHub(endpoint=hub.endpoint, token=token)
+            _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; "
+                 "every request needs the token")
         cluster.wait_for(lambda: not _namespace_exists(cluster=cluster, name=config.namespace),
                          timeout_seconds=120, what=f"namespace {config.namespace} gone "
                          "(left by an earlier run)")
-        core.create_namespace({"metadata": {"name": config.namespace}})  # type: ignore[arg-type]
-        cluster.wait_for(lambda: core.read_namespaced_service_account("default", config.namespace),
-                         timeout_seconds=60, what="the namespace's default ServiceAccount")
-        with _stage(f"helm install the chart into {config.namespace} (operator on the local node)"):
-            install_operator(cluster=cluster, namespace=config.namespace,
-                             prometheus_url=prometheus_url)
-        create_hub_token_secret(cluster=cluster, namespace=config.namespace, token=token)
+        create_namespace(cluster, config.namespace, restricted=True)
+        with _stage(f"helm install the chart into {config.namespace} (the operator container "
+                    "pulled from the registry by the kubelet)"):
+            install_operator(cluster=cluster, namespace=config.namespace, image=image)
+        create_hub_token_secret(cluster=cluster, namespace=config.namespace, hub=model_hub)
         manifest = isvc_manifest(name=config.name, namespace=config.namespace, mode=config.mode,
-                                 hub=ModelHub(endpoint=hub.endpoint))
+                                 hub=model_hub, cpu="250m")
         with _stage(f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from "
                     f"{hub.endpoint}) until Ready"):
             apply_object(cluster=cluster, obj=manifest)
             wait_ready(cluster=cluster, namespace=config.namespace, name=config.name,
                        progress=lambda line: _say(f"  {line}"))
-        for line in model_source_lines(hub=hub, commit=commit, downloads=pod_downloads(
-                pods_dir=pods_dir, namespace=config.namespace, since=since)):
+        _say(f"pods in {config.namespace}, each a container from the image (kubelet's image "
+             "and digest):")
+        for line in pod_images(cluster=cluster, namespace=config.namespace):
+            _say(f"  {line}")
+        downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster,
+                                                           namespace=config.namespace))
+        for line in model_source_lines(hub=hub, commit=commit, downloads=list(downloads.values())):
             _say(line)
         endpoint = router_endpoints(cluster=cluster, namespace=config.namespace,
                                     name=config.name)[0]
         _say(f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
              f"{config.duration_seconds:.0f}s after a {config.baseline_seconds:.0f}s baseline")
         print(table_header(roles), flush=True)
+
+        def on_sample(sample: Sample) -> None:
+            print(table_row(sample, roles), flush=True)
+            # scaled-up pods log their download; read it before a scale-down removes them
+            with contextlib.suppress(Exception):
+                downloads.update((d.pod, d) for d in pod_downloads(
+                    cluster=cluster, namespace=config.namespace) if d.pod not in downloads)
+
         samples, burst, load_start, load_end = asyncio.run(run_scenario(
-            cluster=cluster, config=config,
-            on_sample=lambda s: print(table_row(s, roles), flush=True)))
+            cluster=cluster, config=config, on_sample=on_sample))
         csv_path = config.out_dir / "timeline.csv"
         png_path = config.out_dir / "timeline.png"
         write_csv(path=csv_path, samples=samples, roles=roles)
         write_png(path=png_path, samples=samples, roles=roles, load_window=(load_start, load_end),
                   title=f"splitserve demo: {config.mode} InferenceService under a load burst")
         isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
-        model_lines = model_source_lines(hub=hub, commit=commit, downloads=pod_downloads(
-            pods_dir=pods_dir, namespace=config.namespace, since=since))
+        model_lines = model_source_lines(hub=hub, commit=commit, downloads=list(downloads.values()))
         for line in _summary(config=config, samples=samples, burst=burst,
                              load_window=(load_start, load_end), isvc=isvc, csv_path=csv_path,
                              png_path=png_path, total_seconds=time.monotonic() - started,
@@ -840,8 +710,8 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             print(f"  kubectl get deploy,pods -n {config.namespace}")
             print(f"  kubectl get {ISVC_PLURAL} {config.name} -n {config.namespace} "
                   "-o jsonpath='{.status.scalingHistory}'")
-            print(f"  prometheus:  {prometheus_url}")
-            port = hub.endpoint.rsplit(":", 1)[1]
+            print(f"  prometheus:  {cluster.prometheus_url}")
+            host, port = hub.endpoint.removeprefix("http://").rsplit(":", 1)
             print(f"  model hub:   {hub.endpoint} runs inside this demo process and stops when it "
                   "exits (now).")
             print("               The running pods keep serving: each downloaded the model into "
@@ -849,9 +719,9 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             print("               A new pod (a scale-up, a replaced pod) downloads it too: with "
                   "no hub it restarts, its log")
             print("               saying the hub endpoint is unreachable, until the hub serves "
-                  "again (same port and repository):")
-            print(f"    python -m splitserve_e2e.hub {hub_root} --port {port} --token "
-                  f"\"$(kubectl get secret {HUB_TOKEN_SECRET} -n {config.namespace} "
+                  "again (same address and repository):")
+            print(f"    python -m splitserve_e2e.hub {hub_root} --host {host} --port {port} "
+                  f"--token \"$(kubectl get secret {HUB_TOKEN_SECRET} -n {config.namespace} "
                   f"-o jsonpath='{{.data.{contract.ENV_HUB_TOKEN}}}' | base64 -d)\"")
             print("  stop it:     make cluster-down")
         return 0
@@ -862,7 +732,7 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
                 _stop_cluster(state_dir=state_dir)
             elif cluster is not None:
                 _say(f"uninstalling the demo from the reused cluster ({config.namespace})")
-                remove_demo(cluster=cluster, namespace=config.namespace)
+                remove_release(cluster=cluster, namespace=config.namespace)
         if hub is not None:
             hub.stop()
 

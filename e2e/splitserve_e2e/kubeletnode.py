@@ -1,7 +1,7 @@
 """A real node in the local cluster: kubelet + containerd + CNI bridge + kube-proxy.
 
-The process-based local node (:mod:`splitserve_e2e.localnode`) cannot enforce what pods ask
-for: images, security contexts, memory limits, Services. This node runs the pinned kubelet and
+Pods must meet what a real cluster enforces: images, security contexts, memory limits,
+Services. This node runs the pinned kubelet and
 kube-proxy (v1.34.4, built like the control plane) against a private containerd
 (:mod:`splitserve_e2e.containerd`) with a bridge network (:mod:`splitserve_e2e.cni`), so pods
 run from OCI images in their own namespaces and cgroups, with the runtime's default seccomp

@@ -8,7 +8,7 @@ no built-in stages, so the build step writes the "fast" stage set of the pinned 
 
 kwok only manages nodes labelled ``type=kwok``; the nodes carry kwok's usual
 ``kwok.x-k8s.io/node=fake:NoSchedule`` taint, so only pods that tolerate it land there and the
-project's real pods go to the local node instead.
+project's real pods go to the kubelet node instead.
 """
 
 from __future__ import annotations

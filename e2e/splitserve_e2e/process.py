@@ -1,6 +1,6 @@
 """Child processes that never outlive the harness.
 
-Every component (etcd, the API server, pod processes of the local node, ...) starts in its own
+Every component (etcd, the API server, the kubelet, containerd, ...) starts in its own
 session, so one ``killpg`` ends it together with anything it forked. Three layers make sure no
 orphan survives a failed or interrupted test run:
 

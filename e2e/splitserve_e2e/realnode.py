@@ -1,14 +1,14 @@
-"""The product on the kubelet node, as the real-node e2e modules set it up.
+"""The product on the kubelet node, cluster-scoped, as the real-node e2e modules set it up.
 
-:func:`real_node_stack` gives a module its own cluster with only the kubelet node (no kwok
-nodes, no process-based local node) and Prometheus on the node's bridge gateway, the image
-built from the working tree (:func:`~splitserve_e2e.image.ensure_image`, pulled by containerd
-into its root under the cache), a token-protected :class:`~splitserve_e2e.hub.LocalHub` on the
-gateway serving ``splitserve/tiny-llama``, ``restricted`` namespaces, and the chart installed
-with ``image.repository``/``image.tag`` set to the pushed reference: the operator runs as a
-container under its ServiceAccount. :func:`isvc_for_node` makes the tiny InferenceService fit
-the node (no node selector, ``IfNotPresent``). :func:`explained` prints :func:`diagnostics`
-(pods, events and logs read through the API, and the node's log tails) when a step fails.
+:func:`real_node_stack` takes the session's cluster (its kubelet node, Prometheus on the
+node's bridge gateway), the image built from the working tree and the session's model hub,
+and installs the chart cluster-scoped into ``splitserve-system`` with
+``image.repository``/``image.tag`` set to the pushed reference: the operator runs as a
+container under its ServiceAccount and watches every namespace while the module runs (the
+other modules install namespace-scoped operators, one at a time). ``restricted`` namespaces
+are made for the workloads, each with the hub's token Secret. :func:`isvc_for_node` makes
+the tiny InferenceService fit the node. :func:`explained` prints :func:`diagnostics` (pods,
+events and logs read through the API, and the node's log tails) when a step fails.
 
 Used by ``e2e/test_real_node.py`` and ``e2e/test_real_node_oom.py``.
 """
@@ -16,44 +16,31 @@ Used by ``e2e/test_real_node.py`` and ``e2e/test_real_node_oom.py``.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from . import kubeletnode
-from .build import cache_root
-from .cluster import ClusterOptions, LocalCluster
-from .demo import (
-    CHART,
-    MODEL_NAME,
+from .cluster import LocalCluster
+from .hub import LocalHub
+from .image import registry_manifest
+from .kubeletnode import KubeletNode
+from .stack import (
+    ISVC_PLURAL,
     ROLES_BY_MODE,
     ModelHub,
     create_hub_token_secret,
-    ensure_model_cache,
+    create_namespace,
+    install_operator,
     isvc_manifest,
+    remove_release,
 )
-from .hub import LocalHub
-from .image import ensure_image, registry_manifest
-from .kubeletnode import KubeletNode
 
 T = TypeVar("T")
 RELEASE: Final = "splitserve"
 OPERATOR_NAMESPACE: Final = "splitserve-system"
 ISVC_NAME: Final = "tiny"
-HUB_TOKEN: Final = "hf_real_node_token"
-PULL_TIMEOUT_SECONDS: Final = 1200.0  # a cold pull: ~3 GB gzip layers, unpacked to 5.6 GB, 2 cores
-
-
-def missing_prerequisites() -> list[str]:
-    """What this machine lacks for the kubelet node and the image (empty: nothing)."""
-    missing = kubeletnode.missing_prerequisites()
-    if shutil.which("buildah") is None:
-        missing.append("buildah")
-    return missing
 
 
 def log(message: str) -> None:
@@ -123,6 +110,7 @@ class Stack:
     image: str
     manifest_digest: str
     hub: LocalHub
+    model_hub: ModelHub
     workloads: list[str]
     """The restricted namespaces for InferenceServices (the router may watch them)."""
     figures: dict[str, str] = field(default_factory=dict)
@@ -142,15 +130,6 @@ class Stack:
         return [OPERATOR_NAMESPACE, *self.workloads]
 
 
-def restricted_namespace(cluster: LocalCluster, name: str) -> None:
-    core: Any = cluster.core()
-    core.create_namespace({"metadata": {"name": name, "labels": {
-        "pod-security.kubernetes.io/enforce": "restricted",
-        "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    wait(cluster, lambda: core.read_namespaced_service_account("default", name), timeout=60,
-         what=f"ServiceAccount {name}/default", interval=0.5)
-
-
 def pull_event(cluster: LocalCluster, namespace: str, pod: str) -> str:
     """The kubelet's Pulled event of ``pod`` ("Successfully pulled ... in 1m2s" or
     "... already present on machine")."""
@@ -158,24 +137,6 @@ def pull_event(cluster: LocalCluster, namespace: str, pod: str) -> str:
     events = core.list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={pod},reason=Pulled").items
     return str(events[-1].message) if events else ""
-
-
-def install_chart(stack: Stack) -> None:
-    cluster = stack.cluster
-    repository, tag = stack.image.rsplit(":", 1)
-    prometheus = cluster.prometheus_url
-    assert prometheus and prometheus.startswith(f"http://{stack.node.network.gateway}:"), prometheus
-    interval = cluster.options.scrape_interval_seconds
-    cluster.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-                 "--set-string", f"image.repository={repository}",
-                 "--set-string", f"image.tag={tag}",
-                 "--set-string", "image.pullPolicy=IfNotPresent",
-                 "--set", "replicaCount=1",
-                 "--set-string", f"prometheus.url={prometheus}",
-                 "--set", f"prometheus.scrapeIntervalSeconds={interval:g}",
-                 "--set", f"prometheus.windowSeconds={max(3 * interval, 6):g}",
-                 "--set", f"router.namespaces={{{','.join(stack.workloads)}}}",
-                 timeout_seconds=180)
 
 
 def operator_pod(cluster: LocalCluster) -> Any:
@@ -189,78 +150,53 @@ def operator_pod(cluster: LocalCluster) -> Any:
 
 
 @contextlib.contextmanager
-def real_node_stack(*, workloads: Sequence[str], hub_root: Path,
-                    keep_state: Callable[[], bool]) -> Iterator[Stack]:
-    """The cluster, hub, namespaces and operator (see the module); everything is stopped on
-    exit, and the cluster's state directory removed unless ``keep_state()`` (a test failed),
-    when its path is printed. The caller checks :func:`missing_prerequisites` first."""
-    figures: dict[str, str] = {}
-    started = time.monotonic()
-    image = ensure_image()  # built from this working tree; a no-change call takes seconds
-    figures["image build+push (ensure_image)"] = f"{time.monotonic() - started:.1f}s"
+def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_hub: ModelHub,
+                    workloads: Sequence[str]) -> Iterator[Stack]:
+    """The namespaces and the cluster-scoped operator (see the module), removed on exit."""
+    if cluster.kubelet_node is None or not cluster.prometheus_url:
+        raise RuntimeError("real_node_stack needs the cluster's kubelet node and Prometheus")
     found = registry_manifest(image.rsplit(":", 1)[1])
     assert found is not None, f"{image} is not in the loopback registry"
     log(f"image {image} (manifest {found[0]})")
-
-    runs = cache_root() / "e2e-runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(tempfile.mkdtemp(prefix="rn-", dir=runs))  # short: unix socket paths
-    cluster = LocalCluster(state_dir=state_dir, options=ClusterOptions(
-        num_gpu_nodes=0, with_local_node=False, with_prometheus=True, with_kubelet_node=True,
-        scrape_interval_seconds=2.0))
-    model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-    hub: LocalHub | None = None
+    stack = Stack(cluster=cluster, image=image, manifest_digest=found[0], hub=hub,
+                  model_hub=model_hub, workloads=list(workloads))
+    figures = stack.figures
+    figures["kubelet node process start -> Ready"] = f"{cluster.kubelet_node.ready_seconds:.1f}s"
     try:
-        cluster.start()
-        node = cluster.kubelet_node
-        assert node is not None
-        figures["cluster start (with kubelet node)"] = f"{cluster.start_seconds:.1f}s"
-        figures["kubelet node process start -> Ready"] = f"{node.ready_seconds:.1f}s"
-        log(f"cluster started in {cluster.start_seconds:.1f}s (state {state_dir}); "
-            f"Prometheus {cluster.prometheus_url}")
-        hub = LocalHub(hub_root, token=HUB_TOKEN, host=node.network.gateway).start()
-        hub.publish(MODEL_NAME, model_dir)
-        stack = Stack(cluster=cluster, image=image, manifest_digest=found[0], hub=hub,
-                      workloads=list(workloads), figures=figures)
         with explained(cluster, stack.namespaces):
             for name in stack.namespaces:
-                restricted_namespace(cluster, name)
+                create_namespace(cluster, name, restricted=True)
+            for name in stack.workloads:
+                create_hub_token_secret(cluster=cluster, namespace=name, hub=model_hub)
             started = time.monotonic()
-            install_chart(stack)
-            operator = wait(cluster, lambda: operator_pod(cluster), timeout=PULL_TIMEOUT_SECONDS,
-                            what="the operator pod Ready (includes pulling the image)")
+            install_operator(cluster=cluster, namespace=OPERATOR_NAMESPACE, image=image,
+                             release=RELEASE, cluster_scope=True,
+                             extra_args=("--set", f"router.namespaces={{{','.join(stack.workloads)}}}"))
+            operator = wait(cluster, lambda: operator_pod(cluster), timeout=60,
+                            what="the operator pod Ready")
             figures["helm install -> operator Ready"] = f"{time.monotonic() - started:.1f}s"
             figures["operator image pull (kubelet)"] = pull_event(
                 cluster, OPERATOR_NAMESPACE, operator.metadata.name)
             log(f"operator Ready; {figures['operator image pull (kubelet)']}")
-            removed = node.containerd.remove_images(prefix=image.rsplit(":", 1)[0] + ":",
-                                                    keep=image)
-            if removed:
-                log(f"removed older builds from containerd's shared root: {removed}")
         yield stack
     finally:
-        if hub is not None:
-            hub.stop()
-        cluster.stop()
-        if keep_state():
-            print(f"kubelet node state and logs kept in {state_dir}")
-        else:
-            shutil.rmtree(state_dir, ignore_errors=True)
+        for name in stack.workloads:
+            cluster.kubectl("delete", ISVC_PLURAL, "--all", "-n", name, "--timeout=60s",
+                            check=False, timeout_seconds=90)
+        remove_release(cluster=cluster, namespace=OPERATOR_NAMESPACE, release=RELEASE)
+        for name in stack.workloads:
+            cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
         print("\nfigures:\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items()))
 
 
 def isvc_for_node(stack: Stack, *, namespace: str, mode: str, cpu: str,
                   memory: str | None = None) -> dict[str, Any]:
-    """The tiny InferenceService of ``mode`` for the kubelet node (``hf://`` from the hub, whose
-    token Secret this creates in ``namespace``; ``--device cpu``; ``cpu``, and ``memory`` when
-    given, per pod of each pool; the node has the machine's cores), not yet applied."""
-    create_hub_token_secret(cluster=stack.cluster, namespace=namespace, token=HUB_TOKEN)
+    """The tiny InferenceService of ``mode`` (``hf://`` from the hub; ``--device cpu``;
+    ``cpu``, and ``memory`` when given, per pod of each pool), not yet applied."""
     manifest = isvc_manifest(name=ISVC_NAME, namespace=namespace, mode=mode,
-                             hub=ModelHub(endpoint=stack.hub.endpoint), max_replicas=1)
+                             hub=stack.model_hub, max_replicas=1, cpu=cpu)
     spec = manifest["spec"]
     for role in ROLES_BY_MODE[mode]:
-        spec[role].pop("nodeSelector", None)  # only the kubelet node here
-        spec[role]["resources"]["cpu"] = cpu
         if memory is not None:
             spec[role]["resources"]["memory"] = memory
     spec["runtime"]["imagePullPolicy"] = "IfNotPresent"
