@@ -52,7 +52,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CONTAINERFILE = "Containerfile"
 IGNORE_FILE = ".containerignore"
 # What the build context holds (the .containerignore whitelist); the stamp hashes exactly this.
-CONTEXT_PATHS = ("pyproject.toml", "README.md", "contract/splitserve_contract",
+CONTEXT_PATHS = ("pyproject.toml", "README.md", "image-constraints.txt",
+                 "contract/splitserve_contract",
                  "operator/splitserve_operator", "runtime/splitserve_runtime",
                  "planner/splitserve_planner", "cli/splitserve_cli", "e2e/splitserve_e2e")
 _SKIPPED_NAMES = frozenset({"__pycache__", ".mypy_cache"})
@@ -641,6 +642,30 @@ def built_reference() -> str | None:
     return registry_reference(tag) if isinstance(tag, str) else None
 
 
+# --------------------------------------------------------------------------- constraints
+CONSTRAINTS_FILE = "image-constraints.txt"
+_CONSTRAINTS_HEADER = f"""\
+# The versions the image installs besides torch and triton (pinned in pyproject.toml): the
+# Containerfile passes this file to pip as constraints, so a rebuild on another day or machine
+# gets what the tests ran against. Refresh after changing dependencies:
+#   python -m splitserve_e2e.image freeze > {CONSTRAINTS_FILE}
+"""
+
+
+def frozen_requirements(image: BuiltImage) -> str:
+    """``pip freeze`` inside ``image`` (the package itself left out), with the header of
+    :data:`CONSTRAINTS_FILE`."""
+    buildah = _tool("buildah")
+    container = _run([buildah, "from", "--pull-never", image.local_references[0]],
+                     what="buildah from").strip().splitlines()[-1]
+    try:
+        frozen = _run([buildah, "run", container, "--", "pip", "freeze", "--exclude", IMAGE_NAME],
+                      what="pip freeze in the image")
+    finally:
+        _run([buildah, "rm", container], what="buildah rm")
+    return _CONSTRAINTS_HEADER + frozen
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -661,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry_parser.add_argument("action",
                                  choices=("start", "stop", "status", "address", "reset"))
     commands.add_parser("ref", help="print the loopback reference of the last build")
+    commands.add_parser("freeze", help=f"print {CONSTRAINTS_FILE} from the built image")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
@@ -679,6 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds = push(image=image, destination=args.destination,
                            tls_verify=args.tls_verify == "true", compression=args.compression)
             print(f"pushed {image.local_references[0]} to {args.destination} in {seconds:.0f}s")
+        elif args.command == "freeze":
+            print(frozen_requirements(build()), end="")
         elif args.command == "registry":
             if args.action == "start":
                 print(ensure_registry())

@@ -1,0 +1,36 @@
+"""The image's rebuild stamp hashes exactly the build context the Containerfile sees.
+
+``splitserve_e2e.image`` decides whether ``make image`` must rebuild from a hash over
+``CONTEXT_PATHS``; the builder sees what ``.containerignore`` lets through. If the two lists
+drift, a change could reach the image without a rebuild (or never reach it), so they are
+checked against each other here, together with the pip constraints the Containerfile copies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from splitserve_e2e.image import CONSTRAINTS_FILE, CONTEXT_PATHS, IGNORE_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _whitelist() -> list[str]:
+    lines = (REPO / IGNORE_FILE).read_text().splitlines()
+    return [line[1:] for line in lines if line.startswith("!")]
+
+
+def test_stamp_inputs_are_the_build_context() -> None:
+    assert sorted(_whitelist()) == sorted(CONTEXT_PATHS)
+    assert "*" in (REPO / IGNORE_FILE).read_text().splitlines()  # everything else stays out
+
+
+def test_containerfile_installs_with_the_committed_constraints() -> None:
+    containerfile = (REPO / "Containerfile").read_text()
+    assert f"COPY {CONSTRAINTS_FILE} " in containerfile
+    assert containerfile.count("-c /opt/splitserve/requirements/constraints.txt") == 2
+    pins = [line for line in (REPO / CONSTRAINTS_FILE).read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert pins and all("==" in line for line in pins), pins
+    names = {line.split("==")[0].lower() for line in pins}
+    assert {"kopf", "kubernetes", "pydantic", "torch", "triton"} <= names
