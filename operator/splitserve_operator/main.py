@@ -86,7 +86,7 @@ def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
 
 
 def _bind_host() -> str:
-    # On the node's pod network the pod IP; the e2e local node gives each pod a loopback IP.
+    # The pod IP (the chart sets POD_IP): /metrics and the probes answer on the pod network only.
     return os.environ.get(contract.ENV_POD_IP) or "0.0.0.0"
 
 

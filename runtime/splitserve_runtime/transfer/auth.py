@@ -31,8 +31,8 @@ the path between two pods is out of scope here (that needs TLS), a stranger is n
 Without a key (a development setup on one machine, or the aggregated role) the handoff is
 confined to loopback: a decode pod accepts only parameters naming a loopback endpoint
 (127.0.0.0/8, ::1, localhost) and connects nowhere else, and a prefill pod's KV server serves
-only loopback peers. This keeps the tests' and the local node's loopback pods working, and
-makes the unauthenticated mode unable to reach, or be reached from, another host. The pods log
+only loopback peers. This keeps the tests' loopback processes working, and makes the
+unauthenticated mode unable to reach, or be reached from, another host. The pods log
 a warning at start-up when they run a prefill or decode role without a key.
 
 The key is never logged, echoed or shown in a ``repr``.
