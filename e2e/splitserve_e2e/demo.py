@@ -750,9 +750,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--baseline-seconds", type=float, default=10.0,
                         help="idle time before the burst")
     parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Aggregated",
-                        help="Aggregated (default: the prefill->decode KV hand-off of the "
-                             "runtime is not wired yet, prefill pods answer 501) or "
-                             "Disaggregated")
+                        help="Aggregated (default: one pool) or Disaggregated (prefill and "
+                             "decode pools scaling on their own signals, KV handed over)")
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
     parser.add_argument("--state-dir", type=Path, default=cache_root() / "cluster",
                         help="the cluster's state directory (the one `make cluster-down` stops)")
