@@ -16,6 +16,7 @@ import yaml
 
 from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.stack import apply_crds
 from splitserve_operator import api, crdgen
 from splitserve_operator.api import rules
 
@@ -28,8 +29,7 @@ CHART = REPO / "helm" / "splitserve"
 
 @pytest.fixture(scope="module")
 def crd(cluster: LocalCluster) -> str:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crdgen.CRD_NAME}", "--timeout=60s")
+    apply_crds(cluster, CRD_FILE)
     return crdgen.CRD_NAME
 
 
@@ -175,7 +175,7 @@ def test_namespace_scope_rbac_grants_exactly_what_the_operator_needs(cluster: Lo
             (operator, f"list inferenceservices.splitserve.dev -n {namespace}"): "no",
             (operator, "list nodes"): "no",
             (router, f"list endpointslices.discovery.k8s.io -n {watched}"): "yes",
-            (router, f"watch pods -n {watched}"): "yes",
+            (router, f"watch pods -n {watched}"): "no",  # EndpointSlices only
             (router, f"patch pods -n {watched}"): "no",
             (router, f"get secrets -n {watched}"): "no",
         }

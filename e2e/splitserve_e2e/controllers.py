@@ -3,7 +3,7 @@
 Only the controllers the project's workloads exercise run (Deployments, ReplicaSets, garbage
 collection of owned objects, EndpointSlices, namespaces, ServiceAccounts and their tokens, the
 root CA ConfigMap, PodDisruptionBudgets, pod GC, ClusterRole aggregation, node lifecycle
-taints): every extra
+taints, PersistentVolume binding for ``pvc://`` models): every extra
 controller costs informers and CPU on a two-core machine. Both components run without leader
 election and without their HTTPS endpoints (``--secure-port=0``); their health shows through
 the API (the ``default`` ServiceAccount appears, pods get bound).
@@ -31,6 +31,8 @@ CONTROLLERS = (
     # removes the node.kubernetes.io/not-ready taint that admission puts on every new Node once
     # the node reports Ready (and taints nodes whose Lease goes stale), as in a real cluster
     "node-lifecycle-controller",
+    # binds PersistentVolumeClaims to PersistentVolumes (pvc:// models; e2e/test_model_pvc.py)
+    "persistentvolume-binder-controller",
 )
 
 

@@ -142,6 +142,22 @@ def pull_on_node(*, cluster: LocalCluster, image: str, namespace: str = "splitse
 
 
 # --------------------------------------------------------------------------- the operator
+def apply_crds(cluster: LocalCluster, path: Path) -> None:
+    """``kubectl apply --server-side`` the CRDs at ``path`` (as a platform team does: Helm
+    installs crds/ only once, never upgrades), then poll until the InferenceService CRD is
+    Established (polled: ``kubectl wait`` right after the apply has been seen to fail)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+
+    def established() -> bool:
+        result = cluster.kubectl("get", "crd", ISVC_PLURAL, "-o",
+                                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                                 check=False)
+        return result.returncode == 0 and result.stdout.strip() == "True"
+
+    cluster.wait_for(established, timeout_seconds=60, interval_seconds=0.5,
+                     what=f"CRD {ISVC_PLURAL} Established")
+
+
 def install_operator(*, cluster: LocalCluster, namespace: str, image: str,
                      prometheus_url: str | None = None, with_prometheus: bool = True,
                      release: str = RELEASE,
@@ -152,16 +168,7 @@ def install_operator(*, cluster: LocalCluster, namespace: str, image: str,
     operator container from ``image`` (``registry/name:tag``), reading ``prometheus_url``
     (default: the cluster's; none at all when not ``with_prometheus``: no autoscaling
     decisions); returns once the operator holds its Lease."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-
-    def established() -> bool:
-        result = cluster.kubectl("get", "crd", ISVC_PLURAL, "-o",
-                                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                                 check=False)
-        return result.returncode == 0 and result.stdout.strip() == "True"
-
-    cluster.wait_for(established, timeout_seconds=60, interval_seconds=0.5,
-                     what=f"CRD {ISVC_PLURAL} Established")
+    apply_crds(cluster, CHART / "crds")
     repository, tag = image.rsplit(":", 1)
     values = ["--set-string", f"image.repository={repository}", "--set-string", f"image.tag={tag}",
               "--set-string", "image.pullPolicy=IfNotPresent",
