@@ -42,6 +42,7 @@ from splitserve_e2e.net import LOOPBACK
 from splitserve_e2e.stack import (
     MODEL_NAME,
     ModelHub,
+    create_namespace,
     ensure_model_cache,
     pull_on_node,
     start_model_hub,
@@ -158,10 +159,8 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
     """A fresh namespace whose ``default`` ServiceAccount exists (pods need it)."""
     stem = request.node.name.replace("_", "-").lower()[:40].strip("-")
     name = f"e2e-{stem}-{uuid.uuid4().hex[:5]}"
+    create_namespace(cluster, name)
     core = cluster.core()
-    core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
-    cluster.wait_for(lambda: core.read_namespaced_service_account("default", name),
-                     timeout_seconds=30, what=f"ServiceAccount {name}/default")
     yield name
     try:
         core.delete_namespace(name)

@@ -91,8 +91,8 @@ def _oom_killed(stack: Stack) -> tuple[Any, Any] | None:
     return None
 
 
-def _conditions(stack: Stack) -> dict[str, dict[str, Any]]:
-    obj = get_isvc(cluster=stack.cluster, namespace=stack.namespace, name=ISVC_NAME)
+def _conditions(stack: Stack, name: str = ISVC_NAME) -> dict[str, dict[str, Any]]:
+    obj = get_isvc(cluster=stack.cluster, namespace=stack.namespace, name=name)
     return {str(c["type"]): c for c in (obj.get("status") or {}).get("conditions") or []}
 
 
@@ -187,8 +187,7 @@ def test_image_the_registry_lacks_is_reported_with_the_pull_error(stack: Stack) 
             apply_object(cluster=cluster, obj=manifest)
 
             def stalled_on_pull() -> dict[str, Any] | None:
-                obj = get_isvc(cluster=cluster, namespace=stack.namespace, name="unpulled")
-                found = {str(c["type"]): c for c in (obj.get("status") or {}).get("conditions") or []}
+                found = _conditions(stack, "unpulled")
                 stalled = found.get(ConditionType.STALLED) or {}
                 return found if stalled.get("status") == "True" and \
                     stalled.get("reason") in pull_reasons else None

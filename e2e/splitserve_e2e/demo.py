@@ -57,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -110,12 +110,15 @@ class PodDownload:
     seconds: float
 
 
-def pod_downloads(*, cluster: LocalCluster, namespace: str) -> list[PodDownload]:
+def pod_downloads(*, cluster: LocalCluster, namespace: str,
+                  known: Collection[str] = ()) -> list[PodDownload]:
     """The downloads the pods of ``namespace`` logged (their logs through the API server),
-    one per pod that downloaded."""
+    one per pod that downloaded; the logs of the pods in ``known`` are not read again."""
     out = []
     core: Any = cluster.core()
     for pod in core.list_namespaced_pod(namespace).items:
+        if pod.metadata.name in known:
+            continue
         found = list(_DOWNLOADED.finditer(cluster.pod_log(namespace=namespace,
                                                           pod=pod.metadata.name)))
         if found:
@@ -686,7 +689,7 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             # scaled-up pods log their download; read it before a scale-down removes them
             with contextlib.suppress(Exception):
                 downloads.update((d.pod, d) for d in pod_downloads(
-                    cluster=cluster, namespace=config.namespace) if d.pod not in downloads)
+                    cluster=cluster, namespace=config.namespace, known=downloads))
 
         samples, burst, load_start, load_end = asyncio.run(run_scenario(
             cluster=cluster, config=config, on_sample=on_sample))
