@@ -2,7 +2,7 @@
 
 Parsing happens once, here, into a frozen dataclass, so the model, the KV-cache sizing and
 the server never read raw JSON. Anything we cannot run correctly (another architecture, an
-unknown RoPE scaling type, a pre-quantized checkpoint, MLP bias) is rejected with a message
+unknown RoPE scaling type, MLP bias) is rejected with a message
 naming the field rather than producing silently wrong output. Both the classic
 ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict written by
 transformers 5 are accepted. It lives in the contract because two sides read the same file
@@ -13,7 +13,7 @@ both refuse an architecture the capabilities table does not list.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    quantization_config: dict[str, Any] | None = field(default=None, hash=False)
+    """A pre-quantized checkpoint's ``quantization_config``, as written; the runtime's loader
+    decides whether it can serve it (the planner reads its method to size the weights)."""
 
     @property
     def q_size(self) -> int:
@@ -210,8 +213,9 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any], source: str) -> Mode
             f"{source}: unsupported architecture {architecture!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if raw.get("quantization_config") is not None:
-        raise ModelLoadError(f"{source}: pre-quantized checkpoints (quantization_config) are not supported")
+    quantization_config = raw.get("quantization_config")
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be an object")
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ModelLoadError(f"{source}: unsupported hidden_act {hidden_act!r}; supported: silu")
@@ -268,4 +272,5 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any], source: str) -> Mode
         eos_token_ids=eos_token_ids,
         bos_token_id=bos[0] if bos else None,
         torch_dtype=dtype if isinstance(dtype, str) else None,
+        quantization_config=quantization_config,
     )

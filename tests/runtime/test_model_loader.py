@@ -74,7 +74,7 @@ def test_unsupported_architecture(model_copy: Path) -> None:
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        ({"quantization_config": {"quant_method": "awq"}}, "pre-quantized"),
+        ({"quantization_config": "awq"}, "quantization_config must be an object"),
         ({"vocab_size": "512"}, "'vocab_size' must be a positive integer"),
     ],
 )

@@ -20,6 +20,7 @@ from torch import nn
 from splitserve_contract.model_config import ModelConfig
 
 from ..ops.interface import AttentionMetadata, Ops
+from ..quant.formats import LinearWeight, weight_nbytes
 from .rope import build_cos_sin_cache
 
 
@@ -27,22 +28,58 @@ def _param(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block."""
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The layer's fused linear projections: each holds a dense ``[N, K]`` parameter or a
+quantized layout (:mod:`splitserve_runtime.quant.formats`) set by the loader."""
 
-    def __init__(self, *, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block.
+
+    ``linear_device`` is where the dense projection parameters are allocated: ``meta`` (no
+    memory) when the loader will put quantized weights there instead."""
+
+    qkv_proj: LinearWeight
+    o_proj: LinearWeight
+    gate_up_proj: LinearWeight
+    down_proj: LinearWeight
+
+    def __init__(self, *, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 linear_device: torch.device | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         qkv_rows = config.q_size + 2 * config.kv_size
+        linear_device = linear_device or device
         self.input_layernorm = _param((hidden,), dtype=dtype, device=device)
-        self.qkv_proj = _param((qkv_rows, hidden), dtype=dtype, device=device)
+        self.qkv_proj = _param((qkv_rows, hidden), dtype=dtype, device=linear_device)
         self.qkv_bias = (
             _param((qkv_rows,), dtype=dtype, device=device) if config.attention_bias else None
         )
-        self.o_proj = _param((hidden, config.q_size), dtype=dtype, device=device)
+        self.o_proj = _param((hidden, config.q_size), dtype=dtype, device=linear_device)
         self.post_attention_layernorm = _param((hidden,), dtype=dtype, device=device)
-        self.gate_up_proj = _param((2 * config.intermediate_size, hidden), dtype=dtype, device=device)
-        self.down_proj = _param((hidden, config.intermediate_size), dtype=dtype, device=device)
+        self.gate_up_proj = _param((2 * config.intermediate_size, hidden), dtype=dtype, device=linear_device)
+        self.down_proj = _param((hidden, config.intermediate_size), dtype=dtype, device=linear_device)
+
+    def set_linear(self, name: str, weight: LinearWeight) -> None:
+        """Put ``weight`` (dense or quantized) in projection ``name``; its shape must match."""
+        if name not in LINEAR_NAMES:
+            raise ValueError(f"unknown projection {name!r}")
+        current = getattr(self, name)
+        expected = _shape(current)
+        if _shape(weight) != expected:
+            raise ValueError(f"{name}: weight of shape {_shape(weight)} does not fit {expected}")
+        if name in self._parameters:
+            del self._parameters[name]
+        if isinstance(weight, torch.Tensor):
+            self.register_parameter(name, nn.Parameter(weight, requires_grad=False))
+        else:
+            object.__setattr__(self, name, weight)
+
+
+def _shape(weight: LinearWeight) -> tuple[int, int]:
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return weight.out_features, weight.in_features
 
 
 class LlamaForCausalLM(nn.Module):
@@ -50,6 +87,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, *, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
+        quantized_linears: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -59,7 +97,8 @@ class LlamaForCausalLM(nn.Module):
         self.scale = config.head_dim**-0.5
         self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config=config, dtype=dtype, device=device)
+            LlamaDecoderLayer(config=config, dtype=dtype, device=device,
+                              linear_device=torch.device("meta") if quantized_linears else device)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = _param((config.hidden_size,), dtype=dtype, device=device)
@@ -76,6 +115,17 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast(list[LlamaDecoderLayer], list(self.layers))
+
+    def weight_nbytes(self) -> int:
+        """Bytes of every weight as held (quantized projections at their packed size)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters() if p.device.type != "meta")
+        for layer in self.decoder_layers():
+            total += sum(weight_nbytes(w) for name in LINEAR_NAMES
+                         if not isinstance(w := getattr(layer, name), torch.Tensor))
+        return total
 
     @torch.inference_mode()
     def forward(
@@ -109,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = ops.fused_add_rms_norm(
                     hidden, residual, layer.input_layernorm, cfg.rms_norm_eps,
                 )
-            qkv = F.linear(hidden, layer.qkv_proj, layer.qkv_bias)
+            qkv = ops.linear(hidden, layer.qkv_proj, layer.qkv_bias)
             q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -117,12 +167,12 @@ class LlamaForCausalLM(nn.Module):
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
             ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
             attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md)
-            hidden = F.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj)
+            hidden = ops.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj, None)
             hidden, residual = ops.fused_add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, cfg.rms_norm_eps,
             )
-            gate_up = F.linear(hidden, layer.gate_up_proj)
-            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down_proj)
+            gate_up = ops.linear(hidden, layer.gate_up_proj, None)
+            hidden = ops.linear(ops.silu_and_mul(gate_up), layer.down_proj, None)
         if residual is None:
             return ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

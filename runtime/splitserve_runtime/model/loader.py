@@ -7,6 +7,13 @@ expected. Any deviation is a :class:`ModelLoadError` naming the tensor, its file
 shapes: a truncated download or the wrong config never turns into garbage output. Shards
 are read one at a time through ``safetensors.safe_open``, so peak host memory stays at one
 tensor, not one checkpoint.
+
+Quantized models (a checkpoint with a ``quantization_config``, or ``quantization`` fp8/int8/int4
+asked of a dense one) take another path for the decoder layers' linear projections: each
+module's stored tensors are gathered until its fused group (q/k/v, gate/up) is complete,
+decoded (:mod:`.checkpoint_quant`) or quantized (:mod:`..quant.quantize`), concatenated and
+moved to the device as one quantized weight; the dense projection parameters are never
+allocated (they live on the ``meta`` device until replaced).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from splitserve_contract.model_config import ModelConfig, load_model_config
 from ..ops.interface import Ops
 from .errors import ModelLoadError
 from .llama import LlamaForCausalLM
+from .quantized_linears import LinearAssembler, load_time_method, resolve_scheme
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,19 +99,33 @@ def weight_files(*, model_dir: Path) -> list[Path]:
 
 def load_model(
     *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
-    config: ModelConfig | None = None,
+    config: ModelConfig | None = None, quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir``'s config and fill it from its safetensors files."""
+    """Build the model for ``model_dir``'s config and fill it from its safetensors files.
+
+    ``quantization`` is ``spec.model.quantization``: ``none`` serves the checkpoint as
+    stored (dense, or pre-quantized per its ``quantization_config``); ``fp8``/``int8``/``int4``
+    quantizes a dense checkpoint at load time and must match a pre-quantized one's method."""
     config = config if config is not None else load_model_config(model_dir=model_dir)
     files = weight_files(model_dir=model_dir)
-    model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device)
+    scheme = resolve_scheme(config=config, quantization=quantization, source=str(model_dir))
+    load_time = load_time_method(scheme=scheme, quantization=quantization)
+    quantized = scheme is not None or load_time is not None
+    model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device, quantized_linears=quantized)
     params = dict(model.named_parameters())
     targets = _targets(config)
+    assembler = (LinearAssembler(model=model, config=config, scheme=scheme, load_time=load_time,
+                                 dtype=dtype, device=device) if quantized else None)
+    if assembler is not None:
+        targets = {name: t for name, t in targets.items() if not assembler.owns(name)}
     loaded: dict[str, Path] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if assembler is not None and assembler.owns(name):
+                        assembler.add(name=name, tensor=handle.get_tensor(name), path=path)
+                        continue
                     _load_one(
                         name=name, path=path, handle=handle, targets=targets, params=params,
                         loaded=loaded, config=config,
@@ -111,6 +133,8 @@ def load_model(
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     missing = [name for name in targets if name not in loaded]
+    if assembler is not None:
+        missing += assembler.missing()
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
