@@ -11,6 +11,12 @@ intermediate 14336. Every figure is a ratio against something measured in the sa
 * prefill attention, prompt {512, 2k, 8k} (8192 tokens per step: 8192 / prompt sequences),
   plus one extend chunk on a cached prefix: TFLOP/s vs SDPA (flash) and vs 790 TFLOP/s;
 * RMSNorm, fused add + RMSNorm, SiLU-and-mul, RoPE, KV write: GB/s vs the torch backend.
+* quantized GEMMs (fp8 W8A8, int8 W8A8, int8 W8A16, int4 W4A16 group 128) of a K=4096 layer,
+  N {4096, 14336}, M decode-like {1, 16, 64} and prefill-like {2048, 8192}: TFLOP/s side by
+  side with the bf16 cuBLAS GEMM (``F.linear``) and cuBLASLt fp8 (``torch._scaled_mm``, row-wise
+  scales, GEMM only), as a fraction of peak (790 bf16, 2 x that for 8-bit operands), and the
+  weight-streaming GB/s of the decode shapes vs HBM; every output is checked against
+  ``quant/reference.py``.
 
 Correctness comes first: a mixed prefill + decode step is checked against the torch backend,
 and every benchmarked attention output against its SDPA baseline; failures are reported in
@@ -44,7 +50,9 @@ from typing import Any
 
 HBM_GBPS = 4300.0  # measured copy bandwidth, H200
 PEAK_TFLOPS = 790.0  # measured dense bf16 matmul, H200
+PEAK_TFLOPS_8BIT = 2 * PEAK_TFLOPS  # Hopper's fp8/int8 tensor-core rate is twice bf16's
 DECODE_TARGET = 0.85
+GEMM_KINDS = ("fp8", "int8", "w8a16", "w4a16")
 
 
 @dataclass(frozen=True)
@@ -61,15 +69,22 @@ class Shapes:
     prefill_tokens: int
     extend: tuple[int, int]  # (new tokens, cached prefix)
     elementwise_tokens: int
+    gemm_k: int
+    gemm_ns: tuple[int, ...]
+    gemm_ms: tuple[int, ...]  # decode-like then prefill-like row counts
+    int4_group: int
 
 
 FULL = Shapes(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, hidden=4096,
               intermediate=14336, decode_batches=(1, 8, 32, 64),
               decode_contexts=(1024, 4096, 16384, 32768), prefill_lens=(512, 2048, 8192),
-              prefill_tokens=8192, extend=(512, 7680), elementwise_tokens=8192)
+              prefill_tokens=8192, extend=(512, 7680), elementwise_tokens=8192,
+              gemm_k=4096, gemm_ns=(4096, 14336), gemm_ms=(1, 16, 64, 2048, 8192),
+              int4_group=128)
 SMOKE = Shapes(num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, hidden=256,
                intermediate=192, decode_batches=(1, 3), decode_contexts=(17, 40),
-               prefill_lens=(20, 33), prefill_tokens=40, extend=(9, 23), elementwise_tokens=5)
+               prefill_lens=(20, 33), prefill_tokens=40, extend=(9, 23), elementwise_tokens=5,
+               gemm_k=256, gemm_ns=(96,), gemm_ms=(1, 7, 80), int4_group=64)
 
 
 def _parse() -> argparse.Namespace:
@@ -98,7 +113,7 @@ class Bench:
         self.dtype = torch.bfloat16
         self.records: dict[str, list[dict[str, Any]]] = {
             "correctness": [], "decode": [], "prefill": [], "elementwise": [], "launch": [],
-            "sweep": [],
+            "sweep": [], "gemm": [],
         }
         self.failures: list[str] = []
 
@@ -478,6 +493,151 @@ class Bench:
         self.guarded("elementwise", "write_kv_cache", kv_case)
 
 
+    def gemm_weights(self, n: int, k: int) -> dict[str, Any]:
+        """A random ``[n, k]`` weight in bf16 and in each quantized layout (round to nearest:
+        fp8 and int8 per output channel, int4 asymmetric per group of ``int4_group``)."""
+        torch = self.torch
+        from splitserve_runtime.quant.formats import (
+            FP8_DTYPE,
+            Fp8Weight,
+            Int4Weight,
+            Int8Weight,
+            pack_int4,
+        )
+
+        dense = torch.randn((n, k), device=self.device) * 0.02
+        fp8_scale = dense.abs().amax(dim=1) / 448.0
+        int8_scale = dense.abs().amax(dim=1) / 127.0
+        int8 = torch.round(dense / int8_scale[:, None]).clamp(-127, 127).to(torch.int8)
+        group = self.shapes.int4_group
+        grouped = dense.t().reshape(k // group, group, n)
+        low, high = grouped.amin(dim=1), grouped.amax(dim=1)
+        scales = ((high - low) / 15).clamp(min=1e-8)
+        q = torch.round((grouped - low[:, None]) / scales[:, None]).clamp(0, 15).reshape(k, n)
+        return {
+            "bf16": dense.to(self.dtype),
+            "fp8": Fp8Weight(qweight=(dense / fp8_scale[:, None]).to(FP8_DTYPE),
+                             weight_scale=fp8_scale),
+            "int8": Int8Weight(qweight=int8, weight_scale=int8_scale, act_quant=True),
+            "w8a16": Int8Weight(qweight=int8, weight_scale=int8_scale, act_quant=False),
+            "w4a16": Int4Weight(qweight=pack_int4(q), scales=scales.to(self.dtype),
+                                offsets=low.to(self.dtype), group_size=group),
+        }
+
+    def gemm(self, *, sweep: bool) -> None:
+        """Quantized GEMMs (through ``TritonOps.linear``) vs bf16 ``F.linear`` and cuBLASLt fp8."""
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels.scaled_gemm import scaled_gemm
+        from splitserve_runtime.ops.triton_backend import TritonOps
+        from splitserve_runtime.quant.formats import weight_nbytes
+        from splitserve_runtime.quant.reference import quant_linear, quantize_per_token_fp8
+
+        ops, k = TritonOps(), s.gemm_k
+        for n in s.gemm_ns:
+            weights = self.gemm_weights(n, k)
+            for m in s.gemm_ms:
+                def case(n: int = n, m: int = m, weights: dict[str, Any] = weights) -> None:
+                    x = torch.randn((m, k), device=self.device, dtype=self.dtype)
+                    dense, fp8 = weights["bf16"], weights["fp8"]
+                    row: dict[str, Any] = {"case": f"m{m} n{n} k{k}", "m": m, "n": n, "k": k}
+                    timings: dict[str, float | None] = {
+                        "bf16": self.time_ms(lambda: torch.nn.functional.linear(x, dense))}
+                    for kind in GEMM_KINDS:
+                        def ours(w: Any = weights[kind]) -> Any:
+                            return ops.linear(x, w, None)
+
+                        row[f"{kind}_max_abs_err"] = self.check(
+                            name=f"gemm.{kind}.m{m}.n{n}", got=ours(),
+                            ref=quant_linear(x, weights[kind], None), atol=2e-2, rtol=1.6e-2)
+                        timings[kind] = self.time_ms(ours)
+                    # The fp8 GEMM alone (activations already quantized), as cuBLASLt gets it.
+                    xq, x_scale = quantize_per_token_fp8(x)
+                    x_scale_1d = x_scale.reshape(-1).contiguous()
+
+                    def fp8_gemm() -> Any:
+                        return scaled_gemm(a=xq, a_scale=x_scale_1d, b=fp8.qweight,
+                                           b_scale=fp8.weight_scale, bias=None,
+                                           out_dtype=self.dtype)
+
+                    row["fp8_gemm_max_abs_err"] = self.check(
+                        name=f"gemm.fp8_gemm.m{m}.n{n}", got=fp8_gemm(),
+                        ref=quant_linear(x, fp8, None), atol=2e-2, rtol=1.6e-2)
+                    timings["fp8_gemm"] = self.time_ms(fp8_gemm)
+                    if not self.smoke:
+                        def cublas() -> Any:
+                            return torch._scaled_mm(
+                                xq, fp8.qweight.t(), scale_a=x_scale,
+                                scale_b=fp8.weight_scale[None, :], out_dtype=self.dtype)
+
+                        try:
+                            err = (cublas().float() - ops.linear(x, fp8, None).float()).abs()
+                            row["cublas_fp8_max_abs_diff"] = float(err.max())
+                            timings["cublas_fp8"] = self.time_ms(cublas)
+                        except Exception as exc:  # row-wise fp8 needs aligned M on some builds
+                            row["cublas_fp8_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    for kind, ms in timings.items():
+                        row[f"{kind}_ms"] = ms
+                        if not ms:
+                            continue
+                        tflops = 2 * m * n * k / (ms * 1e9)
+                        eight_bit = kind in ("fp8", "fp8_gemm", "cublas_fp8", "int8")
+                        layout = weights["fp8" if "fp8" in kind else kind]
+                        row[f"{kind}_TFLOPs"] = tflops
+                        row[f"{kind}_frac_peak"] = tflops / (
+                            PEAK_TFLOPS_8BIT if eight_bit else PEAK_TFLOPS)
+                        row[f"{kind}_weight_GBps"] = weight_nbytes(layout) / (ms * 1e6)
+                        if timings["bf16"]:
+                            row[f"{kind}_vs_bf16"] = timings["bf16"] / ms
+                    self.records["gemm"].append(row)
+
+                self.guarded("gemm", f"m{m} n{n} k{k}", case)
+            if sweep and not self.smoke:
+                self._gemm_sweep(n=n, k=k, weights=weights)
+
+    def _gemm_sweep(self, *, n: int, k: int, weights: dict[str, Any]) -> None:
+        """Tile / stage sweep of the fp8 and W4A16 GEMMs at one decode and one prefill M."""
+        torch, s = self.torch, self.shapes
+        from splitserve_runtime.kernels._gemm_common import GemmConfig
+        from splitserve_runtime.kernels.scaled_gemm import w8a8_linear
+        from splitserve_runtime.kernels.w4a16_gemm import w4a16_linear
+
+        fp8, int4 = weights["fp8"], weights["w4a16"]
+        decode_m, prefill_m = 16, max(s.gemm_ms)
+        for m in (decode_m, prefill_m):
+            x = torch.randn((m, k), device=self.device, dtype=self.dtype)
+            for kind in ("fp8", "w4a16"):
+                if m == decode_m:
+                    configs = [GemmConfig(block_m=16, block_n=bn, block_k=bk, group_m=1,
+                                          num_warps=4, num_stages=st)
+                               for bn in (32, 64, 128)
+                               for bk in ((128, 256) if kind == "fp8" else (64, 128))
+                               for st in (3, 5)]
+                else:
+                    configs = [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8,
+                                          num_warps=w, num_stages=st)
+                               for bm, bn in ((64, 128), (128, 128), (128, 256))
+                               for bk in ((64, 128) if kind == "fp8" else (32, 64))
+                               for w, st in ((4, 4), (8, 3), (8, 4))]
+                for cfg in configs:
+                    def run(cfg: GemmConfig = cfg, kind: str = kind, m: int = m,
+                            x: Any = x) -> None:
+                        if kind == "fp8":
+                            ms = self.time_ms(lambda: w8a8_linear(
+                                x=x, qweight=fp8.qweight, weight_scale=fp8.weight_scale,
+                                bias=None, config=cfg))
+                        else:
+                            ms = self.time_ms(lambda: w4a16_linear(
+                                x=x, qweight=int4.qweight, scales=int4.scales,
+                                offsets=int4.offsets, group_size=int4.group_size, bias=None,
+                                config=cfg))
+                        self.records["sweep"].append({
+                            "case": f"gemm {kind} m{m} n{n}", "block_m": cfg.block_m,
+                            "block_n": cfg.block_n, "block_k": cfg.block_k,
+                            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                            "ms": ms, "TFLOPs": 2 * m * n * k / (ms * 1e9) if ms else None})
+
+                    self.guarded("sweep", f"gemm {kind} m{m} {cfg}", run)
+
     def launch_overhead(self) -> None:
         """Host microseconds per call of each TritonOps op at batch-1 decode shapes."""
         torch, s = self.torch, self.shapes
@@ -516,6 +676,12 @@ class Bench:
             ("rotary_embedding", lambda: ops.rotary_embedding(positions, q, kv, cos_sin)),
             ("silu_and_mul", lambda: ops.silu_and_mul(gate_up)),
         ]
+        quantized = self.gemm_weights(s.hidden, s.hidden)
+
+        def linear_call(weight: Any) -> Callable[[], Any]:
+            return lambda: ops.linear(x, weight, None)
+
+        cases += [(f"linear_{kind}", linear_call(quantized[kind])) for kind in GEMM_KINDS]
         for name, fn in cases:
             def case(name: str = name, fn: Callable[[], Any] = fn) -> None:
                 self.records["launch"].append({"case": name,
@@ -582,6 +748,8 @@ def _print_tables(records: dict[str, list[dict[str, Any]]]) -> None:
         for r in records["launch"]:
             print(f"{r['case']:<20}{_fmt(r.get('host_us_per_call'), '9.1f')} us"
                   if "error" not in r else f"{r['case']:<20} ERROR {r['error'][:80]}")
+    if records["gemm"]:
+        _print_gemm(records["gemm"])
     if records["sweep"]:
         print("\n== sweep (best per case) ==")
         best: dict[str, dict[str, Any]] = {}
@@ -596,6 +764,69 @@ def _print_tables(records: dict[str, list[dict[str, Any]]]) -> None:
     for r in bad:
         print(f"  FAIL {r['check']}: max abs err {r['max_abs_err']:.3g} (atol {r['atol']}, "
               f"rtol {r['rtol']})")
+
+
+def _print_gemm(rows: list[dict[str, Any]]) -> None:
+    kinds = ("bf16", "fp8", "fp8_gemm", "cublas_fp8", "int8", "w8a16", "w4a16")
+    print("\n== quantized GEMM TFLOP/s (x bf16 F.linear); fp8_gemm: without the activation "
+          "quantization; cublas_fp8: torch._scaled_mm ==")
+    print(f"{'case':<20}" + "".join(f"{kind:>16}" for kind in kinds) + f"{'max err':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<20} ERROR {r['error'][:80]}")
+            continue
+        line = "".join(f"{_fmt(r.get(f'{kind}_TFLOPs'), '8.1f')} "
+                       f"({_fmt(r.get(f'{kind}_vs_bf16'), '5.2f')})" for kind in kinds)
+        errs = [v for key, v in r.items() if key.endswith("_max_abs_err")]
+        print(f"{r['case']:<20}{line}{_fmt(max(errs) if errs else None, '9.1e')}")
+    print(f"\n== quantized GEMM % of peak ({PEAK_TFLOPS:.0f} TFLOP/s bf16 and weight-only, "
+          f"{PEAK_TFLOPS_8BIT:.0f} 8-bit) and weight GB/s (% of {HBM_GBPS:.0f} HBM) ==")
+    print(f"{'case':<20}" + "".join(f"{kind:>16}" for kind in kinds))
+    for r in rows:
+        if "error" in r:
+            continue
+        cells: list[str] = []
+        for kind in kinds:
+            frac, gbps = r.get(f"{kind}_frac_peak"), r.get(f"{kind}_weight_GBps")
+            pct = None if frac is None else 100 * frac
+            hbm = None if gbps is None else 100 * gbps / HBM_GBPS
+            cells.append(f"{_fmt(pct, '6.1f')}% {_fmt(hbm, '6.1f')}%")
+        print(f"{r['case']:<20}" + "".join(f"{c:>16}" for c in cells))
+    print("(first % = of peak FLOP/s: the prefill figure; second = weight bytes / time vs HBM: "
+          "the decode figure)")
+
+
+def _compile_gemms(build: Callable[..., None]) -> None:
+    """The quantized GEMM kernels at their decode and prefill default configurations."""
+    import triton.language as tl
+
+    from splitserve_runtime.kernels import act_quant, scaled_gemm, w4a16_gemm, w8a16_gemm
+
+    for qtype, fp8 in (("fp8e4nv", True), ("i8", False)):
+        build(f"act_quant {qtype}", act_quant._act_quant_kernel,
+              {"QMAX": 448.0 if fp8 else 127.0, "AMAX_FLOOR": act_quant.ACT_AMAX_FLOOR,
+               "TO_FP8": fp8, "INTERPRET": False, "BLOCK_K": 4096}, "bf16", 8, 1,
+              {"q_ptr": f"*{qtype}", "scale_ptr": "*fp32"})
+    tiles = ((16, 32, 256, 4), (128, 128, 128, 8))  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
+    for qtype, acc in (("fp8e4nv", tl.float32), ("i8", tl.int32)):
+        for bm, bn, bk, warps in tiles:
+            build(f"scaled_gemm {qtype} {bm}x{bn}x{bk}", scaled_gemm._scaled_gemm_kernel,
+                  {"HAS_BIAS": True, "ACC_DTYPE": acc, "EVEN_K": True, "BLOCK_M": bm,
+                   "IMPRECISE_ACC": bk if qtype == "fp8e4nv" else None,
+                   "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, "bf16", warps, 4,
+                  {"a_ptr": f"*{qtype}", "b_ptr": f"*{qtype}", "a_scale_ptr": "*fp32",
+                   "b_scale_ptr": "*fp32"})
+    weight_only = {"HAS_BIAS": True, "EVEN_K": True, "DOT_FP32": False,
+                   "INPUT_PRECISION": "tf32", "GROUP_M": 8}
+    for bm, bn, bk, warps in ((16, 32, 128, 4), (128, 128, 64, 8)):
+        build(f"w8a16 bf16 {bm}x{bn}x{bk}", w8a16_gemm._w8a16_kernel,
+              {**weight_only, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, "bf16", warps, 4,
+              {"w_ptr": "*i8", "w_scale_ptr": "*fp32"})
+        for one_group in (True, False):
+            build(f"w4a16 bf16 {bm}x{bn}x{bk} one_group={one_group}", w4a16_gemm._w4a16_kernel,
+                  {**weight_only, "GROUP_SIZE": 128 if one_group else 32,
+                   "ONE_GROUP_PER_TILE": one_group, "BLOCK_M": bm, "BLOCK_N": bn,
+                   "BLOCK_K": bk}, "bf16", warps, 4, {"qw_ptr": "*i32"})
 
 
 def _compile_only(out_dir: Path) -> int:
@@ -618,7 +849,7 @@ def _compile_only(out_dir: Path) -> int:
     failures = 0
 
     def build(label: str, fn: Any, consts: dict[str, Any], dtype: str, warps: int,
-              stages: int) -> None:
+              stages: int, ptrs: dict[str, str] | None = None) -> None:
         nonlocal failures
         signature: dict[str, str] = {}
         attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -627,7 +858,7 @@ def _compile_only(out_dir: Path) -> int:
                 signature[name] = "constexpr"
                 continue
             if name.endswith("_ptr"):
-                signature[name] = index_ptrs.get(name, f"*{dtype}")
+                signature[name] = (ptrs or {}).get(name, index_ptrs.get(name, f"*{dtype}"))
             else:
                 signature[name] = "fp32" if name in floats else "i32"
             if name.endswith("_ptr") or name.startswith("stride"):
@@ -675,6 +906,7 @@ def _compile_only(out_dir: Path) -> int:
           {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HALF": 64, "BLOCK_QH": 32, "BLOCK_KH": 8,
            "BLOCK_HALF": 64}, "bf16", 4, 1)
     build("silu_and_mul bf16", activation._silu_and_mul_kernel, {"BLOCK": 1024}, "bf16", 4, 1)
+    _compile_gemms(build)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_kernels_compile.json"
     path.write_text(json.dumps({"target": "cuda sm_90", "triton": triton.__version__,
@@ -705,6 +937,7 @@ def main() -> int:
     bench.decode(sweep=args.sweep)
     bench.prefill(sweep=args.sweep)
     bench.elementwise()
+    bench.gemm(sweep=args.sweep)
     bench.launch_overhead()
     _print_tables(bench.records)
     result = {

@@ -57,7 +57,7 @@ class UnsupportedError(ValueError):
 
 QUANTIZATION: Final = Capability(
     name="quantization", api_field="quantization",
-    known=("none", "fp8", "int8", "int4"), supported=("none",))
+    known=("none", "fp8", "int8", "int4"), supported=("none", "fp8", "int8", "int4"))
 TENSOR_PARALLEL_SIZE: Final = Capability(
     name="parallelism.tensor", api_field="tensor",
     known=(1, 2, 4, 8), supported=(1,))
@@ -76,10 +76,14 @@ DTYPE: Final = Capability(
     name="dtype", api_field="dtype",
     known=("auto", "bfloat16", "float16", "float32"),
     supported=("auto", "bfloat16", "float16", "float32"))
+KV_CACHE_DTYPE: Final = Capability(
+    name="kvCache.dtype", api_field="dtype",
+    known=("auto", "fp8"), supported=("auto", "fp8"))
+"""auto: the activation dtype; fp8: e4m3 with per-tensor scales (half the bytes of bf16)."""
 
 ALL: Final[tuple[Capability, ...]] = (
     QUANTIZATION, TENSOR_PARALLEL_SIZE, PIPELINE_PARALLEL_SIZE, SPECULATIVE_METHOD,
-    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE,
+    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE, KV_CACHE_DTYPE,
 )
 
 

@@ -49,6 +49,7 @@ class ServeArgs:
     block_size: int = defaults.BLOCK_SIZE
     kv_memory_fraction: float = defaults.KV_MEMORY_FRACTION
     num_kv_blocks: int = 0  # 0 = measure from free memory at start-up
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3, per-tensor scales)
     prefix_caching: bool = True
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
@@ -84,6 +85,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("block-size", "block_size", "tokens per KV cache block", type=int),
     Flag("kv-memory-fraction", "kv_memory_fraction", "fraction of free device memory for the KV cache", type=float),
     Flag("num-kv-blocks", "num_kv_blocks", "fixed number of KV blocks (0: measure at start-up)", type=int),
+    Flag("kv-cache-dtype", "kv_cache_dtype",
+         "KV cache dtype: auto (the activation dtype) or fp8 (e4m3, per-tensor scales; twice the "
+         "blocks of bf16 in the same memory)", choices=_str_choices(caps.KV_CACHE_DTYPE)),
     Flag("prefix-caching", "prefix_caching", "reuse KV blocks of identical prompt prefixes", is_bool=True),
     Flag("max-num-seqs", "max_num_seqs", "maximum running sequences per step", type=int),
     Flag("max-num-batched-tokens", "max_num_batched_tokens", "token budget per engine step", type=int),
@@ -110,6 +114,7 @@ def unsupported_serve_settings(args: ServeArgs) -> list[str]:
         (caps.TENSOR_PARALLEL_SIZE, args.tensor_parallel_size),
         (caps.PIPELINE_PARALLEL_SIZE, args.pipeline_parallel_size),
         (caps.DTYPE, args.dtype),
+        (caps.KV_CACHE_DTYPE, args.kv_cache_dtype),
     ])
 
 

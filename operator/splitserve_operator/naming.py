@@ -107,11 +107,14 @@ def compat_hash(
     quantization: str,
     block_size: int,
     tensor_parallel: int,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """Short hash of everything that must match for a prefill pod's KV blocks to be
     usable by a decode pod: runtime image, model and revision, dtype, quantization,
-    KV block size and tensor-parallel layout. The router pairs only pods with equal
-    hashes, so a rolling update never sends KV between incompatible pods."""
+    KV block size, KV cache dtype and tensor-parallel layout. The router pairs only pods
+    with equal hashes, so a rolling update never sends KV between incompatible pods.
+    ``kv_cache_dtype`` enters the hash only when it is not ``auto`` (auto is the activation
+    dtype, already covered), so hashes from before the field existed stay valid."""
     payload = {
         "image": image,
         "modelUri": model_uri,
@@ -121,5 +124,7 @@ def compat_hash(
         "blockSize": block_size,
         "tensorParallel": tensor_parallel,
     }
+    if kv_cache_dtype != "auto":
+        payload["kvCacheDtype"] = kv_cache_dtype
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return digest[:COMPAT_HASH_LENGTH]

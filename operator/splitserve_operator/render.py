@@ -99,6 +99,7 @@ def compat_hash_of(*, isvc: InferenceService, runtime_image: str) -> str:
         quantization=spec.model.quantization,
         block_size=spec.kv_cache.block_size,
         tensor_parallel=pools[0].parallelism.tensor,
+        kv_cache_dtype=spec.kv_cache.dtype,
     )
 
 
@@ -140,6 +141,7 @@ def serve_args(
         block_size=spec.kv_cache.block_size,
         kv_memory_fraction=spec.kv_cache.memory_fraction,
         prefix_caching=spec.kv_cache.prefix_caching,
+        kv_cache_dtype=spec.kv_cache.dtype,
         max_num_seqs=spec.engine.max_num_seqs,
         max_num_batched_tokens=spec.engine.max_batched_tokens,
         chunked_prefill=spec.engine.chunked_prefill,

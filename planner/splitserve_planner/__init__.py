@@ -3,6 +3,8 @@
 Layers, each talking only down:
 
 * :mod:`.gpus`, :mod:`.model_presets` — data: accelerator specs and model shapes.
+* :mod:`.precision` — activation dtype, weight quantization and KV cache dtype: bytes per
+  weight and KV element, and the tensor-core rate of the GEMMs.
 * :mod:`.perf_model` (roofline) and :mod:`.profile` (measured, versioned data files) — how long
   one engine step takes, and how many KV tokens a pod holds.
 * :mod:`.workload` — request streams: Poisson, bursty (MMPP), or a replayed trace CSV.

@@ -6,9 +6,13 @@ the overall choice. ``--emit-manifest`` writes an InferenceService for the choic
 ``--plot`` a PNG of p99 latency vs load for it. Bad input exits with code 2 and one line
 saying what is wrong (unknown GPU: the known ones; a model that does not fit: the memory it
 needs; an SLO no fleet can meet: why). Settings this version of splitserve does not serve
-(``--tp`` above 1, ``--dtype fp8``: :mod:`splitserve_contract.capabilities`) are refused with the
+(``--tp`` above 1: :mod:`splitserve_contract.capabilities`) are refused with the
 capabilities table's message, as the CRD refuses them; ``--what-if`` prices them with the
 roofline instead, labelled as such, and never emits a manifest for them.
+
+Precision is three flags, priced separately (:mod:`.precision`): ``--dtype`` (activations,
+embeddings, LM head), ``--quantization none|fp8|int8|int4`` (linear-layer weights and their
+GEMM rate) and ``--kv-cache-dtype auto|fp8``; ``--dtype fp8`` still means ``--quantization fp8``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .perf_model import (
     prefill_seconds,
     roofline_model,
 )
+from .precision import ACTIVATION_BYTES, FP8_ALIAS, KV_CACHE_DTYPES, QUANTIZATIONS, Precision
 from .profile import ProfileError, ProfileModel, load_profile
 from .search import Demand, Plan, PlanError, PlanInputs, PlanTable, Slo, capacity, plan_all
 from .simulator import (
@@ -44,7 +49,6 @@ from .simulator import (
     simulate,
 )
 from .supported import (
-    QUANTIZED_DTYPES,
     known_tensor_parallel_sizes,
     remedies,
     supported_tensor_parallel_sizes,
@@ -55,10 +59,6 @@ from .workload import Arrivals, LengthDist, Request, WorkloadSpec, load_trace
 EXIT_BAD_INPUT = 2
 MIN_SIMULATED_REQUESTS = 3000
 MAX_SIMULATED_REQUESTS = 20000
-
-
-_ROOFLINE_DTYPES = ("bfloat16", "float16", "float32", "fp8")
-"""``--dtype`` values the roofline prices (``fp8`` is ``spec.model.quantization: fp8``)."""
 
 
 def _values(values: Iterable[object]) -> str:
@@ -83,10 +83,15 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"tensor-parallel GPUs per pod (this version serves {_values(supported_tensor_parallel_sizes())}; "
                         "others only with --what-if)")
     m.add_argument("--dtype", default="bfloat16",
-                   help=f"{_values(_ROOFLINE_DTYPES)} ({_values(QUANTIZED_DTYPES[:1])} is spec.model.quantization: "
-                        "only with --what-if while this version serves none)")
+                   help=f"activation dtype (spec.model.dtype): {_values(ACTIVATION_BYTES)}; "
+                        f"{FP8_ALIAS} is an alias for --quantization fp8")
+    m.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight quantization of the linear layers (spec.model.quantization): fp8/int8 W8A8 "
+                        "(FP8/INT8 tensor cores; fp8 needs an FP8 GPU), int4 W4A16 group 128")
+    m.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache element type (spec.kvCache.dtype): auto = the activation dtype, fp8 = 1 byte")
     m.add_argument("--what-if", action="store_true",
-                   help="price settings this version does not serve (TP > 1, fp8) with the roofline; "
+                   help="price settings this version does not serve (TP > 1) with the roofline; "
                         "labelled as a what-if, never with --emit-manifest")
     m.add_argument("--profile", type=Path, default=None, help="measured profile (JSON/YAML) instead of the roofline")
     m.add_argument("--memory-fraction", type=float, default=defaults.KV_MEMORY_FRACTION)
@@ -131,7 +136,9 @@ def _perf(args: argparse.Namespace) -> tuple[StepCost, str]:
         profile = load_profile(path=args.profile)
         return ProfileModel(profile=profile), f"profile {args.profile} ({profile.device})"
     gpu = get_gpu(args.gpu)
-    perf = roofline_model(name=name, config=config, gpu=gpu, tensor_parallel=args.tp, dtype=args.dtype,
+    precision = _precision(args)
+    perf = roofline_model(name=name, config=config, gpu=gpu, tensor_parallel=args.tp, dtype=precision.dtype,
+                          quantization=precision.quantization, kv_cache_dtype=precision.kv_cache_dtype,
                           memory_fraction=args.memory_fraction, compute_efficiency=args.compute_efficiency,
                           bandwidth_efficiency=args.bandwidth_efficiency)
     return perf, f"roofline on {gpu.name}"
@@ -169,8 +176,14 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--ttft-p99-ms and --itl-p99-ms must be > 0")
     if args.tp not in known_tensor_parallel_sizes():
         raise ValueError(f"--tp must be {_values(known_tensor_parallel_sizes())}, got {args.tp}")
-    if args.dtype not in _ROOFLINE_DTYPES:
-        raise ValueError(f"--dtype must be {_values(_ROOFLINE_DTYPES)}, got {args.dtype!r}")
+    if args.dtype not in ACTIVATION_BYTES and args.dtype != FP8_ALIAS:
+        raise ValueError(f"--dtype must be {_values(ACTIVATION_BYTES)} (or {FP8_ALIAS}, an alias for "
+                         f"--quantization fp8), got {args.dtype!r}; weight quantization is "
+                         f"--quantization {'|'.join(QUANTIZATIONS)}")
+    precision = _precision(args)
+    if args.profile is not None and precision != Precision(dtype=precision.dtype):
+        raise ValueError(f"--profile holds timings measured at one precision; {precision.label} is priced by the "
+                         "roofline only: drop --profile")
     unsupported = _unsupported(args)
     if unsupported and not args.what_if:
         raise caps.UnsupportedError("; ".join(unsupported) + "; --what-if prices it with the roofline anyway")
@@ -182,9 +195,14 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--name {args.name!r} must be a lowercase DNS label")
 
 
+def _precision(args: argparse.Namespace) -> Precision:
+    """The precision the flags ask for (``--dtype fp8``: bf16 activations, fp8 weights)."""
+    return Precision.of(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+
+
 def _unsupported(args: argparse.Namespace) -> list[str]:
     """Capability messages for the settings given that this version does not serve."""
-    return unsupported_settings(tensor_parallel=args.tp, dtype=args.dtype)
+    return unsupported_settings(tensor_parallel=args.tp, precision=_precision(args))
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -269,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed, what_if=args.what_if)
     step_1 = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
     prefill_1k = prefill_seconds(perf, num_tokens=1024)
-    print(f"model {args.model}, TP={args.tp}, {args.dtype}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
+    print(f"model {args.model}, TP={args.tp}, {_precision(args).label}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
           f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms, prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
     what_if = _unsupported(args)
     if what_if:
@@ -282,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     best = table.best
     if best is None:
         print(f"\nsplitserve plan: error: no configuration with at most {args.max_replicas} replicas per pool meets "
-              f"the SLOs; relax them, raise --max-replicas, or use {remedies(tensor_parallel=args.tp, what_if=args.what_if)}",
+              f"the SLOs; relax them, raise --max-replicas, or use {remedies(tensor_parallel=args.tp, what_if=args.what_if, precision=_precision(args), gpu=None if args.profile else get_gpu(args.gpu))}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     label = next(k for k, v in table.plans.items() if v is best)
@@ -295,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         from .manifest import build_manifest, manifest_yaml
 
         name = args.name or re.sub(r"[^a-z0-9-]+", "-", Path(args.model).name.lower()).strip("-")[:40] or "planned"
-        manifest = build_manifest(plan=best, name=name, model_uri=_default_uri(args), dtype=args.dtype,
+        manifest = build_manifest(plan=best, name=name, model_uri=_default_uri(args), precision=_precision(args),
                                   min_replicas=_off_peak_counts(plan=best, inputs=inputs, args=args),
                                   router_policy=args.router, memory_fraction=args.memory_fraction,
                                   max_num_seqs=args.max_num_seqs, block_size=engine.block_size)

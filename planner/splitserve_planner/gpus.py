@@ -9,6 +9,13 @@ H200 measured copy 4.3 of 4.8 TB/s), prefill 55–65 % MFU (H200 measured bf16 m
 989 TFLOP/s, FA3 75 % of peak for attention). ``step_overhead_seconds`` is the per-step cost
 that does not shrink with bandwidth (launches, sampling, scheduling; CUDA graphs assumed).
 Every value can be overridden from the command line; these are starting points, not truth.
+
+Tensor-core peaks by operand type, dense (the datasheets print FP8/INT8 "with sparsity",
+twice the dense figure; halved here): H100 SXM FP8 and INT8 3,958* -> 1,979 T; H100 PCIe
+3,026* -> 1,513 T; H200 SXM as H100 SXM; A100 INT8 1,248* -> 624 TOPS, no FP8; L40S FP8 and
+INT8 1,466* -> 733 T; A10 INT8 500* -> 250 TOPS, no FP8; HGX B200 per GPU FP8 and INT8 9 P* ->
+4.5 P. W8A8 int8 GEMMs run at the INT8 rate, W8A8 fp8 ones at the FP8 rate
+(:mod:`.precision`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ class GpuSpec:
     bf16_flops_per_second: float
     fp8_flops_per_second: float | None
     """None: no FP8 tensor cores (A100, A10G)."""
+    int8_ops_per_second: float
+    """Dense INT8 tensor-core ops/s (W8A8 int8 GEMMs)."""
     interconnect_bytes_per_second: float
     """Intra-node GPU-to-GPU bandwidth (NVLink or PCIe), used for tensor-parallel all-reduce."""
     compute_efficiency: float = 0.6
@@ -35,15 +44,25 @@ class GpuSpec:
     step_overhead_seconds: float = 0.0005
     source: str = ""
 
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 (e4m3) tensor cores and conversions: Ada, Hopper, Blackwell."""
+        return self.fp8_flops_per_second is not None
+
     def flops_per_second(self, *, dtype: str) -> float:
-        """Peak dense FLOP/s for ``dtype`` (float32 runs on tensor cores as TF32 here: half bf16)."""
+        """Peak dense tensor-core ops/s for GEMM operands of ``dtype``: ``bfloat16``,
+        ``float16``, ``float32`` (run as TF32: half the bf16 rate), ``fp8`` or ``int8``."""
         if dtype == "fp8":
             if self.fp8_flops_per_second is None:
-                raise ValueError(f"{self.name} has no FP8 tensor cores; use --dtype bfloat16")
+                raise ValueError(f"{self.name} has no FP8 tensor cores")
             return self.fp8_flops_per_second
+        if dtype == "int8":
+            return self.int8_ops_per_second
         if dtype == "float32":
             return self.bf16_flops_per_second / 2
-        return self.bf16_flops_per_second
+        if dtype in ("bfloat16", "float16"):
+            return self.bf16_flops_per_second
+        raise ValueError(f"no tensor-core rate for {dtype!r}; known: bfloat16, float16, float32, fp8, int8")
 
 
 GPUS: dict[str, GpuSpec] = {
@@ -51,31 +70,31 @@ GPUS: dict[str, GpuSpec] = {
     for spec in (
         GpuSpec(name="H100-SXM", memory_bytes=80 * 10**9, hbm_bytes_per_second=3.35e12,
                 bf16_flops_per_second=989e12, fp8_flops_per_second=1979e12,
-                interconnect_bytes_per_second=450e9,
+                int8_ops_per_second=1979e12, interconnect_bytes_per_second=450e9,
                 source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 80 GB HBM3, 3.35 TB/s, 989 TF bf16 dense, NVLink 900 GB/s bidirectional)"),
         GpuSpec(name="H100-PCIe", memory_bytes=80 * 10**9, hbm_bytes_per_second=2.0e12,
                 bf16_flops_per_second=756e12, fp8_flops_per_second=1513e12,
-                interconnect_bytes_per_second=64e9,
+                int8_ops_per_second=1513e12, interconnect_bytes_per_second=64e9,
                 source="NVIDIA H100 datasheet (PCIe: 80 GB HBM2e, 2.0 TB/s, 756 TF bf16 dense, PCIe Gen5)"),
         GpuSpec(name="H200", memory_bytes=141 * 10**9, hbm_bytes_per_second=4.8e12,
                 bf16_flops_per_second=989e12, fp8_flops_per_second=1979e12,
-                interconnect_bytes_per_second=450e9,
+                int8_ops_per_second=1979e12, interconnect_bytes_per_second=450e9,
                 source="NVIDIA H200 datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, 989 TF bf16 dense); team measured 4.3 TB/s copy, 790 TF matmul"),
         GpuSpec(name="A100-80GB", memory_bytes=80 * 10**9, hbm_bytes_per_second=2.039e12,
                 bf16_flops_per_second=312e12, fp8_flops_per_second=None,
-                interconnect_bytes_per_second=300e9,
+                int8_ops_per_second=624e12, interconnect_bytes_per_second=300e9,
                 source="NVIDIA A100 datasheet (SXM4 80 GB HBM2e, 2,039 GB/s, 312 TF bf16 dense, NVLink 600 GB/s bidirectional)"),
         GpuSpec(name="L40S", memory_bytes=48 * 10**9, hbm_bytes_per_second=864e9,
                 bf16_flops_per_second=362e12, fp8_flops_per_second=733e12,
-                interconnect_bytes_per_second=32e9, step_overhead_seconds=0.0008,
+                int8_ops_per_second=733e12, interconnect_bytes_per_second=32e9, step_overhead_seconds=0.0008,
                 source="NVIDIA L40S datasheet (48 GB GDDR6, 864 GB/s, 362 TF bf16 dense, PCIe Gen4)"),
         GpuSpec(name="A10G", memory_bytes=24 * 10**9, hbm_bytes_per_second=600e9,
                 bf16_flops_per_second=125e12, fp8_flops_per_second=None,
-                interconnect_bytes_per_second=16e9, step_overhead_seconds=0.001,
+                int8_ops_per_second=250e12, interconnect_bytes_per_second=16e9, step_overhead_seconds=0.001,
                 source="NVIDIA A10 datasheet (24 GB GDDR6, 600 GB/s, 125 TF bf16 dense); AWS g5 A10G"),
         GpuSpec(name="B200", memory_bytes=180 * 10**9, hbm_bytes_per_second=8.0e12,
                 bf16_flops_per_second=2250e12, fp8_flops_per_second=4500e12,
-                interconnect_bytes_per_second=900e9,
+                int8_ops_per_second=4500e12, interconnect_bytes_per_second=900e9,
                 source="NVIDIA DGX B200 / HGX B200 datasheet (180 GB HBM3e usable, 8 TB/s, 2.25 PF bf16 dense, NVLink 5 1.8 TB/s bidirectional)"),
     )
 }

@@ -3,9 +3,11 @@
 Built as a plain dict and validated with the operator's own API models
 (:meth:`splitserve_operator.api.InferenceService.parse`) before it is written, so a plan never
 emits a manifest the CRD would reject; settings this version does not serve (tensor
-parallelism, fp8: :mod:`splitserve_contract.capabilities`) are refused before that, with the
-capabilities table's message, even when ``splitserve plan --what-if`` priced them. Replica bounds: ``max`` is the planned count at the peak
-rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
+parallelism: :mod:`splitserve_contract.capabilities`) are refused before that, with the
+capabilities table's message, even when ``splitserve plan --what-if`` priced them. The
+precision the plan was priced at is written as ``spec.model.dtype``, ``spec.model.quantization``
+and, for an fp8 KV cache only, ``spec.kvCache.dtype`` (``auto``, the API default, is left out).
+Replica bounds: ``max`` is the planned count at the peak rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
 fleet when traffic falls. ``autoscaling.gpuBudget`` caps both pools at the planned peak.
 """
 
@@ -17,6 +19,7 @@ import yaml
 
 from splitserve_operator.api import InferenceService
 
+from .precision import Precision
 from .search import Plan
 from .simulator import AGGREGATED
 from .supported import check_servable
@@ -25,25 +28,29 @@ ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "Least
                        "round-robin": "RoundRobin", "central-queue": "LeastLoad"}
 
 
-def build_manifest(*, plan: Plan, name: str, model_uri: str, dtype: str, min_replicas: dict[str, int],
+def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precision, min_replicas: dict[str, int],
                    router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int) -> dict[str, Any]:
     """The manifest dict (validated; raises :class:`~splitserve_contract.capabilities.UnsupportedError`
     for a setting this version does not serve, :class:`~splitserve_operator.api.InvalidSpecError`
     for anything else the API refuses)."""
     tp = plan.gpus_per_replica
-    check_servable(tensor_parallel=tp, dtype=dtype)
+    check_servable(tensor_parallel=tp, precision=precision)
 
     def pool(*, role: str, count: int) -> dict[str, Any]:
         low = max(1, min(count, min_replicas.get(role, 1)))
         return {"replicas": {"min": low, "max": count}, "resources": {"gpus": tp},
                 "parallelism": {"tensor": tp}}
 
-    model: dict[str, Any] = {"uri": model_uri, "dtype": dtype}
+    model: dict[str, Any] = {"uri": model_uri, "dtype": precision.dtype, "quantization": precision.quantization}
+    kv_cache: dict[str, Any] = {"blockSize": block_size, "memoryFraction": memory_fraction,
+                                "prefixCaching": plan.prefix_caching}
+    if precision.kv_cache_dtype != "auto":
+        kv_cache["dtype"] = precision.kv_cache_dtype
     spec: dict[str, Any] = {
         "model": model,
         "mode": "Aggregated" if plan.mode == AGGREGATED else "Disaggregated",
         "router": {"policy": ROUTER_POLICY_NAMES[router_policy]},
-        "kvCache": {"blockSize": block_size, "memoryFraction": memory_fraction, "prefixCaching": plan.prefix_caching},
+        "kvCache": kv_cache,
         "engine": {"maxNumSeqs": max_num_seqs, "maxBatchedTokens": plan.max_batched_tokens, "chunkedPrefill": True},
         "autoscaling": {"enabled": True, "gpuBudget": plan.num_gpus},
     }

@@ -7,11 +7,12 @@ two implementations exist: :class:`RooflineModel` here (from a model shape and G
 
 Roofline, per GPU of a tensor-parallel group of ``tp``:
 
-* the matmuls (GEMMs): ``2 · linear_params · tokens`` FLOPs (+ the LM head for each sampled
-  sequence) over ``peak FLOP/s × compute_efficiency``, or the weight bytes over
+* the matmuls (GEMMs): ``2 · linear_params · tokens`` FLOPs at the linear layers' tensor-core
+  rate (bf16, or FP8/INT8 for W8A8 quantization) plus the LM head's for each sampled sequence
+  at the activation dtype's, over ``compute_efficiency``; or the weight bytes over
   ``HBM bandwidth × bandwidth_efficiency``, whichever is larger;
-* attention: ``4 · layers · q_size · attention_pairs`` FLOPs, or the KV bytes read and written,
-  whichever is larger;
+* attention: ``4 · layers · q_size · attention_pairs`` FLOPs at the activation dtype's rate, or
+  the KV bytes read and written, whichever is larger;
 * the step is the *sum* of the two (they are separate kernels, run one after the other: the KV
   reads of the decodes in a mixed batch do not hide under the prefill's GEMM compute), plus a
   fixed per-step overhead and, for ``tp > 1``, two ring all-reduces of the activations per layer.
@@ -20,6 +21,10 @@ Roofline, per GPU of a tensor-parallel group of ``tp``:
 ``attention_pairs`` counts (query, key) pairs: a decode of a sequence with ``c`` tokens is ``c``
 pairs; a prefill chunk of ``n`` new tokens after ``c`` computed ones is ``n·c + n(n+1)/2``.
 KV capacity is ``(memory × memory_fraction − weights − activation reserve) / KV bytes per token``.
+
+Bytes come from :class:`~.precision.Precision`: linear-layer weights at the quantization's bytes
+per parameter, embeddings and the LM head at the activation dtype's, KV at the KV cache dtype's,
+all-reduce payloads at the activation dtype's.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from splitserve_contract import defaults
 from splitserve_contract.model_config import ModelConfig
 
 from .gpus import GIB, GpuSpec
+from .precision import Precision
 from .supported import known_tensor_parallel_sizes, remedies
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 ALL_REDUCE_LATENCY_SECONDS = 8e-6
 """Fixed cost of one small all-reduce over NVLink (NCCL, latency-bound at decode sizes)."""
 
@@ -120,16 +125,31 @@ class ModelShape:
     def total_params(self) -> int:
         return self.linear_params + self.embedding_params + (0 if self.tied else self.lm_head_params)
 
+    @property
+    def dense_params(self) -> int:
+        """Parameters every method keeps in the activation dtype: embeddings and LM head."""
+        return self.total_params - self.linear_params
+
+    def weight_bytes(self, precision: Precision) -> int:
+        """All weights, whole model (quantized linear layers, dense embeddings and LM head)."""
+        return (round(self.linear_params * precision.linear_weight_bytes)
+                + self.dense_params * precision.activation_bytes)
+
+    def kv_bytes_per_token(self, precision: Precision, *, kv_heads: int | None = None) -> int:
+        """K and V of every layer for one token (``kv_heads``: those one GPU holds)."""
+        heads = self.kv_heads if kv_heads is None else kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * precision.kv_bytes_per_element
+
 
 @dataclass(frozen=True, kw_only=True)
 class RooflineModel:
-    """The roofline :class:`StepCost` for one (model, GPU, TP, dtype) pod."""
+    """The roofline :class:`StepCost` for one (model, GPU, TP, precision) pod."""
 
     name: str
     shape: ModelShape
     gpu: GpuSpec
     tensor_parallel: int
-    dtype: str
+    precision: Precision
     memory_fraction: float = defaults.KV_MEMORY_FRACTION
     activation_reserve_bytes: int = 4 * GIB
     compute_efficiency: float | None = None
@@ -137,39 +157,39 @@ class RooflineModel:
     step_overhead_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
         if self.tensor_parallel not in known_tensor_parallel_sizes():
             sizes = ", ".join(str(v) for v in known_tensor_parallel_sizes())
             raise ValueError(f"tensor parallel size must be one of {sizes}, got {self.tensor_parallel}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
-        self.gpu.flops_per_second(dtype=self.dtype)  # FP8 on a GPU without it: ValueError
+        self.precision.check_gpu(self.gpu)  # fp8 on a GPU without FP8: ValueError
         if self.kv_capacity_tokens < MIN_KV_TOKENS:
             raise ModelDoesNotFit(self.fit_message(min_kv_tokens=MIN_KV_TOKENS))
 
     # ------------------------------------------------------------------ memory
     @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def dtype(self) -> str:
+        """The activation dtype."""
+        return self.precision.dtype
 
     @property
     def weight_bytes_per_gpu(self) -> int:
-        return self.shape.total_params * self.dtype_bytes // self.tensor_parallel
+        return self.shape.weight_bytes(self.precision) // self.tensor_parallel
 
     @property
     def weight_bytes_read_per_step(self) -> int:
         """Per GPU: every matmul weight once (embeddings are only gathered)."""
-        return (self.shape.linear_params + self.shape.lm_head_params) * self.dtype_bytes // self.tensor_parallel
+        linear = round(self.shape.linear_params * self.precision.linear_weight_bytes)
+        return (linear + self.shape.lm_head_params * self.precision.activation_bytes) // self.tensor_parallel
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.shape.num_layers * self.shape.kv_heads * self.shape.head_dim * self.dtype_bytes
+        return self.shape.kv_bytes_per_token(self.precision)
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
         heads = max(1, self.shape.kv_heads // self.tensor_parallel)  # replicated when kv_heads < tp
-        return 2 * self.shape.num_layers * heads * self.shape.head_dim * self.dtype_bytes
+        return self.shape.kv_bytes_per_token(self.precision, kv_heads=heads)
 
     @property
     def kv_budget_bytes_per_gpu(self) -> int:
@@ -182,12 +202,12 @@ class RooflineModel:
     def fit_message(self, *, min_kv_tokens: int = 0) -> str:
         need = self.weight_bytes_per_gpu + self.activation_reserve_bytes + min_kv_tokens * self.kv_bytes_per_token_per_gpu
         need_total = need / self.memory_fraction
-        return (f"{self.name} ({self.dtype}) needs {need_total / GIB:.1f} GiB per GPU at TP={self.tensor_parallel} "
+        return (f"{self.name} ({self.precision.label}) needs {need_total / GIB:.1f} GiB per GPU at TP={self.tensor_parallel} "
                 f"(weights {self.weight_bytes_per_gpu / GIB:.1f} GiB + reserve {self.activation_reserve_bytes / GIB:.1f} GiB"
                 f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
                 f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
                 f"{self.gpu.memory_bytes / GIB:.1f} GiB ({self.gpu.memory_bytes / 1e9:.0f} GB): "
-                f"use {remedies(tensor_parallel=self.tensor_parallel)}")
+                f"use {remedies(tensor_parallel=self.tensor_parallel, precision=self.precision, gpu=self.gpu)}")
 
     # ------------------------------------------------------------------ time
     def _coefficients(self) -> tuple[float, float, float, float, float, float, float]:
@@ -196,14 +216,15 @@ class RooflineModel:
         ce = self.compute_efficiency if self.compute_efficiency is not None else gpu.compute_efficiency
         be = self.bandwidth_efficiency if self.bandwidth_efficiency is not None else gpu.bandwidth_efficiency
         overhead = self.step_overhead_seconds if self.step_overhead_seconds is not None else gpu.step_overhead_seconds
-        flop_rate = gpu.flops_per_second(dtype=self.dtype) * ce * tp
+        linear_rate = self.precision.linear_ops_per_second(gpu) * ce * tp
+        flop_rate = self.precision.activation_flops_per_second(gpu) * ce * tp
         byte_rate = gpu.hbm_bytes_per_second * be
         comm_fixed = comm_per_token = 0.0
         if tp > 1:
             comm_fixed = 2 * self.shape.num_layers * ALL_REDUCE_LATENCY_SECONDS
             comm_per_token = (2 * self.shape.num_layers * 2.0 * (tp - 1) / tp * self.shape.hidden_size
-                              * self.dtype_bytes / gpu.interconnect_bytes_per_second)
-        return (2.0 * self.shape.linear_params / flop_rate,
+                              * self.precision.activation_bytes / gpu.interconnect_bytes_per_second)
+        return (2.0 * self.shape.linear_params / linear_rate,
                 4.0 * self.shape.num_layers * self.shape.q_size / flop_rate,
                 2.0 * self.shape.lm_head_params / flop_rate,
                 self.weight_bytes_read_per_step / byte_rate,
@@ -225,12 +246,16 @@ class RooflineModel:
 
 
 def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_parallel: int, dtype: str,
+                   quantization: str = "none", kv_cache_dtype: str = "auto",
                    memory_fraction: float = defaults.KV_MEMORY_FRACTION, compute_efficiency: float | None = None,
                    bandwidth_efficiency: float | None = None,
                    step_overhead_seconds: float | None = None) -> RooflineModel:
-    """Build the roofline for ``config`` on ``gpu`` (raises :class:`ModelDoesNotFit`, ValueError)."""
+    """Build the roofline for ``config`` on ``gpu`` (raises :class:`ModelDoesNotFit`, ValueError).
+
+    ``dtype`` is the activation dtype (``fp8``: the legacy alias for bf16 with fp8 weights)."""
+    precision = Precision.of(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     return RooflineModel(name=name, shape=ModelShape.from_config(config), gpu=gpu,
-                         tensor_parallel=tensor_parallel, dtype=dtype, memory_fraction=memory_fraction,
+                         tensor_parallel=tensor_parallel, precision=precision, memory_fraction=memory_fraction,
                          compute_efficiency=compute_efficiency, bandwidth_efficiency=bandwidth_efficiency,
                          step_overhead_seconds=step_overhead_seconds)
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field, replace
 from splitserve_contract import capabilities as caps
 from splitserve_contract import defaults
 
-from .perf_model import StepCost, decode_step_seconds, max_decode_batch, prefill_attention_pairs
+from .perf_model import (
+    RooflineModel,
+    StepCost,
+    decode_step_seconds,
+    max_decode_batch,
+    prefill_attention_pairs,
+)
 from .simulator import (
     AGGREGATED,
     DISAGGREGATED,
@@ -156,7 +162,9 @@ class Plan:
 def check_feasible(inputs: PlanInputs) -> None:
     """Reject SLOs no fleet size can meet, with the reason (raises :class:`PlanError`)."""
     perf, slo, engine = inputs.perf, inputs.slo, inputs.engine
-    remedy = remedies(tensor_parallel=inputs.gpus_per_replica, what_if=inputs.what_if)
+    roofline = perf if isinstance(perf, RooflineModel) else None
+    remedy = remedies(tensor_parallel=inputs.gpus_per_replica, what_if=inputs.what_if,
+                      precision=roofline.precision if roofline else None, gpu=roofline.gpu if roofline else None)
     demand = Demand.of(inputs.requests, prefix_caching=engine.prefix_caching, block_size=engine.block_size)
     single = decode_step_seconds(perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens))
     if single > slo.itl_p99_seconds:

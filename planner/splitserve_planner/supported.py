@@ -1,17 +1,19 @@
 """What the planner may propose: this version's capabilities, from
 :mod:`splitserve_contract.capabilities` (the table the CRD and the runtime also enforce).
 
-The roofline can price settings this version does not serve (tensor parallelism, fp8); the
+The roofline can price settings this version does not serve (tensor parallelism today); the
 planner uses them only for an explicitly requested what-if (``splitserve plan --what-if``)
-and never puts them in a manifest.
+and never puts them in a manifest. Weight quantization and the KV cache dtype are checked
+against the same table, so narrowing or widening ``QUANTIZATION`` or ``KV_CACHE_DTYPE`` there
+changes what the planner proposes with no edit here.
 """
 
 from __future__ import annotations
 
 from splitserve_contract import capabilities as caps
 
-QUANTIZED_DTYPES = tuple(str(v) for v in caps.QUANTIZATION.known if v != "none")
-"""``--dtype`` values that are a weight quantization (``spec.model.quantization``), not a dtype."""
+from .gpus import GpuSpec
+from .precision import Precision
 
 
 def supported_tensor_parallel_sizes() -> tuple[int, ...]:
@@ -24,38 +26,47 @@ def known_tensor_parallel_sizes() -> tuple[int, ...]:
     return tuple(int(v) for v in caps.TENSOR_PARALLEL_SIZE.known)
 
 
-def quantization_of(dtype: str) -> str:
-    """The ``spec.model.quantization`` a planner dtype stands for (``fp8`` -> ``fp8``, else ``none``)."""
-    return dtype if dtype in QUANTIZED_DTYPES else "none"
+def supported_quantizations() -> tuple[str, ...]:
+    """``spec.model.quantization`` values this version serves, ``none`` first."""
+    return tuple(str(v) for v in caps.QUANTIZATION.supported)
 
 
-def unsupported_settings(*, tensor_parallel: int, dtype: str) -> list[str]:
+def unsupported_settings(*, tensor_parallel: int, precision: Precision) -> list[str]:
     """One capability message per setting this version does not serve (empty: servable)."""
-    pairs: list[tuple[caps.Capability, str | int]] = [(caps.TENSOR_PARALLEL_SIZE, tensor_parallel)]
-    quantization = quantization_of(dtype)
-    if quantization != "none":
-        pairs.append((caps.QUANTIZATION, quantization))
-    elif dtype in caps.DTYPE.known:
-        pairs.append((caps.DTYPE, dtype))
-    return caps.unsupported(pairs)
+    return caps.unsupported([(caps.TENSOR_PARALLEL_SIZE, tensor_parallel), (caps.DTYPE, precision.dtype),
+                             (caps.QUANTIZATION, precision.quantization),
+                             (caps.KV_CACHE_DTYPE, precision.kv_cache_dtype)])
 
 
-def check_servable(*, tensor_parallel: int, dtype: str) -> None:
+def check_servable(*, tensor_parallel: int, precision: Precision) -> None:
     """Raise :class:`~splitserve_contract.capabilities.UnsupportedError` (a ValueError) with the
     capabilities table's message unless this version serves the setting."""
-    messages = unsupported_settings(tensor_parallel=tensor_parallel, dtype=dtype)
+    messages = unsupported_settings(tensor_parallel=tensor_parallel, precision=precision)
     if messages:
         raise caps.UnsupportedError("; ".join(messages))
 
 
-def remedies(*, tensor_parallel: int, what_if: bool = False) -> str:
+# Bytes per linear parameter of each method, smallest last: the ones that shrink a pod further.
+_SMALLER = {"none": ("fp8", "int8", "int4"), "fp8": ("int4",), "int8": ("int4",), "int4": ()}
+
+
+def remedies(*, tensor_parallel: int, what_if: bool = False, precision: Precision | None = None,
+             gpu: GpuSpec | None = None) -> str:
     """How to make a model or an SLO fit, naming only what this version serves (what-if: what
-    the API knows)."""
+    the API knows). With ``precision``, only quantization and KV settings smaller than it; with
+    ``gpu``, no fp8 where it has no FP8 support."""
     sizes = known_tensor_parallel_sizes() if what_if else supported_tensor_parallel_sizes()
     options = []
     if any(size > tensor_parallel for size in sizes):
         options.append("a larger --tp")
-    if what_if or caps.QUANTIZATION.is_supported("fp8"):
-        options.append("fp8")
+    current = precision.quantization if precision is not None else "none"
+    allowed = caps.QUANTIZATION.known if what_if else caps.QUANTIZATION.supported
+    fp8_ok = gpu is None or gpu.has_fp8
+    smaller = [q for q in _SMALLER[current] if q in allowed and (fp8_ok or q != "fp8")]
+    if smaller:
+        options.append(f"--quantization {'|'.join(smaller)}")
+    kv_fp8_allowed = what_if or caps.KV_CACHE_DTYPE.is_supported("fp8")
+    if kv_fp8_allowed and fp8_ok and (precision is None or precision.kv_cache_dtype != "fp8"):
+        options.append("--kv-cache-dtype fp8")
     options.append("a bigger or faster GPU")
     return ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1]

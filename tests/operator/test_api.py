@@ -113,12 +113,13 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"model": {}}, "spec.model.uri: Field required"),
         ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill.parallelism.tensor: parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
         ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill.parallelism.pipeline: parallelism.pipeline 2 is not supported by this version of splitserve"),
-        ({"model": {"uri": "hf://a/b", "quantization": "fp8"}}, "spec.model.quantization: quantization fp8 is not supported by this version of splitserve (supported: none)"),
+        ({"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}}, "spec.decode.parallelism.tensor: parallelism.tensor 2 is not supported by this version of splitserve (supported: 1)"),
         ({"model": {"uri": "hf://a/b", "quantization": "fp4"}}, "spec.model.quantization: Input should be none, fp8, int8 or int4"),
         ({"model": {"uri": "hf://a/b", "hubEndpoint": "ftp://mirror"}}, "spec.model.hubEndpoint: must be an http:// or https:// URL"),
         ({"model": {"uri": "hf://a/b", "hubEndpoint": "https://mirror/x?token=1"}}, "spec.model.hubEndpoint: must be an http:// or https:// URL"),
         ({"decode": {"parallelism": {"tensor": 3}}}, "spec.decode.parallelism.tensor: Input should be 1, 2, 4 or 8"),
         ({"kvCache": {"blockSize": 24}}, "spec.kvCache.blockSize: Input should be 8, 16, 32, 64 or 128"),
+        ({"kvCache": {"dtype": "float16"}}, "spec.kvCache.dtype: Input should be auto or fp8"),
         ({"kvCache": {"memoryFraction": 0.99}}, "spec.kvCache.memoryFraction: Input should be less than or equal to 0.98"),
         ({"kvCache": {"memoryFraction": 0}}, "spec.kvCache.memoryFraction: Input should be greater than 0"),
         ({"autoscaling": {"interval": "0s"}}, "spec.autoscaling: autoscaling.interval must be at least 1s"),
@@ -268,5 +269,15 @@ def test_compat_hash_is_short_stable_and_sensitive() -> None:
     assert naming.compat_hash(**copy.deepcopy(base)) == first
     assert naming.compat_hash(**{**base, "revision": ""}) == first
     for key, other in [("image", "img:2"), ("model_uri", "hf://a/c"), ("revision", "v2"), ("dtype", "bfloat16"),
-                       ("quantization", "fp8"), ("block_size", 32), ("tensor_parallel", 2)]:
+                       ("quantization", "fp8"), ("block_size", 32), ("tensor_parallel", 2),
+                       ("kv_cache_dtype", "fp8")]:
         assert naming.compat_hash(**{**base, key: other}) != first, key
+    # auto (the activation dtype) leaves the hash as it was before kvCache.dtype existed
+    assert naming.compat_hash(**base, kv_cache_dtype="auto") == first == "5afae15865"  # the pre-field value
+
+
+def test_kv_cache_dtype_defaults_to_auto_and_accepts_fp8() -> None:
+    assert api.InferenceService.parse(_minimal()).spec.kv_cache.dtype == "auto"
+    fp8 = api.InferenceService.parse(_minimal(kvCache={"dtype": "fp8"}))
+    assert fp8.spec.kv_cache.dtype == "fp8"
+    assert fp8.dump()["spec"]["kvCache"]["dtype"] == "fp8"

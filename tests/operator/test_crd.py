@@ -194,6 +194,7 @@ def test_bounds_enums_and_patterns() -> None:
     kv = spec["kvCache"]["properties"]
     assert kv["blockSize"]["enum"] == [8, 16, 32, 64, 128]
     assert kv["blockSize"]["default"] == defaults.BLOCK_SIZE
+    assert (kv["dtype"]["enum"], kv["dtype"]["default"]) == (["auto", "fp8"], "auto")
     assert kv["memoryFraction"] == {**kv["memoryFraction"], "minimum": 0, "exclusiveMinimum": True, "maximum": 0.98}
     assert spec["prefill"]["properties"]["parallelism"]["properties"]["tensor"]["enum"] == [1, 2, 4, 8]
     assert spec["mode"]["enum"] == ["Disaggregated", "Aggregated"]

@@ -126,6 +126,7 @@ def test_serve_argv_round_trips_through_the_runtime_parser() -> None:
     assert decode.max_num_seqs == 64
     assert decode.max_num_batched_tokens == 4096
     assert decode.device == "cuda"
+    assert decode.kv_cache_dtype == "auto"
 
 
 def test_compat_hash_is_passed_to_pods_and_matches_their_label() -> None:
@@ -275,6 +276,18 @@ def test_config_hash_changes_with_config_not_with_replicas() -> None:
     assert all(new_block[k] != base[k] for k in ("llama-prefill", "llama-decode"))
     new_image = _hashes(_render(_isvc({"runtime": {"image": "other:2"}})))
     assert new_image["llama-prefill"] != base["llama-prefill"]
+
+
+def test_fp8_kv_cache_is_rendered_and_changes_the_compat_hash() -> None:
+    auto, fp8 = _render(_isvc()), _render(_isvc({"kvCache": {"dtype": "fp8"}}))
+    for role in ("prefill", "decode"):
+        name = f"llama-{role}"
+        args = _parse_serve(_container(_by(fp8, "Deployment", name))["args"])
+        assert args.kv_cache_dtype == "fp8"
+        assert "--kv-cache-dtype" not in _container(_by(auto, "Deployment", name))["args"]
+        label = _by(fp8, "Deployment", name)["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
+        assert args.compat_hash == label
+        assert label != _by(auto, "Deployment", name)["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
 
 
 def test_network_policies() -> None:

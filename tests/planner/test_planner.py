@@ -13,6 +13,7 @@ from splitserve_operator.api import InferenceService
 from splitserve_planner.cli import main
 from splitserve_planner.manifest import build_manifest
 from splitserve_planner.perf_model import RooflineModel
+from splitserve_planner.precision import KV_CACHE_DTYPES, QUANTIZATIONS, Precision
 from splitserve_planner.search import PlanError, PlanInputs, Slo, check_feasible, plan_all
 from splitserve_planner.simulator import ROUTER_POLICIES
 from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadSpec
@@ -72,17 +73,23 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     ((), "give --rate (requests/s) or --trace"),
     (("--rate", "1", "--prompt-tokens", "gaussian:5"), "bad token distribution 'gaussian:5'"),
     (("--rate", "1", "--dtype", "fp8", "--gpu", "A100", "--what-if"), "A100-80GB has no FP8 tensor cores"),
-    (("--rate", "1", "--dtype", "fp8"), caps.QUANTIZATION.unsupported_message("fp8")),
-    (("--rate", "1", "--dtype", "fp8"), "quantization fp8 is not supported by this version of splitserve (supported: none)"),
+    (("--rate", "1", "--quantization", "fp8", "--gpu", "A100"),
+     "A100-80GB has no FP8 tensor cores: --quantization fp8 needs one of H100-SXM, H100-PCIe, H200, L40S, B200; "
+     "use --quantization int8 or int4 on it"),
+    (("--rate", "1", "--kv-cache-dtype", "fp8", "--gpu", "A10G"), "A10G has no FP8 support: --kv-cache-dtype fp8 needs"),
+    (("--rate", "1", "--dtype", "fp8", "--quantization", "int4"), "--dtype fp8 means --quantization fp8; it conflicts"),
+    (("--rate", "1", "--quantization", "fp4"), "argument --quantization: invalid choice: 'fp4'"),
+    (("--rate", "1", "--quantization", "int8", "--profile", "p.json"), "--profile holds timings measured at one precision"),
     (("--rate", "1", "--tp", "4"), caps.TENSOR_PARALLEL_SIZE.unsupported_message(4)),
     (("--rate", "1", "--tp", "4"), "parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
     (("--rate", "1", "--tp", "2", "--what-if", "--emit-manifest", "x.yaml"), "--emit-manifest writes only what this version serves"),
-    (("--rate", "1", "--dtype", "int4"), "--dtype must be bfloat16, float16, float32 or fp8"),
+    (("--rate", "1", "--dtype", "int4"), "--dtype must be bfloat16, float16 or float32 (or fp8, an alias for "
+     "--quantization fp8), got 'int4'; weight quantization is --quantization none|fp8|int8|int4"),
     (("--rate", "1", "--tp", "3"), "--tp must be 1, 2, 4 or 8"),
     (("--rate", "1", "--bogus"), "unrecognized arguments: --bogus"),
 ])
 def test_cli_bad_input_exits_2_with_a_message(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
-    if "--bogus" in argv:
+    if "--bogus" in argv or "fp4" in argv:
         with pytest.raises(SystemExit) as exc:
             main(list(argv))
         assert exc.value.code == 2
@@ -140,6 +147,10 @@ def test_cli_with_the_shipped_cpu_profile(capsys: pytest.CaptureFixture[str]) ->
     assert "profile" in out and "chosen:" in out
 
 
+PRECISIONS = [Precision(dtype=dtype, quantization=quantization, kv_cache_dtype=kv)
+              for dtype in ("bfloat16", "float16") for quantization in QUANTIZATIONS for kv in KV_CACHE_DTYPES]
+
+
 @pytest.mark.parametrize(("rate", "prompt", "output", "prefix_share"), [
     (6, "lognormal:2048:0.8", "lognormal:256:0.8", 0.0),
     (12, "lognormal:512:0.6", "lognormal:512:0.6", 0.6),
@@ -156,13 +167,16 @@ def test_every_manifest_the_planner_can_emit_parses(llama8b_h100: RooflineModel,
     assert plans
     for plan in plans:
         assert plan.gpus_per_replica in caps.TENSOR_PARALLEL_SIZE.supported
-        for dtype in ("bfloat16", "float16"):
+        for precision in PRECISIONS:
             for router in ROUTER_POLICIES:
                 manifest = build_manifest(plan=plan, name="planned", model_uri="hf://meta-llama/Llama-3.1-8B",
-                                          dtype=dtype, min_replicas={"prefill": 1, "decode": 1, "aggregated": 1},
+                                          precision=precision, min_replicas={"prefill": 1, "decode": 1, "aggregated": 1},
                                           router_policy=router, memory_fraction=0.9, max_num_seqs=256, block_size=16)
                 isvc = InferenceService.parse(manifest)
-                assert isvc.spec.model.quantization == "none"
+                assert isvc.spec.model.dtype == precision.dtype
+                assert isvc.spec.model.quantization == precision.quantization
+                assert isvc.spec.kv_cache.dtype == precision.kv_cache_dtype
+                assert ("dtype" in manifest["spec"]["kvCache"]) == (precision.kv_cache_dtype == "fp8")
                 pools = [p for p in (isvc.spec.prefill, isvc.spec.decode, isvc.spec.aggregated) if p is not None]
                 assert all(p.parallelism.tensor == 1 for p in pools)
 
@@ -176,20 +190,19 @@ def test_unsupported_settings_never_reach_a_plan_or_a_manifest(llama8b_h100: Roo
                        compare_prefix_caching=False).best
     assert what_if is not None and what_if.gpus_per_replica == 2
     with pytest.raises(caps.UnsupportedError, match="parallelism.tensor 2 is not supported"):
-        build_manifest(plan=what_if, name="x", model_uri="hf://x/y", dtype="bfloat16", min_replicas={},
+        build_manifest(plan=what_if, name="x", model_uri="hf://x/y", precision=Precision(), min_replicas={},
                        router_policy="least-load", memory_fraction=0.9, max_num_seqs=256, block_size=16)
-    servable = plan_all(PlanInputs(perf=llama8b_h100, requests=requests, slo=slo), compare_prefix_caching=False).best
-    assert servable is not None
-    with pytest.raises(caps.UnsupportedError, match="quantization fp8 is not supported"):
-        build_manifest(plan=servable, name="x", model_uri="hf://x/y", dtype="fp8", min_replicas={},
-                       router_policy="least-load", memory_fraction=0.9, max_num_seqs=256, block_size=16)
+    with pytest.raises(caps.UnsupportedError, match="parallelism.tensor 2 is not supported"):  # quantized or not
+        build_manifest(plan=what_if, name="x", model_uri="hf://x/y", precision=Precision(quantization="int4"),
+                       min_replicas={}, router_policy="least-load", memory_fraction=0.9, max_num_seqs=256,
+                       block_size=16)
 
 
 def test_cli_what_if_is_labelled_and_writes_no_manifest(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--rate", "4", "--duration-s", "30", "--tp", "2", "--dtype", "fp8", "--what-if")
     assert code == 0, err
-    assert "TP=2, fp8" in out
+    assert "TP=2, bfloat16, fp8 weights (W8A8)" in out  # --dtype fp8: the alias for --quantization fp8
     assert "WHAT-IF (not servable by this version, no manifest)" in out
     assert caps.TENSOR_PARALLEL_SIZE.unsupported_message(2) in out
-    assert caps.QUANTIZATION.unsupported_message("fp8") in out
+    assert "quantization fp8" not in out  # served by this version: not part of the what-if
     assert "\nwhat-if, not servable by this version: " in out and "\nchosen:" not in out

@@ -35,6 +35,7 @@ from .fields import (
     QuantizationName,
     TensorParallelSize,
     Toleration,
+    _capability,
     _capability_field,
     _object,
     parse_duration_seconds,
@@ -105,7 +106,14 @@ class ModelSpec(ApiModel):
         description="Weight and activation dtype. auto: bfloat16 on GPUs that support it, else the model's dtype.",
     )
     quantization: QuantizationName = _capability_field(
-        caps.QUANTIZATION, default="none", description="Weight quantization applied at load time."
+        caps.QUANTIZATION, default="none",
+        description=(
+            "Weight quantization. none: the checkpoint as stored (a pre-quantized checkpoint, "
+            "compressed-tensors FP8/INT8/INT4, fp8, AWQ or GPTQ, is served by its own "
+            "quantization_config). fp8 (W8A8 e4m3), int8 (W8A8) or int4 (W4A16, group 128): "
+            "quantize a dense checkpoint at load time; with a pre-quantized checkpoint the value "
+            "must name its method."
+        ),
     )
     max_model_len: int | None = Field(
         default=None,
@@ -284,8 +292,11 @@ class RouterSpec(ApiModel):
     )
 
 
+KVCacheDtypeName = Annotated[str, _capability(caps.KV_CACHE_DTYPE)]
+
+
 class KVCacheSpec(ApiModel):
-    """Paged KV cache layout and budget. blockSize is part of the compat hash."""
+    """Paged KV cache layout and budget. blockSize and dtype are part of the compat hash."""
 
     block_size: BlockSize = Field(default=defaults.BLOCK_SIZE, description="Tokens per KV block.",
                             json_schema_extra={"enum": list(defaults.BLOCK_SIZES)})
@@ -297,6 +308,17 @@ class KVCacheSpec(ApiModel):
     )
     prefix_caching: bool = Field(
         default=True, description="Reuse KV blocks of identical prompt prefixes."
+    )
+    dtype: KVCacheDtypeName = _capability_field(
+        caps.KV_CACHE_DTYPE, default="auto",
+        description=(
+            "KV cache dtype. auto: the model's activation dtype (model.dtype). fp8: e4m3 with "
+            "per-tensor K and V scales per layer (the checkpoint's calibrated k_scale/v_scale "
+            "when it has them, else 1.0), half the bytes of "
+            "bfloat16, so about twice the KV blocks in the same memory; needs GPUs of "
+            "compute capability 8.9 or later (L4/L40, H100/H200). Prefill and decode pods with "
+            "different KV dtypes are never paired."
+        ),
     )
 
 

@@ -8,6 +8,10 @@
   :data:`CPU_KV_CAP_BYTES` — host memory is shared with everything else on the node.
 
 Either way there are never more blocks than ``max_num_seqs`` full-length sequences use.
+
+The cache dtype (``--kv-cache-dtype``) is the activation dtype (``auto``) or fp8 e4m3
+(``fp8``): one byte per element, so the same budget holds 2x the blocks of a bf16 cache
+(4x of the fp32 cache used on CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +23,26 @@ import torch
 
 CPU_KV_CAP_BYTES = 2 * 1024**3
 MEMINFO_PATH = Path("/proc/meminfo")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_MIN_CUDA_CAPABILITY = (8, 9)
+"""fp8 e4m3 conversions in Triton need Ada (sm_89) or Hopper (sm_90) and later."""
+
+
+def resolve_kv_cache_dtype(name: str, *, model_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """``auto``: the model's activation dtype; ``fp8``: ``float8_e4m3fn``."""
+    if name == "auto":
+        return model_dtype
+    if name != "fp8":
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose {' or '.join(KV_CACHE_DTYPES)}")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_KV_MIN_CUDA_CAPABILITY:
+            raise ValueError(
+                f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, "
+                f"Hopper); {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+            )
+    return torch.float8_e4m3fn
 
 
 @dataclass(frozen=True, kw_only=True)

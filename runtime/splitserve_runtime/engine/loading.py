@@ -16,7 +16,7 @@ from splitserve_contract import ENV_MODEL_CACHE, ServeArgs, unsupported_serve_se
 from splitserve_contract.capabilities import UnsupportedError
 
 from .config import EngineConfig
-from .kv_budget import KVCacheSpec
+from .kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
     model_config = load_model_config(model_dir=model_dir)
     dtype = resolve_dtype(args.dtype, device=device, config_dtype=model_config.torch_dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype=dtype, device=device)
     max_model_len = model_config.resolve_max_model_len(requested_tokens=args.max_model_len)
     if not args.chunked_prefill and args.max_num_batched_tokens < max_model_len:
         log.warning("chunked prefill is off: max_model_len lowered from %d to "
@@ -46,10 +47,10 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     ops = get_ops(name=args.attention_backend, device=device)
     tokenizer = Tokenizer.from_dir(model_dir=model_dir)
     model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device,
-                       config=model_config)
+                       config=model_config, quantization=args.quantization)
     spec = KVCacheSpec(num_layers=model_config.num_hidden_layers,
                        num_kv_heads=model_config.num_key_value_heads,
-                       head_dim=model_config.head_dim, dtype=dtype)
+                       head_dim=model_config.head_dim, dtype=kv_dtype)
     eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
 
     def detokenizer(prompt_token_ids: list[int]) -> IncrementalDetokenizer:

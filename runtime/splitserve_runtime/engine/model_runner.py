@@ -207,24 +207,31 @@ class ModelRunner:
         self.sampler = Sampler(device=device)
 
     def read_block(self, block_id: int) -> bytes:
-        """Export hook: one block's K/V as bytes, ordered ``[layer][K, V][token][head][dim]``."""
+        """Export hook: one block's K/V as bytes, ordered ``[layer][K, V][token][head][dim]``.
+
+        Bytes are copied as they are (through ``uint8`` views), whatever the cache dtype: an
+        fp8 block travels as its fp8 bytes, never re-encoded.
+        """
         self._check_block_id(block_id)
-        parts = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
-        return parts.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        parts = torch.stack([
+            torch.stack((k[block_id].view(torch.uint8), v[block_id].view(torch.uint8)))
+            for k, v in self.kv_caches
+        ])
+        return parts.contiguous().cpu().numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes | memoryview) -> None:
         """Import hook: fill one block from :meth:`read_block`'s byte layout."""
         self._check_block_id(block_id)
-        k0 = self.kv_caches[0][0]
-        shape = (len(self.kv_caches), 2, *k0.shape[1:])
+        k0 = self.kv_caches[0][0][block_id].view(torch.uint8)
+        shape = (len(self.kv_caches), 2, *k0.shape)
         expected = self.spec.bytes_per_block(block_size=self.block_size)
         if len(data) != expected:
             raise ValueError(f"a KV block has {expected} bytes, got {len(data)}")
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        values = raw.view(k0.dtype).view(shape).to(self.device)
+        values = raw.view(shape).to(self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
-            k[block_id].copy_(values[layer, 0])
-            v[block_id].copy_(values[layer, 1])
+            k[block_id].view(torch.uint8).copy_(values[layer, 0])
+            v[block_id].view(torch.uint8).copy_(values[layer, 1])
 
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -2,7 +2,8 @@
 
 Both read K/V from ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches through a
 block table; this module checks the pieces they have in common and returns the derived
-sizes, so the launchers stay short.
+sizes, so the launchers stay short. The cache is in q's dtype, or fp8 (e4m3) with per-tensor
+``k_scale``/``v_scale`` for any q dtype (see :mod:`._fp8`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from ._fp8 import KV_CACHE_DTYPES, check_kv_scale, is_fp8_kv
 
 LOG2E = 1.4426950408889634
 
@@ -24,16 +26,17 @@ class PagedShapes:
     head_dim: int
     block_size: int
     group: int
+    kv_fp8: bool
 
 
 def check_paged_inputs(
     *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-    scale: float,
+    scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> PagedShapes:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -44,8 +47,11 @@ def check_paged_inputs(
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    if q.dtype != k_cache.dtype:
+    kv_fp8 = is_fp8_kv(k_cache.dtype)
+    if q.dtype != k_cache.dtype and not kv_fp8:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}")
+    check_kv_scale("k_scale", k_scale)
+    check_kv_scale("v_scale", v_scale)
     if not block_tables.is_contiguous():
         raise ValueError("block_tables must be contiguous")
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -77,7 +83,7 @@ def check_paged_inputs(
         if cache.stride(3) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
     return PagedShapes(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       block_size=block_size, group=num_heads // num_kv_heads)
+                       block_size=block_size, group=num_heads // num_kv_heads, kv_fp8=kv_fp8)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

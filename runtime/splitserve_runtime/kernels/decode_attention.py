@@ -13,6 +13,10 @@ log-sum-exp, written to an fp32 workspace ``[batch, num_heads, num_splits, head_
 Stage 2, grid ``(batch, num_heads)``: merges the splits with the usual LSE weights. Empty
 splits (short sequences in a batch sized for long ones) write ``lse = -inf`` and drop out.
 
+An fp8 (e4m3) cache is read as fp8 and converted in registers to q's dtype (exact);
+``k_scale`` is folded into the score scale and ``v_scale`` into each split's output (see
+:mod:`._fp8`), under the ``KV_FP8`` constexpr so 16/32-bit caches compile as before.
+
 The split count is a runtime argument (no recompilation when it changes) chosen on the host
 from the batch's maximum context length and the SM count so that ``batch * kv_heads *
 splits`` fills the GPU; each sequence divides its own context into that many slices, so
@@ -44,10 +48,10 @@ def _decode_split_kernel(
     stride_bt,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    num_splits, qk_scale,
+    num_splits, qk_scale, v_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -81,6 +85,8 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = block * stride_kb + in_block * stride_kt + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -91,6 +97,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = block * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -98,6 +106,8 @@ def _decode_split_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     out_ptrs = (part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
                 + d[None, :])
@@ -158,7 +168,7 @@ def decode_attention(
     block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
     scale: float, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q [batch, num_heads, head_dim]`` over each sequence's paged context.
 
@@ -166,11 +176,13 @@ def decode_attention(
     ``max_context_len`` bounds them (host value, used only to size the split count and to
     check the table width). Returns ``[batch, num_heads, head_dim]`` in q's dtype.
     ``num_splits``/``block_n``/``num_warps``/``num_stages`` override the heuristics
-    (benchmarks, tests).
+    (benchmarks, tests). ``k_scale``/``v_scale``: per-tensor scales of an fp8 cache (ignored
+    for 16/32-bit caches).
     """
     shapes = check_paged_inputs(q=q, k_cache=k_cache, v_cache=v_cache,
                                 block_tables=block_tables, context_lens=context_lens,
-                                max_context_len=max_context_len, scale=scale)
+                                max_context_len=max_context_len, scale=scale,
+                                k_scale=k_scale, v_scale=v_scale)
     batch = q.shape[0]
     if block_tables.shape[0] != batch:
         raise ValueError(f"q has {batch} rows but block_tables has {block_tables.shape[0]}")
@@ -210,11 +222,11 @@ def decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        num_splits, scale * LOG2E,
+        num_splits, scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0), v_scale,
         GROUP=shapes.group, BLOCK_G=max(16, next_power_of_2(shapes.group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=shapes.block_size, BLOCK_N=block_n,
         DOT_FP32=interp or q.dtype == torch.float32,
-        INPUT_PRECISION=dot_precision(q.dtype),
+        INPUT_PRECISION=dot_precision(q.dtype), KV_FP8=shapes.kv_fp8,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     _decode_reduce_kernel[(batch, shapes.num_heads)](

@@ -12,6 +12,10 @@ position need no mask at all (the bulk of the work for long prompts and prefix h
 remaining tiles up to the block's last position apply the causal and length masks.
 Programs whose query block lies past the end of a short sequence exit at once, and query
 blocks are issued last-first so the longest causal ranges start early (less tail at the end).
+
+An fp8 (e4m3) cache is read as fp8 and converted in registers to q's dtype (exact);
+``k_scale`` is folded into the score scale and ``v_scale`` into the output (see
+:mod:`._fp8`), under the ``KV_FP8`` constexpr so 16/32-bit caches compile as before.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
     q_pos, kv_end, qk_scale, d, d_mask,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     offs = tile_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -43,6 +47,8 @@ def _attend_tile(
     in_block = offs % BLOCK_SIZE
     k_rows = block * stride_kb + in_block * stride_kt + kv_head * stride_kh
     k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -57,6 +63,8 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = block * stride_vb + in_block * stride_vt + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     if DOT_FP32:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -70,10 +78,10 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_bt, qk_scale,
+    stride_bt, qk_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Heaviest (last, longest-causal-range) query blocks first: better tail balance.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -111,15 +119,17 @@ def _prefill_kernel(
             q, acc, m_i, l_i, tile_start, table_row, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
             q_pos, kv_end, qk_scale, d, d_mask,
-            False, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION)
+            False, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION, KV_FP8)
     for tile_start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile_start, table_row, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
             q_pos, kv_end, qk_scale, d, d_mask,
-            True, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION)
+            True, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION, KV_FP8)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     o_rows = (q_start + rows) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=r_mask[:, None] & d_mask[None, :])
@@ -131,7 +141,7 @@ def prefill_attention(
     max_q_len: int, max_context_len: int, scale: float,
     block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the flattened ``q [num_tokens, num_heads, head_dim]`` rows.
 
@@ -139,10 +149,12 @@ def prefill_attention(
     (>= its q_len) tokens in the cache, this step's included. ``max_q_len`` and
     ``max_context_len`` are host-side bounds (grid size, table-width check). Returns a tensor
     shaped like q. Block sizes and launch options can be overridden (benchmarks, tests).
+    ``k_scale``/``v_scale``: per-tensor scales of an fp8 cache (ignored for 16/32-bit caches).
     """
     shapes = check_paged_inputs(q=q, k_cache=k_cache, v_cache=v_cache,
                                 block_tables=block_tables, context_lens=context_lens,
-                                max_context_len=max_context_len, scale=scale)
+                                max_context_len=max_context_len, scale=scale,
+                                k_scale=k_scale, v_scale=v_scale)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES)
     num_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
@@ -183,11 +195,11 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), scale * LOG2E,
+        block_tables.stride(0), scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0), v_scale,
         GROUP=shapes.group, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=shapes.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_FP32=interp or q.dtype == torch.float32,
-        INPUT_PRECISION=dot_precision(q.dtype),
+        INPUT_PRECISION=dot_precision(q.dtype), KV_FP8=shapes.kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -129,7 +129,7 @@ def _compressed_tensors(raw: Mapping[str, Any], source: str) -> CheckpointQuanti
     if weights.get("dynamic"):
         raise _unsupported(source, "compressed-tensors dynamic weight quantization")
     if raw.get("kv_cache_scheme"):
-        log.warning("%s: kv_cache_scheme is ignored; use spec.kvCache.dtype for an FP8 KV cache", source)
+        log.info("%s: calibrated KV-cache scales are used when spec.kvCache.dtype is fp8", source)
     static_acts = bool(acts) and not acts.get("dynamic", False)
     if acts and (int(acts.get("num_bits", 8)) != 8 or (not static_acts and acts.get("strategy") != "token")):
         raise _unsupported(source, f"compressed-tensors input activations {dict(acts)}")

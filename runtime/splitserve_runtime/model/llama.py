@@ -59,6 +59,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = _param((hidden,), dtype=dtype, device=device)
         self.gate_up_proj = _param((2 * config.intermediate_size, hidden), dtype=dtype, device=linear_device)
         self.down_proj = _param((hidden, config.intermediate_size), dtype=dtype, device=linear_device)
+        # Per-tensor scales of an fp8 KV cache (cache = k / k_scale); 1.0 without calibration.
+        self.k_scale: float = 1.0
+        self.v_scale: float = 1.0
 
     def set_linear(self, name: str, weight: LinearWeight) -> None:
         """Put ``weight`` (dense or quantized) in projection ``name``; its shape must match."""
@@ -165,8 +168,10 @@ class LlamaForCausalLM(nn.Module):
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
-            attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md)
+            ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping,
+                               k_scale=layer.k_scale, v_scale=layer.v_scale)
+            attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md,
+                                   k_scale=layer.k_scale, v_scale=layer.v_scale)
             hidden = ops.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj, None)
             hidden, residual = ops.fused_add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, cfg.rms_norm_eps,
@@ -180,22 +185,26 @@ class LlamaForCausalLM(nn.Module):
 
     def _attention(
         self, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata,
+        md: AttentionMetadata, k_scale: float, v_scale: float,
     ) -> torch.Tensor:
         num_prefill = md.num_prefill_tokens
         num_attended = num_prefill + md.num_decodes
         if md.num_decodes == 0 and num_prefill == q.shape[0]:
-            return self.ops.prefill_attention(q, k_cache, v_cache, md, self.scale)
+            return self.ops.prefill_attention(q, k_cache, v_cache, md, self.scale,
+                                              k_scale=k_scale, v_scale=v_scale)
         if num_prefill == 0 and md.num_decodes == q.shape[0]:
-            return self.ops.decode_attention(q, k_cache, v_cache, md, self.scale)
+            return self.ops.decode_attention(q, k_cache, v_cache, md, self.scale,
+                                             k_scale=k_scale, v_scale=v_scale)
         out = torch.zeros_like(q)
         if num_prefill > 0:
             out[:num_prefill] = self.ops.prefill_attention(
                 q[:num_prefill], k_cache, v_cache, md, self.scale,
+                k_scale=k_scale, v_scale=v_scale,
             )
         if md.num_decodes > 0:
             out[num_prefill:num_attended] = self.ops.decode_attention(
                 q[num_prefill:num_attended], k_cache, v_cache, md, self.scale,
+                k_scale=k_scale, v_scale=v_scale,
             )
         return out
 

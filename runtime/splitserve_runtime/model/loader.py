@@ -19,6 +19,8 @@ allocated (they live on the ``meta`` device until replaced).
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,9 @@ def load_model(
                     if assembler is not None and assembler.owns(name):
                         assembler.add(name=name, tensor=handle.get_tensor(name), path=path)
                         continue
+                    if _KV_SCALE.match(name):
+                        _set_kv_scale(model=model, name=name, tensor=handle.get_tensor(name), path=path)
+                        continue
                     _load_one(
                         name=name, path=path, handle=handle, targets=targets, params=params,
                         loaded=loaded, config=config,
@@ -139,6 +144,28 @@ def load_model(
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
     return model
+
+
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
+"""Calibrated FP8 KV-cache scales (compressed-tensors ``kv_cache_scheme``; ``kv_scale``: one for both)."""
+
+
+def _set_kv_scale(*, model: LlamaForCausalLM, name: str, tensor: torch.Tensor, path: Path) -> None:
+    """Per-tensor KV scale of one layer (cache = k / k_scale); used when the KV cache is fp8,
+    ignored by the kernels otherwise."""
+    match = _KV_SCALE.match(name)
+    assert match is not None
+    layer, which = int(match.group(1)), match.group(2)
+    layers = model.decoder_layers()
+    if layer >= len(layers) or tensor.numel() != 1:
+        raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: shape {tuple(tensor.shape)}")
+    value = float(tensor.float().reshape(()))
+    if not math.isfinite(value) or value <= 0:
+        raise ModelLoadError(f"tensor {name!r} in {path.name}: KV scale must be positive and finite, got {value}")
+    if which in ("k_scale", "kv_scale"):
+        layers[layer].k_scale = value
+    if which in ("v_scale", "kv_scale"):
+        layers[layer].v_scale = value
 
 
 def _load_one(

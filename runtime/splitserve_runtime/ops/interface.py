@@ -15,6 +15,9 @@ Tensor layouts (all contiguous unless noted):
 - ``context_lens[b]`` counts all tokens of sequence b whose K/V is in the cache *after*
   this step's write (cached prefix + earlier chunks + this step's tokens).
 - ``cu_seqlens_q[b]`` is the offset of sequence b's first query row (int32, len B+1).
+- A KV cache is in the activation dtype, or ``float8_e4m3fn`` holding ``k / k_scale`` and
+  ``v / v_scale`` saturated to ±448 (per-tensor, per-layer scales; see ``ops/kv_fp8.py``).
+  The attention and write ops take the scales as keywords and ignore them for other caches.
 Query row i of sequence b sits at absolute position
 ``context_lens[b] - q_len_b + i`` and attends causally to cache positions ``0..position``.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from ..quant.formats import LinearWeight
 
 
 @dataclass
@@ -60,20 +65,21 @@ class Ops(Protocol):
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Scatter key/value ``[num_tokens, num_kv_heads, head_dim]`` into the cache."""
 
     def prefill_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal varlen attention of ``q [num_prefill_tokens, num_heads, head_dim]`` over the
         paged cache (prefix-cached blocks included). Returns the same shape as q."""
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Paged attention of one query row per sequence ``q [num_decodes, num_heads, head_dim]``."""
 
@@ -93,3 +99,7 @@ class Ops(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., 2I] -> silu(x[..., :I]) * x[..., I:]``."""
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K] @ weight.T (+ bias)`` → ``[M, N]`` in ``x``'s dtype, for a dense ``[N, K]``
+        weight or any quantized layout of :mod:`splitserve_runtime.quant.formats`."""

@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.formats import LinearWeight
+from ..quant.reference import quant_linear
 from .interface import AttentionMetadata
+from .kv_fp8 import decode_kv, scatter_kv_rows
 
 
 def _gather_kv(
@@ -50,17 +53,17 @@ class TorchOps:
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+        scatter_kv_rows(cache=k_cache, slots=slots, rows=key[keep], scale=k_scale)
+        scatter_kv_rows(cache=v_cache, slots=slots, rows=value[keep], scale=v_scale)
 
     def prefill_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_seqs = md.num_prefills
         if num_seqs == 0 or md.num_prefill_tokens == 0:
@@ -80,6 +83,7 @@ class TorchOps:
             context_lens=context_lens, max_context_len=md.prefill_max_context_len,
             block_size=md.block_size,
         )
+        k, v = decode_kv(k, dtype=q.dtype, scale=k_scale), decode_kv(v, dtype=q.dtype, scale=v_scale)
         gqa = q.shape[1] != k.shape[1]
         if int(context_lens.sum()) == md.num_prefill_tokens:
             # No cached prefix anywhere (context_len == q_len for every sequence): the plain
@@ -106,7 +110,7 @@ class TorchOps:
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         if md.num_decodes == 0:
             return q.new_empty(q.shape)
@@ -115,6 +119,7 @@ class TorchOps:
             context_lens=md.decode_context_lens.to(q.device),
             max_context_len=md.decode_max_context_len, block_size=md.block_size,
         )
+        k, v = decode_kv(k, dtype=q.dtype, scale=k_scale), decode_kv(v, dtype=q.dtype, scale=v_scale)
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         # One query row per sequence, so the heads sharing a KV head can be treated as that
@@ -149,6 +154,11 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return quant_linear(x, weight, bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

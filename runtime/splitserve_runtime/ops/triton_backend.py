@@ -9,6 +9,7 @@ every op but :meth:`write_kv_cache` returns new tensors and leaves its inputs al
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.activation import silu_and_mul
 from ..kernels.decode_attention import decode_attention
@@ -16,6 +17,10 @@ from ..kernels.kv_cache_write import write_kv_cache
 from ..kernels.prefill_attention import prefill_attention
 from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ..kernels.rotary import rotary_embedding
+from ..kernels.scaled_gemm import w8a8_linear
+from ..kernels.w4a16_gemm import w4a16_linear
+from ..kernels.w8a16_gemm import w8a16_linear
+from ..quant.formats import Fp8Weight, Int4Weight, Int8Weight, LinearWeight
 from .interface import AttentionMetadata
 
 
@@ -26,14 +31,15 @@ class TritonOps:
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                       slot_mapping=slot_mapping)
+                       slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def prefill_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         if q.shape[0] != md.num_prefill_tokens:
             raise ValueError(
@@ -45,12 +51,12 @@ class TritonOps:
             q=q, k_cache=k_cache, v_cache=v_cache, block_tables=md.prefill_block_tables,
             context_lens=md.prefill_context_lens, cu_seqlens_q=md.prefill_cu_seqlens_q,
             max_q_len=md.prefill_max_q_len, max_context_len=md.prefill_max_context_len,
-            scale=scale,
+            scale=scale, k_scale=k_scale, v_scale=v_scale,
         )
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         if q.shape[0] != md.num_decodes:
             raise ValueError(f"q has {q.shape[0]} rows, metadata has {md.num_decodes} decodes")
@@ -59,7 +65,7 @@ class TritonOps:
         return decode_attention(
             q=q, k_cache=k_cache, v_cache=v_cache, block_tables=md.decode_block_tables,
             context_lens=md.decode_context_lens, max_context_len=md.decode_max_context_len,
-            scale=scale,
+            scale=scale, k_scale=k_scale, v_scale=v_scale,
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,3 +84,16 @@ class TritonOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x=x)
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """Dense weights go to cuBLAS (``F.linear``); quantized layouts to their kernel."""
+        if isinstance(weight, Fp8Weight) or (isinstance(weight, Int8Weight) and weight.act_quant):
+            return w8a8_linear(x=x, qweight=weight.qweight, weight_scale=weight.weight_scale,
+                               bias=bias)
+        if isinstance(weight, Int8Weight):
+            return w8a16_linear(x=x, qweight=weight.qweight, weight_scale=weight.weight_scale,
+                                bias=bias)
+        if isinstance(weight, Int4Weight):
+            return w4a16_linear(x=x, qweight=weight.qweight, scales=weight.scales,
+                                offsets=weight.offsets, group_size=weight.group_size, bias=bias)
+        return F.linear(x, weight, bias)

@@ -9,7 +9,7 @@ GPU transport can implement the same `fetch` and be selected by configuration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 
@@ -19,7 +19,9 @@ class KVLayout:
 
     Both sides must agree exactly; `compat_hash` (image + model + KV layout, see
     contract.LABEL_COMPAT_HASH) catches mismatches the shape alone would not (another model
-    with the same shape).
+    with the same shape). Blocks travel as the cache's raw bytes: `dtype` names the cache
+    dtype (e.g. "bfloat16", or "float8_e4m3fn" for an fp8 cache, 1 byte per element), so a
+    bf16 decode pod never accepts fp8 blocks or the reverse.
     """
 
     num_layers: int
@@ -36,6 +38,13 @@ class KVLayout:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def mismatch(self, other: KVLayout) -> str:
+        """What differs from ``other`` ("" if nothing), e.g. ``dtype float8_e4m3fn != bfloat16``."""
+        return ", ".join(
+            f"{f.name} {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+            for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)
+        )
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> KVLayout:

@@ -138,7 +138,8 @@ class TcpKVServer:
         if wanted != self._layout:
             await self._send_error(
                 writer, code="layout_mismatch",
-                message=f"decode wants {wanted}, prefill holds {self._layout}",
+                message=f"KV layouts differ (decode vs prefill: {wanted.mismatch(self._layout)}); "
+                f"decode wants {wanted}, prefill holds {self._layout}",
             )
             return 0
         exported = self._registry.get(request_id)

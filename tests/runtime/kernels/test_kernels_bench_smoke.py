@@ -21,4 +21,8 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     checks = {c["check"] for c in result["correctness"]}
     assert {"mixed_step.decode", "mixed_step.prefill", "elementwise.rms_norm"} <= checks
     assert len(result["decode"]) == 4 and len(result["prefill"]) == 3
+    # quantized GEMMs: every kind checked against quant/reference.py at each smoke shape
+    assert {f"gemm.{kind}.m{m}.n96" for kind in ("fp8", "fp8_gemm", "int8", "w8a16", "w4a16")
+            for m in (1, 7, 80)} <= checks
+    assert len(result["gemm"]) == 3 and all("error" not in r for r in result["gemm"])
     assert all(c["ok"] for c in result["correctness"])
