@@ -245,10 +245,10 @@ def wait_for(predicate: Callable[[], object], *, timeout_seconds: float, what: s
 class Reference:
     """The aggregated engine in this process, with the pods' numerics: the expected answers."""
 
-    def __init__(self, *, model_dir: Path) -> None:
+    def __init__(self, *, model_dir: Path, **overrides: Any) -> None:
         from splitserve_runtime.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine.from_args(serve_args(model_dir=model_dir))
+        self.engine = LLMEngine.from_args(serve_args(model_dir=model_dir, **overrides))
         self._count = 0
 
     @property

@@ -61,10 +61,16 @@ def prompt(tiny_llama_dir: Path) -> list[int]:
     return ids
 
 
-def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int]) -> None:
+@pytest.mark.parametrize("settings", [{}, {"kv_cache_dtype": "fp8"}, {"quantization": "int4"},
+                                      {"quantization": "fp8", "kv_cache_dtype": "fp8"}],
+                         ids=["full", "fp8-kv", "int4", "fp8-weights-fp8-kv"])
+def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int],
+                                                      settings: dict[str, str]) -> None:
+    """Disaggregated equals aggregated, token for token, also with quantized weights and an
+    fp8 KV cache (whose blocks move as stored)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = _generate(_engine(tiny_llama_dir), "ref", prompt, params)
-    prefill, decode = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
+    reference = _generate(_engine(tiny_llama_dir, **settings), "ref", prompt, params)
+    prefill, decode = _engine(tiny_llama_dir, **settings), _engine(tiny_llama_dir, **settings)
     first = _prefill_and_move(prefill, decode, prompt, params)
     decode.activate_imported_request("r")
     rest: list[int] = []
