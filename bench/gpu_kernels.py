@@ -563,6 +563,16 @@ class Bench:
                         name=f"gemm.fp8_gemm.m{m}.n{n}", got=fp8_gemm(),
                         ref=quant_linear(x, fp8, None), atol=2e-2, rtol=1.6e-2)
                     timings["fp8_gemm"] = self.time_ms(fp8_gemm)
+
+                    def fp8_fast() -> Any:
+                        return scaled_gemm(a=xq, a_scale=x_scale_1d, b=fp8.qweight,
+                                           b_scale=fp8.weight_scale, bias=None,
+                                           out_dtype=self.dtype, fast_accum=True)
+
+                    # Informational: Hopper's imprecise fp8 accumulation may exceed the bound.
+                    row["fp8_fast_max_abs_diff"] = float(
+                        (fp8_fast().float() - fp8_gemm().float()).abs().max())
+                    timings["fp8_fast"] = self.time_ms(fp8_fast)
                     if not self.smoke:
                         def cublas() -> Any:
                             return torch._scaled_mm(
@@ -580,7 +590,8 @@ class Bench:
                         if not ms:
                             continue
                         tflops = 2 * m * n * k / (ms * 1e9)
-                        eight_bit = kind in ("fp8", "fp8_gemm", "cublas_fp8", "int8")
+                        eight_bit = kind in ("fp8", "fp8_gemm", "fp8_fast", "cublas_fp8",
+                                             "int8")
                         layout = weights["fp8" if "fp8" in kind else kind]
                         row[f"{kind}_TFLOPs"] = tflops
                         row[f"{kind}_frac_peak"] = tflops / (
@@ -767,9 +778,10 @@ def _print_tables(records: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def _print_gemm(rows: list[dict[str, Any]]) -> None:
-    kinds = ("bf16", "fp8", "fp8_gemm", "cublas_fp8", "int8", "w8a16", "w4a16")
+    kinds = ("bf16", "fp8", "fp8_gemm", "fp8_fast", "cublas_fp8", "int8", "w8a16", "w4a16")
     print("\n== quantized GEMM TFLOP/s (x bf16 F.linear); fp8_gemm: without the activation "
-          "quantization; cublas_fp8: torch._scaled_mm ==")
+          "quantization; fp8_fast: fp8_gemm with Hopper's imprecise accumulation; cublas_fp8: "
+          "torch._scaled_mm ==")
     print(f"{'case':<20}" + "".join(f"{kind:>16}" for kind in kinds) + f"{'max err':>9}")
     for r in rows:
         if "error" in r:
@@ -844,7 +856,7 @@ def _compile_only(out_dir: Path) -> int:
     index_ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                   "cu_seqlens_ptr": "*i32", "slot_ptr": "*i64", "pos_ptr": "*i64",
                   "cos_sin_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    floats = {"qk_scale", "eps"}
+    floats = {"qk_scale", "eps", "v_scale", "inv_k_scale", "inv_v_scale"}
     rows: list[dict[str, Any]] = []
     failures = 0
 
@@ -882,7 +894,8 @@ def _compile_only(out_dir: Path) -> int:
         print(f"ok   {label:<34} {json.dumps({k: v for k, v in row.items() if k != 'kernel'})}")
 
     attn = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "DOT_FP32": False,
-            "INPUT_PRECISION": "tf32"}
+            "INPUT_PRECISION": "tf32", "KV_FP8": False}
+    fp8_cache = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     for group in (1, 4, 8):
         build(f"decode_split bf16 group{group}", dec._decode_split_kernel,
               {**attn, "GROUP": group, "BLOCK_G": max(16, group), "BLOCK_N": 64}, "bf16", 4, 2)
@@ -897,8 +910,14 @@ def _compile_only(out_dir: Path) -> int:
     build("prefill bf16 d64 group1", pre._prefill_kernel,
           {**attn, "HEAD_DIM": 64, "BLOCK_D": 64, "GROUP": 1, "BLOCK_M": 128, "BLOCK_N": 64},
           "bf16", 4, 3)
-    build("kv_cache_write bf16", kv_cache_write._kv_cache_write_kernel,
-          {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_HD": 1024}, "bf16", 4, 1)
+    build("decode_split bf16 group4 fp8-kv", dec._decode_split_kernel,
+          {**attn, "GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "KV_FP8": True}, "bf16", 4, 2, fp8_cache)
+    build("prefill bf16 d128 group4 fp8-kv", pre._prefill_kernel,
+          {**attn, "GROUP": 4, "BLOCK_M": 128, "BLOCK_N": 64, "KV_FP8": True}, "bf16", 8, 3, fp8_cache)
+    for kv_fp8 in (False, True):
+        build(f"kv_cache_write bf16 fp8-kv={kv_fp8}", kv_cache_write._kv_cache_write_kernel,
+              {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_HD": 1024, "KV_FP8": kv_fp8,
+               "EXACT_FP8_ROUNDING": False}, "bf16", 4, 1, fp8_cache if kv_fp8 else None)
     for residual in (False, True):
         build(f"rms_norm bf16 residual={residual}", rmsnorm._rms_norm_kernel,
               {"HAS_RESIDUAL": residual, "BLOCK": 4096}, "bf16", 8, 1)

@@ -13,22 +13,28 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from quant_packers import FORMATS, write_quantized
 from server_harness import MODEL_NAME, serve_args, spawn_server, start_server
+
+from splitserve_contract import ENV_MODEL_CACHE
 from splitserve_contract import capabilities as caps
+from splitserve_e2e import smollm2
 from splitserve_runtime.server import app
 
 CASES = [("load-time", method) for method in caps.QUANTIZATION.supported] + [
-    ("checkpoint", fmt) for fmt in ("awq-g64", "gptq-asym", "ct-fp8", "ct-int8", "ct-int4", "autofp8")]
+    ("checkpoint", fmt) for fmt in ("awq-g64", "gptq-asym", "ct-fp8", "ct-int8", "ct-int4", "autofp8")] + [
+    ("gguf", "smollm2")]
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES)
 def test_each_quantization_serves_completions_and_chat(tiny_llama_dir: Path, tmp_path: Path, kind: str,
-                                                       name: str) -> None:
+                                                       name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir, quantization = tiny_llama_dir, "none"
     if kind == "load-time":
         quantization = str(name)
+    elif kind == "gguf":  # a real GGUF file (SmolLM2-135M-Instruct, Q4_1) as the model path
+        model_dir = smollm2.gguf_path()
+        monkeypatch.setenv(ENV_MODEL_CACHE, str(tmp_path / "cache"))  # where its sidecar goes
     else:
         config, encode, _ = FORMATS[name]
         model_dir = tmp_path / name

@@ -12,7 +12,8 @@ for the loads instead of masked, and masked only at the store.
 
 Hopper's fp8 wgmma accumulates in reduced precision (Triton's sm_90 default never promotes);
 ``max_num_imprecise_acc=BLOCK_K`` adds each K tile's partial product into the fp32
-accumulator, as cuBLAS does without fast accumulation.
+accumulator, as cuBLAS does without fast accumulation (``fast_accum=True`` skips that:
+faster, since each tile's wgmma must otherwise complete before the add, but less exact).
 
 CPU interpreter: Triton 3.6's interpreter loads fp8 as raw bytes and its ``tl.dot`` upcasts
 fp8 operands to fp16 (exact) before a fp32 NumPy matmul, and int8 dots accumulate in int32,
@@ -70,9 +71,11 @@ def _scaled_gemm_kernel(
 def scaled_gemm(
     *, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a [M, K] @ b [N, K].T) * a_scale[:, None] * b_scale[None, :] (+ bias)`` as
-    ``out_dtype [M, N]``; ``a`` and ``b`` both fp8 e4m3 or both int8, scales fp32."""
+    ``out_dtype [M, N]``; ``a`` and ``b`` both fp8 e4m3 or both int8, scales fp32.
+    ``fast_accum`` leaves fp8 partial sums in Hopper's reduced-precision accumulator."""
     check_tensor("a", a, ndim=2, dtypes=_OPERAND_DTYPES)
     check_tensor("b", b, ndim=2, dtypes=_OPERAND_DTYPES)
     if a.dtype != b.dtype:
@@ -93,10 +96,7 @@ def scaled_gemm(
     for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if a.dtype == torch.float8_e4m3fn and a.is_cuda:
-        major, minor = torch.cuda.get_device_capability(a.device)
-        if (major, minor) < (8, 9):
-            raise ValueError(f"fp8 GEMM needs compute capability >= 8.9, got {major}.{minor}")
+    _check_fp8_support(a)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -110,7 +110,7 @@ def scaled_gemm(
         a, b, a_scale, b_scale, bias if bias is not None else b_scale, out,
         m, n, k, a.stride(0), b.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, ACC_DTYPE=tl.int32 if int8 else tl.float32,
-        IMPRECISE_ACC=None if int8 else cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        IMPRECISE_ACC=None if int8 or fast_accum else cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -119,7 +119,7 @@ def scaled_gemm(
 
 def w8a8_linear(
     *, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, config: GemmConfig | None = None,
+    bias: torch.Tensor | None, config: GemmConfig | None = None, fast_accum: bool = False,
 ) -> torch.Tensor:
     """W8A8 linear layer: quantize ``x [M, K]`` per token to ``qweight``'s dtype (fp8 e4m3 or
     int8), then :func:`scaled_gemm` with ``qweight [N, K]`` and its per-channel fp32 scales.
@@ -129,6 +129,14 @@ def w8a8_linear(
     check_activation_and_bias(x, bias, in_features=qweight.shape[1],
                               out_features=qweight.shape[0],
                               weights={"qweight": qweight, "weight_scale": weight_scale})
+    _check_fp8_support(qweight)
     xq, x_scale = quantize_per_token(x=x, dtype=qweight.dtype)
     return scaled_gemm(a=xq, a_scale=x_scale, b=qweight, b_scale=weight_scale, bias=bias,
-                       out_dtype=x.dtype, config=config)
+                       out_dtype=x.dtype, config=config, fast_accum=fast_accum)
+
+
+def _check_fp8_support(operand: torch.Tensor) -> None:
+    if operand.dtype == torch.float8_e4m3fn and operand.is_cuda:
+        major, minor = torch.cuda.get_device_capability(operand.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"fp8 GEMM needs compute capability >= 8.9, got {major}.{minor}")

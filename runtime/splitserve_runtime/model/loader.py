@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,7 +31,9 @@ from safetensors import SafetensorError, safe_open
 from splitserve_contract.model_config import ModelConfig, load_model_config
 
 from ..ops.interface import Ops
+from ..quant.formats import LinearWeight
 from .errors import ModelLoadError
+from .gguf import gguf_source, read_gguf_tensors
 from .llama import LlamaForCausalLM
 from .quantized_linears import LinearAssembler, load_time_method, resolve_scheme
 
@@ -103,47 +105,74 @@ def load_model(
     *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
     config: ModelConfig | None = None, quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir``'s config and fill it from its safetensors files.
+    """Build the model for ``model_dir``'s config and fill it from its safetensors files (or,
+    for a GGUF sidecar directory, from its ``.gguf`` file: :mod:`.gguf`).
 
     ``quantization`` is ``spec.model.quantization``: ``none`` serves the checkpoint as
     stored (dense, or pre-quantized per its ``quantization_config``); ``fp8``/``int8``/``int4``
     quantizes a dense checkpoint at load time and must match a pre-quantized one's method."""
     config = config if config is not None else load_model_config(model_dir=model_dir)
-    files = weight_files(model_dir=model_dir)
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None and quantization != "none":
+        raise ModelLoadError(f"{gguf_file}: a GGUF file is served as stored (its Q4_0/Q4_1 tensors as int4); "
+                             f"quantization {quantization} cannot be applied to it: set quantization to none")
     scheme = resolve_scheme(config=config, quantization=quantization, source=str(model_dir))
     load_time = load_time_method(scheme=scheme, quantization=quantization)
-    quantized = scheme is not None or load_time is not None
+    quantized = scheme is not None or load_time is not None or gguf_file is not None
     model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device, quantized_linears=quantized)
-    params = dict(model.named_parameters())
-    targets = _targets(config)
     assembler = (LinearAssembler(model=model, config=config, scheme=scheme, load_time=load_time,
                                  dtype=dtype, device=device) if quantized else None)
-    if assembler is not None:
-        targets = {name: t for name, t in targets.items() if not assembler.owns(name)}
-    loaded: dict[str, Path] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if assembler is not None and assembler.owns(name):
-                        assembler.add(name=name, tensor=handle.get_tensor(name), path=path)
-                        continue
-                    if _KV_SCALE.match(name):
-                        _set_kv_scale(model=model, name=name, tensor=handle.get_tensor(name), path=path)
-                        continue
-                    _load_one(
-                        name=name, path=path, handle=handle, targets=targets, params=params,
-                        loaded=loaded, config=config,
-                    )
-        except SafetensorError as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    missing = [name for name in targets if name not in loaded]
-    if assembler is not None:
-        missing += assembler.missing()
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
+    filler = _Filler(model=model, config=config, assembler=assembler)
+    if gguf_file is not None:
+        for name, weight in read_gguf_tensors(gguf_file, config).items():
+            filler.offer(name=name, get=lambda w=weight: w, path=gguf_file)  # type: ignore[misc]
+    else:
+        for path in weight_files(model_dir=model_dir):
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                        filler.offer(name=name, get=lambda n=name: handle.get_tensor(n), path=path)  # type: ignore[misc]
+            except SafetensorError as exc:
+                raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    filler.finish(model_dir=model_dir)
     return model
+
+
+class _Filler:
+    """Routes each checkpoint tensor to its place: a layer projection (the assembler, when the
+    model is quantized), a KV scale, or a dense parameter's rows; tracks what is missing."""
+
+    def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, assembler: LinearAssembler | None) -> None:
+        self.model = model
+        self.config = config
+        self.assembler = assembler
+        self.params = dict(model.named_parameters())
+        self.targets = {name: t for name, t in _targets(config).items()
+                        if assembler is None or not assembler.owns(name)}
+        self.loaded: dict[str, Path] = {}
+
+    def offer(self, *, name: str, get: Callable[[], LinearWeight], path: Path) -> None:
+        if self.assembler is not None and self.assembler.owns(name):
+            self.assembler.add(name=name, tensor=get(), path=path)
+        elif _KV_SCALE.match(name):
+            _set_kv_scale(model=self.model, name=name, tensor=_dense(get(), name), path=path)
+        else:
+            _load_one(name=name, path=path, get=get, targets=self.targets, params=self.params,
+                      loaded=self.loaded, config=self.config)
+
+    def finish(self, *, model_dir: Path) -> None:
+        missing = [name for name in self.targets if name not in self.loaded]
+        if self.assembler is not None:
+            missing += self.assembler.missing()
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
+
+
+def _dense(value: LinearWeight, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ModelLoadError(f"tensor {name!r} is quantized, but only layer projections may be")
+    return value
 
 
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
@@ -169,7 +198,7 @@ def _set_kv_scale(*, model: LlamaForCausalLM, name: str, tensor: torch.Tensor, p
 
 
 def _load_one(
-    *, name: str, path: Path, handle: Any, targets: dict[str, _Target],
+    *, name: str, path: Path, get: Callable[[], LinearWeight], targets: dict[str, _Target],
     params: dict[str, torch.nn.Parameter], loaded: dict[str, Path], config: ModelConfig,
 ) -> None:
     if name.endswith(_IGNORED_SUFFIXES):
@@ -181,7 +210,7 @@ def _load_one(
         raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for {config.architecture}")
     if name in loaded:
         raise ModelLoadError(f"tensor {name!r} appears in both {loaded[name].name} and {path.name}")
-    tensor = handle.get_tensor(name)
+    tensor = _dense(get(), name)
     if tuple(tensor.shape) != target.shape:
         raise ModelLoadError(
             f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "

@@ -93,7 +93,7 @@ class LinearAssembler:
         self._device = device
         self._groups = _fused_groups(config)
         self._owner = {part.module: fused for fused, (_, parts) in self._groups.items() for part in parts}
-        self._pending: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}
+        self._pending: dict[tuple[int, str], dict[str, dict[str, LinearWeight]]] = {}
         self._done: set[tuple[int, str]] = set()
         self._kinds: Counter[str] = Counter()
 
@@ -108,7 +108,9 @@ class LinearAssembler:
             return self._scheme.tensor_suffixes
         return frozenset({"weight"})
 
-    def add(self, *, name: str, tensor: torch.Tensor, path: Path) -> None:
+    def add(self, *, name: str, tensor: LinearWeight, path: Path) -> None:
+        """One stored tensor of a projection module (a GGUF reader hands over whole decoded
+        weights as ``weight``)."""
         match = _MODULE.match(name)
         assert match is not None
         layer, module, suffix = int(match.group(1)), match.group(2), match.group(3)
@@ -169,15 +171,19 @@ class LinearAssembler:
         self._kinds[_kind(weight)] += 1
         self._done.add(key)
 
-    def _decode(self, *, layer: int, part: _Part, tensors: dict[str, torch.Tensor], in_features: int) -> LinearWeight:
+    def _decode(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight], in_features: int) -> LinearWeight:
         hf_module = f"model.layers.{layer}.{part.module}"
         if self._scheme is not None and self._scheme.quantizes(hf_module):
-            return self._scheme.decode(module=hf_module, tensors=tensors, out_features=part.rows,
+            stored = {suffix: t for suffix, t in tensors.items() if isinstance(t, torch.Tensor)}
+            return self._scheme.decode(module=hf_module, tensors=stored, out_features=part.rows,
                                        in_features=in_features, dtype=self._dtype)
         dense = tensors["weight"]
-        if tuple(dense.shape) != (part.rows, in_features):
-            raise ModelLoadError(f"tensor {hf_module}.weight has shape {tuple(dense.shape)}, "
+        shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else (dense.out_features, dense.in_features)
+        if shape != (part.rows, in_features):
+            raise ModelLoadError(f"tensor {hf_module}.weight has shape {shape}, "
                                  f"expected {(part.rows, in_features)} from config.json")
+        if not isinstance(dense, torch.Tensor):
+            return dense  # decoded by the GGUF reader
         if self._load_time is None:
             return dense.to(self._dtype)
         on_device = dense.to(self._device)

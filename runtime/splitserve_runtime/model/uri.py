@@ -16,7 +16,9 @@ Weights arrive through a volume the operator mounts, a cache something else fill
   ``/models/<claim>`` (:data:`PVC_MOUNT_ROOT`), so this resolves to ``/models/<claim>/<path>``.
 - ``file:///abs/path`` and plain paths: used as they are.
 
-Every form must end at a directory holding ``config.json``; otherwise a
+Every form must end at a directory holding ``config.json``, or (``pvc://``, ``file://``, plain
+paths) at a ``.gguf`` file, whose config and tokenizer are translated into a directory under
+the cache root (:func:`.gguf.materialize_gguf_dir`); otherwise a
 :class:`ModelLoadError` says what was looked for where. Torch-free.
 """
 
@@ -34,6 +36,7 @@ from .errors import ModelLoadError
 PVC_MOUNT_ROOT = Path("/models")
 """Where the operator mounts a ``pvc://claim/...`` volume: ``PVC_MOUNT_ROOT / claim``."""
 
+GGUF_SUFFIX = ".gguf"
 TOKENIZER_ONLY_DIR = "tokenizer-only"
 """Under the cache root: snapshots downloaded without weights (for the router)."""
 _HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -54,7 +57,14 @@ def hf_cache_root(*, cache_dir: Path | None) -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _require_model_dir(path: Path, uri: str) -> Path:
+def _require_model_dir(path: Path, uri: str, *, cache_dir: Path | None = None) -> Path:
+    if path.suffix == GGUF_SUFFIX and path.is_file():
+        # A GGUF file: its config and tokenizer are translated once into a directory under
+        # the cache root (the file itself may sit on a read-only volume); the loader reads
+        # the weights from the file.
+        from .gguf import materialize_gguf_dir
+
+        return materialize_gguf_dir(path, cache_root=hf_cache_root(cache_dir=cache_dir))
     if not path.is_dir():
         raise ModelLoadError(f"model {uri!r}: directory {path} does not exist")
     if not (path / "config.json").is_file():
@@ -154,14 +164,14 @@ def resolve_model_uri(
         claim, _, sub_path = uri[len("pvc://") :].partition("/")
         if not claim or ".." in Path(sub_path).parts:
             raise ModelLoadError(f"model {uri!r}: expected pvc://claim/path without '..'")
-        return _require_model_dir(pvc_mount_root / claim / sub_path, uri)
+        return _require_model_dir(pvc_mount_root / claim / sub_path, uri, cache_dir=cache_dir)
     if uri.startswith("file://"):
         path = uri[len("file://") :]
         if not path.startswith("/"):
             raise ModelLoadError(f"model {uri!r}: file:// URIs need an absolute path (file:///...)")
-        return _require_model_dir(Path(path), uri)
+        return _require_model_dir(Path(path), uri, cache_dir=cache_dir)
     if "://" in uri:
         raise ModelLoadError(
             f"model {uri!r}: unsupported scheme; use hf://, pvc://, file:// or a plain path"
         )
-    return _require_model_dir(Path(uri).expanduser(), uri)
+    return _require_model_dir(Path(uri).expanduser(), uri, cache_dir=cache_dir)

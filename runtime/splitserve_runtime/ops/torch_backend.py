@@ -155,7 +155,9 @@ class TorchOps:
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
 
-    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)
         return quant_linear(x, weight, bias)

@@ -85,7 +85,9 @@ class TritonOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x=x)
 
-    def linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Dense weights go to cuBLAS (``F.linear``); quantized layouts to their kernel."""
         if isinstance(weight, Fp8Weight) or (isinstance(weight, Int8Weight) and weight.act_quant):
             return w8a8_linear(x=x, qweight=weight.qweight, weight_scale=weight.weight_scale,

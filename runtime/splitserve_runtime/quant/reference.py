@@ -4,7 +4,8 @@ Each function reproduces the numerics the GPU kernel implements, not just the ma
 dequantized weight: W8A8 layers quantize every activation row at run time (the quantization
 error is part of the model's behaviour, so the CPU path must show it too), accumulate exactly
 (int32 for int8, fp32 over exact fp8 products for fp8) and scale in the epilogue. Weight-only
-layers (W8A16, W4A16) dequantize in fp32 and multiply in fp32.
+layers multiply in fp32: W4A16 dequantizes its groups, W8A16 applies its per-channel scale
+to the product (the kernel's epilogue). Outputs are rounded once, to ``x``'s dtype.
 
 No dense copy of a weight is ever kept: a layer's weight is dequantized per call, a slab of
 output features at a time (:data:`DEQUANT_CHUNK_ELEMENTS` fp32 values), so peak extra memory
@@ -172,8 +173,8 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 def _check_inputs(x: torch.Tensor, *, in_features: int, out_features: int,
                   bias: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating [M, K] tensor, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a floating [M, K] tensor, got {what}")
     if x.shape[1] != in_features:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects {in_features}")
     if bias is not None and tuple(bias.shape) != (out_features,):

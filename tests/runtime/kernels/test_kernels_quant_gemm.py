@@ -88,7 +88,8 @@ def assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor,
     bound = (OUT_ULP[dtype] * ref.float().abs() + (2e-6 + operand) * magnitude + 1e-6)
     err = (out.float() - ref.float()).abs()
     worst = float(err.max()) if err.numel() else 0.0
-    assert (err <= bound).all(), f"max abs err {worst:.3g}, worst excess {float((err - bound).max()):.3g}"
+    excess = float((err - bound).max()) if err.numel() else 0.0
+    assert (err <= bound).all(), f"max abs err {worst:.3g}, worst excess over bound {excess:.3g}"
     return worst
 
 
@@ -102,8 +103,10 @@ def test_act_quant_is_bit_exact(dtype: torch.dtype, qdtype: torch.dtype, m: int,
     if m > 2:
         x[2] = 0.0  # all-zero row: floor scale, zero codes
     q, scale = quantize_per_token(x=x, dtype=qdtype)
-    fn = reference.quantize_per_token_fp8 if qdtype == FP8_DTYPE else reference.quantize_per_token_int8
-    ref_q, ref_scale = fn(x)
+    if qdtype == FP8_DTYPE:
+        ref_q, ref_scale = reference.quantize_per_token_fp8(x)
+    else:
+        ref_q, ref_scale = reference.quantize_per_token_int8(x)
     assert q.dtype == qdtype and scale.dtype == torch.float32 and scale.shape == (m,)
     assert torch.equal(scale, ref_scale[:, 0])
     assert torch.equal(q.float(), ref_q.float())
@@ -159,14 +162,14 @@ def test_w8a8_prefill_tiles_and_grouped_order() -> None:
                           weight_only=False)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
-def test_scaled_gemm_explicit_config_swizzle_and_k_tail(kind: str) -> None:
-    # 3 x 4 tiles in groups of 2 row tiles (the last group is partial); K = 96 = 3 tiles of 32.
+@pytest.mark.parametrize("kind,fast_accum", [("fp8", False), ("fp8", True), ("int8", False)])
+def test_scaled_gemm_explicit_config_swizzle_and_k_tail(kind: str, fast_accum: bool) -> None:
+    # 3 x 4 tiles in groups of 2 row tiles (the last group is partial); K = 96 = 64 + a tail.
     weight = fp8_weight(64, 96, 6) if kind == "fp8" else int8_weight(64, 96, 6, act_quant=True)
     x = activations(33, 96, 7, torch.float32)
     cfg = GemmConfig(block_m=16, block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=2)
     out = w8a8_linear(x=x, qweight=weight.qweight, weight_scale=weight.weight_scale, bias=None,
-                      config=cfg)
+                      config=cfg, fast_accum=fast_accum)
     assert_gemm_close(out, reference.quant_linear(x, weight, None), x, weight,
                       weight_only=False)
 
