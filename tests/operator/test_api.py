@@ -109,7 +109,8 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"aggregated": {}}, "forbids spec.aggregated"),
         ({"mode": "Aggregated"}, "spec: mode Aggregated requires spec.aggregated"),
         ({"mode": "Sideways"}, "spec.mode: Input should be 'Disaggregated' or 'Aggregated'"),
-        ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be hf://org/name, pvc://claim/path or file:///absolute/path, got 's3://bucket/model'"),
+        ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path, got 's3://bucket/model'"),
+        ({"model": {"uri": "hf://org/name/model.safetensors"}}, "spec.model.uri: must be hf://org/name, hf://org/name/file.gguf"),
         ({"model": {}}, "spec.model.uri: Field required"),
         ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill.parallelism.tensor: parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
         ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill.parallelism.pipeline: parallelism.pipeline 2 is not supported by this version of splitserve"),
@@ -281,3 +282,11 @@ def test_kv_cache_dtype_defaults_to_auto_and_accepts_fp8() -> None:
     fp8 = api.InferenceService.parse(_minimal(kvCache={"dtype": "fp8"}))
     assert fp8.spec.kv_cache.dtype == "fp8"
     assert fp8.dump()["spec"]["kvCache"]["dtype"] == "fp8"
+
+
+@pytest.mark.parametrize("uri", ["hf://org/name", "hf://bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_0.gguf",
+                                 "hf://org/name/sub/dir/m.Q4_1.gguf", "pvc://models/smol/smol.Q4_1.gguf",
+                                 "file:///models/m.gguf"])
+def test_model_uris_may_name_a_gguf_file(uri: str) -> None:
+    isvc = api.InferenceService.parse(_minimal(model={"uri": uri}))
+    assert isvc.spec.model.uri == uri

@@ -282,3 +282,28 @@ def test_the_router_fetches_the_tokenizer_only_and_never_a_half_snapshot(
     fetched_before = len(published.hub.requests)
     assert resolve_model_uri(f"hf://{REPO}", cache_dir=None, weights=False) == full
     assert len(published.hub.requests) == fetched_before  # a full snapshot serves the router
+
+
+def test_one_gguf_file_of_a_repository_is_downloaded_and_translated(online: Path, published: Published) -> None:
+    """``hf://org/name/<file>.gguf``: exactly that file is fetched (not the repository's
+    safetensors), at a commit, into the hub cache layout; its config and tokenizer are
+    translated into a sidecar; the next resolve asks the hub nothing; a missing file is a
+    ModelLoadError that lists the repository's GGUF files."""
+    from splitserve_e2e import smollm2
+    from splitserve_runtime.model.gguf import gguf_source
+
+    data = smollm2.gguf_path().read_bytes()
+    commit = published.hub.publish("org/smol-gguf", published.source,
+                                   extra_files={"gguf/smol.Q4_1.gguf": data, "README.md": b"# smol\n"})
+    uri = "hf://org/smol-gguf/gguf/smol.Q4_1.gguf"
+    model_dir = resolve_model_uri(uri, cache_dir=None)
+    fetched = online / "models--org--smol-gguf" / "snapshots" / commit / "gguf" / "smol.Q4_1.gguf"
+    assert published.hub.downloaded("org/smol-gguf") == ["gguf/smol.Q4_1.gguf"]
+    assert fetched.stat().st_size == len(data)
+    assert gguf_source(model_dir) == fetched.resolve()
+    assert json.loads((model_dir / "config.json").read_text())["num_hidden_layers"] == 30
+    before = len(published.hub.requests)
+    assert resolve_model_uri(uri, cache_dir=None) == model_dir
+    assert len(published.hub.requests) == before
+    with pytest.raises(ModelLoadError, match=r"has no file 'smol\.Q8_0\.gguf' \(GGUF files: gguf/smol\.Q4_1\.gguf\)"):
+        resolve_model_uri("hf://org/smol-gguf/smol.Q8_0.gguf", cache_dir=None)

@@ -62,7 +62,7 @@ class InvalidSpecError(ValueError):
 
 
 _PATTERN_HINTS: Final = {
-    MODEL_URI_PATTERN: "must be hf://org/name, pvc://claim/path or file:///absolute/path",
+    MODEL_URI_PATTERN: "must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path",
     HUB_ENDPOINT_PATTERN: "must be an http:// or https:// URL: host[:port][/path], no query",
     DURATION_PATTERN: "must be a duration such as 15s, 1m30s or 500ms",
     QUANTITY_PATTERN: "must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi",

@@ -85,8 +85,10 @@ class ModelSpec(ApiModel):
         description=(
             "Model location: hf://org/name (looked up in the runtime's model cache, "
             "SPLITSERVE_MODEL_CACHE, and downloaded from the hub into it when missing: only "
-            "config, tokenizer and *.safetensors files), pvc://claim/path (mounted read-only) or "
-            "file:///absolute/path (a path on the node)."
+            "config, tokenizer and *.safetensors files), hf://org/name/path/file.gguf (that one "
+            "GGUF file), pvc://claim/path (mounted read-only) or file:///absolute/path (a path on "
+            "the node). A path may name a .gguf file: its config and tokenizer come from its "
+            "metadata, Q4_0/Q4_1 tensors are served as int4, other types dequantized."
         ),
     )
     revision: str | None = Field(

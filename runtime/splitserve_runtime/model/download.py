@@ -9,7 +9,8 @@ like a cache filled any other way, and so does the next pod that shares the volu
 - Only what the runtime reads is fetched (:func:`wanted`): ``config.json``,
   ``generation_config.json``, the tokenizer files and the ``*.safetensors`` weights with their
   index, all at the repository root. ``*.bin``, ``*.gguf``, ``*.onnx``, ``*.pt`` and the rest
-  are never downloaded.
+  are never downloaded — except the one ``.gguf`` file an ``hf://org/name/<file>.gguf`` URI
+  names (:func:`download_hf_file`).
 - The revision (branch, tag or commit) is resolved once to a commit and every file is fetched
   at that commit, so a branch that moves mid-download cannot mix two commits; ``refs/<rev>``
   is written last, atomically. ``config.json`` is fetched after everything else: a snapshot
@@ -105,6 +106,44 @@ def download_hf_model(
     try:
         return _download(repo_id=repo_id, revision=revision, cache_root=cache_root, hub=hub,
                          weights=weights)
+    except ModelLoadError as error:
+        raise ModelLoadError(f"{prefix}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - every failure becomes one clear message
+        raise ModelLoadError(
+            f"{prefix}: {_explain(error, repo_id=repo_id, revision=revision, hub=hub, cache_root=cache_root)}"
+        ) from error
+
+
+def download_hf_file(*, uri: str, repo_id: str, filename: str, revision: str, cache_root: Path,
+                     hub: HubSettings) -> Path:
+    """Fetch one file (a ``.gguf`` model) of ``repo_id`` at ``revision`` into ``cache_root``'s
+    hub layout; returns its path in the snapshot. Failures as :func:`download_hf_model`'s."""
+    revision = revision or "main"
+    prefix = (f"model {uri!r} is not in the local cache {cache_root} and could not be "
+              f"downloaded from {hub.endpoint}")
+    try:
+        started = time.monotonic()
+        from huggingface_hub import HfApi
+
+        info = HfApi(endpoint=hub.endpoint, token=hub.token or False).model_info(
+            repo_id, revision=revision, files_metadata=True)
+        commit = info.sha
+        if not commit:
+            raise ModelLoadError(f"the hub named no commit for {repo_id}@{revision}")
+        names = sorted(s.rfilename for s in info.siblings or [])
+        if filename not in names:
+            ggufs = [n for n in names if n.endswith(".gguf")]
+            raise ModelLoadError(f"{repo_id}@{revision} (commit {commit}) has no file {filename!r} "
+                                 f"(GGUF files: {', '.join(ggufs) or 'none'})")
+        log.info("downloading %s from %s@%s (commit %s) at %s into %s",
+                 filename, repo_id, revision, commit, hub.endpoint, cache_root)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        size = _fetch_file(repo_id=repo_id, filename=filename, commit=commit, cache_root=cache_root, hub=hub)
+        repo_dir = cache_root / ("models--" + repo_id.replace("/", "--"))
+        if revision != commit:
+            _write_ref(repo_dir / "refs" / revision, commit)
+        log.info("downloaded %s: %d bytes in %.2f s", filename, size, time.monotonic() - started)
+        return repo_dir / "snapshots" / commit / filename
     except ModelLoadError as error:
         raise ModelLoadError(f"{prefix}: {error}") from error
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear message

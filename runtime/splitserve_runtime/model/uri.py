@@ -4,6 +4,8 @@ Weights arrive through a volume the operator mounts, a cache something else fill
 ``hf://`` models missing from the cache, a download from the hub into that cache
 (:mod:`.download`), as in production. Accepted forms:
 
+- ``hf://org/name/path/file.gguf[@revision]``: one GGUF file of that repository, from the
+  cache's snapshot or downloaded into it, then translated like a local ``.gguf`` file (below).
 - ``hf://org/name[@revision]``: looked up in ``cache_dir``, else ``$SPLITSERVE_MODEL_CACHE``,
   else ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``. Within that
   root either a plain ``org/name/`` directory (no revision allowed) or the Hugging Face hub
@@ -41,6 +43,7 @@ TOKENIZER_ONLY_DIR = "tokenizer-only"
 """Under the cache root: snapshots downloaded without weights (for the router)."""
 _HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_HF_GGUF = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)/((?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\.gguf)$")
 
 
 def hf_cache_root(*, cache_dir: Path | None) -> Path:
@@ -92,14 +95,11 @@ def parse_hf_uri(uri: str, *, revision: str = "") -> tuple[str, str]:
     return name, uri_revision or revision
 
 
-def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
-    """The snapshot directory of ``name`` at ``revision`` in ``root``, or why there is none."""
-    plain = root / name
-    if not revision and (plain / "config.json").is_file():
-        return plain
+def _snapshot(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
+    """The hub-cache snapshot directory of ``name`` at ``revision`` in ``root``, or why there is none."""
     repo = root / ("models--" + name.replace("/", "--"))
     if not repo.is_dir():
-        return f"model {uri!r} is not in the local cache {root} (looked for {plain} and {repo})"
+        return f"model {uri!r} is not in the local cache {root} (looked for {repo})"
     snapshots = repo / "snapshots"
     ref = revision or "main"
     if _COMMIT.match(ref):
@@ -110,15 +110,60 @@ def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
         commit = next(snapshots.iterdir()).name
     else:
         return f"model {uri!r}: revision {ref!r} not found under {repo / 'refs'}"
-    snapshot = snapshots / commit
+    return snapshots / commit
+
+
+def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
+    """The snapshot directory of ``name`` at ``revision`` in ``root``, or why there is none."""
+    plain = root / name
+    if not revision and (plain / "config.json").is_file():
+        return plain
+    snapshot = _snapshot(name, uri=uri, revision=revision, root=root)
+    if isinstance(snapshot, str):
+        return snapshot.replace(f"(looked for {root / ('models--' + name.replace('/', '--'))})",
+                                f"(looked for {plain} and {root / ('models--' + name.replace('/', '--'))})")
     if not (snapshot / "config.json").is_file():
         # A download writes config.json last, so without it the snapshot is incomplete.
         return f"model {uri!r} is not in the local cache {root} ({snapshot} has no config.json)"
     return snapshot
 
 
+def split_hf_gguf(uri: str) -> tuple[str, str] | None:
+    """``(hf://org/name[@revision], path/in/repo.gguf)`` for an ``hf://org/name/<path>.gguf[@revision]``
+    URI (one GGUF file of a repository), else None."""
+    body, at, revision = uri.removeprefix("hf://").partition("@")
+    match = _HF_GGUF.match(body)
+    if match is None:
+        return None
+    return f"hf://{match.group(1)}{at}{revision}", match.group(2)
+
+
+def _resolve_hf_gguf(uri: str, *, repo_uri: str, filename: str, revision: str, cache_dir: Path | None,
+                     offline: bool | None) -> Path:
+    """One GGUF file of a hub repository: from the cache, else downloaded into it (the router
+    needs it too: the tokenizer is inside), then translated like a local GGUF file."""
+    name, revision = parse_hf_uri(repo_uri, revision=revision)
+    root = hf_cache_root(cache_dir=cache_dir)
+    snapshot = _snapshot(name, uri=uri, revision=revision, root=root)
+    if isinstance(snapshot, Path) and (snapshot / filename).is_file():
+        return _require_model_dir(snapshot / filename, uri, cache_dir=cache_dir)
+    if hub_offline() if offline is None else offline:
+        why = snapshot if isinstance(snapshot, str) else f"model {uri!r}: {snapshot / filename} is not in the cache"
+        raise ModelLoadError(
+            f"{why}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache or set {ENV_MODEL_CACHE}")
+    from .download import HubSettings, download_hf_file
+
+    path = download_hf_file(uri=uri, repo_id=name, filename=filename, revision=revision, cache_root=root,
+                            hub=HubSettings.from_env())
+    return _require_model_dir(path, uri, cache_dir=cache_dir)
+
+
 def _resolve_hf(uri: str, *, revision: str, cache_dir: Path | None, offline: bool | None,
                 weights: bool) -> Path:
+    gguf_file = split_hf_gguf(uri)
+    if gguf_file is not None:
+        return _resolve_hf_gguf(uri, repo_uri=gguf_file[0], filename=gguf_file[1], revision=revision,
+                                cache_dir=cache_dir, offline=offline)
     name, revision = parse_hf_uri(uri, revision=revision)
     root = hf_cache_root(cache_dir=cache_dir)
     cached = _cached_hf(name, uri=uri, revision=revision, root=root)
