@@ -25,6 +25,7 @@ import pytest
 
 import splitserve_contract as contract
 from splitserve_e2e.build import cache_root
+from splitserve_e2e import smollm2
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import apply_object, router_endpoints, wait_ready
 from splitserve_e2e.stack import (
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.e2e
 
 CLAIM = "models"
 NAME = "from-pvc"
+GGUF_NAME = "gguf-fp8kv"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_TIMEOUT_SECONDS = 300.0
 
 
@@ -60,10 +63,15 @@ def _world_readable_copy(source: Path, target: Path) -> None:
 def claim_namespace(cluster: LocalCluster, image: str, model_hub: ModelHub
                     ) -> Iterator[str]:
     """A restricted namespace with the operator and a Bound claim ``models`` holding
-    ``splitserve/tiny-llama`` (a hostPath PersistentVolume on the kubelet node)."""
+    ``splitserve/tiny-llama`` and ``smol/<SmolLM2 GGUF file>`` (a hostPath PersistentVolume on
+    the kubelet node)."""
     volume_dir = cache_root() / f"pv-{uuid.uuid4().hex[:6]}"
     model = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
     _world_readable_copy(model, volume_dir / "splitserve" / "tiny-llama")
+    smol = volume_dir / "smol"  # a real GGUF checkpoint beside it (SmolLM2-135M-Instruct, Q4_1)
+    smol.mkdir(mode=0o755)
+    shutil.copyfile(smollm2.gguf_path(), smol / GGUF_FILE)
+    os.chmod(smol / GGUF_FILE, 0o644)
     core: Any = cluster.core()
     with operator_namespace(cluster=cluster, image=image, hub=model_hub,
                             stem="pvc") as namespace:
@@ -124,3 +132,36 @@ def test_model_from_a_claim_is_mounted_read_only_and_served(cluster: LocalCluste
         "temperature": 0})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_gguf_file_on_a_claim_serves_with_int4_weights_and_an_fp8_kv_cache(
+        cluster: LocalCluster, claim_namespace: str, model_hub: ModelHub) -> None:
+    """A real GGUF checkpoint (SmolLM2-135M-Instruct, Q4_1) named by ``pvc://`` and served with
+    ``kvCache.dtype: fp8``: the engine reads the config and tokenizer from the file's metadata
+    (a sidecar in its model cache; the claim is read-only), keeps the Q4_1 projections as int4,
+    and the router tokenizes from the same file. The answer is the model's, not noise."""
+    namespace = claim_namespace
+    manifest = isvc_manifest(name=GGUF_NAME, namespace=namespace, mode="Aggregated", hub=model_hub, cpu="1")
+    spec = manifest["spec"]
+    for key in ("hubEndpoint", "hubTokenSecretRef"):
+        spec["model"].pop(key)
+    spec["model"]["uri"] = f"pvc://{CLAIM}/smol/{GGUF_FILE}"
+    spec["model"]["maxModelLen"] = 512
+    spec["kvCache"] = {"dtype": "fp8"}
+    spec["aggregated"]["resources"]["memory"] = "1536Mi"
+    spec["autoscaling"]["enabled"] = False
+    started = time.monotonic()
+    apply_object(cluster=cluster, obj=manifest)
+    wait_ready(cluster=cluster, namespace=namespace, name=GGUF_NAME, timeout_seconds=READY_TIMEOUT_SECONDS)
+    print(f"\n{GGUF_NAME} Ready {time.monotonic() - started:.1f}s after apply (GGUF from the claim)")
+    core: Any = cluster.core()
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_INSTANCE}={GGUF_NAME}").items
+    engine = next(p for p in pods if p.metadata.labels.get(contract.LABEL_COMPONENT) == contract.Role.AGGREGATED.value)
+    log = cluster.pod_log(namespace=namespace, pod=engine.metadata.name)
+    assert "kept as int4 (group 32): 210 Q4_1" in log, log[-3000:]
+    router = router_endpoints(cluster=cluster, namespace=namespace, name=GGUF_NAME)[0]
+    response = httpx.post(f"http://{router}/v1/chat/completions", timeout=120, json={
+        "model": SERVED_NAME, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"], response.json()
