@@ -61,6 +61,9 @@ class ServeArgs:
     drain_timeout_seconds: float = defaults.DRAIN_TIMEOUT_SECONDS
     kv_ttl_seconds: float = defaults.KV_TTL_SECONDS  # prefill role: unclaimed KV is freed after this
     seed: int = 0
+    speculative_method: str = "none"  # none | ngram (speculative decoding)
+    num_speculative_tokens: int = 4
+    speculative_max_num_seqs: int = 16  # no speculation in steps with more decoding sequences
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
     handoff_key_file: str = ""  # P/D roles: HMAC key authenticating kv_transfer_params ("" = none)
 
@@ -99,6 +102,11 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
+    Flag("speculative-method", "speculative_method", "speculative decoding: none or ngram (prompt lookup)",
+         choices=_str_choices(caps.SPECULATIVE_METHOD)),
+    Flag("num-speculative-tokens", "num_speculative_tokens", "proposals verified per sequence and step", type=int),
+    Flag("speculative-max-num-seqs", "speculative_max_num_seqs",
+         "speculate only in steps with at most this many decoding sequences", type=int),
     Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
     Flag("handoff-key-file", "handoff_key_file",
          "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
@@ -111,6 +119,7 @@ def unsupported_serve_settings(args: ServeArgs) -> list[str]:
     refuses to start with them; the operator's CRD refuses them at admission)."""
     return caps.unsupported([
         (caps.QUANTIZATION, args.quantization),
+        (caps.SPECULATIVE_METHOD, args.speculative_method),
         (caps.TENSOR_PARALLEL_SIZE, args.tensor_parallel_size),
         (caps.PIPELINE_PARALLEL_SIZE, args.pipeline_parallel_size),
         (caps.DTYPE, args.dtype),

@@ -150,11 +150,21 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Index the hashes of ``seq``'s newly full, computed blocks in the prefix cache."""
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past ``seq.num_computed_tokens`` (speculative decoding: slots
+        reserved for proposals the target rejected), tail first; they hold no committed token."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.unpin_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def commit(self, seq: Sequence, *, num_tokens: int | None = None) -> None:
+        """Index the hashes of ``seq``'s newly full, computed blocks in the prefix cache (of
+        its first ``num_tokens`` tokens only, when given: speculative decoding commits its
+        accepted tokens one by one as they are appended)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes_of(seq)

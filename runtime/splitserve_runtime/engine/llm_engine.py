@@ -36,7 +36,8 @@ from .model_runner import CausalLM, ModelRunner, measure_num_kv_blocks
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
+from .speculative import SpeculativeConfig
 from .stats import EngineStats
 from .stop_checker import DetokenizerFactory, StopChecker
 
@@ -73,8 +74,14 @@ class LLMEngine:
                  eos_token_ids: Iterable[int] = (),
                  detokenizer_factory: DetokenizerFactory | None = None,
                  model_name: str = "", tokenizer: object | None = None,
-                 overlap_output_processing: bool | None = None) -> None:
+                 overlap_output_processing: bool | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculative = speculative or SpeculativeConfig()
+        self._proposer = self.speculative.proposer()
+        self._spec_proposed_total = 0
+        self._spec_accepted_total = 0
+        self._spec_accepted_by_position = [0] * self.speculative.num_tokens
         self.overlap_output_processing = (
             device.type == "cuda" if overlap_output_processing is None else overlap_output_processing)
         self._pending: list[_PendingToken] = []
@@ -203,7 +210,13 @@ class LLMEngine:
         returned by that call; a request a stop string ends that way has its one extra token
         dropped. Without it (the CPU default) every output is returned by its own step.
         """
+        proposed = self._propose()
         sched = self.scheduler.schedule()
+        if proposed:
+            scheduled = {id(seq) for seq in sched.decodes}
+            for seq in proposed:  # preempted or unscheduled this step: nothing to verify
+                if id(seq) not in scheduled:
+                    seq.spec_token_ids = []
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         if sched.finished:  # their earlier tokens' outputs go first
@@ -222,16 +235,71 @@ class LLMEngine:
         if self.overlap_output_processing:
             outputs.extend(self._process_pending())  # runs while the device computes
         result = launched.pending.resolve()
+        emitted = self._verify(launched.sample_seqs, result.token_ids, result.logprobs)
         self.scheduler.on_step_done(sched)
         self._steps_total += 1
         now = time.monotonic()
-        for seq, token_id, logprob in zip(launched.sample_seqs, result.token_ids, result.logprobs,
-                                          strict=True):
-            if not seq.is_finished:  # else a stop string ended it while this step ran
-                self._append_token(seq=seq, token_id=token_id, logprob=logprob, now=now)
+        verified = {id(seq) for seq in proposed}
+        for seq, token_id, logprob in emitted:
+            if seq.is_finished:  # a stop string (or a stop token) ended it already
+                continue
+            if id(seq) in verified:  # blocks full of accepted tokens, as they are appended
+                self.block_manager.commit(seq, num_tokens=min(seq.num_computed_tokens, seq.num_tokens))
+            self._append_token(seq=seq, token_id=token_id, logprob=logprob, now=now)
+        for seq in proposed:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq)
         if not self.overlap_output_processing:
             outputs.extend(self._process_pending())
         return outputs
+
+    def _propose(self) -> list[Sequence]:
+        """Speculative proposals for this step's decodes (see :mod:`.speculative`), when
+        few enough sequences decode for the verification rows to be nearly free."""
+        if self._proposer is None:
+            return []
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        if len(decoding) > self.speculative.max_num_seqs:
+            return []
+        proposed: list[Sequence] = []
+        for seq in decoding:
+            params = seq.params
+            # at most max_tokens - 1 more tokens after this step's own, and room in the context
+            room = min(self.speculative.num_tokens, params.max_tokens - seq.num_output_tokens - 1,
+                       self.config.max_model_len - seq.num_tokens - 1)
+            if room <= 0 or not params.speculative or params.min_tokens > seq.num_output_tokens:
+                continue
+            drafts = self._proposer.propose(seq.token_ids, max_tokens=room)
+            if drafts:
+                seq.spec_token_ids = drafts
+                proposed.append(seq)
+        return proposed
+
+    def _verify(self, sample_seqs: list[Sequence], token_ids: list[int],
+                logprobs: list[TokenLogprob | None]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """The tokens each sampled sequence emits this step: one per plain row; for a sequence
+        with ``k`` proposals (``1 + k`` consecutive rows) the target's tokens up to and
+        including the first that differs from a proposal (see :mod:`.speculative`)."""
+        emitted: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        row = 0
+        while row < len(sample_seqs):
+            seq = sample_seqs[row]
+            drafts = seq.spec_token_ids
+            if not drafts:
+                emitted.append((seq, token_ids[row], logprobs[row]))
+                row += 1
+                continue
+            accepted = 0
+            while accepted < len(drafts) and token_ids[row + accepted] == drafts[accepted]:
+                accepted += 1
+            seq.num_spec_accepted = accepted
+            self._spec_proposed_total += len(drafts)
+            self._spec_accepted_total += accepted
+            for position in range(accepted):
+                self._spec_accepted_by_position[position] += 1
+            emitted.extend((seq, token_ids[row + i], logprobs[row + i]) for i in range(accepted + 1))
+            row += 1 + len(drafts)
+        return emitted
 
     def _append_token(self, *, seq: Sequence, token_id: int, logprob: TokenLogprob | None,
                       now: float) -> None:
@@ -424,5 +492,8 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queried_tokens_total=sched.counters.prefix_cache_queried_tokens_total,
             prefix_cache_hit_tokens_total=sched.counters.prefix_cache_hit_tokens_total,
-            preemptions_total=sched.counters.preemptions_total, steps_total=self._steps_total)
+            preemptions_total=sched.counters.preemptions_total, steps_total=self._steps_total,
+            spec_decode_proposed_tokens_total=self._spec_proposed_total,
+            spec_decode_accepted_tokens_total=self._spec_accepted_total,
+            spec_decode_accepted_tokens_by_position=tuple(self._spec_accepted_by_position))
 

@@ -18,6 +18,7 @@ from splitserve_contract.capabilities import UnsupportedError
 from .config import EngineConfig
 from .kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from .llm_engine import LLMEngine
+from .speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     return LLMEngine(model=model, kv_spec=spec, vocab_size=model_config.vocab_size,
                      config=EngineConfig.from_serve_args(args, max_model_len=max_model_len),
                      device=device, eos_token_ids=eos, detokenizer_factory=detokenizer,
-                     model_name=args.served_model_name or args.model, tokenizer=tokenizer)
+                     model_name=args.served_model_name or args.model, tokenizer=tokenizer,
+                     speculative=SpeculativeConfig(method=args.speculative_method,
+                                                   num_tokens=args.num_speculative_tokens,
+                                                   max_num_seqs=args.speculative_max_num_seqs))
 
 
 def resolve_device(name: str) -> torch.device:

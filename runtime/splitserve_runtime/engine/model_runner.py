@@ -65,10 +65,11 @@ class StepInputs:
 
 
 def build_step_inputs(*, prefills: list[PrefillRow], decodes: list[DecodeRow],
-                      sample_prefill: list[bool], block_size: int,
+                      sample_prefill: list[int], block_size: int,
                       device: torch.device) -> StepInputs:
-    """Flatten rows into model inputs; ``sample_prefill[i]`` marks chunks whose last row is
-    sampled (every decode row is)."""
+    """Flatten rows into model inputs; ``sample_prefill[i]`` is how many trailing rows of
+    chunk i are sampled: 0, 1 (a chunk that reaches the end of its sequence; ``True`` works),
+    or ``1 + k`` for a decode verifying ``k`` speculative proposals. Every decode row is sampled."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -84,8 +85,7 @@ def build_step_inputs(*, prefills: list[PrefillRow], decodes: list[DecodeRow],
         slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         cu_seqlens.append(cu_seqlens[-1] + n)
         prefill_ctx.append(start + n)
-        if samples:
-            logits_idx.append(cu_seqlens[-1] - 1)
+        logits_idx.extend(range(cu_seqlens[-1] - int(samples), cu_seqlens[-1]))
     num_prefill_tokens = cu_seqlens[-1]
     decode_ctx: list[int] = []
     for j, drow in enumerate(decodes):
@@ -164,7 +164,7 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
     inputs = build_step_inputs(
         prefills=[PrefillRow(token_ids=[0] * num_tokens, start_position=0,
                              block_table=list(range(num_blocks)))],
-        decodes=[], sample_prefill=[True], block_size=block_size, device=device)
+        decodes=[], sample_prefill=[1], block_size=block_size, device=device)
     with torch.inference_mode():
         hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
                                kv_caches=caches, md=inputs.md)
@@ -238,9 +238,10 @@ class ModelRunner:
             raise ValueError(f"block id {block_id} outside [0, {self.num_blocks})")
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """Model inputs for ``sched`` and the sequences whose rows are sampled, in order."""
+        """Model inputs for ``sched`` and the sequence of every sampled row, in order (a
+        sequence verifying ``k`` speculative proposals has ``1 + k`` consecutive rows)."""
         prefills: list[PrefillRow] = []
-        sample_prefill: list[bool] = []
+        sample_prefill: list[int] = []
         sample_seqs: list[Sequence] = []
         for chunk in sched.prefills:
             seq = chunk.seq
@@ -249,15 +250,24 @@ class ModelRunner:
                 token_ids=seq.token_ids[start:start + chunk.num_tokens], start_position=start,
                 block_table=seq.block_table))
             samples = chunk.samples
-            sample_prefill.append(samples)
+            sample_prefill.append(int(samples))
             if samples:
                 sample_seqs.append(seq)
-        decodes = [
-            DecodeRow(token_id=seq.token_ids[-1], position=seq.num_tokens - 1,
-                      block_table=seq.block_table)
-            for seq in sched.decodes
-        ]
-        sample_seqs.extend(sched.decodes)
+        # decodes with proposals run as extend chunks after the prefills: their last token and
+        # the proposals, every row sampled
+        decodes: list[DecodeRow] = []
+        plain: list[Sequence] = []
+        for seq in sched.decodes:
+            if seq.spec_token_ids:
+                prefills.append(PrefillRow(token_ids=[seq.token_ids[-1], *seq.spec_token_ids],
+                                           start_position=seq.num_tokens - 1, block_table=seq.block_table))
+                sample_prefill.append(1 + len(seq.spec_token_ids))
+                sample_seqs.extend([seq] * (1 + len(seq.spec_token_ids)))
+            else:
+                decodes.append(DecodeRow(token_id=seq.token_ids[-1], position=seq.num_tokens - 1,
+                                         block_table=seq.block_table))
+                plain.append(seq)
+        sample_seqs.extend(plain)
         inputs = build_step_inputs(prefills=prefills, decodes=decodes,
                                    sample_prefill=sample_prefill, block_size=self.block_size,
                                    device=self.device)

@@ -21,7 +21,8 @@ class SamplingParams:
     disable those filters. ``seed`` makes sampling reproducible for this request regardless
     of what else is in the batch. Until ``min_tokens`` tokens are out, eos and
     ``stop_token_ids`` cannot be sampled (as in vLLM). ``logprobs``: ``None`` returns none, ``0`` returns the
-    chosen token's log-probability, ``n > 0`` also the ``n`` most likely alternatives.
+    chosen token's log-probability, ``n > 0`` also the ``n`` most likely alternatives. ``speculative`` False opts this request
+    out of speculative decoding (its output distribution is the same either way).
     """
 
     max_tokens: int = 16
@@ -35,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    speculative: bool = True
+    """False: never verify proposals for this request (when the engine speculates at all)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)

@@ -2,7 +2,9 @@
 
 Every step hands out at most ``max_num_batched_tokens`` tokens, in this order:
 
-1. **decodes** — running sequences with exactly one uncomputed token (the last sampled one);
+1. **decodes** — running sequences with exactly one uncomputed token (the last sampled one),
+   each with its speculative proposals when the budget and free blocks allow (they never
+   cause a preemption; see :mod:`.speculative`);
 2. **continuing prefill chunks** of running sequences, oldest first;
 3. **admission** of waiting sequences in FCFS order (stopping at the first that does not fit,
    so nobody is overtaken), after a prefix-cache lookup that marks cached tokens computed.
@@ -71,7 +73,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+        return sum(c.num_tokens for c in self.prefills) + sum(1 + len(s.spec_token_ids) for s in self.decodes)
 
     @property
     def is_empty(self) -> bool:
@@ -161,16 +163,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()  # id() of sequences scheduled this step
 
-        # 1. decodes, oldest first
+        # 1. decodes, oldest first (with their speculative proposals when budget and free
+        #    blocks allow; speculation never preempts anybody)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
+            if seq.spec_token_ids and (1 + len(seq.spec_token_ids) > budget or not self.block_manager.allocate_slots(
+                    seq=seq, num_new_tokens=1 + len(seq.spec_token_ids))):
+                seq.spec_token_ids = []
             if self._reserve(seq=seq, num_new_tokens=1, scheduled=scheduled, out=out):
                 out.decodes.append(seq)
                 scheduled.add(id(seq))
-                budget -= 1
+                budget -= 1 + len(seq.spec_token_ids)
+            else:
+                seq.spec_token_ids = []
 
         # 2. continuing prefill chunks, oldest first
         for seq in list(self.running):
@@ -268,5 +276,12 @@ class Scheduler:
         for seq in out.decodes:
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += 1
+            seq.num_computed_tokens += 1 + seq.num_spec_accepted
+            if seq.spec_token_ids:
+                # the rejected proposals' slots go back; the accepted tokens are appended after
+                # this, so the engine commits their blocks then
+                self.block_manager.trim(seq)
+                seq.spec_token_ids = []
+                seq.num_spec_accepted = 0
+                continue
             self.block_manager.commit(seq)

@@ -43,6 +43,10 @@ class Sequence:
     num_preemptions: int = 0
     was_admitted: bool = False
     finish_reason: str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative proposals verified in the current step (empty: a plain decode)."""
+    num_spec_accepted: int = 0
+    """How many of :attr:`spec_token_ids` the target accepted (set after the step's forward)."""
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
 

@@ -25,3 +25,9 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int
     preemptions_total: int
     steps_total: int
+    spec_decode_proposed_tokens_total: int = 0
+    """Speculative proposals verified (``--speculative-method``)."""
+    spec_decode_accepted_tokens_total: int = 0
+    spec_decode_accepted_tokens_by_position: tuple[int, ...] = ()
+    """Accepted proposals by their position (0: the first proposal of a step); position i's
+    count over the steps that proposed at least i + 1 tokens is that position's acceptance."""

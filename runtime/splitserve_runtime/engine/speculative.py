@@ -1,0 +1,105 @@
+"""Speculative decoding: propose a few tokens per decoding sequence, verify them all in one
+target forward, keep the longest prefix the target agrees with.
+
+Decode is memory-bound: a forward over ``1 + k`` tokens of a sequence reads the weights once,
+like a forward over one, so every accepted proposal is a token for (nearly) nothing.
+
+**Proposers** (:class:`Proposer`): :class:`NgramProposer` looks the sequence's last n tokens
+up earlier in the same sequence (prompt and output) and proposes what followed (prompt-lookup
+decoding; no extra model). A proposer is a deterministic function of the tokens so far, which
+makes verification simple and exact (below); a draft model proposing its greedy tokens, or an
+EAGLE-style head, fits the same interface.
+
+**Verification** (in :class:`~.llm_engine.LLMEngine`): the sequence's last sampled token and
+its ``k`` proposals are run as one extend chunk; the sampler draws a token from the target's
+distribution at each of the ``k + 1`` rows, exactly as it would without speculation (the
+request's temperature, filters and seeded generator). Proposal ``i`` is accepted while the
+target's token at row ``i`` equals it; the emitted tokens are the target's tokens of rows
+``0..a`` (``a`` accepted proposals, plus the target's own token after them). For a
+deterministic proposal this *is* speculative sampling's rejection rule: the proposal ``d`` is
+kept with probability ``p(d)`` and, when rejected, the emitted token is a draw from ``p``
+conditioned on ``≠ d`` — the normalised residual ``max(0, p - q)`` for a one-hot ``q``. So
+greedy output is token for token the non-speculative one, and sampled output has exactly
+the target's distribution (reproducible for a seeded request, though not the same draws as
+without speculation: the generator is advanced once per verified row).
+
+**KV rollback**: the rejected proposals' K/V slots sit past ``num_computed_tokens`` and are
+overwritten by later steps; blocks allocated only for them are returned at once
+(:meth:`~.block_manager.BlockManager.trim`), and only full blocks of accepted tokens are ever
+hashed into the prefix cache, so block usage and prefix hashes equal the non-speculative run's.
+
+**When not to speculate** (:meth:`SpeculativeConfig.proposals_for`): a request that opted
+out, one below its ``min_tokens`` (its stop tokens are banned per row), the last token a
+request may produce, and any step with more than ``max_num_seqs`` decoding sequences: the
+verification rows then cost real compute (the forward stops being weight-bound), so the step
+gets slower for everyone while the proposals gain little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final, Protocol
+
+import numpy as np
+
+METHODS: Final = ("none", "ngram")
+DEFAULT_NUM_TOKENS: Final = 4
+DEFAULT_MAX_NUM_SEQS: Final = 16
+NGRAM_MAX: Final = 4
+NGRAM_MIN: Final = 1
+NGRAM_WINDOW: Final = 4096
+"""Only the last this-many tokens are searched (bounded time per proposal)."""
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], *, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` proposed continuations of ``token_ids`` (may be empty)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposer:
+    """Prompt-lookup proposals: the longest suffix n-gram (``max_n`` down to ``min_n``)
+    found earlier in the sequence, most recent occurrence first; what followed it."""
+
+    max_n: int = NGRAM_MAX
+    min_n: int = NGRAM_MIN
+    window: int = NGRAM_WINDOW
+
+    def propose(self, token_ids: list[int], *, max_tokens: int) -> list[int]:
+        if max_tokens <= 0 or len(token_ids) < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids[-self.window:], dtype=np.int64)
+        total = tokens.shape[0]
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n:]
+            # windows starting at 0 .. total - n - 1: every occurrence except the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in tokens[start:start + max_tokens]]
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-method``, ``--num-speculative-tokens``, ``--speculative-max-num-seqs``."""
+
+    method: str = "none"
+    num_tokens: int = DEFAULT_NUM_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose {', '.join(METHODS)}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"speculative_max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def proposer(self) -> Proposer | None:
+        return NgramProposer() if self.method == "ngram" else None
