@@ -62,8 +62,9 @@ def prompt(tiny_llama_dir: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("settings", [{}, {"kv_cache_dtype": "fp8"}, {"quantization": "int4"},
-                                      {"quantization": "fp8", "kv_cache_dtype": "fp8"}],
-                         ids=["full", "fp8-kv", "int4", "fp8-weights-fp8-kv"])
+                                      {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+                                      {"speculative_method": "ngram"}],
+                         ids=["full", "fp8-kv", "int4", "fp8-weights-fp8-kv", "ngram-speculation"])
 def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int],
                                                       settings: dict[str, str]) -> None:
     """Disaggregated equals aggregated, token for token, also with quantized weights and an
@@ -80,6 +81,8 @@ def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prom
             rest.extend(out.new_token_ids)
             outs.append(out)
     assert [first, *rest] == reference
+    if settings.get("speculative_method"):  # the imported sequence was decoded speculatively
+        assert decode.stats().spec_decode_proposed_tokens_total > 0
     assert outs[-1].num_output_tokens == MAX_TOKENS and outs[-1].finish_reason == "length"
     assert decode.block_manager.usage_ratio == 0.0
 

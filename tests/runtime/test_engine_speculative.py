@@ -179,3 +179,25 @@ def test_sampling_keeps_the_target_distribution(tiny_llama_dir: Path) -> None:
           f"vs always-accept {tv_broken:.3f}")
     assert tv_spec < 1.5 * noise + 0.02
     assert tv_broken > 3 * noise
+
+
+def test_logprobs_of_accepted_tokens_are_the_targets(tiny_llama_dir: Path) -> None:
+    """Each emitted token's logprobs come from its own verification row: the same numbers
+    (up to float32 summation order) as plain decoding reports."""
+    params = dataclasses.replace(GREEDY, logprobs=3)
+
+    def run(engine: LLMEngine) -> list[Any]:
+        engine.add_request(request_id="r", prompt_token_ids=PROMPTS[0], params=params)
+        logprobs: list[Any] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                logprobs.extend(out.new_logprobs or [])
+        return logprobs
+
+    spec = _engine(tiny_llama_dir, speculative_method="ngram")
+    got, want = run(spec), run(_engine(tiny_llama_dir))
+    assert spec.stats().spec_decode_accepted_tokens_total > 0
+    assert [g.token_id for g in got] == [w.token_id for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g.logprob - w.logprob) < 1e-4
+        assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]

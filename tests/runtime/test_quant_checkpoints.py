@@ -348,7 +348,7 @@ _FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
           "down_proj": ("mlp.down_proj",)}
 
 
-@pytest.mark.parametrize("kind", ["ct-fp8", "ct-int8", "autofp8", "awq-g32", "gptq-sym-g64",
+@pytest.mark.parametrize("kind", ["ct-fp8", "ct-int8", "ct-w8a16", "autofp8", "awq-g32", "gptq-sym-g64",
                                   "gptq-asym-g64"])
 def test_runtime_loads_each_checkpoint_to_the_weights_it_means(
     tiny_llama_dir: Path, tmp_path: Path, kind: str,
@@ -375,7 +375,7 @@ def test_runtime_loads_each_checkpoint_to_the_weights_it_means(
         return _decode_ct(written, module)
 
     layouts: dict[str, type[Fp8Weight | Int8Weight | Int4Weight]] = {
-        "ct-fp8": Fp8Weight, "autofp8": Fp8Weight, "ct-int8": Int8Weight}
+        "ct-fp8": Fp8Weight, "autofp8": Fp8Weight, "ct-int8": Int8Weight, "ct-w8a16": Int8Weight}
     layout = layouts.get(kind, Int4Weight)
     device = torch.device("cpu")
     model = load_model(model_dir=out, ops=get_ops(name="torch", device=device),
@@ -385,7 +385,7 @@ def test_runtime_loads_each_checkpoint_to_the_weights_it_means(
             held = getattr(layer, fused)
             assert isinstance(held, layout), (kind, fused, type(held))
             if isinstance(held, Int8Weight):
-                assert held.act_quant
+                assert held.act_quant == (kind == "ct-int8")  # W8A16 keeps activations 16/32-bit
             expected = torch.cat([meant(f"model.layers.{i}.{p}") for p in parts])
             torch.testing.assert_close(dequantize(held), expected, rtol=1e-6, atol=1e-7)
     assert torch.equal(model.embed_tokens.data, written["model.embed_tokens.weight"].float())

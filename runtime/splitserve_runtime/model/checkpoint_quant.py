@@ -6,8 +6,8 @@ Supported, each decoded once at load time (kernels never see a checkpoint format
 - **compressed-tensors** (llm-compressor): ``float-quantized`` FP8 e4m3 weights with
   per-tensor or per-channel scales (W8A8 with dynamic per-token activations);
   ``int-quantized``/``naive-quantized`` INT8 symmetric per-channel (W8A8 when the group has
-  ``input_activations``, else W8A16); ``pack-quantized`` INT4 (symmetric or with zero points,
-  grouped or per-channel), W4A16.
+  ``input_activations``, else W8A16), also ``pack-quantized`` (four per word, W8A16);
+  ``pack-quantized`` INT4 (symmetric or with zero points, grouped or per-channel), W4A16.
 - **fp8** (AutoFP8, as vLLM reads it): FP8 weights with a per-tensor ``weight_scale``.
 - **awq** (AutoAWQ ``gemm`` packing): 4-bit, zero points, any group size dividing K.
 - **gptq** (AutoGPTQ / GPTQModel, ``gptq`` and ``gptq_v2`` zero conventions): 4-bit, symmetric
@@ -160,6 +160,16 @@ def _compressed_tensors(raw: Mapping[str, Any], source: str) -> CheckpointQuanti
             family="int8", description=f"compressed-tensors INT8 {mode} ({strategy} weight scales)",
             tensor_suffixes=frozenset({"weight", "weight_scale"}) | act_suffix, decoder="int8",
             params={"act_quant": bool(acts)}, ignore=ignore)
+    if kind == "int" and bits == 8 and fmt == "pack-quantized":
+        if acts or strategy not in ("tensor", "channel") or not symmetric:
+            raise _unsupported(source, f"compressed-tensors packed INT8 with {strategy!r} "
+                                       f"{'symmetric' if symmetric else 'asymmetric'} weights"
+                                       f"{' and quantized activations' if acts else ''} "
+                                       "(symmetric tensor/channel weight-only is)")
+        return CheckpointQuantization(
+            family="int8", description=f"compressed-tensors INT8 W8A16 (packed, {strategy} weight scales)",
+            tensor_suffixes=frozenset({"weight_packed", "weight_scale", "weight_shape"}), decoder="ct_int8_packed",
+            params={}, ignore=ignore)
     if kind == "int" and bits == 4 and fmt == "pack-quantized":
         if acts:
             raise _unsupported(source, "compressed-tensors INT4 with quantized activations (W4A8)")
@@ -300,6 +310,21 @@ def _decode_ct_int4(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor
     return _affine(q.t().contiguous(), scale.t().contiguous(), zeros_gn.contiguous(), group_size, dtype)
 
 
+def _decode_ct_int8_packed(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
+                           dtype: torch.dtype) -> LinearWeight:
+    """``weight_packed`` int32 ``[N, K/4]``: four values per word, value ``j`` in bits ``8 j``,
+    each the signed int8 plus 128."""
+    shape = tuple(int(x) for x in t["weight_shape"].reshape(-1).tolist())
+    if shape != (n, k):
+        raise ValueError(f"weight_shape {shape} differs from {(n, k)}")
+    words = t["weight_packed"].to(torch.int64) & 0xFFFF_FFFF
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64)
+    unsigned = (words.unsqueeze(-1) >> shifts) & 0xFF  # [N, K/4, 4]
+    signed = (unsigned.reshape(n, -1)[:, :k] - 128).to(torch.int8)
+    return Int8Weight(qweight=signed.contiguous(), weight_scale=_channel_scale(t["weight_scale"], n),
+                      act_quant=False)
+
+
 def _decode_awq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
                 dtype: torch.dtype) -> LinearWeight:
     order = torch.tensor(AWQ_ORDER)
@@ -337,5 +362,6 @@ def _decode_gptq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], 
 
 _DECODERS: Final = {
     "fp8": _decode_fp8, "int8": _decode_int8, "ct_int4": _decode_ct_int4, "awq": _decode_awq,
+    "ct_int8_packed": _decode_ct_int8_packed,
     "gptq": _decode_gptq,
 }
