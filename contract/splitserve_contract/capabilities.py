@@ -65,7 +65,10 @@ PIPELINE_PARALLEL_SIZE: Final = Capability(
     name="parallelism.pipeline", api_field="pipeline",
     known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1,))
 SPECULATIVE_METHOD: Final = Capability(
-    name="speculative decoding method", known=("none", "ngram", "draft"), supported=("none", "ngram"))
+    name="speculative decoding method", api_field="method",
+    known=("none", "ngram", "draft"), supported=("none", "ngram", "draft"))
+"""ngram: prompt-lookup proposals (no extra model); draft: a smaller draft model with the same
+vocabulary (``engine.speculative.draftModel`` names it)."""
 MODEL_URI_SCHEME: Final = Capability(
     name="model URI scheme", known=("hf", "file", "pvc"), supported=("hf", "file", "pvc"))
 ARCHITECTURE: Final = Capability(

@@ -64,6 +64,7 @@ class ServeArgs:
     speculative_method: str = "none"  # none | ngram (speculative decoding)
     num_speculative_tokens: int = 4
     speculative_max_num_seqs: int = 16  # no speculation in steps with more decoding sequences
+    speculative_draft_model: str = ""  # --speculative-method draft: the draft model's URI
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
     handoff_key_file: str = ""  # P/D roles: HMAC key authenticating kv_transfer_params ("" = none)
 
@@ -102,11 +103,14 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
-    Flag("speculative-method", "speculative_method", "speculative decoding: none or ngram (prompt lookup)",
+    Flag("speculative-method", "speculative_method",
+         "speculative decoding: none, ngram (prompt lookup) or draft (a smaller model)",
          choices=_str_choices(caps.SPECULATIVE_METHOD)),
     Flag("num-speculative-tokens", "num_speculative_tokens", "proposals verified per sequence and step", type=int),
     Flag("speculative-max-num-seqs", "speculative_max_num_seqs",
          "speculate only in steps with at most this many decoding sequences", type=int),
+    Flag("speculative-draft-model", "speculative_draft_model",
+         "draft model URI for --speculative-method draft (same vocabulary as the model)"),
     Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
     Flag("handoff-key-file", "handoff_key_file",
          "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "

@@ -63,13 +63,17 @@ def prompt(tiny_llama_dir: Path) -> list[int]:
 
 @pytest.mark.parametrize("settings", [{}, {"kv_cache_dtype": "fp8"}, {"quantization": "int4"},
                                       {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-                                      {"speculative_method": "ngram"}],
-                         ids=["full", "fp8-kv", "int4", "fp8-weights-fp8-kv", "ngram-speculation"])
+                                      {"speculative_method": "ngram"},
+                                      {"speculative_method": "draft", "speculative_draft_model": "SELF"}],
+                         ids=["full", "fp8-kv", "int4", "fp8-weights-fp8-kv", "ngram-speculation",
+                              "draft-speculation"])
 def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prompt: list[int],
                                                       settings: dict[str, str]) -> None:
     """Disaggregated equals aggregated, token for token, also with quantized weights and an
     fp8 KV cache (whose blocks move as stored)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    if settings.get("speculative_draft_model") == "SELF":  # the model drafts for itself
+        settings = {**settings, "speculative_draft_model": str(tiny_llama_dir)}
     reference = _generate(_engine(tiny_llama_dir, **settings), "ref", prompt, params)
     prefill, decode = _engine(tiny_llama_dir, **settings), _engine(tiny_llama_dir, **settings)
     first = _prefill_and_move(prefill, decode, prompt, params)
@@ -83,6 +87,8 @@ def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prom
     assert [first, *rest] == reference
     if settings.get("speculative_method"):  # the imported sequence was decoded speculatively
         assert decode.stats().spec_decode_proposed_tokens_total > 0
+    if settings.get("speculative_method") == "draft":  # the draft caught up on the imported prompt
+        assert decode.stats().spec_decode_accepted_tokens_total == decode.stats().spec_decode_proposed_tokens_total
     assert outs[-1].num_output_tokens == MAX_TOKENS and outs[-1].finish_reason == "length"
     assert decode.block_manager.usage_ratio == 0.0
 

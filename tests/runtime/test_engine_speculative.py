@@ -201,3 +201,52 @@ def test_logprobs_of_accepted_tokens_are_the_targets(tiny_llama_dir: Path) -> No
     for g, w in zip(got, want, strict=True):
         assert abs(g.logprob - w.logprob) < 1e-4
         assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
+
+
+# ------------------------------------------------------------------ draft model
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer model with the tiny model's tokenizer and vocabulary (its own random weights)."""
+    from splitserve_runtime.model.tiny import write_tiny_model
+
+    out: Path = write_tiny_model(out_dir=tmp_path_factory.mktemp("tiny-draft"), arch="llama", seed=7,
+                                 num_layers=1)
+    return out
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 24},
+                                      {"num_speculative_tokens": 2}],
+                         ids=["batch", "chunked-prefill", "preemption", "k2"])
+def test_draft_model_greedy_output_equals_plain_decoding(tiny_llama_dir: Path, tiny_draft_dir: Path,
+                                                         settings: dict[str, Any]) -> None:
+    """A draft model that is the target itself proposes exactly what the target picks (every
+    proposal accepted); a different one-layer draft is mostly rejected. Both give the plain
+    output, and the KV pool ends as without speculation."""
+    prompts = PROMPTS + [PROMPTS[0], PROMPTS[1] + [7]]
+    plain_settings = {k: v for k, v in settings.items() if k != "num_speculative_tokens"}
+    plain = _engine(tiny_llama_dir, **plain_settings)
+    want = _run(plain, prompts, GREEDY)
+    for draft, all_accepted in ((tiny_llama_dir, True), (tiny_draft_dir, False)):
+        spec = _engine(tiny_llama_dir, speculative_method="draft", speculative_draft_model=str(draft), **settings)
+        assert _run(spec, prompts, GREEDY) == want
+        stats = spec.stats()
+        assert stats.spec_decode_proposed_tokens_total > 0
+        if all_accepted:
+            assert stats.spec_decode_accepted_tokens_total == stats.spec_decode_proposed_tokens_total
+            if "max_num_batched_tokens" not in settings:
+                assert stats.steps_total < plain.stats().steps_total / 2
+        else:
+            assert stats.spec_decode_accepted_tokens_total < stats.spec_decode_proposed_tokens_total
+        assert spec.block_manager.num_free_blocks == plain.block_manager.num_free_blocks
+        assert set(spec.block_manager._hash_to_block) == set(plain.block_manager._hash_to_block)
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from splitserve_runtime.model import ModelLoadError
+    from splitserve_runtime.model.tiny import write_tiny_model
+
+    other = write_tiny_model(out_dir=tmp_path / "other", vocab_size=300, num_layers=1)
+    with pytest.raises(ModelLoadError, match="has a vocabulary of 300 tokens, the model 512: they must share one"):
+        _engine(tiny_llama_dir, speculative_method="draft", speculative_draft_model=str(other))
+    with pytest.raises(ValueError, match="--speculative-method draft needs --speculative-draft-model"):
+        _engine(tiny_llama_dir, speculative_method="draft")

@@ -183,6 +183,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_draft_computed = 0
 
     def allocate_for_known_prefix(self, *, seq: Sequence, num_tokens: int) -> int | None:
         """Import hook (disaggregation): hold blocks for the first ``num_tokens`` of ``seq``.

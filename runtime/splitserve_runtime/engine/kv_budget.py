@@ -85,12 +85,13 @@ def cuda_kv_budget_bytes(*, device: torch.device, kv_memory_fraction: float,
 
 
 def num_blocks_for_budget(*, budget_bytes: int, spec: KVCacheSpec, block_size: int,
-                          max_useful_blocks: int) -> int:
-    num_blocks = min(budget_bytes // spec.bytes_per_block(block_size=block_size), max_useful_blocks)
+                          max_useful_blocks: int, extra_bytes_per_block: int = 0) -> int:
+    per_block = spec.bytes_per_block(block_size=block_size) + extra_bytes_per_block
+    num_blocks = min(budget_bytes // per_block, max_useful_blocks)
     if num_blocks < 1:
         raise RuntimeError(
             f"no memory left for the KV cache: budget {budget_bytes} bytes, one block needs "
-            f"{spec.bytes_per_block(block_size=block_size)} bytes; lower the model size, "
+            f"{per_block} bytes; lower the model size, "
             "max_num_batched_tokens, or raise kv_memory_fraction"
         )
     return int(num_blocks)

@@ -37,6 +37,7 @@ from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
+from .draft import DraftModel
 from .speculative import SpeculativeConfig
 from .stats import EngineStats
 from .stop_checker import DetokenizerFactory, StopChecker
@@ -75,10 +76,13 @@ class LLMEngine:
                  detokenizer_factory: DetokenizerFactory | None = None,
                  model_name: str = "", tokenizer: object | None = None,
                  overlap_output_processing: bool | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 draft_model: CausalLM | None = None, draft_kv_spec: KVCacheSpec | None = None) -> None:
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
         self._proposer = self.speculative.proposer()
+        if (self.speculative.method == "draft") != (draft_model is not None and draft_kv_spec is not None):
+            raise ValueError("speculative method draft needs a draft model (and only it does)")
         self._spec_proposed_total = 0
         self._spec_accepted_total = 0
         self._spec_accepted_by_position = [0] * self.speculative.num_tokens
@@ -94,11 +98,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._detokenizer_factory = detokenizer_factory
         torch.manual_seed(config.seed)
+        draft_bytes = draft_kv_spec.bytes_per_block(block_size=config.block_size) if draft_kv_spec else 0
         num_blocks = config.num_kv_blocks or measure_num_kv_blocks(
             model=model, spec=kv_spec, device=device, block_size=config.block_size,
             kv_memory_fraction=config.kv_memory_fraction,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len)
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            extra_bytes_per_block=draft_bytes)
+        self._draft = (DraftModel(model=draft_model, spec=draft_kv_spec, device=device,
+                                  block_size=config.block_size, num_blocks=num_blocks)
+                       if draft_model is not None and draft_kv_spec is not None else None)
         self.block_manager = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
                                           enable_prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
@@ -217,6 +226,11 @@ class LLMEngine:
             for seq in proposed:  # preempted or unscheduled this step: nothing to verify
                 if id(seq) not in scheduled:
                     seq.spec_token_ids = []
+            proposed = [seq for seq in proposed if seq.spec_token_ids]
+            if self._draft is not None and proposed:  # the reserved slots get the draft's tokens
+                lengths = [len(seq.spec_token_ids) for seq in proposed]
+                for seq, tokens in zip(proposed, self._draft.propose(proposed, lengths), strict=True):
+                    seq.spec_token_ids = tokens
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         if sched.finished:  # their earlier tokens' outputs go first
@@ -256,7 +270,7 @@ class LLMEngine:
     def _propose(self) -> list[Sequence]:
         """Speculative proposals for this step's decodes (see :mod:`.speculative`), when
         few enough sequences decode for the verification rows to be nearly free."""
-        if self._proposer is None:
+        if not self.speculative.enabled:
             return []
         decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
         if len(decoding) > self.speculative.max_num_seqs:
@@ -269,7 +283,8 @@ class LLMEngine:
                        self.config.max_model_len - seq.num_tokens - 1)
             if room <= 0 or not params.speculative or params.min_tokens > seq.num_output_tokens:
                 continue
-            drafts = self._proposer.propose(seq.token_ids, max_tokens=room)
+            drafts = (self._proposer.propose(seq.token_ids, max_tokens=room) if self._proposer is not None
+                      else [-1] * room)  # draft model: slots reserved now, tokens after scheduling
             if drafts:
                 seq.spec_token_ids = drafts
                 proposed.append(seq)
@@ -293,6 +308,8 @@ class LLMEngine:
             while accepted < len(drafts) and token_ids[row + accepted] == drafts[accepted]:
                 accepted += 1
             seq.num_spec_accepted = accepted
+            if self._draft is not None:
+                self._draft.after_verification(seq, num_proposed=len(drafts), num_accepted=accepted)
             self._spec_proposed_total += len(drafts)
             self._spec_accepted_total += accepted
             for position in range(accepted):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,10 @@ from .config import EngineConfig
 from .kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from .llm_engine import LLMEngine
 from .speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from ..model.llama import LlamaForCausalLM
+    from ..ops import Ops
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
                        num_kv_heads=model_config.num_key_value_heads,
                        head_dim=model_config.head_dim, dtype=kv_dtype)
     eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+    draft_model, draft_spec = _load_draft(args, ops=ops, dtype=dtype, kv_dtype=kv_dtype, device=device,
+                                          vocab_size=model_config.vocab_size)
 
     def detokenizer(prompt_token_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(tokenizer=tokenizer, context_token_ids=prompt_token_ids)
@@ -63,7 +70,34 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
                      model_name=args.served_model_name or args.model, tokenizer=tokenizer,
                      speculative=SpeculativeConfig(method=args.speculative_method,
                                                    num_tokens=args.num_speculative_tokens,
-                                                   max_num_seqs=args.speculative_max_num_seqs))
+                                                   max_num_seqs=args.speculative_max_num_seqs),
+                     draft_model=draft_model, draft_kv_spec=draft_spec)
+
+
+def _load_draft(args: ServeArgs, *, ops: Ops, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                vocab_size: int) -> tuple[LlamaForCausalLM | None, KVCacheSpec | None]:
+    """The draft model of ``--speculative-method draft`` (dense, the target's dtypes), checked
+    to share the target's vocabulary; (None, None) otherwise."""
+    from splitserve_contract.model_config import ModelLoadError, load_model_config
+
+    from ..model.loader import load_model
+    from ..model.uri import resolve_model_uri
+
+    if args.speculative_method != "draft":
+        if args.speculative_draft_model:
+            raise ValueError("--speculative-draft-model is only used with --speculative-method draft")
+        return None, None
+    if not args.speculative_draft_model:
+        raise ValueError("--speculative-method draft needs --speculative-draft-model")
+    draft_dir = resolve_model_uri(args.speculative_draft_model, cache_dir=_model_cache_dir())
+    config = load_model_config(model_dir=draft_dir)
+    if config.vocab_size != vocab_size:
+        raise ModelLoadError(f"draft model {args.speculative_draft_model!r} has a vocabulary of "
+                             f"{config.vocab_size} tokens, the model {vocab_size}: they must share one")
+    model = load_model(model_dir=draft_dir, ops=ops, dtype=dtype, device=device, config=config)
+    log.info("speculative draft model %s: %d layers", args.speculative_draft_model, config.num_hidden_layers)
+    return model, KVCacheSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                              head_dim=config.head_dim, dtype=kv_dtype)
 
 
 def resolve_device(name: str) -> torch.device:

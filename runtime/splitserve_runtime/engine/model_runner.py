@@ -147,13 +147,14 @@ def allocate_kv_caches(*, spec: KVCacheSpec, num_blocks: int, block_size: int,
 def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.device,
                           block_size: int, kv_memory_fraction: float,
                           max_num_batched_tokens: int, max_num_seqs: int,
-                          max_model_len: int) -> int:
-    """The KV pool size for this device (see :mod:`.kv_budget`)."""
+                          max_model_len: int, extra_bytes_per_block: int = 0) -> int:
+    """The KV pool size for this device (see :mod:`.kv_budget`); ``extra_bytes_per_block``:
+    another model's KV laid over the same blocks (a speculative draft model)."""
     max_useful = max_num_seqs * -(-max_model_len // block_size) + 1
     if device.type != "cuda":
         budget = cpu_kv_budget_bytes(kv_memory_fraction=kv_memory_fraction)
         return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
-                                     max_useful_blocks=max_useful)
+                                     max_useful_blocks=max_useful, extra_bytes_per_block=extra_bytes_per_block)
     num_tokens = min(max_num_batched_tokens, max_model_len)
     num_blocks = -(-num_tokens // block_size)
     torch.cuda.synchronize(device)
@@ -180,7 +181,7 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
                                   activation_peak_bytes=activation_peak)
     log.info("KV budget: %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
     return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
-                                 max_useful_blocks=max_useful)
+                                 max_useful_blocks=max_useful, extra_bytes_per_block=extra_bytes_per_block)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,6 +47,8 @@ class Sequence:
     """Speculative proposals verified in the current step (empty: a plain decode)."""
     num_spec_accepted: int = 0
     """How many of :attr:`spec_token_ids` the target accepted (set after the step's forward)."""
+    num_draft_computed: int = 0
+    """Leading positions whose draft-model K/V is valid (``--speculative-method draft``)."""
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
 

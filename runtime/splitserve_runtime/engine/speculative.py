@@ -4,11 +4,11 @@ target forward, keep the longest prefix the target agrees with.
 Decode is memory-bound: a forward over ``1 + k`` tokens of a sequence reads the weights once,
 like a forward over one, so every accepted proposal is a token for (nearly) nothing.
 
-**Proposers** (:class:`Proposer`): :class:`NgramProposer` looks the sequence's last n tokens
-up earlier in the same sequence (prompt and output) and proposes what followed (prompt-lookup
-decoding; no extra model). A proposer is a deterministic function of the tokens so far, which
-makes verification simple and exact (below); a draft model proposing its greedy tokens, or an
-EAGLE-style head, fits the same interface.
+**Proposers**: :class:`NgramProposer` looks the sequence's last n tokens up earlier in the
+same sequence (prompt and output) and proposes what followed (prompt-lookup decoding; no extra
+model); :class:`~.draft.DraftModel` runs a smaller model with the same vocabulary and proposes
+its greedy continuation. Each is a deterministic function of the tokens so far, which makes
+verification simple and exact (below); an EAGLE-style head would fit the same way.
 
 **Verification** (in :class:`~.llm_engine.LLMEngine`): the sequence's last sampled token and
 its ``k`` proposals are run as one extend chunk; the sampler draws a token from the target's
@@ -42,7 +42,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
-METHODS: Final = ("none", "ngram")
+METHODS: Final = ("none", "ngram", "draft")
 DEFAULT_NUM_TOKENS: Final = 4
 DEFAULT_MAX_NUM_SEQS: Final = 16
 NGRAM_MAX: Final = 4
@@ -102,4 +102,6 @@ class SpeculativeConfig:
         return self.method != "none"
 
     def proposer(self) -> Proposer | None:
+        """The model-free proposer (``ngram``); None for ``none`` and ``draft`` (a model, run
+        by the engine after scheduling: :mod:`.draft`)."""
         return NgramProposer() if self.method == "ngram" else None
