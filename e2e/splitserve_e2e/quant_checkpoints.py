@@ -249,8 +249,11 @@ def _write_checkpoint(*, out: Path, config: dict[str, Any], tensors: dict[str, t
 # ---------------------------------------------------------------- AWQ and GPTQ
 
 
-def _int4_checkpoint(*, dense_dir: Path, out_dir: Path, quantization_config: dict[str, Any],
-                     encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]) -> Path:
+def _per_linear_checkpoint(*, dense_dir: Path, out_dir: Path, quantization_config: dict[str, Any],
+                           encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+                           dense_dtype: torch.dtype | None = torch.float16) -> Path:
+    """Every quantizable linear's weight replaced by ``encode(module, weight)``'s tensors; the
+    other float tensors cast to ``dense_dtype`` (None: kept) as the tool writes them."""
     config = _load_config(dense_dir)
     dense = read_dense(dense_dir)
     linears = set(quantized_linear_names(dense))
@@ -262,10 +265,13 @@ def _int4_checkpoint(*, dense_dir: Path, out_dir: Path, quantization_config: dic
                 tensors.update(encode(module, tensor))
             except ValueError as exc:
                 raise ValueError(f"{dense_dir}: {name} {tuple(tensor.shape)}: {exc}") from exc
+        elif dense_dtype is not None and tensor.is_floating_point():
+            tensors[name] = tensor.to(dense_dtype)
         else:
-            tensors[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+            tensors[name] = tensor
     config["quantization_config"] = quantization_config
-    _set_dtype(config, torch.float16)
+    if dense_dtype is not None:
+        _set_dtype(config, dense_dtype)
     with _publishing(out_dir) as out:
         _copy_side_files(dense_dir, out)
         _write_checkpoint(out=out, config=config, tensors=tensors)
@@ -283,7 +289,7 @@ def make_awq(*, dense_dir: Path, out_dir: Path, group_size: int = 128) -> Path:
             f"{module}.scales": groups.scales.t().contiguous(),
         }
 
-    return _int4_checkpoint(
+    return _per_linear_checkpoint(
         dense_dir=dense_dir, out_dir=out_dir, encode=encode,
         quantization_config={"quant_method": "awq", "bits": 4, "group_size": group_size,
                              "zero_point": True, "version": "gemm",
@@ -304,7 +310,7 @@ def make_gptq(*, dense_dir: Path, out_dir: Path, group_size: int = 128, sym: boo
             f"{module}.g_idx": torch.arange(k, dtype=torch.int32) // group_size,
         }
 
-    return _int4_checkpoint(
+    return _per_linear_checkpoint(
         dense_dir=dense_dir, out_dir=out_dir, encode=encode,
         quantization_config={
             "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
@@ -327,22 +333,14 @@ def fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_autofp8(*, dense_dir: Path, out_dir: Path) -> Path:
     """An AutoFP8 ``quant_method: fp8`` checkpoint with dynamic activations."""
-    config = _load_config(dense_dir)
-    dense = read_dense(dense_dir)
-    linears = set(quantized_linear_names(dense))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in dense.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module in linears:
-            tensors[name], tensors[f"{module}.weight_scale"] = fp8_per_tensor(tensor)
-        else:
-            tensors[name] = tensor
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "ignored_layers": list(UNQUANTIZED_MODULES)}
-    with _publishing(out_dir) as out:
-        _copy_side_files(dense_dir, out)
-        _write_checkpoint(out=out, config=config, tensors=tensors)
-    return out_dir
+    def encode(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        qweight, scale = fp8_per_tensor(weight)
+        return {f"{module}.weight": qweight, f"{module}.weight_scale": scale}
+
+    return _per_linear_checkpoint(
+        dense_dir=dense_dir, out_dir=out_dir, encode=encode, dense_dtype=None,
+        quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                             "ignored_layers": list(UNQUANTIZED_MODULES)})
 
 
 # ---------------------------------------------------------------- compressed-tensors

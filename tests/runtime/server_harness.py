@@ -120,3 +120,19 @@ def spawn_server(*, args: ServeArgs, env: dict[str, str] | None = None) -> subpr
     argv = [sys.executable, "-m", "splitserve_cli", "serve", *serve_argv(args)]
     return subprocess.Popen(argv, env={**os.environ, **(env or {})}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def serve_until_exit(*, args: ServeArgs, termination_log: Path,
+                     timeout_s: float = 120) -> tuple[int, str, str]:
+    """Run ``splitserve serve`` that is expected to stop by itself (a start-up failure):
+    (exit code, its output, the termination message it wrote)."""
+    termination_log.write_text("")
+    from splitserve_runtime.server.app import TERMINATION_LOG_ENV
+
+    process = spawn_server(args=args, env={TERMINATION_LOG_ENV: str(termination_log)})
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return process.returncode, output, termination_log.read_text()

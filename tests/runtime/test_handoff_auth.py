@@ -268,23 +268,11 @@ def test_without_a_key_the_server_serves_only_loopback_peers() -> None:
 def test_a_pod_whose_key_file_cannot_be_read_does_not_start(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """A prefill or decode pod never falls back to the unauthenticated mode because its key
     is missing: it exits 1 and says why in its termination message."""
-    import subprocess
+    from server_harness import serve_args, serve_until_exit
 
-    from server_harness import serve_args, spawn_server
-
-    from splitserve_runtime.server.app import TERMINATION_LOG_ENV
-
-    termination_log = tmp_path / "termination-log"
-    termination_log.write_text("")
     missing = tmp_path / "no-such-key"
-    process = spawn_server(args=serve_args(model_dir=tiny_llama_dir, role="decode", port=0, kv_port=0,
-                                           handoff_key_file=str(missing)),
-                           env={TERMINATION_LOG_ENV: str(termination_log)})
-    try:
-        output, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    assert process.returncode == 1, output
-    message = termination_log.read_text()
+    code, output, message = serve_until_exit(
+        args=serve_args(model_dir=tiny_llama_dir, role="decode", port=0, kv_port=0, handoff_key_file=str(missing)),
+        termination_log=tmp_path / "termination-log")
+    assert code == 1, output
     assert "KV handoff key file" in message and str(missing) in message, message

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import openai
 import pytest
 from quant_packers import FORMATS, write_quantized
-from server_harness import MODEL_NAME, serve_args, spawn_server, start_server
+from server_harness import MODEL_NAME, serve_args, serve_until_exit, start_server
 
 from splitserve_contract import ENV_MODEL_CACHE
 from splitserve_contract import capabilities as caps
 from splitserve_e2e import smollm2
-from splitserve_runtime.server import app
 
 CASES = [("load-time", method) for method in caps.QUANTIZATION.supported] + [
     ("checkpoint", fmt) for fmt in ("awq-g64", "gptq-asym", "ct-fp8", "ct-int8", "ct-int4", "autofp8")] + [
@@ -59,17 +57,9 @@ def test_unsupported_checkpoint_stops_the_server_with_one_clear_line(tiny_llama_
     raw = json.loads((model_dir / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (model_dir / "config.json").write_text(json.dumps(raw))
-    termination = tmp_path / "termination-log"
-    termination.write_text("")
-    process = spawn_server(args=serve_args(model_dir=model_dir, port=0),
-                           env={app.TERMINATION_LOG_ENV: str(termination)})
-    try:
-        output, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    assert process.returncode == 1, output
-    message = termination.read_text()
+    code, output, message = serve_until_exit(args=serve_args(model_dir=model_dir, port=0),
+                                             termination_log=tmp_path / "termination-log")
+    assert code == 1, output
     assert message.startswith("ModelLoadError: "), message
     assert "quant_method 'bitsandbytes' is not supported (supported: compressed-tensors, fp8, awq, gptq)" in message
     assert "Traceback" not in message

@@ -23,7 +23,7 @@ into a dense ``[N, K]`` tensor (tests, the reference path, and the fused-project
 from __future__ import annotations
 
 import dataclasses
-from typing import Final, TypeVar
+from typing import ClassVar, Final, TypeVar
 
 import torch
 
@@ -36,19 +36,21 @@ INT4_PACK: Final = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Weight:
-    """W8A8 FP8: ``y = (fp8(x / sx) @ qweight.T) * sx * weight_scale`` with ``sx`` per token."""
+class _PerChannelWeight:
+    """8-bit weights ``qweight [N, K]`` of dtype :attr:`STORED` with one float32 scale per
+    output channel: ``w = qweight * weight_scale[:, None]``."""
 
+    STORED: ClassVar[torch.dtype]
     qweight: torch.Tensor
-    """``float8_e4m3fn [N, K]``."""
     weight_scale: torch.Tensor
-    """``float32 [N]``."""
 
     def __post_init__(self) -> None:
-        _check(self.qweight.dtype == FP8_DTYPE and self.qweight.dim() == 2,
-               f"Fp8Weight.qweight must be float8_e4m3fn [N, K], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        kind = type(self).__name__
+        _check(self.qweight.dtype == self.STORED and self.qweight.dim() == 2,
+               f"{kind}.qweight must be {str(self.STORED).removeprefix('torch.')} [N, K], got "
+               f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
         _check(tuple(self.weight_scale.shape) == (self.qweight.shape[0],) and self.weight_scale.dtype == torch.float32,
-               f"Fp8Weight.weight_scale must be float32 [{self.qweight.shape[0]}], got "
+               f"{kind}.weight_scale must be float32 [{self.qweight.shape[0]}], got "
                f"{self.weight_scale.dtype} {tuple(self.weight_scale.shape)}")
 
     @property
@@ -64,33 +66,20 @@ class Fp8Weight:
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8Weight:
-    """INT8 symmetric per-channel: ``w = qweight * weight_scale[:, None]``."""
+class Fp8Weight(_PerChannelWeight):
+    """W8A8 FP8: ``y = (fp8(x / sx) @ qweight.T) * sx * weight_scale`` with ``sx`` per token;
+    ``qweight`` is ``float8_e4m3fn [N, K]``."""
 
-    qweight: torch.Tensor
-    """``int8 [N, K]``."""
-    weight_scale: torch.Tensor
-    """``float32 [N]``."""
-    act_quant: bool
+    STORED: ClassVar[torch.dtype] = FP8_DTYPE
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Weight(_PerChannelWeight):
+    """INT8 symmetric per-channel, ``qweight`` ``int8 [N, K]``."""
+
+    STORED: ClassVar[torch.dtype] = torch.int8
+    act_quant: bool = True
     """True: W8A8 (activations quantized per token, symmetric int8); False: W8A16."""
-
-    def __post_init__(self) -> None:
-        _check(self.qweight.dtype == torch.int8 and self.qweight.dim() == 2,
-               f"Int8Weight.qweight must be int8 [N, K], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
-        _check(tuple(self.weight_scale.shape) == (self.qweight.shape[0],) and self.weight_scale.dtype == torch.float32,
-               f"Int8Weight.weight_scale must be float32 [{self.qweight.shape[0]}], got "
-               f"{self.weight_scale.dtype} {tuple(self.weight_scale.shape)}")
-
-    @property
-    def out_features(self) -> int:
-        return int(self.qweight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.qweight.shape[1])
-
-    def nbytes(self) -> int:
-        return _nbytes(self.qweight, self.weight_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +147,7 @@ def dequantize(weight: LinearWeight, *, dtype: torch.dtype = torch.float32) -> t
     """Dense ``[N, K]`` in ``dtype`` holding the same numbers as ``weight``."""
     if isinstance(weight, torch.Tensor):
         return weight.to(dtype)
-    if isinstance(weight, Fp8Weight):
-        return (weight.qweight.float() * weight.weight_scale[:, None]).to(dtype)
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, _PerChannelWeight):
         return (weight.qweight.float() * weight.weight_scale[:, None]).to(dtype)
     q = unpack_int4(weight.qweight).float()  # [K, N]
     scales = weight.scales.float().repeat_interleave(weight.group_size, dim=0)
