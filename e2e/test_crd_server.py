@@ -63,14 +63,19 @@ def _refusals(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
         ({"spec": {"prefill": {"replicas": {"min": 3, "max": 2}}}}, rules.REPLICAS_RULE_MESSAGE),
         ({"spec": {"aggregated": {}}}, rules.DISAGGREGATED_RULE_MESSAGE),
         ({"spec": {"mode": "Aggregated"}}, rules.AGGREGATED_RULE_MESSAGE),
-        # tensor/pipeline parallelism and quantization other than the supported values: the
-        # capability message wins over the gpus-multiple and CPU rules.
+        # tensor/pipeline parallelism other than the supported values: the capability message
+        # wins over the gpus-multiple and CPU rules.
         ({"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}},
          _refusals(caps.TENSOR_PARALLEL_SIZE, 4)),
         ({"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}},
          _refusals(caps.TENSOR_PARALLEL_SIZE, 2)),
         ({"spec": {"decode": {"parallelism": {"pipeline": 2}}}}, _refusals(caps.PIPELINE_PARALLEL_SIZE, 2)),
-        ({"spec": {"model": {"quantization": "fp8"}}}, _refusals(caps.QUANTIZATION, "fp8")),
+        ({"spec": {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
+         rules.DRAFT_MODEL_RULE_MESSAGE),
+        ({"spec": {"engine": {"speculative": {"method": "draft"}}}}, rules.DRAFT_METHOD_RULE_MESSAGE),
+        ({"spec": {"engine": {"speculative": {"numTokens": 17}}}}, "numTokens"),
+        ({"spec": {"kvCache": {"dtype": "int8"}}}, "dtype"),
+        ({"spec": {"model": {"quantization": "fp4"}}}, "quantization"),
         ({"spec": {"autoscaling": {"gpuBudget": 1}}}, rules.GPU_BUDGET_RULE_MESSAGE),
         ({"metadata": {"name": "x" * 41}}, rules.NAME_LENGTH_RULE_MESSAGE),
         ({"spec": {"kvCache": {"memoryFraction": 0.99}}}, "memoryFraction"),
@@ -98,7 +103,8 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
     live = json.loads(cluster.kubectl("get", "sis", "demo", "-n", namespace, "-o", "json").stdout)
     spec = live["spec"]
     assert spec["mode"] == "Disaggregated"
-    assert spec["kvCache"] == {"blockSize": 16, "memoryFraction": 0.9, "prefixCaching": True}
+    assert spec["kvCache"] == {"blockSize": 16, "memoryFraction": 0.9, "prefixCaching": True, "dtype": "auto"}
+    assert spec["engine"]["speculative"] == {"method": "none", "numTokens": 4, "maxNumSeqs": 16}
     assert spec["prefill"]["replicas"] == {"min": 1, "max": 4}
     assert spec["autoscaling"]["behavior"]["scaleDown"] == {"stabilizationSeconds": 300, "maxStep": 1}
     parsed = api.InferenceService.parse(live)

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e.build import cache_root
 from splitserve_e2e import smollm2
+from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import apply_object, router_endpoints, wait_ready
 from splitserve_e2e.stack import (

@@ -547,7 +547,8 @@ INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
     # Values the API knows but this version does not serve: refused by name.
     ("tensor parallel 2", {"decode": {"parallelism": {"tensor": 2}}}, _refusals(caps.TENSOR_PARALLEL_SIZE, 2)),
     ("pipeline parallel 2", {"decode": {"parallelism": {"pipeline": 2}}}, _refusals(caps.PIPELINE_PARALLEL_SIZE, 2)),
-    ("quantization fp8", {"model": {"uri": "hf://a/b", "quantization": "fp8"}}, _refusals(caps.QUANTIZATION, "fp8")),
+    ("draft model without draft", {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
+     rules.DRAFT_MODEL_RULE_MESSAGE),
     ("gpu budget", {"autoscaling": {"gpuBudget": 1}}, rules.GPU_BUDGET_RULE_MESSAGE),
     ("bad uri", {"model": {"uri": "s3://bucket/model"}}, "spec.model.uri"),
     ("bad mode", {"mode": "Hybrid"}, 'Unsupported value: "Hybrid"'),

@@ -60,6 +60,7 @@ CEL_RULES_BY_MODEL: Final[dict[str, tuple[api.CelRule, ...]]] = {
     api.ReplicasSpec.__name__: api.REPLICAS_CEL_RULES,
     api.ModelSpec.__name__: api.MODEL_CEL_RULES,
     api.ParallelismSpec.__name__: api.PARALLELISM_CEL_RULES,
+    api.SpeculativeSpec.__name__: api.SPECULATIVE_CEL_RULES,
 }
 
 _DROPPED_KEYS: Final = frozenset({"title"})
@@ -298,7 +299,7 @@ def api_reference() -> str:
     for part in ("spec", "status"):
         out += ["", f"#### `{part}`", "", *header, *_doc_rows(schema[part], part, False, {})[1:]]
     rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.AUTOSCALING_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
-             *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES]
+             *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES, *api.SPECULATIVE_CEL_RULES]
     out += ["", "#### What this version supports", "",
             "Generated from the capabilities table (`splitserve_contract.capabilities`). Known "
             "but unsupported values are refused at admission with \"... is not supported by "

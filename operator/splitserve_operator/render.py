@@ -107,15 +107,27 @@ def served_name(isvc: InferenceService) -> str:
     return isvc.spec.model.served_name or isvc.metadata.name
 
 
-def _model_location(uri: str) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+def _model_location(uri: str, *, volume_name: str = "model-pvc",
+                    ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
     """The --model value plus, for pvc://claim/path, the read-only volume and its mount."""
     if not uri.startswith("pvc://"):
         return uri, None, None
     claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
     mount = f"{PVC_MOUNT_ROOT}/{claim}"
-    volume = {"name": "model-pvc", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    volume_mount = {"name": "model-pvc", "mountPath": mount, "readOnly": True}
+    volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    volume_mount = {"name": volume_name, "mountPath": mount, "readOnly": True}
     return f"file://{mount}/{sub_path}".rstrip("/"), volume, volume_mount
+
+
+def _draft_model_location(isvc: InferenceService) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """--speculative-draft-model plus its volume and mount: none when the draft is not on a
+    claim, or on the claim that holds the model (mounted already, at the same path)."""
+    draft_model = isvc.spec.engine.speculative.draft_model or ""
+    path, volume, mount = _model_location(draft_model, volume_name="draft-model-pvc")
+    _, _, model_mount = _model_location(isvc.spec.model.uri)
+    if mount is not None and model_mount is not None and mount["mountPath"] == model_mount["mountPath"]:
+        return path, None, None
+    return path, volume, mount
 
 
 def serve_args(
@@ -123,7 +135,8 @@ def serve_args(
 ) -> contract.ServeArgs:
     """The `splitserve serve` arguments of one pool (before runtime.extraArgs). The compat hash
     goes on the command line too: pods report it and the router pairs only equal hashes.
-    Prefill and decode get the KV handoff key file (:mod:`.handoff_key`)."""
+    Prefill and decode get the KV handoff key file (:mod:`.handoff_key`); decode and
+    aggregated pods the speculative decoding settings (:func:`speculates`)."""
     spec = isvc.spec
     model, _, _ = _model_location(spec.model.uri)
     return contract.ServeArgs(
@@ -149,7 +162,28 @@ def serve_args(
         pipeline_parallel_size=pool.parallelism.pipeline,
         compat_hash=compat_hash_of(isvc=isvc, runtime_image=runtime_image),
         handoff_key_file=handoff_key.KEY_FILE if uses_handoff_key(role) else "",
+        **_speculative_args(isvc=isvc, role=role),
     )
+
+
+def speculates(isvc: InferenceService, role: Role) -> bool:
+    """Whether pods of ``role`` get the speculative decoding flags (and a draft model's volume):
+    only pools that decode, and only when a method is set (so pods of a spec without
+    speculation render as before). A prefill pod only computes prompts, and speculation leaves
+    the model's KV layout alone (a draft keeps its own cache on the decode pod), so it is not in
+    the compat hash: prefill and decode pods pair whatever the setting."""
+    return isvc.spec.engine.speculative.enabled and role in (Role.DECODE, Role.AGGREGATED)
+
+
+def _speculative_args(*, isvc: InferenceService, role: Role) -> dict[str, Any]:
+    if not speculates(isvc, role):
+        return {}
+    speculative = isvc.spec.engine.speculative
+    args: dict[str, Any] = {"speculative_method": speculative.method, "num_speculative_tokens": speculative.num_tokens,
+                            "speculative_max_num_seqs": speculative.max_num_seqs}
+    if speculative.draft_model:
+        args["speculative_draft_model"], _, _ = _draft_model_location(isvc)
+    return args
 
 
 def uses_handoff_key(role: Role) -> bool:
@@ -314,6 +348,10 @@ def _pod_spec(
         if uses_handoff_key(component.role):
             volumes.append(handoff_key.volume(isvc.metadata.name))
             mounts.append(handoff_key.volume_mount())
+        _, draft_volume, draft_mount = _draft_model_location(isvc)
+        if speculates(isvc, component.role) and draft_volume is not None and draft_mount is not None:
+            volumes.append(draft_volume)
+            mounts.append(draft_mount)
         pod = {"automountServiceAccountToken": False}
         if pool.node_selector:
             pod["nodeSelector"] = dict(pool.node_selector)

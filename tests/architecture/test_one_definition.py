@@ -48,3 +48,34 @@ def test_api_reasons_are_the_contract_reasons() -> None:
     values = [getattr(Reason, n) for n in names]
     assert len(set(values)) == len(values), "two reason names share one value"
     assert all(v[0].isupper() and v.isalnum() for v in values)
+
+
+def test_speculative_defaults_and_bounds_agree_across_api_flags_and_engine() -> None:
+    import pytest
+
+    from splitserve_contract import capabilities as caps
+    from splitserve_runtime.engine import speculative as engine_speculative
+
+    spec = api.InferenceServiceSpec.model_validate(
+        {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}}).engine.speculative
+    serve = ServeArgs()
+    engine = engine_speculative.SpeculativeConfig()
+    assert spec.method == serve.speculative_method == engine.method == "none"
+    assert spec.num_tokens == serve.num_speculative_tokens == engine.num_tokens
+    assert spec.max_num_seqs == serve.speculative_max_num_seqs == engine.max_num_seqs
+    # what the API admits, the engine serves: the supported methods and the largest numTokens
+    assert set(caps.SPECULATIVE_METHOD.supported) == set(engine_speculative.METHODS)
+    engine_speculative.SpeculativeConfig(method="ngram", num_tokens=api.MAX_SPECULATIVE_TOKENS)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine_speculative.SpeculativeConfig(method="ngram", num_tokens=api.MAX_SPECULATIVE_TOKENS + 1)
+
+
+def test_every_metric_name_is_documented() -> None:
+    from pathlib import Path
+
+    from splitserve_contract import Metric, OperatorMetric
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    names = [value for cls in (Metric, OperatorMetric) for key, value in vars(cls).items() if key.isupper()]
+    assert len(names) > 20
+    assert [name for name in names if f"`{name}" not in doc] == []

@@ -29,7 +29,8 @@ GAUGES = (Metric.REQUESTS_WAITING, Metric.REQUESTS_RUNNING, Metric.PROMPT_TOKENS
 COUNTERS = (Metric.PROMPT_TOKENS_TOTAL, Metric.GENERATION_TOKENS_TOTAL,
             Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL, Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL,
             Metric.PREEMPTIONS_TOTAL, Metric.REQUESTS_TOTAL, Metric.KV_TRANSFER_BYTES_TOTAL,
-            Metric.KV_TRANSFER_FAILURES_TOTAL)
+            Metric.KV_TRANSFER_FAILURES_TOTAL, Metric.SPEC_DECODE_PROPOSED_TOKENS_TOTAL,
+            Metric.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL)
 HISTOGRAMS = (Metric.TIME_TO_FIRST_TOKEN_SECONDS, Metric.INTER_TOKEN_LATENCY_SECONDS,
               Metric.E2E_REQUEST_LATENCY_SECONDS, Metric.KV_TRANSFER_SECONDS)
 
@@ -290,6 +291,7 @@ def test_prompt_larger_than_kv_pool_is_400_and_server_keeps_serving(
     ({"prompt": [-1, 3]}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
+    ({"extra_body": {"speculative": "no"}}, "speculative"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_invalid_completion_requests_are_400(client: openai.OpenAI, kwargs: dict[str, object],

@@ -196,6 +196,7 @@ QuantizationName = Annotated[str, _capability(caps.QUANTIZATION)]
 DtypeName = Annotated[str, _capability(caps.DTYPE)]
 TensorParallelSize = Annotated[int, _capability(caps.TENSOR_PARALLEL_SIZE)]
 PipelineParallelSize = Annotated[int, _capability(caps.PIPELINE_PARALLEL_SIZE)]
+SpeculativeMethodName = Annotated[str, _capability(caps.SPECULATIVE_METHOD)]
 
 
 def _block_size(value: int) -> int:

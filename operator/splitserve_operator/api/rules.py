@@ -76,6 +76,20 @@ MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(caps.DTYPE, caps
 "... is not supported by this version of splitserve"."""
 PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
     caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE)
+DRAFT_MODEL_RULE_MESSAGE: Final = (
+    "engine.speculative.draftModel is only used with engine.speculative.method draft: "
+    "remove it or set method draft"
+)
+DRAFT_METHOD_RULE_MESSAGE: Final = "engine.speculative.method draft requires engine.speculative.draftModel"
+SPECULATIVE_CEL_RULES: Final[tuple[CelRule, ...]] = (
+    *_capability_rules(caps.SPECULATIVE_METHOD),
+    {"rule": "!has(self.draftModel) || (has(self.method) && self.method == 'draft')",
+     "message": DRAFT_MODEL_RULE_MESSAGE},
+    {"rule": "!has(self.method) || self.method != 'draft' || has(self.draftModel)",
+     "message": DRAFT_METHOD_RULE_MESSAGE},
+)
+"""Known-but-unsupported methods (from the capabilities table), and a draft model exactly
+when the method is draft."""
 REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},
 )

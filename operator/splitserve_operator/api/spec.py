@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import (
     Field,
@@ -14,6 +14,7 @@ from pydantic import (
 
 from splitserve_contract import (
     RoutingPolicy,
+    ServeArgs,
     defaults,
 )
 from splitserve_contract import capabilities as caps
@@ -33,6 +34,7 @@ from .fields import (
     PipelineParallelSize,
     Quantity,
     QuantizationName,
+    SpeculativeMethodName,
     TensorParallelSize,
     Toleration,
     _capability,
@@ -44,6 +46,8 @@ from .rules import (
     AGGREGATED_RULE_MESSAGE,
     CPU_PARALLELISM_RULE_MESSAGE,
     DISAGGREGATED_RULE_MESSAGE,
+    DRAFT_METHOD_RULE_MESSAGE,
+    DRAFT_MODEL_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
@@ -324,6 +328,69 @@ class KVCacheSpec(ApiModel):
     )
 
 
+MAX_SPECULATIVE_TOKENS: Final = 16
+"""Most proposals per sequence and step the runtime verifies (``--num-speculative-tokens``)."""
+_SERVE_DEFAULTS: Final = ServeArgs()
+
+
+class SpeculativeSpec(ApiModel):
+    """Speculative decoding: cheap proposals for each decoding sequence's next tokens, checked
+    together in one forward of the model. Decode and aggregated pods only."""
+
+    method: SpeculativeMethodName = _capability_field(
+        caps.SPECULATIVE_METHOD, default=_SERVE_DEFAULTS.speculative_method,
+        description=(
+            "How next tokens are proposed. none: no speculation. ngram: prompt lookup, what followed "
+            "the latest earlier occurrence of the sequence's last few tokens in its prompt and output "
+            "(no extra model; pays off on output that repeats its input: code edits, quoting, "
+            "extraction). draft: the greedy continuation of a smaller model with the same vocabulary "
+            "(draftModel). A decode step verifies a sequence's "
+            "proposals in the same forward as its next token and keeps those the model agrees with: "
+            "some extra compute per step for fewer steps per token, so lower inter-token latency while "
+            "batches are small. Output does not change: greedy output is token for token the same, "
+            "sampled output keeps the model's distribution. Applied by decode and aggregated pods; "
+            "prefill pods never speculate, and prefill and decode pods pair whatever the setting."
+        ),
+    )
+    num_tokens: int = Field(
+        default=_SERVE_DEFAULTS.num_speculative_tokens, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description=(
+            "Most proposals verified per sequence and decode step. More gain more when proposals "
+            "are right and waste more compute when they are wrong."
+        ),
+    )
+    max_num_seqs: int = Field(
+        default=_SERVE_DEFAULTS.speculative_max_num_seqs, ge=1, le=4096,
+        description=(
+            "Speculate only in decode steps with at most this many decoding sequences. In larger "
+            "batches the verification rows are no longer nearly free (the step turns compute-bound) "
+            "and would slow every sequence, so those steps decode one token per sequence."
+        ),
+    )
+    draft_model: str | None = Field(
+        default=None,
+        pattern=MODEL_URI_PATTERN,
+        max_length=1024,
+        description=(
+            "The proposing model of method draft (required there, refused with any other method), "
+            "in the forms of model.uri: a smaller model with the model's vocabulary, loaded next to "
+            "it (same dtype, its own KV cache in the same blocks) by every decode and aggregated pod."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _draft_model_exactly_for_draft(self) -> SpeculativeSpec:
+        if self.draft_model is not None and self.method != "draft":
+            raise ValueError(DRAFT_MODEL_RULE_MESSAGE)
+        if self.draft_model is None and self.method == "draft":
+            raise ValueError(DRAFT_METHOD_RULE_MESSAGE)
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineSpec(ApiModel):
     """Scheduler limits of each runtime engine."""
 
@@ -332,6 +399,8 @@ class EngineSpec(ApiModel):
         default=defaults.MAX_NUM_BATCHED_TOKENS, ge=16, le=1_048_576, description="Token budget per engine step."
     )
     chunked_prefill: bool = Field(default=True, description="Split long prompts across engine steps.")
+    speculative: SpeculativeSpec = _object(
+        SpeculativeSpec, "Speculative decoding on decode and aggregated pods (prefill pods never speculate).")
 
 
 class PrefillScalingSpec(ApiModel):
@@ -452,7 +521,8 @@ class InferenceServiceSpec(ApiModel):
     )
     router: RouterSpec = _object(RouterSpec, "The router.")
     kv_cache: KVCacheSpec = _object(KVCacheSpec, "KV cache settings of every pool.")
-    engine: EngineSpec = _object(EngineSpec, "Engine scheduler settings of every pool.")
+    engine: EngineSpec = _object(
+        EngineSpec, "Engine scheduler settings of every pool (speculative decoding: decode and aggregated pools).")
     autoscaling: AutoscalingSpec = _object(AutoscalingSpec, "Autoscaling of the pools.")
 
     @model_validator(mode="after")

@@ -86,6 +86,7 @@ class LLMEngine:
         self._spec_proposed_total = 0
         self._spec_accepted_total = 0
         self._spec_accepted_by_position = [0] * self.speculative.num_tokens
+        self._spec_proposed_by_position = [0] * self.speculative.num_tokens
         self.overlap_output_processing = (
             device.type == "cuda" if overlap_output_processing is None else overlap_output_processing)
         self._pending: list[_PendingToken] = []
@@ -312,6 +313,8 @@ class LLMEngine:
                 self._draft.after_verification(seq, num_proposed=len(drafts), num_accepted=accepted)
             self._spec_proposed_total += len(drafts)
             self._spec_accepted_total += accepted
+            for position in range(len(drafts)):
+                self._spec_proposed_by_position[position] += 1
             for position in range(accepted):
                 self._spec_accepted_by_position[position] += 1
             emitted.extend((seq, token_ids[row + i], logprobs[row + i]) for i in range(accepted + 1))
@@ -512,5 +515,6 @@ class LLMEngine:
             preemptions_total=sched.counters.preemptions_total, steps_total=self._steps_total,
             spec_decode_proposed_tokens_total=self._spec_proposed_total,
             spec_decode_accepted_tokens_total=self._spec_accepted_total,
-            spec_decode_accepted_tokens_by_position=tuple(self._spec_accepted_by_position))
+            spec_decode_accepted_tokens_by_position=tuple(self._spec_accepted_by_position),
+            spec_decode_proposed_tokens_by_position=tuple(self._spec_proposed_by_position))
 

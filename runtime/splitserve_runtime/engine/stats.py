@@ -29,5 +29,7 @@ class EngineStats:
     """Speculative proposals verified (``--speculative-method``)."""
     spec_decode_accepted_tokens_total: int = 0
     spec_decode_accepted_tokens_by_position: tuple[int, ...] = ()
-    """Accepted proposals by their position (0: the first proposal of a step); position i's
-    count over the steps that proposed at least i + 1 tokens is that position's acceptance."""
+    """Accepted proposals by their position (0: the first proposal of a sequence's step)."""
+    spec_decode_proposed_tokens_by_position: tuple[int, ...] = ()
+    """Verifications that proposed a token at each position: accepted / proposed at position i
+    is that position's acceptance rate."""

@@ -2,8 +2,8 @@
 
 Two sources feed one private registry (never the global one, so several apps can live in a
 test process):
-- engine state (queue depth, KV usage, token and prefix-cache counters) is read from
-  ``engine.stats()`` at scrape time by :class:`_EngineStatsCollector`; nothing copies it
+- engine state (queue depth, KV usage, token, prefix-cache and speculative decoding counters)
+  is read from ``engine.stats()`` at scrape time by :class:`_EngineStatsCollector`; nothing copies it
   periodically, so a scrape is never stale and an idle server does no work;
 - request-level series (outcomes, TTFT / inter-token / end-to-end latency, KV transfer)
   are ordinary prometheus_client objects the serving code updates.
@@ -56,7 +56,18 @@ _COUNTERS: Sequence[tuple[str, str, str]] = (
     (M.PREFIX_CACHE_HIT_TOKENS_TOTAL, "prefix_cache_hit_tokens_total",
      "prompt tokens found in the prefix cache"),
     (M.PREEMPTIONS_TOTAL, "preemptions_total", "sequences preempted for lack of KV blocks"),
+    (M.SPEC_DECODE_PROPOSED_TOKENS_TOTAL, "spec_decode_proposed_tokens_total",
+     "speculative proposals verified"),
+    (M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, "spec_decode_accepted_tokens_total",
+     "speculative proposals accepted (each one a token without a step of its own)"),
 )
+_POSITION_COUNTERS: Sequence[tuple[str, str, str]] = (
+    (M.SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL, "spec_decode_accepted_tokens_by_position",
+     "speculative proposals accepted, by position in the step's proposals (0: the first)"),
+    (M.SPEC_DECODE_PROPOSED_TOKENS_BY_POSITION_TOTAL, "spec_decode_proposed_tokens_by_position",
+     "speculative proposals verified, by position (accepted / proposed: that position's acceptance rate)"),
+)
+"""Counters with one series per proposal position (label ``position``)."""
 
 
 class _EngineStatsCollector(Collector):
@@ -79,6 +90,14 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=LABELS)
             counter.add_metric(self._labels, float(getattr(stats, field)))
             yield counter
+        for name, field, help_text in _POSITION_COUNTERS:
+            counts: tuple[int, ...] = getattr(stats, field)
+            if not counts:
+                continue
+            by_position = CounterMetricFamily(name, help_text, labels=(*LABELS, "position"))
+            for position, count in enumerate(counts):
+                by_position.add_metric([*self._labels, str(position)], float(count))
+            yield by_position
 
 
 class ServerMetrics:

@@ -6,7 +6,10 @@ request argument"), so a typo never silently changes behaviour. OpenAI fields th
 but do not implement (penalties, logit_bias, tools, echo ...) pass only at their neutral
 value; anything else is refused with a message naming the field (see `unsupported_fields`).
 A few vLLM-style extensions that map straight onto the engine's sampling parameters
-(`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`) are accepted as well.
+(`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`) are accepted as well, and
+`speculative` (a boolean, default true): false opts the request out of speculative decoding
+on a server started with ``--speculative-method`` (its output is the same either way: greedy
+token for token, sampled in distribution).
 
 Responses mirror the OpenAI objects closely enough that the official `openai` client parses
 them into its typed models.
@@ -98,6 +101,7 @@ class SamplingFields(_Request):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
+    speculative: bool | None = True  # false: never verify proposals for this request
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
     # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see server.handoff

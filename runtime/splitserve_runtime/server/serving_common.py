@@ -82,7 +82,8 @@ def build_sampling_params(*, body: SamplingFields, max_tokens: int,
             top_k=0 if body.top_k is None else body.top_k,
             min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed, stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, min_tokens=body.min_tokens or 0)
+            ignore_eos=bool(body.ignore_eos), logprobs=logprobs, min_tokens=body.min_tokens or 0,
+            speculative=body.speculative is not False)
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
