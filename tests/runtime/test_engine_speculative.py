@@ -250,3 +250,24 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir: Path, tmp_path:
         _engine(tiny_llama_dir, speculative_method="draft", speculative_draft_model=str(other))
     with pytest.raises(ValueError, match="--speculative-method draft needs --speculative-draft-model"):
         _engine(tiny_llama_dir, speculative_method="draft")
+
+
+def test_stop_strings_end_the_text_where_plain_decoding_does(tiny_llama_dir: Path) -> None:
+    """A stop string completed inside accepted proposals cuts the text at the same place."""
+    def texts(engine: LLMEngine, params: SamplingParams) -> dict[str, str]:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(request_id=f"r{i}", prompt_token_ids=prompt, params=params)
+        out: dict[str, str] = collections.defaultdict(str)
+        while engine.has_unfinished():
+            for step_out in engine.step():
+                out[step_out.request_id] += step_out.new_text
+        return dict(out)
+
+    free = texts(_engine(tiny_llama_dir), GREEDY)
+    stops = sorted({text[len(text) // 2:len(text) // 2 + 2] for text in free.values() if len(text) > 4})
+    params = dataclasses.replace(GREEDY, stop=stops[:4])
+    want = texts(_engine(tiny_llama_dir), params)
+    spec = _engine(tiny_llama_dir, speculative_method="ngram")
+    assert texts(spec, params) == want
+    assert spec.stats().spec_decode_accepted_tokens_total > 0
+    assert any(len(want[k]) < len(free[k]) for k in want)  # some stop string did cut
