@@ -48,8 +48,8 @@ def test_checkpoint_formats_decode_to_the_stored_numbers(tiny_llama_dir: Path, t
             assert isinstance(weight, layout), (name, type(weight))
             torch.testing.assert_close(dequantize(weight), expected, rtol=0, atol=2e-6)
     if fmt == "ct-int8-w8a16":
-        assert isinstance(model.decoder_layers()[0].qkv_proj, Int8Weight)
-        assert not model.decoder_layers()[0].qkv_proj.act_quant
+        qkv = model.decoder_layers()[0].qkv_proj
+        assert isinstance(qkv, Int8Weight) and not qkv.act_quant
     # the dense parameters of the projections were never allocated
     assert not any(name.endswith(LINEAR_NAMES) for name, _ in model.named_parameters())
 

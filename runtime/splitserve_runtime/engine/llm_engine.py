@@ -29,6 +29,7 @@ from splitserve_contract import ServeArgs
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .draft import DraftModel
 from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCapacity
 from .handoff import ImportReservation, KeptKV
 from .kv_budget import KVCacheSpec
@@ -37,7 +38,6 @@ from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
-from .draft import DraftModel
 from .speculative import SpeculativeConfig
 from .stats import EngineStats
 from .stop_checker import DetokenizerFactory, StopChecker
