@@ -21,7 +21,14 @@ import dataclasses
 import torch
 
 from .kv_budget import KVCacheSpec
-from .model_runner import CausalLM, DecodeRow, KVCaches, PrefillRow, allocate_kv_caches, build_step_inputs
+from .model_runner import (
+    CausalLM,
+    DecodeRow,
+    KVCaches,
+    PrefillRow,
+    allocate_kv_caches,
+    build_step_inputs,
+)
 from .sequence import Sequence
 
 
