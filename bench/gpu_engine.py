@@ -14,8 +14,19 @@ The roofline step time is (weight bytes + K/V bytes read) / 4.3 TB/s (measured H
 bandwidth). Output overlap (text work of step n during step n+1) is compared on vs off at
 the largest batch. Writes ``$OUT/gpu_engine.json`` and prints a table.
 
+``--speculative ngram [--num-speculative-tokens K]`` adds a second engine on the same weights
+with n-gram speculation in every step (its ``--speculative-max-num-seqs`` raised to the
+largest batch) and runs each batch on both, the same requests: decode tokens/s, mean time per
+output token, device ms per forward, tokens per forward per sequence, and the **break-even
+tokens per forward** (speculative forward / plain step: the acceptance must give more tokens
+per forward than this for speculation to pay at that batch). With random weights the
+acceptance itself says little (greedy output of a random model loops, which prompt lookup
+predicts well); the cost of a forward of ``1 + K`` rows per sequence against a plain step is
+the model-independent part, and what ``splitserve plan --speculative`` prices with the roofline.
+
     python bench/gpu_engine.py                 # on the GPU
     python bench/gpu_engine.py --smoke         # CPU, tiny shape: checks the script itself
+    python bench/gpu_engine.py --speculative ngram --num-speculative-tokens 4 --batches 1,4,16,64
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.model_runner import LaunchedStep
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.engine.scheduler import SchedulerOutput
+from splitserve_runtime.engine.speculative import SpeculativeConfig
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.ops import get_ops
 
@@ -50,8 +62,8 @@ TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 1
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def build_engine(*, raw_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                 backend: str, max_num_seqs: int, num_kv_blocks: int) -> tuple[LLMEngine, float]:
+def build_model(*, raw_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                backend: str) -> LlamaForCausalLM:
     config = ModelConfig.from_dict(raw_config)
     ops = get_ops(name=backend, device=device)
     model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device)
@@ -62,6 +74,12 @@ def build_engine(*, raw_config: dict[str, Any], device: torch.device, dtype: tor
                 param.fill_(1.0)  # norms
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def build_engine(*, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+                 num_kv_blocks: int, speculative: SpeculativeConfig | None = None) -> tuple[LLMEngine, float]:
+    config = model.config
     spec = KVCacheSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
                        head_dim=config.head_dim, dtype=dtype)
     t0 = time.perf_counter()
@@ -69,7 +87,7 @@ def build_engine(*, raw_config: dict[str, Any], device: torch.device, dtype: tor
         model=model, kv_spec=spec, vocab_size=config.vocab_size, device=device,
         config=EngineConfig(max_model_len=4096, block_size=16, num_kv_blocks=num_kv_blocks,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=8192),
-        model_name="llama-8b-shape")
+        model_name="llama-8b-shape", speculative=speculative)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine.bench_weight_bytes = weight_bytes  # type: ignore[attr-defined]
     return engine, time.perf_counter() - t0
@@ -121,24 +139,63 @@ def run_batch(*, engine: LLMEngine, timer: StepTimer, batch: int, new_tokens: in
     timer.events.clear()
     walls: list[float] = []
     num_tokens = 0
+    stats0 = engine.stats()
     t_start = time.perf_counter()
     while engine.has_unfinished():
         t0 = time.perf_counter()
         num_tokens += sum(len(o.new_token_ids) for o in engine.step())
         walls.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - t_start
+    stats1 = engine.stats()
     busy, idle = timer.device_ms()
     context = PROMPT_TOKENS + new_tokens / 2
     kv_bytes = batch * context * engine.runner.spec.bytes_per_block(block_size=1)
     roofline_ms = (engine.bench_weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3  # type: ignore[attr-defined]
     wall_ms = statistics.median(walls) * 1e3
     result = {"batch": batch, "tokens_per_s": num_tokens / elapsed, "wall_ms_per_step": wall_ms,
-              "roofline_ms_per_step": roofline_ms, "wall_vs_roofline": wall_ms / roofline_ms}
+              "roofline_ms_per_step": roofline_ms, "wall_vs_roofline": wall_ms / roofline_ms,
+              "ms_per_output_token": elapsed / max(num_tokens / batch, 1e-9) * 1e3,
+              "tokens_per_forward": num_tokens / max(len(walls) * batch, 1)}
+    proposed = stats1.spec_decode_proposed_tokens_total - stats0.spec_decode_proposed_tokens_total
+    if proposed:
+        accepted = stats1.spec_decode_accepted_tokens_total - stats0.spec_decode_accepted_tokens_total
+        result["acceptance_rate"] = accepted / proposed
     if busy:
         result["device_ms_per_step"] = statistics.median(busy)
         result["idle_ms_between_steps"] = statistics.median(idle) if idle else 0.0
         result["idle_fraction"] = sum(idle) / (sum(idle) + sum(busy))
     return result
+
+
+def compare_speculative(*, plain: tuple[LLMEngine, StepTimer], model: LlamaForCausalLM, dtype: torch.dtype,
+                        device: torch.device, batches: list[int], new_tokens: int,
+                        speculative: SpeculativeConfig, num_kv_blocks: int) -> dict[str, Any]:
+    """Each batch on the plain engine and on a speculative one sharing its weights, back to back."""
+    engine, _ = build_engine(model=model, device=device, dtype=dtype, max_num_seqs=max(batches),
+                             num_kv_blocks=num_kv_blocks, speculative=speculative)
+    timer = StepTimer(engine)
+    run_batch(engine=engine, timer=timer, batch=min(batches), new_tokens=8, tag="spec-warmup")
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        off = run_batch(engine=plain[0], timer=plain[1], batch=batch, new_tokens=new_tokens, tag=f"off{batch}")
+        on = run_batch(engine=engine, timer=timer, batch=batch, new_tokens=new_tokens, tag=f"spec{batch}")
+        step_off = off.get("device_ms_per_step", off["wall_ms_per_step"])
+        step_on = on.get("device_ms_per_step", on["wall_ms_per_step"])
+        rows.append({"batch": batch, "off": off, "spec": on, "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+                     "forward_cost_ratio": step_on / step_off})
+    print(f"\nspeculative {speculative.method} k={speculative.num_tokens} (every step speculates) vs off, "
+          f"same requests; break-even = tokens/forward needed to pay = spec forward / plain step")
+    print(f"{'batch':>6}{'off tok/s':>11}{'spec tok/s':>12}{'ratio':>7}{'off ms/tok':>12}{'spec ms/tok':>13}"
+          f"{'off ms/fwd':>12}{'spec ms/fwd':>13}{'tok/fwd':>9}{'accept':>8}{'break-even':>12}")
+    for row in rows:
+        off, on = row["off"], row["spec"]
+        print(f"{row['batch']:>6}{off['tokens_per_s']:>11.0f}{on['tokens_per_s']:>12.0f}{row['speedup']:>7.2f}"
+              f"{off['ms_per_output_token']:>12.2f}{on['ms_per_output_token']:>13.2f}"
+              f"{off.get('device_ms_per_step', off['wall_ms_per_step']):>12.2f}"
+              f"{on.get('device_ms_per_step', on['wall_ms_per_step']):>13.2f}"
+              f"{on['tokens_per_forward']:>9.2f}{on.get('acceptance_rate', 0.0):>8.2f}"
+              f"{row['forward_cost_ratio']:>12.2f}")
+    return {"method": speculative.method, "num_tokens": speculative.num_tokens, "rows": rows}
 
 
 def main() -> None:
@@ -147,14 +204,25 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="auto | triton | torch")
+    parser.add_argument("--speculative", choices=("none", "ngram"), default="none",
+                        help="also run every batch with this speculative method (same weights and requests)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-    engine, kv_setup_s = build_engine(
-        raw_config=TINY if args.smoke else LLAMA_8B, device=device, dtype=dtype,
-        backend=args.backend, max_num_seqs=max(batches), num_kv_blocks=256 if args.smoke else 0)
+    model = build_model(raw_config=TINY if args.smoke else LLAMA_8B, device=device, dtype=dtype,
+                        backend=args.backend)
+    speculative = None
+    num_kv_blocks = 256 if args.smoke else 0
+    if args.speculative != "none":  # two engines on one set of weights: fixed, equal KV pools
+        speculative = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                                        max_num_seqs=max(batches))
+        per_seq = PROMPT_TOKENS + max(args.new_tokens, 4) + args.num_speculative_tokens + 32
+        num_kv_blocks = max(batches) * (per_seq // 16 + 1) + 64
+    engine, kv_setup_s = build_engine(model=model, device=device, dtype=dtype, max_num_seqs=max(batches),
+                                      num_kv_blocks=num_kv_blocks)
     bm = engine.block_manager
     report["kv"] = {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
                     "gib": bm.num_blocks * engine.runner.spec.bytes_per_block(block_size=bm.block_size) / 2**30,
@@ -169,6 +237,7 @@ def main() -> None:
     flipped = run_batch(engine=engine, timer=timer, batch=max(batches), new_tokens=args.new_tokens,
                         tag="flip")
     flipped["overlap_output_processing"] = engine.overlap_output_processing
+    engine.overlap_output_processing = not engine.overlap_output_processing  # back to the default
     report["decode"] = rows
     report["overlap_flipped"] = flipped
     print(f"{'batch':>6}{'tok/s':>10}{'wall ms':>9}{'device ms':>11}{'idle ms':>9}"
@@ -180,6 +249,10 @@ def main() -> None:
               f"{100 * row.get('idle_fraction', float('nan')):>8.1f}"
               f"{row['roofline_ms_per_step']:>13.2f}{row['wall_vs_roofline']:>10.2f}")
     print(f"(last row: output overlap {'on' if flipped['overlap_output_processing'] else 'off'})")
+    if speculative is not None:
+        report["speculative"] = compare_speculative(
+            plain=(engine, timer), model=model, dtype=dtype, device=device, batches=batches,
+            new_tokens=args.new_tokens, speculative=speculative, num_kv_blocks=num_kv_blocks)
     out_dir = Path(os.environ.get("OUT", "."))
     (out_dir / "gpu_engine.json").write_text(json.dumps(report, indent=2))
 

@@ -13,6 +13,11 @@ roofline instead, labelled as such, and never emits a manifest for them.
 Precision is three flags, priced separately (:mod:`.precision`): ``--dtype`` (activations,
 embeddings, LM head), ``--quantization none|fp8|int8|int4`` (linear-layer weights and their
 GEMM rate) and ``--kv-cache-dtype auto|fp8``; ``--dtype fp8`` still means ``--quantization fp8``.
+
+``--speculative ngram`` prices speculative decoding on decode and aggregated pods
+(:mod:`.speculation`): ``--spec-acceptance`` is the workload's per-position acceptance,
+``--num-speculative-tokens`` and ``--speculative-max-num-seqs`` the runtime's flags, written
+to the manifest as ``spec.engine.speculative``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ from .simulator import (
     SimOptions,
     simulate,
 )
+from .speculation import DEFAULT_ACCEPTANCE, DEFAULT_NUM_TOKENS, Speculation, decode_forward_seconds
+from .speculation import DEFAULT_MAX_NUM_SEQS as DEFAULT_SPEC_MAX_NUM_SEQS
+from .speculation import METHODS as SPECULATIVE_METHODS
 from .supported import (
     known_tensor_parallel_sizes,
     remedies,
@@ -122,6 +130,18 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--router", choices=[r for r in ROUTER_POLICIES if r != "central-queue"], default="prefix-affinity")
     e.add_argument("--kv-link-gbps", type=float, default=50.0, help="prefill->decode KV link, GB/s")
+    e.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="none",
+                   help="speculative decoding of decode/aggregated pods (spec.engine.speculative.method): "
+                        "ngram = prompt lookup")
+    e.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_TOKENS,
+                   help="proposals verified per sequence and forward (spec.engine.speculative.numTokens)")
+    e.add_argument("--spec-acceptance", type=float, default=DEFAULT_ACCEPTANCE,
+                   help="per-position acceptance a of the proposals (i.i.d. model: (1 - a^(k+1)) / (1 - a) tokens "
+                        f"per forward); default {DEFAULT_ACCEPTANCE:g}, n-gram proposals on open-ended chat measured "
+                        "by bench/speculative.py; text that repeats its prompt accepts far more")
+    e.add_argument("--speculative-max-num-seqs", type=int, default=DEFAULT_SPEC_MAX_NUM_SEQS,
+                   help="speculate only in steps with at most this many decoding sequences "
+                        "(spec.engine.speculative.maxNumSeqs)")
     o = p.add_argument_group("outputs")
     o.add_argument("--emit-manifest", type=Path, default=None, help="write an InferenceService YAML for the choice")
     o.add_argument("--name", default=None, help="InferenceService name (default: from the model)")
@@ -193,6 +213,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--kv-link-gbps must be > 0")
     if args.name is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", args.name):
         raise ValueError(f"--name {args.name!r} must be a lowercase DNS label")
+    _speculation(args)  # ValueError for out-of-range speculation flags
+
+
+def _speculation(args: argparse.Namespace) -> Speculation:
+    return Speculation(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                       acceptance=args.spec_acceptance, max_num_seqs=args.speculative_max_num_seqs)
 
 
 def _precision(args: argparse.Namespace) -> Precision:
@@ -278,8 +304,9 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     perf, perf_label = _perf(args)
     requests, workload_label = _requests(args)
+    speculation = _speculation(args)
     engine = EngineSettings(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                            prefix_caching=not args.no_prefix_caching)
+                            prefix_caching=not args.no_prefix_caching, speculation=speculation)
     slo = Slo(ttft_p99_seconds=args.ttft_p99_ms / 1e3, itl_p99_seconds=args.itl_p99_ms / 1e3)
     inputs = PlanInputs(perf=perf, requests=requests, slo=slo, headroom=args.headroom, engine=engine,
                         gpus_per_replica=args.tp, router_policy=args.router,
@@ -289,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
     prefill_1k = prefill_seconds(perf, num_tokens=1024)
     print(f"model {args.model}, TP={args.tp}, {_precision(args).label}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
           f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms, prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
+    if speculation.enabled:
+        forward = decode_forward_seconds(perf, batch_size=1, num_context_tokens=1024, speculation=speculation)
+        print(f"{speculation.label}: decode (1 seq, 1k ctx) {forward / speculation.tokens_per_forward * 1e3:.2f} ms/token "
+              f"(verification forward {forward * 1e3:.2f} ms, the p99 gap)")
     what_if = _unsupported(args)
     if what_if:
         print(f"WHAT-IF (not servable by this version, no manifest): {'; '.join(what_if)}")
@@ -316,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_manifest(plan=best, name=name, model_uri=_default_uri(args), precision=_precision(args),
                                   min_replicas=_off_peak_counts(plan=best, inputs=inputs, args=args),
                                   router_policy=args.router, memory_fraction=args.memory_fraction,
-                                  max_num_seqs=args.max_num_seqs, block_size=engine.block_size)
+                                  max_num_seqs=args.max_num_seqs, block_size=engine.block_size,
+                                  speculation=speculation)
         header = (f"Planned by `splitserve plan` for {workload_label}\nSLOs TTFT p99 {args.ttft_p99_ms:g} ms, "
                   f"ITL p99 {args.itl_p99_ms:g} ms; {label}; {perf_label}")
         args.emit_manifest.write_text(manifest_yaml(manifest, header=header), encoding="utf-8")

@@ -6,7 +6,9 @@ emits a manifest the CRD would reject; settings this version does not serve (ten
 parallelism: :mod:`splitserve_contract.capabilities`) are refused before that, with the
 capabilities table's message, even when ``splitserve plan --what-if`` priced them. The
 precision the plan was priced at is written as ``spec.model.dtype``, ``spec.model.quantization``
-and, for an fp8 KV cache only, ``spec.kvCache.dtype`` (``auto``, the API default, is left out).
+and, for an fp8 KV cache only, ``spec.kvCache.dtype`` (``auto``, the API default, is left out);
+speculative decoding, when planned with it, as ``spec.engine.speculative`` (method, numTokens,
+maxNumSeqs; the acceptance is a property of the workload, not a setting, and is not written).
 Replica bounds: ``max`` is the planned count at the peak rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
 fleet when traffic falls. ``autoscaling.gpuBudget`` caps both pools at the planned peak.
 """
@@ -22,6 +24,7 @@ from splitserve_operator.api import InferenceService
 from .precision import Precision
 from .search import Plan
 from .simulator import AGGREGATED
+from .speculation import NO_SPECULATION, Speculation
 from .supported import check_servable
 
 ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "LeastLoad",
@@ -29,7 +32,8 @@ ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "Least
 
 
 def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precision, min_replicas: dict[str, int],
-                   router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int) -> dict[str, Any]:
+                   router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int,
+                   speculation: Speculation = NO_SPECULATION) -> dict[str, Any]:
     """The manifest dict (validated; raises :class:`~splitserve_contract.capabilities.UnsupportedError`
     for a setting this version does not serve, :class:`~splitserve_operator.api.InvalidSpecError`
     for anything else the API refuses)."""
@@ -54,6 +58,9 @@ def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precisio
         "engine": {"maxNumSeqs": max_num_seqs, "maxBatchedTokens": plan.max_batched_tokens, "chunkedPrefill": True},
         "autoscaling": {"enabled": True, "gpuBudget": plan.num_gpus},
     }
+    if speculation.enabled:
+        spec["engine"]["speculative"] = {"method": speculation.method, "numTokens": speculation.num_tokens,
+                                         "maxNumSeqs": speculation.max_num_seqs}
     if plan.mode == AGGREGATED:
         spec["aggregated"] = pool(role="aggregated", count=plan.aggregated_replicas)
     else:

@@ -29,7 +29,6 @@ from .perf_model import (
     RooflineModel,
     StepCost,
     decode_step_seconds,
-    max_decode_batch,
     prefill_attention_pairs,
 )
 from .simulator import (
@@ -41,6 +40,7 @@ from .simulator import (
     SimResult,
     simulate,
 )
+from .speculation import decode_capacity, verify_step_seconds
 from .supported import remedies, supported_tensor_parallel_sizes
 from .workload import Request
 
@@ -120,6 +120,8 @@ class Capacity:
     prefill_tokens_per_second: float
     decode_batch: int
     decode_tokens_per_second: float
+    decode_speculating: bool = False
+    """The best decode batch is within the speculation rule (its forwards verify proposals)."""
 
 
 def capacity(*, perf: StepCost, engine: EngineSettings, demand: Demand, itl_seconds: float) -> Capacity:
@@ -129,12 +131,10 @@ def capacity(*, perf: StepCost, engine: EngineSettings, demand: Demand, itl_seco
     pairs = int(seqs * prefill_attention_pairs(num_new_tokens=int(per_seq), num_computed_tokens=0))
     step = perf.step_seconds(num_tokens=budget, num_seqs=seqs, num_attention_pairs=pairs, num_kv_tokens=0)
     context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
-    batch = max_decode_batch(perf, itl_seconds=itl_seconds, mean_context_tokens=context,
-                             max_num_seqs=engine.max_num_seqs)
-    decode_rate = 0.0
-    if batch:
-        decode_rate = batch / decode_step_seconds(perf, batch_size=batch, num_context_tokens=int(batch * context))
-    return Capacity(prefill_tokens_per_second=budget / step, decode_batch=batch, decode_tokens_per_second=decode_rate)
+    decode = decode_capacity(perf, itl_seconds=itl_seconds, mean_context_tokens=context,
+                             max_num_seqs=engine.max_num_seqs, speculation=engine.speculation)
+    return Capacity(prefill_tokens_per_second=budget / step, decode_batch=decode.batch,
+                    decode_tokens_per_second=decode.tokens_per_second, decode_speculating=decode.speculating)
 
 
 @dataclass(kw_only=True)
@@ -171,6 +171,15 @@ def check_feasible(inputs: PlanInputs) -> None:
         raise PlanError(f"impossible ITL SLO: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one decode step of a "
                         f"single sequence ({single * 1e3:.2f} ms for {perf.name}); relax --itl-p99-ms or use "
                         f"{remedy}")
+    spec = engine.speculation
+    if spec.applies(1):
+        verify = verify_step_seconds(perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens),
+                                     num_tokens=spec.num_tokens)
+        if verify > slo.itl_p99_seconds:
+            raise PlanError(f"impossible ITL SLO with speculation: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one "
+                            f"verification forward of a single sequence (1 + {spec.num_tokens} tokens, "
+                            f"{verify * 1e3:.2f} ms for {perf.name}); lower --num-speculative-tokens, turn "
+                            "--speculative off or relax --itl-p99-ms")
     tokens = demand.p99_uncached_prompt_tokens
     chunk = min(tokens, engine.max_batched_tokens)
     steps = math.ceil(tokens / chunk)
@@ -273,7 +282,9 @@ def plan_disaggregated(inputs: PlanInputs) -> Plan | None:
                 max_batched_tokens=engine.max_batched_tokens, result=result, simulations=len(runner.cache),
                 utilization={"prefill": demand.uncached_prompt_tokens_per_second / (prefill * cap.prefill_tokens_per_second),
                              "decode": demand.output_tokens_per_second / (decode * cap.decode_tokens_per_second)},
-                notes=[f"decode batch at the ITL SLO: {cap.decode_batch}",
+                notes=[f"decode batch at the ITL SLO: {cap.decode_batch}"
+                       + (f" (speculating, {engine.speculation.tokens_per_forward:.2f} tokens/forward)"
+                          if cap.decode_speculating else ""),
                        f"lower bounds from {inputs.headroom:.0%} headroom: prefill {p_low}, decode {d_low}"])
 
 

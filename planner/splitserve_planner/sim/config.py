@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from splitserve_contract import defaults
 
+from ..speculation import NO_SPECULATION, Speculation
+
 DISAGGREGATED = "disaggregated"
 AGGREGATED = "aggregated"
 ROUTER_POLICIES = ("prefix-affinity", "least-load", "round-robin", "central-queue")
@@ -25,6 +27,8 @@ class EngineSettings:
     batching: str = "continuous"
     prefix_cache_groups: int = 64
     """LRU capacity of a pod's prefix cache, in prefix groups."""
+    speculation: Speculation = NO_SPECULATION
+    """Speculative decoding of decode and aggregated pods (prefill pods never speculate)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_batched_tokens < self.max_num_seqs:

@@ -7,6 +7,14 @@ exact mix of prefill chunks and decodes.
 Decoding sequences are aggregates (count and ``Σ(context_at_join − step_at_join)``) plus a
 heap of finish steps, so a decode step is O(1); runs of identical-batch decode steps are one
 event (a *macro step*), cut short at the next step boundary when new work arrives.
+
+Speculative decoding (:mod:`..speculation`) is modelled in expectation: a simulated step still
+advances every decoding sequence one token, and where the pod speculates (decodes only, at most
+the rule's ``max_num_seqs`` of them) it costs a verification forward over the expected tokens
+per forward ``E``. Its ITL samples are what the runtime records: per forward, one gap of the
+whole forward and ``E − 1`` gaps of zero. A step that carries prefill chunks is priced without
+speculation (its chunks progress once per forward, its decodes would progress ``E`` times), which
+understates the gain of aggregated pods a little; decode pods never mix.
 """
 
 from __future__ import annotations
@@ -15,7 +23,20 @@ import heapq
 import math
 
 from ..perf_model import prefill_attention_pairs
+from ..speculation import verify_step_seconds
 from .state import MAX_MACRO_STEPS, NO_CHUNKS, STEP_END, TRANSFER_DONE, Job, Pod, SimState
+
+
+def _decode_token_seconds(pod: Pod, num_seqs: int, context_tokens: int) -> float:
+    """Seconds per simulated step of ``num_seqs`` decoding sequences over ``context_tokens``.
+    A simulated step advances every sequence one token; where the pod speculates, a
+    verification forward yields ``E`` tokens per sequence, so a step costs ``forward / E``."""
+    spec = pod.speculation
+    if spec.applies(num_seqs):
+        return verify_step_seconds(pod.perf, batch_size=num_seqs, num_context_tokens=context_tokens,
+                                   num_tokens=spec.num_tokens) / spec.tokens_per_forward
+    return pod.perf.step_seconds(num_tokens=num_seqs, num_seqs=num_seqs, num_attention_pairs=context_tokens + num_seqs,
+                                 num_kv_tokens=context_tokens)
 
 
 class _Batch:
@@ -70,7 +91,7 @@ class EngineModel(SimState):
         ctx = n * pod.step_index + pod.dec_offset
         if pod.prefill_kv + ctx + n > pod.capacity:
             return False
-        dt = pod.perf.step_seconds(num_tokens=n, num_seqs=n, num_attention_pairs=ctx + n, num_kv_tokens=ctx)
+        dt = _decode_token_seconds(pod, n, ctx)
         k = 1
         pod.macro_dt0 = dt
         if self.macro_steps and pod.finish_heap:
@@ -78,8 +99,7 @@ class EngineModel(SimState):
                     MAX_MACRO_STEPS)
             if k > 1:  # k identical-batch steps in one event; context grows n per step
                 last = ctx + (k - 1) * n
-                last_dt = pod.perf.step_seconds(num_tokens=n, num_seqs=n, num_attention_pairs=last + n,
-                                                num_kv_tokens=last)
+                last_dt = _decode_token_seconds(pod, n, last)
                 pod.macro_delta = (last_dt - dt) / (k - 1)
                 dt = k * (dt + last_dt) / 2
             else:
@@ -88,6 +108,7 @@ class EngineModel(SimState):
         pod.step_start_s = self.now
         pod.cur_prefill = NO_CHUNKS
         pod.cur_dt = dt
+        pod.cur_tokens_per_forward = pod.speculation.tokens_per_forward if pod.speculation.applies(n) else 1.0
         pod.macro_k = k
         pod.step_end_s = self.now + dt
         self.seq += 1
@@ -111,9 +132,14 @@ class EngineModel(SimState):
             pod.busy = False
             return
         chunks = batch.chunks
-        n_seqs = batch.num_seqs + sum(1 for job, take in chunks if job.num_computed + take == job.num_tokens)
-        dt = pod.perf.step_seconds(num_tokens=batch.num_tokens, num_seqs=max(n_seqs, 1),
-                                   num_attention_pairs=batch.pairs, num_kv_tokens=batch.kv_tokens)
+        pod.cur_tokens_per_forward = 1.0
+        if not chunks and pod.speculation.applies(batch.num_seqs):  # decodes only: they may speculate
+            dt = _decode_token_seconds(pod, batch.num_seqs, batch.kv_tokens)
+            pod.cur_tokens_per_forward = pod.speculation.tokens_per_forward
+        else:  # a step with prefill chunks is priced without speculation (see the module docstring)
+            n_seqs = batch.num_seqs + sum(1 for job, take in chunks if job.num_computed + take == job.num_tokens)
+            dt = pod.perf.step_seconds(num_tokens=batch.num_tokens, num_seqs=max(n_seqs, 1),
+                                       num_attention_pairs=batch.pairs, num_kv_tokens=batch.kv_tokens)
         pod.busy = True
         pod.step_start_s = self.now
         pod.cur_prefill = chunks
@@ -295,8 +321,13 @@ class EngineModel(SimState):
             pod.dec_seq_seconds += n * dt
             pod.decode_tokens += n * k
             if pod.step_start_s >= self.measure_from:
-                self.itl_values.append(dt / k)
-                self.itl_weights.append(n * k)
+                tokens_per_forward = pod.cur_tokens_per_forward
+                if tokens_per_forward > 1.0:  # a forward's accepted tokens arrive together
+                    self.itl_values.extend((dt / k * tokens_per_forward, 0.0))
+                    self.itl_weights.extend((n * k / tokens_per_forward, n * k * (1.0 - 1.0 / tokens_per_forward)))
+                else:
+                    self.itl_values.append(dt / k)
+                    self.itl_weights.append(n * k)
         pod.kv_seconds += (pod.prefill_kv + n * (pod.step_index + k / 2) + pod.dec_offset) * dt
         pod.step_index += k
         heap = pod.finish_heap

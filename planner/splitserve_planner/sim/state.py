@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..perf_model import StepCost
+from ..speculation import NO_SPECULATION
 from ..workload import Request
 from .config import DISAGGREGATED, EngineSettings, FleetConfig, SimOptions
 
@@ -52,7 +53,8 @@ class Pod:
                  "n_dec", "dec_offset", "step_index", "finish_heap", "dec_stack", "busy",
                  "step_start_s", "busy_seconds", "dec_seq_seconds", "kv_seconds", "lru",
                  "accepting", "inbound", "batch_open", "cur_prefill", "cur_dt", "counter",
-                 "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta")
+                 "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta",
+                 "speculation", "cur_tokens_per_forward")
 
     def __init__(self, *, index: int, role: str, perf: StepCost, engine: EngineSettings) -> None:
         self.index = index
@@ -86,6 +88,10 @@ class Pod:
         self.decode_tokens = 0
         self.macro_dt0 = 0.0
         self.macro_delta = 0.0
+        self.speculation = NO_SPECULATION if role == "prefill" else engine.speculation
+        """Prefill pods never speculate (``spec.engine.speculative`` applies to decode and aggregated pods)."""
+        self.cur_tokens_per_forward = 1.0
+        """Expected tokens per sequence per forward of the running step (> 1: it speculated)."""
 
     @property
     def kv_used(self) -> int:
@@ -140,7 +146,7 @@ class SimState:
         self.e2e: list[float] = []
         self.queue: list[float] = []
         self.itl_values: list[float] = []
-        self.itl_weights: list[int] = []
+        self.itl_weights: list[float] = []
         self.timeline: list[dict[str, float]] = []
         self.measure_from = options.warmup_seconds
         self.num_measured = 0
