@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 AWQ_ORDER: Final = (0, 2, 4, 6, 1, 3, 5, 7)
 """AutoAWQ's ``gemm`` packing: nibble ``i`` of a word holds column ``8 c + AWQ_ORDER[i]``."""
-METHODS: Final = {"fp8": "fp8", "int8": "int8", "int4": "int4"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,7 +101,7 @@ class LinearAssembler:
         """Whether checkpoint tensor ``name`` belongs to a layer projection (biases excepted:
         they stay dense parameters)."""
         match = _MODULE.match(name)
-        return bool(match) and match is not None and match.group(2) in self._owner and match.group(3) != "bias"
+        return match is not None and match.group(2) in self._owner and match.group(3) != "bias"
 
     def _expected(self, hf_module: str) -> frozenset[str]:
         if self._scheme is not None and self._scheme.quantizes(hf_module):

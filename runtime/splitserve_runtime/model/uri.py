@@ -95,11 +95,13 @@ def parse_hf_uri(uri: str, *, revision: str = "") -> tuple[str, str]:
     return name, uri_revision or revision
 
 
-def _snapshot(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
-    """The hub-cache snapshot directory of ``name`` at ``revision`` in ``root``, or why there is none."""
+def _snapshot(name: str, *, uri: str, revision: str, root: Path, also_looked: Path | None = None) -> Path | str:
+    """The hub-cache snapshot directory of ``name`` at ``revision`` in ``root``, or why there is
+    none (naming ``also_looked`` too, when the caller looked there first)."""
     repo = root / ("models--" + name.replace("/", "--"))
     if not repo.is_dir():
-        return f"model {uri!r} is not in the local cache {root} (looked for {repo})"
+        looked = f"{also_looked} and {repo}" if also_looked is not None else str(repo)
+        return f"model {uri!r} is not in the local cache {root} (looked for {looked})"
     snapshots = repo / "snapshots"
     ref = revision or "main"
     if _COMMIT.match(ref):
@@ -118,10 +120,9 @@ def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
     plain = root / name
     if not revision and (plain / "config.json").is_file():
         return plain
-    snapshot = _snapshot(name, uri=uri, revision=revision, root=root)
+    snapshot = _snapshot(name, uri=uri, revision=revision, root=root, also_looked=plain)
     if isinstance(snapshot, str):
-        return snapshot.replace(f"(looked for {root / ('models--' + name.replace('/', '--'))})",
-                                f"(looked for {plain} and {root / ('models--' + name.replace('/', '--'))})")
+        return snapshot
     if not (snapshot / "config.json").is_file():
         # A download writes config.json last, so without it the snapshot is incomplete.
         return f"model {uri!r} is not in the local cache {root} ({snapshot} has no config.json)"
