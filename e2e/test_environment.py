@@ -28,7 +28,7 @@ from splitserve_contract import LABEL_INSTANCE, LABEL_SCRAPE
 from splitserve_e2e.cluster import LocalCluster, NodeUnavailable
 from splitserve_e2e.cni import POD_SUBNET
 from splitserve_e2e.kubeletnode import NODE_NAME
-from splitserve_e2e.kwok import GPU_PRODUCT_LABEL, GPU_RESOURCE, kwok_toleration
+from splitserve_e2e.kwok import GPU_PRODUCT_LABEL, GPU_RESOURCE, NODE_LEASE_SECONDS, kwok_toleration
 from splitserve_e2e.process import is_alive
 
 pytestmark = pytest.mark.e2e
@@ -276,6 +276,31 @@ def test_gpu_pod_is_scheduled_onto_a_kwok_gpu_node(cluster: LocalCluster, namesp
                       if c.type == "PodScheduled" and c.status == "False"), None),
         timeout_seconds=30, what="too-big unschedulable")
     assert GPU_RESOURCE in unschedulable.message
+
+
+def test_kwok_nodes_renew_their_leases(cluster: LocalCluster) -> None:
+    """The node-lifecycle controller judges a node by its Lease: a kwok node whose Lease is not
+    renewed flaps NotReady every ~50 s and strands its Running pods NotReady for good (kwok
+    never readies a Running pod again). Each kwok node's Lease must be held and renewed well
+    within its duration."""
+    coordination = k8s.CoordinationV1Api(cluster.api_client())
+    nodes = [n.metadata.name for n in cluster.core().list_node(label_selector="type=kwok").items]
+    assert nodes
+
+    def renewals() -> dict[str, Any]:
+        return {name: coordination.read_namespaced_lease(name, "kube-node-lease").spec for name in nodes}
+    first = cluster.wait_for(lambda: (leases := renewals()) and all(
+        spec.renew_time for spec in leases.values()) and leases, timeout_seconds=NODE_LEASE_SECONDS,
+        what="kwok node Leases")
+    for name, spec in first.items():
+        assert spec.holder_identity, name  # kwok holds it under its own instance id
+        assert spec.lease_duration_seconds == NODE_LEASE_SECONDS
+    cluster.wait_for(lambda: all(spec.renew_time > first[name].renew_time
+                                 for name, spec in renewals().items()),
+                     timeout_seconds=NODE_LEASE_SECONDS, what="kwok node Leases renewed")
+    for name in nodes:
+        ready = next(c for c in cluster.core().read_node(name).status.conditions if c.type == "Ready")
+        assert ready.status == "True", (name, ready.reason, ready.message)
 
 
 def test_kubectl_and_helm_talk_to_the_cluster(cluster: LocalCluster, namespace: str) -> None:

@@ -28,6 +28,12 @@ KWOK_NODE_LABEL_VALUE = "kwok"
 KWOK_TAINT_KEY = "kwok.x-k8s.io/node"
 KWOK_TAINT_VALUE = "fake"
 GPU_RESOURCE = "nvidia.com/gpu"
+NODE_LEASE_SECONDS = 40
+"""kwok renews each node's Lease in ``kube-node-lease`` (every quarter of this, like a kubelet).
+Without it (kwok leaves leases off when ``--config`` names only stages) a node's only heartbeat
+is the 10-minute status stage, so the node-lifecycle controller marks the node NotReady every
+~50 s, and with it every Running pod there NotReady; kwok's stages never make a Running pod Ready
+again, so a pool that happened to start just before such a flip stayed unready for good."""
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 POD_CIDR = "10.244.0.0/16"
@@ -94,6 +100,7 @@ def start_kwok(*, binary: Path, stages: Path, kubeconfig: Path, log_dir: Path,
         f"--cidr={POD_CIDR}",
         f"--node-ip={LOOPBACK}",
         f"--server-address={LOOPBACK}:{port}",
+        f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
     ]
     process = start_process(name="kwok", argv=argv, log_path=log_dir / "kwok.log", pid_dir=pid_dir)
     health_url = f"http://{LOOPBACK}:{port}/healthz"
