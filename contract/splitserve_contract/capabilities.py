@@ -60,7 +60,7 @@ QUANTIZATION: Final = Capability(
     known=("none", "fp8", "int8", "int4"), supported=("none", "fp8", "int8", "int4"))
 TENSOR_PARALLEL_SIZE: Final = Capability(
     name="parallelism.tensor", api_field="tensor",
-    known=(1, 2, 4, 8), supported=(1,))
+    known=(1, 2, 4, 8), supported=(1, 2, 4, 8))
 PIPELINE_PARALLEL_SIZE: Final = Capability(
     name="parallelism.pipeline", api_field="pipeline",
     known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1,))

@@ -119,6 +119,8 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._engine is not None:
+            self._engine.close()
         self._healthy = False
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(self._terminal_output(request_id, reason=FINISH_ABORT,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +77,8 @@ class LLMEngine:
                  model_name: str = "", tokenizer: object | None = None,
                  overlap_output_processing: bool | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 draft_model: CausalLM | None = None, draft_kv_spec: KVCacheSpec | None = None) -> None:
+                 draft_model: CausalLM | None = None, draft_kv_spec: KVCacheSpec | None = None,
+                 runner_factory: Callable[..., ModelRunner] = ModelRunner) -> None:
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
         self._proposer = self.speculative.proposer()
@@ -116,10 +117,12 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    chunked_prefill=config.chunked_prefill),
             block_manager=self.block_manager)
-        self.runner = ModelRunner(model=model, spec=kv_spec, device=device,
+        self.runner = runner_factory(model=model, spec=kv_spec, device=device,
                                   block_size=config.block_size, num_blocks=num_blocks,
                                   eos_token_ids=self.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
+        self.on_close: list[Callable[[], None]] = []
+        """Run by :meth:`close` (a tensor-parallel engine stops its worker ranks there)."""
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._steps_total = 0
@@ -128,6 +131,12 @@ class LLMEngine:
         waits for KV blocks held elsewhere): until a request is added, aborted or released,
         stepping again changes nothing, so a driver may wait for one instead of spinning."""
         log.info("engine ready: %d KV blocks of %d tokens on %s", num_blocks, config.block_size, device)
+
+    def close(self) -> None:
+        """Release what outlives the object (worker processes); the engine is unusable after."""
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            callback()
 
     # ------------------------------------------------------------------ construction
     @classmethod

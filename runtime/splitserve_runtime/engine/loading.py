@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from splitserve_contract import ENV_MODEL_CACHE, ServeArgs, unsupported_serve_settings
 from splitserve_contract.capabilities import UnsupportedError
+from splitserve_contract.model_config import ModelConfig
 
 from .config import EngineConfig
 from .kv_budget import KVCacheSpec, resolve_kv_cache_dtype
@@ -33,7 +34,6 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     from splitserve_contract.model_config import load_model_config
 
     from ..model.loader import load_model
-    from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
     from ..model.uri import resolve_model_uri
     from ..ops import get_ops
 
@@ -43,6 +43,10 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     device = resolve_device(args.device)
     model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
     model_config = load_model_config(model_dir=model_dir)
+    if args.tensor_parallel_size > 1:
+        from .parallel.driver import tensor_parallel_engine
+
+        return tensor_parallel_engine(args, model_dir=model_dir, model_config=model_config, device=device)
     dtype = resolve_dtype(args.dtype, device=device, config_dtype=model_config.torch_dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype=dtype, device=device)
     max_model_len = model_config.resolve_max_model_len(requested_tokens=args.max_model_len)
@@ -51,27 +55,34 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
                     "max_num_batched_tokens=%d", max_model_len, args.max_num_batched_tokens)
         max_model_len = args.max_num_batched_tokens
     ops = get_ops(name=args.attention_backend, device=device)
-    tokenizer = Tokenizer.from_dir(model_dir=model_dir)
     model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device,
                        config=model_config, quantization=args.quantization)
     spec = KVCacheSpec(num_layers=model_config.num_hidden_layers,
                        num_kv_heads=model_config.num_key_value_heads,
                        head_dim=model_config.head_dim, dtype=kv_dtype)
-    eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
     draft_model, draft_spec = _load_draft(args, ops=ops, dtype=dtype, kv_dtype=kv_dtype, device=device,
                                           vocab_size=model_config.vocab_size)
+    return LLMEngine(model=model, kv_spec=spec, vocab_size=model_config.vocab_size,
+                     config=EngineConfig.from_serve_args(args, max_model_len=max_model_len),
+                     device=device, **text_settings(args, model_dir=model_dir, model_config=model_config),
+                     draft_model=draft_model, draft_kv_spec=draft_spec)
+
+
+def text_settings(args: ServeArgs, *, model_dir: Path, model_config: ModelConfig) -> dict[str, Any]:
+    """The engine's tokenizer-side arguments: tokenizer, detokenizer factory, end-of-sequence
+    ids, served name and the speculative-decoding settings."""
+    from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir=model_dir)
 
     def detokenizer(prompt_token_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(tokenizer=tokenizer, context_token_ids=prompt_token_ids)
 
-    return LLMEngine(model=model, kv_spec=spec, vocab_size=model_config.vocab_size,
-                     config=EngineConfig.from_serve_args(args, max_model_len=max_model_len),
-                     device=device, eos_token_ids=eos, detokenizer_factory=detokenizer,
-                     model_name=args.served_model_name or args.model, tokenizer=tokenizer,
-                     speculative=SpeculativeConfig(method=args.speculative_method,
-                                                   num_tokens=args.num_speculative_tokens,
-                                                   max_num_seqs=args.speculative_max_num_seqs),
-                     draft_model=draft_model, draft_kv_spec=draft_spec)
+    return {"eos_token_ids": set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids),
+            "detokenizer_factory": detokenizer, "tokenizer": tokenizer,
+            "model_name": args.served_model_name or args.model,
+            "speculative": SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
+                                             max_num_seqs=args.speculative_max_num_seqs)}
 
 
 def _load_draft(args: ServeArgs, *, ops: Ops, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,

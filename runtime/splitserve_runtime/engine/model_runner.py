@@ -11,6 +11,7 @@ reading the sampled token ids.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,20 @@ class DecodeRow:
     token_id: int
     position: int
     block_table: list[int]
+
+
+@dataclass(slots=True, kw_only=True)
+class StepRows:
+    """One step's batch as host lists: what :func:`build_step_inputs` turns into tensors (and
+    what a tensor-parallel driver sends its ranks, so each builds the same inputs)."""
+
+    prefills: list[PrefillRow]
+    decodes: list[DecodeRow]
+    sample_prefill: list[int]
+
+    def build(self, *, block_size: int, device: torch.device) -> StepInputs:
+        return build_step_inputs(prefills=self.prefills, decodes=self.decodes,
+                                 sample_prefill=self.sample_prefill, block_size=block_size, device=device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +215,9 @@ class ModelRunner:
         self.model = model
         self.eos_token_ids = sorted(eos_token_ids)
         self.spec = spec
+        self.wire_spec = spec
+        """The KV layout blocks travel in (read/write_block): this spec, or the whole model's
+        heads when this runner holds a tensor-parallel shard."""
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -238,9 +256,16 @@ class ModelRunner:
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} outside [0, {self.num_blocks})")
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """Model inputs for ``sched`` and the sequence of every sampled row, in order (a
-        sequence verifying ``k`` speculative proposals has ``1 + k`` consecutive rows)."""
+    def block_reader(self, block_ids: list[int]) -> Callable[[int], bytes]:
+        """Export hook, called on the engine thread: ``reader(i)`` gives block ``block_ids[i]``
+        in :meth:`read_block`'s layout, later and from any thread (blocks kept for export are
+        not written meanwhile)."""
+        ids = list(block_ids)
+        return lambda index: self.read_block(ids[index])
+
+    def step_rows(self, sched: SchedulerOutput) -> tuple[StepRows, list[Sequence]]:
+        """The rows of ``sched`` and the sequence of every sampled row, in order (a sequence
+        verifying ``k`` speculative proposals has ``1 + k`` consecutive rows)."""
         prefills: list[PrefillRow] = []
         sample_prefill: list[int] = []
         sample_seqs: list[Sequence] = []
@@ -269,10 +294,12 @@ class ModelRunner:
                                          block_table=seq.block_table))
                 plain.append(seq)
         sample_seqs.extend(plain)
-        inputs = build_step_inputs(prefills=prefills, decodes=decodes,
-                                   sample_prefill=sample_prefill, block_size=self.block_size,
-                                   device=self.device)
-        return inputs, sample_seqs
+        return StepRows(prefills=prefills, decodes=decodes, sample_prefill=sample_prefill), sample_seqs
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """Model inputs for ``sched`` and the sequence of every sampled row, in order."""
+        rows, sample_seqs = self.step_rows(sched)
+        return rows.build(block_size=self.block_size, device=self.device), sample_seqs
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """Run one step; returns the sampled sequences and their new tokens."""
@@ -285,7 +312,9 @@ class ModelRunner:
         On CUDA the host is free until :meth:`LaunchedStep` ``.pending.resolve()``; on CPU
         the work is done by the time this returns.
         """
-        inputs, sample_seqs = self.prepare(sched)
+        rows, sample_seqs = self.step_rows(sched)
+        self.before_forward(rows)
+        inputs = rows.build(block_size=self.block_size, device=self.device)
         with torch.inference_mode():
             hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
                                         kv_caches=self.kv_caches, md=inputs.md)
@@ -298,6 +327,10 @@ class ModelRunner:
                 params=[s.params for s in sample_seqs],
                 banned_token_ids=self._banned_token_ids(sample_seqs))
         return LaunchedStep(sample_seqs=sample_seqs, pending=pending)
+
+    def before_forward(self, rows: StepRows) -> None:
+        """Called with each step's rows before its forward (a tensor-parallel driver sends
+        them to the other ranks here)."""
 
     def _banned_token_ids(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """Stop/eos tokens of requests that have not reached ``min_tokens`` yet."""

@@ -122,7 +122,7 @@ class RemotePrefill:
 
 def kv_layout_of(core: LLMEngine, *, compat_hash: str) -> KVLayout:
     """The wire layout of ``core``'s KV blocks (``ModelRunner.read_block``'s byte order)."""
-    spec = core.runner.spec
+    spec = core.runner.wire_spec
     dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
     return KVLayout(num_layers=spec.num_layers, block_size=core.block_manager.block_size,
                     num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -250,11 +250,11 @@ class HandoffEngine(DelegatingEngine):
         kept = core.kept_kv(request_id)
         if kept is None:
             return False
-        runner = core.runner
         block_ids = list(kept.block_ids)
+        reader = core.runner.block_reader(block_ids)
 
         def read_block(index: int) -> memoryview:
-            return memoryview(runner.read_block(block_ids[index]))
+            return memoryview(reader(index))
 
         def release() -> None:
             loop = self._loop

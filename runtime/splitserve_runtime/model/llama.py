@@ -22,6 +22,7 @@ from splitserve_contract.model_config import ModelConfig
 from ..ops.interface import AttentionMetadata, Ops
 from ..quant.formats import LinearWeight, weight_nbytes
 from .rope import build_cos_sin_cache
+from .tensor_parallel import Collectives, TensorParallelLayout
 
 
 def _param(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -86,13 +87,19 @@ def _shape(weight: LinearWeight) -> tuple[int, int]:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM with a paged KV cache; see the module docstring."""
+    """Causal LM with a paged KV cache; see the module docstring.
+
+    With ``parallel`` (a layout and its group's collectives) this is one tensor-parallel rank's
+    shard (:mod:`.tensor_parallel`): ``config`` is then the rank's local config, and the
+    forward sums partial results after the embedding, ``o_proj`` and ``down_proj``."""
 
     def __init__(
         self, *, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
         quantized_linears: bool = False,
+        parallel: tuple[TensorParallelLayout, Collectives] | None = None,
     ) -> None:
         super().__init__()
+        self.layout, self.collectives = parallel if parallel is not None else (None, None)
         self.config = config
         self.ops = ops
         self.dtype = dtype
@@ -151,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"metadata describes {num_attended} rows but the step has {num_tokens} tokens"
             )
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         residual: torch.Tensor | None = None
         layers = cast(list[LlamaDecoderLayer], list(self.layers))
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
@@ -172,16 +179,28 @@ class LlamaForCausalLM(nn.Module):
                                k_scale=layer.k_scale, v_scale=layer.v_scale)
             attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md,
                                    k_scale=layer.k_scale, v_scale=layer.v_scale)
-            hidden = ops.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj, None)
+            hidden = self._reduce(ops.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj, None))
             hidden, residual = ops.fused_add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, cfg.rms_norm_eps,
             )
             gate_up = ops.linear(hidden, layer.gate_up_proj, None)
-            hidden = ops.linear(ops.silu_and_mul(gate_up), layer.down_proj, None)
+            hidden = self._reduce(ops.linear(ops.silu_and_mul(gate_up), layer.down_proj, None))
         if residual is None:
             return ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # vocabulary-parallel: rows outside this rank's slice contribute zeros to the sum
+        local = input_ids - self.layout.vocab_start
+        inside = (local >= 0) & (local < self.layout.vocab_rows)
+        hidden = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.embed_tokens)
+        return self._reduce(hidden * inside.unsqueeze(-1).to(hidden.dtype))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.collectives is None else self.collectives.all_reduce(partial)
 
     def _attention(
         self, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -212,4 +231,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, vocab_size]`` for hidden rows ``[n, hidden_size]``."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        if self.layout is None or self.collectives is None:
+            return logits
+        return self.collectives.gather_vocab(logits, vocab_size=self.layout.config.vocab_size)

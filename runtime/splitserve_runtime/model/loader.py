@@ -36,6 +36,7 @@ from .errors import ModelLoadError
 from .gguf import gguf_source, read_gguf_tensors
 from .llama import LlamaForCausalLM
 from .quantized_linears import LinearAssembler, load_time_method, resolve_scheme
+from .tensor_parallel import Collectives, TensorParallelLayout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -104,25 +105,36 @@ def weight_files(*, model_dir: Path) -> list[Path]:
 def load_model(
     *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
     config: ModelConfig | None = None, quantization: str = "none",
+    parallel: tuple[TensorParallelLayout, Collectives] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for ``model_dir``'s config and fill it from its safetensors files (or,
     for a GGUF sidecar directory, from its ``.gguf`` file: :mod:`.gguf`).
 
     ``quantization`` is ``spec.model.quantization``: ``none`` serves the checkpoint as
     stored (dense, or pre-quantized per its ``quantization_config``); ``fp8``/``int8``/``int4``
-    quantizes a dense checkpoint at load time and must match a pre-quantized one's method."""
+    quantizes a dense checkpoint at load time and must match a pre-quantized one's method.
+
+    ``parallel``: load one tensor-parallel rank's shard (:mod:`.tensor_parallel`) of a dense
+    checkpoint (load-time quantization applies to the shard)."""
     config = config if config is not None else load_model_config(model_dir=model_dir)
     gguf_file = gguf_source(model_dir)
+    layout = parallel[0] if parallel is not None else None
+    if layout is not None and layout.size > 1 and (gguf_file is not None or config.quantization_config):
+        what = f"the GGUF file {gguf_file.name}" if gguf_file is not None else "a pre-quantized checkpoint"
+        raise ModelLoadError(f"tensor parallelism of {what} is not supported yet: serve a dense "
+                             f"checkpoint (quantization fp8/int8/int4 quantizes each rank's shard at load time)")
     if gguf_file is not None and quantization != "none":
         raise ModelLoadError(f"{gguf_file}: a GGUF file is served as stored (its Q4_0/Q4_1 tensors as int4); "
                              f"quantization {quantization} cannot be applied to it: set quantization to none")
     scheme = resolve_scheme(config=config, quantization=quantization, source=str(model_dir))
     load_time = load_time_method(scheme=scheme, quantization=quantization)
     quantized = scheme is not None or load_time is not None or gguf_file is not None
-    model = LlamaForCausalLM(config=config, ops=ops, dtype=dtype, device=device, quantized_linears=quantized)
-    assembler = (LinearAssembler(model=model, config=config, scheme=scheme, load_time=load_time,
+    local = layout.local_config() if layout is not None else config
+    model = LlamaForCausalLM(config=local, ops=ops, dtype=dtype, device=device, quantized_linears=quantized,
+                             parallel=parallel)
+    assembler = (LinearAssembler(model=model, config=local, scheme=scheme, load_time=load_time,
                                  dtype=dtype, device=device) if quantized else None)
-    filler = _Filler(model=model, config=config, assembler=assembler)
+    filler = _Filler(model=model, config=config, assembler=assembler, layout=layout)
     if gguf_file is not None:
         for name, weight in read_gguf_tensors(gguf_file, config).items():
             filler.offer(name=name, get=lambda w=weight: w, path=gguf_file)  # type: ignore[misc]
@@ -142,23 +154,29 @@ class _Filler:
     """Routes each checkpoint tensor to its place: a layer projection (the assembler, when the
     model is quantized), a KV scale, or a dense parameter's rows; tracks what is missing."""
 
-    def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, assembler: LinearAssembler | None) -> None:
+    def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, assembler: LinearAssembler | None,
+                 layout: TensorParallelLayout | None = None) -> None:
         self.model = model
         self.config = config
         self.assembler = assembler
+        self.layout = layout
         self.params = dict(model.named_parameters())
-        self.targets = {name: t for name, t in _targets(config).items()
+        local = _targets(layout.local_config()) if layout is not None else None
+        self.targets = {name: (t, local[name] if local is not None else t) for name, t in _targets(config).items()
                         if assembler is None or not assembler.owns(name)}
         self.loaded: dict[str, Path] = {}
 
     def offer(self, *, name: str, get: Callable[[], LinearWeight], path: Path) -> None:
         if self.assembler is not None and self.assembler.owns(name):
-            self.assembler.add(name=name, tensor=get(), path=path)
+            tensor = get()
+            if self.layout is not None:
+                tensor = self.layout.shard_checkpoint_tensor(name, _dense(tensor, name))
+            self.assembler.add(name=name, tensor=tensor, path=path)
         elif _KV_SCALE.match(name):
             _set_kv_scale(model=self.model, name=name, tensor=_dense(get(), name), path=path)
         else:
             _load_one(name=name, path=path, get=get, targets=self.targets, params=self.params,
-                      loaded=self.loaded, config=self.config)
+                      loaded=self.loaded, config=self.config, layout=self.layout)
 
     def finish(self, *, model_dir: Path) -> None:
         missing = [name for name in self.targets if name not in self.loaded]
@@ -198,15 +216,18 @@ def _set_kv_scale(*, model: LlamaForCausalLM, name: str, tensor: torch.Tensor, p
 
 
 def _load_one(
-    *, name: str, path: Path, get: Callable[[], LinearWeight], targets: dict[str, _Target],
+    *, name: str, path: Path, get: Callable[[], LinearWeight], targets: dict[str, tuple[_Target, _Target]],
     params: dict[str, torch.nn.Parameter], loaded: dict[str, Path], config: ModelConfig,
+    layout: TensorParallelLayout | None,
 ) -> None:
+    """Check ``name`` against its full-checkpoint target, narrow it to this rank's piece (tensor
+    parallel) and copy it to its local target's rows."""
     if name.endswith(_IGNORED_SUFFIXES):
         return
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return  # some tied checkpoints store the (identical) head anyway
-    target = targets.get(name)
-    if target is None:
+    target, local = targets.get(name, (None, None))
+    if target is None or local is None:
         raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for {config.architecture}")
     if name in loaded:
         raise ModelLoadError(f"tensor {name!r} appears in both {loaded[name].name} and {path.name}")
@@ -216,7 +237,9 @@ def _load_one(
             f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
             f"expected {target.shape} from config.json"
         )
-    param = params[target.param_name]
-    rows = target.shape[0]
-    param.data[target.row_offset : target.row_offset + rows].copy_(tensor)
+    if layout is not None:
+        tensor = layout.shard_checkpoint_tensor(name, tensor)
+    param = params[local.param_name]
+    rows = local.shape[0]
+    param.data[local.row_offset : local.row_offset + rows].copy_(tensor)
     loaded[name] = path

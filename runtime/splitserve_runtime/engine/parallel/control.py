@@ -1,0 +1,100 @@
+"""Messages from the driver (rank 0) to the other ranks, and the KV block layouts they move.
+
+Each message is one pickled object broadcast over the host-side gloo group: a step's rows (each
+rank builds the same inputs from them and runs the same forward), a request to read KV blocks
+(every rank sends its heads, rank 0 assembles the whole-model layout), KV blocks to write
+(every rank keeps its heads), or stop. The whole-model layout is the single-process runner's
+``[layer][K, V][token][head][dim]``, so a prefill pool and a decode pool with different
+tensor-parallel sizes exchange the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ...model.tensor_parallel import TensorParallelLayout
+from ..model_runner import KVCaches, StepRows
+from .group import TensorParallelGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    rows: StepRows
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadBlocks:
+    block_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteBlocks:
+    blocks: dict[int, bytes]
+    """Block id → the whole-model layout's bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Message = Step | ReadBlocks | WriteBlocks | Stop
+
+
+def send(group: TensorParallelGroup, message: Message) -> None:
+    """Driver side: broadcast ``message`` to every rank."""
+    dist.broadcast_object_list([message], src=0, group=group.control)
+
+
+def receive(group: TensorParallelGroup) -> Message:
+    """Worker side: the driver's next message (blocks until it comes)."""
+    box: list[Message | None] = [None]
+    dist.broadcast_object_list(box, src=0, group=group.control)
+    message = box[0]
+    if message is None:
+        raise RuntimeError("tensor-parallel driver sent an empty message")
+    return message
+
+
+def local_blocks(caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
+    """This rank's heads of ``block_ids`` as bytes on the host: ``[layer, 2, n, token, local head, dim bytes]``."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
+    return torch.stack([
+        torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)))
+        for k, v in caches
+    ]).cpu()
+
+
+def gather_blocks(group: TensorParallelGroup, layout: TensorParallelLayout, caches: KVCaches,
+                  block_ids: list[int]) -> list[bytes] | None:
+    """Every rank: send this rank's heads of ``block_ids``; rank 0 gets each block in the
+    whole-model layout (None elsewhere)."""
+    mine = local_blocks(caches, block_ids)
+    parts: list[torch.Tensor] | None = [mine] * group.size if group.is_driver else None
+    dist.gather_object(mine, parts, dst=0, group=group.control)
+    if parts is None:
+        return None
+    num_heads = layout.config.num_key_value_heads
+    whole = mine.new_empty((*mine.shape[:4], num_heads, mine.shape[-1]))
+    for head in range(num_heads):
+        owner = layout.kv_head_owner(head)
+        whole[:, :, :, :, head] = parts[owner][:, :, :, :, head - layout.kv_head_start(owner)]
+    return [whole[:, :, i].contiguous().numpy().tobytes() for i in range(len(block_ids))]
+
+
+def write_blocks(layout: TensorParallelLayout, caches: KVCaches, blocks: dict[int, bytes]) -> None:
+    """Keep this rank's heads of each whole-model-layout block."""
+    k0 = caches[0][0]
+    block_size, local_heads = k0.shape[1], k0.shape[2]
+    head_bytes = k0[0, 0, 0].view(torch.uint8).numel()
+    start = layout.kv_head_start()
+    shape = (len(caches), 2, block_size, layout.config.num_key_value_heads, head_bytes)
+    for block_id, data in blocks.items():
+        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(shape)
+        values = values[:, :, :, start:start + local_heads].to(k0.device)
+        for layer, (k, v) in enumerate(caches):
+            k[block_id].view(torch.uint8).copy_(values[layer, 0])
+            v[block_id].view(torch.uint8).copy_(values[layer, 1])

@@ -1,0 +1,64 @@
+"""Rank 0's side of starting a tensor-parallel engine: workers, group, shard, engine.
+
+The order matters: the workers are started first (they join the group, then load their shards
+while rank 0 loads its own), every rank measures the KV cache in lock-step and takes the
+smallest block count, and only then is the engine built, with a runner that drives the other
+ranks. If rank 0 fails on the way, the workers are stopped with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from splitserve_contract import ServeArgs
+from splitserve_contract.capabilities import UnsupportedError
+from splitserve_contract.model_config import ModelConfig
+
+from ..config import EngineConfig
+from ..llm_engine import LLMEngine
+from .group import init_group
+from .launcher import free_init_method, start_workers
+from .runner import TensorParallelRunner
+from .worker import load_rank, rank_device
+
+
+def tensor_parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConfig,
+                           device: torch.device) -> LLMEngine:
+    """An engine whose model runs on ``args.tensor_parallel_size`` ranks (this process is rank 0)."""
+    from ...model.tensor_parallel import check_divisible
+    from ..loading import text_settings
+
+    if args.speculative_method == "draft":
+        raise UnsupportedError("speculative decoding with a draft model is not supported with tensor "
+                               "parallelism yet (ngram is)")
+    check_divisible(model_config, args.tensor_parallel_size)
+    init_method = free_init_method()
+    workers = start_workers(args, model_dir=model_dir, init_method=init_method)
+    try:
+        group = init_group(rank=0, size=args.tensor_parallel_size, init_method=init_method,
+                           device=rank_device(device, 0))
+        loaded = load_rank(args, model_dir=model_dir, group=group)
+        config = EngineConfig.from_serve_args(dataclasses.replace(args, num_kv_blocks=loaded.num_blocks),
+                                              max_model_len=loaded.max_model_len)
+        engine = LLMEngine(model=loaded.model, kv_spec=loaded.spec, vocab_size=model_config.vocab_size,
+                           config=config, device=group.device,
+                           **text_settings(args, model_dir=model_dir, model_config=model_config),
+                           runner_factory=functools.partial(TensorParallelRunner, group=group,
+                                                            layout=loaded.layout))
+    except BaseException:
+        workers.kill()
+        raise
+    runner = engine.runner
+    assert isinstance(runner, TensorParallelRunner)
+
+    def close() -> None:
+        runner.stop_workers()
+        workers.stop()
+    engine.on_close.append(close)
+    atexit.register(workers.kill)  # a process that ends without close() leaves no worker behind
+    return engine
