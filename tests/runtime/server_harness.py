@@ -127,7 +127,7 @@ def serve_until_exit(*, args: ServeArgs, termination_log: Path,
     """Run ``splitserve serve`` that is expected to stop by itself (a start-up failure):
     (exit code, its output, the termination message it wrote)."""
     termination_log.write_text("")
-    from splitserve_runtime.server.app import TERMINATION_LOG_ENV
+    from splitserve_runtime.termination import TERMINATION_LOG_ENV
 
     process = spawn_server(args=args, env={TERMINATION_LOG_ENV: str(termination_log)})
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve_runtime.server import app
+from splitserve_runtime import termination as app
 
 
 def test_written_only_to_an_existing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
         parallel: tuple[TensorParallelLayout, Collectives] | None = None,
     ) -> None:
         super().__init__()
-        self.layout, self.collectives = parallel if parallel is not None else (None, None)
+        self.layout: TensorParallelLayout | None = parallel[0] if parallel is not None else None
+        self.collectives: Collectives | None = parallel[1] if parallel is not None else None
         self.config = config
         self.ops = ops
         self.dtype = dtype

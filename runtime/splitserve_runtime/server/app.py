@@ -53,6 +53,7 @@ from splitserve_runtime.server.request_bodies import RequestReader
 from splitserve_runtime.server.serving_chat import ChatService
 from splitserve_runtime.server.serving_completions import CompletionsService
 from splitserve_runtime.server.state import ServerState
+from splitserve_runtime.termination import write_termination_message
 
 logger = logging.getLogger("splitserve.server")
 
@@ -346,29 +347,3 @@ def main(argv: list[str]) -> int:
     if app.state.server.load_error is not None:
         write_termination_message(app.state.server.load_error)
     return server.exit_code
-
-
-TERMINATION_LOG_ENV = "SPLITSERVE_TERMINATION_LOG"
-"""Overrides :data:`~splitserve_contract.TERMINATION_MESSAGE_PATH` (a pod's
-``terminationMessagePath`` other than the default; tests)."""
-MAX_TERMINATION_MESSAGE_BYTES = 4096  # the kubelet reads at most this much
-
-
-def write_termination_message(message: str) -> bool:
-    """Tell Kubernetes why the process exits: write ``message`` to the termination message
-    file, which the kubelet shows as the container's ``lastState.terminated.message`` (and the
-    operator in the InferenceService's conditions). Only a file that already exists is
-    written (the kubelet creates it in a container); nothing is created, so running the
-    server on a dev machine never touches ``/dev``. Returns whether it was written."""
-    path = os.environ.get(TERMINATION_LOG_ENV) or contract.TERMINATION_MESSAGE_PATH
-    data = message.encode("utf-8", "replace")[:MAX_TERMINATION_MESSAGE_BYTES]
-    try:
-        if not os.path.isfile(path):
-            return False
-        with open(path, "r+b") as handle:  # r+: never creates the file
-            handle.write(data)
-            handle.truncate()
-    except OSError as exc:
-        logger.warning("cannot write the termination message to %s: %s", path, exc)
-        return False
-    return True

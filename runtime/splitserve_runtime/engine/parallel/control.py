@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from ...model.tensor_parallel import TensorParallelLayout
 from ..model_runner import KVCaches, StepRows
@@ -46,16 +45,14 @@ Message = Step | ReadBlocks | WriteBlocks | Stop
 
 def send(group: TensorParallelGroup, message: Message) -> None:
     """Driver side: broadcast ``message`` to every rank."""
-    dist.broadcast_object_list([message], src=0, group=group.control)
+    group.broadcast_object(message)
 
 
 def receive(group: TensorParallelGroup) -> Message:
     """Worker side: the driver's next message (blocks until it comes)."""
-    box: list[Message | None] = [None]
-    dist.broadcast_object_list(box, src=0, group=group.control)
-    message = box[0]
-    if message is None:
-        raise RuntimeError("tensor-parallel driver sent an empty message")
+    message = group.broadcast_object()
+    if not isinstance(message, Step | ReadBlocks | WriteBlocks | Stop):
+        raise RuntimeError(f"tensor-parallel driver sent {type(message).__name__}, not a message")
     return message
 
 
@@ -73,9 +70,8 @@ def gather_blocks(group: TensorParallelGroup, layout: TensorParallelLayout, cach
     """Every rank: send this rank's heads of ``block_ids``; rank 0 gets each block in the
     whole-model layout (None elsewhere)."""
     mine = local_blocks(caches, block_ids)
-    parts: list[torch.Tensor] | None = [mine] * group.size if group.is_driver else None
-    dist.gather_object(mine, parts, dst=0, group=group.control)
-    if parts is None:
+    parts: list[torch.Tensor] = group.all_gather_object(mine)
+    if not group.is_driver:
         return None
     num_heads = layout.config.num_key_value_heads
     whole = mine.new_empty((*mine.shape[:4], num_heads, mine.shape[-1]))

@@ -49,16 +49,12 @@ def tensor_parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: Mo
                            config=config, device=group.device,
                            **text_settings(args, model_dir=model_dir, model_config=model_config),
                            runner_factory=functools.partial(TensorParallelRunner, group=group,
-                                                            layout=loaded.layout))
+                                                            layout=loaded.layout, workers=workers))
     except BaseException:
         workers.kill()
         raise
     runner = engine.runner
     assert isinstance(runner, TensorParallelRunner)
-
-    def close() -> None:
-        runner.stop_workers()
-        workers.stop()
-    engine.on_close.append(close)
+    engine.on_close.append(runner.close)
     atexit.register(workers.kill)  # a process that ends without close() leaves no worker behind
     return engine

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from splitserve_contract import ServeArgs
 
+from ...termination import write_termination_message
 from .worker import worker_argv
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ class Workers:
 
 
 def _exit_server(rank: int, code: int) -> None:
-    log.critical("tensor-parallel worker rank %d exited with status %d: the server stops "
-                 "(the model cannot run without every rank)", rank, code)
+    message = (f"tensor-parallel worker rank {rank} exited with status {code}: the server stops "
+               f"(the model cannot run without every rank)")
+    log.critical("%s", message)
+    write_termination_message(message)
     logging.shutdown()
     os._exit(WORKER_EXIT_STATUS)
 

@@ -19,6 +19,7 @@ from ..kv_budget import KVCacheSpec
 from ..model_runner import CausalLM, ModelRunner, StepRows
 from . import control
 from .group import TensorParallelGroup
+from .launcher import Workers
 
 
 class TensorParallelRunner(ModelRunner):
@@ -26,11 +27,12 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, *, model: CausalLM, spec: KVCacheSpec, device: torch.device, block_size: int,
                  num_blocks: int, eos_token_ids: frozenset[int] = frozenset(),
-                 group: TensorParallelGroup, layout: TensorParallelLayout) -> None:
+                 group: TensorParallelGroup, layout: TensorParallelLayout, workers: Workers) -> None:
         super().__init__(model=model, spec=spec, device=device, block_size=block_size,
                          num_blocks=num_blocks, eos_token_ids=eos_token_ids)
         self.group = group
         self.layout = layout
+        self.workers = workers
         self.wire_spec = KVCacheSpec(num_layers=spec.num_layers, num_kv_heads=layout.config.num_key_value_heads,
                                      head_dim=spec.head_dim, dtype=spec.dtype)
         self._lock = threading.Lock()
@@ -68,5 +70,7 @@ class TensorParallelRunner(ModelRunner):
             control.send(self.group, control.WriteBlocks(blocks=blocks))
             control.write_blocks(self.layout, self.kv_caches, blocks)
 
-    def stop_workers(self) -> None:
+    def close(self) -> None:
+        """Tell the other ranks to stop and wait for them to exit."""
         control.send(self.group, control.Stop())
+        self.workers.stop()

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from splitserve_contract import ServeArgs
 
@@ -29,7 +28,7 @@ from ...model.tensor_parallel import TensorParallelLayout
 from ..kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from ..model_runner import CausalLM, allocate_kv_caches, measure_num_kv_blocks
 from . import control
-from .group import TensorParallelGroup, destroy_group, init_group
+from .group import TensorParallelGroup, init_group
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +77,8 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: TensorParallelGroup) -
         model=model, spec=spec, device=device, block_size=args.block_size,
         kv_memory_fraction=args.kv_memory_fraction, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
-    agreed = torch.tensor([num_blocks], dtype=torch.long)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group.control)
-    return RankModel(model=model, layout=layout, spec=spec, num_blocks=int(agreed.item()),
+    agreed = min(group.all_gather_object(num_blocks))
+    return RankModel(model=model, layout=layout, spec=spec, num_blocks=agreed,
                      max_model_len=max_model_len)
 
 
@@ -114,7 +112,6 @@ def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, size: int, init
             control.write_blocks(loaded.layout, caches, message.blocks)
         else:
             break
-    destroy_group()
 
 
 PARENT_POLL_SECONDS = 0.5
