@@ -71,3 +71,4 @@ push: ## push the image to a registry: make push IMAGE=registry.example.com/spli
 
 bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py
+	$(PYTHON) bench/tensor_parallel.py

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import yaml
 
-from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.stack import apply_crds
 from splitserve_operator import api, crdgen
@@ -51,25 +50,22 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
 
 
-def _refusals(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
-    """What the API server may say for a known-but-unsupported value: the CEL rule's
-    messageExpression (names the value) or, where that is not evaluated, its static message."""
-    return (capability.unsupported_message(value), caps.cel_rule(capability)["message"])
-
-
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
         ({"spec": {"prefill": {"replicas": {"min": 3, "max": 2}}}}, rules.REPLICAS_RULE_MESSAGE),
         ({"spec": {"aggregated": {}}}, rules.DISAGGREGATED_RULE_MESSAGE),
         ({"spec": {"mode": "Aggregated"}}, rules.AGGREGATED_RULE_MESSAGE),
-        # tensor/pipeline parallelism other than the supported values: the capability message
-        # wins over the gpus-multiple and CPU rules.
+        # parallelism: a pod's GPUs hold tensor x pipeline ranks; a CPU pod has one rank; a draft
+        # model is not served with parallelism yet
         ({"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}},
-         _refusals(caps.TENSOR_PARALLEL_SIZE, 4)),
+         rules.PARALLELISM_RULE_MESSAGE),
         ({"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}},
-         _refusals(caps.TENSOR_PARALLEL_SIZE, 2)),
-        ({"spec": {"decode": {"parallelism": {"pipeline": 2}}}}, _refusals(caps.PIPELINE_PARALLEL_SIZE, 2)),
+         rules.CPU_PARALLELISM_RULE_MESSAGE),
+        ({"spec": {"decode": {"parallelism": {"pipeline": 2}}}}, rules.PARALLELISM_RULE_MESSAGE),
+        ({"spec": {"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
+                   "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}}},
+         rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE),
         ({"spec": {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
          rules.DRAFT_MODEL_RULE_MESSAGE),
         ({"spec": {"engine": {"speculative": {"method": "draft"}}}}, rules.DRAFT_METHOD_RULE_MESSAGE),

@@ -31,7 +31,6 @@ import pytest
 
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason
-from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import condition, get_isvc, pod_summary
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
@@ -74,11 +73,6 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 def _prefill(**pool: Any) -> dict[str, Any]:
     return {"spec": {"prefill": pool}}
-
-
-def _capability(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
-    """Either words the API server may use for a known-but-unsupported value."""
-    return (capability.unsupported_message(value), caps.cel_rule(capability)["message"])
 
 
 # --------------------------------------------------------------------------- admission
@@ -143,8 +137,10 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
     ("model-uri-scheme", {"spec": {"model": {"uri": "s3://bucket/model"}}}, ["spec.model.uri"]),
     ("speculative-draft-without-model", {"spec": {"engine": {"speculative": {"method": "draft"}}}},
      [rules.DRAFT_METHOD_RULE_MESSAGE]),
-    ("tensor-parallel-unsupported", _prefill(resources={"gpus": 4}, parallelism={"tensor": 4}),
-     [_capability(caps.TENSOR_PARALLEL_SIZE, 4)]),
+    ("draft-model-with-tensor-parallel-decode",
+     {"spec": {"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
+               "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}}},
+     [rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE]),
     ("gpu-budget-below-minimum", {"spec": {"autoscaling": {"gpuBudget": 1}}}, [rules.GPU_BUDGET_RULE_MESSAGE]),
     ("name-too-long", {"metadata": {"name": "x" * 41}}, [rules.NAME_LENGTH_RULE_MESSAGE]),
     ("name-with-dots", {"metadata": {"name": "a.b"}}, [rules.NAME_PATTERN_RULE_MESSAGE]),

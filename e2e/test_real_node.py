@@ -70,20 +70,25 @@ RESTART_TIMEOUT_SECONDS = 300.0
 def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub
           ) -> Iterator[Stack]:
     """The cluster-scoped operator (:func:`~splitserve_e2e.realnode.real_node_stack`) on the
-    session's cluster, with two workload namespaces: Aggregated (``stack.namespace``) and
-    Disaggregated (``stack.workloads[1]``)."""
+    session's cluster, with three workload namespaces: Aggregated (``stack.namespace``),
+    Disaggregated (``stack.workloads[1]``) and Aggregated at tensor parallelism 2
+    (``stack.workloads[2]``)."""
     suffix = uuid.uuid4().hex[:4]
     with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
-                         workloads=[f"inference-{suffix}", f"inference-pd-{suffix}"]) as result:
+                         workloads=[f"inference-{suffix}", f"inference-pd-{suffix}",
+                                    f"inference-tp-{suffix}"]) as result:
         yield result
 
 
-def _apply_and_wait(stack: Stack, *, namespace: str, mode: str, cpu: str) -> float:
+def _apply_and_wait(stack: Stack, *, namespace: str, mode: str, cpu: str,
+                    pool: dict[str, Any] | None = None, memory: str | None = None) -> float:
     """Apply the tiny InferenceService of ``mode`` (hf:// from the hub, ``--device cpu``,
-    ``cpu`` requested per pool: the node has the machine's cores) and wait for Ready;
-    returns the seconds from apply to Ready."""
+    ``cpu`` requested per pool: the node has the machine's cores; ``pool`` merged into the
+    aggregated pool's spec) and wait for Ready; returns the seconds from apply to Ready."""
     cluster = stack.cluster
-    manifest = isvc_for_node(stack, namespace=namespace, mode=mode, cpu=cpu)
+    manifest = isvc_for_node(stack, namespace=namespace, mode=mode, cpu=cpu, memory=memory)
+    if pool:
+        manifest["spec"]["aggregated"].update(pool)
     started = time.monotonic()
     apply_object(cluster=cluster, obj=manifest)
 
@@ -117,6 +122,21 @@ def served_disaggregated(stack: Stack) -> Stack:
     return stack
 
 
+@pytest.fixture(scope="module")
+def served_tensor_parallel(stack: Stack) -> Stack:
+    """An Aggregated InferenceService at ``parallelism.tensor: 2`` (two processes in one pod:
+    the server and its worker rank, gloo over the pod's loopback) Ready in its own namespace.
+    It asks for 2 of the node's 4 advertised GPUs (the Disaggregated one holds the other 2);
+    the runtime still computes on the CPU."""
+    with explained(stack.cluster, stack.namespaces):
+        seconds = _apply_and_wait(stack, namespace=stack.workloads[2], mode="Aggregated", cpu="500m",
+                                  memory="3Gi", pool={"parallelism": {"tensor": 2},
+                                                      "resources": {"gpus": 2, "cpu": "500m", "memory": "3Gi"}})
+        stack.figures["Aggregated TP 2 InferenceService apply -> Ready"] = f"{seconds:.1f}s"
+        log(f"{stack.workloads[2]}/{ISVC_NAME} (Aggregated, tensor 2) Ready in {seconds:.1f}s")
+    return stack
+
+
 # --------------------------------------------------------------------------- helpers
 def _pods(stack: Stack, namespaces: list[str]) -> list[Any]:
     core: Any = stack.cluster.core()
@@ -146,10 +166,10 @@ def _assert_from_the_image(stack: Stack, pods: list[Any]) -> None:
             assert Path(_cmdline(pid)[0]).name == "tini", (pod.metadata.name, _cmdline(pid))
 
 
-def _runtime_pod(stack: Stack) -> Any:
+def _runtime_pod(stack: Stack, namespace: str | None = None) -> Any:
     core: Any = stack.cluster.core()
     pods = core.list_namespaced_pod(
-        stack.namespace, label_selector=f"{contract.LABEL_INSTANCE}={ISVC_NAME},"
+        namespace or stack.namespace, label_selector=f"{contract.LABEL_INSTANCE}={ISVC_NAME},"
                                         f"{contract.LABEL_COMPONENT}={contract.Role.AGGREGATED.value}").items
     assert len(pods) == 1, [p.metadata.name for p in pods]
     return pods[0]
@@ -325,3 +345,30 @@ def _kv_bytes(pod: Any) -> float:
     name = contract.Metric.KV_TRANSFER_BYTES_TOTAL
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
+
+
+def test_tensor_parallel_pool_runs_two_ranks_in_one_pod_and_serves(served: Stack,
+                                                                   served_tensor_parallel: Stack) -> None:
+    stack = served_tensor_parallel
+    namespace = stack.workloads[2]
+    with explained(stack.cluster, stack.namespaces):
+        pods = _pods(stack, [namespace])
+        print("\n" + _pod_table(pods))
+        _assert_from_the_image(stack, pods)
+        runtime = _runtime_pod(stack, namespace)
+        container = runtime.spec.containers[0]
+        assert container.args[container.args.index("--tensor-parallel-size") + 1] == "2", container.args
+        assert container.resources.limits["nvidia.com/gpu"] == "2"
+        assert "/dev/shm" in {m.mount_path for m in container.volume_mounts}
+        tini = _main_pid(stack, runtime.status.container_statuses[0].container_id)
+        (serve,) = [pid for pid in _children(tini) if "serve" in _cmdline(pid)]
+        workers = [_cmdline(pid) for pid in _children(serve)
+                   if "splitserve_runtime.engine.parallel.worker" in " ".join(_cmdline(pid))]
+        assert len(workers) == 1 and workers[0][workers[0].index("--rank") + 1] == "1", workers
+        prompts = [f"Two ranks, one answer {i}" for i in range(3)]
+        url, single = _router_url(stack, namespace), _router_url(stack)
+        for prompt in prompts:  # greedy: the same model at TP 1 answers the same
+            body = wait(stack.cluster, functools.partial(_complete, url, prompt), timeout=60,
+                        what=f"a completion from {url}")
+            assert body["choices"][0]["text"] == _complete(single, prompt)["choices"][0]["text"], prompt
+        log(f"tensor parallel 2: worker rank {workers[0][:6]}...; answers equal the TP 1 pool's")

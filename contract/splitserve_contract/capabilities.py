@@ -63,7 +63,7 @@ TENSOR_PARALLEL_SIZE: Final = Capability(
     known=(1, 2, 4, 8), supported=(1, 2, 4, 8))
 PIPELINE_PARALLEL_SIZE: Final = Capability(
     name="parallelism.pipeline", api_field="pipeline",
-    known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1,))
+    known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1, 2, 3, 4, 5, 6, 7, 8))
 SPECULATIVE_METHOD: Final = Capability(
     name="speculative decoding method", api_field="method",
     known=("none", "ngram", "draft"), supported=("none", "ngram", "draft"))

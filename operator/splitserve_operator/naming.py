@@ -106,15 +106,16 @@ def compat_hash(
     dtype: str,
     quantization: str,
     block_size: int,
-    tensor_parallel: int,
     kv_cache_dtype: str = "auto",
 ) -> str:
     """Short hash of everything that must match for a prefill pod's KV blocks to be
     usable by a decode pod: runtime image, model and revision, dtype, quantization,
-    KV block size, KV cache dtype and tensor-parallel layout. The router pairs only pods
-    with equal hashes, so a rolling update never sends KV between incompatible pods.
+    KV block size and KV cache dtype. The router pairs only pods with equal hashes, so a
+    rolling update never sends KV between incompatible pods. Not the parallel layout:
+    blocks travel in the whole-model layout, so a TP 2 prefill pool feeds a TP 1 decode pool
+    (the payload keeps its old ``tensorParallel: 1`` entry, so hashes from before stay valid).
     ``kv_cache_dtype`` enters the hash only when it is not ``auto`` (auto is the activation
-    dtype, already covered), so hashes from before the field existed stay valid."""
+    dtype, already covered), for the same reason."""
     payload = {
         "image": image,
         "modelUri": model_uri,
@@ -122,7 +123,7 @@ def compat_hash(
         "dtype": dtype,
         "quantization": quantization,
         "blockSize": block_size,
-        "tensorParallel": tensor_parallel,
+        "tensorParallel": 1,
     }
     if kv_cache_dtype != "auto":
         payload["kvCacheDtype"] = kv_cache_dtype

@@ -90,7 +90,6 @@ def image_of(*, isvc: InferenceService, runtime_image: str) -> str:
 
 def compat_hash_of(*, isvc: InferenceService, runtime_image: str) -> str:
     spec = isvc.spec
-    pools = [c.pool for c in components(spec) if c.pool is not None]
     return naming.compat_hash(
         image=image_of(isvc=isvc, runtime_image=runtime_image),
         model_uri=spec.model.uri,
@@ -98,7 +97,6 @@ def compat_hash_of(*, isvc: InferenceService, runtime_image: str) -> str:
         dtype=spec.model.dtype,
         quantization=spec.model.quantization,
         block_size=spec.kv_cache.block_size,
-        tensor_parallel=pools[0].parallelism.tensor,
         kv_cache_dtype=spec.kv_cache.dtype,
     )
 

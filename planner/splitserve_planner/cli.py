@@ -6,9 +6,14 @@ the overall choice. ``--emit-manifest`` writes an InferenceService for the choic
 ``--plot`` a PNG of p99 latency vs load for it. Bad input exits with code 2 and one line
 saying what is wrong (unknown GPU: the known ones; a model that does not fit: the memory it
 needs; an SLO no fleet can meet: why). Settings this version of splitserve does not serve
-(``--tp`` above 1: :mod:`splitserve_contract.capabilities`) are refused with the
-capabilities table's message, as the CRD refuses them; ``--what-if`` prices them with the
-roofline instead, labelled as such, and never emits a manifest for them.
+(:mod:`splitserve_contract.capabilities`) are refused with the capabilities table's message, as
+the CRD refuses them; ``--what-if`` prices them with the roofline instead, labelled as such, and
+never emits a manifest for them.
+
+``--tp auto`` (the default) plans every tensor-parallel size the model fits and can be split by
+and keeps the one with the fewest GPUs (:func:`~.search.plan_tensor_parallel`), printing each
+size's outcome; ``--tp N`` plans that size only. At TP > 1 the header says how much of a decode
+step the all-reduces take (:meth:`~.perf_model.RooflineModel.communication_seconds`).
 
 Precision is three flags, priced separately (:mod:`.precision`): ``--dtype`` (activations,
 embeddings, LM head), ``--quantization none|fp8|int8|int4`` (linear-layer weights and their
@@ -37,14 +42,27 @@ from .gpus import get_gpu
 from .model_presets import HF_IDS, load_model
 from .perf_model import (
     ModelDoesNotFit,
+    RooflineModel,
     StepCost,
+    TensorParallelRefused,
     decode_step_seconds,
     prefill_seconds,
     roofline_model,
 )
 from .precision import ACTIVATION_BYTES, FP8_ALIAS, KV_CACHE_DTYPES, QUANTIZATIONS, Precision
 from .profile import ProfileError, ProfileModel, load_profile
-from .search import Demand, Plan, PlanError, PlanInputs, PlanTable, Slo, capacity, plan_all
+from .search import (
+    Demand,
+    Plan,
+    PlanError,
+    PlanInputs,
+    PlanTable,
+    Slo,
+    TensorParallelOption,
+    capacity,
+    plan_all,
+    plan_tensor_parallel,
+)
 from .simulator import (
     AGGREGATED,
     ROUTER_POLICIES,
@@ -65,6 +83,7 @@ from .supported import (
 from .workload import Arrivals, LengthDist, Request, WorkloadSpec, load_trace
 
 EXIT_BAD_INPUT = 2
+AUTO = "auto"
 MIN_SIMULATED_REQUESTS = 3000
 MAX_SIMULATED_REQUESTS = 20000
 
@@ -82,14 +101,25 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def _tensor_parallel(text: str) -> int | None:
+    """``--tp``: a size, or ``auto`` (None)."""
+    if text == AUTO:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {AUTO} or a size, got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="splitserve plan", description=__doc__.splitlines()[0] if __doc__ else None)
     m = p.add_argument_group("model and hardware")
     m.add_argument("--model", default="llama-3.1-8b", help="preset (llama-3.1-8b, llama-3.1-70b, qwen2-7b, tiny) or a config.json path")
     m.add_argument("--gpu", default="H100-SXM", help="GPU type (H100-SXM, H200, A100-80GB, L40S, ...)")
-    m.add_argument("--tp", type=int, default=1,
+    m.add_argument("--tp", type=_tensor_parallel, default=None, metavar=f"{{{AUTO},N}}",
                    help=f"tensor-parallel GPUs per pod (this version serves {_values(supported_tensor_parallel_sizes())}; "
-                        "others only with --what-if)")
+                        f"others only with --what-if); {AUTO} (default): plan each size the model fits, "
+                        "keep the fewest GPUs")
     m.add_argument("--dtype", default="bfloat16",
                    help=f"activation dtype (spec.model.dtype): {_values(ACTIVATION_BYTES)}; "
                         f"{FP8_ALIAS} is an alias for --quantization fp8")
@@ -99,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache element type (spec.kvCache.dtype): auto = the activation dtype, fp8 = 1 byte")
     m.add_argument("--what-if", action="store_true",
-                   help="price settings this version does not serve (TP > 1) with the roofline; "
+                   help="price settings this version does not serve with the roofline; "
                         "labelled as a what-if, never with --emit-manifest")
     m.add_argument("--profile", type=Path, default=None, help="measured profile (JSON/YAML) instead of the roofline")
     m.add_argument("--memory-fraction", type=float, default=defaults.KV_MEMORY_FRACTION)
@@ -150,14 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _perf(args: argparse.Namespace) -> tuple[StepCost, str]:
+def _perf(args: argparse.Namespace, *, tensor_parallel: int) -> tuple[StepCost, str]:
     name, config = load_model(name_or_path=args.model)
     if args.profile is not None:
         profile = load_profile(path=args.profile)
+        if tensor_parallel != profile.tensor_parallel:
+            raise ValueError(f"--profile {args.profile} was measured at TP={profile.tensor_parallel}, "
+                             f"not TP={tensor_parallel}: drop --tp or give a profile measured at it")
         return ProfileModel(profile=profile), f"profile {args.profile} ({profile.device})"
     gpu = get_gpu(args.gpu)
     precision = _precision(args)
-    perf = roofline_model(name=name, config=config, gpu=gpu, tensor_parallel=args.tp, dtype=precision.dtype,
+    perf = roofline_model(name=name, config=config, gpu=gpu, tensor_parallel=tensor_parallel, dtype=precision.dtype,
                           quantization=precision.quantization, kv_cache_dtype=precision.kv_cache_dtype,
                           memory_fraction=args.memory_fraction, compute_efficiency=args.compute_efficiency,
                           bandwidth_efficiency=args.bandwidth_efficiency)
@@ -194,8 +227,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     if args.ttft_p99_ms <= 0 or args.itl_p99_ms <= 0:
         raise ValueError("--ttft-p99-ms and --itl-p99-ms must be > 0")
-    if args.tp not in known_tensor_parallel_sizes():
-        raise ValueError(f"--tp must be {_values(known_tensor_parallel_sizes())}, got {args.tp}")
+    if args.tp is not None and args.tp not in known_tensor_parallel_sizes():
+        raise ValueError(f"--tp must be {AUTO} or {_values(known_tensor_parallel_sizes())}, got {args.tp}")
     if args.dtype not in ACTIVATION_BYTES and args.dtype != FP8_ALIAS:
         raise ValueError(f"--dtype must be {_values(ACTIVATION_BYTES)} (or {FP8_ALIAS}, an alias for "
                          f"--quantization fp8), got {args.dtype!r}; weight quantization is "
@@ -226,9 +259,47 @@ def _precision(args: argparse.Namespace) -> Precision:
     return Precision.of(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
-def _unsupported(args: argparse.Namespace) -> list[str]:
-    """Capability messages for the settings given that this version does not serve."""
-    return unsupported_settings(tensor_parallel=args.tp, precision=_precision(args))
+def _unsupported(args: argparse.Namespace, *, tensor_parallel: int | None = None) -> list[str]:
+    """Capability messages for the settings given (``--tp auto``: the size chosen, else 1) that
+    this version does not serve."""
+    tp = tensor_parallel if tensor_parallel is not None else (args.tp or 1)
+    return unsupported_settings(tensor_parallel=tp, precision=_precision(args))
+
+
+def _tensor_parallel_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    """The sizes ``--tp auto`` plans: the profile's, or every size this version serves (what-if:
+    every size the API knows)."""
+    if args.profile is not None:
+        return (load_profile(path=args.profile).tensor_parallel,)
+    return known_tensor_parallel_sizes() if args.what_if else supported_tensor_parallel_sizes()
+
+
+def _communication_note(perf: StepCost, *, detail: bool = False) -> str:
+    """How much of a one-sequence decode step (1k context) the TP collectives take (empty at TP 1
+    or for a measured profile, which has no breakdown); ``detail``: how it is counted."""
+    if not isinstance(perf, RooflineModel) or perf.tensor_parallel == 1:
+        return ""
+    step = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
+    comm = perf.communication_seconds(num_tokens=1, num_seqs=1)
+    tp = perf.tensor_parallel
+    note = f"all-reduce {comm * 1e3:.2f} ms of it, {comm / step:.0%}"
+    if detail:
+        note += (f": {perf.all_reduces_per_step} ring all-reduces of {perf.shape.hidden_size} x "
+                 f"{perf.precision.activation_bytes} B per token, 2({tp}-1)/{tp} of each over "
+                 f"{perf.gpu.interconnect_bytes_per_second / 1e9:g} GB/s, and the logits' all-gather")
+    return note
+
+
+def _option_line(option: TensorParallelOption) -> str:
+    plan = option.best
+    if plan is None or option.inputs is None:
+        return f"TP={option.tensor_parallel}: {option.reason}"
+    perf = option.inputs.perf
+    step = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
+    comm = _communication_note(perf, detail=True)
+    return (f"TP={option.tensor_parallel}: {plan.num_gpus} GPUs ({plan.mode}"
+            f"{', prefix cache' if plan.prefix_caching else ''}), KV {perf.kv_capacity_tokens:,} tokens/pod, "
+            f"decode step (1 seq, 1k ctx) {step * 1e3:.2f} ms" + (f", {comm}" if comm else ""))
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -302,36 +373,57 @@ def _default_uri(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    perf, perf_label = _perf(args)
     requests, workload_label = _requests(args)
     speculation = _speculation(args)
     engine = EngineSettings(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                             prefix_caching=not args.no_prefix_caching, speculation=speculation)
     slo = Slo(ttft_p99_seconds=args.ttft_p99_ms / 1e3, itl_p99_seconds=args.itl_p99_ms / 1e3)
-    inputs = PlanInputs(perf=perf, requests=requests, slo=slo, headroom=args.headroom, engine=engine,
-                        gpus_per_replica=args.tp, router_policy=args.router,
-                        kv_link_bytes_per_second=args.kv_link_gbps * 1e9, max_replicas=args.max_replicas,
-                        seed=args.seed, what_if=args.what_if)
+    perf_label = ""
+
+    def inputs_at(tp: int) -> PlanInputs:
+        nonlocal perf_label
+        perf, perf_label = _perf(args, tensor_parallel=tp)
+        return PlanInputs(perf=perf, requests=requests, slo=slo, headroom=args.headroom, engine=engine,
+                          gpus_per_replica=tp, router_policy=args.router,
+                          kv_link_bytes_per_second=args.kv_link_gbps * 1e9, max_replicas=args.max_replicas,
+                          seed=args.seed, what_if=args.what_if)
+
+    searched: PlanTable | None = None
+    if args.tp is None:
+        search = plan_tensor_parallel(inputs_at, _tensor_parallel_sizes(args))
+        print(f"tensor parallelism (--tp {AUTO}: each size the model fits, the fewest GPUs win):")
+        for option in search.options:
+            print(f"  {_option_line(option)}")
+        chosen_size = search.best
+        if chosen_size is None or chosen_size.inputs is None:
+            raise PlanError(f"no tensor-parallel size has a plan: {search.reasons()}")
+        inputs, searched = chosen_size.inputs, chosen_size.table
+        print()
+    else:
+        inputs = inputs_at(args.tp)
+    perf, tp = inputs.perf, inputs.gpus_per_replica
     step_1 = decode_step_seconds(perf, batch_size=1, num_context_tokens=1024)
     prefill_1k = prefill_seconds(perf, num_tokens=1024)
-    print(f"model {args.model}, TP={args.tp}, {_precision(args).label}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
-          f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms, prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
+    comm = _communication_note(perf)
+    print(f"model {args.model}, TP={tp}, {_precision(args).label}, {perf_label}: KV {perf.kv_capacity_tokens:,} tokens/pod, "
+          f"decode step (1 seq, 1k ctx) {step_1 * 1e3:.2f} ms{f' ({comm})' if comm else ''}, "
+          f"prefill 1k tokens {prefill_1k * 1e3:.1f} ms")
     if speculation.enabled:
         forward = decode_forward_seconds(perf, batch_size=1, num_context_tokens=1024, speculation=speculation)
         print(f"{speculation.label}: decode (1 seq, 1k ctx) {forward / speculation.tokens_per_forward * 1e3:.2f} ms/token "
               f"(verification forward {forward * 1e3:.2f} ms, the p99 gap)")
-    what_if = _unsupported(args)
+    what_if = _unsupported(args, tensor_parallel=tp)
     if what_if:
         print(f"WHAT-IF (not servable by this version, no manifest): {'; '.join(what_if)}")
     print(f"workload: {workload_label}")
     print(f"SLOs: TTFT p99 <= {args.ttft_p99_ms:g} ms, ITL p99 <= {args.itl_p99_ms:g} ms; headroom {args.headroom:.0%}; "
           f"router {args.router}\n")
-    table = plan_all(inputs)
+    table = searched if searched is not None else plan_all(inputs)
     print(_table(table, slo=slo))
     best = table.best
     if best is None:
         print(f"\nsplitserve plan: error: no configuration with at most {args.max_replicas} replicas per pool meets "
-              f"the SLOs; relax them, raise --max-replicas, or use {remedies(tensor_parallel=args.tp, what_if=args.what_if, precision=_precision(args), gpu=None if args.profile else get_gpu(args.gpu))}",
+              f"the SLOs; relax them, raise --max-replicas, or use {remedies(tensor_parallel=tp, what_if=args.what_if, precision=_precision(args), gpu=None if args.profile else get_gpu(args.gpu))}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     label = next(k for k, v in table.plans.items() if v is best)
@@ -363,7 +455,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         return run(args)
-    except (PlanError, ModelDoesNotFit, ProfileError, ValueError, OSError) as exc:
+    except (PlanError, ModelDoesNotFit, TensorParallelRefused, ProfileError, ValueError, OSError) as exc:
         print(f"splitserve plan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -2,9 +2,10 @@
 
 Built as a plain dict and validated with the operator's own API models
 (:meth:`splitserve_operator.api.InferenceService.parse`) before it is written, so a plan never
-emits a manifest the CRD would reject; settings this version does not serve (tensor
-parallelism: :mod:`splitserve_contract.capabilities`) are refused before that, with the
-capabilities table's message, even when ``splitserve plan --what-if`` priced them. The
+emits a manifest the CRD would reject; settings this version does not serve
+(:mod:`splitserve_contract.capabilities`) are refused before that, with the capabilities
+table's message, even when ``splitserve plan --what-if`` priced them. Each pod gets the plan's
+tensor-parallel size as both ``parallelism.tensor`` and ``resources.gpus``. The
 precision the plan was priced at is written as ``spec.model.dtype``, ``spec.model.quantization``
 and, for an fp8 KV cache only, ``spec.kvCache.dtype`` (``auto``, the API default, is left out);
 speculative decoding, when planned with it, as ``spec.engine.speculative`` (method, numTokens,

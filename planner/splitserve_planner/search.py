@@ -14,20 +14,28 @@
 
 Every simulation of one search uses the same requests, so answers are monotone in load when
 the workload is generated coupled across rates (:mod:`.workload`).
+
+3. **Tensor parallelism** (:func:`plan_tensor_parallel`). Steps 1–2 for each TP size, smallest
+   first: a size the model does not fit or cannot be split by is skipped with the reason, and
+   so is one whose single pod already holds as many GPUs as the best plan so far uses (it cannot
+   be cheaper). The fewest GPUs win; on a tie the smaller TP (less communication, more pods to
+   scale by).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from splitserve_contract import capabilities as caps
 from splitserve_contract import defaults
 
 from .perf_model import (
+    ModelDoesNotFit,
     RooflineModel,
     StepCost,
+    TensorParallelRefused,
     decode_step_seconds,
     prefill_attention_pairs,
 )
@@ -344,3 +352,65 @@ def plan_all(inputs: PlanInputs, *, compare_prefix_caching: bool = True) -> Plan
         plans[f"{DISAGGREGATED}, {suffix}"] = plan_disaggregated(variant)
         plans[f"{AGGREGATED}, {suffix}"] = plan_aggregated(variant)
     return PlanTable(plans=plans)
+
+
+@dataclass(kw_only=True)
+class TensorParallelOption:
+    """One TP size of a :func:`plan_tensor_parallel` search: its plans, or why it has none."""
+
+    tensor_parallel: int
+    inputs: PlanInputs | None = None
+    table: PlanTable | None = None
+    reason: str = ""
+    """Why there is no plan: does not fit, cannot be split, an impossible SLO, not searched."""
+
+    @property
+    def best(self) -> Plan | None:
+        return self.table.best if self.table is not None else None
+
+
+@dataclass(kw_only=True)
+class TensorParallelSearch:
+    options: list[TensorParallelOption]
+
+    @property
+    def best(self) -> TensorParallelOption | None:
+        """The option whose best plan uses the fewest GPUs (then the smaller TP)."""
+        found = [o for o in self.options if o.best is not None]
+        return min(found, key=lambda o: (_num_gpus(o), o.tensor_parallel)) if found else None
+
+    def reasons(self) -> str:
+        """``TP=1: reason; TP=2: reason`` for every size without a plan."""
+        return "; ".join(f"TP={o.tensor_parallel}: {o.reason}" for o in self.options if o.best is None)
+
+
+def _num_gpus(option: TensorParallelOption) -> int:
+    plan = option.best
+    assert plan is not None
+    return plan.num_gpus
+
+
+def plan_tensor_parallel(inputs_at: Callable[[int], PlanInputs], sizes: Iterable[int], *,
+                         compare_prefix_caching: bool = True) -> TensorParallelSearch:
+    """:func:`plan_all` at each TP size (see the module docstring, step 3). ``inputs_at(tp)``
+    builds the inputs of one size and raises :class:`~.perf_model.ModelDoesNotFit` or
+    :class:`~.perf_model.TensorParallelRefused` for a size the model cannot use."""
+    options: list[TensorParallelOption] = []
+    for tp in sorted(sizes):
+        search = TensorParallelSearch(options=options)
+        leader = search.best
+        if leader is not None and tp >= _num_gpus(leader):
+            options.append(TensorParallelOption(
+                tensor_parallel=tp, reason=f"not searched: one pod of {tp} GPUs cannot beat "
+                                           f"{_num_gpus(leader)} GPUs at TP={leader.tensor_parallel}"))
+            continue
+        try:
+            inputs = inputs_at(tp)
+            table = plan_all(inputs, compare_prefix_caching=compare_prefix_caching)
+        except (ModelDoesNotFit, TensorParallelRefused, PlanError) as exc:
+            options.append(TensorParallelOption(tensor_parallel=tp, reason=str(exc)))
+            continue
+        reason = ("" if table.best is not None else
+                  f"no configuration with at most {inputs.max_replicas} replicas per pool meets the SLOs")
+        options.append(TensorParallelOption(tensor_parallel=tp, inputs=inputs, table=table, reason=reason))
+    return TensorParallelSearch(options=options)

@@ -1,11 +1,12 @@
 """What the planner may propose: this version's capabilities, from
 :mod:`splitserve_contract.capabilities` (the table the CRD and the runtime also enforce).
 
-The roofline can price settings this version does not serve (tensor parallelism today); the
-planner uses them only for an explicitly requested what-if (``splitserve plan --what-if``)
-and never puts them in a manifest. Weight quantization and the KV cache dtype are checked
-against the same table, so narrowing or widening ``QUANTIZATION`` or ``KV_CACHE_DTYPE`` there
-changes what the planner proposes with no edit here.
+The roofline can price settings the API knows but this version does not serve (none of the
+planner's today: every tensor-parallel size, quantization and KV cache dtype is served); the
+planner uses them only for an explicitly requested what-if (``splitserve plan --what-if``) and
+never puts them in a manifest. Tensor-parallel sizes, weight quantization and the KV cache dtype
+are all checked against the table, so narrowing or widening ``TENSOR_PARALLEL_SIZE``,
+``QUANTIZATION`` or ``KV_CACHE_DTYPE`` there changes what the planner proposes with no edit here.
 """
 
 from __future__ import annotations

@@ -112,9 +112,12 @@ def test_quantities_accept_yaml_integers() -> None:
         ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path, got 's3://bucket/model'"),
         ({"model": {"uri": "hf://org/name/model.safetensors"}}, "spec.model.uri: must be hf://org/name, hf://org/name/file.gguf"),
         ({"model": {}}, "spec.model.uri: Field required"),
-        ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill.parallelism.tensor: parallelism.tensor 4 is not supported by this version of splitserve (supported: 1)"),
-        ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill.parallelism.pipeline: parallelism.pipeline 2 is not supported by this version of splitserve"),
-        ({"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}}, "spec.decode.parallelism.tensor: parallelism.tensor 2 is not supported by this version of splitserve (supported: 1)"),
+        ({"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}, "spec.prefill: resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"),
+        ({"prefill": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}, "spec.prefill: resources.gpus 0 (CPU) requires parallelism.tensor 1 and parallelism.pipeline 1"),
+        ({"prefill": {"parallelism": {"pipeline": 2}}}, "spec.prefill: resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"),
+        ({"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
+          "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/small"}}},
+         f"spec: {api.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE} (decode.parallelism.tensor 2)"),
         ({"model": {"uri": "hf://a/b", "quantization": "fp4"}}, "spec.model.quantization: Input should be none, fp8, int8 or int4"),
         ({"model": {"uri": "hf://a/b", "hubEndpoint": "ftp://mirror"}}, "spec.model.hubEndpoint: must be an http:// or https:// URL"),
         ({"model": {"uri": "hf://a/b", "hubEndpoint": "https://mirror/x?token=1"}}, "spec.model.hubEndpoint: must be an http:// or https:// URL"),
@@ -263,15 +266,14 @@ def test_child_names_and_labels() -> None:
 def test_compat_hash_is_short_stable_and_sensitive() -> None:
     base: dict[str, Any] = {
         "image": "img:1", "model_uri": "hf://a/b", "revision": None, "dtype": "auto",
-        "quantization": "none", "block_size": 16, "tensor_parallel": 1,
+        "quantization": "none", "block_size": 16,
     }
     first = naming.compat_hash(**base)
     assert len(first) == 10 and all(c in "0123456789abcdef" for c in first)
     assert naming.compat_hash(**copy.deepcopy(base)) == first
     assert naming.compat_hash(**{**base, "revision": ""}) == first
     for key, other in [("image", "img:2"), ("model_uri", "hf://a/c"), ("revision", "v2"), ("dtype", "bfloat16"),
-                       ("quantization", "fp8"), ("block_size", 32), ("tensor_parallel", 2),
-                       ("kv_cache_dtype", "fp8")]:
+                       ("quantization", "fp8"), ("block_size", 32), ("kv_cache_dtype", "fp8")]:
         assert naming.compat_hash(**{**base, key: other}) != first, key
     # auto (the activation dtype) leaves the hash as it was before kvCache.dtype existed
     assert naming.compat_hash(**base, kv_cache_dtype="auto") == first == "5afae15865"  # the pre-field value
@@ -290,3 +292,17 @@ def test_kv_cache_dtype_defaults_to_auto_and_accepts_fp8() -> None:
 def test_model_uris_may_name_a_gguf_file(uri: str) -> None:
     isvc = api.InferenceService.parse(_minimal(model={"uri": uri}))
     assert isvc.spec.model.uri == uri
+
+
+def test_compat_hash_does_not_depend_on_the_parallel_layout() -> None:
+    """KV blocks travel in the whole-model layout, so pools with different tensor- or pipeline-
+    parallel sizes pair (a TP 2 prefill pool feeding a TP 1 decode pool)."""
+    from splitserve_operator import render
+
+    def hash_of(prefill: dict[str, Any], decode: dict[str, Any]) -> str:
+        isvc = api.InferenceService.parse(_minimal(prefill=prefill, decode=decode))
+        return render.compat_hash_of(isvc=isvc, runtime_image="img:1")
+    single = hash_of({"resources": {"gpus": 1}}, {"resources": {"gpus": 1}})
+    assert hash_of({"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}, {"resources": {"gpus": 1}}) == single
+    assert hash_of({"resources": {"gpus": 1}},
+                   {"resources": {"gpus": 4}, "parallelism": {"tensor": 2, "pipeline": 2}}) == single

@@ -134,9 +134,9 @@ def test_fp8_is_refused_on_gpus_without_it(gpu: str, kwargs: dict[str, str], mes
 
 
 @pytest.mark.parametrize(("gpu", "quantization", "remedy"), [
-    ("H100-SXM", "none", "use --quantization fp8|int8|int4, --kv-cache-dtype fp8 or a bigger or faster GPU"),
-    ("H100-SXM", "fp8", "use --quantization int4, --kv-cache-dtype fp8 or a bigger or faster GPU"),
-    ("A100-80GB", "none", "use --quantization int8|int4 or a bigger or faster GPU"),  # no fp8 offered there
+    ("H100-SXM", "none", "use a larger --tp, --quantization fp8|int8|int4, --kv-cache-dtype fp8 or a bigger or faster GPU"),
+    ("H100-SXM", "fp8", "use a larger --tp, --quantization int4, --kv-cache-dtype fp8 or a bigger or faster GPU"),
+    ("A100-80GB", "none", "use a larger --tp, --quantization int8|int4 or a bigger or faster GPU"),  # no fp8 there
 ])
 def test_a_model_that_does_not_fit_names_the_smaller_settings(gpu: str, quantization: str, remedy: str) -> None:
     name, config = load_model(name_or_path="llama-3.1-70b")

@@ -388,4 +388,5 @@ def test_runtime_loads_each_checkpoint_to_the_weights_it_means(
                 assert held.act_quant == (kind == "ct-int8")  # W8A16 keeps activations 16/32-bit
             expected = torch.cat([meant(f"model.layers.{i}.{p}") for p in parts])
             torch.testing.assert_close(dequantize(held), expected, rtol=1e-6, atol=1e-7)
+    assert model.embed_tokens is not None
     assert torch.equal(model.embed_tokens.data, written["model.embed_tokens.weight"].float())

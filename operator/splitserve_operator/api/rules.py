@@ -39,6 +39,14 @@ NAME_PATTERN_RULE_MESSAGE: Final = (
     "starting with a letter (children include Services)"
 )
 
+DRAFT_TENSOR_PARALLEL_RULE_MESSAGE: Final = (
+    "speculative decoding with a draft model (engine.speculative.method draft) is not supported with "
+    "tensor or pipeline parallelism yet (ngram is): set parallelism.tensor and parallelism.pipeline 1 "
+    "on the decode and aggregated pools, or use method ngram"
+)
+SPECULATING_POOLS: Final = ("decode", "aggregated")
+"""Pools whose pods get the speculative decoding flags (prefill pods never speculate)."""
+
 CelRule = dict[str, str]
 
 ROOT_CEL_RULES: Final[tuple[CelRule, ...]] = (
@@ -46,6 +54,9 @@ ROOT_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": f"self.metadata.name.matches('{NAME_PATTERN}')", "message": NAME_PATTERN_RULE_MESSAGE},
 )
 _POOL_GPUS = "(has(self.{p}) ? self.{p}.replicas.min * self.{p}.resources.gpus : 0)"
+_POOL_TENSOR_ONE = ("(!has(self.{p}) || !has(self.{p}.parallelism) || ("
+                    "(!has(self.{p}.parallelism.tensor) || self.{p}.parallelism.tensor == 1) && "
+                    "(!has(self.{p}.parallelism.pipeline) || self.{p}.parallelism.pipeline == 1)))")
 MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
 INTERVAL_RULE_MESSAGE: Final = "autoscaling.interval must be at least 1s"
 AUTOSCALING_CEL_RULES: Final[tuple[CelRule, ...]] = (
@@ -66,7 +77,17 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
         + " + ".join(_POOL_GPUS.format(p=p) for p in ("prefill", "decode", "aggregated")),
         "message": GPU_BUDGET_RULE_MESSAGE,
     },
+    {
+        # The runtime refuses --speculative-method draft with --tensor-parallel-size > 1 at start-up;
+        # refusing it here shows the reason at kubectl apply instead of in a crash-looping pod.
+        "rule": "!has(self.engine) || !has(self.engine.speculative) || !has(self.engine.speculative.method)"
+                " || self.engine.speculative.method != 'draft' || ("
+        + " && ".join(_POOL_TENSOR_ONE.format(p=p) for p in SPECULATING_POOLS) + ")",
+        "message": DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
+    },
 )
+
+
 def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
     return tuple(caps.cel_rule(c) for c in capabilities if c.supported != c.known)
 

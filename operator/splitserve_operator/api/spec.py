@@ -48,6 +48,7 @@ from .rules import (
     DISAGGREGATED_RULE_MESSAGE,
     DRAFT_METHOD_RULE_MESSAGE,
     DRAFT_MODEL_RULE_MESSAGE,
+    DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
@@ -56,6 +57,7 @@ from .rules import (
     NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
+    SPECULATING_POOLS,
 )
 
 
@@ -540,6 +542,13 @@ class InferenceServiceSpec(ApiModel):
             floor = sum(p.replicas.min * p.resources.gpus for p in (self.prefill, self.decode, self.aggregated) if p)
             if budget < floor:
                 raise ValueError(f"{GPU_BUDGET_RULE_MESSAGE} (budget {budget}, minimum use {floor})")
+        if self.engine.speculative.method == "draft":
+            pools: dict[str, PoolSpec | None] = {name: getattr(self, name) for name in SPECULATING_POOLS}
+            split = [f"{name}.parallelism.{axis} {size}" for name, pool in pools.items() if pool is not None
+                     for axis, size in (("tensor", pool.parallelism.tensor), ("pipeline", pool.parallelism.pipeline))
+                     if size > 1]
+            if split:
+                raise ValueError(f"{DRAFT_TENSOR_PARALLEL_RULE_MESSAGE} ({', '.join(split)})")
         return self
 
 

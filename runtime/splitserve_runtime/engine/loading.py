@@ -43,10 +43,10 @@ def engine_from_args(args: ServeArgs) -> LLMEngine:
     device = resolve_device(args.device)
     model_dir = resolve_model_uri(args.model, cache_dir=_model_cache_dir(), revision=args.revision)
     model_config = load_model_config(model_dir=model_dir)
-    if args.tensor_parallel_size > 1:
-        from .parallel.driver import tensor_parallel_engine
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        from .parallel.driver import parallel_engine
 
-        return tensor_parallel_engine(args, model_dir=model_dir, model_config=model_config, device=device)
+        return parallel_engine(args, model_dir=model_dir, model_config=model_config, device=device)
     dtype = resolve_dtype(args.dtype, device=device, config_dtype=model_config.torch_dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype=dtype, device=device)
     max_model_len = model_config.resolve_max_model_len(requested_tokens=args.max_model_len)

@@ -184,12 +184,12 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
     with torch.inference_mode():
         hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
                                kv_caches=caches, md=inputs.md)
-        rows = hidden[:1].expand(min(max_num_seqs, num_tokens), -1).contiguous()
-        model.compute_logits(rows)
+        if getattr(model, "has_head", True):  # a pipeline stage before the last has no LM head
+            model.compute_logits(hidden[:1].expand(min(max_num_seqs, num_tokens), -1).contiguous())
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     cache_bytes = spec.bytes_per_block(block_size=block_size) * num_blocks
-    del caches, inputs, hidden, rows
+    del caches, inputs, hidden
     torch.cuda.empty_cache()
     activation_peak = max(peak - cache_bytes, 0)
     budget = cuda_kv_budget_bytes(device=device, kv_memory_fraction=kv_memory_fraction,
@@ -314,19 +314,25 @@ class ModelRunner:
         """
         rows, sample_seqs = self.step_rows(sched)
         self.before_forward(rows)
-        inputs = rows.build(block_size=self.block_size, device=self.device)
         with torch.inference_mode():
-            hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                        kv_caches=self.kv_caches, md=inputs.md)
-            if not sample_seqs:
+            logits = self.forward_logits(rows)
+            if logits is None or not sample_seqs:
                 return LaunchedStep(sample_seqs=[], pending=PendingSample(
                     token_ids=torch.empty(0, dtype=torch.long), params=[]))
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             pending = self.sampler.launch(
                 logits=logits, request_ids=[s.request_id for s in sample_seqs],
                 params=[s.params for s in sample_seqs],
                 banned_token_ids=self._banned_token_ids(sample_seqs))
         return LaunchedStep(sample_seqs=sample_seqs, pending=pending)
+
+    def forward_logits(self, rows: StepRows) -> torch.Tensor | None:
+        """Run the model on ``rows``; fp32 logits of the sampled rows (None when none is)."""
+        inputs = rows.build(block_size=self.block_size, device=self.device)
+        hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
+                                    kv_caches=self.kv_caches, md=inputs.md)
+        if not inputs.logits_indices.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def before_forward(self, rows: StepRows) -> None:
         """Called with each step's rows before its forward (a tensor-parallel driver sends

@@ -21,6 +21,7 @@ from splitserve_contract.model_config import ModelConfig
 
 from ..ops.interface import AttentionMetadata, Ops
 from ..quant.formats import LinearWeight, weight_nbytes
+from .pipeline import PipelineStage
 from .rope import build_cos_sin_cache
 from .tensor_parallel import Collectives, TensorParallelLayout
 
@@ -91,14 +92,22 @@ class LlamaForCausalLM(nn.Module):
 
     With ``parallel`` (a layout and its group's collectives) this is one tensor-parallel rank's
     shard (:mod:`.tensor_parallel`): ``config`` is then the rank's local config, and the
-    forward sums partial results after the embedding, ``o_proj`` and ``down_proj``."""
+    forward sums partial results after the embedding, ``o_proj`` and ``down_proj``.
+
+    With ``stage`` it is one pipeline stage (:mod:`.pipeline`; ``config`` has the stage's
+    layer count): only the first stage embeds, only the last has the final norm and the LM
+    head, and :meth:`forward` takes the previous stage's ``carried`` hidden states and
+    residual and returns them stacked (``[2, num_tokens, hidden]``) for the next, except on
+    the last stage, which returns the normed hidden states like an unsplit model."""
 
     def __init__(
         self, *, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
         quantized_linears: bool = False,
         parallel: tuple[TensorParallelLayout, Collectives] | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
+        self.stage = stage
         self.layout: TensorParallelLayout | None = parallel[0] if parallel is not None else None
         self.collectives: Collectives | None = parallel[1] if parallel is not None else None
         self.config = config
@@ -106,15 +115,20 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.scale = config.head_dim**-0.5
-        self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
+        self.embed_tokens: nn.Parameter | None = (
+            _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
+            if stage is None or stage.holds_embedding else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config=config, dtype=dtype, device=device,
                               linear_device=torch.device("meta") if quantized_linears else device)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = _param((config.hidden_size,), dtype=dtype, device=device)
+        self.has_head = stage is None or stage.is_last
+        """Whether this model ends in the LM head (every model but a non-last pipeline stage)."""
+        self.norm: nn.Parameter | None = (
+            _param((config.hidden_size,), dtype=dtype, device=device) if self.has_head else None)
         self.lm_head: nn.Parameter | None = (
-            None if config.tie_word_embeddings
+            None if config.tie_word_embeddings or not self.has_head
             else _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
         )
         self.cos_sin_cache: torch.Tensor
@@ -142,11 +156,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, *, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
+        carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden_size]`` after the final norm.
+        """Hidden states ``[num_tokens, hidden_size]`` after the final norm (a non-last
+        pipeline stage: hidden states and residual ``[2, num_tokens, hidden_size]``).
 
         Writes this step's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` first, so
         attention reads prefix, earlier chunks and the new tokens uniformly from the cache.
+        ``carried``: the previous pipeline stage's output (zeros when absent on a later stage:
+        a memory measurement runs a stage alone).
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache layers, got {len(kv_caches)}")
@@ -159,8 +177,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"metadata describes {num_attended} rows but the step has {num_tokens} tokens"
             )
-        hidden = self._embed(input_ids)
         residual: torch.Tensor | None = None
+        if self.stage is None or self.stage.is_first:
+            hidden = self._embed(input_ids)
+        else:
+            if carried is None:
+                carried = torch.zeros((2, num_tokens, cfg.hidden_size), dtype=self.dtype, device=input_ids.device)
+            hidden, residual = carried[0], carried[1]
         layers = cast(list[LlamaDecoderLayer], list(self.layers))
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             if residual is None:
@@ -186,12 +209,16 @@ class LlamaForCausalLM(nn.Module):
             )
             gate_up = ops.linear(hidden, layer.gate_up_proj, None)
             hidden = self._reduce(ops.linear(ops.silu_and_mul(gate_up), layer.down_proj, None))
+        if self.norm is None:
+            assert residual is not None  # a stage holds at least one layer
+            return torch.stack((hidden, residual))
         if residual is None:
             return ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None  # the first stage holds it
         if self.layout is None:
             return F.embedding(input_ids, self.embed_tokens)
         # vocabulary-parallel: rows outside this rank's slice contribute zeros to the sum
@@ -232,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, vocab_size]`` for hidden rows ``[n, hidden_size]``."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if not self.has_head or weight is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
         logits = F.linear(hidden, weight).float()
         if self.layout is None or self.collectives is None:
             return logits

@@ -35,6 +35,7 @@ from ..quant.formats import LinearWeight
 from .errors import ModelLoadError
 from .gguf import gguf_source, read_gguf_tensors
 from .llama import LlamaForCausalLM
+from .pipeline import PipelineStage
 from .quantized_linears import LinearAssembler, load_time_method, resolve_scheme
 from .tensor_parallel import Collectives, TensorParallelLayout
 
@@ -106,6 +107,7 @@ def load_model(
     *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
     config: ModelConfig | None = None, quantization: str = "none",
     parallel: tuple[TensorParallelLayout, Collectives] | None = None,
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for ``model_dir``'s config and fill it from its safetensors files (or,
     for a GGUF sidecar directory, from its ``.gguf`` file: :mod:`.gguf`).
@@ -115,7 +117,9 @@ def load_model(
     quantizes a dense checkpoint at load time and must match a pre-quantized one's method.
 
     ``parallel``: load one tensor-parallel rank's shard (:mod:`.tensor_parallel`) of a dense
-    checkpoint (load-time quantization applies to the shard)."""
+    checkpoint (load-time quantization applies to the shard); its layout is built on the
+    stage's config when there is a ``stage``. ``stage``: load one pipeline stage
+    (:mod:`.pipeline`): its layers renamed to local indices, the rest skipped."""
     config = config if config is not None else load_model_config(model_dir=model_dir)
     gguf_file = gguf_source(model_dir)
     layout = parallel[0] if parallel is not None else None
@@ -129,21 +133,27 @@ def load_model(
     scheme = resolve_scheme(config=config, quantization=quantization, source=str(model_dir))
     load_time = load_time_method(scheme=scheme, quantization=quantization)
     quantized = scheme is not None or load_time is not None or gguf_file is not None
-    local = layout.local_config() if layout is not None else config
+    staged = stage.local_config() if stage is not None else config
+    local = layout.local_config() if layout is not None else staged
     model = LlamaForCausalLM(config=local, ops=ops, dtype=dtype, device=device, quantized_linears=quantized,
-                             parallel=parallel)
+                             parallel=parallel, stage=stage)
     assembler = (LinearAssembler(model=model, config=local, scheme=scheme, load_time=load_time,
                                  dtype=dtype, device=device) if quantized else None)
-    filler = _Filler(model=model, config=config, assembler=assembler, layout=layout)
+    filler = _Filler(model=model, config=staged, assembler=assembler, layout=layout, stage=stage)
+
+    def offer(name: str, get: Callable[[], LinearWeight], path: Path) -> None:
+        local_name = stage.local_name(name) if stage is not None else name
+        if local_name is not None:
+            filler.offer(name=local_name, get=get, path=path)
     if gguf_file is not None:
         for name, weight in read_gguf_tensors(gguf_file, config).items():
-            filler.offer(name=name, get=lambda w=weight: w, path=gguf_file)  # type: ignore[misc]
+            offer(name, lambda w=weight: w, gguf_file)  # type: ignore[misc]
     else:
         for path in weight_files(model_dir=model_dir):
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as handle:
                     for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                        filler.offer(name=name, get=lambda n=name: handle.get_tensor(n), path=path)  # type: ignore[misc]
+                        offer(name, lambda n=name: handle.get_tensor(n), path)  # type: ignore[misc]
             except SafetensorError as exc:
                 raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     filler.finish(model_dir=model_dir)
@@ -155,7 +165,7 @@ class _Filler:
     model is quantized), a KV scale, or a dense parameter's rows; tracks what is missing."""
 
     def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, assembler: LinearAssembler | None,
-                 layout: TensorParallelLayout | None = None) -> None:
+                 layout: TensorParallelLayout | None = None, stage: PipelineStage | None = None) -> None:
         self.model = model
         self.config = config
         self.assembler = assembler
@@ -163,7 +173,7 @@ class _Filler:
         self.params = dict(model.named_parameters())
         local = _targets(layout.local_config()) if layout is not None else None
         self.targets = {name: (t, local[name] if local is not None else t) for name, t in _targets(config).items()
-                        if assembler is None or not assembler.owns(name)}
+                        if (assembler is None or not assembler.owns(name)) and _held(name, stage)}
         self.loaded: dict[str, Path] = {}
 
     def offer(self, *, name: str, get: Callable[[], LinearWeight], path: Path) -> None:
@@ -185,6 +195,16 @@ class _Filler:
         if missing:
             shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint in {model_dir} is missing tensors: {shown}")
+
+
+def _held(name: str, stage: PipelineStage | None) -> bool:
+    """Whether a pipeline stage holds the non-layer tensor ``name`` (layers are renamed to the
+    stage's own before this)."""
+    if stage is None or name.startswith("model.layers."):
+        return True
+    if name == "model.embed_tokens.weight":
+        return stage.holds_embedding
+    return stage.is_last  # the final norm and the LM head
 
 
 def _dense(value: LinearWeight, name: str) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """Messages from the driver (rank 0) to the other ranks, and the KV block layouts they move.
 
 Each message is one pickled object broadcast over the host-side gloo group: a step's rows (each
-rank builds the same inputs from them and runs the same forward), a request to read KV blocks
-(every rank sends its heads, rank 0 assembles the whole-model layout), KV blocks to write
-(every rank keeps its heads), or stop. The whole-model layout is the single-process runner's
-``[layer][K, V][token][head][dim]``, so a prefill pool and a decode pool with different
-tensor-parallel sizes exchange the same bytes.
+rank builds the same inputs from them and runs its part of the forward), a request to read KV
+blocks (every rank sends its layers' and heads' part, rank 0 assembles the whole-model
+layout), KV blocks to write (every rank keeps its part), or stop. The whole-model layout is
+the single-process runner's ``[layer][K, V][token][head][dim]``, so pools with different
+tensor- and pipeline-parallel sizes exchange the same bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import dataclasses
 
 import torch
 
+from ...model.pipeline import PipelineStage
 from ...model.tensor_parallel import TensorParallelLayout
 from ..model_runner import KVCaches, StepRows
-from .group import TensorParallelGroup
+from .group import ParallelGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,21 +44,41 @@ class Stop:
 Message = Step | ReadBlocks | WriteBlocks | Stop
 
 
-def send(group: TensorParallelGroup, message: Message) -> None:
+@dataclasses.dataclass(frozen=True)
+class KVPart:
+    """Which part of the whole-model KV cache a rank holds: layers of its stage, heads of its
+    tensor-parallel rank."""
+
+    layout: TensorParallelLayout
+    """Heads (the same split on every stage)."""
+    stage: PipelineStage | None
+    """Layers (None: all)."""
+
+    def layers(self, stage: int) -> tuple[int, int]:
+        if self.stage is None:
+            return 0, self.layout.config.num_hidden_layers
+        return self.stage.layer_range(stage)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stage.config.num_hidden_layers if self.stage is not None else self.layout.config.num_hidden_layers
+
+
+def send(group: ParallelGroup, message: Message) -> None:
     """Driver side: broadcast ``message`` to every rank."""
     group.broadcast_object(message)
 
 
-def receive(group: TensorParallelGroup) -> Message:
+def receive(group: ParallelGroup) -> Message:
     """Worker side: the driver's next message (blocks until it comes)."""
     message = group.broadcast_object()
     if not isinstance(message, Step | ReadBlocks | WriteBlocks | Stop):
-        raise RuntimeError(f"tensor-parallel driver sent {type(message).__name__}, not a message")
+        raise RuntimeError(f"parallel driver sent {type(message).__name__}, not a message")
     return message
 
 
 def local_blocks(caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
-    """This rank's heads of ``block_ids`` as bytes on the host: ``[layer, 2, n, token, local head, dim bytes]``."""
+    """This rank's part of ``block_ids`` as bytes on the host: ``[local layer, 2, n, token, local head, dim bytes]``."""
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
     return torch.stack([
         torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)))
@@ -65,32 +86,36 @@ def local_blocks(caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     ]).cpu()
 
 
-def gather_blocks(group: TensorParallelGroup, layout: TensorParallelLayout, caches: KVCaches,
-                  block_ids: list[int]) -> list[bytes] | None:
-    """Every rank: send this rank's heads of ``block_ids``; rank 0 gets each block in the
+def gather_blocks(group: ParallelGroup, part: KVPart, caches: KVCaches, block_ids: list[int]) -> list[bytes] | None:
+    """Every rank: send this rank's part of ``block_ids``; rank 0 gets each block in the
     whole-model layout (None elsewhere)."""
     mine = local_blocks(caches, block_ids)
     parts: list[torch.Tensor] = group.all_gather_object(mine)
-    if not group.is_driver:
+    if group.rank != 0:
         return None
+    layout = part.layout
     num_heads = layout.config.num_key_value_heads
-    whole = mine.new_empty((*mine.shape[:4], num_heads, mine.shape[-1]))
-    for head in range(num_heads):
-        owner = layout.kv_head_owner(head)
-        whole[:, :, :, :, head] = parts[owner][:, :, :, :, head - layout.kv_head_start(owner)]
+    whole = mine.new_empty((part.num_layers, *mine.shape[1:4], num_heads, mine.shape[-1]))
+    for stage in range(group.num_stages):
+        start, end = part.layers(stage)
+        for head in range(num_heads):
+            owner = layout.kv_head_owner(head)
+            local = head - layout.kv_head_start(owner)
+            whole[start:end, :, :, :, head] = parts[stage * group.tp_size + owner][:, :, :, :, local]
     return [whole[:, :, i].contiguous().numpy().tobytes() for i in range(len(block_ids))]
 
 
-def write_blocks(layout: TensorParallelLayout, caches: KVCaches, blocks: dict[int, bytes]) -> None:
-    """Keep this rank's heads of each whole-model-layout block."""
+def write_blocks(group: ParallelGroup, part: KVPart, caches: KVCaches, blocks: dict[int, bytes]) -> None:
+    """Keep this rank's part of each whole-model-layout block."""
     k0 = caches[0][0]
     block_size, local_heads = k0.shape[1], k0.shape[2]
     head_bytes = k0[0, 0, 0].view(torch.uint8).numel()
-    start = layout.kv_head_start()
-    shape = (len(caches), 2, block_size, layout.config.num_key_value_heads, head_bytes)
+    start = part.layout.kv_head_start(group.tp_rank)
+    first, last = part.layers(group.stage)
+    shape = (part.num_layers, 2, block_size, part.layout.config.num_key_value_heads, head_bytes)
     for block_id, data in blocks.items():
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(shape)
-        values = values[:, :, :, start:start + local_heads].to(k0.device)
+        values = values[first:last, :, :, start:start + local_heads].to(k0.device)
         for layer, (k, v) in enumerate(caches):
             k[block_id].view(torch.uint8).copy_(values[layer, 0])
             v[block_id].view(torch.uint8).copy_(values[layer, 1])

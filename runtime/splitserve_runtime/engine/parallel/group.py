@@ -1,11 +1,14 @@
-"""The process group of one tensor-parallel model, and the collectives the model needs.
+"""The process group of one parallel model, and the communication it needs.
 
-NCCL between GPUs and gloo on CPU; every rank calls the same collectives in the same order
-(the model's forward is identical on every rank), so the model needs only two: a sum of
-partial outputs after each row-parallel projection and the embedding, and a gather of the
-vocabulary slices of the logits. Host-side messages (each step's batch, KV block reads and
-writes) go over a separate gloo group (:meth:`TensorParallelGroup.broadcast_object`), so they
-never queue behind device work.
+``tp_size × num_stages`` ranks: rank ``stage * tp_size + tp_rank``. NCCL between GPUs and gloo
+on CPU. Within a pipeline stage the tensor-parallel ranks call the same collectives in the same
+order (their forward is identical), so the model needs only two: a sum of partial outputs
+after each row-parallel projection and the embedding, and a gather of the vocabulary slices of
+the logits. Between stages, each tensor-parallel rank sends its stage's output to the same
+rank of the next stage over a two-rank link, and the last stage's first rank sends the logits
+back to the driver (:mod:`.pipeline`). Host-side messages (each step's batch, KV block reads
+and writes) go over a separate gloo group of all ranks
+(:meth:`ParallelGroup.broadcast_object`), so they never queue behind device work.
 
 The groups are c10d backends built on their own ``TCPStore`` rather than ``torch.distributed``'s
 process-global default group: nothing in the process is global, so one process may hold two
@@ -32,17 +35,36 @@ INIT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorParallelGroup:
-    """This process's place in the group: its rank, the group size, its device, its backends."""
+class ParallelGroup:
+    """This process's place in the group: its ranks, its device, its backends."""
 
     rank: int
     size: int
+    tp_rank: int
+    tp_size: int
+    stage: int
+    num_stages: int
     device: torch.device
     devices: Any
-    """The backend of device tensors (NCCL on GPU; the gloo one on CPU)."""
+    """The backend of this stage's tensor-parallel ranks (NCCL on GPU, gloo on CPU; None at
+    TP 1)."""
     control: Any
-    """A gloo backend over the same ranks for host-side messages."""
+    """A gloo backend over all ranks for host-side messages."""
     store: Store
+    prev_link: Any = None
+    """Two ranks: the same tensor-parallel rank of the previous stage (0) and this one (1)."""
+    next_link: Any = None
+    """Two ranks: this one (0) and the same tensor-parallel rank of the next stage (1)."""
+    logits_link: Any = None
+    """Two ranks: the driver (0) and the last stage's first tensor-parallel rank (1)."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
 
     @property
     def is_driver(self) -> bool:
@@ -51,15 +73,18 @@ class TensorParallelGroup:
 
     # ------------------------------------------------------------------ the model's collectives
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks, in place; returns it."""
-        self.devices.allreduce([tensor]).wait()
+        """Sum ``tensor`` over this stage's tensor-parallel ranks, in place; returns it."""
+        if self.devices is not None:
+            self.devices.allreduce([tensor]).wait()
         return tensor
 
     def gather_vocab(self, local: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
         """The full ``[n, vocab_size]`` logits from each rank's ``[n, vocab_rows]`` slice (every
         rank gets them; only rank 0 samples)."""
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)]
+        if self.devices is None:
+            return local[:, :vocab_size]
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         self.devices.allgather([parts], [local]).wait()
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
@@ -91,22 +116,37 @@ class TensorParallelGroup:
         return [pickle.loads(part[:int(n.item())].numpy().tobytes()) for part, n in zip(parts, sizes, strict=True)]
 
 
-def init_group(*, rank: int, size: int, init_method: str, device: torch.device) -> TensorParallelGroup:
-    """Join the group at ``init_method`` (``tcp://host:port``; rank 0 listens there)."""
+def init_group(*, rank: int, tp_size: int, num_stages: int, init_method: str,
+               device: torch.device) -> ParallelGroup:
+    """Join the group at ``init_method`` (``tcp://host:port``; rank 0 listens there). Every
+    rank builds its backends in the same global order, so no two ranks wait on each other."""
     address = urlparse(init_method)
     if address.scheme != "tcp" or address.hostname is None or address.port is None:
         raise ValueError(f"init method must be tcp://host:port, got {init_method!r}")
+    size = tp_size * num_stages
+    stage, tp_rank = divmod(rank, tp_size)
     store = TCPStore(address.hostname, address.port, world_size=size, is_master=rank == 0, timeout=INIT_TIMEOUT)
     control = ProcessGroupGloo(PrefixStore("control", store), rank, size, INIT_TIMEOUT)
-    devices: Any
     if device.type == "cuda":
-        from torch._C._distributed_c10d import ProcessGroupNCCL
-
         torch.cuda.set_device(device)
-        devices = ProcessGroupNCCL(PrefixStore("nccl", store), rank, size, ProcessGroupNCCL.Options())
-        backend = "nccl"
-    else:
-        devices = ProcessGroupGloo(PrefixStore("devices", store), rank, size, INIT_TIMEOUT)
-        backend = "gloo"
-    log.info("tensor-parallel rank %d/%d joined (%s on %s)", rank, size, backend, device)
-    return TensorParallelGroup(rank=rank, size=size, device=device, devices=devices, control=control, store=store)
+
+    def backend(prefix: str, member: int, members: int) -> Any:
+        scoped = PrefixStore(prefix, store)
+        if device.type == "cuda":
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            return ProcessGroupNCCL(scoped, member, members, ProcessGroupNCCL.Options())
+        return ProcessGroupGloo(scoped, member, members, INIT_TIMEOUT)
+    devices = backend(f"tp{stage}", tp_rank, tp_size) if tp_size > 1 else None
+    prev_link = backend(f"pp{stage - 1}.{tp_rank}", 1, 2) if stage > 0 else None
+    next_link = backend(f"pp{stage}.{tp_rank}", 0, 2) if stage < num_stages - 1 else None
+    logits_link = None
+    if num_stages > 1 and rank == 0:
+        logits_link = backend("logits", 0, 2)
+    elif num_stages > 1 and stage == num_stages - 1 and tp_rank == 0:
+        logits_link = backend("logits", 1, 2)
+    log.info("parallel rank %d/%d joined (stage %d/%d, tensor rank %d/%d, %s on %s)", rank, size, stage,
+             num_stages, tp_rank, tp_size, "nccl" if device.type == "cuda" else "gloo", device)
+    return ParallelGroup(rank=rank, size=size, tp_rank=tp_rank, tp_size=tp_size, stage=stage,
+                         num_stages=num_stages, device=device, devices=devices, control=control, store=store,
+                         prev_link=prev_link, next_link=next_link, logits_link=logits_link)

@@ -75,7 +75,7 @@ class Workers:
 
 
 def _exit_server(rank: int, code: int) -> None:
-    message = (f"tensor-parallel worker rank {rank} exited with status {code}: the server stops "
+    message = (f"parallel worker rank {rank} exited with status {code}: the server stops "
                f"(the model cannot run without every rank)")
     log.critical("%s", message)
     write_termination_message(message)
@@ -85,12 +85,13 @@ def _exit_server(rank: int, code: int) -> None:
 
 def start_workers(args: ServeArgs, *, model_dir: Path, init_method: str,
                   on_death: Callable[[int, int], None] | None = None) -> Workers:
-    """Start ranks 1..size-1 of ``args.tensor_parallel_size``; they join at ``init_method``."""
-    size = args.tensor_parallel_size
+    """Start ranks 1..size-1 of ``args.tensor_parallel_size × args.pipeline_parallel_size``;
+    they join at ``init_method``."""
+    size = args.tensor_parallel_size * args.pipeline_parallel_size
     processes = [
-        subprocess.Popen(worker_argv(args, model_dir=model_dir, rank=rank, size=size, init_method=init_method),
+        subprocess.Popen(worker_argv(args, model_dir=model_dir, rank=rank, init_method=init_method),
                          stdin=subprocess.DEVNULL)
         for rank in range(1, size)
     ]
-    log.info("started %d tensor-parallel worker(s): pids %s", len(processes), [p.pid for p in processes])
+    log.info("started %d parallel worker rank(s): pids %s", len(processes), [p.pid for p in processes])
     return Workers(processes, on_death=on_death)

@@ -1,9 +1,10 @@
-"""A tensor-parallel rank's shard of the model, and the loop a worker rank (1..N-1) runs.
+"""A parallel rank's part of the model, and the loop a worker rank (1..N-1) runs.
 
 :func:`load_rank` is what every rank does to become ready, the driver included: load its
-shard, size the KV cache (every rank measures in lock-step, because a CUDA measurement runs a
-forward with collectives), and agree on the smallest block count. A worker then executes the
-driver's messages until told to stop; it has no scheduler, sampler or HTTP server.
+part (its pipeline stage's layers, its tensor-parallel shard of them), size the KV cache
+(every rank measures in lock-step, because a CUDA measurement runs a forward with
+collectives), and agree on the smallest block count. A worker then executes the driver's
+messages until told to stop; it has no scheduler, sampler or HTTP server.
 
 Started as ``python -m splitserve_runtime.engine.parallel.worker`` by :mod:`.launcher`.
 """
@@ -24,24 +25,43 @@ import torch
 
 from splitserve_contract import ServeArgs
 
+from ...model.pipeline import PipelineStage
 from ...model.tensor_parallel import TensorParallelLayout
 from ..kv_budget import KVCacheSpec, resolve_kv_cache_dtype
-from ..model_runner import CausalLM, allocate_kv_caches, measure_num_kv_blocks
-from . import control
-from .group import TensorParallelGroup, init_group
+from ..model_runner import KVCaches, StepRows, allocate_kv_caches, measure_num_kv_blocks
+from . import control, pipeline
+from .group import ParallelGroup, init_group
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class RankModel:
-    """One rank's loaded shard and its KV cache shape."""
+    """One rank's loaded part and its KV cache shape."""
 
-    model: CausalLM
-    layout: TensorParallelLayout
+    model: pipeline.StageModel
+    part: control.KVPart
     spec: KVCacheSpec
     num_blocks: int
     max_model_len: int
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+
+    def forward_logits(self, group: ParallelGroup, *, rows: StepRows, caches: KVCaches,
+                       block_size: int) -> torch.Tensor | None:
+        """One step on this rank: the logits of the sampled rows on the driver (None elsewhere
+        or when none is sampled). Without pipeline stages every rank runs the whole forward
+        (the tensor-parallel collectives meet inside it) and computes the logits."""
+        if group.num_stages > 1:
+            return pipeline.run_step(group, model=self.model, caches=caches, rows=rows, block_size=block_size,
+                                     hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.dtype)
+        inputs = rows.build(block_size=block_size, device=group.device)
+        hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches,
+                                    md=inputs.md)
+        if not inputs.logits_indices.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])  # the vocabulary gather
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -49,8 +69,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def load_rank(args: ServeArgs, *, model_dir: Path, group: TensorParallelGroup) -> RankModel:
-    """Load this rank's shard of ``model_dir`` and agree on the KV block count (every rank
+def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> RankModel:
+    """Load this rank's part of ``model_dir`` and agree on the KV block count (every rank
     calls this at the same point)."""
     from splitserve_contract.model_config import load_model_config
 
@@ -62,7 +82,9 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: TensorParallelGroup) -
     if device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
     config = load_model_config(model_dir=model_dir)
-    layout = TensorParallelLayout(config=config, rank=group.rank, size=group.size)
+    stage = PipelineStage(config=config, stage=group.stage, num_stages=group.num_stages) if group.num_stages > 1 else None
+    staged = stage.local_config() if stage is not None else config
+    layout = TensorParallelLayout(config=staged, rank=group.tp_rank, size=group.tp_size)
     dtype = resolve_dtype(args.dtype, device=device, config_dtype=config.torch_dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype=dtype, device=device)
     max_model_len = config.resolve_max_model_len(requested_tokens=args.max_model_len)
@@ -70,46 +92,43 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: TensorParallelGroup) -
         max_model_len = min(max_model_len, args.max_num_batched_tokens)
     ops = get_ops(name=args.attention_backend, device=device)
     model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device, config=config,
-                       quantization=args.quantization, parallel=(layout, group))
-    spec = KVCacheSpec(num_layers=config.num_hidden_layers, num_kv_heads=layout.num_kv_heads,
+                       quantization=args.quantization, parallel=(layout, group) if group.tp_size > 1 else None,
+                       stage=stage)
+    spec = KVCacheSpec(num_layers=staged.num_hidden_layers, num_kv_heads=layout.num_kv_heads,
                        head_dim=config.head_dim, dtype=kv_dtype)
     num_blocks = args.num_kv_blocks or measure_num_kv_blocks(
         model=model, spec=spec, device=device, block_size=args.block_size,
         kv_memory_fraction=args.kv_memory_fraction, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
     agreed = min(group.all_gather_object(num_blocks))
-    return RankModel(model=model, layout=layout, spec=spec, num_blocks=agreed,
-                     max_model_len=max_model_len)
+    return RankModel(model=model, part=control.KVPart(layout=layout, stage=stage), spec=spec, num_blocks=agreed,
+                     max_model_len=max_model_len, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                     dtype=dtype)
 
 
-def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, size: int, init_method: str) -> None:
+def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> None:
     """A worker rank's whole life: join, load, execute the driver's messages, leave."""
     from ..loading import resolve_device
 
-    group = init_group(rank=rank, size=size, init_method=init_method,
-                       device=rank_device(resolve_device(args.device), rank))
+    group = init_group(rank=rank, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
+                       init_method=init_method, device=rank_device(resolve_device(args.device), rank))
     loaded = load_rank(args, model_dir=model_dir, group=group)
     caches = allocate_kv_caches(spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size,
                                 device=group.device)
-    log.info("tensor-parallel rank %d ready: %d KV blocks", rank, loaded.num_blocks)
-    model = loaded.model
+    log.info("parallel rank %d ready: %d KV blocks", rank, loaded.num_blocks)
     while True:
         try:
             message = control.receive(group)
         except RuntimeError as exc:  # the driver is gone (its connection closed)
-            log.warning("tensor-parallel rank %d: the driver is gone (%s); exiting", rank, exc)
+            log.warning("parallel rank %d: the driver is gone (%s); exiting", rank, exc)
             return
         if isinstance(message, control.Step):
-            inputs = message.rows.build(block_size=args.block_size, device=group.device)
             with torch.inference_mode():
-                hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                       kv_caches=caches, md=inputs.md)
-                if inputs.logits_indices.numel():
-                    model.compute_logits(hidden[inputs.logits_indices])  # the vocabulary gather
+                loaded.forward_logits(group, rows=message.rows, caches=caches, block_size=args.block_size)
         elif isinstance(message, control.ReadBlocks):
-            control.gather_blocks(group, loaded.layout, caches, message.block_ids)
+            control.gather_blocks(group, loaded.part, caches, message.block_ids)
         elif isinstance(message, control.WriteBlocks):
-            control.write_blocks(loaded.layout, caches, message.blocks)
+            control.write_blocks(group, loaded.part, caches, message.blocks)
         else:
             break
 
@@ -129,17 +148,16 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def worker_argv(args: ServeArgs, *, model_dir: Path, rank: int, size: int, init_method: str) -> list[str]:
-    """The command line :func:`main` parses."""
-    return [sys.executable, "-m", __name__, "--rank", str(rank), "--size", str(size),
+def worker_argv(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> list[str]:
+    """The command line :func:`main` parses (the group's shape comes with ``args``)."""
+    return [sys.executable, "-m", __name__, "--rank", str(rank),
             "--init-method", init_method, "--model-dir", str(model_dir),
             "--serve-args", json.dumps(dataclasses.asdict(args))]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a tensor-parallel worker rank (started by splitserve serve)")
+    parser = argparse.ArgumentParser(description="a parallel worker rank (started by splitserve serve)")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--serve-args", required=True, help="ServeArgs as JSON")
@@ -147,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{ns.rank} %(levelname)s %(name)s: %(message)s")
     args = ServeArgs(**json.loads(ns.serve_args))
-    serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, size=ns.size, init_method=ns.init_method)
+    serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method)
     return 0
 
 

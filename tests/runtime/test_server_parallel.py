@@ -1,7 +1,8 @@
-"""`splitserve serve --tensor-parallel-size 2` as a process: it serves the OpenAI API with the
-single-process model's greedy answers, and a killed worker rank takes the server down at
-once with a non-zero status and a termination message (no hang behind a collective that can
-never complete; the kubelet restarts the pod and the router stops sending to it)."""
+"""`splitserve serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) as a process:
+it serves the OpenAI API with the single-process model's greedy answers, and a killed worker
+rank takes the server down at once with a non-zero status and a termination message (no hang
+behind a collective that can never complete; the kubelet restarts the pod and the router
+stops sending to it)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from splitserve_runtime.termination import TERMINATION_LOG_ENV
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a land far away there"]
 
 
+LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
 class _Server:
-    def __init__(self, model_dir: Path, termination_log: Path) -> None:
+    def __init__(self, model_dir: Path, termination_log: Path, layout: dict[str, int]) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         termination_log.write_text("")
-        self.proc = spawn_server(args=serve_args(model_dir=model_dir, port=self.port, tensor_parallel_size=2),
+        self.proc = spawn_server(args=serve_args(model_dir=model_dir, port=self.port, **layout),
                                  env={TERMINATION_LOG_ENV: str(termination_log)})
 
     def ready(self) -> bool:
@@ -43,9 +47,9 @@ class _Server:
         return [int(pid) for pid in found.stdout.split()]
 
 
-@pytest.fixture
-def server(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[_Server]:
-    running = _Server(tiny_llama_dir, tmp_path / "termination-log")
+@pytest.fixture(params=list(LAYOUTS))
+def server(tiny_llama_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Server]:
+    running = _Server(tiny_llama_dir, tmp_path / "termination-log", LAYOUTS[request.param])
     try:
         wait_until(running.ready, timeout_s=120, what="the tensor-parallel server to become ready")
         yield running
@@ -79,4 +83,4 @@ def test_killed_worker_stops_the_server(server: _Server, tmp_path: Path) -> None
     assert code == WORKER_EXIT_STATUS
     assert time.monotonic() - started < 5
     message = (tmp_path / "termination-log").read_text()
-    assert "tensor-parallel worker rank 1 exited" in message
+    assert "parallel worker rank 1 exited" in message

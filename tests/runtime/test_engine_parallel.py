@@ -1,9 +1,10 @@
-"""Tensor parallelism with real processes (gloo on the CPU): an engine whose model runs on two
-ranks produces, token for token, what the single-process engine produces, however the work is
-batched (a batch of 8, chunked prefill at a tiny budget, prefix-cache hits, preemption, n-gram
+"""Tensor and pipeline parallelism with real processes (gloo on the CPU): an engine whose model
+runs on two ranks (TP 2, or two pipeline stages), or on four (TP 2 × PP 2), produces, token for
+token, what the single-process engine produces, however the work is batched (a batch of 8 in
+micro-batches, chunked prefill at a tiny budget, prefix-cache hits, preemption, n-gram
 speculation), for an even head split, an uneven one (3 KV heads over 2 ranks, tied embeddings,
-a vocabulary that does not divide) and a replicated KV head; and KV blocks move between a TP 2
-and a TP 1 engine both ways (heterogeneous prefill/decode)."""
+a vocabulary that does not divide) and a replicated KV head; and KV blocks move between
+engines of different layouts both ways (heterogeneous prefill/decode)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from splitserve_contract import ServeArgs
 from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.outputs import RequestOutput
-from splitserve_runtime.engine.parallel.runner import TensorParallelRunner
+from splitserve_runtime.engine.parallel.runner import ParallelRunner
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.model.tiny import write_tiny_model
 
@@ -63,17 +64,25 @@ def _prompts(engine: LLMEngine) -> dict[str, list[int]]:
     return {f"p{i}": tok.encode(text) for i, text in enumerate(TEXTS)}
 
 
-def test_two_ranks_match_one_however_batched(tiny_llama_dir: Path, engines: list[LLMEngine]) -> None:
+LAYOUTS = [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+LAYOUT_IDS = ["tp2", "pp2"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_two_ranks_match_one_however_batched(tiny_llama_dir: Path, engines: list[LLMEngine],
+                                             layout: dict[str, int]) -> None:
     single = _engine(engines, tiny_llama_dir)
     prompts = _prompts(single)
     reference = _run(single, prompts)
     assert len({tuple(v) for v in reference.values()}) > 1
 
-    engine = _engine(engines, tiny_llama_dir, tensor_parallel_size=2, prefix_caching=True,
-                     chunked_prefill=True, max_num_batched_tokens=7)
-    assert isinstance(engine.runner, TensorParallelRunner)
-    assert engine.runner.spec.num_kv_heads == 1  # this rank's half of the 2 KV heads
-    assert engine.runner.wire_spec.num_kv_heads == 2
+    engine = _engine(engines, tiny_llama_dir, prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=7,
+                     **layout)
+    assert isinstance(engine.runner, ParallelRunner)
+    tp = layout.get("tensor_parallel_size", 1)
+    assert engine.runner.spec.num_kv_heads == 2 // tp  # this rank's share of the 2 KV heads
+    assert engine.runner.spec.num_layers == 2 // layout.get("pipeline_parallel_size", 1)  # and of the 2 layers
+    assert engine.runner.wire_spec == single.runner.wire_spec
     first = dict(list(prompts.items())[:1])
     assert _run(engine, first) == {k: reference[k] for k in first}
     rest = {k: v for k, v in prompts.items() if k not in first}
@@ -81,12 +90,15 @@ def test_two_ranks_match_one_however_batched(tiny_llama_dir: Path, engines: list
     assert engine.stats().prefix_cache_hit_tokens_total >= 8 * len(rest)
 
 
-def test_two_ranks_preempt_and_speculate_like_one(tiny_llama_dir: Path, engines: list[LLMEngine]) -> None:
+@pytest.mark.parametrize("layout", [*LAYOUTS, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+                         ids=[*LAYOUT_IDS, "tp2xpp2"])
+def test_parallel_ranks_preempt_and_speculate_like_one(tiny_llama_dir: Path, engines: list[LLMEngine],
+                                                       layout: dict[str, int]) -> None:
     single = _engine(engines, tiny_llama_dir)
     prompts = _prompts(single)
     reference = _run(single, prompts)
-    engine = _engine(engines, tiny_llama_dir, tensor_parallel_size=2, num_kv_blocks=16, prefix_caching=True,
-                     chunked_prefill=True, max_num_batched_tokens=64, speculative_method="ngram")
+    engine = _engine(engines, tiny_llama_dir, num_kv_blocks=16, prefix_caching=True,
+                     chunked_prefill=True, max_num_batched_tokens=64, speculative_method="ngram", **layout)
     assert _run(engine, prompts) == reference
     assert engine.stats().preemptions_total > 0
     assert engine.stats().spec_decode_proposed_tokens_total > 0
@@ -132,25 +144,35 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int]) -> list[i
     return first + [t for out in rest for t in out.new_token_ids]
 
 
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2), (2, 2)], ids=["tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2"])
-def test_kv_moves_between_tensor_parallel_sizes(tiny_llama_dir: Path, engines: list[LLMEngine],
-                                                sizes: tuple[int, int]) -> None:
+TP1: dict[str, int] = {}
+TP2 = {"tensor_parallel_size": 2}
+PP2 = {"pipeline_parallel_size": 2}
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout"), [(TP2, TP1), (TP1, TP2), (TP2, TP2), (PP2, TP1),
+                                                                (TP2, PP2)],
+                         ids=["tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2", "pp2-to-tp1", "tp2-to-pp2"])
+def test_kv_moves_between_parallel_layouts(tiny_llama_dir: Path, engines: list[LLMEngine],
+                                           prefill_layout: dict[str, int], decode_layout: dict[str, int]) -> None:
     single = _engine(engines, tiny_llama_dir)
     prompt = _prompts(single)["p2"]
     reference = _run(single, {"ref": prompt})["ref"]
-    prefill = _engine(engines, tiny_llama_dir, tensor_parallel_size=sizes[0])
-    decode = _engine(engines, tiny_llama_dir, tensor_parallel_size=sizes[1])
+    prefill = _engine(engines, tiny_llama_dir, **prefill_layout)
+    decode = _engine(engines, tiny_llama_dir, **decode_layout)
     assert prefill.runner.wire_spec == decode.runner.wire_spec == single.runner.wire_spec
     assert _handoff(prefill, decode, prompt) == reference
     assert decode.block_manager.usage_ratio == 0.0
 
 
-def test_whole_model_block_bytes_do_not_depend_on_the_split(tiny_llama_dir: Path, engines: list[LLMEngine]) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_whole_model_block_bytes_do_not_depend_on_the_split(tiny_llama_dir: Path, engines: list[LLMEngine],
+                                                            layout: dict[str, int]) -> None:
     """A block read from two ranks is the single-process block (equal up to the summation order
-    of the all-reduces: layer 0's K/V bit for bit, later layers within float rounding); writing
-    a block into the two ranks and reading it back gives it again byte for byte."""
+    of the all-reduces: layer 0's K/V bit for bit, later layers within float rounding; bit for
+    bit across pipeline stages); writing a block into the two ranks and reading it back gives
+    it again byte for byte."""
     single = _engine(engines, tiny_llama_dir)
-    parallel = _engine(engines, tiny_llama_dir, tensor_parallel_size=2)
+    parallel = _engine(engines, tiny_llama_dir, **layout)
     prompt = _prompts(single)["p0"]
     blocks = []
     for engine in (single, parallel):
@@ -174,9 +196,10 @@ def test_whole_model_block_bytes_do_not_depend_on_the_split(tiny_llama_dir: Path
 
 
 def test_closing_stops_the_workers(tiny_llama_dir: Path) -> None:
-    engine = LLMEngine.from_args(dataclasses.replace(BASE, model=str(tiny_llama_dir), tensor_parallel_size=2))
+    engine = LLMEngine.from_args(dataclasses.replace(BASE, model=str(tiny_llama_dir), tensor_parallel_size=2,
+                                                     pipeline_parallel_size=2))
     runner = engine.runner
-    assert isinstance(runner, TensorParallelRunner)
-    assert [p.poll() for p in runner.workers.processes] == [None]
+    assert isinstance(runner, ParallelRunner)
+    assert [p.poll() for p in runner.workers.processes] == [None, None, None]
     engine.close()
-    assert [p.returncode for p in runner.workers.processes] == [0]  # a Stop message, not a kill
+    assert [p.returncode for p in runner.workers.processes] == [0, 0, 0]  # a Stop message, not a kill

@@ -1,9 +1,10 @@
-"""Tensor parallelism on a real model (SmolLM2-135M-Instruct: 9 query heads, 3 KV heads, tied
-embeddings). At TP 2 its KV groups split unevenly (1 and 2 per rank: 3 and 6 query heads),
-which is how a model whose heads do not divide by the group size is served at all. fp32,
-greedy: the tokens are the single-process engine's, and the log-probabilities of every
-generated token and of its top-5 alternatives are within 1e-4 of Hugging Face transformers
-(the numerical oracle) on the same token sequence."""
+"""Tensor and pipeline parallelism on a real model (SmolLM2-135M-Instruct: 30 layers, 9 query
+heads, 3 KV heads, tied embeddings). At TP 2 its KV groups split unevenly (1 and 2 per rank:
+3 and 6 query heads), which is how a model whose heads do not divide by the group size is
+served at all; at PP 2 its layers split 15/15, the last stage holding the tied embedding for
+the LM head. fp32, greedy: the tokens are the single-process engine's, and the
+log-probabilities of every generated token and of its top-5 alternatives are within 1e-4 of
+Hugging Face transformers (the numerical oracle) on the same token sequence."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def model_dir() -> Path:
     return smollm2.hf_dir()
 
 
-def _engine(model_dir: Path, tensor_parallel_size: int) -> LLMEngine:
+LAYOUTS: dict[str, dict[str, Any]] = {"tp1": {}, "tp2": {"tensor_parallel_size": 2},
+                                      "pp2": {"pipeline_parallel_size": 2}}
+
+
+def _engine(model_dir: Path, layout: str) -> LLMEngine:
     return LLMEngine.from_args(ServeArgs(model=str(model_dir), device="cpu", attention_backend="torch",
                                          dtype="float32", max_model_len=512, num_kv_blocks=64, block_size=16,
-                                         tensor_parallel_size=tensor_parallel_size))
+                                         **LAYOUTS[layout]))
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[TokenLogprob]]:
@@ -50,35 +55,41 @@ def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[Tok
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir: Path) -> Iterator[tuple[list[list[int]], dict[int, dict[str, list[TokenLogprob]]]]]:
-    single = _engine(model_dir, 1)
+def runs(model_dir: Path) -> Iterator[tuple[list[list[int]], dict[str, dict[str, list[TokenLogprob]]]]]:
+    single = _engine(model_dir, "tp1")
     tok: Any = single.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True),
                           add_special_tokens=False) for m in MESSAGES]
-    results = {1: _generate(single, prompts)}
-    parallel = _engine(model_dir, 2)
-    try:
-        assert parallel.runner.spec.num_kv_heads == 1  # rank 0: one KV group of the three
-        results[2] = _generate(parallel, prompts)
-    finally:
-        parallel.close()
+    results = {"tp1": _generate(single, prompts)}
+    for layout in ("tp2", "pp2"):
+        parallel = _engine(model_dir, layout)
+        try:
+            results[layout] = _generate(parallel, prompts)
+            shares = {"tp2": (30, 1), "pp2": (15, 3)}[layout]  # rank 0's layers and KV heads
+            assert (parallel.runner.spec.num_layers, parallel.runner.spec.num_kv_heads) == shares
+        finally:
+            parallel.close()
     yield prompts, results
 
 
-def test_tp2_tokens_equal_tp1(runs: tuple[list[list[int]], dict[int, dict[str, list[TokenLogprob]]]]) -> None:
+Runs = tuple[list[list[int]], dict[str, dict[str, list[TokenLogprob]]]]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_parallel_tokens_equal_single(runs: Runs, layout: str) -> None:
     _, results = runs
-    tokens = {tp: {rid: [lp.token_id for lp in lps] for rid, lps in out.items()} for tp, out in results.items()}
-    assert tokens[2] == tokens[1]
-    assert all(len(t) == MAX_TOKENS for t in tokens[2].values())
+    tokens = {name: {rid: [lp.token_id for lp in lps] for rid, lps in out.items()} for name, out in results.items()}
+    assert tokens[layout] == tokens["tp1"]
+    assert all(len(t) == MAX_TOKENS for t in tokens[layout].values())
 
 
-def test_tp2_logprobs_match_transformers(model_dir: Path,
-                                         runs: tuple[list[list[int]], dict[int, dict[str, list[TokenLogprob]]]]) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_parallel_logprobs_match_transformers(model_dir: Path, runs: Runs, layout: str) -> None:
     prompts, results = runs
     hf: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32,
                                                    attn_implementation="eager")
     for i, prompt in enumerate(prompts):
-        generated = results[2][f"m{i}"]
+        generated = results[layout][f"m{i}"]
         sequence = prompt + [lp.token_id for lp in generated]
         with torch.no_grad():
             logits = hf(torch.tensor([sequence])).logits[0].float()
