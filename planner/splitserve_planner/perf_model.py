@@ -65,7 +65,7 @@ class ModelDoesNotFit(ValueError):
 
 class TensorParallelRefused(ValueError):
     """The runtime would refuse this model at this TP size: its heads or MLP cannot be split
-    that many ways, or it is a pre-quantized checkpoint (served at TP 1 only, for now)."""
+    that many ways."""
 
 
 def prefill_attention_pairs(*, num_new_tokens: int, num_computed_tokens: int) -> int:
@@ -333,10 +333,6 @@ def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_paral
 
     ``dtype`` is the activation dtype (``fp8``: the legacy alias for bf16 with fp8 weights)."""
     precision = Precision.of(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    if tensor_parallel > 1 and config.quantization_config:
-        raise TensorParallelRefused(f"{name}: tensor parallelism of a pre-quantized checkpoint is not supported yet: "
-                                    "serve a dense checkpoint (--quantization fp8|int8|int4 quantizes each rank's "
-                                    "shard at load time)")
     return RooflineModel(name=name, shape=ModelShape.from_config(config), gpu=gpu,
                          tensor_parallel=tensor_parallel, precision=precision, memory_fraction=memory_fraction,
                          compute_efficiency=compute_efficiency, bandwidth_efficiency=bandwidth_efficiency,

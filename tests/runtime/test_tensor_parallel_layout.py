@@ -103,3 +103,19 @@ def test_checkpoint_shards_put_every_tensor_back_together(heads: int, kv: int, s
             assert not torch.cat(shards)[53:].any()  # padding rows are zero
         else:
             assert all(s is tensor for s in shards)  # norms: every rank holds them whole
+
+
+def test_quantized_weights_narrow_like_their_dense_values() -> None:
+    from splitserve_runtime.quant.formats import dequantize, narrow_features
+    from splitserve_runtime.quant.quantize import quantize_fp8, quantize_int4, quantize_int8
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    for quantized in (quantize_fp8(weight), quantize_int8(weight, act_quant=True),
+                      quantize_int4(weight, group_size=64, scale_dtype=torch.float32)):
+        whole = dequantize(quantized)
+        for dim, start, length in ((0, 16, 32), (1, 128, 128), (1, 64, 64)):
+            share = narrow_features(quantized, dim=dim, start=start, length=length)
+            assert type(share) is type(quantized)
+            assert torch.equal(dequantize(share), whole.narrow(dim, start, length))
+    with pytest.raises(ValueError, match="int4 groups of 64 input features do not align"):
+        narrow_features(quantize_int4(weight, group_size=64, scale_dtype=torch.float32), dim=1, start=32, length=64)

@@ -116,17 +116,14 @@ def load_model(
     stored (dense, or pre-quantized per its ``quantization_config``); ``fp8``/``int8``/``int4``
     quantizes a dense checkpoint at load time and must match a pre-quantized one's method.
 
-    ``parallel``: load one tensor-parallel rank's shard (:mod:`.tensor_parallel`) of a dense
-    checkpoint (load-time quantization applies to the shard); its layout is built on the
-    stage's config when there is a ``stage``. ``stage``: load one pipeline stage
+    ``parallel``: load one tensor-parallel rank's shard (:mod:`.tensor_parallel`): dense
+    tensors are narrowed as they stream in, quantized projections once decoded (see
+    :class:`.quantized_linears.LinearAssembler`); its layout is built on the stage's config
+    when there is a ``stage``. ``stage``: load one pipeline stage
     (:mod:`.pipeline`): its layers renamed to local indices, the rest skipped."""
     config = config if config is not None else load_model_config(model_dir=model_dir)
     gguf_file = gguf_source(model_dir)
     layout = parallel[0] if parallel is not None else None
-    if layout is not None and layout.size > 1 and (gguf_file is not None or config.quantization_config):
-        what = f"the GGUF file {gguf_file.name}" if gguf_file is not None else "a pre-quantized checkpoint"
-        raise ModelLoadError(f"tensor parallelism of {what} is not supported yet: serve a dense "
-                             f"checkpoint (quantization fp8/int8/int4 quantizes each rank's shard at load time)")
     if gguf_file is not None and quantization != "none":
         raise ModelLoadError(f"{gguf_file}: a GGUF file is served as stored (its Q4_0/Q4_1 tensors as int4); "
                              f"quantization {quantization} cannot be applied to it: set quantization to none")
@@ -137,8 +134,8 @@ def load_model(
     local = layout.local_config() if layout is not None else staged
     model = LlamaForCausalLM(config=local, ops=ops, dtype=dtype, device=device, quantized_linears=quantized,
                              parallel=parallel, stage=stage)
-    assembler = (LinearAssembler(model=model, config=local, scheme=scheme, load_time=load_time,
-                                 dtype=dtype, device=device) if quantized else None)
+    assembler = (LinearAssembler(model=model, config=staged, scheme=scheme, load_time=load_time,
+                                 dtype=dtype, device=device, layout=layout) if quantized else None)
     filler = _Filler(model=model, config=staged, assembler=assembler, layout=layout, stage=stage)
 
     def offer(name: str, get: Callable[[], LinearWeight], path: Path) -> None:
@@ -178,10 +175,7 @@ class _Filler:
 
     def offer(self, *, name: str, get: Callable[[], LinearWeight], path: Path) -> None:
         if self.assembler is not None and self.assembler.owns(name):
-            tensor = get()
-            if self.layout is not None:
-                tensor = self.layout.shard_checkpoint_tensor(name, _dense(tensor, name))
-            self.assembler.add(name=name, tensor=tensor, path=path)
+            self.assembler.add(name=name, tensor=get(), path=path)  # it cuts the rank's share itself
         elif _KV_SCALE.match(name):
             _set_kv_scale(model=self.model, name=name, tensor=_dense(get(), name), path=path)
         else:

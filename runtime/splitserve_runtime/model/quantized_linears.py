@@ -28,11 +28,13 @@ from ..quant.formats import (
     LinearWeight,
     concat_out_features,
     dequantize,
+    narrow_features,
 )
 from ..quant.quantize import int4_group_size, quantize_fp8, quantize_int4, quantize_int8
 from .checkpoint_quant import CheckpointQuantization, parse_quantization_config
 from .errors import ModelLoadError
 from .llama import LlamaForCausalLM
+from .tensor_parallel import TensorParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,15 @@ class LinearAssembler:
     """Collects, decodes and installs the decoder layers' linear projections (module docstring)."""
 
     def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, scheme: CheckpointQuantization | None,
-                 load_time: str | None, dtype: torch.dtype, device: torch.device) -> None:
+                 load_time: str | None, dtype: torch.dtype, device: torch.device,
+                 layout: TensorParallelLayout | None = None) -> None:
+        """``config`` describes the checkpoint's projections (whole, as stored); with a
+        tensor-parallel ``layout`` each decoded projection is then cut to this rank's share
+        (:meth:`~.tensor_parallel.TensorParallelLayout.projection_slice`) in its quantized
+        layout, so a pre-quantized checkpoint serves at any split and a load-time
+        quantization gives every rank the very weights a single process would hold."""
         self._model = model
+        self._layout = layout
         self._config = config
         self._scheme = scheme
         self._load_time = load_time
@@ -161,7 +170,7 @@ class LinearAssembler:
         layer, fused = key
         in_features, parts = self._groups[fused]
         stored = self._pending.pop(key)
-        weights = [self._decode(layer=layer, part=part, tensors=stored[part.module], in_features=in_features)
+        weights = [self._decode_share(layer=layer, part=part, tensors=stored[part.module], in_features=in_features)
                    for part in parts]
         if len({type(w) for w in weights}) > 1:
             log.warning("layer %d %s: mixed quantized and dense parts; the group is served dense", layer, fused)
@@ -170,6 +179,28 @@ class LinearAssembler:
         self._model.decoder_layers()[layer].set_linear(fused, weight)
         self._kinds[_kind(weight)] += 1
         self._done.add(key)
+
+    def _decode_share(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight],
+                      in_features: int) -> LinearWeight:
+        """The projection decoded (or quantized) whole, then this rank's share of it. An int4
+        slice that does not cut at group boundaries is refused for a stored int4 checkpoint;
+        a load-time int4 quantization then quantizes the rank's dense share instead."""
+        weight = self._decode(layer=layer, part=part, tensors=tensors, in_features=in_features)
+        if self._layout is None:
+            return weight
+        dim, start, length = self._layout.projection_slice(part.module)
+        try:
+            return narrow_features(weight, dim=dim, start=start, length=length)
+        except ValueError as exc:
+            dense = tensors.get("weight")
+            if self._load_time is None or not isinstance(dense, torch.Tensor):
+                raise ModelLoadError(f"model.layers.{layer}.{part.module} cannot be split for tensor-parallel "
+                                     f"rank {self._layout.rank} of {self._layout.size}: {exc}") from None
+            share = narrow_features(dense, dim=dim, start=start, length=length)
+            assert isinstance(share, torch.Tensor)
+            rows, columns = share.shape
+            return self._decode(layer=layer, part=_Part(part.module, rows), tensors={"weight": share},
+                                in_features=columns)
 
     def _decode(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight], in_features: int) -> LinearWeight:
         hf_module = f"model.layers.{layer}.{part.module}"

@@ -145,25 +145,36 @@ class TensorParallelLayout:
             intermediate_size=self.intermediate_size, vocab_size=self.vocab_rows)
 
     # ------------------------------------------------------------------ checkpoint tensors
+    def projection_slice(self, module: str) -> tuple[int, int, int]:
+        """``(dim, start, length)`` of this rank's share of projection ``module``'s weight
+        (``self_attn.q_proj`` ... ``mlp.down_proj``): output rows (dim 0) of the
+        column-parallel ones, input columns (dim 1) of the row-parallel ones."""
+        head_dim = self.config.head_dim
+        name = module.rsplit(".", 1)[-1]
+        if name == "q_proj":
+            return 0, self.q_head_start() * head_dim, self.num_heads * head_dim
+        if name in ("k_proj", "v_proj"):
+            return 0, self.kv_head_start() * head_dim, self.num_kv_heads * head_dim
+        if name == "o_proj":
+            return 1, self.q_head_start() * head_dim, self.num_heads * head_dim
+        if name in ("gate_proj", "up_proj"):
+            return 0, self.rank * self.intermediate_size, self.intermediate_size
+        if name == "down_proj":
+            return 1, self.rank * self.intermediate_size, self.intermediate_size
+        raise ValueError(f"{module!r} is not a decoder projection")
+
     def shard_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of checkpoint tensor ``name`` (full shape already checked), in
-        the shape the local config's target expects; tensors every rank needs whole (norms,
+        """This rank's piece of dense checkpoint tensor ``name`` (full shape already checked),
+        in the shape the local config's target expects; tensors every rank needs whole (norms,
         KV scales) come back unchanged."""
         match = _PIECE.search(name)
         if match is None:
             return tensor
-        piece = match.group("piece") or "vocab"
-        head_dim = self.config.head_dim
-        if piece in ("q_proj.weight", "q_proj.bias"):
-            return _narrow(tensor, 0, self.q_head_start() * head_dim, self.num_heads * head_dim)
-        if piece in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
-            return _narrow(tensor, 0, self.kv_head_start() * head_dim, self.num_kv_heads * head_dim)
-        if piece == "o_proj.weight":
-            return _narrow(tensor, 1, self.q_head_start() * head_dim, self.num_heads * head_dim)
-        if piece in ("gate_proj.weight", "up_proj.weight"):
-            return _narrow(tensor, 0, self.rank * self.intermediate_size, self.intermediate_size)
-        if piece == "down_proj.weight":
-            return _narrow(tensor, 1, self.rank * self.intermediate_size, self.intermediate_size)
+        piece = match.group("piece")
+        if piece is not None:
+            module, kind = piece.split(".")
+            dim, start, length = self.projection_slice(module)
+            return _narrow(tensor, 0 if kind == "bias" else dim, start, length)
         # embed_tokens / lm_head: vocabulary rows, the last rank's padding zero
         rows = min(self.vocab_rows, max(0, self.config.vocab_size - self.vocab_start))
         out = tensor.new_zeros((self.vocab_rows, *tensor.shape[1:]))

@@ -183,6 +183,32 @@ def concat_out_features(parts: list[LinearWeight]) -> LinearWeight:
                       group_size=first.group_size)
 
 
+def narrow_features(weight: LinearWeight, *, dim: int, start: int, length: int) -> LinearWeight:
+    """The slice ``[start, start + length)`` of ``weight``'s output rows (``dim`` 0) or input
+    columns (``dim`` 1), in the same layout: a tensor-parallel rank's share of a column- or
+    row-parallel projection. Per-channel scales follow their rows; an int4 input slice must
+    cut at group boundaries (ValueError otherwise)."""
+    if dim not in (0, 1):
+        raise ValueError(f"dim must be 0 (output rows) or 1 (input columns), got {dim}")
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, start, length).contiguous()
+    if isinstance(weight, _PerChannelWeight):
+        scale = weight.weight_scale.narrow(0, start, length) if dim == 0 else weight.weight_scale
+        return dataclasses.replace(weight, qweight=weight.qweight.narrow(dim, start, length).contiguous(),
+                                   weight_scale=scale.contiguous())
+    if dim == 0:
+        return dataclasses.replace(weight, qweight=weight.qweight.narrow(1, start, length).contiguous(),
+                                   scales=weight.scales.narrow(1, start, length).contiguous(),
+                                   offsets=weight.offsets.narrow(1, start, length).contiguous())
+    group = weight.group_size
+    if start % group or length % group:
+        raise ValueError(f"int4 groups of {group} input features do not align with the slice "
+                         f"[{start}, {start + length}) of the {weight.in_features} input features")
+    return dataclasses.replace(weight, qweight=weight.qweight.narrow(0, start // INT4_PACK, length // INT4_PACK).contiguous(),
+                               scales=weight.scales.narrow(0, start // group, length // group).contiguous(),
+                               offsets=weight.offsets.narrow(0, start // group, length // group).contiguous())
+
+
 def weight_nbytes(weight: LinearWeight) -> int:
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
