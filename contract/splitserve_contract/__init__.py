@@ -32,7 +32,7 @@ from .flags import (
     serve_argv,
     unsupported_serve_settings,
 )
-from .metrics import OUTCOMES, Metric, OperatorMetric
+from .metrics import OUTCOMES, Metric, ModelServerMetric, OperatorMetric
 from .reasons import ConditionType, Reason
 from .wire import (
     ANNOTATION_CONFIG_HASH,
@@ -97,7 +97,7 @@ __all__ = [
     "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_MANAGED_BY", "LABEL_NAME", "LABEL_NAME_VALUE",
     "LABEL_ROLE", "LABEL_SCRAPE", "MANAGED_BY_VALUE", "METRICS_PATH", "OUTCOMES", "PLURAL",
     "ROUTER_FLAGS", "SERVE_FLAGS", "TERMINATION_MESSAGE_PATH", "ConditionType", "Flag", "Metric",
-    "OperatorMetric", "Reason", "Role", "RouterArgs", "RoutingPolicy", "ServeArgs",
+    "ModelServerMetric", "OperatorMetric", "Reason", "Role", "RouterArgs", "RoutingPolicy", "ServeArgs",
     "add_arguments", "add_router_arguments", "add_serve_arguments", "block_hash",
     "capabilities", "defaults", "router_args_from_namespace", "router_argv",
     "serve_args_from_namespace", "serve_argv", "unsupported_serve_settings",

@@ -37,6 +37,17 @@ class Metric:
     KV_TRANSFER_SECONDS: Final = "splitserve_kv_transfer_seconds"
 
 
+class ModelServerMetric:
+    """The model-server protocol's gauges, under the names Gateway API Inference Extension
+    endpoint pickers (and llm-d's) read by default: vLLM's. The runtime exports them beside its
+    own names, labelled ``model_name``, so a picker routes to splitserve pods unconfigured."""
+
+    NUM_REQUESTS_WAITING: Final = "vllm:num_requests_waiting"
+    NUM_REQUESTS_RUNNING: Final = "vllm:num_requests_running"
+    KV_CACHE_USAGE_PERC: Final = "vllm:kv_cache_usage_perc"  # a fraction 0..1, as vLLM's despite the name
+    CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"  # 1, labels block_size and num_gpu_blocks
+
+
 class OperatorMetric:
     """Metric names exported by the operator."""
 

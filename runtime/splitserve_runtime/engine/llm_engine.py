@@ -516,7 +516,7 @@ class LLMEngine:
             requests_waiting=sched.num_waiting, requests_running=sched.num_running,
             prompt_tokens_waiting=sched.num_prompt_tokens_waiting(),
             kv_cache_usage_ratio=bm.usage_ratio, kv_cache_blocks_total=bm.num_blocks,
-            kv_cache_blocks_cached=bm.num_cached_blocks,
+            kv_cache_blocks_cached=bm.num_cached_blocks, kv_cache_block_size=bm.block_size,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queried_tokens_total=sched.counters.prefix_cache_queried_tokens_total,

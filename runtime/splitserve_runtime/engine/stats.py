@@ -25,6 +25,8 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int
     preemptions_total: int
     steps_total: int
+    kv_cache_block_size: int = 0
+    """Tokens per KV block (0: unknown)."""
     spec_decode_proposed_tokens_total: int = 0
     """Speculative proposals verified (``--speculative-method``)."""
     spec_decode_accepted_tokens_total: int = 0

@@ -11,6 +11,10 @@ test process):
 Every series carries the labels ``role`` and ``model``. Before the engine has loaded, the
 engine-derived series are absent rather than zero, so an autoscaler never mistakes a
 loading pod for an idle one.
+
+The queue and KV gauges are also exported under the model-server protocol's names
+(:class:`~splitserve_contract.ModelServerMetric`, vLLM's, labelled ``model_name``), which
+Gateway API Inference Extension endpoint pickers read without configuration.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitserve_contract import OUTCOMES
+from splitserve_contract import OUTCOMES, ModelServerMetric
 from splitserve_contract import Metric as M
 from splitserve_runtime.engine.stats import EngineStats
 
@@ -98,6 +102,23 @@ class _EngineStatsCollector(Collector):
             for position, count in enumerate(counts):
                 by_position.add_metric([*self._labels, str(position)], float(count))
             yield by_position
+        yield from _model_server_gauges(stats, model=self._labels[1])
+
+
+def _model_server_gauges(stats: EngineStats, *, model: str) -> Iterable[Metric]:
+    """The protocol's gauges (module docstring) from the same snapshot as ours."""
+    for name, value, help_text in (
+            (ModelServerMetric.NUM_REQUESTS_WAITING, stats.requests_waiting, "requests waiting to be scheduled"),
+            (ModelServerMetric.NUM_REQUESTS_RUNNING, stats.requests_running, "requests being processed"),
+            (ModelServerMetric.KV_CACHE_USAGE_PERC, stats.kv_cache_usage_ratio,
+             "KV cache usage as a fraction of the pool (1 means 100 percent)")):
+        gauge = GaugeMetricFamily(name, help_text, labels=("model_name",))
+        gauge.add_metric([model], float(value))
+        yield gauge
+    info = GaugeMetricFamily(ModelServerMetric.CACHE_CONFIG_INFO, "KV cache configuration",
+                             labels=("model_name", "block_size", "num_gpu_blocks"))
+    info.add_metric([model, str(stats.kv_cache_block_size), str(stats.kv_cache_blocks_total)], 1.0)
+    yield info
 
 
 class ServerMetrics:
