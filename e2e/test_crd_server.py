@@ -111,8 +111,11 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
         observed_generation=live["metadata"]["generation"],
         endpoint="http://demo-router.x.svc:8000",
         conditions=[api.Condition(type="Ready", status=api.ConditionStatus.TRUE, reason=api.Reason.RECONCILED,
+                                  last_transition_time=api.utc_now(), observed_generation=1),
+                    api.Condition(type="MetricsHealthy", status=api.ConditionStatus.TRUE, reason="MetricsAvailable",
                                   last_transition_time=api.utc_now(), observed_generation=1)],
-        prefill=api.PoolStatus(replicas=1, ready_replicas=1, desired_replicas=2),
+        prefill=api.PoolStatus(replicas=1, ready_replicas=1, desired_replicas=2,
+                               last_decision=api.ScalingDecision(time=api.utc_now(), result=2, reason="ScaledUp")),
         decode=api.PoolStatus(replicas=1, ready_replicas=1, desired_replicas=1),
     )
     cluster.kubectl("patch", "sis", "demo", "-n", namespace, "--subresource=status", "--type=merge",
@@ -120,6 +123,15 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
     table = cluster.kubectl("get", "sis", "-n", namespace).stdout.splitlines()
     assert table[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "ENGINE", "READY", "ENDPOINT", "AGE"]
     assert table[1].split()[:6] == ["demo", "Disaggregated", "1/2", "1/1", "True", "http://demo-router.x.svc:8000"]
+    wide = cluster.kubectl("get", "sis", "-n", namespace, "-o", "wide").stdout.splitlines()
+    columns = wide[0].split()
+    assert columns[columns.index("METRICS"):columns.index("METRICS") + 4] == [
+        "METRICS", "PREFILL-SCALING", "DECODE-SCALING", "ENGINE-SCALING"], wide
+    starts = [wide[0].index(f"{name} ") if name != columns[-1] else wide[0].rindex(name) for name in columns]
+    row = {name: wide[1][start:end].strip() for name, start, end in zip(columns, starts, [*starts[1:], None],
+                                                                          strict=True)}
+    assert (row["METRICS"], row["PREFILL-SCALING"], row["DECODE-SCALING"]) == ("MetricsAvailable", "ScaledUp",
+                                                                               ""), wide
     again = json.loads(cluster.kubectl("get", "sis", "demo", "-n", namespace, "-o", "json").stdout)
     assert api.InferenceService.parse(again).status.prefill == status.prefill
 

@@ -105,6 +105,36 @@ PRINTER_COLUMNS: Final[list[dict[str, Any]]] = [
         "description": "Router pods ready/desired.",
         "priority": 1,
     },
+    # -o wide: is it healthy, and why did it last scale (the decision history is in
+    # status.<pool>.lastDecision and in the object's Events)
+    {
+        "name": "Metrics",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="MetricsHealthy")].reason',
+        "description": "Reason of the MetricsHealthy condition (autoscaling inputs).",
+        "priority": 1,
+    },
+    {
+        "name": "Prefill-Scaling",
+        "type": "string",
+        "jsonPath": ".status.prefill.lastDecision.reason",
+        "description": "Reason of the prefill pool's last scaling decision.",
+        "priority": 1,
+    },
+    {
+        "name": "Decode-Scaling",
+        "type": "string",
+        "jsonPath": ".status.decode.lastDecision.reason",
+        "description": "Reason of the decode pool's last scaling decision.",
+        "priority": 1,
+    },
+    {
+        "name": "Engine-Scaling",
+        "type": "string",
+        "jsonPath": ".status.aggregated.lastDecision.reason",
+        "description": "Reason of the aggregated pool's last scaling decision.",
+        "priority": 1,
+    },
     {
         "name": "Endpoint",
         "type": "string",

@@ -271,8 +271,10 @@ def test_printer_columns_and_names() -> None:
     assert list(columns)[:4] == ["Mode", "Prefill", "Decode", "Engine"]
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Age"] == ".metadata.creationTimestamp"
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
+    assert wide == ["Reason", "Router", "Metrics", "Prefill-Scaling", "Decode-Scaling", "Engine-Scaling"]
     for name, path in columns.items():
-        if name in ("Ready", "Reason", "Age"):
+        if name in ("Ready", "Reason", "Metrics", "Age"):
             continue
         node = _schema()
         for part in path.strip(".").split("."):
