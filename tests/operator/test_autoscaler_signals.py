@@ -146,3 +146,12 @@ def test_stopped_target_is_detected(prometheus: PrometheusConnect) -> None:
     exc = eventually(gone, timeout_seconds=10)
     assert exc.reason in (Reason.NO_DATA, Reason.STALE)
     assert time.monotonic() - started < 5  # a failed scrape marks the series stale at once
+
+
+def test_an_operator_without_prometheus_says_so() -> None:
+    """Installed without a Prometheus URL (chart value prometheus.url empty): the condition's
+    message names the setting instead of a client library's URL error."""
+    with pytest.raises(MetricsUnavailable) as info:
+        query_by_pod(prometheus=PrometheusConnect(url="", retry=Retry(total=0)), promql="up", now_seconds=0.0)
+    assert info.value.reason == Reason.QUERY_FAILED
+    assert "no Prometheus URL" in info.value.message and "prometheus.url" in info.value.message

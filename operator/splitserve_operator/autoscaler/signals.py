@@ -63,6 +63,10 @@ def pool_selector(*, namespace: str, inferenceservice: str, role: str, pods: Seq
 def query_by_pod(*, prometheus: PrometheusConnect, promql: str, now_seconds: float) -> dict[str, float]:
     """Run an instant query whose result has a ``pod`` label; ``{pod: value}``.
     Raises :class:`MetricsUnavailable` (``QueryFailed``) on any error."""
+    if not prometheus.url:
+        raise MetricsUnavailable(reason=Reason.QUERY_FAILED, message=(
+            "the operator has no Prometheus URL (its --prometheus-url flag, the chart's prometheus.url "
+            "value): autoscaling cannot read metrics"))
     try:
         result: Any = prometheus.custom_query(query=promql, params={"time": f"{now_seconds:.3f}"})
     except (PrometheusApiClientException, requests.RequestException, ValueError) as exc:
