@@ -25,7 +25,6 @@ import pytest
 import yaml
 
 import splitserve_contract as contract
-from splitserve_contract import capabilities as caps
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
 from splitserve_e2e.stack import (
@@ -140,7 +139,7 @@ def tiny_model(model_hub: ModelHub) -> ModelHub:
 
 def _manifest(name: str, namespace: str, *, model: ModelHub, prefill_min: int = 2, decode_min: int = 1,
               decode_gpus: int = 2, **spec: Any) -> dict[str, Any]:
-    """Parallelism stays at its default (tensor 1, pipeline 1: all this version serves)."""
+    """Parallelism stays at its default (tensor 1, pipeline 1)."""
     kwok = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
     body: dict[str, Any] = {
         "apiVersion": isvc_api.API_VERSION_STRING, "kind": contract.KIND,
@@ -533,20 +532,18 @@ def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_m
         _delete_isvc(cluster, ns, name)
 
 
-def _refusals(capability: caps.Capability, value: str | int) -> tuple[str, ...]:
-    """What the API server may say for a known-but-unsupported value: the CEL rule's
-    messageExpression (names the value) or, where that is not evaluated, its static message."""
-    return (capability.unsupported_message(value), caps.cel_rule(capability)["message"])
-
-
 INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
     ("min>max", {"prefill": {"replicas": {"min": 3, "max": 2}}}, rules.REPLICAS_RULE_MESSAGE),
     ("no decode", {"decode": None}, rules.DISAGGREGATED_RULE_MESSAGE),
     ("aggregated with prefill", {"mode": "Aggregated", "aggregated": {"resources": {"gpus": 1}}},
      rules.AGGREGATED_RULE_MESSAGE),
-    # Values the API knows but this version does not serve: refused by name.
-    ("tensor parallel 2", {"decode": {"parallelism": {"tensor": 2}}}, _refusals(caps.TENSOR_PARALLEL_SIZE, 2)),
-    ("pipeline parallel 2", {"decode": {"parallelism": {"pipeline": 2}}}, _refusals(caps.PIPELINE_PARALLEL_SIZE, 2)),
+    # Parallelism: a pod's GPUs hold tensor x pipeline ranks; draft speculation is not served with it yet.
+    ("tensor parallel 2 on 1 GPU", {"decode": {"resources": {"gpus": 1}, "parallelism": {"tensor": 2}}},
+     rules.PARALLELISM_RULE_MESSAGE),
+    ("pipeline parallel 2 with a draft model",
+     {"decode": {"resources": {"gpus": 2}, "parallelism": {"pipeline": 2}},
+      "engine": {"speculative": {"method": "draft", "draftModel": "hf://a/d"}}},
+     rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE),
     ("draft model without draft", {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
      rules.DRAFT_MODEL_RULE_MESSAGE),
     ("gpu budget", {"autoscaling": {"gpuBudget": 1}}, rules.GPU_BUDGET_RULE_MESSAGE),
