@@ -1,7 +1,8 @@
 """The router retries a draining (503) or full (429) pod on another one before answering.
 
 Two small HTTP upstreams stand in for runtime pods (fault injection: a pod that has started
-draining but that the health poller has not noticed yet); the router is the real app.
+draining but that the health poller has not noticed yet: its /ready still says yes until its
+first 503, and no afterwards, as a draining runtime's does); the router is the real app.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from splitserve_contract import RouterArgs
 def _pod(*, status: int, hits: list[str], name: str) -> FastAPI:
     app = FastAPI()
 
-    @app.get("/ready")
-    async def ready() -> dict[str, str]:
+    @app.get("/ready", response_model=None)
+    async def ready() -> dict[str, str] | JSONResponse:
+        if status != 200 and name in hits:  # it has refused a request: it is draining, and says so
+            return JSONResponse(status_code=503, content={"status": "draining"})
         return {"status": "ready"}
 
     @app.get("/metrics")
@@ -71,3 +74,4 @@ def test_draining_pod_is_skipped_and_the_request_succeeds(pods: tuple[list[str],
     assert hits.count("draining") == 1  # tried once, then out of rotation
     assert 'splitserve_router_forward_retries_total{model="unknown",role="router",status="503"} 1.0' in metrics
     assert httpx.get(f"http://127.0.0.1:{healthy_port}/ready").status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{draining_port}/ready").status_code == 503
