@@ -1,4 +1,5 @@
-"""Test-only driver for the model over a paged KV cache (the engine builds the real metadata).
+"""Test-only drivers: :func:`run_to_completion` for an engine, and :class:`PagedRunner` for the
+model over a paged KV cache (the engine builds the real metadata).
 
 :class:`PagedRunner` owns per-layer K/V caches, hands out blocks in a scrambled order (so a
 wrong block-table lookup shows up as wrong logits), tracks each sequence's cached length and
@@ -11,8 +12,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve_runtime.engine.llm_engine import LLMEngine
+from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.ops.interface import AttentionMetadata
+
+
+def run_to_completion(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, *,
+                      max_steps: int = 5000) -> dict[str, list[int]]:
+    """Add every prompt (request id → token ids) and step until all finish; each request's tokens."""
+    for rid, prompt in prompts.items():
+        engine.add_request(request_id=rid, prompt_token_ids=prompt, params=params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return out
+        for step in engine.step():
+            out[step.request_id].extend(step.new_token_ids)
+    raise AssertionError("engine did not finish")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import run_to_completion
 
 from splitserve_contract import ServeArgs
 from splitserve_runtime.engine.llm_engine import LLMEngine
@@ -48,15 +49,8 @@ def _engine(built: list[LLMEngine], model_dir: Path, **overrides: Any) -> LLMEng
 
 
 def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for rid, prompt in prompts.items():
-        engine.add_request(request_id=rid, prompt_token_ids=prompt, params=params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    for _ in range(5000):
-        if not engine.has_unfinished():
-            return tokens
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    raise AssertionError("engine did not finish")
+    tokens: dict[str, list[int]] = run_to_completion(engine, prompts, params)
+    return tokens
 
 
 def _prompts(engine: LLMEngine) -> dict[str, list[int]]:

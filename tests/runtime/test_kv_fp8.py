@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PagedRunner
+from helpers import PagedRunner, run_to_completion
 
 from splitserve_contract import ServeArgs
 from splitserve_contract.flags import (
@@ -168,16 +168,8 @@ def test_per_tensor_scales_are_applied_on_write_and_read(tiny_model: LlamaForCau
 
 
 def _greedy(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for rid, prompt in prompts.items():
-        engine.add_request(request_id=rid, prompt_token_ids=prompt, params=params)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            return out
-        for step_out in engine.step():
-            out[step_out.request_id].extend(step_out.new_token_ids)
-    raise AssertionError("engine did not finish")
+    tokens: dict[str, list[int]] = run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    return tokens
 
 
 def test_engine_greedy_with_fp8_cache_tracks_the_fp32_cache(tiny_llama_dir: Path) -> None:

@@ -91,7 +91,7 @@ def gather_blocks(group: ParallelGroup, part: KVPart, caches: KVCaches, block_id
     whole-model layout (None elsewhere)."""
     mine = local_blocks(caches, block_ids)
     parts: list[torch.Tensor] = group.all_gather_object(mine)
-    if group.rank != 0:
+    if not group.is_driver:
         return None
     layout = part.layout
     num_heads = layout.config.num_key_value_heads
