@@ -35,7 +35,7 @@ test-unit: ## unit tests only (no cluster)
 test-e2e: ## end-to-end tests only
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(ORDER) $(PYTEST_ARGS) e2e
 
-demo: deps ## local control plane + chart + tiny-model InferenceService + load burst + scaling report
+demo: deps ## local control plane + chart + Disaggregated InferenceService under a load burst + scaling report + a SmolLM2 chat answer
 	$(PYTHON) -m splitserve_e2e.demo $(DEMO_ARGS)
 
 lint: ## ruff, import layers (import-linter), mypy --strict on the packages and the tests

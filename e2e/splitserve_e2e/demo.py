@@ -21,10 +21,15 @@ runtime's own metrics. So the demo runs only real parts, the same ones the e2e t
    tokenizer only;
 4. the Helm chart with ``image.repository``/``image.tag`` set to the pushed image and
    ``prometheus.url``, in a namespace enforcing the ``restricted`` Pod Security level;
-5. ``examples/tiny-aggregated.yaml`` (``--mode Disaggregated``: the disaggregated one) with
-   a 5 s autoscaling interval and a short scale-down window;
-6. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
-   ``--duration-seconds``), then idle until the pools are back at their minimum.
+5. ``examples/tiny-disaggregated.yaml`` (``--mode Aggregated``: the aggregated one) with
+   a 5 s autoscaling interval and a short scale-down window: the product's headline, prefill
+   and decode pools scaling apart;
+6. beside it (unless ``--no-chat``), SmolLM2-135M-Instruct as one Aggregated replica, its
+   GGUF file published on the same hub (:mod:`splitserve_e2e.demo_chat`): one chat exchange
+   through its router is printed, then it is deleted so the burst has the cores;
+7. a bounded load burst through the router's OpenAI endpoint (``--concurrency`` streams for
+   ``--duration-seconds``), then idle until the pools are back at their minimum; the summary
+   counts the router's routes (prefill then decode, or direct).
 
 Once the service is Ready it prints every pod's image and digest, and where the model came
 from (hub endpoint, commit, files and bytes each pod downloaded, from the pod logs read
@@ -63,7 +68,11 @@ from types import FrameType
 from typing import Any
 from urllib.parse import unquote
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 import splitserve_contract as contract
+from splitserve_e2e import demo_chat
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
 from splitserve_e2e.hub import LocalHub
@@ -86,6 +95,7 @@ from splitserve_e2e.stack import (
 from splitserve_operator.naming import child_name
 
 DEMO_NAMESPACE = "splitserve-demo"
+CHAT_NAME = "smollm2"
 _PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
                  "the", "operator", "watches", "queues", "grow", "and", "shrink", "on", "a",
                  "small", "machine")
@@ -168,6 +178,62 @@ def model_source_lines(*, hub: LocalHub, commit: str, downloads: Sequence[PodDow
     count, files, sent = hub_served(hub)
     lines.append(f"  the hub sent {count} model downloads: {files} files, {sent:,} bytes")
     return lines
+
+
+def _of_service(downloads: Mapping[str, PodDownload], name: str) -> list[PodDownload]:
+    """The downloads of the pods of InferenceService ``name`` (its children are ``name-*``)."""
+    return [d for pod, d in sorted(downloads.items()) if pod.startswith(f"{name}-")]
+
+
+_GGUF_DOWNLOADED = re.compile(r"downloaded (?P<file>\S+\.gguf): (?P<bytes>\d+) bytes in "
+                              r"(?P<seconds>[0-9.]+) s")
+
+
+def _chat_lines(*, cluster: LocalCluster, config: DemoConfig,
+                downloads: Sequence[PodDownload]) -> list[str]:
+    """The chat service's model delivery and one exchange through its router; then the
+    service is deleted (and its pods awaited gone) so the burst has the cores."""
+    core: Any = cluster.core()
+    selector = f"{contract.LABEL_INSTANCE}={CHAT_NAME}"
+    lines = []
+    for pod in core.list_namespaced_pod(config.namespace, label_selector=selector).items:
+        log = cluster.pod_log(namespace=config.namespace, pod=pod.metadata.name)
+        found = list(_GGUF_DOWNLOADED.finditer(log))
+        if found:
+            lines.append(f"  {pod.metadata.name}: {found[-1]['file']}, "
+                         f"{int(found[-1]['bytes']):,} bytes in {float(found[-1]['seconds']):.2f}s")
+    lines += [f"  {d.pod}: {d.files} files, {d.bytes:,} bytes in {d.seconds:.2f}s" for d in downloads]
+    router = router_endpoints(cluster=cluster, namespace=config.namespace, name=CHAT_NAME)[0]
+    exchange = demo_chat.chat_once(router=router)
+    lines = [f"SmolLM2-135M-Instruct ({CHAT_NAME}) downloaded from the hub:", *lines,
+             f"one chat exchange through the {CHAT_NAME} router (http://{router}/v1/chat/completions, "
+             "greedy):",
+             f"  user:      {exchange.question}",
+             f"  assistant: {exchange.answer}",
+             f"  ({exchange.completion_tokens} tokens in {exchange.seconds:.1f}s on CPU)"]
+    cluster.kubectl("delete", ISVC_PLURAL, CHAT_NAME, "-n", config.namespace, "--wait=false")
+    cluster.wait_for(lambda: not core.list_namespaced_pod(config.namespace,
+                                                          label_selector=selector).items,
+                     timeout_seconds=120, what=f"{CHAT_NAME}'s pods gone")
+    lines.append(f"{CHAT_NAME} deleted (its pods gone) before the burst, which runs on the tiny "
+                 "model: two CPU cores cannot scale the real one's pools within the demo")
+    return lines
+
+
+def router_routes(endpoint: str) -> dict[str, int]:
+    """The router's requests by route (``splitserve_router_routes_total``), read from its
+    /metrics at ``endpoint``; empty if it cannot be read."""
+    try:
+        text = httpx.get(f"http://{endpoint}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    routes: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "splitserve_router_routes_total":
+                route = sample.labels.get("route", "?")
+                routes[route] = routes.get(route, 0) + int(sample.value)
+    return routes
 
 
 def apply_object(*, cluster: LocalCluster, obj: Mapping[str, Any]) -> None:
@@ -486,6 +552,7 @@ class DemoConfig:
     out_dir: Path
     name: str = "tiny"
     namespace: str = DEMO_NAMESPACE
+    chat: bool = False
 
 
 async def run_scenario(*, cluster: LocalCluster, config: DemoConfig,
@@ -540,7 +607,8 @@ def _scaling_history(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
              load_window: tuple[float, float], isvc: Mapping[str, Any], csv_path: Path,
-             png_path: Path, total_seconds: float, model_lines: Sequence[str] = ()) -> list[str]:
+             png_path: Path, total_seconds: float, model_lines: Sequence[str] = (),
+             routes: Mapping[str, int] | None = None) -> list[str]:
     roles = ROLES_BY_MODE[config.mode]
     events = scaling_events(samples, roles, load_window[1])
     latencies = [r.seconds for r in burst.results if r.ok]
@@ -562,6 +630,10 @@ def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
     errors = burst.errors()
     if errors:
         lines.append(f"first errors: {errors[:3]}")
+    if routes:
+        lines.append("router routes: " + ", ".join(f"{route} {count}" for route, count
+                                                   in sorted(routes.items()))
+                     + " (disaggregated: prefill pod, then KV handed to a decode pod)")
     history = _scaling_history(isvc)
     if history:
         lines.append("status.scalingHistory (operator):")
@@ -665,19 +737,36 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         create_hub_token_secret(cluster=cluster, namespace=config.namespace, hub=model_hub)
         manifest = isvc_manifest(name=config.name, namespace=config.namespace, mode=config.mode,
                                  hub=model_hub, cpu="250m")
+        chat_uri = ""
+        if config.chat:
+            chat_uri, chat_commit = demo_chat.publish(hub)
+            _say(f"  published {demo_chat.REPO_ID} (commit {chat_commit[:12]}): SmolLM2-135M-"
+                 f"Instruct as GGUF, for one chat exchange ({chat_uri})")
+            apply_object(cluster=cluster, obj=demo_chat.manifest(
+                name=CHAT_NAME, namespace=config.namespace, hub=model_hub, uri=chat_uri))
         with _stage(f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from "
                     f"{hub.endpoint}) until Ready"):
             apply_object(cluster=cluster, obj=manifest)
             wait_ready(cluster=cluster, namespace=config.namespace, name=config.name,
                        progress=lambda line: _say(f"  {line}"))
+        if config.chat:
+            with _stage(f"InferenceService {CHAT_NAME} (Aggregated, {chat_uri}, int4 weights "
+                        "from the GGUF file) until Ready"):
+                wait_ready(cluster=cluster, namespace=config.namespace, name=CHAT_NAME,
+                           progress=lambda line: _say(f"  {line}"))
         _say(f"pods in {config.namespace}, each a container from the image (kubelet's image "
              "and digest):")
         for line in pod_images(cluster=cluster, namespace=config.namespace):
             _say(f"  {line}")
         downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster,
                                                            namespace=config.namespace))
-        for line in model_source_lines(hub=hub, commit=commit, downloads=list(downloads.values())):
+        for line in model_source_lines(hub=hub, commit=commit,
+                                       downloads=_of_service(downloads, config.name)):
             _say(line)
+        if config.chat:
+            for line in _chat_lines(cluster=cluster, config=config,
+                                    downloads=_of_service(downloads, CHAT_NAME)):
+                _say(line)
         endpoint = router_endpoints(cluster=cluster, namespace=config.namespace,
                                     name=config.name)[0]
         _say(f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
@@ -699,11 +788,13 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         write_png(path=png_path, samples=samples, roles=roles, load_window=(load_start, load_end),
                   title=f"splitserve demo: {config.mode} InferenceService under a load burst")
         isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
-        model_lines = model_source_lines(hub=hub, commit=commit, downloads=list(downloads.values()))
+        model_lines = model_source_lines(hub=hub, commit=commit,
+                                         downloads=_of_service(downloads, config.name))
+        routes = router_routes(endpoint)
         for line in _summary(config=config, samples=samples, burst=burst,
                              load_window=(load_start, load_end), isvc=isvc, csv_path=csv_path,
                              png_path=png_path, total_seconds=time.monotonic() - started,
-                             model_lines=model_lines):
+                             model_lines=model_lines, routes=routes):
             _say(line)
         if keep:
             _say("--keep: the cluster stays up")
@@ -752,9 +843,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="at most this long after the burst, waiting for scale-down")
     parser.add_argument("--baseline-seconds", type=float, default=10.0,
                         help="idle time before the burst")
-    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Aggregated",
-                        help="Aggregated (default: one pool) or Disaggregated (prefill and "
-                             "decode pools scaling on their own signals, KV handed over)")
+    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Disaggregated",
+                        help="Disaggregated (default: prefill and decode pools scaling on "
+                             "their own signals, KV handed over) or Aggregated (one pool)")
+    parser.add_argument("--no-chat", dest="chat", action="store_false",
+                        help="skip the SmolLM2-135M-Instruct service and its chat exchange")
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
     parser.add_argument("--state-dir", type=Path, default=cache_root() / "cluster",
                         help="the cluster's state directory (the one `make cluster-down` stops)")
@@ -766,7 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = DemoConfig(mode=args.mode, duration_seconds=args.duration_seconds,
                         idle_seconds=args.idle_seconds, baseline_seconds=args.baseline_seconds,
                         concurrency=args.concurrency, sample_seconds=3.0,
-                        out_dir=args.out.resolve())
+                        out_dir=args.out.resolve(), chat=args.chat)
     try:
         return run_demo(config=config, keep=args.keep, reuse_cluster=args.reuse_cluster,
                         state_dir=args.state_dir.resolve())
