@@ -18,6 +18,7 @@ token-protected hub serving ``hf://splitserve/tiny-llama`` where the pods reach 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -157,7 +158,7 @@ def _prune_kept_runs(runs: Path, *, keep: int = 5) -> None:
 @pytest.fixture
 def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace whose ``default`` ServiceAccount exists (pods need it)."""
-    stem = request.node.name.replace("_", "-").lower()[:40].strip("-")
+    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
     name = f"e2e-{stem}-{uuid.uuid4().hex[:5]}"
     create_namespace(cluster, name)
     core = cluster.core()

@@ -53,6 +53,7 @@ class OperatorMetric:
 
     RECONCILE_SECONDS: Final = "splitserve_operator_reconcile_seconds"
     AUTOSCALER_DESIRED_REPLICAS: Final = "splitserve_autoscaler_desired_replicas"  # label: role
+    AUTOSCALER_READY_REPLICAS: Final = "splitserve_autoscaler_ready_replicas"  # label: role
     AUTOSCALER_DECISIONS_TOTAL: Final = "splitserve_autoscaler_decisions_total"  # role, direction
 
 

@@ -46,6 +46,7 @@ HELM_MODULE = "helm.sh/helm/v4/cmd/helm"
 # always-on file/http) service discovery compiled in. Module v0.316.0 is Prometheus 3.16.0.
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus/cmd/prometheus"
+PROMTOOL_MODULE = "github.com/prometheus/prometheus/cmd/promtool"
 KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
 
 
@@ -84,6 +85,7 @@ class Binaries:
     kwok_stages: Path  # kwok >= 0.8 has no built-in stages: the "fast" set of its release
     helm: Path
     prometheus: Path
+    promtool: Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,15 @@ def _groups() -> tuple[_ToolGroup, ...]:
             binaries=("prometheus",),
             go_args=("install", *_GO_BUILD_FLAGS, "-tags=remove_all_sd,enable_kubernetes_sd",
                      f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION}"),
+            workdir=None,
+        ),
+        _ToolGroup(  # checks and unit-tests the chart's alerting rules; the Prometheus group's
+            # flags and tags, so its packages come from the Go build cache (seconds)
+            name="promtool",
+            version=PROMETHEUS_VERSION,
+            binaries=("promtool",),
+            go_args=("install", *_GO_BUILD_FLAGS, "-tags=remove_all_sd,enable_kubernetes_sd",
+                     f"{PROMTOOL_MODULE}@{PROMETHEUS_VERSION}"),
             workdir=None,
         ),
         _ToolGroup(
@@ -350,6 +361,7 @@ def ensure_binaries() -> Binaries:
         kwok_stages=directories["kwok"] / KWOK_STAGES_FILE,
         helm=directories["helm"] / "helm",
         prometheus=directories["prometheus"] / "prometheus",
+        promtool=directories["promtool"] / "promtool",
     )
 
 
