@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 import splitserve_contract as contract
+from splitserve_e2e import gie
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.kwok import KWOK_NODE_LABEL, KWOK_NODE_LABEL_VALUE, kwok_toleration
 from splitserve_e2e.stack import (
@@ -555,6 +556,8 @@ INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
     ("bad policy", {"router": {"policy": "Random"}}, 'Unsupported value: "Random"'),
     ("unknown field", {"prefil": {"replicas": {"min": 1}}}, "prefil"),
     ("negative gpus", {"prefill": {"resources": {"gpus": -1}}}, "spec.prefill.resources.gpus"),
+    ("picker settings without a picker", {"router": {"inferencePool": {"failureMode": "FailOpen"}}},
+     rules.INFERENCE_POOL_SETTINGS_RULE_MESSAGE),
 ]
 
 
@@ -581,7 +584,28 @@ def test_invalid_manifests_are_rejected_with_messages(cluster: LocalCluster, ns:
     assert len(INVALID_CASES) + 1 >= 10
 
 
+def test_router_mode_cannot_change_after_creation(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
+    """A transition rule (oldSelf): the operator never deletes children, so switching between
+    the builtin router and an InferencePool would leave the other mode's objects behind."""
+    name = f"mode-{uuid.uuid4().hex[:5]}"
+    body = _manifest(name, ns, model=tiny_model)
+    body["metadata"]["annotations"] = {contract.ANNOTATION_PAUSED: "true"}  # no children needed
+    _apply(cluster, body)
+    try:
+        body["spec"]["router"] = {"mode": "InferencePool"}
+        result = _apply(cluster, body, check=False)
+        assert result.returncode != 0 and rules.ROUTER_MODE_IMMUTABLE_RULE_MESSAGE in result.stderr, result.stderr
+    finally:
+        _delete_isvc(cluster, ns, name)
+
+
 def test_rendered_children_and_chart_validate_against_the_api(cluster: LocalCluster, ns: str) -> None:
+    # examples/gateway-inferencepool.yaml renders an InferencePool: its CRD (from the Gateway
+    # API Inference Extension module) must be there for the dry run
+    for manifest in gie.ensure_gie_crds():
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifest))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/inferencepools.inference.networking.k8s.io")
     for example in sorted((REPO / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(example.read_text()):
             if not doc or doc.get("kind") != contract.KIND:

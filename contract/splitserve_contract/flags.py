@@ -66,6 +66,7 @@ class ServeArgs:
     speculative_max_num_seqs: int = 16  # no speculation in steps with more decoding sequences
     speculative_draft_model: str = ""  # --speculative-method draft: the draft model's URI
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
+    prefill_headers: bool = False  # decode role, behind a Gateway endpoint picker
     handoff_key_file: str = ""  # P/D roles: HMAC key authenticating kv_transfer_params ("" = none)
 
 
@@ -112,6 +113,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("speculative-draft-model", "speculative_draft_model",
          "draft model URI for --speculative-method draft (same vocabulary as the model)"),
     Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
+    Flag("prefill-headers", "prefill_headers",
+         "decode role: prefill where an endpoint picker's x-prefiller-host-port / x-gateway-prefill-endpoints "
+         "header says (only behind a Gateway that sets them: spec.router.mode InferencePool)", is_bool=True),
     Flag("handoff-key-file", "handoff_key_file",
          "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
          "decode accepts only params signed with it"),

@@ -38,9 +38,12 @@ class Metric:
 
 
 class ModelServerMetric:
-    """The model-server protocol's gauges, under the names Gateway API Inference Extension
-    endpoint pickers (and llm-d's) read by default: vLLM's. The runtime exports them beside its
-    own names, labelled ``model_name``, so a picker routes to splitserve pods unconfigured."""
+    """The model-server protocol's gauges, under vLLM's names, which Gateway API Inference
+    Extension endpoint pickers (and llm-d's) read. The runtime exports them beside its own
+    names, labelled ``model_name``. A stock EPP v1.2.0 reads the queue and the cache info under
+    these names by default but KV usage as the older ``vllm:gpu_cache_usage_perc``, so the
+    operator's picker Deployment names :data:`KV_CACHE_USAGE_PERC` with
+    ``--kv-cache-usage-percentage-metric``."""
 
     NUM_REQUESTS_WAITING: Final = "vllm:num_requests_waiting"
     NUM_REQUESTS_RUNNING: Final = "vllm:num_requests_running"

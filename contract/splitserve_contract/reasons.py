@@ -53,6 +53,10 @@ class Reason:
     OOM_KILLED: Final = "OOMKilled"
     CHILD_FAILED: Final = "ChildFailed"
     """A child failed with a reason that is not a valid condition reason (its text is in the message)."""
+    INFERENCE_POOL_CRD_MISSING: Final = "InferencePoolCRDMissing"
+    """spec.router.mode InferencePool, but the cluster has no InferencePool CRD
+    (inference.networking.k8s.io/v1, the Gateway API Inference Extension's): nothing can be
+    routed until it is installed; the operator retries."""
     # autoscaler: conditions and Events
     ACTIVE: Final = "Active"
     METRICS_AVAILABLE: Final = "MetricsAvailable"

@@ -62,6 +62,12 @@ CHILD_RESOURCES: Final = (
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    # the endpoint picker's own account and permissions (spec.router.mode InferencePool); the
+    # InferencePool itself is not watched: its CRD may be absent, and a kopf watch on a missing
+    # resource fails (a deleted pool comes back at the next reconcile of its InferenceService)
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 )
 
 

@@ -58,13 +58,19 @@ DEPLOYMENT: Final = Kind("apps/v1", "Deployment", "deployments")
 PDB: Final = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY: Final = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 LEASE: Final = Kind("coordination.k8s.io/v1", "Lease", "leases")
+SERVICE_ACCOUNT: Final = Kind("v1", "ServiceAccount", "serviceaccounts")
+ROLE: Final = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
+ROLE_BINDING: Final = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+INFERENCE_POOL: Final = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools")
+"""The Gateway API Inference Extension's CRD (router.mode InferencePool): may be missing."""
 INFERENCE_SERVICE: Final = Kind(
     f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, contract.PLURAL
 )
 
 KINDS: Final[dict[tuple[str, str], Kind]] = {
     (k.api_version, k.kind): k
-    for k in (CONFIG_MAP, SECRET, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE)
+    for k in (CONFIG_MAP, SECRET, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE,
+              SERVICE_ACCOUNT, ROLE, ROLE_BINDING, INFERENCE_POOL)
 }
 
 

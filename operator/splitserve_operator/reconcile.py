@@ -16,6 +16,13 @@ Apply also creates the KV handoff key Secret of a disaggregated service, once
 (:mod:`handoff_key`). Observation covers the Deployments, the pods (pending ones, and pods
 that cannot run: :mod:`failures`), and GPU capacity.
 
+Router mode InferencePool (:mod:`inference_pool`): the endpoint picker stands where the router
+stands (its Deployment's counts are ``status.router``, and Ready waits for it); its
+ServiceAccount and Role are applied before everything else, because the API server checks a
+RoleBinding against the Role it names; and a cluster without the InferencePool CRD is
+``Stalled=True``/``InferencePoolCRDMissing`` (the other children are applied, and the reconcile
+is retried with back-off until the CRD is there).
+
 Conditions are kstatus-compatible (Ready / Reconciling / Stalled) with CamelCase reasons;
 problems become conditions and Events, never exceptions out of the operator. A child that
 cannot come up is ``Stalled=True`` with the child's own reason and message (FailedCreate,
@@ -48,6 +55,7 @@ from . import (
     events,
     failures,
     handoff_key,
+    inference_pool,
     kube,
     naming,
     render,
@@ -238,6 +246,14 @@ class _Rendered:
     children: list[dict[str, Any]]
     comps: list[Component]
 
+    @property
+    def roles(self) -> frozenset[Role]:
+        """The Deployments Ready waits for, by role (the endpoint picker as the router)."""
+        roles = {c.role for c in self.comps}
+        if any(inference_pool.is_picker(c) and c["kind"] == "Deployment" for c in self.children):
+            roles.add(Role.ROUTER)
+        return frozenset(roles)
+
 
 @dataclasses.dataclass(frozen=True)
 class _ApplyReport:
@@ -246,6 +262,7 @@ class _ApplyReport:
     conflicts: list[str]
     conflict_messages: list[str]
     deployments: dict[Role, dict[str, Any]]
+    """Applied Deployments by role; the endpoint picker's under Role.ROUTER."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,23 +324,57 @@ def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Render
     return None
 
 
+FIRST_KINDS: Final = frozenset({"ServiceAccount", "Role"})
+"""Applied before the other children: a RoleBinding is checked against the Role it names (the
+API server refuses it while that Role does not exist), and a pod against its ServiceAccount."""
+
+
 def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> list[apply.Applied | BaseException]:
-    """Apply every child; children are independent objects, so concurrently (a GET + PATCH each)."""
+    """Apply every child; children are independent objects (but :data:`FIRST_KINDS`), so
+    concurrently (a GET + PATCH each). Results come in the order of ``rendered.children``."""
     owner = _owner(parsed)
 
     def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
         role_value = _role_of(child)
-        deployment = child["kind"] == "Deployment"
-        initial = render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value))) if deployment else None
-        fixed = parsed.isvc.spec.router.replicas if deployment and role_value == Role.ROUTER.value else None
+        initial: int | None = None
+        fixed: int | None = None
+        if child["kind"] == "Deployment" and inference_pool.is_picker(child):
+            fixed = inference_pool.PICKER_REPLICAS
+        elif child["kind"] == "Deployment":
+            initial = render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value)))
+            fixed = parsed.isvc.spec.router.replicas if role_value == Role.ROUTER.value else None
         try:
             return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial,
                                      fixed_replicas=fixed)
         except (apply.NameConflict, ApiException) as exc:
             return exc
 
+    first = [i for i, c in enumerate(rendered.children) if c["kind"] in FIRST_KINDS]
+    rest = [i for i, c in enumerate(rendered.children) if c["kind"] not in FIRST_KINDS]
+    results: dict[int, apply.Applied | BaseException] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY) as pool:
-        return list(pool.map(apply_one, rendered.children))
+        for batch in (first, rest):
+            results.update(zip(batch, pool.map(apply_one, [rendered.children[i] for i in batch]), strict=True))
+    return [results[i] for i in range(len(rendered.children))]
+
+
+def _crd_missing(child: Mapping[str, Any], result: apply.Applied | BaseException) -> bool:
+    """The InferencePool's apply found no such resource: the CRD is not installed (a PATCH of
+    a kind the API server serves creates the object, it never answers 404)."""
+    return (child["kind"] == kube.INFERENCE_POOL.kind and isinstance(result, BaseException)
+            and kube.is_not_found(result))
+
+
+def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed) -> None:
+    """Stalled/InferencePoolCRDMissing (a Warning Event when it starts), then retry with
+    back-off: installing the CRD sends no event the operator watches."""
+    obj, reason = parsed.obj, Reason.INFERENCE_POOL_CRD_MISSING
+    message = inference_pool.crd_missing_message(parsed.name)
+    if _previous_reason(obj, ConditionType.STALLED) != reason:
+        events.warning(obj=obj, reason=reason, message=message)
+    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
+                  conditions=_stalled(reason, message))
+    raise RetryableError(message)
 
 
 def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _ApplyReport | None:
@@ -344,9 +395,12 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
     if key_error is not None:
         failed(f"creating Secret/{naming.handoff_key_secret_name(parsed.name)}", key_error)
     results = _apply_all(api=api, parsed=parsed, rendered=rendered)
+    crd_missing = False
     for child, result in zip(rendered.children, results, strict=True):
         label = f"{child['kind']}/{child['metadata']['name']}"
-        if isinstance(result, apply.NameConflict):
+        if _crd_missing(child, result):
+            crd_missing = True
+        elif isinstance(result, apply.NameConflict):
             report.conflicts.append(label)
             report.conflict_messages.append(str(result))
         elif isinstance(result, BaseException):
@@ -357,11 +411,15 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
             elif result.outcome is apply.Outcome.UPDATED:
                 report.updated.append(label)
             role_value = _role_of(child)
-            if child["kind"] == "Deployment" and role_value:
+            if child["kind"] == "Deployment" and inference_pool.is_picker(child):
+                report.deployments[Role.ROUTER] = result.obj
+            elif child["kind"] == "Deployment" and role_value:
                 report.deployments[Role(role_value)] = result.obj
     if permanent:  # retrying cannot help, whatever else failed
         _report_invalid_spec(api=api, obj=obj, message="; ".join(permanent))
         return None
+    if crd_missing:
+        _report_crd_missing(api=api, parsed=parsed)
     if transient:
         message = "; ".join(transient)
         events.warning(obj=obj, reason=Reason.API_ERROR, message=message)
@@ -408,8 +466,14 @@ def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObse
 def pod_failures(*, pools: Mapping[Role, PoolObservation],
                  pods: Sequence[Mapping[str, Any]]) -> list[failures.PodFailure]:
     """One failing pod per pool that has no ready replica (a pool still serving from another
-    replica is not reported: its rollout, or its progress deadline, says enough)."""
-    return failures.pod_failures(roles=[role for role, pool in pools.items() if pool.ready < 1], pods=pods)
+    replica is not reported: its rollout, or its progress deadline, says enough). The endpoint
+    picker's pods carry no role; they count as the router's."""
+    out = failures.pod_failures(roles=[role for role, pool in pools.items() if pool.ready < 1], pods=pods)
+    picker = pools.get(Role.ROUTER)
+    if picker is not None and picker.ready < 1:
+        out += [f for f in map(failures.pod_failure, (p for p in pods if inference_pool.is_picker(p)))
+                if f is not None][:1]
+    return out
 
 
 def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport,
@@ -444,10 +508,15 @@ def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, obser
     """The three conditions, by precedence: name conflict, ready, a blocker (:func:`_blocker`),
     progressing. A newly reported blocker gets one Warning Event."""
     pools = observed.pools
-    all_present = len(pools) == len(rendered.comps)
+    all_present = set(pools) >= rendered.roles
     ready = all_present and not report.conflicts and all(o.ready >= 1 and o.rolled_out for o in pools.values())
+    picker = inference_pool.enabled(parsed.isvc.spec)
+
+    def label(role: Role) -> str:
+        return "endpoint picker" if picker and role is Role.ROUTER else role.value
+
     waiting = ", ".join(
-        f"{o.role.value} {o.ready}/{o.desired} ready" for o in pools.values() if not (o.ready >= 1 and o.rolled_out)
+        f"{label(o.role)} {o.ready}/{o.desired} ready" for o in pools.values() if not (o.ready >= 1 and o.rolled_out)
     )
     if report.conflicts:
         msg = "; ".join(report.conflict_messages)
@@ -473,7 +542,9 @@ def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, obser
 def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _Observed) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "observedGeneration": parsed.obj["metadata"].get("generation"),
-        "endpoint": endpoint_of(name=parsed.name, namespace=parsed.namespace),
+        # Behind a Gateway the endpoint is the Gateway's address, which the operator does not know.
+        "endpoint": None if inference_pool.enabled(parsed.isvc.spec)
+        else endpoint_of(name=parsed.name, namespace=parsed.namespace),
         "compatHash": render.compat_hash_of(isvc=parsed.isvc, runtime_image=settings.runtime_image),
     }
     for role, o in observed.pools.items():

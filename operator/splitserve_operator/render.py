@@ -3,7 +3,9 @@
 :func:`render_children` turns one parsed :class:`~splitserve_operator.api.InferenceService`
 into the list of objects the reconciler server-side-applies: the ConfigMap, one Deployment +
 Service + PodDisruptionBudget per component (prefill, decode, router; or engine + router in
-Aggregated mode) and the NetworkPolicies. The KV handoff key Secret that prefill and decode
+Aggregated mode) and the NetworkPolicies. With ``spec.router.mode: InferencePool`` there is no
+router: an InferencePool and its endpoint picker (ServiceAccount, Role, RoleBinding, Deployment,
+Service; :mod:`.inference_pool`) put the pods behind a Gateway instead. The KV handoff key Secret that prefill and decode
 pods mount is not rendered here: it is created once, never applied (:mod:`.handoff_key`). No I/O, no clock, no randomness: the same spec and
 operator flags give byte-identical output, which is what makes two properties hold:
 
@@ -33,7 +35,7 @@ import yaml
 import splitserve_contract as contract
 from splitserve_contract import Role
 
-from . import handoff_key, naming
+from . import handoff_key, inference_pool, naming
 from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec
 
 TEMPLATE_DIR: Final = Path(__file__).parent / "templates"
@@ -74,13 +76,16 @@ class Component:
 
 
 def components(spec: InferenceServiceSpec) -> list[Component]:
-    """Components in apply order: runtime pools first, then the router."""
+    """Components in apply order: runtime pools first, then the router (none in router mode
+    InferencePool: the Gateway and the endpoint picker route)."""
     if spec.mode is Mode.AGGREGATED:
         assert spec.aggregated is not None  # guaranteed by the API validators
         out = [Component(Role.AGGREGATED, spec.aggregated)]
     else:
         assert spec.prefill is not None and spec.decode is not None
         out = [Component(Role.PREFILL, spec.prefill), Component(Role.DECODE, spec.decode)]
+    if inference_pool.enabled(spec):
+        return out
     return [*out, Component(Role.ROUTER, None)]
 
 
@@ -160,6 +165,7 @@ def serve_args(
         pipeline_parallel_size=pool.parallelism.pipeline,
         compat_hash=compat_hash_of(isvc=isvc, runtime_image=runtime_image),
         handoff_key_file=handoff_key.KEY_FILE if uses_handoff_key(role) else "",
+        prefill_headers=role is Role.DECODE and inference_pool.enabled(spec),
         **_speculative_args(isvc=isvc, role=role),
     )
 
@@ -427,6 +433,7 @@ def _deployment(
         selector=naming.selector_labels(name, component.role),
         replicas=replicas,
         max_surge=1 if component.is_router else 0,
+        max_unavailable=1,
         pod_annotations=pod_annotations,
         pod_spec=pod_spec,
     )
@@ -469,16 +476,28 @@ def _port(port: int) -> dict[str, Any]:
     return {"protocol": "TCP", "port": port}
 
 
+def _monitoring() -> dict[str, Any]:
+    return {"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: "true"}}}
+
+
 def _ingress_rules(*, isvc: InferenceService, component: Component) -> list[dict[str, Any]]:
     """Who may connect to this component's pods (on top of the default deny)."""
     name = isvc.metadata.name
-    monitoring = {"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: "true"}}}
     if component.is_router:
         # Clients: anyone may call the OpenAI endpoint (API-key auth is the runtime's job).
         return [{"ports": [_port(contract.HTTP_PORT)]}]
-    rules: list[dict[str, Any]] = [
-        {"from": [_peer(name, Role.ROUTER), monitoring], "ports": [_port(contract.HTTP_PORT)]},
-    ]
+    if not inference_pool.enabled(isvc.spec):
+        http_from: list[dict[str, Any]] | None = [_peer(name, Role.ROUTER), _monitoring()]
+    elif component.role is inference_pool.served_role(isvc.spec):
+        # The Gateway's proxies (in whatever namespace the Gateway runs) send the requests, and
+        # the endpoint picker reads /metrics, on the HTTP port: as the router's, open to anyone.
+        http_from = None
+    else:
+        http_from = [_monitoring()]
+    http: dict[str, Any] = {"ports": [_port(contract.HTTP_PORT)]}
+    if http_from is not None:
+        http = {"from": http_from, **http}
+    rules: list[dict[str, Any]] = [http]
     if component.role in (Role.PREFILL, Role.DECODE):
         other = Role.DECODE if component.role is Role.PREFILL else Role.PREFILL
         rules.append({"from": [_peer(name, other)],
@@ -507,6 +526,17 @@ def _network_policies(*, isvc: InferenceService, comps: Sequence[Component], com
         )
         for c in comps
     ]
+    if inference_pool.enabled(isvc.spec):
+        allows.append(_load(
+            "networkpolicy.yaml.j2",
+            name=inference_pool.picker_name(name),
+            namespace=isvc.metadata.namespace,
+            labels=inference_pool.picker_labels(name),
+            selector=inference_pool.picker_selector_labels(name),
+            # ext-proc from the Gateway's proxies (any namespace); metrics from monitoring.
+            ingress=[{"ports": [_port(inference_pool.GRPC_PORT)]},
+                     {"from": [_monitoring()], "ports": [_port(inference_pool.METRICS_PORT)]}],
+        ))
     return [deny, *allows]
 
 
@@ -545,15 +575,93 @@ def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deploymen
     )
 
 
+def _picker_pod_spec(isvc: InferenceService) -> dict[str, Any]:
+    """The endpoint picker's pod: the upstream EPP with our flags, under its own
+    ServiceAccount (it reads pods and its InferencePool), as locked down as our pods."""
+    name = isvc.metadata.name
+
+    def grpc_probe(period_seconds: int) -> dict[str, Any]:
+        return {"grpc": {"port": inference_pool.GRPC_HEALTH_PORT, "service": inference_pool.GRPC_HEALTH_SERVICE},
+                "periodSeconds": period_seconds}
+
+    container: dict[str, Any] = {
+        "name": "epp",
+        "image": inference_pool.picker_image(isvc),
+        "args": inference_pool.picker_args(isvc),
+        "env": [_field_env("NAMESPACE", "metadata.namespace"), _field_env("POD_NAME", "metadata.name")],
+        "ports": [
+            {"name": "grpc", "containerPort": inference_pool.GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": inference_pool.GRPC_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": inference_pool.METRICS_PORT, "protocol": "TCP"},
+        ],
+        "livenessProbe": {**grpc_probe(10), "initialDelaySeconds": 5},
+        "readinessProbe": grpc_probe(2),
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "securityContext": _CONTAINER_SECURITY,
+    }
+    return {
+        "serviceAccountName": inference_pool.picker_name(name),
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": inference_pool.PICKER_GRACE_SECONDS,
+        "securityContext": _POD_SECURITY,
+        "containers": [container],
+    }
+
+
+def _picker_children(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The endpoint picker's ServiceAccount, Role, RoleBinding, Deployment and Service, then the
+    InferencePool that names it (router mode InferencePool)."""
+    name, namespace = isvc.metadata.name, isvc.metadata.namespace
+    picker = inference_pool.picker_name(name)
+    labels = inference_pool.picker_labels(name)
+    identity = {"name": picker, "namespace": namespace, "labels": labels}
+    template = {"metadata": {"labels": labels, "annotations": {}}, "spec": _picker_pod_spec(isvc)}
+    deployment = _load(
+        "deployment.yaml.j2", **identity, selector=inference_pool.picker_selector_labels(name),
+        replicas=inference_pool.PICKER_REPLICAS,
+        # One picker at a time would mean no picker while it is replaced (and, with
+        # failureMode FailClose, failed requests): the new one is ready before the old goes.
+        max_surge=1, max_unavailable=0,
+        pod_annotations={contract.ANNOTATION_CONFIG_HASH: config_hash(template)},
+        pod_spec=template["spec"])
+    service = _load("service.yaml.j2", **identity, selector=inference_pool.picker_selector_labels(name),
+                    headless=False, ports=[
+                        {"name": "grpc-ext-proc", "port": inference_pool.GRPC_PORT, "targetPort": "grpc",
+                         "protocol": "TCP", "appProtocol": "http2"},
+                        {"name": "http-metrics", "port": inference_pool.METRICS_PORT, "targetPort": "metrics",
+                         "protocol": "TCP"}])
+    served = inference_pool.served_role(isvc.spec)
+    pool = _load(
+        "inferencepool.yaml.j2", name=inference_pool.pool_name(name), namespace=namespace,
+        labels={**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE},
+        selector=naming.selector_labels(name, served), target_port=contract.HTTP_PORT,
+        picker=picker, picker_port=inference_pool.GRPC_PORT,
+        failure_mode=isvc.spec.router.inference_pool_settings.failure_mode.value)
+    return [
+        _load("serviceaccount.yaml.j2", **identity),
+        _load("role.yaml.j2", **identity, rules=inference_pool.picker_rules(name)),
+        _load("rolebinding.yaml.j2", **identity),
+        deployment,
+        service,
+        pool,
+    ]
+
+
 def render_children(
     *, isvc: InferenceService, runtime_image: str, router_service_account: str,
     include_replicas: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of ``isvc``, without owner references, in apply order
-    (ConfigMap, then per component Deployment/Service/PDB, then NetworkPolicies).
+    (ConfigMap, then per component Deployment/Service/PDB, then in router mode InferencePool
+    the endpoint picker's objects and the InferencePool, then NetworkPolicies).
 
     ``include_replicas``: put ``spec.replicas`` (pool min, router replicas) on the
-    Deployments; only for the apply that creates them."""
+    Deployments; only for the apply that creates them (the picker's, always 1, always).
+
+    This is also how to see what an InferenceService renders without a cluster, e.g. for a
+    server-side dry run: ``render_children(isvc=InferenceService.parse(obj), runtime_image=...,
+    router_service_account="")``."""
     compat = compat_hash_of(isvc=isvc, runtime_image=runtime_image)
     comps = components(isvc.spec)
     deployments = [
@@ -568,6 +676,8 @@ def render_children(
     for c, deployment in zip(comps, deployments, strict=True):
         out += [deployment, _service(isvc=isvc, component=c, compat=compat),
                 _pdb(isvc=isvc, component=c, compat=compat)]
+    if inference_pool.enabled(isvc.spec):
+        out += _picker_children(isvc)
     out += _network_policies(isvc=isvc, comps=comps, compat=compat)
     return out
 

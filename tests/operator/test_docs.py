@@ -28,7 +28,7 @@ def test_doc_embeds_the_current_health_check_and_api_reference() -> None:
 
 def test_doc_covers_install_gitops_and_names() -> None:
     for needle in ("helm install", "rbac.scope=namespace", "ignoreDifferences", "jqPathExpressions",
-                   "splitserve-autoscaler", "kubectl apply --server-side -f helm/splitserve/crds/",
+                   "splitserve-autoscaler", "kubectl apply --server-side --force-conflicts -f helm/splitserve/crds/",
                    "at most 40 characters"):
         assert needle in DOC, needle
 

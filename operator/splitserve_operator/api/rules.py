@@ -46,6 +46,13 @@ DRAFT_TENSOR_PARALLEL_RULE_MESSAGE: Final = (
 )
 SPECULATING_POOLS: Final = ("decode", "aggregated")
 """Pools whose pods get the speculative decoding flags (prefill pods never speculate)."""
+INFERENCE_POOL_SETTINGS_RULE_MESSAGE: Final = (
+    "router.inferencePool is only used with router.mode InferencePool: remove it or set that mode"
+)
+ROUTER_MODE_IMMUTABLE_RULE_MESSAGE: Final = (
+    "router.mode cannot change after creation (the other mode's children would be left "
+    "behind): create a new InferenceService with the mode you want, move clients, delete this one"
+)
 
 CelRule = dict[str, str]
 
@@ -57,6 +64,7 @@ _POOL_GPUS = "(has(self.{p}) ? self.{p}.replicas.min * self.{p}.resources.gpus :
 _POOL_TENSOR_ONE = ("(!has(self.{p}) || !has(self.{p}.parallelism) || ("
                     "(!has(self.{p}.parallelism.tensor) || self.{p}.parallelism.tensor == 1) && "
                     "(!has(self.{p}.parallelism.pipeline) || self.{p}.parallelism.pipeline == 1)))")
+_ROUTER_MODE = "((has({o}.router) && has({o}.router.mode)) ? {o}.router.mode : 'Builtin')"
 MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
 INTERVAL_RULE_MESSAGE: Final = "autoscaling.interval must be at least 1s"
 AUTOSCALING_CEL_RULES: Final[tuple[CelRule, ...]] = (
@@ -84,6 +92,17 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
                 " || self.engine.speculative.method != 'draft' || ("
         + " && ".join(_POOL_TENSOR_ONE.format(p=p) for p in SPECULATING_POOLS) + ")",
         "message": DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.router) || !has(self.router.inferencePool)"
+                " || (has(self.router.mode) && self.router.mode == 'InferencePool')",
+        "message": INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
+    },
+    {
+        # A transition rule (oldSelf): checked on updates only. The pydantic models cannot see
+        # the old object, so this one is the API server's alone.
+        "rule": _ROUTER_MODE.format(o="self") + " == " + _ROUTER_MODE.format(o="oldSelf"),
+        "message": ROUTER_MODE_IMMUTABLE_RULE_MESSAGE,
     },
 )
 

@@ -50,6 +50,7 @@ from .rules import (
     DRAFT_MODEL_RULE_MESSAGE,
     DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
+    INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
     MAX_LABEL_KEY_LENGTH,
@@ -278,26 +279,103 @@ class PoolSpec(ApiModel):
         return self
 
 
-class RouterSpec(ApiModel):
-    """The OpenAI-compatible router in front of the pools."""
+class RouterMode(enum.StrEnum):
+    """What routes client requests to the pods."""
 
-    replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    BUILTIN = "Builtin"
+    INFERENCE_POOL = "InferencePool"
+
+
+class EndpointPickerFailureMode(enum.StrEnum):
+    """What the Gateway does when the endpoint picker does not answer (the InferencePool's
+    ``endpointPickerRef.failureMode``)."""
+
+    FAIL_CLOSE = "FailClose"
+    FAIL_OPEN = "FailOpen"
+
+
+class EndpointPickerSpec(ApiModel):
+    """The endpoint picker (the Inference Extension's EPP) the operator runs for the pool."""
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description=(
+            "Endpoint picker image. Empty: registry.k8s.io/gateway-api-inference-extension/epp:v1.2.0, "
+            "the picker whose command-line flags the operator renders; another image must take "
+            "the same flags."
+        ),
+    )
+
+
+class InferencePoolSpec(ApiModel):
+    """The InferencePool (``inference.networking.k8s.io/v1``) and endpoint picker that put the
+    pods behind a Gateway with the Gateway API Inference Extension (router.mode InferencePool)."""
+
+    failure_mode: EndpointPickerFailureMode = Field(
+        default=EndpointPickerFailureMode.FAIL_CLOSE,
+        description=(
+            "What the Gateway does when the endpoint picker does not answer: FailClose refuses "
+            "the request, FailOpen sends it to a pod of the pool that the Gateway picks itself."
+        ),
+    )
+    picker: EndpointPickerSpec = _object(EndpointPickerSpec, "The endpoint picker Deployment.")
+
+
+class RouterSpec(ApiModel):
+    """What routes client requests to the pods: the bundled router (mode Builtin), or a Gateway
+    with the Gateway API Inference Extension (mode InferencePool)."""
+
+    mode: RouterMode = Field(
+        default=RouterMode.BUILTIN,
+        description=(
+            "Builtin: the operator runs the OpenAI-compatible router Deployment and Service "
+            "(status.endpoint). InferencePool: no router; the operator renders an InferencePool "
+            "named like the InferenceService, selecting the aggregated pods (decode pods when "
+            "Disaggregated), and its endpoint picker, for an HTTPRoute of your Gateway to send "
+            "requests to. Fixed at creation."
+        ),
+    )
+    replicas: int = Field(default=1, ge=1, le=64, description="Router replicas (mode Builtin).")
     policy: RoutingPolicy = Field(
         default=RoutingPolicy.PREFIX_AFFINITY,
-        description="How a prefill (or aggregated) pod is chosen for a request.",
+        description="How a prefill (or aggregated) pod is chosen for a request (mode Builtin).",
     )
     session_header: str = Field(
         default="x-session-id",
         pattern=r"^[A-Za-z0-9-]+$",
         max_length=128,
-        description="Request header that pins a chat session to one pod.",
+        description="Request header that pins a chat session to one pod (mode Builtin).",
     )
     short_prompt_threshold: int = Field(
         default=64,
         ge=0,
         le=1_048_576,
-        description="Prompts with fewer uncached tokens skip prefill and go straight to decode. 0: never.",
+        description=(
+            "Prompts with fewer uncached tokens skip prefill and go straight to decode. 0: never "
+            "(mode Builtin)."
+        ),
     )
+    inference_pool: InferencePoolSpec | None = Field(
+        default=None,
+        description=(
+            "InferencePool and endpoint picker settings (mode InferencePool only). Empty: the "
+            "defaults."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _inference_pool_only_in_its_mode(self) -> RouterSpec:
+        if self.inference_pool is not None and self.mode is not RouterMode.INFERENCE_POOL:
+            raise ValueError(INFERENCE_POOL_SETTINGS_RULE_MESSAGE)
+        return self
+
+    @property
+    def inference_pool_settings(self) -> InferencePoolSpec:
+        """``inference_pool``, or its defaults when left out."""
+        return self.inference_pool if self.inference_pool is not None else InferencePoolSpec()
 
 
 KVCacheDtypeName = Annotated[str, _capability(caps.KV_CACHE_DTYPE)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import (
     Field,
@@ -17,6 +17,9 @@ from splitserve_contract import (
 )
 
 from .fields import MAX_SCALING_HISTORY, _StatusModel
+
+MAX_RECENT_DECISIONS: Final = 5
+"""status.<pool>.recentDecisions keeps this many distinct decisions, newest first."""
 
 
 # =========================================================================== status
@@ -59,6 +62,26 @@ class ScalingDecision(_StatusModel):
     reason: str = Field(max_length=1024, description="CamelCase reason, e.g. ScaledUp or WithinTolerance.")
 
 
+class RecentDecision(_StatusModel):
+    """One distinct decision of the autoscaler for a pool. A decision that repeats round after
+    round (same reason, same from and to, same outcome) is kept once, with the time it was
+    first made, so the list says what happened and why even while nothing changes."""
+
+    time: datetime.datetime = Field(description="When the autoscaler first made this decision.")
+    from_replicas: int = Field(
+        validation_alias="from", serialization_alias="from", ge=0, description="Replicas the Deployment had."
+    )
+    to_replicas: int = Field(
+        validation_alias="to", serialization_alias="to", ge=0, description="Replicas the decision asked for."
+    )
+    reason: str = Field(max_length=1024, description="CamelCase reason, e.g. ScaledUp, AtMaxReplicas or MetricsUnavailable.")
+    applied: bool = Field(
+        default=False,
+        description="Whether the replica count was written (false: no change, a dry run or a failed write).",
+    )
+    formula: str = Field(default="", max_length=1024, description="The formula, with values substituted.")
+
+
 class PoolStatus(_StatusModel):
     """Observed state of one pool's Deployment."""
 
@@ -73,6 +96,11 @@ class PoolStatus(_StatusModel):
     )
     last_decision: ScalingDecision | None = Field(
         default=None, description="The autoscaler's last decision for this pool."
+    )
+    recent_decisions: list[RecentDecision] = Field(
+        default_factory=list,
+        max_length=MAX_RECENT_DECISIONS,
+        description=f"The last {MAX_RECENT_DECISIONS} distinct autoscaler decisions for this pool, newest first.",
     )
     summary: str = Field(
         default="",

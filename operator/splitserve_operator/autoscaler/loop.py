@@ -4,10 +4,11 @@ A round (:func:`run_once`) goes: observe every pool (Deployment replicas, Ready 
 GPU-Pending pods) → query its signals in Prometheus → :func:`~.decision.decide` per pool →
 :func:`~.decision.plan_joint` over the GPU budget → act (deletion costs, then
 ``spec.replicas``) unless dry run → report: ``status.<pool>.lastDecision`` (and
-``desiredReplicas``/``lastScaleTime`` after a write), ``status.scalingHistory``, the
-``MetricsHealthy`` and ``ScalingActive`` conditions, Events on every change, and the
-autoscaler's Prometheus series. Status goes through :func:`..status.patch_status`, which
-merges by condition type, so the reconciler's conditions are never lost.
+``desiredReplicas``/``lastScaleTime`` after a write), ``status.<pool>.recentDecisions``,
+``status.scalingHistory``, the ``MetricsHealthy`` and ``ScalingActive`` conditions, Events
+on every change, and the autoscaler's Prometheus series. Status goes through
+:func:`..status.patch_status`, which merges by condition type, so the reconciler's conditions
+are never lost.
 ``status.<pool>.pendingReplicas`` stays the reconciler's (all Pending pods); the GPU-Pending
 count of a decision is in its ``inputs``.
 
@@ -63,6 +64,7 @@ from ..api import (
     pool_spec,
 )
 from . import actuator
+from . import history as history_of_decisions
 from .decision import (
     Behavior,
     Decision,
@@ -285,7 +287,9 @@ def _record(
     now_seconds: float,
 ) -> dict[str, Any]:
     """Status fields for this round's decisions; posts an Event for every change (a write,
-    or a new dry-run recommendation) and appends it to ``status.scalingHistory``."""
+    or a new dry-run recommendation) and appends it to ``status.scalingHistory``; a decision
+    that differs from the pool's newest ``recentDecisions`` entry goes in front of that list
+    (:mod:`.history`)."""
     meta = isvc.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     live_status = isvc.get("status") or {}
@@ -294,8 +298,16 @@ def _record(
     history_before = len(history)
     for decision in decisions:
         key = (namespace, name, decision.pool)
-        previous = (live_status.get(decision.pool) or {}).get("lastDecision") or {}
+        pool_status = live_status.get(decision.pool) or {}
+        previous = pool_status.get("lastDecision") or {}
         entry: dict[str, Any] = {"lastDecision": _last_decision(decision, now_seconds=now_seconds, previous=previous)}
+        recent = history_of_decisions.with_decision(
+            pool_status.get("recentDecisions") or [],
+            history_of_decisions.decision_entry(decision, timestamp=_timestamp(now_seconds),
+                                                applied=decision.pool in written,
+                                                max_formula_length=MAX_FORMULA_LENGTH))
+        if recent is not None:
+            entry["recentDecisions"] = recent
         change = f"{decision.pool} {decision.current_replicas} → {decision.result}: {decision.formula}"
         if decision.pool in written:
             entry["desiredReplicas"] = decision.result

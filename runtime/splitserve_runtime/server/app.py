@@ -14,7 +14,8 @@ request does blocks the event loop for long (a large body is decoded in a separa
 - if the engine dies, or fails to load, the process exits 1 so Kubernetes restarts it.
 ``--role prefill|decode`` wraps the engine in :class:`~splitserve_runtime.engine.remote.HandoffEngine`
 (prefill: the KV server on ``--kv-port``; decode: the pulling connector); which path a request
-takes is decided per request in :mod:`.handoff`.
+takes is decided per request in :mod:`.handoff`. A decode pod behind a Gateway drives the
+prefill itself when an endpoint picker names the prefill pod in a header (:mod:`.prefiller`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
 from splitserve_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from splitserve_runtime.server.prefiller import Prefiller
 from splitserve_runtime.server.prompt_workers import PromptWorkers
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
@@ -68,25 +70,28 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
               max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
               prompt_workers: PromptWorkers | None = None,
-              request_reader: RequestReader | None = None) -> FastAPI:
+              request_reader: RequestReader | None = None, prefill_headers: bool = False) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
     `block_size` are reported at contract.INFO_PATH for the router. `prompt_workers` tokenize
     large prompts off the event loop (default: :class:`PromptWorkers` with its defaults);
-    `request_reader` decodes large bodies off it (default: :class:`RequestReader`)."""
+    `request_reader` decodes large bodies off it (default: :class:`RequestReader`).
+    `prefill_headers` (decode pods behind a Gateway endpoint picker): honour the picker's
+    prefill headers (:mod:`.prefiller`); off, they are ignored like any unknown header."""
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
-    state = ServerState(served_model_name=served_model_name, role=role)
+    state = ServerState(served_model_name=served_model_name, role=role, prefill_headers=prefill_headers)
     metrics = ServerMetrics(role=role, model=served_model_name, stats_source=lambda: (
         state.engine_or_none.stats() if state.engine_or_none is not None else None))
     workers = prompt_workers if prompt_workers is not None else PromptWorkers()
     prompts = PromptReader(workers=workers, metrics=metrics)
-    completions = CompletionsService(state=state, metrics=metrics, prompts=prompts)
-    chat = ChatService(state=state, metrics=metrics, prompts=prompts)
+    prefiller = Prefiller(metrics=metrics)
+    completions = CompletionsService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
+    chat = ChatService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
     reader = request_reader if request_reader is not None else RequestReader()
     lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader,
-                              workers=workers, reader=reader)
+                              workers=workers, reader=reader, prefiller=prefiller)
     app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = state
@@ -105,9 +110,10 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
 
 def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                    engine_loader: EngineLoader | None, workers: PromptWorkers,
-                   reader: RequestReader) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """Start the given engine (or load one in the background); shut it, the prompt workers
-    and the body decoder down on exit."""
+                   reader: RequestReader, prefiller: Prefiller,
+                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start the given engine (or load one in the background); shut it, the prompt workers,
+    the body decoder and the prefill client down on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,6 +132,7 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                     await loading
             workers.shutdown()
             reader.shutdown()
+            await prefiller.aclose()
             running = state.engine_or_none
             if running is not None:
                 await running.shutdown()
@@ -336,7 +343,8 @@ def main(argv: list[str]) -> int:
     app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
                     role=args.role, api_key=api_key, compat_hash=args.compat_hash,
                     kv_endpoint=kv_endpoint, block_size=args.block_size,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    prefill_headers=args.prefill_headers)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                             log_level="info", lifespan="on", timeout_graceful_shutdown=1)
     server = DrainingServer(config, state=app.state.server,

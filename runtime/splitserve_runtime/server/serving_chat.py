@@ -21,6 +21,7 @@ from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prefiller import Prefiller
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     ChatChoice,
@@ -38,7 +39,9 @@ from splitserve_runtime.server.serving_common import (
     chat_logprobs,
     check_model,
     finish_reason,
+    named_prefill_endpoints,
     output_usage,
+    prefill_if_named,
     reject_unsupported,
     start_generation,
 )
@@ -57,25 +60,29 @@ class ChatService:
     """Renders the chat prompt, runs it through a Generation, formats the answer."""
 
     def __init__(self, *, state: ServerState, metrics: ServerMetrics,
-                 prompts: PromptReader) -> None:
+                 prompts: PromptReader, prefiller: Prefiller) -> None:
         self._state = state
         self._metrics = metrics
         self._prompts = prompts
+        self._prefiller = prefiller
 
     async def create(self, *, body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
         check_model(state=self._state, model=body.model)
+        endpoints = named_prefill_endpoints(state=self._state, request=request, body=body)
         engine = self._state.admit()
         with self._state.preparing():  # a drain waits for a prompt being tokenized
             prompt_token_ids = await self._prompts.chat(
                 engine=engine, messages=template_messages(body),
                 requested_max_tokens=body.requested_max_tokens(), param="messages")
+            picked = await prefill_if_named(prefiller=self._prefiller, request=request, body=body,
+                                            endpoints=endpoints)
             routed, generation = start_generation(
                 state=self._state, metrics=self._metrics, engine=engine, body=body,
                 prompt_token_ids=prompt_token_ids,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 requested_max_tokens=body.requested_max_tokens(), id_prefix="chatcmpl",
-                prompt_param="messages")
+                prompt_param="messages", picked=picked)
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, engine=engine, generation=generation),

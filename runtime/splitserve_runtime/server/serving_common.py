@@ -10,6 +10,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Literal
 
+from starlette.requests import Request
+
+from splitserve_contract import HEADER_REQUEST_ID
 from splitserve_runtime.engine.outputs import FINISH_LENGTH, RequestOutput, TokenLogprob
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.server.engine_client import EngineClient, TokenizerLike
@@ -17,6 +20,7 @@ from splitserve_runtime.server.errors import bad_request, model_not_found
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prefiller import Prefilled, Prefiller, prefill_endpoints
 from splitserve_runtime.server.prompt_length import resolve_max_tokens
 from splitserve_runtime.server.protocol import (
     ChatTokenLogprob,
@@ -28,20 +32,31 @@ from splitserve_runtime.server.protocol import (
 )
 from splitserve_runtime.server.state import ServerState
 
+PickedPrefill = tuple[Prefiller, Prefilled, str]
+"""What a decode pod's named prefill pods answered (:mod:`.prefiller`), and the request's id."""
+
 
 def start_generation(*, state: ServerState, metrics: ServerMetrics, engine: EngineClient,
                      body: SamplingFields, prompt_token_ids: list[int], logprobs: int | None,
                      requested_max_tokens: int | None, id_prefix: str,
-                     prompt_param: str) -> tuple[RoutedEngine, Generation]:
+                     prompt_param: str, picked: PickedPrefill | None = None,
+                     ) -> tuple[RoutedEngine, Generation]:
     """The part of a request both endpoints share once the prompt is tokens: the token budget,
-    the sampling parameters, the prefill/decode handoff route and the :class:`Generation`."""
+    the sampling parameters, the prefill/decode handoff route and the :class:`Generation`.
+    ``picked``: the handoff a named prefill pod gave (:func:`prefill_if_named`), in place of the
+    request's own ``kv_transfer_params``."""
     params = build_sampling_params(
         body=body, logprobs=logprobs,
         max_tokens=resolve_max_tokens(requested=requested_max_tokens,
                                       num_prompt_tokens=len(prompt_token_ids),
                                       max_model_len=engine.max_model_len))
-    routed = route_handoff(engine=engine, role=state.role,
-                           params=body.kv_transfer_params, stream=bool(body.stream))
+    if picked is None:
+        routed = route_handoff(engine=engine, role=state.role,
+                               params=body.kv_transfer_params, stream=bool(body.stream))
+    else:
+        prefiller, prefilled, request_id = picked
+        routed = prefiller.route(engine=engine, role=state.role, prefilled=prefilled,
+                                 stream=bool(body.stream), request_id=request_id)
     generation = Generation(
         state=state, metrics=metrics, engine=routed,
         request_id=new_request_id(prefix=id_prefix), prompt_token_ids=prompt_token_ids,
@@ -51,6 +66,30 @@ def start_generation(*, state: ServerState, metrics: ServerMetrics, engine: Engi
 
 def new_request_id(*, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def named_prefill_endpoints(*, state: ServerState, request: Request,
+                            body: SamplingFields) -> tuple[str, ...]:
+    """The prefill pods an endpoint picker named in the request's headers (decode pods only;
+    a malformed header is a 400 before any work): :func:`.prefiller.prefill_endpoints`. Only
+    on pods started with ``--prefill-headers``: elsewhere the headers mean nothing, so a client
+    cannot make a pod send its request to an address of the client's choosing."""
+    if not state.prefill_headers:
+        return ()
+    return prefill_endpoints(request.headers, role=state.role,
+                             has_kv_transfer_params=body.kv_transfer_params is not None)
+
+
+async def prefill_if_named(*, prefiller: Prefiller, request: Request, body: SamplingFields,
+                           endpoints: Sequence[str]) -> PickedPrefill | None:
+    """Have the named prefill pods prefill this request (None when none is named)."""
+    if not endpoints:
+        return None
+    request_id = request.headers.get(HEADER_REQUEST_ID) or new_request_id(prefix="prefill")
+    prefilled = await prefiller.prefill(
+        path=request.url.path, body=body.model_dump(mode="json", exclude_unset=True),
+        endpoints=endpoints, headers=request.headers, request_id=request_id)
+    return prefiller, prefilled, request_id
 
 
 def reject_unsupported(problems: Sequence[tuple[str, str]]) -> None:

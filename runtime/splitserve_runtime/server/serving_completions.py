@@ -11,6 +11,7 @@ from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.generation import Generation
 from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
+from splitserve_runtime.server.prefiller import Prefiller
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     CompletionChoice,
@@ -23,7 +24,9 @@ from splitserve_runtime.server.serving_common import (
     check_model,
     completion_logprobs,
     finish_reason,
+    named_prefill_endpoints,
     output_usage,
+    prefill_if_named,
     reject_unsupported,
     start_generation,
 )
@@ -35,14 +38,16 @@ class CompletionsService:
     """Validates a completion request, runs it through a Generation, formats the answer."""
 
     def __init__(self, *, state: ServerState, metrics: ServerMetrics,
-                 prompts: PromptReader) -> None:
+                 prompts: PromptReader, prefiller: Prefiller) -> None:
         self._state = state
         self._metrics = metrics
         self._prompts = prompts
+        self._prefiller = prefiller
 
     async def create(self, *, body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body.unsupported_fields())
         check_model(state=self._state, model=body.model)
+        endpoints = named_prefill_endpoints(state=self._state, request=request, body=body)
         engine = self._state.admit()
         prompt = body.single_prompt()
         with self._state.preparing():  # a drain waits for a prompt being tokenized
@@ -54,10 +59,13 @@ class CompletionsService:
                 prompt_token_ids = self._prompts.token_ids(
                     engine=engine, token_ids=list(prompt), requested_max_tokens=body.max_tokens,
                     param="prompt")
+            picked = await prefill_if_named(prefiller=self._prefiller, request=request, body=body,
+                                            endpoints=endpoints)
             routed, generation = start_generation(
                 state=self._state, metrics=self._metrics, engine=engine, body=body,
                 prompt_token_ids=prompt_token_ids, logprobs=body.logprobs,
-                requested_max_tokens=body.max_tokens, id_prefix="cmpl", prompt_param="prompt")
+                requested_max_tokens=body.max_tokens, id_prefix="cmpl", prompt_param="prompt",
+                picked=picked)
         return await respond(
             request=request, generation=generation, stream=bool(body.stream),
             events=lambda: self._events(body=body, generation=generation),

@@ -17,9 +17,11 @@ from splitserve_runtime.server.errors import unavailable
 
 
 class ServerState:
-    def __init__(self, *, served_model_name: str, role: str) -> None:
+    def __init__(self, *, served_model_name: str, role: str, prefill_headers: bool = False) -> None:
         self.served_model_name = served_model_name
         self.role = role
+        self.prefill_headers = prefill_headers
+        """Whether an endpoint picker's prefill headers are honoured (``--prefill-headers``)."""
         self._engine: EngineClient | None = None
         self._draining = False
         self._in_flight: set[str] = set()

@@ -1,0 +1,209 @@
+"""A decode pod that drives its own prefill: the prefill pod an endpoint picker names in a header.
+
+Behind a Gateway (the operator's ``spec.router.mode: InferencePool``) no splitserve router
+sits in front of the pods: a Gateway API Inference Extension endpoint picker sends each request
+to a decode pod, and a picker that disaggregates names the prefill pod it chose in a header:
+``x-prefiller-host-port`` (llm-d's convention: one ``host:port``) or the proposed
+``x-gateway-prefill-endpoints`` (a comma-separated list; the first that answers wins). llm-d
+puts a routing sidecar beside vLLM for this; a splitserve decode pod does the sidecar's job
+itself. It sends the named pod the prefill-only request the builtin router sends
+(:mod:`splitserve_runtime.prefill_request`: the client's request, one token, KV kept), takes
+the signed handoff parameters from the answer and continues exactly as if the router had
+brought them: :func:`~.handoff.route_handoff` verifies them and the KV is pulled over the pods'
+own transfer.
+
+What can go wrong, and what the client sees:
+
+* a malformed header (not ``host:port``, an empty list, too many endpoints), or the header
+  together with the client's own ``kv_transfer_params``: 400 in the OpenAI error shape, before
+  any work (:func:`prefill_endpoints`);
+* a named pod that cannot be reached, answers with an error, answers without handoff
+  parameters, or with parameters this pod refuses (another compat hash during a rollout, a bad
+  signature): the next endpoint is tried, and when none is left this pod computes the prompt
+  itself. Each such request is logged (WARNING, with the reasons) and counted in
+  ``splitserve_kv_transfer_failures_total``: the client gets its answer, never a 5xx for what
+  a picker sent.
+
+Without either header nothing changes. Pods of other roles ignore the headers (an aggregated pod
+has no KV to import; a picker that counts it as "both" may still name a prefill pod).
+
+The named pod is contacted on plain HTTP at the path of the request, with the client's API key
+(as the router forwards it), on a new connection each time (no pooled connection for a prefill
+pod to drop as idle under us). It is an address a caller chose: only a pod holding the
+InferenceService's handoff key can answer with parameters this pod accepts, and what the named
+address answers is never returned to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import httpx
+from starlette.datastructures import Headers
+
+from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from splitserve_runtime.prefill_request import (
+    FORWARDED_HEADERS,
+    handoff_params,
+    prefill_request_body,
+)
+from splitserve_runtime.server.engine_client import EngineClient
+from splitserve_runtime.server.errors import APIError, bad_request
+from splitserve_runtime.server.handoff import RoutedEngine, route_handoff
+from splitserve_runtime.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+PREFILLER_HEADER: Final = "x-prefiller-host-port"
+PREFILL_ENDPOINTS_HEADER: Final = "x-gateway-prefill-endpoints"
+MAX_PREFILL_ENDPOINTS: Final = 8
+"""More named endpoints than this is not a picker's choice: refused with 400."""
+CONNECT_TIMEOUT_SECONDS: Final = 3.0
+PREFILL_TIMEOUT_SECONDS: Final = 600.0
+"""A prefill pod may queue the request behind others: the router's bound for one upstream request."""
+MAX_ENDPOINT_CHARS: Final = 261
+"""A DNS name (253) or a bracketed IPv6 address, a colon and a port."""
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_PORT = re.compile(r"^[0-9]{1,5}$")
+
+
+def _header_error(header: str, message: str) -> APIError:
+    return bad_request(f"header {header}: {message}", code="invalid_prefill_endpoint")
+
+
+def parse_endpoint(value: str, *, header: str) -> str:
+    """``value`` as a ``host:port`` this pod may connect to (host: an IPv4 address, a bracketed
+    IPv6 address or a DNS name; port 1-65535), normalised; a 400 naming ``header`` otherwise."""
+    text = value.strip()
+    if not text:
+        raise _header_error(header, "an endpoint is empty; expected host:port")
+    if len(text) > MAX_ENDPOINT_CHARS:
+        raise _header_error(header, f"endpoint {text[:32]!r}... is longer than {MAX_ENDPOINT_CHARS} characters")
+    host, sep, port = text.rpartition(":")
+    if not sep or not _PORT.match(port) or not 1 <= int(port) <= 65535:
+        raise _header_error(header, f"{text!r} is not host:port with a port from 1 to 65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise _header_error(header, f"{host!r} is not an IPv6 address") from None
+        return f"{host.lower()}:{int(port)}"
+    if not _HOSTNAME.match(host):
+        raise _header_error(header, f"{host!r} is not an IPv4 address, a bracketed IPv6 address or a DNS name")
+    return f"{host.lower()}:{int(port)}"
+
+
+def prefill_endpoints(headers: Headers, *, role: str, has_kv_transfer_params: bool) -> tuple[str, ...]:
+    """The prefill pods a picker named for this request, in the order to try them (duplicates
+    dropped); () without the headers or on a pod that is not a decode pod. Raises the 400s of
+    the module docstring."""
+    if role != Role.DECODE.value:
+        return ()
+    single = headers.getlist(PREFILLER_HEADER)
+    listed = headers.getlist(PREFILL_ENDPOINTS_HEADER)
+    if not single and not listed:
+        return ()
+    if has_kv_transfer_params:
+        raise bad_request(f"give either the {PREFILLER_HEADER} / {PREFILL_ENDPOINTS_HEADER} header or "
+                          f"{KV_TRANSFER_PARAMS_FIELD}, not both", param=KV_TRANSFER_PARAMS_FIELD,
+                          code="invalid_prefill_endpoint")
+    if len(single) > 1:
+        raise _header_error(PREFILLER_HEADER, "given more than once; it names one host:port")
+    endpoints = [parse_endpoint(value, header=PREFILLER_HEADER) for value in single]
+    for value in listed:
+        endpoints += [parse_endpoint(item, header=PREFILL_ENDPOINTS_HEADER) for item in value.split(",")]
+    unique = tuple(dict.fromkeys(endpoints))
+    if len(unique) > MAX_PREFILL_ENDPOINTS:
+        raise _header_error(PREFILL_ENDPOINTS_HEADER,
+                            f"{len(unique)} endpoints; at most {MAX_PREFILL_ENDPOINTS} are tried")
+    return unique
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """The outcome of asking the named prefill pods: their handoff parameters, or None when
+    this pod computes the prompt itself."""
+
+    params: dict[str, Any] | None
+    endpoint: str = ""
+
+
+class Prefiller:
+    """Sends the prefill-only request to the named pods (one server's, shared by its requests)."""
+
+    def __init__(self, *, metrics: ServerMetrics,
+                 timeout: httpx.Timeout | None = None) -> None:
+        self._metrics = metrics
+        self._timeout = timeout or httpx.Timeout(PREFILL_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:  # made on the event loop that uses it
+            self._client = httpx.AsyncClient(timeout=self._timeout,
+                                             limits=httpx.Limits(max_keepalive_connections=0))
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def prefill(self, *, path: str, body: Mapping[str, Any], endpoints: Sequence[str],
+                      headers: Headers, request_id: str) -> Prefilled:
+        """Ask ``endpoints`` in turn to prefill the request ``body`` sent to ``path``; the first
+        answer with handoff parameters wins. None of them: logged, counted, computed here."""
+        prefill_body = prefill_request_body(body)
+        forwarded = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+        forwarded[HEADER_REQUEST_ID] = request_id
+        problems: list[str] = []
+        for endpoint in endpoints:
+            started = time.perf_counter()
+            try:
+                response = await self._http().post(f"http://{endpoint}{path}", json=prefill_body,
+                                                   headers=forwarded)
+            except httpx.HTTPError as exc:
+                problems.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+                continue
+            if response.status_code != 200:
+                problems.append(f"{endpoint}: answered {response.status_code}: {response.text[:200]}")
+                continue
+            try:
+                params = handoff_params(response.json())
+            except ValueError:
+                params = None
+            if params is None:
+                problems.append(f"{endpoint}: answered without {KV_TRANSFER_PARAMS_FIELD}")
+                continue
+            logger.debug("request %s prefilled by %s in %.3f s", request_id, endpoint,
+                         time.perf_counter() - started)
+            return Prefilled(params=params, endpoint=endpoint)
+        self.fall_back(request_id=request_id, reason="; ".join(problems))
+        return Prefilled(params=None)
+
+    def fall_back(self, *, request_id: str, reason: str) -> None:
+        """Log and count a request whose named prefill pods could not hand it over."""
+        logger.warning("request %s: no named prefill pod handed over its KV (%s); computing the prompt "
+                       "on this pod", request_id, reason)
+        self._metrics.record_kv_transfer(num_bytes=0, seconds=0.0, ok=False)
+
+    def route(self, *, engine: EngineClient, role: str, prefilled: Prefilled, stream: bool,
+              request_id: str) -> RoutedEngine:
+        """:func:`route_handoff` for parameters a named prefill pod gave: parameters this pod
+        refuses (another compat hash, a bad signature) are that pod's problem, not the
+        client's, so the prompt is computed here instead of answering 4xx."""
+        if prefilled.params is None:
+            return route_handoff(engine=engine, role=role, params=None, stream=stream)
+        try:
+            return route_handoff(engine=engine, role=role, params=prefilled.params, stream=stream)
+        except APIError as exc:
+            self.fall_back(request_id=request_id,
+                           reason=f"{prefilled.endpoint}: its {KV_TRANSFER_PARAMS_FIELD} were refused: {exc}")
+            return route_handoff(engine=engine, role=role, params=None, stream=stream)
