@@ -189,10 +189,17 @@ def _already_stalled(obj: Mapping[str, Any], reason: str) -> bool:
             and cond.get("observedGeneration") == generation)
 
 
+API_REFUSED_PREFIX = "The API server refused a child for good: "
+"""How a Stalled/InvalidSpec message starts when the API server, not the models, refused."""
+
+
 def spec_never_applies(obj: Mapping[str, Any]) -> bool:
-    """An InferenceService whose current generation was found invalid (by the models, or by the
-    API server refusing its children for good): nothing is retried until the spec changes."""
-    return _already_stalled(obj, Reason.INVALID_SPEC)
+    """An InferenceService whose current generation the API server refused (a child refused for
+    good): nothing is sent again until the spec changes. A spec the *models* refused is parsed
+    again instead (cheap, no API call): the verdict may come from another operator version, e.g.
+    one that read the object through a newer CRD, and must not outlive an operator upgrade."""
+    return (_already_stalled(obj, Reason.INVALID_SPEC)
+            and str(_previous(obj, ConditionType.STALLED).get("message", "")).startswith(API_REFUSED_PREFIX))
 
 
 def _write_status(*, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[str, Any],
@@ -416,7 +423,7 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
             elif child["kind"] == "Deployment" and role_value:
                 report.deployments[Role(role_value)] = result.obj
     if permanent:  # retrying cannot help, whatever else failed
-        _report_invalid_spec(api=api, obj=obj, message="; ".join(permanent))
+        _report_invalid_spec(api=api, obj=obj, message=API_REFUSED_PREFIX + "; ".join(permanent))
         return None
     if crd_missing:
         _report_crd_missing(api=api, parsed=parsed)

@@ -126,3 +126,27 @@ def test_a_spec_the_models_refuse_is_not_retried_either(posted: list[tuple[str, 
     run(fake)
     assert len(fake.writes) == writes
     assert [(t, r) for t, r, _ in posted] == [("Warning", Reason.INVALID_SPEC)]
+
+
+def test_a_models_verdict_does_not_outlive_an_operator_upgrade(posted: list[tuple[str, str, str]]) -> None:
+    """An operator that read the object through a newer CRD (a field its models do not know
+    yet) stored Stalled/InvalidSpec at this generation. The upgraded operator, whose models
+    accept the spec, must reconcile it without waiting for a spec change."""
+    fake = FakeKube()
+    bad = isvc_obj(tolerations=[{"foo": "bar"}])  # what the old operator's models refused
+    result, conds = run(fake, bad)
+    assert result.outcome == Reason.INVALID_SPEC
+    assert not conds[ConditionType.STALLED]["message"].startswith(reconcile.API_REFUSED_PREFIX)
+    # same generation, the spec the new operator reads (its models accept it)
+    result, conds = run(fake, isvc_obj())
+    assert result.outcome == Reason.PROGRESSING
+    assert (conds[ConditionType.STALLED]["status"], conds[ConditionType.STALLED]["reason"]) != ("True", Reason.INVALID_SPEC)
+    assert fake.objects[("Deployment", "tiny-engine")]  # children applied
+
+
+def test_the_api_servers_verdict_is_marked_as_its_own(posted: list[tuple[str, str, str]]) -> None:
+    fake = FakeKube()
+    fake.errors["Deployment/tiny-engine"] = api_error(422, "Invalid", UNPROCESSABLE)
+    _, conds = run(fake)
+    assert conds[ConditionType.STALLED]["message"].startswith(reconcile.API_REFUSED_PREFIX)
+    assert reconcile.spec_never_applies(fake.objects[("InferenceService", "tiny")])
