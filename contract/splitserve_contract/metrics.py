@@ -55,6 +55,10 @@ class OperatorMetric:
     """Metric names exported by the operator."""
 
     RECONCILE_SECONDS: Final = "splitserve_operator_reconcile_seconds"
+    RECONCILE_ERRORS_TOTAL: Final = "splitserve_operator_reconcile_errors_total"
+    LEADER: Final = "splitserve_operator_leader"  # 1 while this replica holds the leader Lease
+    INFERENCESERVICE_CONDITION: Final = "splitserve_inferenceservice_condition"
+    """1 per (namespace, inferenceservice, type, status, reason) an InferenceService's status shows now."""
     AUTOSCALER_DESIRED_REPLICAS: Final = "splitserve_autoscaler_desired_replicas"  # label: role
     AUTOSCALER_READY_REPLICAS: Final = "splitserve_autoscaler_ready_replicas"  # label: role
     AUTOSCALER_DECISIONS_TOTAL: Final = "splitserve_autoscaler_decisions_total"  # role, direction

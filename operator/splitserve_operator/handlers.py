@@ -259,8 +259,10 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         key = (str(body.metadata.namespace), str(body.metadata.name))
         if event.get("type") == "DELETED":
             ctx.known.pop(key, None)
+            ctx.metrics.conditions.forget(key)
         else:
             ctx.known[key] = None
+            ctx.metrics.conditions.observe(key, (body.get("status") or {}).get("conditions") or [])
 
     async def child_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         key = owner_key(body)

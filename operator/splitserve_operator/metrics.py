@@ -9,15 +9,54 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Final
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from splitserve_contract import OperatorMetric
 
 RECONCILE_BUCKETS_SECONDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+ConditionKey = tuple[str, str]
+"""(namespace, name) of an InferenceService."""
+
+
+class ConditionCollector(Collector):
+    """``splitserve_inferenceservice_condition``: what each InferenceService's status shows now,
+    as the operator's watch delivers it (whichever writer set it: the reconciler or the
+    autoscaler), so alerts read a condition itself (e.g. MetricsHealthy=False) rather than a
+    proxy. One series of value 1 per condition; a deleted object's series go with it."""
+
+    def __init__(self) -> None:
+        self._conditions: dict[ConditionKey, tuple[tuple[str, str, str], ...]] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, key: ConditionKey, conditions: Sequence[Mapping[str, Any]]) -> None:
+        rows = tuple((str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
+                     for c in conditions if c.get("type"))
+        with self._lock:
+            self._conditions[key] = rows
+
+    def forget(self, key: ConditionKey) -> None:
+        with self._lock:
+            self._conditions.pop(key, None)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(OperatorMetric.INFERENCESERVICE_CONDITION,
+                                   "1 for each condition an InferenceService's status shows now",
+                                   labels=["namespace", "inferenceservice", "type", "status", "reason"])
+        with self._lock:
+            items = sorted(self._conditions.items())
+        for (namespace, name), rows in items:
+            for type_, status, reason in rows:
+                family.add_metric([namespace, name, type_, status, reason], 1.0)
+        yield family
 
 
 @dataclasses.dataclass
@@ -26,11 +65,14 @@ class OperatorMetrics:
     reconcile_seconds: Histogram
     reconcile_errors_total: Counter
     leader: Gauge
+    conditions: ConditionCollector
 
     @classmethod
     def create(cls) -> OperatorMetrics:
         registry = CollectorRegistry()
         prometheus_client.ProcessCollector(registry=registry)
+        conditions = ConditionCollector()
+        registry.register(conditions)
         return cls(
             registry=registry,
             reconcile_seconds=Histogram(
@@ -38,11 +80,12 @@ class OperatorMetrics:
                 ["outcome"], buckets=RECONCILE_BUCKETS_SECONDS, registry=registry,
             ),
             reconcile_errors_total=Counter(
-                "splitserve_operator_reconcile_errors_total", "Reconciles that ended in a retryable error",
+                OperatorMetric.RECONCILE_ERRORS_TOTAL, "Reconciles that ended in a retryable error",
                 registry=registry,
             ),
-            leader=Gauge("splitserve_operator_leader", "1 while this replica holds the leader Lease",
+            leader=Gauge(OperatorMetric.LEADER, "1 while this replica holds the leader Lease",
                          registry=registry),
+            conditions=conditions,
         )
 
 

@@ -347,7 +347,8 @@ def test_values_reach_the_rules() -> None:
 
 
 EXPECTED_ALERTS = {"SplitserveTTFTSLOBurn", "SplitserveITLSLOBurn", "SplitserveKVTransferFailures",
-                   "SplitserveMetricsUnhealthy", "SplitserveGPUPodsPending", "SplitserveOperatorDown"}
+                   "SplitserveMetricsUnhealthy", "SplitserveGPUPodsPending", "SplitserveInferenceServiceStalled",
+                   "SplitserveOperatorNoLeader", "SplitserveOperatorDown"}
 
 
 def test_every_alert_has_severity_summary_description_and_runbook() -> None:
