@@ -72,3 +72,4 @@ push: ## push the image to a registry: make push IMAGE=registry.example.com/spli
 bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py
 	$(PYTHON) bench/tensor_parallel.py
+	$(PYTHON) bench/router_overhead.py

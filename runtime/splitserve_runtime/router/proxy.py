@@ -3,8 +3,10 @@ stream the answer back, and fail cleanly.
 
 Disaggregated flow (the pull protocol of contract.KV_TRANSFER_PARAMS_FIELD):
 1. the prompt goes to a prefill pod chosen by prefix affinity, as the client's own request with
-   `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; the pod
-   computes the KV, samples the first token and answers with the handoff parameters;
+   `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`
+   (:mod:`splitserve_runtime.prefill_request`, shared with decode pods that drive a prefill
+   themselves behind a Gateway); the pod computes the KV, samples the first token and answers
+   with the handoff parameters;
 2. the original request plus those parameters goes to a decode pod with the same compat hash
    and the most KV headroom; it pulls the KV it lacks and streams the rest of the answer.
 
@@ -28,6 +30,7 @@ an OpenAI-style error event, so a client never waits past the read timeout.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -40,6 +43,11 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from splitserve_runtime.prefill_request import (
+    FORWARDED_HEADERS,
+    handoff_params,
+    prefill_request_body,
+)
 
 from . import metrics
 from .pods import Pod, PodSet
@@ -47,13 +55,15 @@ from .policy import PrefillSelector, choose_decode, prefix_block_hashes
 
 log = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "x-session-id", "openai-organization", "openai-project")
 MAX_PREFILL_ATTEMPTS = 3
 MAX_FORWARD_ATTEMPTS = 3
 RETRYABLE_STATUSES = frozenset({429, 503})
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 """What a request on a pooled connection the pod has just closed fails with (before any
 response byte); such a request is sent once more on a new connection."""
+
+_pod_url = functools.lru_cache(maxsize=1024)(httpx.URL)
+"""A pod's URL parsed once: parsing the string cost about 5% of the router's CPU per request."""
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
@@ -84,15 +94,21 @@ class RouterConfig:
 
 
 class Router:
+    """Sends to the pods through ``transport`` (:mod:`.aiohttp_transport`, the pool the app's
+    AsyncClient shares), not through the client: its cookie jar (one jar for every client of
+    the router), redirect and auth layers and per-request INFO line cost about a tenth of the
+    router's CPU per request (bench/router_overhead.py) and do nothing for a proxy."""
+
     def __init__(
-        self, *, pods: PodSet, selector: PrefillSelector, client: httpx.AsyncClient,
+        self, *, pods: PodSet, selector: PrefillSelector, transport: httpx.AsyncBaseTransport,
         config: RouterConfig, tokenize: Tokenize,
     ) -> None:
         self._pods = pods
         self._selector = selector
-        self._client = client
+        self._transport = transport
         self._config = config
         self._tokenize = tokenize
+        self._timeout = httpx.Timeout(config.request_timeout_seconds, connect=3.0).as_dict()
 
     # ------------------------------------------------------------------ helpers
     def _headers(self, incoming: dict[str, str], request_id: str) -> dict[str, str]:
@@ -100,18 +116,22 @@ class Router:
         headers[HEADER_REQUEST_ID] = request_id
         return headers
 
-    def _timeout(self) -> httpx.Timeout:
-        return httpx.Timeout(self._config.request_timeout_seconds, connect=3.0)
-
     async def _send(self, *, pod: Pod, url: str, body: dict[str, Any], headers: dict[str, str],
                     stream: bool) -> httpx.Response:
         """POST ``body`` to ``url``; a stale pooled connection is retried once (see the module
         docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
         for attempt in (1, 2):
-            request = self._client.build_request("POST", url, json=body, headers=headers,
-                                                 timeout=self._timeout())
+            request = httpx.Request("POST", _pod_url(url), json=body, headers=headers,
+                                    extensions={"timeout": self._timeout})
             try:
-                return await self._client.send(request, stream=stream)
+                response = await self._transport.handle_async_request(request)
+                response.request = request
+                if not stream:
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
+                return response
             except STALE_CONNECTION_ERRORS as exc:
                 if attempt == 2:
                     raise
@@ -208,10 +228,7 @@ class Router:
         self, *, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
         session: str | None,
     ) -> tuple[Pod, dict[str, Any]] | Response:
-        prefill_body = {**body, "max_tokens": 1, "stream": False, KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}}
-        prefill_body.pop("max_completion_tokens", None)
-        prefill_body.pop("stream_options", None)
-        prefill_body.pop("min_tokens", None)
+        prefill_body = prefill_request_body(body)
         tried: set[str] = set()
         last_error = "no prefill pod is healthy"
         for attempt in range(MAX_PREFILL_ATTEMPTS):
@@ -252,11 +269,10 @@ class Router:
                 return Response(content=response.content, status_code=response.status_code,
                                 media_type="application/json", headers=_passthrough_headers(response))
             try:
-                params = response.json()[KV_TRANSFER_PARAMS_FIELD]
-            except (ValueError, KeyError, TypeError):
+                params = handoff_params(response.json())
+            except ValueError:
                 params = None
-            if not isinstance(params, dict) or (
-                    pod.kv_endpoint and params.get("remote_endpoint") != pod.kv_endpoint):
+            if params is None or (pod.kv_endpoint and params.get("remote_endpoint") != pod.kv_endpoint):
                 last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD} for its own KV endpoint"
                 log.warning("%s; retrying elsewhere", last_error)
                 self._pods.mark_failed(pod.name)
