@@ -14,7 +14,7 @@ is reused without invoking Go at all. Go builds print nothing for
 minutes, so a heartbeat line with the elapsed seconds is printed while one runs.
 
 Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests (``--node`` adds
-the optional kubelet node's kubelet, kube-proxy and image binaries).
+the optional kubelet node's kubelet, kube-proxy, image binaries and its cluster DNS, CoreDNS).
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus/cmd/prometheus"
 PROMTOOL_MODULE = "github.com/prometheus/prometheus/cmd/promtool"
 KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
+# The kubelet node's cluster DNS (splitserve_e2e.coredns). Built as upstream documents a custom
+# build: plugin.cfg trimmed to these plugins, `go run directives_generate.go` (what its
+# `go generate` runs), `go build` inside the module with its own go.mod/go.sum. Fewer plugins:
+# only the kubernetes plugin's dependencies are compiled (no cloud SDKs), and it builds in
+# minutes; `go install module@version` is refused by the proxy (the @v/list lookup).
+COREDNS_VERSION = "v1.12.4"
+COREDNS_MODULE = "github.com/coredns/coredns"
+COREDNS_PLUGINS = ("bind", "ready", "health", "errors", "log", "cache", "template", "kubernetes")
 
 
 GOBIN_MODULE_DIR = Path(__file__).resolve().parent.parent / "gobin"
@@ -96,6 +104,7 @@ class NodeBinaries:
     kube_proxy: Path
     pause: Path  # static sandbox binary, packed into the pause image
     apiprobe: Path  # static in-cluster API client, packed into the test image
+    coredns: Path  # the pods' cluster DNS, a host process (splitserve_e2e.coredns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +124,11 @@ class _ToolGroup:
     """``go get`` these in the scratch module before tidying (pins a version tidy would not)."""
     """When set, build in a scratch copy of ``workdir``'s go.mod/go.sum whose tools file imports
     these packages, after ``go mod tidy`` there (the pinned module stays untouched)."""
+    prepare: Callable[[dict[str, str]], Path] | None = None
+    """Makes the directory Go builds in (instead of ``workdir``), e.g. a trimmed module copy."""
+    inputs: tuple[str, ...] = ()
+    """What ``prepare`` depends on besides the version; recorded with the recipe (a change
+    rebuilds)."""
 
 
 def cache_root() -> Path:
@@ -237,7 +251,51 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
                      "./pause", "./apiprobe"),
             workdir=GOBIN_MODULE_DIR,
         ),
+        _ToolGroup(
+            name="coredns",
+            version=COREDNS_VERSION,
+            binaries=("coredns",),
+            # netgo/osusergo: no cgo, a static binary as upstream's release (CGO_ENABLED=0)
+            go_args=("build", "-trimpath", "-tags=netgo,osusergo",
+                     f"-ldflags=-s -w -X {COREDNS_MODULE}/coremain.GitCommit=splitserve",
+                     "-o", "{out}/coredns", "."),
+            workdir=None,
+            prepare=_coredns_source,
+            inputs=tuple(f"plugin:{name}" for name in COREDNS_PLUGINS),
+        ),
     )
+
+
+def _download_module(module: str, version: str, env: dict[str, str]) -> Path:
+    """``go mod download`` one exact module version; its (read-only) directory."""
+    result = subprocess.run(["go", "mod", "download", "-json", f"{module}@{version}"],
+                            env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise BuildError(f"go mod download {module}@{version} failed: "
+                         f"{result.stderr or result.stdout}")
+    return Path(json.loads(result.stdout)["Dir"])
+
+
+def _coredns_source(env: dict[str, str]) -> Path:
+    """A writable copy of the CoreDNS module whose plugin.cfg keeps only
+    :data:`COREDNS_PLUGINS` (upstream's order: it is the order plugins handle a query), with
+    the plugin imports and directive list regenerated from it by upstream's generator."""
+    scratch = cache_root() / "gomod" / f"coredns-{COREDNS_VERSION}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(_download_module(COREDNS_MODULE, COREDNS_VERSION, env), scratch)
+    for path in (scratch, *scratch.rglob("*")):
+        path.chmod(path.stat().st_mode | 0o200)
+    config = scratch / "plugin.cfg"
+    lines = [line for line in config.read_text().splitlines()
+             if line and not line.startswith("#") and line.split(":", 1)[0] in COREDNS_PLUGINS]
+    found = {line.split(":", 1)[0] for line in lines}
+    if found != set(COREDNS_PLUGINS):
+        raise BuildError(f"CoreDNS {COREDNS_VERSION}'s plugin.cfg lacks "
+                         f"{sorted(set(COREDNS_PLUGINS) - found)}")
+    config.write_text("\n".join(lines) + "\n")
+    _run_go(args=["run", "directives_generate.go"], workdir=scratch, env=env,
+            label=f"coredns-{COREDNS_VERSION}-generate")
+    return scratch
 
 
 def _log(message: str) -> None:
@@ -269,10 +327,15 @@ def _is_complete(group: _ToolGroup, directory: Path) -> bool:
         recorded = json.loads(stamp.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if recorded.get("version") != group.version or recorded.get("recipe") != list(group.go_args):
+    if recorded.get("version") != group.version or recorded.get("recipe") != _recipe(group):
         return False  # a changed version or build recipe (flags) means rebuild
     return (all(os.access(directory / binary, os.X_OK) for binary in group.binaries)
             and all((directory / name).is_file() for name in group.extra_files))
+
+
+def _recipe(group: _ToolGroup) -> list[str]:
+    """What the stamp records as the build recipe: the Go arguments and the prepared inputs."""
+    return [*group.go_args, *group.inputs]
 
 
 def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], label: str) -> None:
@@ -327,7 +390,9 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         started = time.monotonic()
         workdir = group.workdir
         label = f"{group.name}-{group.version}"
-        if group.scratch_imports and workdir is not None:
+        if group.prepare is not None:
+            workdir = group.prepare(env)
+        elif group.scratch_imports and workdir is not None:
             workdir = _scratch_module(source=workdir, imports=group.scratch_imports, name=label)
             for module in group.scratch_go_get:
                 _run_go(args=["get", module], workdir=workdir, env=env, label=f"{label}-get")
@@ -341,7 +406,7 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         if missing:
             raise BuildError(f"go finished but {missing} are missing in {directory}")
         (directory / STAMP_NAME).write_text(json.dumps(
-            {"version": group.version, "recipe": list(group.go_args),
+            {"version": group.version, "recipe": _recipe(group),
              "binaries": list(group.binaries),
              "build_seconds": round(elapsed, 1), "built_at": time.time()}))
         _log(f"built {group.name} {group.version} in {elapsed:.0f}s")
@@ -371,7 +436,8 @@ def ensure_node_binaries() -> NodeBinaries:
     return NodeBinaries(kubelet=directories["node"] / "kubelet",
                         kube_proxy=directories["node"] / "kube-proxy",
                         pause=directories["node-images"] / "pause",
-                        apiprobe=directories["node-images"] / "apiprobe")
+                        apiprobe=directories["node-images"] / "apiprobe",
+                        coredns=directories["coredns"] / "coredns")
 
 
 def recorded_build_seconds() -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 ``LocalCluster`` starts (in order) etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler, kwok with fake GPU nodes, the kubelet node (kubelet, containerd, CNI bridge,
-kube-proxy: :mod:`splitserve_e2e.kubeletnode`) and Prometheus, with logs and pid files in one
+kube-proxy, and CoreDNS as the pods' cluster DNS on the bridge gateway:
+:mod:`splitserve_e2e.kubeletnode`) and Prometheus, with logs and pid files in one
 state directory; ``stop()`` ends them in reverse order and then kills anything still recorded
 there. The control plane listens on loopback; with the kubelet node, the API server and
 Prometheus also answer on the node's bridge gateway, where pods reach them.
@@ -280,6 +281,8 @@ class LocalCluster:
                 "kubelet_node": self.kubelet_node.name if self.kubelet_node else None,
                 "pod_network": str(self.kubelet_node.network.subnet) if self.kubelet_node else None,
                 "pod_gateway": self.pod_gateway,
+                "cluster_dns": (self.kubelet_node.dns.address
+                                if self.kubelet_node and self.kubelet_node.dns else None),
                 "containerd_directory": (str(self.kubelet_node.containerd.layout.directory)
                                          if self.kubelet_node else None),
                 "containerd_root": (str(self.kubelet_node.containerd.layout.root)

@@ -19,6 +19,7 @@ from splitserve_e2e.process import ManagedProcess, start_process
 CONTROLLERS = (
     "deployment-controller",
     "replicaset-controller",
+    "statefulset-controller",  # LeaderWorkerSet groups are StatefulSets
     "garbage-collector-controller",
     "endpointslice-controller",
     "namespace-controller",

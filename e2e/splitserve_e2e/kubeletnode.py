@@ -1,11 +1,14 @@
-"""A real node in the local cluster: kubelet + containerd + CNI bridge + kube-proxy.
+"""A real node in the local cluster: kubelet + containerd + CNI bridge + kube-proxy + DNS.
 
 Pods must meet what a real cluster enforces: images, security contexts, memory limits,
 Services. This node runs the pinned kubelet and
 kube-proxy (v1.34.4, built like the control plane) against a private containerd
 (:mod:`splitserve_e2e.containerd`) with a bridge network (:mod:`splitserve_e2e.cni`), so pods
 run from OCI images in their own namespaces and cgroups, with the runtime's default seccomp
-profile, OOM kills, restarts by the kubelet, and ClusterIPs through kube-proxy's iptables rules.
+profile, OOM kills, restarts by the kubelet, ClusterIPs through kube-proxy's iptables rules,
+and names through cluster DNS: CoreDNS (:mod:`splitserve_e2e.coredns`) on the bridge gateway,
+which the kubelet's ``clusterDNS`` names, so pods resolve Services and headless-Service pod
+hostnames (``<hostname>.<subdomain>.<ns>.svc.cluster.local``) as on any cluster.
 The node is ``splitserve-kubelet``; it advertises ``nvidia.com/gpu`` as an extended resource
 (patched into its status, as the Kubernetes docs describe) so GPU pods schedule onto it and run
 on CPU.
@@ -38,6 +41,7 @@ from kubernetes import client as k8s
 from splitserve_e2e import cni, nodehost, ociimage
 from splitserve_e2e.build import NodeBinaries, cache_root, ensure_node_binaries
 from splitserve_e2e.containerd import Containerd, ContainerdLayout, start_containerd, write_config
+from splitserve_e2e.coredns import CLUSTER_DOMAIN, ClusterDns, start_coredns
 from splitserve_e2e.kubeconfig import write_cert_kubeconfig
 from splitserve_e2e.net import LOOPBACK, free_port, port_open
 from splitserve_e2e.pki import CertPair, ClusterPki
@@ -133,6 +137,12 @@ class KubeletNode:
         self.network = network or cni.PodNetwork()
         self.num_gpus = num_gpus
         self.ready_seconds = 0.0
+        self.dns: ClusterDns | None = None
+        self.dns_ready_seconds = 0.0
+        """CoreDNS start to /ready seen (it starts first and syncs while the node comes up,
+        so this is at least the node's own start)."""
+        self.dns_wait_seconds = 0.0
+        """What waiting for CoreDNS added to the node start (after the node was Ready)."""
         self._pki = pki
         self._api_client_factory = api_client_factory
         self._log_dir = log_dir
@@ -189,12 +199,14 @@ class KubeletNode:
         cni.ensure_bridge(self.network)
 
     def start(self, *, server_url: str) -> None:
-        """Start containerd, kubelet and kube-proxy; wait for Node Ready with the GPUs."""
+        """Start CoreDNS, containerd, kubelet and kube-proxy; wait for Node Ready with the GPUs
+        and for CoreDNS to serve from a synced view of the API."""
         if self._lock is None:
             self.prepare()
         started = time.monotonic()
         binaries = self._binaries or ensure_node_binaries()
         self._binaries = binaries
+        dns = self._start_dns(binaries, server_url)
         self._start_containerd(binaries)
         kubelet_kubeconfig, proxy_kubeconfig = self._kubeconfigs(server_url)
         kubelet = start_process(name="kubelet", argv=self._kubelet_argv(
@@ -209,7 +221,10 @@ class KubeletNode:
         core = k8s.CoreV1Api(self._api_client_factory())
         wait_until(lambda: node_ready(core.read_node(NODE_NAME)), timeout_seconds=120,
                    what=f"node {NODE_NAME} Ready", alive=kubelet, interval_seconds=0.5)
-        self.ready_seconds = time.monotonic() - started
+        node_ready_at = time.monotonic()
+        self.ready_seconds = node_ready_at - started
+        self.dns_ready_seconds = dns.wait_ready(timeout_seconds=60)
+        self.dns_wait_seconds = time.monotonic() - node_ready_at
         self.advertise_gpus(core)
 
     def advertise_gpus(self, core: k8s.CoreV1Api) -> None:
@@ -229,6 +244,7 @@ class KubeletNode:
         for process in reversed(self._processes):
             process.stop(grace_seconds=5.0)
         self._processes.clear()
+        self.dns = None
         if self._containerd is not None:
             with contextlib.suppress(Exception):
                 self._containerd.remove_all()
@@ -257,6 +273,20 @@ class KubeletNode:
             shutil.rmtree(ipam, ignore_errors=True)
 
     # ------------------------------------------------------------------ pieces
+    def _start_dns(self, binaries: NodeBinaries, server_url: str) -> ClusterDns:
+        """CoreDNS on the bridge gateway, as the cluster admin (it lists Services,
+        EndpointSlices and Namespaces cluster-wide); stopped with the node's processes."""
+        admin = self._pki.admin
+        kubeconfig = write_cert_kubeconfig(
+            path=self.directory / "coredns.kubeconfig", server=server_url,
+            ca_cert=self._pki.ca_cert, client_cert=admin.cert, client_key=admin.key,
+            user_name="kubernetes-admin")
+        dns = self.dns = start_coredns(
+            binary=binaries.coredns, address=self.network.gateway, kubeconfig=kubeconfig,
+            directory=self.directory / "coredns", log_dir=self._log_dir, pid_dir=self._pid_dir)
+        self._processes.append(dns.process)
+        return dns
+
     def _start_containerd(self, binaries: NodeBinaries) -> None:
         layout = ContainerdLayout(self.directory / "containerd",
                                   root_directory=self.containerd_root)
@@ -316,7 +346,11 @@ class KubeletNode:
             "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%",
                              "nodefs.inodesFree": "1%", "imagefs.available": "1%",
                              "imagefs.inodesFree": "1%"},
-            "resolvConf": "",  # no cluster DNS here; pods get an empty resolv.conf
+            # ClusterFirst pods: "nameserver <gateway>" (CoreDNS), the cluster search list and
+            # ndots:5; "" keeps the host's resolv.conf (its search domains, its nameserver)
+            # out of pods, so dnsPolicy Default pods get an empty one
+            "clusterDNS": [self.network.gateway], "clusterDomain": CLUSTER_DOMAIN,
+            "resolvConf": "",
             "podLogsDir": str(self.directory / "pod-logs"),
             "volumePluginDir": str(self.directory / "volume-plugins"),
             "maxPods": 30,
