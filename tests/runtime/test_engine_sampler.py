@@ -1,7 +1,9 @@
-"""Sampler: greedy, seed determinism independent of the batch, filter masks, logprobs."""
+"""Sampler: greedy, seed determinism independent of the batch, filter masks, the filtered
+distributions (top-p by rejection and by sorting), logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -133,3 +135,143 @@ def test_banned_tokens_are_never_chosen_but_logprobs_are_unmasked() -> None:
                              params=[SamplingParams(temperature=2.0, seed=11)],
                              banned_token_ids=[[best[0], second[0]]])
         assert out.token_ids[0] not in (best[0], second[0])
+
+
+def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filtered distribution of one row, by the definitions: top-k keeps the logits at
+    least the k-th largest; top-p (over what top-k kept) the tokens whose strictly more likely
+    tokens hold less than top_p; min-p the tokens at least min_p as likely as the best."""
+    scaled = logits / p.temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if 0 < p.top_k < scaled.numel():
+        keep &= scaled >= scaled.sort(descending=True).values[p.top_k - 1]
+    probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1).double()
+    if p.top_p < 1.0:
+        keep &= torch.tensor([probs[probs > q].sum() < p.top_p for q in probs])
+    keep &= probs >= p.min_p * probs.max()
+    kept = probs * keep
+    return kept / kept.sum()
+
+
+FILTERED = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.7),
+    SamplingParams(temperature=0.9, min_p=0.2),
+    SamplingParams(temperature=1.1, top_k=6, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=2.0, top_p=0.5),
+]
+
+
+@pytest.mark.parametrize("by_rejection", [True, False], ids=["top-p by rejection", "top-p by sort"])
+def test_filtered_distributions(by_rejection: bool) -> None:
+    """Each setting's tokens follow its reference distribution, in one batch of all of them
+    (seeded rows, each its own request), and never leave it."""
+    logits = torch.randn(len(FILTERED), 12, generator=torch.Generator().manual_seed(1)) * 1.5
+    n = 3000
+    params = [dataclasses.replace(p, seed=1000 * i + j) for j in range(n) for i, p in enumerate(FILTERED)]
+    rows = logits.repeat(n, 1)
+    sampler = Sampler(device=torch.device("cpu"), top_p_by_rejection=by_rejection)
+    out = sampler.sample(logits=rows, request_ids=[f"r{i}" for i in range(len(params))], params=params)
+    drawn = torch.tensor(out.token_ids).view(n, len(FILTERED))
+    for i, p in enumerate(FILTERED):
+        want = _reference(logits[i], p)
+        counts = torch.bincount(drawn[:, i], minlength=12).double()
+        assert counts[want == 0].sum() == 0, p
+        expected = want * n
+        chi2 = ((counts - expected)[want > 0] ** 2 / expected[want > 0]).sum().item()
+        assert chi2 < 45, (p, chi2)  # df <= 11
+
+
+def test_top_p_on_a_flat_row_of_a_large_vocabulary() -> None:
+    """The null model's shape (a ramp and a peak): the nucleus is most of the row, so most
+    first draws by rejection land outside it; both methods keep exactly the nucleus."""
+    vocab = 3 * 256 + 40
+    logits = torch.linspace(0.0, 1.0, vocab).unsqueeze(0).repeat(2, 1)
+    logits[:, 100] = 4.0
+    params = [SamplingParams(temperature=0.8, top_p=0.8, seed=i) for i in range(400)]
+    want = _reference(logits[0], params[0]) > 0
+    assert 0.2 * vocab < want.sum() < 0.9 * vocab
+    for by_rejection in (True, False):
+        sampler = Sampler(device=torch.device("cpu"), top_p_by_rejection=by_rejection)
+        out = sampler.sample(logits=logits[:1].expand(400, vocab), request_ids=[f"r{i}" for i in range(400)],
+                             params=params)
+        assert all(want[t] for t in out.token_ids)
+        assert len(set(out.token_ids)) > 100
+
+
+@pytest.mark.parametrize("by_rejection", [True, False], ids=["top-p by rejection", "top-p by sort"])
+def test_seeded_rows_ignore_their_neighbours(by_rejection: bool) -> None:
+    """A seeded request with filters draws the same tokens alone and in mixed batches
+    (greedy, unseeded, logprobs, banned, other seeds; before and after it)."""
+    logits = torch.linspace(0.0, 1.0, 700).repeat(5, 1) + torch.randn(5, 700, generator=torch.Generator().manual_seed(2))
+    mine = SamplingParams(temperature=0.9, top_p=0.8, top_k=300, min_p=0.01, seed=77)
+    steps = 12
+
+    def run(neighbours: list[SamplingParams], where: int) -> list[int]:
+        sampler = Sampler(device=torch.device("cpu"), top_p_by_rejection=by_rejection)
+        params = neighbours[:where] + [mine] + neighbours[where:]
+        ids = [f"n{i}" for i in range(len(neighbours))]
+        ids.insert(where, "mine")
+        rows = torch.cat([logits[1:1 + where], logits[:1], logits[1 + where:1 + len(neighbours)]])
+        banned = [[3, 4]] + [[]] * (len(params) - 1)
+        return [sampler.sample(logits=rows, request_ids=ids, params=params,
+                               banned_token_ids=banned if where else None).token_ids[where]
+                for _ in range(steps)]
+
+    alone = run([], 0)
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, top_p=0.3),
+              SamplingParams(temperature=0.5, seed=5, logprobs=2), SamplingParams(temperature=2.0, top_p=0.95)]
+    assert run(others, 0) == alone
+    assert run(others, 2) == alone
+    assert run(others, 4) == alone
+    assert len(set(alone)) > 3
+
+
+def test_rows_of_one_request_draw_in_order() -> None:
+    """Speculative verification samples several rows of one request in one call: they take the
+    request's draws in row order, as one call per row would."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=9)
+    together = Sampler(device=torch.device("cpu")).sample(logits=logits, request_ids=["x"] * 3, params=[p] * 3)
+    sampler = Sampler(device=torch.device("cpu"))
+    one_by_one = [sampler.sample(logits=logits[i:i + 1], request_ids=["x"], params=[p]).token_ids[0]
+                  for i in range(3)]
+    assert together.token_ids == one_by_one
+
+
+def test_skip_draw_lines_up_a_decode_pod() -> None:
+    """The prefill pod draws token 1; the decode pod skips that draw and draws what an
+    aggregated engine draws second."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(6))
+    p = SamplingParams(temperature=1.0, seed=31)
+    aggregated = _draw(Sampler(device=torch.device("cpu")), logits, ["x"], [p], steps=6)[0]
+    decode = Sampler(device=torch.device("cpu"))
+    decode.skip_draw("x", seed=31)
+    assert _draw(decode, logits, ["x"], [p], steps=5)[0] == aggregated[1:]
+    legacy = Sampler(device=torch.device("cpu"))  # what engine/remote.py calls today
+    legacy._generator("x", 31)
+    assert _draw(legacy, logits, ["x"], [p], steps=5)[0] == aggregated[1:]
+    decode.release("x")
+    assert decode._generators == {}
+
+
+def test_mixed_batch_greedy_rows_and_logprobs() -> None:
+    """Greedy rows of a mixed batch are their argmax; logprobs come only for the rows that ask,
+    of the raw distribution, for the token each row drew."""
+    logits = _logits(6, seed=8)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, logprobs=2),
+              SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=0.8, top_k=3),
+              SamplingParams(temperature=0, logprobs=4), SamplingParams(temperature=1.0, seed=1)]
+    out = Sampler(device=torch.device("cpu")).sample(logits=logits, request_ids=list("abcdef"), params=params)
+    best = logits.argmax(-1).tolist()
+    assert [out.token_ids[i] for i in (0, 2, 4)] == [best[i] for i in (0, 2, 4)]
+    ref = torch.log_softmax(logits, -1)
+    assert [lp is None for lp in out.logprobs] == [True, False, False, True, False, True]
+    for i in (1, 2, 4):
+        lp = out.logprobs[i]
+        assert lp is not None and lp.token_id == out.token_ids[i]
+        assert math.isclose(lp.logprob, ref[i, out.token_ids[i]].item(), rel_tol=1e-5)
+        n = params[i].logprobs or 0
+        assert [t for t, _ in lp.top_logprobs] == ref[i].topk(n).indices.tolist()[:n]
+        assert all(math.isclose(v, ref[i, t].item(), rel_tol=1e-5) for t, v in lp.top_logprobs)

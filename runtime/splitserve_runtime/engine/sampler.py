@@ -1,24 +1,51 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, and logprobs.
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, seeds and logprobs,
+one path for any mix of them.
 
-Randomness is drawn per request: a request with a ``seed`` owns a ``torch.Generator``
-seeded once, and its noise row is drawn from that generator alone, so the same seed gives
-the same tokens whatever else shares the batch. Sampling uses the exponential race
-(``argmax(p / E)`` with ``E ~ Exp(1)``), which equals sampling from ``p`` and needs one
-noise row per request instead of a ``multinomial`` call per row.
+A step's greedy rows take the argmax of their logits. Every other row goes through one batched
+pass (:mod:`.sampling_ops`), whatever its settings: a handful of tensor operations for the
+whole batch, none per row (top-p on the CPU repeats a few of them for the rows it redraws):
 
-Filters are applied to temperature-scaled logits in one batched pass over the sorted
-logits; requests without filters skip the sort entirely. Logprobs are of the model's
-distribution (log-softmax of the raw logits), as in vLLM's default.
+1. weights ``exp((logit - row max) / temperature)``, the temperatures a tensor;
+2. the filters: top-k (the logits at least the k-th largest), top-p over what top-k kept (the
+   tokens whose more likely tokens hold less than ``top_p`` of the mass), min-p (weights at
+   least ``min_p`` of the best token's). Tokens with equal logits are kept or dropped together
+   and the most likely token always stays. Top-p sorts the rows on a GPU and is done by
+   rejection on the CPU, where a sort is slow: the same distribution, other tokens per seed;
+3. one inverse-CDF draw per row from one uniform per row: a seeded request's from its
+   :class:`~.seed_stream.SeedStream`, the others' from torch's global (CPU) generator.
+
+**Seeds.** Draw ``i`` of a seeded request is a pure function of ``(seed, i)``, and a request
+makes one draw per sampled row (each verification row of speculative decoding included), so
+the same seed gives the same tokens whatever else shares the batch. A disaggregated decode pod
+counts the draw the prefill pod made for the first token (:meth:`Sampler.skip_draw`).
+
+**Changed from the exponential-race sampler** (a ``torch.Generator`` per seeded request and an
+``Exp(1)`` noise row per sampled row, ``argmax(p / noise)``, one generator call per seeded
+row; top-p and top-k by a sort of every row): a seed now gives other tokens than before, from
+the same distribution; ties at the top-k or top-p boundary are all kept where the sort's order
+kept some. Greedy tokens and logprobs are unchanged. ``bench/sampler.py`` times each mix.
+
+Logprobs are of the model's distribution (log-softmax of the raw logits, not of the filtered
+or banned ones), as in vLLM's default, computed only for the rows that ask for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .outputs import TokenLogprob
+from .sampling_ops import (
+    block_masses,
+    draw,
+    redraw_outside_nucleus,
+    top_k_cutoff,
+    top_p_cutoff,
+    top_values,
+)
 from .sampling_params import SamplingParams
+from .seed_stream import SeedStream, seeded_uniform
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,50 +65,65 @@ def to_device(data: list[int] | list[float], *, dtype: torch.dtype,
 
 @dataclass(frozen=True, kw_only=True)
 class PendingSample:
-    """Sampled ids (and logprob tensors) still on the device; :meth:`resolve` syncs."""
+    """Sampled ids (and logprob tensors) still on the device; :meth:`resolve` syncs.
+
+    The logprob tensors have one row per entry of ``logprob_rows`` (the rows that asked)."""
 
     token_ids: torch.Tensor
     params: list[SamplingParams]
     chosen_logprobs: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
+    logprob_rows: list[int] = field(default_factory=list)
 
     def resolve(self) -> SamplerOutput:
         ids: list[int] = self.token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(ids)
         if self.chosen_logprobs is None:
-            return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
+            return SamplerOutput(token_ids=ids, logprobs=logprobs)
         chosen: list[float] = self.chosen_logprobs.tolist()
         top_vals: list[list[float]] = [] if self.top_values is None else self.top_values.tolist()
         top_ids: list[list[int]] = [] if self.top_indices is None else self.top_indices.tolist()
-        logprobs: list[TokenLogprob | None] = []
-        for i, p in enumerate(self.params):
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            n = p.logprobs
-            top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if n > 0 else []
-            logprobs.append(TokenLogprob(token_id=ids[i], logprob=chosen[i], top_logprobs=top))
+        for k, row in enumerate(self.logprob_rows):
+            n = self.params[row].logprobs or 0
+            top = list(zip(top_ids[k][:n], top_vals[k][:n], strict=True)) if n > 0 else []
+            logprobs[row] = TokenLogprob(token_id=ids[row], logprob=chosen[k], top_logprobs=top)
         return SamplerOutput(token_ids=ids, logprobs=logprobs)
 
 
 class Sampler:
-    """Stateless apart from the per-request generators (keyed by request id)."""
+    """Stateless apart from the seeded requests' draw counters (keyed by request id).
 
-    def __init__(self, *, device: torch.device) -> None:
+    ``top_p_by_rejection``: how top-p is done (:mod:`.sampling_ops`); by default by rejection
+    on the CPU and by sorting elsewhere.
+    """
+
+    def __init__(self, *, device: torch.device, top_p_by_rejection: bool | None = None) -> None:
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self.top_p_by_rejection = device.type == "cpu" if top_p_by_rejection is None else top_p_by_rejection
+        self._generators: dict[str, SeedStream] = {}
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
+        """Forget a finished request's seed stream."""
         self._generators.pop(request_id, None)
 
+    def skip_draw(self, request_id: str, *, seed: int) -> None:
+        """Count a draw made for this request elsewhere (the prefill pod's first token)."""
+        self._stream(request_id, seed).skip()
+
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-            self._generators[request_id] = gen
-        return gen
+        """Deprecated: what ``engine/remote.py`` calls to skip the prefill pod's draw (it then
+        draws a noise row from the returned generator). Counts the draw like
+        :meth:`skip_draw`; the generator is a throwaway. Remove once remote.py calls
+        :meth:`skip_draw`."""
+        self.skip_draw(request_id, seed=seed)
+        return torch.Generator()
+
+    def _stream(self, request_id: str, seed: int) -> SeedStream:
+        stream = self._generators.get(request_id)
+        if stream is None:
+            stream = self._generators[request_id] = SeedStream(seed)
+        return stream
 
     def sample(self, *, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams],
@@ -113,78 +155,115 @@ class Sampler:
             logits = logits.clone()
             logits[to_device(rows, dtype=torch.long, device=device),
                    to_device(cols, dtype=torch.long, device=device)] = float("-inf")
-        greedy_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if random_rows:
-            index = to_device(random_rows, dtype=torch.long, device=device)
-            token_ids = greedy_ids.clone()
-            token_ids[index] = self._sample_random(
-                logits=logits[index], request_ids=[request_ids[i] for i in random_rows],
-                params=[params[i] for i in random_rows])
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled:
+            token_ids = logits.argmax(dim=-1)
+        elif len(sampled) == num_rows:
+            token_ids = self._sample_rows(logits, request_ids=request_ids, params=params)
         else:
-            token_ids = greedy_ids
-        if all(p.logprobs is None for p in params):
-            return PendingSample(token_ids=token_ids, params=params)
-        log_probs = torch.log_softmax(raw_logits, dim=-1)
-        chosen = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        max_n = min(max((p.logprobs or 0) for p in params), log_probs.shape[1])
-        if max_n == 0:
-            return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen)
-        values, indices = log_probs.topk(max_n, dim=-1)
-        return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
-                             top_values=values, top_indices=indices)
+            greedy_index = to_device([i for i, p in enumerate(params) if p.is_greedy],
+                                     dtype=torch.long, device=device)
+            sampled_index = to_device(sampled, dtype=torch.long, device=device)
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            # index_select copies rows; logits[index] gathers element by element on the CPU
+            token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
+            token_ids[sampled_index] = self._sample_rows(
+                logits.index_select(0, sampled_index), request_ids=[request_ids[i] for i in sampled],
+                params=[params[i] for i in sampled])
+        return _with_logprobs(raw_logits, token_ids=token_ids, params=params)
 
-    def _sample_random(self, *, logits: torch.Tensor, request_ids: list[str],
-                       params: list[SamplingParams]) -> torch.Tensor:
+    def _sample_rows(self, logits: torch.Tensor, *, request_ids: list[str],
+                     params: list[SamplingParams]) -> torch.Tensor:
+        """One draw per row of ``logits`` (all of them sampled rows)."""
         device = logits.device
+        draws: list[tuple[int, int] | None] = [
+            None if p.seed is None else (p.seed, self._stream(request_ids[i], p.seed).next())
+            for i, p in enumerate(params)]
+
+        def uniforms(rows: list[int], attempt: int) -> torch.Tensor:
+            values: list[float] = torch.rand(len(rows), dtype=torch.float64).tolist()
+            for k, row in enumerate(rows):
+                key = draws[row]
+                if key is not None:
+                    values[k] = seeded_uniform(key[0], key[1], attempt)
+            return to_device(values, dtype=torch.float64, device=device)
+
         temperature = to_device([p.temperature for p in params], dtype=torch.float32, device=device)
-        scaled = logits / temperature.unsqueeze(1)
-        scaled = apply_filters(
-            logits=scaled,
-            top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params])
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise[to_device(unseeded, dtype=torch.long, device=device)] = torch.empty(
-                len(unseeded), probs.shape[1], device=device).exponential_()
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                noise[i].exponential_(generator=self._generator(request_ids[i], p.seed))
-        return (probs / noise).argmax(dim=-1)
+        weights = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1)).exp_()
+        nucleus = filter_weights(logits=logits, weights=weights, top_k=[p.top_k for p in params],
+                                 top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+                                 top_p_by_rejection=self.top_p_by_rejection)
+        tokens = draw(weights, uniforms(list(range(len(params))), 0))
+        if nucleus is None:
+            return tokens
+        return redraw_outside_nucleus(weights=weights, bound=nucleus, tokens=tokens,
+                                      uniforms=uniforms)
+
+
+def _with_logprobs(raw_logits: torch.Tensor, *, token_ids: torch.Tensor,
+                   params: list[SamplingParams]) -> PendingSample:
+    """The pending sample, with the log-probabilities of the rows that ask for them."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return PendingSample(token_ids=token_ids, params=params)
+    if len(rows) < len(params):
+        index = to_device(rows, dtype=torch.long, device=raw_logits.device)
+        raw_logits, chosen_ids = raw_logits.index_select(0, index), token_ids[index]
+    else:
+        chosen_ids = token_ids
+    log_probs = torch.log_softmax(raw_logits, dim=-1)
+    chosen = log_probs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    max_n = min(max(params[i].logprobs or 0 for i in rows), log_probs.shape[1])
+    if max_n == 0:
+        return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
+                             logprob_rows=rows)
+    values, indices = top_values(log_probs, max_n)
+    return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
+                         top_values=values, top_indices=indices, logprob_rows=rows)
+
+
+def filter_weights(*, logits: torch.Tensor, weights: torch.Tensor, top_k: list[int],
+                   top_p: list[float], min_p: list[float],
+                   top_p_by_rejection: bool = False) -> torch.Tensor | None:
+    """Zero, in place, the ``weights`` (unnormalised probabilities of ``logits``, the row's
+    best at 1) of tokens outside each row's top-k, top-p nucleus and min-p floor.
+
+    ``top_k <= 0`` (or at least the vocabulary) disables top-k, ``top_p >= 1`` top-p, and
+    ``min_p <= 0`` min-p. Top-p is over what top-k kept; the most likely token always stays.
+    With ``top_p_by_rejection`` top-p is left to :func:`~.sampling_ops.redraw_outside_nucleus`
+    and its bound returned (None when no row has top-p).
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else 0 for k in top_k]
+    use_top_k, use_top_p = any(ks), any(p < 1.0 for p in top_p)
+    sort_top_p = use_top_p and not top_p_by_rejection
+    candidates = None  # each row's largest logits, descending, and their columns
+    if use_top_k or sort_top_p:
+        candidates = top_values(logits, vocab if sort_top_p else max(ks))
+    if candidates is not None and use_top_k:
+        cutoff = top_k_cutoff(candidates[0], to_device(ks, dtype=torch.long, device=device))
+        weights.masked_fill_(logits < cutoff, 0.0)
+    bound = None
+    if use_top_p:
+        share = to_device([p if p < 1.0 else float("inf") for p in top_p], dtype=torch.float64,
+                          device=device)
+        bound = share.unsqueeze(1) * block_masses(weights).sum(dim=-1, keepdim=True)
+        if candidates is not None and sort_top_p:
+            values, columns = candidates
+            cutoff = top_p_cutoff(values=values, weights=weights.gather(1, columns), bound=bound)
+            weights.masked_fill_(logits < cutoff, 0.0)
+            bound = None
+    if any(m > 0.0 for m in min_p):
+        floor = to_device(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        weights.masked_fill_(weights < floor, 0.0)
+    return bound
 
 
 def apply_filters(*, logits: torch.Tensor, top_k: list[int], top_p: list[float],
                   min_p: list[float]) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p nucleus / min-p floor to ``-inf``.
-
-    ``top_k <= 0`` disables top-k; ``top_p >= 1`` disables top-p; ``min_p <= 0`` disables
-    min-p. The most likely token always survives.
-    """
-    vocab = logits.shape[1]
-    device = logits.device
-    use_top_k = any(0 < k < vocab for k in top_k)
-    use_top_p = any(p < 1.0 for p in top_p)
-    if use_top_k or use_top_p:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if use_top_k:
-            k = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], dtype=torch.long,
-                          device=device)
-            ranks = torch.arange(vocab, device=device).unsqueeze(0)
-            remove |= ranks >= k.unsqueeze(1)
-        if use_top_p:
-            probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-            cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-            p = to_device(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
-            remove |= cum_before >= p
-        remove[:, 0] = False
-        logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
-    if any(m > 0.0 for m in min_p):
-        probs = torch.softmax(logits, dim=-1)
-        floor = to_device(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
-        floor = floor * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
-
+    """``logits`` (temperature already applied) with the tokens :func:`filter_weights` drops
+    set to ``-inf`` (and any too unlikely to be drawn in float32); top-p by sorting."""
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    filter_weights(logits=logits, weights=weights, top_k=top_k, top_p=top_p, min_p=min_p)
+    return logits.masked_fill(weights == 0.0, float("-inf"))
