@@ -81,8 +81,10 @@ def _dry_run(cluster: LocalCluster, namespace: str, manifests: str) -> subproces
           f"podmonitor.monitoring.coreos.com/{FULLNAME}-operator"}),
         (("monitoring.prometheusRule.enabled=true", "monitoring.prometheusRule.operatorJob=kubernetes-pods"),
          {f"prometheusrule.monitoring.coreos.com/{FULLNAME}"}),
+        # the Grafana dashboard toggle: a ConfigMap the sidecar picks up, no monitoring objects
+        (("dashboards.enabled=true", "dashboards.annotations.grafana_folder=LLM serving"), set()),
     ],
-    ids=["podmonitor+rule", "servicemonitor+rule", "podmonitor-matchnames", "rule-only"],
+    ids=["podmonitor+rule", "servicemonitor+rule", "podmonitor-matchnames", "rule-only", "dashboards"],
 )
 def test_every_monitoring_toggle_passes_server_validation(
         cluster: LocalCluster, monitoring_crds: list[str], namespace: str,
@@ -92,6 +94,9 @@ def test_every_monitoring_toggle_passes_server_validation(
     assert result.returncode == 0, result.stderr
     applied = {line.split()[0] for line in result.stdout.splitlines() if "monitoring.coreos.com" in line}
     assert applied == expected, result.stdout
+    if "dashboards.enabled=true" in sets:
+        assert any(line.startswith("configmap/") and "dashboard" in line
+                   for line in result.stdout.splitlines()), result.stdout
 
 
 def _one(manifests: str, kind: str, name: str) -> dict[str, Any]:
