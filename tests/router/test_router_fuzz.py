@@ -229,9 +229,14 @@ def test_a_body_of_millions_of_tiny_arrays_does_not_stall_the_router(
     crosses back."""
     arrays = ",".join(["[]"] * ((8 * 1024 * 1024 - 200) // 3))
     payload = f'{{"model": "{MODEL_NAME}", "prompt": "x", "user": [{arrays}]}}'.encode()
-    status, gap = router_health_gap(deployment, "/v1/completions", payload)
-    assert status == 400
-    assert gap < 0.5
+    # the better of two tries: decoding on the loop stalls /health in both; a busy machine's
+    # scheduling hiccup (one CI run saw one at a load of 12 on 2 cores) rarely hits both
+    gaps = []
+    for _ in range(2):
+        status, gap = router_health_gap(deployment, "/v1/completions", payload)
+        assert status == 400
+        gaps.append(gap)
+    assert min(gaps) < 0.5, gaps
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
