@@ -110,7 +110,15 @@ def test_the_container_bound_counts_arrays_and_objects_and_stops_early() -> None
 
 
 def test_the_loop_keeps_running_while_a_large_body_decodes() -> None:
-    """The point of the process: the loop's ticks go on while 8 MiB of tiny arrays decode."""
+    """The point of the process: the loop's ticks go on while 8 MiB of tiny arrays decode.
+    The better of two tries counts: decoding on the loop stalls it in both, a scheduling hiccup
+    of a busy machine (one CI run at a load of 12 on 2 cores) rarely hits both."""
+    gaps = [_longest_loop_gap_while_decoding() for _ in range(2)]
+    print(f"8 MiB of tiny arrays decoded off the loop; longest loop gaps {gaps}")
+    assert min(gaps) < 0.3, gaps
+
+
+def _longest_loop_gap_while_decoding() -> float:
     made = BodyDecoder()
     body = ("[" + ",".join(["[]"] * (8 * 1024 * 1024 // 3)) + "]").encode()
     ticks: list[float] = []
@@ -134,6 +142,4 @@ def test_the_loop_keeps_running_while_a_large_body_decodes() -> None:
         asyncio.run(run())
     finally:
         made.shutdown()
-    gap = max(b - a for a, b in zip(ticks, ticks[1:], strict=False))
-    print(f"8 MiB of tiny arrays decoded off the loop; longest loop gap {gap:.3f} s")
-    assert gap < 0.3
+    return max(b - a for a, b in zip(ticks, ticks[1:], strict=False))
