@@ -266,14 +266,32 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
     )
 
 
-def _download_module(module: str, version: str, env: dict[str, str]) -> Path:
+def download_module(module: str, version: str, env: dict[str, str] | None = None) -> Path:
     """``go mod download`` one exact module version; its (read-only) directory."""
     result = subprocess.run(["go", "mod", "download", "-json", f"{module}@{version}"],
                             env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise BuildError(f"go mod download {module}@{version} failed: "
+        goproxy = subprocess.run(["go", "env", "GOPROXY"], env=env, capture_output=True,
+                                 text=True, check=False).stdout.strip()
+        raise BuildError(f"go mod download {module}@{version} failed (GOPROXY={goproxy}): "
                          f"{result.stderr or result.stdout}")
     return Path(json.loads(result.stdout)["Dir"])
+
+
+def writable_module_copy(source: Path, *, name: str) -> Path:
+    """A writable copy of a downloaded module (the module cache is read-only) under
+    ``gomod/<name>``, for modules that build only inside themselves (``go install mod@v``
+    asks the proxy's refused ``@v/list``). Made once, published by a rename."""
+    scratch = cache_root() / "gomod" / name
+    if not (scratch / "go.mod").is_file():
+        partial = scratch.with_name(scratch.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(source, partial)
+        for path in (partial, *partial.rglob("*")):
+            path.chmod(path.stat().st_mode | 0o200)
+        shutil.rmtree(scratch, ignore_errors=True)
+        partial.rename(scratch)
+    return scratch
 
 
 def _coredns_source(env: dict[str, str]) -> Path:
@@ -282,7 +300,7 @@ def _coredns_source(env: dict[str, str]) -> Path:
     the plugin imports and directive list regenerated from it by upstream's generator."""
     scratch = cache_root() / "gomod" / f"coredns-{COREDNS_VERSION}"
     shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(_download_module(COREDNS_MODULE, COREDNS_VERSION, env), scratch)
+    shutil.copytree(download_module(COREDNS_MODULE, COREDNS_VERSION, env), scratch)
     for path in (scratch, *scratch.rglob("*")):
         path.chmod(path.stat().st_mode | 0o200)
     config = scratch / "plugin.cfg"

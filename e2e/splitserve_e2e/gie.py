@@ -58,7 +58,9 @@ from .build import (
     _run_go,
     _ToolGroup,
     cache_root,
+    download_module,
     exclusive,
+    writable_module_copy,
 )
 from .image import ensure_registry
 from .net import LOOPBACK, free_port, port_open
@@ -93,12 +95,7 @@ class GieBinaries:
 
 def module_dir() -> Path:
     """The module's directory in the Go module cache (downloaded when missing)."""
-    result = subprocess.run(["go", "mod", "download", "-json", f"{GIE_MODULE}@{GIE_VERSION}"],
-                            capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise BuildError(f"go mod download {GIE_MODULE}@{GIE_VERSION} failed "
-                         f"(GOPROXY={_go_env('GOPROXY')}): {result.stderr or result.stdout}")
-    return Path(json.loads(result.stdout)["Dir"])
+    return download_module(GIE_MODULE, GIE_VERSION)
 
 
 def _go_env(name: str) -> str:
@@ -171,17 +168,7 @@ def _client_build() -> _GoBuild:
 
 
 def _scratch_module_copy() -> Path:
-    """A writable copy of the module (the module cache is read-only), for building inside it."""
-    scratch = cache_root() / "gomod" / f"gie-{GIE_VERSION}"
-    if not (scratch / "go.mod").is_file():
-        partial = scratch.with_name(scratch.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(module_dir(), partial)
-        for path in (partial, *partial.rglob("*")):
-            path.chmod(path.stat().st_mode | 0o200)
-        shutil.rmtree(scratch, ignore_errors=True)
-        partial.rename(scratch)
-    return scratch
+    return writable_module_copy(module_dir(), name=f"gie-{GIE_VERSION}")
 
 
 def _ensure(build: _GoBuild, *, workdir: Path | None) -> tuple[Path, float]:

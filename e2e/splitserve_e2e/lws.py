@@ -70,8 +70,10 @@ from .build import (
     _run_go,
     _ToolGroup,
     cache_root,
+    download_module,
     ensure_binaries,
     exclusive,
+    writable_module_copy,
 )
 from .controllers import CONTROLLERS
 from .net import LOOPBACK, free_port
@@ -133,12 +135,7 @@ class LwsArtifacts:
 # --------------------------------------------------------------------------- build
 def module_dir() -> Path:
     """The module's directory in the Go module cache (downloaded when missing)."""
-    result = subprocess.run(["go", "mod", "download", "-json", f"{LWS_MODULE}@{LWS_VERSION}"],
-                            capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise BuildError(f"go mod download {LWS_MODULE}@{LWS_VERSION} failed: "
-                         f"{result.stderr or result.stdout}")
-    return Path(json.loads(result.stdout)["Dir"])
+    return download_module(LWS_MODULE, LWS_VERSION)
 
 
 def _group() -> _ToolGroup:
@@ -148,20 +145,6 @@ def _group() -> _ToolGroup:
 
 def _directory() -> Path:
     return cache_root() / "bin" / f"lws-{LWS_VERSION}"
-
-
-def _scratch_module_copy(source: Path) -> Path:
-    """A writable copy of the module (the module cache is read-only), to build inside it."""
-    scratch = cache_root() / "gomod" / f"lws-{LWS_VERSION}"
-    if not (scratch / "go.mod").is_file():
-        partial = scratch.with_name(scratch.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(source, partial)
-        for path in (partial, *partial.rglob("*")):
-            path.chmod(path.stat().st_mode | 0o200)
-        shutil.rmtree(scratch, ignore_errors=True)
-        partial.rename(scratch)
-    return scratch
 
 
 def _artifacts(directory: Path) -> LwsArtifacts:
@@ -188,7 +171,7 @@ def ensure_lws() -> LwsArtifacts:
         env = dict(os.environ, CGO_ENABLED="0")
         env.setdefault("GOFLAGS", "-buildvcs=false")
         args = [arg.replace("{out}", str(directory)) for arg in _BUILD_ARGS]
-        _run_go(args=args, workdir=_scratch_module_copy(source), env=env,
+        _run_go(args=args, workdir=writable_module_copy(source, name=f"lws-{LWS_VERSION}"), env=env,
                 label=f"lws-{LWS_VERSION}")
         for name, relative in _MODULE_FILES.items():
             shutil.copyfile(source / relative, directory / name)
