@@ -73,3 +73,6 @@ bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/cpu_engine.py
 	$(PYTHON) bench/tensor_parallel.py
 	$(PYTHON) bench/router_overhead.py
+	$(PYTHON) bench/scheduler_side_by_side.py
+	$(PYTHON) bench/sampler.py
+	$(PYTHON) bench/kv_transfer.py

@@ -1,18 +1,40 @@
 """KV transfer throughput on loopback: our TCP connector vs a raw socket copy of the same bytes.
 
-Both legs move the same payload (N blocks of an 8B-shaped KV layout, scaled down) over
-127.0.0.1 in one run, so the ratio shows what framing, CRCs and per-block drains cost.
+Two shapes in one run: 64 blocks of 2 MiB (a Llama-3.1-8B block: 32 layers x K,V x 16 tokens x
+8 KV heads x 128 dims x bf16) and 1024 blocks of 128 KiB (many small frames, where per-frame
+costs show), 128 MiB each. For each:
 
-    python bench/kv_transfer.py [--blocks 64] [--repeat 5]
+- ``destination``: the connector receiving every block straight into its slot of the decode
+  side's cache (a :class:`~splitserve_runtime.transfer.BlockDestination`);
+- ``copy``: a plain ``on_block`` sink copying each block into its slot (one copy more: what
+  the engine's ``write_block`` sink does);
+- ``raw``: the same bytes with no protocol at all: the sender hands each block to
+  ``sock_sendall``, the receiver ``recv_into``s it straight into its slot.
+
+Every leg runs on one event loop, the prefill side in a separate process (as the pods are),
+so the ratio shows what framing, CRCs, the handshake and Python's per-frame work cost; the
+machine's noise moves all legs alike, so compare ratios of one run. Figures are GB/s (10^9
+bytes/s) of block payload and the decode side's CPU milliseconds per pull, each with its ratio
+to the raw leg (``x raw``; for CPU, lower is cheaper), medians of ``--repeat`` runs.
+
+    python bench/kv_transfer.py [--repeat 5] [--shape 64x2097152 --shape 1024x131072]
+
+``--legs copy,raw`` runs only those legs (e.g. against an older connector without
+destinations, for before/after figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import multiprocessing.connection
 import os
+import socket
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from splitserve_runtime.transfer import (
     ExportedKV,
@@ -20,83 +42,216 @@ from splitserve_runtime.transfer import (
     KVLayout,
     TcpKVConnector,
     TcpKVServer,
+    framing,
 )
 
-# One block of Llama-3.1-8B: 32 layers x (K,V) x 16 tokens x 8 KV heads x 128 dims x bf16 = 2 MiB.
-LAYOUT = KVLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16", dtype_bytes=2)
+DEFAULT_SHAPES = ("64x2097152", "1024x131072")
+LEGS = ("destination", "copy", "raw")
 
 
-async def _ours(*, blocks: list[bytes]) -> float:
-    registry = KVExportRegistry(ttl_seconds=60)
-    registry.add(ExportedKV(
-        request_id="bench", num_tokens=len(blocks) * LAYOUT.block_size, num_blocks=len(blocks),
-        read_block=lambda i: memoryview(blocks[i]), release=lambda: None,
-    ))
-    server = TcpKVServer(registry=registry, layout=LAYOUT, host="127.0.0.1", port=0)
+@dataclass(frozen=True)
+class Shape:
+    num_blocks: int
+    block_nbytes: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        blocks, sep, nbytes = text.partition("x")
+        if not sep or not blocks.isdigit() or not nbytes.isdigit() or int(blocks) < 1:
+            raise argparse.ArgumentTypeError(f"a shape is BLOCKSxBYTES, e.g. 64x2097152, not {text!r}")
+        shape = cls(num_blocks=int(blocks), block_nbytes=int(nbytes))
+        shape.layout()  # an expressible block size, or a clear error now
+        return shape
+
+    def layout(self) -> KVLayout:
+        """A KV layout whose blocks have exactly ``block_nbytes`` bytes (bf16, 8 heads of 128)."""
+        per_token_layer = 2 * 8 * 128 * 2  # K and V, 8 KV heads x 128 dims, bf16
+        if self.block_nbytes % (per_token_layer * 16):
+            raise argparse.ArgumentTypeError(f"block bytes must be a multiple of {per_token_layer * 16}")
+        num_layers = self.block_nbytes // (per_token_layer * 16)
+        return KVLayout(num_layers=num_layers, block_size=16, num_kv_heads=8, head_dim=128,
+                        dtype="bfloat16", dtype_bytes=2, compat_hash="bench")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    def __str__(self) -> str:
+        size = (f"{self.block_nbytes >> 20} MiB" if self.block_nbytes % (1 << 20) == 0
+                else f"{self.block_nbytes >> 10} KiB")
+        return f"{self.num_blocks} x {size}"
+
+
+# --------------------------------------------------------------------------- prefill process
+async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection) -> None:
+    """Export ``requests`` copies of one request (one per timed pull) and a raw server."""
+    layout = shape.layout()
+    blocks = [os.urandom(shape.block_nbytes) for _ in range(shape.num_blocks)]
+    registry = KVExportRegistry(ttl_seconds=600)
+    for number in range(requests):
+        registry.add(ExportedKV(
+            request_id=f"bench-{number}", num_tokens=shape.num_blocks * layout.block_size,
+            num_blocks=shape.num_blocks, read_block=lambda i: memoryview(blocks[i]), release=lambda: None))
+    server = TcpKVServer(registry=registry, layout=layout, host="127.0.0.1", port=0)
     await server.start()
-    sink = bytearray(LAYOUT.block_nbytes)
+    loop = asyncio.get_running_loop()
+    raw = socket.create_server(("127.0.0.1", 0))
+    raw.setblocking(False)
 
-    def on_block(_index: int, data: memoryview) -> None:
-        sink[:] = data  # the copy into the decode pod's cache
+    async def raw_forever() -> None:
+        while True:
+            connection, _ = await loop.sock_accept(raw)
+            with connection:
+                connection.setblocking(False)
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_recv(connection, 1)
+                for block in blocks:
+                    await loop.sock_sendall(connection, block)
+                await loop.sock_recv(connection, 1)  # until the receiver has everything
 
-    try:
-        started = time.perf_counter()
-        await TcpKVConnector().fetch(
-            endpoint=f"127.0.0.1:{server.port}", request_id="bench", first_block=0,
-            layout=LAYOUT, on_block=on_block, timeout_seconds=60,
-        )
-        return time.perf_counter() - started
-    finally:
-        await server.stop()
+    raw_task = asyncio.create_task(raw_forever())
+    pipe.send((server.port, raw.getsockname()[1]))
+    await loop.run_in_executor(None, pipe.recv)  # the parent says stop
+    raw_task.cancel()
+    await server.stop()
+    raw.close()
 
 
-async def _raw(*, blocks: list[bytes]) -> float:
-    total = sum(len(b) for b in blocks)
+def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection) -> None:
+    asyncio.run(_serve(shape, requests, pipe))
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readexactly(1)
-        for block in blocks:
-            writer.write(block)
-            await writer.drain()
-        writer.close()
 
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        started = time.perf_counter()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"x")
-        await writer.drain()
-        sink = bytearray(LAYOUT.block_nbytes)
-        remaining = total
-        while remaining:
-            chunk = await reader.readexactly(min(LAYOUT.block_nbytes, remaining))
-            sink[: len(chunk)] = chunk
-            remaining -= len(chunk)
+# --------------------------------------------------------------------------- decode side
+class Cache:
+    """The decode side's cache: one slot per block of the pull, allocated and touched once per
+    shape, so that every leg writes into the same warm memory."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.block_nbytes = shape.block_nbytes
+        self.memory = memoryview(bytearray(b"\x01") * shape.num_bytes)
+
+    def block(self, index: int) -> memoryview:
+        return self.memory[index * self.block_nbytes:(index + 1) * self.block_nbytes]
+
+
+class Destination:
+    """A :class:`~splitserve_runtime.transfer.BlockDestination`: blocks land in their slot."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+        self.count = 0
+
+    def buffers(self, index: int) -> Sequence[memoryview]:
+        return [self.cache.block(index)]
+
+    def received(self, index: int) -> None:
+        self.count += 1
+
+
+async def _ours(shape: Shape, cache: Cache, *, port: int, request_id: str, copy: bool) -> float:
+    destination = Destination(cache)
+
+    def on_block(index: int, data: memoryview) -> None:
+        cache.block(index)[:] = data  # the sink's copy into the decode pod's cache
+        destination.count += 1
+
+    started = time.perf_counter()
+    await TcpKVConnector().fetch(
+        endpoint=f"127.0.0.1:{port}", request_id=request_id, first_block=0, layout=shape.layout(),
+        on_block=on_block if copy else destination, timeout_seconds=60)
+    elapsed = time.perf_counter() - started
+    assert destination.count == shape.num_blocks
+    return elapsed
+
+
+async def _raw(shape: Shape, cache: Cache, *, port: int) -> float:
+    loop = asyncio.get_running_loop()
+    started = time.perf_counter()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_sendall(sock, b"x")
+        for index in range(shape.num_blocks):
+            destination = cache.block(index)
+            filled = 0
+            while filled < shape.block_nbytes:
+                count = await loop.sock_recv_into(sock, destination[filled:])
+                if not count:
+                    raise ConnectionError("the raw sender closed early")
+                filled += count
         elapsed = time.perf_counter() - started
-        writer.close()
-        return elapsed
+        await loop.sock_sendall(sock, b"x")
+    return elapsed
+
+
+async def _leg(leg: str, shape: Shape, cache: Cache, *, ports: tuple[int, int], request_id: str) -> float:
+    if leg == "raw":
+        return await _raw(shape, cache, port=ports[1])
+    return await _ours(shape, cache, port=ports[0], request_id=request_id, copy=leg == "copy")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One leg on one shape: medians over the timed runs."""
+
+    gb_per_s: float
+    decode_cpu_seconds: float
+    """CPU time of the decode side (this process) per pull: less noisy than wall time on a
+    shared machine, and the receiving side is the one that bounds a transfer."""
+
+
+async def _measure(shape: Shape, *, repeat: int, legs: Sequence[str]) -> dict[str, Figures]:
+    """Each leg's figures (median of ``repeat``), the legs interleaved so noise hits them alike."""
+    parent, child = multiprocessing.Pipe()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_prefill_process, args=(shape, len(legs) * (repeat + 1), child), daemon=True)
+    process.start()
+    try:
+        ports = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        times: dict[str, list[float]] = {leg: [] for leg in legs}
+        cpu: dict[str, list[float]] = {leg: [] for leg in legs}
+        cache = Cache(shape)
+        pulls = 0
+        for run in range(repeat + 1):  # the first round warms up and is not counted
+            for leg in legs:
+                cpu_started = time.process_time()
+                seconds = await _leg(leg, shape, cache, ports=ports, request_id=f"bench-{pulls}")
+                pulls += 1
+                if run:
+                    times[leg].append(seconds)
+                    cpu[leg].append(time.process_time() - cpu_started)
+        return {leg: Figures(gb_per_s=shape.num_bytes / statistics.median(times[leg]) / 1e9,
+                             decode_cpu_seconds=statistics.median(cpu[leg])) for leg in legs}
     finally:
-        server.close()
-        await server.wait_closed()
+        parent.send("stop")
+        process.join(30)
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--blocks", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
+    parser.add_argument("--shape", type=Shape.parse, action="append",
+                        help=f"BLOCKSxBYTES, repeatable (default: {' and '.join(DEFAULT_SHAPES)})")
     args = parser.parse_args()
-    blocks = [os.urandom(LAYOUT.block_nbytes) for _ in range(args.blocks)]
-    num_bytes = LAYOUT.block_nbytes * args.blocks
-    ours = [await _ours(blocks=blocks) for _ in range(args.repeat)]
-    raw = [await _raw(blocks=blocks) for _ in range(args.repeat)]
-    gb_ours = num_bytes / statistics.median(ours) / 1e9
-    gb_raw = num_bytes / statistics.median(raw) / 1e9
-    print(f"payload: {args.blocks} blocks x {LAYOUT.block_nbytes / 2**20:.1f} MiB = {num_bytes / 2**20:.0f} MiB, median of {args.repeat}")
-    print(f"{'leg':<22}{'GB/s':>8}")
-    print(f"{'splitserve TCP':<22}{gb_ours:>8.2f}")
-    print(f"{'raw socket copy':<22}{gb_raw:>8.2f}")
-    print(f"{'ratio ours/raw':<22}{gb_ours / gb_raw:>8.2f}")
+    shapes: list[Shape] = args.shape or [Shape.parse(text) for text in DEFAULT_SHAPES]
+    legs = [leg for leg in LEGS if leg in args.legs.split(",")]
+    if not legs or set(args.legs.split(",")) - set(LEGS):
+        parser.error(f"--legs takes a comma-separated choice of {', '.join(LEGS)}")
+    crc = getattr(framing, "CRC32_IMPLEMENTATION", "zlib")
+    print(f"KV transfer on loopback, CRC-32 by {crc}, median of {args.repeat} (GB/s = 1e9 bytes/s)")
+    print(f"{'shape':<16}{'leg':<13}{'GB/s':>7}{'x raw':>7}{'decode CPU ms':>15}{'x raw':>7}")
+    for shape in shapes:
+        figures = await _measure(shape, repeat=args.repeat, legs=legs)
+        raw = figures.get("raw")
+        for number, leg in enumerate(legs):
+            leg_figures = figures[leg]
+            speed = f"{leg_figures.gb_per_s / raw.gb_per_s:>7.2f}" if raw else f"{'-':>7}"
+            cost = f"{leg_figures.decode_cpu_seconds / raw.decode_cpu_seconds:>7.2f}" if raw else f"{'-':>7}"
+            print(f"{str(shape) if number == 0 else '':<16}{leg:<13}{leg_figures.gb_per_s:>7.2f}{speed}"
+                  f"{leg_figures.decode_cpu_seconds * 1e3:>15.1f}{cost}")
 
 
 if __name__ == "__main__":

@@ -83,10 +83,15 @@ KV_CACHE_DTYPE: Final = Capability(
     name="kvCache.dtype", api_field="dtype",
     known=("auto", "fp8"), supported=("auto", "fp8"))
 """auto: the activation dtype; fp8: e4m3 with per-tensor scales (half the bytes of bf16)."""
+REPLICA_LAYOUT: Final = Capability(
+    name="replica layout", known=("single-node", "multi-node"), supported=("single-node", "multi-node"))
+"""single-node: one pod holds all ranks of a replica; multi-node: a replica is a group of
+``resources.gpus / resources.gpusPerNode`` pods (a LeaderWorkerSet), each holding its share of
+the tensor x pipeline ranks (``--nnodes``)."""
 
 ALL: Final[tuple[Capability, ...]] = (
     QUANTIZATION, TENSOR_PARALLEL_SIZE, PIPELINE_PARALLEL_SIZE, SPECULATIVE_METHOD,
-    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE, KV_CACHE_DTYPE,
+    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE, KV_CACHE_DTYPE, REPLICA_LAYOUT,
 )
 
 

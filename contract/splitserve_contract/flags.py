@@ -58,6 +58,10 @@ class ServeArgs:
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1  # pods holding one replica's ranks (a LeaderWorkerSet group)
+    node_rank: int = -1  # this pod's place in the group (-1: $LWS_WORKER_INDEX, else 0)
+    leader_address: str = ""  # the group's leader pod ("": $LWS_LEADER_ADDRESS)
+    rendezvous_port: int = 29500  # the leader's port where the group's ranks meet
     drain_timeout_seconds: float = defaults.DRAIN_TIMEOUT_SECONDS
     kv_ttl_seconds: float = defaults.KV_TTL_SECONDS  # prefill role: unclaimed KV is freed after this
     seed: int = 0
@@ -101,6 +105,17 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
     Flag("tensor-parallel-size", "tensor_parallel_size", "GPUs per tensor-parallel group", type=int),
     Flag("pipeline-parallel-size", "pipeline_parallel_size", "pipeline stages", type=int),
+    Flag("nnodes", "nnodes",
+         "pods holding one replica's tensor x pipeline ranks (a LeaderWorkerSet group); each pod holds "
+         "tensor x pipeline / nnodes consecutive ranks", type=int),
+    Flag("node-rank", "node_rank",
+         "this pod's index in the group: 0 serves the API (the leader), others run only their ranks "
+         "(-1: from $LWS_WORKER_INDEX, else 0)", type=int),
+    Flag("leader-address", "leader_address",
+         "host of the group's leader pod, where the other pods join (empty: from $LWS_LEADER_ADDRESS; "
+         "required on pods other than the leader)"),
+    Flag("rendezvous-port", "rendezvous_port",
+         "port the leader listens on (all interfaces) for the group's ranks to join (--nnodes > 1)", type=int),
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),

@@ -57,6 +57,10 @@ class Reason:
     """spec.router.mode InferencePool, but the cluster has no InferencePool CRD
     (inference.networking.k8s.io/v1, the Gateway API Inference Extension's): nothing can be
     routed until it is installed; the operator retries."""
+    LEADER_WORKER_SET_CRD_MISSING: Final = "LeaderWorkerSetCRDMissing"
+    """A pool spans several nodes (resources.gpusPerNode smaller than resources.gpus), but the
+    cluster has no LeaderWorkerSet CRD (leaderworkerset.x-k8s.io/v1): the pool cannot be
+    created until LWS is installed; the operator retries."""
     # autoscaler: conditions and Events
     ACTIVE: Final = "Active"
     METRICS_AVAILABLE: Final = "MetricsAvailable"

@@ -2,22 +2,29 @@
 
 :func:`apply_child` is the only way the reconciler writes a child:
 
-1. GET the live object. If it exists and its controller owner reference is not this
+1. Find the live object: in the watch's :class:`~.child_cache.ChildCache` when it holds it
+   (no request), else with a GET. If it exists and its controller owner reference is not this
    InferenceService (by UID), raise :class:`NameConflict` and write nothing: we never take
-   over an object a human or another tool made.
+   over an object a human or another tool made. When the cache shows the child exactly as our
+   last apply of the same body left it, nothing is sent at all (:meth:`.ChildCache.unchanged`).
 2. Add our owner reference (``controller: true``, ``blockOwnerDeletion: true``), so deleting
    the InferenceService garbage-collects the children: no finalizer is needed, and deleting an
    InferenceService never hangs while the operator is down.
 3. PATCH with ``application/apply-patch+yaml`` as :data:`~contract.FIELD_MANAGER_RECONCILER`,
    ``force=True``: the rendered fields are ours, and a drifted value is taken back.
 
-Replica ownership. A Deployment is created with ``spec.replicas`` (the pool minimum) and the
-reconciler then hands that one field over to the autoscaler's field manager by applying just
-``spec.replicas`` as :data:`~contract.FIELD_MANAGER_AUTOSCALER` (the SSA ownership-transfer
-pattern). Every later apply omits ``spec.replicas``; because the reconciler no longer owns it,
-omitting it does not reset it. If the operator died between the two writes, the next apply
-sees (in ``managedFields``) that the reconciler still owns replicas and finishes the hand-over
-first, with the live value.
+Replica ownership. A pool Deployment's ``spec.replicas`` belongs to the autoscaler's field
+manager from its creation on. The reconciler creates the Deployment with ``spec.replicas`` (the
+pool minimum; none when that is 1, the API server's default, which belongs to no one) and then
+hands that one field over by applying just ``spec.replicas`` as
+:data:`~contract.FIELD_MANAGER_AUTOSCALER` (the SSA ownership-transfer pattern); when the
+reconciler had set it, the field is then shared, and the reconciler's apply of the body without
+``spec.replicas``, sent right after, lets go of it. In a reconcile these writes follow once
+every child exists. Every later apply omits ``spec.replicas`` too; because the autoscaler holds
+it, omitting it does not reset it. If the operator died between the create and the hand-over,
+the next apply sees (in ``managedFields``) that the reconciler holds replicas and the autoscaler
+does not, and finishes the hand-over first, with the live value (a defaulted count stays
+unowned until the autoscaler first scales).
 """
 
 from __future__ import annotations
@@ -25,13 +32,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import splitserve_contract as contract
 
-from . import kube
+from . import child_cache, kube
 
 
 class NameConflict(Exception):
@@ -74,7 +80,13 @@ class Owner:
 @dataclasses.dataclass(frozen=True)
 class Applied:
     obj: dict[str, Any]
+    """The server's answer, or the cached :func:`.child_cache.slim` copy when nothing was sent."""
     outcome: Outcome
+    digest: str = ""
+    """Hash of the body the reconciler applies to this child (:func:`.child_cache.digest`)."""
+    finish: Callable[[], Applied] | None = None
+    """The rest of a pool Deployment's creation (the replica hand-over), when the caller asked
+    to send it later (``defer_hand_over``): call it once, when every child exists."""
 
 
 def controller_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -89,15 +101,7 @@ def is_controlled_by(obj: Mapping[str, Any], *, owner: Owner) -> bool:
     return ref is not None and ref.get("uid") == owner.uid
 
 
-def reconciler_owns_replicas(obj: Mapping[str, Any]) -> bool:
-    """Whether the reconciler's Apply entry in managedFields still holds spec.replicas."""
-    for entry in obj.get("metadata", {}).get("managedFields") or []:
-        if entry.get("manager") != contract.FIELD_MANAGER_RECONCILER or entry.get("operation") != "Apply":
-            continue
-        spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
-        if "f:replicas" in spec:
-            return True
-    return False
+reconciler_owns_replicas = child_cache.reconciler_owns_replicas
 
 
 def _without_replicas(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,46 +128,111 @@ def with_owner(obj: Mapping[str, Any], *, owner: Owner) -> dict[str, Any]:
 
 
 def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None,
-                fixed_replicas: int | None = None) -> Applied:
+                fixed_replicas: int | None = None, cache: child_cache.ChildCache | None = None,
+                defer_hand_over: bool = False) -> Applied:
     """Apply one child (see the module docstring). ``desired`` is as rendered, without
     ``spec.replicas``; ``initial_replicas`` is the count a pool Deployment is created with and
     then handed to the autoscaler (None for kinds without replicas); ``fixed_replicas`` is
     the count the reconciler itself keeps on every apply (the router: no autoscaler scales it,
-    so an edit of ``spec.router.replicas`` must reach it). Raises :class:`NameConflict` or the
-    API error."""
+    so an edit of ``spec.router.replicas`` must reach it); ``cache``: what the child watch
+    delivered, which replaces the GET (None: always GET); ``defer_hand_over``: a created pool
+    Deployment comes back with the hand-over still to send (:attr:`Applied.finish`), so that
+    the other children are not kept waiting behind it. Raises :class:`NameConflict` or the API
+    error."""
     kind = kube.kind_of(desired)
     meta = desired["metadata"]
+    body = with_owner(_without_replicas(desired), owner=owner)
+    if fixed_replicas is not None:
+        body["spec"]["replicas"] = fixed_replicas
+        initial_replicas = None  # ours for good: never handed over
+    key = child_cache.key_of(body)
+    sent = child_cache.digest(body)
+    hands_over = initial_replicas is not None
+    seen: child_cache.Seen | None = None
+    if cache is not None:
+        same = cache.unchanged(key, digest=sent, owner_uid=owner.uid, hands_over_replicas=hands_over)
+        if same is not None:
+            return Applied(same.obj, Outcome.UNCHANGED, sent)
+        seen = cache.seen(key)
+    if seen is not None and seen.controller_uid == owner.uid and not (
+            hands_over and seen.owns_replicas and not seen.handed_over):
+        # Ours, as the watch shows it: apply without reading it first (and without replicas,
+        # which lets go of them when the autoscaler already holds them too).
+        before = {seen.marker}
+        last = cache.last_record(key) if cache is not None else None
+        if last is not None:
+            before.add(last.marker)  # the cache may not have caught up with our last apply yet
+        result = api.apply(obj=body, field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
+        if (result.get("metadata") or {}).get("uid") != seen.obj["metadata"].get("uid"):
+            # It was gone (its DELETED event still to come): this apply made it again.
+            if initial_replicas is not None:
+                _echo(cache, key, result)
+                result = _hand_over_replicas(api=api, obj=result, replicas=initial_replicas)
+            _record(cache, key, sent, result)
+            return Applied(result, Outcome.CREATED, sent)
+        _record(cache, key, sent, result)
+        return Applied(result, Outcome.UNCHANGED if child_cache.change_marker(result) in before else Outcome.UPDATED,
+                       sent)
     live = api.get(kind=kind, namespace=meta.get("namespace"), name=meta["name"])
     if live is not None and not is_controlled_by(live, owner=owner):
         ref = controller_of(live)
         owner_text = f"{ref.get('kind')}/{ref.get('name')}" if ref else None
         raise NameConflict(kind=kind.kind, name=meta["name"], owner=owner_text)
-    body = with_owner(_without_replicas(desired), owner=owner)
-    if fixed_replicas is not None:
-        body["spec"]["replicas"] = fixed_replicas
-        initial_replicas = None  # ours for good: never handed over
     if live is None:
-        if initial_replicas is not None:
-            body["spec"]["replicas"] = initial_replicas
-        created = api.apply(obj=body, field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
-        if initial_replicas is not None:
-            created = _hand_over_replicas(api=api, obj=created, replicas=initial_replicas)
-        return Applied(created, Outcome.CREATED)
-    if initial_replicas is not None and reconciler_owns_replicas(live):
+        return _create(api=api, body=body, key=key, sent=sent, initial_replicas=initial_replicas, cache=cache,
+                       defer_hand_over=defer_hand_over)
+    if initial_replicas is not None and reconciler_owns_replicas(live) and not child_cache.replicas_handed_over(live):
         current = live.get("spec", {}).get("replicas")
         live = _hand_over_replicas(
             api=api, obj=live, replicas=int(current) if current is not None else initial_replicas
         )
-    before = _change_marker(live)
+        _echo(cache, key, live)
+    before_marker = child_cache.change_marker(live)
     result = api.apply(obj=body, field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
-    return Applied(result, Outcome.UNCHANGED if _change_marker(result) == before else Outcome.UPDATED)
+    _record(cache, key, sent, result)
+    return Applied(result, Outcome.UNCHANGED if child_cache.change_marker(result) == before_marker else Outcome.UPDATED,
+                   sent)
 
 
-def _change_marker(obj: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What changes when *our* apply changed something: the generation (spec changes) and our
-    managedFields entry (its time and field set move only when our fields change). Not the
-    resourceVersion, which controllers bump with status updates all the time."""
-    meta = obj.get("metadata", {})
-    entry: dict[str, Any] = next((e for e in meta.get("managedFields") or []
-                  if e.get("manager") == contract.FIELD_MANAGER_RECONCILER and e.get("operation") == "Apply"), {})
-    return (meta.get("generation"), entry.get("time"), json.dumps(entry.get("fieldsV1"), sort_keys=True))
+def _create(*, api: kube.KubeAPI, body: dict[str, Any], key: child_cache.ChildKey, sent: str,
+            initial_replicas: int | None, cache: child_cache.ChildCache | None, defer_hand_over: bool) -> Applied:
+    """Create a child; a pool workload's replicas then go to the autoscaler (module docstring).
+    A Deployment that starts with one replica is created without ``spec.replicas`` (the API
+    server's default is 1, and a defaulted field belongs to no one), so the hand-over is the
+    only other write; any other count is created as the reconciler's and let go of after."""
+    defaulted = initial_replicas == 1 and key[1] == kube.DEPLOYMENT.kind
+    if initial_replicas is not None and not defaulted:
+        body["spec"]["replicas"] = initial_replicas
+    created = api.apply(obj=body, field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
+    if initial_replicas is None:
+        _record(cache, key, sent, created)
+        return Applied(created, Outcome.CREATED, sent)
+    _echo(cache, key, created)
+    replicas = initial_replicas
+
+    def finish() -> Applied:
+        handed = _hand_over_replicas(api=api, obj=created, replicas=replicas)
+        if defaulted:
+            _record(cache, key, sent, handed)
+            return Applied(handed, Outcome.CREATED, sent)
+        _echo(cache, key, handed)
+        released = api.apply(obj=_without_replicas(body), field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
+        _record(cache, key, sent, released)
+        return Applied(released, Outcome.CREATED, sent)
+
+    return Applied(created, Outcome.CREATED, sent, finish=finish) if defer_hand_over else finish()
+
+
+def _record(cache: child_cache.ChildCache | None, key: child_cache.ChildKey, sent: str,
+            result: Mapping[str, Any]) -> None:
+    if cache is not None:
+        cache.record(key, digest=sent, result=result)
+
+
+def _echo(cache: child_cache.ChildCache | None, key: child_cache.ChildKey, written: Mapping[str, Any]) -> None:
+    rv = (written.get("metadata") or {}).get("resourceVersion")
+    if cache is not None and rv:
+        cache.echo(key, str(rv))
+
+
+_change_marker = child_cache.change_marker

@@ -13,7 +13,10 @@ Triggers, all level-based (every reconcile recomputes everything):
   child is re-created, a drifted field is re-applied, and Deployment status changes refresh
   the pool counts in status. ``spec.replicas`` drift needs no special case: the apply never
   contains it. These reconciles are coalesced per object by :class:`Coalescer` (a burst of
-  child events costs one or two reconciles) and retried with bounded backoff.
+  child events costs one or two reconciles) and retried with bounded backoff. Every event also
+  goes into :class:`.child_cache.ChildCache`, the reconciler's view of its children (no read
+  before a write, no write of an unchanged child); the echo of the operator's own write
+  triggers nothing (:func:`child_event_target`).
 * Unschedulable pods of our pools, and pods that cannot run (:func:`failures.pod_failure`: a
   model that cannot be loaded, a crash loop, an OOM kill, an image that cannot be pulled) ->
   reconcile their InferenceService, so a capacity shortfall or a child failure is reported
@@ -36,25 +39,33 @@ kopf's own progress and diff-base annotations use the ``splitserve.dev`` prefix 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import kopf
 
 import splitserve_contract as contract
 
-from . import failures, kube, reconcile
+from . import child_cache, failures, kube, leader_worker_set, reconcile
 from .metrics import OperatorMetrics
 
 logger = logging.getLogger(__name__)
 
 MAX_RETRY_DELAY_SECONDS: Final = 60.0
 CHILD_RETRY_ATTEMPTS: Final = 8
+SPEC_WORKERS: Final = 4
+"""Threads for reconciles of a created, changed or resumed InferenceService. They are their
+own, so such an object is not queued behind the status refreshes (child events) of many others,
+which use asyncio's default executor."""
 
 Key = tuple[str, str]  # (namespace, name)
+T = TypeVar("T")
 
 CHILD_RESOURCES: Final = (
     ("apps", "v1", "deployments"),
@@ -64,7 +75,9 @@ CHILD_RESOURCES: Final = (
     ("networking.k8s.io", "v1", "networkpolicies"),
     # the endpoint picker's own account and permissions (spec.router.mode InferencePool); the
     # InferencePool itself is not watched: its CRD may be absent, and a kopf watch on a missing
-    # resource fails (a deleted pool comes back at the next reconcile of its InferenceService)
+    # resource fails (a deleted pool comes back at the next reconcile of its InferenceService).
+    # Nor are LeaderWorkerSets (multi-node pools), for the same reason: a deleted one comes back
+    # at the next reconcile, and their pods' events (pod_needs_reconcile) refresh the counts.
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
@@ -87,8 +100,11 @@ def pod_unschedulable(body: Mapping[str, Any], **_: Any) -> bool:
 
 def pod_needs_reconcile(body: Mapping[str, Any], **_: Any) -> bool:
     """Pod events worth a reconcile: unschedulable, or unable to run (failing at start-up,
-    an image that cannot be pulled, a container that cannot be configured)."""
-    return pod_unschedulable(body) or failures.pod_failure(body) is not None
+    an image that cannot be pulled, a container that cannot be configured), and any change of a
+    multi-node pool's pod: its groups are counted from the pods (LeaderWorkerSets are not
+    watched)."""
+    return (pod_unschedulable(body) or failures.pod_failure(body) is not None
+            or leader_worker_set.SET_NAME_LABEL in ((body.get("metadata") or {}).get("labels") or {}))
 
 
 def owner_key(obj: Mapping[str, Any]) -> Key | None:
@@ -99,6 +115,33 @@ def owner_key(obj: Mapping[str, Any]) -> Key | None:
                 str(ref.get("apiVersion", "")).startswith(f"{contract.API_GROUP}/"):
             return (str(meta.get("namespace")), str(ref.get("name")))
     return None
+
+
+async def in_lane(lane: concurrent.futures.Executor, call: Callable[[], T]) -> T:
+    """``call()`` on one of ``lane``'s threads, in this task's context (like
+    :func:`asyncio.to_thread`): kopf's Event poster is found through it."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(lane, context.run, call)
+
+
+def child_event_target(*, event: Mapping[str, Any], body: Mapping[str, Any], children: child_cache.ChildCache,
+                       known: Mapping[Key, None]) -> Key | None:
+    """Keep what a child's watch event shows in ``children``, and say which InferenceService
+    to reconcile for it: its controlling one, except for the initial listing of a known one (its
+    own resume handler covers it) and for the echo of our own write (the reconcile that sent it
+    saw the answer). None: nothing to do."""
+    raw: Mapping[str, Any] = event.get("object") or body
+    if event.get("type") == "DELETED":
+        children.forget(raw)
+        echo = False
+    else:
+        echo = children.observe(raw)
+    key = owner_key(body)
+    if key is None:
+        return None  # labelled like ours but not controlled by an InferenceService: not ours
+    if event.get("type") is None and key in known:
+        return None
+    return None if echo else key
 
 
 class Coalescer:
@@ -188,12 +231,19 @@ class OperatorContext:
     nodes: reconcile.NodeCache = dataclasses.field(default_factory=reconcile.NodeCache)
     known: dict[Key, None] = dataclasses.field(default_factory=dict)
     """InferenceServices this operator has seen (for the autoscaler loop)."""
+    children: child_cache.ChildCache = dataclasses.field(
+        default_factory=lambda: child_cache.ChildCache.for_resources(CHILD_RESOURCES))
+    """The children as the child watch delivers them (:mod:`.child_cache`)."""
+    spec_lane: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(SPEC_WORKERS, thread_name_prefix="spec"))
+    """Where the kopf handlers' reconciles run (:data:`SPEC_WORKERS`)."""
 
     def run_reconcile(self, obj: Mapping[str, Any]) -> reconcile.Result:
         started = time.monotonic()
         outcome = "Error"
         try:
-            result = reconcile.reconcile(api=self.api, obj=obj, settings=self.settings, nodes=self.nodes)
+            result = reconcile.reconcile(api=self.api, obj=obj, settings=self.settings, nodes=self.nodes,
+                                         children=self.children)
             outcome = result.outcome
             return result
         except reconcile.RetryableError:
@@ -236,10 +286,11 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         try:
             async with coalescer.lock(key):
                 # Re-read inside the lock: kopf's body may predate a reconcile that just ran.
-                obj = await asyncio.to_thread(ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1])
+                obj = await in_lane(ctx.spec_lane, functools.partial(
+                    ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1]))
                 if obj is None or reconcile.is_paused(obj):
                     return
-                await asyncio.to_thread(ctx.run_reconcile, obj)
+                await in_lane(ctx.spec_lane, functools.partial(ctx.run_reconcile, obj))
         except reconcile.RetryableError as exc:
             raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
         except Exception as exc:  # noqa: BLE001 - problems are retried, never crash the operator
@@ -260,17 +311,15 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         if event.get("type") == "DELETED":
             ctx.known.pop(key, None)
             ctx.metrics.conditions.forget(key)
+            ctx.children.forget_owner(key)
         else:
             ctx.known[key] = None
             ctx.metrics.conditions.observe(key, (body.get("status") or {}).get("conditions") or [])
 
     async def child_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
-        key = owner_key(body)
-        if key is None:
-            return  # labelled like ours but not controlled by an InferenceService: not ours
-        if event.get("type") is None and key in ctx.known:
-            return  # initial listing: the InferenceService's own resume handler covers it
-        coalescer.request(key)
+        key = child_event_target(event=event, body=body, children=ctx.children, known=ctx.known)
+        if key is not None:
+            coalescer.request(key)
 
     labels = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
 

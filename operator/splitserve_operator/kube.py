@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol
 from urllib.parse import quote
 
@@ -63,6 +63,8 @@ ROLE: Final = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING: Final = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 INFERENCE_POOL: Final = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools")
 """The Gateway API Inference Extension's CRD (router.mode InferencePool): may be missing."""
+LEADER_WORKER_SET: Final = Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets")
+"""A pool whose replicas span several nodes (LWS's CRD): may be missing."""
 INFERENCE_SERVICE: Final = Kind(
     f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, contract.PLURAL
 )
@@ -70,7 +72,7 @@ INFERENCE_SERVICE: Final = Kind(
 KINDS: Final[dict[tuple[str, str], Kind]] = {
     (k.api_version, k.kind): k
     for k in (CONFIG_MAP, SECRET, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE,
-              SERVICE_ACCOUNT, ROLE, ROLE_BINDING, INFERENCE_POOL)
+              SERVICE_ACCOUNT, ROLE, ROLE_BINDING, INFERENCE_POOL, LEADER_WORKER_SET)
 }
 
 
@@ -123,22 +125,34 @@ class KubeAPI(StatusAPI, Protocol):
                field_manager: str | None = None) -> dict[str, Any]: ...
 
 
+RequestObserver = Callable[[str, str], None]
+"""Called once per request sent, with (verb, resource): ``get``/``list``/``create``/``update``/
+``patch``/``apply`` and the plural, ``/status`` appended for the status subresource (the
+operator's ``splitserve_operator_api_requests_total``)."""
+
+
 class Kube:
     """Typed, dict-based access to the handful of API calls the operator makes."""
 
-    def __init__(self, *, api_client: k8s_client.ApiClient, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    def __init__(self, *, api_client: k8s_client.ApiClient, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+                 on_request: RequestObserver | None = None) -> None:
         self._api = api_client
         self._timeout = timeout_seconds
+        self._on_request = on_request
 
     def _request(
         self,
         *,
+        verb: str,
+        resource: str,
         method: str,
         path: str,
         query: Sequence[tuple[str, str]] = (),
         body: Any = None,
         content_type: str | None = None,
     ) -> dict[str, Any]:
+        if self._on_request is not None:
+            self._on_request(verb, resource)
         headers = {"Accept": "application/json"}
         if content_type is not None:
             headers["Content-Type"] = content_type
@@ -170,7 +184,8 @@ class Kube:
     def get(self, *, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return self._request(method="GET", path=kind.object_path(namespace=namespace, name=name))
+            return self._request(verb="get", resource=kind.plural, method="GET",
+                                 path=kind.object_path(namespace=namespace, name=name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -178,7 +193,8 @@ class Kube:
 
     def list(self, *, kind: Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else []
-        result = self._request(method="GET", path=kind.collection_path(namespace=namespace), query=query)
+        result = self._request(verb="list", resource=kind.plural, method="GET",
+                               path=kind.collection_path(namespace=namespace), query=query)
         items = result.get("items") or []
         return [item for item in items if isinstance(item, dict)]
 
@@ -191,7 +207,7 @@ class Kube:
         if force:
             query.append(("force", "true"))
         return self._request(
-            method="PATCH",
+            verb="apply", resource=kind.plural, method="PATCH",
             path=kind.object_path(namespace=meta.get("namespace"), name=meta["name"]),
             query=query, body=dict(obj), content_type=APPLY_PATCH,
         )
@@ -204,17 +220,21 @@ class Kube:
         if subresource:
             path = f"{path}/{subresource}"
         query = [("fieldManager", field_manager)] if field_manager else []
-        return self._request(method="PATCH", path=path, query=query, body=dict(patch), content_type=MERGE_PATCH)
+        resource = f"{kind.plural}/{subresource}" if subresource else kind.plural
+        return self._request(verb="patch", resource=resource, method="PATCH", path=path, query=query,
+                             body=dict(patch), content_type=MERGE_PATCH)
 
     def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
                field_manager: str | None = None) -> dict[str, Any]:
         query = [("fieldManager", field_manager)] if field_manager else []
-        return self._request(method="POST", path=kind.collection_path(namespace=namespace),
+        return self._request(verb="create", resource=kind.plural, method="POST",
+                             path=kind.collection_path(namespace=namespace),
                              query=query, body=dict(obj))
 
     def replace(self, *, kind: Kind, namespace: str | None, name: str, obj: Mapping[str, Any],
                 field_manager: str | None = None) -> dict[str, Any]:
         """PUT: fails with 409 when obj's metadata.resourceVersion is stale."""
         query = [("fieldManager", field_manager)] if field_manager else []
-        return self._request(method="PUT", path=kind.object_path(namespace=namespace, name=name),
+        return self._request(verb="update", resource=kind.plural, method="PUT",
+                             path=kind.object_path(namespace=namespace, name=name),
                              query=query, body=dict(obj))

@@ -28,6 +28,7 @@ import signal
 from typing import Any, Final
 
 import kopf
+import prometheus_client
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
@@ -85,6 +86,19 @@ def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
     return settings
 
 
+def count_requests(registry: prometheus_client.CollectorRegistry) -> kube.RequestObserver:
+    """``splitserve_operator_api_requests_total{verb,resource}`` in ``registry``, and the
+    observer that counts each request :class:`kube.Kube` sends into it."""
+    counter = prometheus_client.Counter(
+        contract.OperatorMetric.API_REQUESTS_TOTAL, "API requests the operator sent (kopf's own not counted)",
+        ["verb", "resource"], registry=registry)
+
+    def observe(verb: str, resource: str) -> None:
+        counter.labels(verb=verb, resource=resource).inc()
+
+    return observe
+
+
 def _bind_host() -> str:
     # The pod IP (the chart sets POD_IP): /metrics and the probes answer on the pod network only.
     return os.environ.get(contract.ENV_POD_IP) or "0.0.0.0"
@@ -92,10 +106,11 @@ def _bind_host() -> str:
 
 async def run(*, args: operator_flags.OperatorArgs) -> int:
     api_client = load_credentials()
-    api = kube.Kube(api_client=api_client)
     identity = leader.make_identity(pod_name=os.environ.get(contract.ENV_POD_NAME))
     host = _bind_host()
     operator_metrics = metrics.OperatorMetrics.create()
+    on_request = count_requests(operator_metrics.registry)
+    api = kube.Kube(api_client=api_client, on_request=on_request)
     metrics_server, _ = metrics.serve(metrics=operator_metrics, host=host, port=args.metrics_port)
     state = health.HealthState()
     health_runner = await health.serve(state=state, host=host, port=args.health_port)
@@ -112,7 +127,7 @@ async def run(*, args: operator_flags.OperatorArgs) -> int:
             lease_namespace = args.lease_namespace or os.environ.get(contract.ENV_POD_NAMESPACE) or "default"
             short = max(1.0, leader.LeaderConfig.renew_deadline_seconds / 3)
             elector = leader.LeaderElector(
-                api=kube.Kube(api_client=api_client, timeout_seconds=short),
+                api=kube.Kube(api_client=api_client, timeout_seconds=short, on_request=on_request),
                 config=leader.LeaderConfig(name=args.lease_name, namespace=lease_namespace, identity=identity),
             )
             state.phase = health.Phase.STANDBY
@@ -182,6 +197,7 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
     finally:
         stop_flag.set()
         await coalescer.close()
+        ctx.spec_lane.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(kopf_task, timeout=KOPF_STOP_TIMEOUT_SECONDS)
         for task in (hold_task, stop_task, ready_task):

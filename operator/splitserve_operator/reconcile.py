@@ -23,6 +23,10 @@ RoleBinding against the Role it names; and a cluster without the InferencePool C
 ``Stalled=True``/``InferencePoolCRDMissing`` (the other children are applied, and the reconcile
 is retried with back-off until the CRD is there).
 
+A pool whose replicas span several nodes is a LeaderWorkerSet (:mod:`leader_worker_set`): its
+counts are groups (a group is ready when all its pods are), and a cluster without the LWS CRD is
+``Stalled=True``/``LeaderWorkerSetCRDMissing`` the same way.
+
 Conditions are kstatus-compatible (Ready / Reconciling / Stalled) with CamelCase reasons;
 problems become conditions and Events, never exceptions out of the operator. A child that
 cannot come up is ``Stalled=True`` with the child's own reason and message (FailedCreate,
@@ -52,11 +56,13 @@ from . import (
     apierrors,
     apply,
     capacity,
+    child_cache,
     events,
     failures,
     handoff_key,
     inference_pool,
     kube,
+    leader_worker_set,
     naming,
     render,
     status,
@@ -68,7 +74,22 @@ from .status import ConditionUpdate
 logger = logging.getLogger(__name__)
 
 NODE_CACHE_SECONDS: Final = 10.0
-APPLY_CONCURRENCY: Final = 8
+APPLY_CONCURRENCY: Final = 24
+"""Threads applying children, shared by all reconciles (:func:`_apply_pool`): one reconcile
+applies all of its 14 children in one wave, and with the reconciles' own threads (asyncio's
+default executor) the requests in flight stay within the API client's 32 connections, so none
+is opened and thrown away (a TLS handshake each) when many services are reconciled at once."""
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _apply_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY,
+                                                          thread_name_prefix="apply")
+        return _pool
 
 
 class RetryableError(Exception):
@@ -145,6 +166,10 @@ def endpoint_of(*, name: str, namespace: str) -> str:
 
 
 def observe_deployment(*, role: Role, deployment: Mapping[str, Any], pods: list[dict[str, Any]]) -> PoolObservation:
+    if leader_worker_set.is_leader_worker_set(deployment):  # a multi-node pool: counted in groups
+        groups = leader_worker_set.count_groups(lws=deployment, pods=pods)
+        return PoolObservation(role=role, replicas=groups.replicas, ready=groups.ready, desired=groups.desired,
+                               pending=groups.pending, rolled_out=groups.rolled_out)
     spec = deployment.get("spec") or {}
     st = deployment.get("status") or {}
     generation = int(deployment.get("metadata", {}).get("generation") or 0)
@@ -207,7 +232,7 @@ def _write_status(*, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[
     meta = obj["metadata"]
     try:
         status.patch_status(api=api, namespace=meta["namespace"], name=meta["name"], fields=fields,
-                            conditions=conditions, observed_generation=meta.get("generation"))
+                            conditions=conditions, observed_generation=meta.get("generation"), live=obj)
     except ApiException as exc:
         raise RetryableError(f"status write failed: {kube.error_message(exc)}") from exc
 
@@ -270,6 +295,8 @@ class _ApplyReport:
     conflict_messages: list[str]
     deployments: dict[Role, dict[str, Any]]
     """Applied Deployments by role; the endpoint picker's under Role.ROUTER."""
+    planned: list[child_cache.PlannedChild] = dataclasses.field(default_factory=list)
+    """Each child applied without error (what a later reconcile may skip: :func:`_unchanged`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,52 +358,83 @@ def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Render
     return None
 
 
+WORKLOAD_KINDS: Final = frozenset({kube.DEPLOYMENT.kind, kube.LEADER_WORKER_SET.kind})
+"""The kinds a pool is rendered as; its replica count is the autoscaler's."""
 FIRST_KINDS: Final = frozenset({"ServiceAccount", "Role"})
 """Applied before the other children: a RoleBinding is checked against the Role it names (the
 API server refuses it while that Role does not exist), and a pod against its ServiceAccount."""
 
 
-def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> list[apply.Applied | BaseException]:
+def _replica_counts(*, parsed: _Parsed, child: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(initial, fixed) replicas of a child for :func:`apply.apply_child`."""
+    role_value = _role_of(child)
+    if child["kind"] == "Deployment" and inference_pool.is_picker(child):
+        return None, inference_pool.PICKER_REPLICAS
+    if child["kind"] in WORKLOAD_KINDS:
+        return (render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value))),
+                parsed.isvc.spec.router.replicas if role_value == Role.ROUTER.value else None)
+    return None, None
+
+
+def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
+               children: child_cache.ChildCache | None = None) -> list[apply.Applied | BaseException]:
     """Apply every child; children are independent objects (but :data:`FIRST_KINDS`), so
-    concurrently (a GET + PATCH each). Results come in the order of ``rendered.children``."""
+    concurrently (a PATCH each, a GET first for one the watch has not shown us, nothing for one
+    the watch shows as our last apply left it). Results come in the order of
+    ``rendered.children``."""
     owner = _owner(parsed)
 
     def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
-        role_value = _role_of(child)
-        initial: int | None = None
-        fixed: int | None = None
-        if child["kind"] == "Deployment" and inference_pool.is_picker(child):
-            fixed = inference_pool.PICKER_REPLICAS
-        elif child["kind"] == "Deployment":
-            initial = render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value)))
-            fixed = parsed.isvc.spec.router.replicas if role_value == Role.ROUTER.value else None
+        initial, fixed = _replica_counts(parsed=parsed, child=child)
+        # a LeaderWorkerSet is sent only when it changed (see apply_unless_held)
+        applier = leader_worker_set.apply_unless_held if child["kind"] == kube.LEADER_WORKER_SET.kind \
+            else apply.apply_child
         try:
-            return apply.apply_child(api=api, desired=child, owner=owner, initial_replicas=initial,
-                                     fixed_replicas=fixed)
+            return applier(api=api, desired=child, owner=owner, initial_replicas=initial,
+                           fixed_replicas=fixed, cache=children, defer_hand_over=True)
         except (apply.NameConflict, ApiException) as exc:
+            return exc
+
+    def finish(applied: apply.Applied) -> apply.Applied | BaseException:
+        assert applied.finish is not None
+        try:
+            return applied.finish()
+        except ApiException as exc:
             return exc
 
     first = [i for i, c in enumerate(rendered.children) if c["kind"] in FIRST_KINDS]
     rest = [i for i, c in enumerate(rendered.children) if c["kind"] not in FIRST_KINDS]
     results: dict[int, apply.Applied | BaseException] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY) as pool:
-        for batch in (first, rest):
-            results.update(zip(batch, pool.map(apply_one, [rendered.children[i] for i in batch]), strict=True))
+    pool = _apply_pool()
+    for batch in (first, rest):
+        results.update(zip(batch, pool.map(apply_one, [rendered.children[i] for i in batch]), strict=True))
+    # Replica hand-overs of created pools, once every child exists: they do not hold up the rest.
+    later = {i: r for i, r in results.items() if isinstance(r, apply.Applied) and r.finish is not None}
+    results.update(zip(later, pool.map(finish, later.values()), strict=True))
     return [results[i] for i in range(len(rendered.children))]
 
 
+OPTIONAL_CRD_KINDS: Final = (kube.INFERENCE_POOL.kind, kube.LEADER_WORKER_SET.kind)
+"""Kinds of other projects' CRDs, which a cluster may lack; reported in this order."""
+
+
 def _crd_missing(child: Mapping[str, Any], result: apply.Applied | BaseException) -> bool:
-    """The InferencePool's apply found no such resource: the CRD is not installed (a PATCH of
-    a kind the API server serves creates the object, it never answers 404)."""
-    return (child["kind"] == kube.INFERENCE_POOL.kind and isinstance(result, BaseException)
+    """The apply of an InferencePool or a LeaderWorkerSet found no such resource: the CRD is not
+    installed (a PATCH of a kind the API server serves creates the object, it never answers 404)."""
+    return (child["kind"] in OPTIONAL_CRD_KINDS and isinstance(result, BaseException)
             and kube.is_not_found(result))
 
 
-def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed) -> None:
-    """Stalled/InferencePoolCRDMissing (a Warning Event when it starts), then retry with
-    back-off: installing the CRD sends no event the operator watches."""
-    obj, reason = parsed.obj, Reason.INFERENCE_POOL_CRD_MISSING
-    message = inference_pool.crd_missing_message(parsed.name)
+def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed, kind: str) -> None:
+    """Stalled/InferencePoolCRDMissing or LeaderWorkerSetCRDMissing (a Warning Event when it
+    starts), then retry with back-off: installing the CRD sends no event the operator watches."""
+    obj = parsed.obj
+    if kind == kube.LEADER_WORKER_SET.kind:
+        reason = Reason.LEADER_WORKER_SET_CRD_MISSING
+        message = leader_worker_set.crd_missing_message(
+            parsed.name, [c.role for c in render.components(parsed.isvc.spec) if render.is_multi_node(c)])
+    else:
+        reason, message = Reason.INFERENCE_POOL_CRD_MISSING, inference_pool.crd_missing_message(parsed.name)
     if _previous_reason(obj, ConditionType.STALLED) != reason:
         events.warning(obj=obj, reason=reason, message=message)
     _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
@@ -384,7 +442,8 @@ def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed) -> None:
     raise RetryableError(message)
 
 
-def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _ApplyReport | None:
+def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
+           children: child_cache.ChildCache | None = None) -> _ApplyReport | None:
     """Apply the children and report what happened (Events). A child the API server refuses
     for good (:func:`apierrors.is_permanent`) makes the spec invalid: reported as
     Stalled/InvalidSpec with the server's words, None is returned and nothing is retried.
@@ -398,15 +457,18 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
         text = f"{what} failed: {kube.error_message(exc)}"
         (permanent if apierrors.is_permanent(exc) else transient).append(text)
 
-    key_error = _ensure_handoff_key(api=api, parsed=parsed, rendered=rendered)
+    # The key is created alongside the children: a pod that mounts it is made by the Deployment
+    # controller much later than this one request takes.
+    key_created = _apply_pool().submit(_ensure_handoff_key, api=api, parsed=parsed, rendered=rendered)
+    results = _apply_all(api=api, parsed=parsed, rendered=rendered, children=children)
+    key_error = key_created.result()
     if key_error is not None:
         failed(f"creating Secret/{naming.handoff_key_secret_name(parsed.name)}", key_error)
-    results = _apply_all(api=api, parsed=parsed, rendered=rendered)
-    crd_missing = False
+    crd_missing: set[str] = set()
     for child, result in zip(rendered.children, results, strict=True):
         label = f"{child['kind']}/{child['metadata']['name']}"
         if _crd_missing(child, result):
-            crd_missing = True
+            crd_missing.add(str(child["kind"]))
         elif isinstance(result, apply.NameConflict):
             report.conflicts.append(label)
             report.conflict_messages.append(str(result))
@@ -418,15 +480,23 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
             elif result.outcome is apply.Outcome.UPDATED:
                 report.updated.append(label)
             role_value = _role_of(child)
+            deployment_role: Role | None = None
             if child["kind"] == "Deployment" and inference_pool.is_picker(child):
-                report.deployments[Role.ROUTER] = result.obj
-            elif child["kind"] == "Deployment" and role_value:
-                report.deployments[Role(role_value)] = result.obj
+                deployment_role = Role.ROUTER
+            elif child["kind"] in WORKLOAD_KINDS and role_value:
+                deployment_role = Role(role_value)
+            if deployment_role is not None:
+                report.deployments[deployment_role] = result.obj
+            initial, fixed = _replica_counts(parsed=parsed, child=child)
+            report.planned.append(child_cache.PlannedChild(
+                key=child_cache.key_of(child), digest=result.digest,
+                hands_over_replicas=initial is not None and fixed is None,
+                deployment_role=None if deployment_role is None else deployment_role.value))
     if permanent:  # retrying cannot help, whatever else failed
         _report_invalid_spec(api=api, obj=obj, message=API_REFUSED_PREFIX + "; ".join(permanent))
         return None
     if crd_missing:
-        _report_crd_missing(api=api, parsed=parsed)
+        _report_crd_missing(api=api, parsed=parsed, kind=next(k for k in OPTIONAL_CRD_KINDS if k in crd_missing))
     if transient:
         message = "; ".join(transient)
         events.warning(obj=obj, reason=Reason.API_ERROR, message=message)
@@ -441,6 +511,50 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> _Apply
     if report.conflicts and _previous_reason(obj, ConditionType.STALLED) != Reason.NAME_CONFLICT:
         events.warning(obj=obj, reason=Reason.NAME_CONFLICT, message="; ".join(report.conflict_messages))
     return report
+
+
+def _spec_key(*, parsed: _Parsed, settings: ReconcileSettings) -> str:
+    """Everything the rendered children depend on: the spec, the object's identity, the settings."""
+    return child_cache.digest({"uid": parsed.obj["metadata"].get("uid"), "name": parsed.name,
+                               "namespace": parsed.namespace, "spec": parsed.isvc.spec.model_dump(mode="json"),
+                               "settings": dataclasses.asdict(settings)})
+
+
+def _unchanged(*, api: kube.KubeAPI, parsed: _Parsed, spec_key: str,
+               children: child_cache.ChildCache | None) -> tuple[_Rendered, _ApplyReport] | None:
+    """Render and apply stages skipped: this spec was applied completely before and the watch
+    shows every child as that apply left it (:meth:`child_cache.ChildCache.unchanged`), so a
+    render would produce the same bodies and every apply would change nothing. Only the KV
+    handoff key is created again (a Secret deleted by hand comes back; Secrets are not
+    watched). None: render and apply."""
+    plan = None if children is None else children.plan((parsed.namespace, parsed.name), spec_key=spec_key)
+    if children is None or plan is None:
+        return None
+    uid = str(parsed.obj["metadata"].get("uid"))
+    deployments: dict[Role, dict[str, Any]] = {}
+    for planned in plan.children:
+        seen = children.unchanged(planned.key, digest=planned.digest, owner_uid=uid,
+                                  hands_over_replicas=planned.hands_over_replicas)
+        if seen is None:
+            return None
+        if planned.deployment_role is not None:
+            deployments[Role(planned.deployment_role)] = seen.obj
+    rendered = _Rendered(children=[], comps=render.components(parsed.isvc.spec))
+    if _ensure_handoff_key(api=api, parsed=parsed, rendered=rendered) is not None:
+        return None  # the full path reports the error
+    return rendered, _ApplyReport(created=[], updated=[], conflicts=[], conflict_messages=[],
+                                  deployments=deployments, planned=list(plan.children))
+
+
+def _remember(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, spec_key: str,
+              children: child_cache.ChildCache | None) -> None:
+    """Keep the plan of a complete, conflict-free apply whose every child is watched (the only
+    kind :func:`_unchanged` can vouch for)."""
+    if (children is None or report.conflicts or len(report.planned) != len(rendered.children)
+            or not all(children.watches(p.key) for p in report.planned)):
+        return
+    children.remember_plan((parsed.namespace, parsed.name),
+                           child_cache.Plan(spec_key=spec_key, children=tuple(report.planned)))
 
 
 def _list_pods(*, api: kube.KubeAPI, parsed: _Parsed) -> list[dict[str, Any]]:
@@ -459,8 +573,8 @@ def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObse
         if comp.pool is None or comp.role not in pools or node_list is None:
             continue
         gap = capacity.gpu_shortfall(
-            pool=comp.role.value, pods=pools[comp.role].desired,
-            gpus_per_pod=comp.pool.resources.gpus, node_selector=comp.pool.node_selector,
+            pool=comp.role.value, pods=pools[comp.role].desired * comp.pool.resources.pods_per_replica,
+            gpus_per_pod=comp.pool.resources.gpus_per_pod, node_selector=comp.pool.node_selector,
             tolerations=comp.pool.tolerations, nodes=node_list)
         if gap is not None:
             shortfalls.append(gap.message())
@@ -562,10 +676,12 @@ def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _O
 
 
 def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileSettings,
-              nodes: NodeCache | None = None) -> Result:
+              nodes: NodeCache | None = None, children: child_cache.ChildCache | None = None) -> Result:
     """Converge the children of ``obj`` (a live InferenceService) and write its status.
     A paused object is not touched at all (the caller should not even call this), nor is one
-    whose current generation is known not to apply (:func:`spec_never_applies`)."""
+    whose current generation is known not to apply (:func:`spec_never_applies`). ``children``:
+    what the operator's child watch delivered (no reads, and no writes of unchanged children);
+    None: every child is read and applied."""
     if is_paused(obj):
         return Result(outcome=Reason.PAUSED)
     if spec_never_applies(obj):
@@ -573,10 +689,17 @@ def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileS
     parsed = _parse(api=api, obj=obj)
     if parsed is None:
         return Result(outcome=Reason.INVALID_SPEC)
-    rendered = _render(parsed=parsed, settings=settings)
-    report = _apply(api=api, parsed=parsed, rendered=rendered)
-    if report is None:
-        return Result(outcome=Reason.INVALID_SPEC)
+    spec_key = _spec_key(parsed=parsed, settings=settings)
+    shortcut = _unchanged(api=api, parsed=parsed, spec_key=spec_key, children=children)
+    if shortcut is not None:
+        rendered, report = shortcut
+    else:
+        rendered = _render(parsed=parsed, settings=settings)
+        applied = _apply(api=api, parsed=parsed, rendered=rendered, children=children)
+        if applied is None:
+            return Result(outcome=Reason.INVALID_SPEC)
+        report = applied
+        _remember(parsed=parsed, rendered=rendered, report=report, spec_key=spec_key, children=children)
     observed = _observe(api=api, parsed=parsed, rendered=rendered, report=report, nodes=nodes)
     verdict = _decide(parsed=parsed, rendered=rendered, report=report, observed=observed)
     _write_status(api=api, obj=obj, fields=_status_fields(parsed=parsed, settings=settings, observed=observed),

@@ -3,7 +3,9 @@
 :func:`render_children` turns one parsed :class:`~splitserve_operator.api.InferenceService`
 into the list of objects the reconciler server-side-applies: the ConfigMap, one Deployment +
 Service + PodDisruptionBudget per component (prefill, decode, router; or engine + router in
-Aggregated mode) and the NetworkPolicies. With ``spec.router.mode: InferencePool`` there is no
+Aggregated mode) and the NetworkPolicies. A pool whose replicas span several nodes
+(``resources.gpusPerNode`` smaller than ``resources.gpus``) is a LeaderWorkerSet instead of a
+Deployment, its Service selecting the group leaders (:mod:`.leader_worker_set`). With ``spec.router.mode: InferencePool`` there is no
 router: an InferencePool and its endpoint picker (ServiceAccount, Role, RoleBinding, Deployment,
 Service; :mod:`.inference_pool`) put the pods behind a Gateway instead. The KV handoff key Secret that prefill and decode
 pods mount is not rendered here: it is created once, never applied (:mod:`.handoff_key`). No I/O, no clock, no randomness: the same spec and
@@ -35,7 +37,7 @@ import yaml
 import splitserve_contract as contract
 from splitserve_contract import Role
 
-from . import handoff_key, inference_pool, naming
+from . import handoff_key, inference_pool, leader_worker_set, naming
 from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec
 
 TEMPLATE_DIR: Final = Path(__file__).parent / "templates"
@@ -167,7 +169,16 @@ def serve_args(
         handoff_key_file=handoff_key.KEY_FILE if uses_handoff_key(role) else "",
         prefill_headers=role is Role.DECODE and inference_pool.enabled(spec),
         **_speculative_args(isvc=isvc, role=role),
+        **_multi_node_args(pool),
     )
+
+
+def _multi_node_args(pool: PoolSpec) -> dict[str, Any]:
+    """``--nnodes`` for a replica of several pods. Each pod's node rank and its group's leader
+    come from the env the LWS pod webhook injects (``LWS_WORKER_INDEX``,
+    ``LWS_LEADER_ADDRESS``), which the runtime reads when the flags are left out: one pod
+    template serves the leader and every worker."""
+    return {"nnodes": pool.resources.pods_per_replica} if pool.resources.multi_node else {}
 
 
 def speculates(isvc: InferenceService, role: Role) -> bool:
@@ -286,8 +297,8 @@ def _resources(pool: PoolSpec | None) -> dict[str, Any]:
         requests["memory"] = res.memory
         limits["memory"] = res.memory
     if res.gpus > 0:
-        requests[GPU_RESOURCE] = res.gpus
-        limits[GPU_RESOURCE] = res.gpus
+        requests[GPU_RESOURCE] = res.gpus_per_pod
+        limits[GPU_RESOURCE] = res.gpus_per_pod
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -349,6 +360,9 @@ def _pod_spec(
         if component.role is not Role.AGGREGATED:
             ports.append({"name": contract.KV_TRANSFER_PORT_NAME,
                           "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"})
+        if pool.resources.multi_node:
+            ports.append({"name": leader_worker_set.RENDEZVOUS_PORT_NAME,
+                          "containerPort": args.rendezvous_port, "protocol": "TCP"})
         if uses_handoff_key(component.role):
             volumes.append(handoff_key.volume(isvc.metadata.name))
             mounts.append(handoff_key.volume_mount())
@@ -439,6 +453,70 @@ def _deployment(
     )
 
 
+def is_multi_node(component: Component) -> bool:
+    """Whether the component is a pool whose replicas span several pods (a LeaderWorkerSet)."""
+    return component.pool is not None and component.pool.resources.multi_node
+
+
+def _leader_worker_set(
+    *, isvc: InferenceService, component: Component, runtime_image: str, compat: str,
+    include_replicas: bool,
+) -> dict[str, Any]:
+    """A multi-node pool (:mod:`.leader_worker_set`): leader and workers run the same pod; the
+    workers are not scraped (they serve no metrics, only the kubelet's probes)."""
+    pool = component.pool
+    assert pool is not None
+    name = isvc.metadata.name
+    leader_labels = naming.labels(name, component.role, compat_hash=compat)
+    worker_labels = {k: v for k, v in leader_labels.items() if k != contract.LABEL_SCRAPE}
+    pod_spec = _pod_spec(isvc=isvc, component=component, runtime_image=runtime_image, router_service_account="")
+    templates = {role: {"metadata": {"labels": labels, "annotations": {}}, "spec": pod_spec}
+                 for role, labels in (("leader", leader_labels), ("worker", worker_labels))}
+    return _load(
+        "leaderworkerset.yaml.j2",
+        name=naming.child_name(name, component.role),
+        namespace=isvc.metadata.namespace,
+        labels=leader_labels,
+        replicas=pool.replicas.min if include_replicas else None,
+        size=pool.resources.pods_per_replica,
+        leader_labels=leader_labels,
+        worker_labels=worker_labels,
+        pod_annotations={contract.ANNOTATION_CONFIG_HASH: config_hash(templates)},
+        pod_spec=pod_spec,
+    )
+
+
+def _workload(
+    *, isvc: InferenceService, component: Component, runtime_image: str,
+    router_service_account: str, compat: str, include_replicas: bool,
+) -> dict[str, Any]:
+    """The component's Deployment, or the LeaderWorkerSet of a multi-node pool."""
+    if is_multi_node(component):
+        return _leader_worker_set(isvc=isvc, component=component, runtime_image=runtime_image, compat=compat,
+                                  include_replicas=include_replicas)
+    return _deployment(isvc=isvc, component=component, runtime_image=runtime_image,
+                       router_service_account=router_service_account, compat=compat,
+                       include_replicas=include_replicas)
+
+
+def pod_template(workload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The pod template of a Deployment, or the leader's of a LeaderWorkerSet."""
+    spec = workload["spec"]
+    if leader_worker_set.is_leader_worker_set(workload):
+        template: Mapping[str, Any] = spec["leaderWorkerTemplate"]["leaderTemplate"]
+        return template
+    deployment_template: Mapping[str, Any] = spec["template"]
+    return deployment_template
+
+
+def _service_selector(isvc: InferenceService, component: Component) -> dict[str, str]:
+    """What the component's Service (and an InferencePool of its pods) selects: a multi-node
+    pool's leaders only, which serve the API; every pod of the others."""
+    if is_multi_node(component):
+        return leader_worker_set.leader_selector(isvc.metadata.name, component.role)
+    return naming.selector_labels(isvc.metadata.name, component.role)
+
+
 def _service(*, isvc: InferenceService, component: Component, compat: str) -> dict[str, Any]:
     name = isvc.metadata.name
     ports = [{"name": contract.HTTP_PORT_NAME, "port": contract.HTTP_PORT,
@@ -451,7 +529,7 @@ def _service(*, isvc: InferenceService, component: Component, compat: str) -> di
         name=naming.child_name(name, component.role),
         namespace=isvc.metadata.namespace,
         labels=naming.labels(name, component.role, compat_hash=compat),
-        selector=naming.selector_labels(name, component.role),
+        selector=_service_selector(isvc, component),
         headless=not component.is_router,
         ports=ports,
     )
@@ -502,6 +580,10 @@ def _ingress_rules(*, isvc: InferenceService, component: Component) -> list[dict
         other = Role.DECODE if component.role is Role.PREFILL else Role.PREFILL
         rules.append({"from": [_peer(name, other)],
                       "ports": [_port(contract.HTTP_PORT), _port(contract.KV_TRANSFER_PORT)]})
+    if is_multi_node(component):
+        # The ranks of a group: the rendezvous port, and the ports torch's gloo/NCCL pick for
+        # their collectives at run time, so any TCP port, from the pool's own pods.
+        rules.append({"from": [_peer(name, component.role)], "ports": [{"protocol": "TCP"}]})
     return rules
 
 
@@ -555,7 +637,7 @@ def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deploymen
             }
     hashes = {
         str(d["metadata"]["labels"][contract.LABEL_ROLE]):
-            str(d["spec"]["template"]["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH])
+            str(pod_template(d)["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH])
         for d in deployments
     }
     labels = {**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE,
@@ -631,11 +713,11 @@ def _picker_children(isvc: InferenceService) -> list[dict[str, Any]]:
                          "protocol": "TCP", "appProtocol": "http2"},
                         {"name": "http-metrics", "port": inference_pool.METRICS_PORT, "targetPort": "metrics",
                          "protocol": "TCP"}])
-    served = inference_pool.served_role(isvc.spec)
+    served = next(c for c in components(isvc.spec) if c.role is inference_pool.served_role(isvc.spec))
     pool = _load(
         "inferencepool.yaml.j2", name=inference_pool.pool_name(name), namespace=namespace,
         labels={**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE},
-        selector=naming.selector_labels(name, served), target_port=contract.HTTP_PORT,
+        selector=_service_selector(isvc, served), target_port=contract.HTTP_PORT,
         picker=picker, picker_port=inference_pool.GRPC_PORT,
         failure_mode=isvc.spec.router.inference_pool_settings.failure_mode.value)
     return [
@@ -653,11 +735,11 @@ def render_children(
     include_replicas: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of ``isvc``, without owner references, in apply order
-    (ConfigMap, then per component Deployment/Service/PDB, then in router mode InferencePool
+    (ConfigMap, then per component Deployment or LeaderWorkerSet/Service/PDB, then in router mode InferencePool
     the endpoint picker's objects and the InferencePool, then NetworkPolicies).
 
     ``include_replicas``: put ``spec.replicas`` (pool min, router replicas) on the
-    Deployments; only for the apply that creates them (the picker's, always 1, always).
+    Deployments and LeaderWorkerSets; only for the apply that creates them (the picker's, always 1, always).
 
     This is also how to see what an InferenceService renders without a cluster, e.g. for a
     server-side dry run: ``render_children(isvc=InferenceService.parse(obj), runtime_image=...,
@@ -665,9 +747,9 @@ def render_children(
     compat = compat_hash_of(isvc=isvc, runtime_image=runtime_image)
     comps = components(isvc.spec)
     deployments = [
-        _deployment(isvc=isvc, component=c, runtime_image=runtime_image,
-                    router_service_account=router_service_account, compat=compat,
-                    include_replicas=include_replicas)
+        _workload(isvc=isvc, component=c, runtime_image=runtime_image,
+                  router_service_account=router_service_account, compat=compat,
+                  include_replicas=include_replicas)
         for c in comps
     ]
     out: list[dict[str, Any]] = [

@@ -4,7 +4,9 @@ The reconciler and the autoscaler both write ``status`` of the same InferenceSer
 merge patch replaces lists whole, so a naive writer that sends its own ``conditions`` erases
 the other's. :func:`patch_status` therefore does read-modify-write:
 
-1. GET the object (fresh, not a possibly stale kopf body);
+1. GET the object (fresh, not a possibly stale kopf body), unless the caller passes the copy
+   it read a moment ago (``live``: the reconciler's, read at the start of the reconcile): the
+   first attempt then costs no read, and a stale copy only costs the 409 of step 4;
 2. merge the caller's conditions into the live list *by type* (other types are kept as
    they are), keeping ``lastTransitionTime`` unless the condition's ``status`` changed;
 3. deep-merge the caller's other fields into the live status;
@@ -99,15 +101,18 @@ def patch_status(
     observed_generation: int | None = None,
     clock: Callable[[], datetime.datetime] = _now,
     kind: kube.Kind = kube.INFERENCE_SERVICE,
+    live: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Merge ``fields`` and ``conditions`` into the object's status (see the module docstring).
 
     Returns the status as written (or as found, when nothing changed), or None when the
-    object no longer exists. ``observed_generation`` goes on each updated condition.
+    object no longer exists. ``observed_generation`` goes on each updated condition. ``live``:
+    the object as just read, used instead of a GET for the first attempt.
     Raises the API error after :data:`MAX_ATTEMPTS` conflicts."""
     last_error: ApiException | None = None
-    for _attempt in range(MAX_ATTEMPTS):
-        live_obj = api.get(kind=kind, namespace=namespace, name=name)
+    first = live if live is not None and (live.get("metadata") or {}).get("resourceVersion") else None
+    for attempt in range(MAX_ATTEMPTS):
+        live_obj = first if attempt == 0 and first is not None else api.get(kind=kind, namespace=namespace, name=name)
         if live_obj is None:
             return None
         live_status: dict[str, Any] = dict(live_obj.get("status") or {})

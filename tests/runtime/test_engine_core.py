@@ -100,9 +100,9 @@ def test_stop_token_eos_ignore_eos_and_min_tokens(overlap: bool) -> None:
     assert third is not None and third[0].top_logprobs[0][0] == exp[2]  # logprobs stay unmasked
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_abort_frees_kv_blocks_from_running_and_waiting(overlap: bool) -> None:
-    engine = build_null_engine(config=_config(max_num_seqs=2))
+@pytest.mark.parametrize(("overlap", "async_scheduling"), [(False, False), (True, False), (False, True)])
+def test_abort_frees_kv_blocks_from_running_and_waiting(overlap: bool, async_scheduling: bool) -> None:
+    engine = build_null_engine(config=_config(max_num_seqs=2, async_scheduling=async_scheduling))
     engine.overlap_output_processing = overlap
     for i in range(3):
         engine.add_request(request_id=f"r{i}", prompt_token_ids=list(range(i, i + 30)),
@@ -142,10 +142,11 @@ def test_admission_errors() -> None:
     assert engine.scheduler.num_waiting == 1
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_preemption_keeps_outputs_and_counts(overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "async_scheduling"), [(False, False), (True, False), (False, True)])
+def test_preemption_keeps_outputs_and_counts(overlap: bool, async_scheduling: bool) -> None:
     prompts = {f"r{i}": list(range(100 * i, 100 * i + 10)) for i in range(4)}
-    engine = build_null_engine(config=_config(num_kv_blocks=14, max_num_batched_tokens=32))
+    engine = build_null_engine(config=_config(num_kv_blocks=14, max_num_batched_tokens=32,
+                                              async_scheduling=async_scheduling))
     engine.overlap_output_processing = overlap
     for rid, prompt in prompts.items():
         engine.add_request(request_id=rid, prompt_token_ids=prompt,
@@ -197,8 +198,9 @@ def test_engine_config_validation() -> None:
         EngineConfig(max_model_len=16, kv_memory_fraction=0.0)
 
 
-def test_many_requests_leave_no_state_behind() -> None:
-    engine = build_null_engine(config=_config(num_kv_blocks=32, max_num_seqs=8))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_many_requests_leave_no_state_behind(async_scheduling: bool) -> None:
+    engine = build_null_engine(config=_config(num_kv_blocks=32, max_num_seqs=8, async_scheduling=async_scheduling))
     engine.overlap_output_processing = True
     for wave in range(20):
         for i in range(50):

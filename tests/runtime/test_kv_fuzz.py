@@ -3,10 +3,11 @@ frames never corrupt the decode pod's cache, never crash it, never make it answe
 
 Four layers, each with real sockets where there is a peer:
 
-1. the frame decoder (:func:`~splitserve_runtime.transfer.framing.read_frame`) on arbitrary
-   bytes and on mutated frames (bad magic, version, type, CRC, length; truncated; huge
-   lengths): it returns only frames within the size limit whose CRC holds, and fails only
-   with FrameError / IncompleteReadError; valid frames round-trip exactly;
+1. the frame decoder the pods use (:meth:`~splitserve_runtime.transfer.wire.Channel.read_frame`,
+   reading from a real socket) on arbitrary bytes and on mutated frames (bad magic, version,
+   type, CRC, length; truncated; huge lengths): it returns only frames within the size limit
+   whose CRC holds, and fails only with FrameError / PeerClosed; valid frames round-trip
+   exactly;
 2. the puller (:class:`~splitserve_runtime.transfer.TcpKVConnector`) against a hostile KV
    server that follows a generated script (a LAYOUT with a missing or wrong proof, wrong or
    ill-typed counts; BLOCK frames with wrong index, size, CRC, cut short; garbage, ERROR
@@ -32,6 +33,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 import threading
 import zlib
 from collections.abc import Callable, Coroutine, Iterator
@@ -55,6 +57,7 @@ from splitserve_runtime.transfer import (
     framing,
 )
 from splitserve_runtime.transfer.framing import HEADER, MAGIC, VERSION, Frame, FrameError, FrameType
+from splitserve_runtime.transfer.wire import Channel, PeerClosed
 
 T = TypeVar("T")
 SCALE = float(os.environ.get("SPLITSERVE_FUZZ_SCALE", "1"))
@@ -130,15 +133,26 @@ def _frame_bytes(draw: st.DrawFn) -> bytes:
 
 
 async def _decode_all(data: bytes) -> tuple[list[Frame], BaseException]:
-    """Every frame the decoder returns from ``data``, and the error that ended it."""
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
+    """Every frame the decoder returns from ``data`` arriving on a socket, and the error that
+    ended it."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        theirs.sendall(data)
+        theirs.shutdown(socket.SHUT_WR)
+        channel = Channel(ours)
+        try:
+            return await _read_all(channel)
+        finally:
+            channel.close()
+
+
+async def _read_all(channel: Channel) -> tuple[list[Frame], BaseException]:
     frames: list[Frame] = []
     while True:
+        channel.expire_in(1.0)
         try:
-            frame = await framing.read_frame(reader, timeout_seconds=1.0, max_payload_bytes=MAX_PAYLOAD)
-        except (FrameError, asyncio.IncompleteReadError) as exc:
+            frame = await channel.read_frame(max_payload_bytes=MAX_PAYLOAD)
+        except (FrameError, PeerClosed) as exc:
             return frames, exc
         assert len(frame.payload) <= MAX_PAYLOAD
         for accessor in (frame.json, frame.block):  # on a hostile payload: FrameError only
@@ -179,7 +193,7 @@ def test_valid_frames_round_trip(items: list[tuple[FrameType, bytes] | dict[str,
         else framing.encode_header(frame_type=item[0], payload_len=len(item[1]), crc=zlib.crc32(item[1])) + item[1]
         for item in items)
     frames, end = asyncio.run(_decode_all(data))
-    assert isinstance(end, asyncio.IncompleteReadError) and end.partial == b""  # a clean end
+    assert isinstance(end, PeerClosed) and end.received == 0  # a clean end
     assert len(frames) == len(items)
     for frame, item in zip(frames, items, strict=True):
         if isinstance(item, dict):

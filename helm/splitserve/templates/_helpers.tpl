@@ -103,6 +103,15 @@ namespace(s): explicit verbs, no wildcards, and Secrets create-only (never read)
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+# Multi-node pools (resources.gpusPerNode): a LeaderWorkerSet each, server-side applied (a patch
+# that may create it) by the reconciler and, for spec.replicas (its groups), the autoscaler;
+# read, never watched (the LWS CRD may be absent). Its scale and status are read only.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["create", "get", "patch"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets/scale", "leaderworkersets/status"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]

@@ -21,6 +21,15 @@ PARALLELISM_RULE_MESSAGE: Final = (
 CPU_PARALLELISM_RULE_MESSAGE: Final = (
     "resources.gpus 0 (CPU) requires parallelism.tensor 1 and parallelism.pipeline 1"
 )
+MAX_REPLICA_GPUS: Final = 64
+"""Most GPUs of one replica (and of one pod): parallelism.tensor (<= 8) x parallelism.pipeline (<= 8)."""
+GPUS_PER_NODE_RULE_MESSAGE: Final = "resources.gpus must be a positive multiple of resources.gpusPerNode"
+MULTI_NODE_PARALLELISM_RULE_MESSAGE: Final = (
+    "resources.gpusPerNode below resources.gpus requires parallelism.tensor * parallelism.pipeline == resources.gpus"
+)
+MULTI_NODE_IMMUTABLE_RULE_MESSAGE: Final = (
+    "whether resources.gpusPerNode is below resources.gpus (multi-node) cannot change: create a new InferenceService"
+)
 DISAGGREGATED_RULE_MESSAGE: Final = (
     "mode Disaggregated requires spec.prefill and spec.decode and forbids spec.aggregated"
 )
@@ -139,6 +148,7 @@ LABEL_KEY_PATTERN: Final = (
 )
 MAX_LABEL_KEY_LENGTH: Final = 317
 """A label key: an optional DNS-subdomain prefix (<= 253) and '/', then a name (<= 63)."""
+_MULTI_NODE = "(has({o}.resources.gpusPerNode) && {o}.resources.gpusPerNode < {o}.resources.gpus)"
 NODE_SELECTOR_RULE_MESSAGE: Final = (
     "nodeSelector keys must be label keys: an optional DNS subdomain prefix and '/', then a name "
     "of alphanumerics, '-', '_' or '.' starting and ending with an alphanumeric"
@@ -157,6 +167,23 @@ POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         "rule": "self.resources.gpus == 0 || self.resources.gpus % (self.parallelism.tensor * self.parallelism.pipeline) == 0",
         "message": PARALLELISM_RULE_MESSAGE,
+    },
+    {"rule": "!has(self.resources.gpusPerNode) || (self.resources.gpus > 0"
+             " && self.resources.gpus % self.resources.gpusPerNode == 0)",
+     "message": GPUS_PER_NODE_RULE_MESSAGE},
+    {
+        # With tensor x pipeline == gpus, (tensor x pipeline) % (gpus / gpusPerNode) == 0 follows
+        # from the rule above: every pod of the group holds the same number of ranks.
+        "rule": "!has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= self.resources.gpus"
+                " || self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
+        "message": MULTI_NODE_PARALLELISM_RULE_MESSAGE,
+    },
+    {
+        # A transition rule (oldSelf): checked on updates of an existing pool only; the API
+        # server's alone, like the router mode's. Its Deployment or LeaderWorkerSet would be
+        # left behind otherwise.
+        "rule": _MULTI_NODE.format(o="self") + " == " + _MULTI_NODE.format(o="oldSelf"),
+        "message": MULTI_NODE_IMMUTABLE_RULE_MESSAGE,
     },
 )
 

@@ -50,11 +50,14 @@ from .rules import (
     DRAFT_MODEL_RULE_MESSAGE,
     DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
+    GPUS_PER_NODE_RULE_MESSAGE,
     INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
     MAX_LABEL_KEY_LENGTH,
+    MAX_REPLICA_GPUS,
     MIN_AUTOSCALING_INTERVAL_SECONDS,
+    MULTI_NODE_PARALLELISM_RULE_MESSAGE,
     NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
@@ -214,20 +217,50 @@ class ReplicasSpec(ApiModel):
 
 
 class ResourcesSpec(ApiModel):
-    """Resources of one pod of the pool."""
+    """Resources of one replica of the pool: one pod, or a group of pods on several nodes."""
 
     gpus: int = Field(
         default=1,
         ge=0,
-        le=8,
-        description="GPUs per pod (nvidia.com/gpu request and limit). 0: run on CPU.",
+        le=MAX_REPLICA_GPUS,
+        description="GPUs of one replica (nvidia.com/gpu). 0: run on CPU.",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REPLICA_GPUS,
+        description=(
+            "GPUs per pod. Empty: gpus. Below gpus: a replica is gpus/gpusPerNode pods on as many "
+            "nodes (a LeaderWorkerSet). Fixed at creation."
+        ),
     )
     cpu: Quantity | None = Field(default=None, description="CPU request, e.g. 4 or \"500m\".")
     memory: Quantity | None = Field(default=None, description="Memory request and limit, e.g. \"32Gi\".")
 
+    @model_validator(mode="after")
+    def _gpus_per_node_fits(self) -> ResourcesSpec:
+        if self.gpus_per_node is not None and (self.gpus == 0 or self.gpus % self.gpus_per_node != 0):
+            raise ValueError(GPUS_PER_NODE_RULE_MESSAGE)
+        return self
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether a replica is a group of several pods (a LeaderWorkerSet)."""
+        return self.gpus_per_node is not None and self.gpus_per_node < self.gpus
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs of each pod (gpusPerNode when set, else gpus)."""
+        return self.gpus_per_node if self.gpus_per_node is not None and self.gpus > 0 else self.gpus
+
+    @property
+    def pods_per_replica(self) -> int:
+        """Pods of one replica: gpus / gpusPerNode (1 for a one-pod replica)."""
+        return self.gpus // self.gpus_per_pod if self.multi_node else 1
+
 
 class ParallelismSpec(ApiModel):
-    """How one model replica is split across the GPUs of a pod."""
+    """How one model replica is split across its GPUs (those of one pod, or of a group of pods)."""
 
     tensor: TensorParallelSize = _capability_field(
         caps.TENSOR_PARALLEL_SIZE, default=1, description="Tensor-parallel size.")
@@ -239,8 +272,8 @@ class PoolSpec(ApiModel):
     """One pool of identical runtime pods (prefill, decode or aggregated)."""
 
     replicas: ReplicasSpec = _object(ReplicasSpec, "Replica bounds of the pool.")
-    resources: ResourcesSpec = _object(ResourcesSpec, "Resources of each pod.")
-    parallelism: ParallelismSpec = _object(ParallelismSpec, "Model parallelism inside each pod.")
+    resources: ResourcesSpec = _object(ResourcesSpec, "Resources of a replica.")
+    parallelism: ParallelismSpec = _object(ParallelismSpec, "Model parallelism of a replica.")
     node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
         default_factory=dict,
         max_length=32,
@@ -271,11 +304,14 @@ class PoolSpec(ApiModel):
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> PoolSpec:
+        ranks = self.parallelism.tensor * self.parallelism.pipeline
         if self.resources.gpus == 0:
-            if self.parallelism.tensor * self.parallelism.pipeline != 1:
+            if ranks != 1:
                 raise ValueError(CPU_PARALLELISM_RULE_MESSAGE)
-        elif self.resources.gpus % (self.parallelism.tensor * self.parallelism.pipeline) != 0:
+        elif self.resources.gpus % ranks != 0:
             raise ValueError(PARALLELISM_RULE_MESSAGE)
+        elif self.resources.multi_node and ranks != self.resources.gpus:
+            raise ValueError(MULTI_NODE_PARALLELISM_RULE_MESSAGE)
         return self
 
 

@@ -1,19 +1,23 @@
-"""The autoscaler's only writes to workloads: a pool Deployment's ``spec.replicas``, and
-the pod-deletion-cost annotations that pick which pods a scale-down removes.
+"""The autoscaler's only writes to workloads: a pool Deployment's ``spec.replicas`` (or a
+multi-node pool's LeaderWorkerSet's: its number of groups), and the pod-deletion-cost
+annotations that pick which pods a scale-down removes.
 
-Replica ownership (docs/architecture.md, "Children and field ownership"): ``spec.replicas`` of a pool Deployment is owned by
+Replica ownership (docs/architecture.md, "Children and field ownership"): ``spec.replicas`` of a pool workload is owned by
 the field manager :data:`~splitserve_contract.FIELD_MANAGER_AUTOSCALER`. We write it
 with server-side apply carrying nothing but ``apiVersion``, ``kind``, ``metadata.name`` and
 ``spec.replicas``, so the apply can never touch a field the reconciler owns, and the
 reconciler's applies (which omit replicas) never reset it. ``force`` takes the field over
-if someone else (``kubectl scale``) grabbed it meanwhile: the autoscaler is its owner.
+if someone else (``kubectl scale``) grabbed it meanwhile: the autoscaler is its owner. The
+same apply works for both kinds: a LeaderWorkerSet's ``spec.replicas`` is what its scale
+subresource scales.
 
 Scale-down victims: the ReplicaSet controller removes unscheduled, Pending and not-ready pods
 first, then, among Ready pods, the ones with the lowest
 ``controller.kubernetes.io/pod-deletion-cost``. Before shrinking we therefore annotate every
 Ready pod with a cost proportional to its requests in flight (running + waiting, from
 Prometheus), so idle pods go first and long generations keep running. Pods are patched only
-when their cost changed.
+when their cost changed. A LeaderWorkerSet removes its highest-numbered groups whatever their
+pods' costs, so pods of one are never annotated.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Final
 
 from splitserve_contract import ANNOTATION_POD_DELETION_COST, FIELD_MANAGER_AUTOSCALER
 
-from .. import kube
+from .. import kube, leader_worker_set
 
 COST_PER_REQUEST: Final = 100
 """Deletion cost of one request in flight (leaves room to rank fractional averages)."""
@@ -31,20 +35,37 @@ MAX_DELETION_COST: Final = 2**31 - 1
 """The annotation is an int32."""
 
 
-def replicas_apply_patch(*, namespace: str, deployment: str, replicas: int) -> dict[str, Any]:
-    """The whole server-side apply body the autoscaler sends."""
+def replicas_apply_patch(*, namespace: str, deployment: str, replicas: int,
+                         kind: kube.Kind = kube.DEPLOYMENT) -> dict[str, Any]:
+    """The whole server-side apply body the autoscaler sends (``deployment``: the name of the
+    pool's workload, of ``kind``)."""
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
         "metadata": {"name": deployment, "namespace": namespace},
         "spec": {"replicas": replicas},
     }
 
 
-def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas: int) -> None:
-    """Set ``spec.replicas`` of ``deployment`` as the autoscaler's field manager."""
+def workload_kind(*, api: kube.Kube, namespace: str, name: str) -> kube.Kind:
+    """The kind of the pool workload ``name``: the Deployment when there is one, else the
+    LeaderWorkerSet (a multi-node pool)."""
+    if api.get(kind=kube.DEPLOYMENT, namespace=namespace, name=name) is not None:
+        return kube.DEPLOYMENT
+    return kube.LEADER_WORKER_SET
+
+
+def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas: int,
+                   kind: kube.Kind | None = None) -> None:
+    """Set ``spec.replicas`` of the pool workload ``deployment`` as the autoscaler's field
+    manager. ``kind``: the workload's (:attr:`.observe.PoolObservation.kind`); None: looked up
+    (:func:`workload_kind`)."""
+    if kind is None:
+        kind = workload_kind(api=api, namespace=namespace, name=deployment)
+    if kind not in (kube.DEPLOYMENT, kube.LEADER_WORKER_SET):
+        raise ValueError(f"{kind.kind} is not a pool workload")
     api.apply(
-        obj=replicas_apply_patch(namespace=namespace, deployment=deployment, replicas=replicas),
+        obj=replicas_apply_patch(namespace=namespace, deployment=deployment, replicas=replicas, kind=kind),
         field_manager=FIELD_MANAGER_AUTOSCALER,
         force=True,
     )
@@ -63,6 +84,8 @@ def annotate_deletion_costs(
     patched = []
     for pod in pods:
         meta = pod.get("metadata") or {}
+        if leader_worker_set.SET_NAME_LABEL in (meta.get("labels") or {}):
+            continue  # a LeaderWorkerSet's scale-down ignores the cost (see the module docstring)
         name = str(meta.get("name"))
         cost = str(deletion_cost(requests_in_flight=load_by_pod.get(name, 0.0)))
         if (meta.get("annotations") or {}).get(ANNOTATION_POD_DELETION_COST) == cost:

@@ -15,6 +15,9 @@ LRU order: hashless blocks go to the front (reused first), hashed ones to the ba
 sequence frees its blocks tail first, so a prompt's head outlives its tail. A cache hit on a
 free block revives it. ``usage_ratio`` counts only blocks held by live sequences: cached but
 free blocks are free (``docs/architecture.md``, "Metrics").
+
+Every change to a block table is mirrored in :attr:`BlockManager.tables` (one int32 row per
+sequence, :mod:`.block_tables`), from which the runner gathers a step's tables in one copy.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import OrderedDict
 
 from splitserve_contract.block_hash import hash_block, root_block_hash
 
+from .block_tables import BlockTables
 from .sequence import Sequence
 
 
@@ -48,6 +52,8 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         # Free blocks in reuse order (front = next to reuse); values unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.tables = BlockTables()
+        """Every held block table as an int32 row (``seq.block_row``)."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -136,18 +142,21 @@ class BlockManager:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
         seq.block_table = list(cached_block_ids)
+        self.tables.set(seq, seq.block_table)
         seq.num_registered_blocks = len(cached_block_ids)
         seq.num_computed_tokens = len(cached_block_ids) * self.block_size
 
     def allocate_slots(self, *, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (no change) if full."""
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        table = seq.block_table
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if needed <= 0:
             return True
         if needed > len(self._free):
             return False
-        for _ in range(needed):
-            seq.block_table.append(self._pop_free())
+        new = [self._pop_free() for _ in range(needed)]
+        table.extend(new)
+        self.tables.extend(seq, new)
         return True
 
     def trim(self, seq: Sequence) -> None:
@@ -157,6 +166,7 @@ class BlockManager:
         if len(seq.block_table) > keep:
             self.unpin_blocks(seq.block_table[keep:])
             del seq.block_table[keep:]
+            self.tables.truncate(seq, keep)
 
     def commit(self, seq: Sequence, *, num_tokens: int | None = None) -> None:
         """Index the hashes of ``seq``'s newly full, computed blocks in the prefix cache (of
@@ -181,6 +191,7 @@ class BlockManager:
         """Release ``seq``'s blocks (tail first) and reset its computed state."""
         self.unpin_blocks(seq.block_table)
         seq.block_table = []
+        self.tables.release(seq)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_draft_computed = 0

@@ -25,6 +25,10 @@ class EngineConfig:
     chunked_prefill: bool = True
     max_queue_len: int = defaults.MAX_QUEUE_LEN
     seed: int = 0
+    async_scheduling: bool | None = None
+    """Schedule step n+1 while step n runs (:mod:`.step_overlap`). None (the default): off,
+    for the reasons in :mod:`.step_overlap`; True: on, an error with speculative decoding or
+    tensor / pipeline parallelism."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -6,10 +6,20 @@ emit one :class:`~.outputs.RequestOutput` delta per request that produced someth
 engine is single-threaded by design; :mod:`.async_engine` drives it from a background
 thread for the server.
 
-On CUDA the per-token text work (detokenization, stop strings, building outputs) of step n
-runs while step n+1 computes on the device ("output overlap"): token-id checks (eos, stop
-tokens, lengths) still happen at once, so only a request ended by a stop string computes
-one token too many, which is dropped.
+**Asynchronous scheduling** (``EngineConfig.async_scheduling``, :mod:`.step_overlap`): one
+step stays in flight; step n+1 is scheduled, built and launched while step n runs, then step
+n's tokens are appended and their outputs built while step n+1 runs. Each :meth:`LLMEngine.step`
+still returns the outputs of one model step. A request that step n ends computes one extra
+row in step n+1, which is dropped.
+
+Without it, on CUDA the per-token text work (detokenization, stop strings, building outputs)
+of step n runs while step n+1 computes on the device ("output overlap"): token-id checks
+(eos, stop tokens, lengths) still happen at once, so only a request ended by a stop string
+computes one token too many, which is dropped.
+
+A step of hundreds of decodes is bookkeeping-bound on a fast device, so the per-token loop
+(:meth:`LLMEngine._append_tokens`) makes no call per token beyond the output's construction
+unless a request has text to build or stops.
 
 :meth:`LLMEngine.from_args` builds the whole stack from ``ServeArgs`` (:mod:`.loading`).
 The prefill → decode KV handoff hooks (``keep_kv``, ``reserve_imported_request`` …) are
@@ -34,18 +44,27 @@ from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCa
 from .handoff import ImportReservation, KeptKV
 from .kv_budget import KVCacheSpec
 from .model_runner import CausalLM, ModelRunner, measure_num_kv_blocks
-from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput, TokenLogprob
+from .outputs import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RequestOutput,
+    TokenLogprob,
+    new_output,
+)
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .speculative import SpeculativeConfig
 from .stats import EngineStats
+from .step_overlap import ForwardThread, InFlightStep
+from .step_overlap import launch as launch_async
 from .stop_checker import DetokenizerFactory, StopChecker
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     seq: Sequence
     stop: StopChecker
@@ -53,18 +72,11 @@ class _RequestState:
     keep_kv: bool = False
 
 
-@dataclass(slots=True)
-class _PendingToken:
-    """A sampled token whose text and output are not processed yet."""
-
-    state: _RequestState
-    token_id: int
-    logprob: TokenLogprob | None
-    num_output_tokens: int
-    token_reason: str | None
-    now: float
-    ttft: float | None
-    itl: list[float]
+_PendingToken = tuple[_RequestState, int, TokenLogprob | None, int, str | None, float, float | None, list[float]]
+"""A sampled token whose text and output are not processed yet: state, token id, logprob,
+output tokens so far, the token's own finish reason, time, TTFT, ITL."""
+_FINISHED = SequenceStatus.FINISHED
+_RUNNING = SequenceStatus.RUNNING
 
 
 class LLMEngine:
@@ -120,6 +132,12 @@ class LLMEngine:
         self.runner = runner_factory(model=model, spec=kv_spec, device=device,
                                   block_size=config.block_size, num_blocks=num_blocks,
                                   eos_token_ids=self.eos_token_ids)
+        self.runner.block_tables = self.block_manager.tables
+        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling)
+        """Whether steps are scheduled one ahead of the model (see :mod:`.step_overlap`)."""
+        self._inflight: InFlightStep | None = None
+        self._forward_thread = (ForwardThread() if self.async_scheduling and device.type != "cuda"
+                                else None)
         self._requests: dict[str, _RequestState] = {}
         self.on_close: list[Callable[[], None]] = []
         """Run by :meth:`close` (a tensor-parallel engine stops its worker ranks there)."""
@@ -134,9 +152,23 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what outlives the object (worker processes); the engine is unusable after."""
+        if self._forward_thread is not None:
+            self._forward_thread.close()
         callbacks, self.on_close = self.on_close, []
         for callback in callbacks:
             callback()
+
+    def _resolve_async_scheduling(self, requested: bool | None) -> bool:
+        """``requested`` (None: off) against what this engine can do."""
+        why_not = None
+        if self.speculative.enabled:
+            why_not = "speculative decoding proposes from the previous step's tokens"
+        elif (type(self.runner).forward_logits is not ModelRunner.forward_logits
+              or type(self.runner).before_forward is not ModelRunner.before_forward):
+            why_not = "this runner drives other ranks in step order (tensor or pipeline parallelism)"
+        if requested and why_not:
+            raise ValueError(f"asynchronous scheduling is not available: {why_not}")
+        return bool(requested)  # None: off by default (see .step_overlap)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -208,7 +240,7 @@ class LLMEngine:
             return None
         self._drop_pending(request_id)
         self.scheduler.abort(request_id)
-        self.runner.sampler.release(request_id)
+        self._release_sampler(request_id)
         return self._output(state, new_token_ids=[], new_logprobs=None, finish_reason=FINISH_ABORT,
                             now=time.monotonic(), ttft=None, itl=[])
 
@@ -228,7 +260,11 @@ class LLMEngine:
         :class:`RequestOutput`) is processed during step n+1 while the device computes, and
         returned by that call; a request a stop string ends that way has its one extra token
         dropped. Without it (the CPU default) every output is returned by its own step.
+        With asynchronous scheduling the call returns the outputs of the step launched by the
+        call before (or by this one, when none was in flight) and leaves the next in flight.
         """
+        if self.async_scheduling:
+            return self._step_async()
         proposed = self._propose()
         sched = self.scheduler.schedule()
         if proposed:
@@ -241,15 +277,7 @@ class LLMEngine:
                 lengths = [len(seq.spec_token_ids) for seq in proposed]
                 for seq, tokens in zip(proposed, self._draft.propose(proposed, lengths), strict=True):
                     seq.spec_token_ids = tokens
-        outputs: list[RequestOutput] = []
-        now = time.monotonic()
-        if sched.finished:  # their earlier tokens' outputs go first
-            outputs.extend(self._process_pending())
-        for seq in sched.finished:  # could never fit in the KV cache
-            state = self._requests.pop(seq.request_id)
-            self.runner.sampler.release(seq.request_id)
-            outputs.append(self._output(state, new_token_ids=[], new_logprobs=None,
-                                        finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
+        outputs = self._scheduler_finished(sched)
         if sched.is_empty:
             outputs.extend(self._process_pending())
             self.stalled = not (outputs or sched.preempted or sched.finished)
@@ -259,23 +287,92 @@ class LLMEngine:
         if self.overlap_output_processing:
             outputs.extend(self._process_pending())  # runs while the device computes
         result = launched.pending.resolve()
-        emitted = self._verify(launched.sample_seqs, result.token_ids, result.logprobs)
+        if proposed:
+            emitted = self._verify(launched.sample_seqs, result.token_ids, result.logprobs)
         self.scheduler.on_step_done(sched)
         self._steps_total += 1
         now = time.monotonic()
-        verified = {id(seq) for seq in proposed}
-        for seq, token_id, logprob in emitted:
-            if seq.is_finished:  # a stop string (or a stop token) ended it already
-                continue
-            if id(seq) in verified:  # blocks full of accepted tokens, as they are appended
-                self.block_manager.commit(seq, num_tokens=min(seq.num_computed_tokens, seq.num_tokens))
-            self._append_token(seq=seq, token_id=token_id, logprob=logprob, now=now)
-        for seq in proposed:
-            if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.commit(seq)
+        if proposed:
+            verified = {id(seq) for seq in proposed}
+            for seq, token_id, logprob in emitted:
+                if seq.is_finished:  # a stop string (or a stop token) ended it already
+                    continue
+                if id(seq) in verified:  # blocks full of accepted tokens, as they are appended
+                    self.block_manager.commit(seq, num_tokens=min(seq.num_computed_tokens, seq.num_tokens))
+                self._append_tokens([seq], [token_id], [logprob], now=now, outputs=None)
+            for seq in proposed:
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.commit(seq)
+        else:
+            self._append_tokens(launched.sample_seqs, result.token_ids, result.logprobs, now=now,
+                                outputs=None if self.overlap_output_processing else outputs)
         if not self.overlap_output_processing:
             outputs.extend(self._process_pending())
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Keep one step in flight: schedule and launch the next, then finish the one before."""
+        inflight = self._inflight
+        outputs: list[RequestOutput] = []
+        if inflight is None:
+            sched = self.scheduler.schedule()
+            outputs = self._scheduler_finished(sched)
+            if sched.is_empty:
+                self.stalled = not (outputs or sched.preempted or sched.finished)
+                return outputs
+            inflight = self._launch_async(sched, after=None)
+        self.stalled = False
+        # while `inflight` runs: the next step, with its tokens pending
+        sched = self.scheduler.schedule()
+        outputs.extend(self._scheduler_finished(sched))
+        self._inflight = None if sched.is_empty else self._launch_async(sched, after=inflight)
+        # then `inflight`'s tokens, while the next step runs
+        result = inflight.resolve()
+        self._steps_total += 1
+        bm = self.block_manager
+        if bm.enable_prefix_caching:  # index the blocks the step filled, before a finish frees them
+            done = inflight.sched
+            for seq in [chunk.seq for chunk in done.prefills] + done.decodes:
+                if seq.status is _RUNNING:  # (known tokens only: not the next step's pending one)
+                    num_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
+                    if num_tokens // bm.block_size > seq.num_registered_blocks:
+                        bm.commit(seq, num_tokens=num_tokens)
+        self._append_tokens(inflight.sample_seqs, result.token_ids, result.logprobs,
+                            now=time.monotonic(), outputs=outputs)
+        if self._inflight is not None and not self._requests:
+            self._inflight.wait()  # only dropped rows of finished requests: nothing to wait for later
+            self._inflight = None
+        if self._inflight is None and self._forward_thread is not None:
+            self._forward_thread.flush()  # idle from here: queued sampler releases have run
+        return outputs
+
+    def _launch_async(self, sched: SchedulerOutput, *, after: InFlightStep | None) -> InFlightStep:
+        step = launch_async(self.runner, sched, after=after, thread=self._forward_thread)
+        self.scheduler.on_step_launched(sched)
+        return step
+
+    def _scheduler_finished(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Outputs of the sequences the scheduler ended (they could never fit in the KV cache),
+        after their earlier tokens' outputs."""
+        outputs: list[RequestOutput] = []
+        if not sched.finished:
+            return outputs
+        outputs.extend(self._process_pending())
+        now = time.monotonic()
+        for seq in sched.finished:
+            state = self._requests.pop(seq.request_id)
+            self._release_sampler(seq.request_id)
+            outputs.append(self._output(state, new_token_ids=[], new_logprobs=None,
+                                        finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
+        return outputs
+
+    def _release_sampler(self, request_id: str) -> None:
+        """Forget a request's sampler state after every step that samples it has sampled."""
+        sampler = self.runner.sampler
+        if self._forward_thread is not None and self._inflight is not None:
+            self._forward_thread.submit(lambda: sampler.release(request_id))
+        else:
+            sampler.release(request_id)
 
     def _propose(self) -> list[Sequence]:
         """Speculative proposals for this step's decodes (see :mod:`.speculative`), when
@@ -330,63 +427,92 @@ class LLMEngine:
             row += 1 + len(drafts)
         return emitted
 
-    def _append_token(self, *, seq: Sequence, token_id: int, logprob: TokenLogprob | None,
-                      now: float) -> None:
-        """The cheap part of a new token: append it, time it, check its id for a stop."""
-        state = self._requests[seq.request_id]
-        if not state.prompt_counted:
-            state.prompt_counted = True
-            self._prompt_tokens_total += seq.num_prompt_tokens
-        seq.token_ids.append(token_id)
-        self._generation_tokens_total += 1
-        ttft: float | None = None
-        itl: list[float] = []
-        if seq.first_token_time_s is None:
-            seq.first_token_time_s = now
-            ttft = now - seq.arrival_time_s
-        elif seq.last_token_time_s is not None:
-            itl = [now - seq.last_token_time_s]
-        seq.last_token_time_s = now
-        num_output = seq.num_output_tokens
-        reason = state.stop.check_token(token_id=token_id, num_output_tokens=num_output)
-        if reason is None and seq.num_tokens >= self.config.max_model_len:
-            reason = FINISH_LENGTH
-        if reason is not None:
-            self._finish(seq, reason=reason)
-        self._pending.append(_PendingToken(
-            state=state, token_id=token_id, logprob=logprob, num_output_tokens=num_output,
-            token_reason=reason, now=now, ttft=ttft, itl=itl))
+    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int],
+                       logprobs: list[TokenLogprob | None], *, now: float,
+                       outputs: list[RequestOutput] | None) -> None:
+        """Append one sampled token to each of ``seqs`` (skipping those already finished), time
+        it and check its id for a stop. With ``outputs`` the text part and the output follow at
+        once (appended there); without, the token waits in ``_pending`` (output overlap)."""
+        requests = self._requests
+        max_model_len = self.config.max_model_len
+        num_generated = 0
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            if seq.status is _FINISHED:  # ended while the step ran (aborted, or a stop on its
+                continue                 # previous token with the step already launched)
+            state = requests[seq.request_id]
+            if not state.prompt_counted:
+                state.prompt_counted = True
+                self._prompt_tokens_total += seq.num_prompt_tokens
+            tokens = seq.token_ids
+            tokens.append(token_id)
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= 1
+            num_generated += 1
+            ttft: float | None = None
+            itl: list[float] = []
+            if seq.first_token_time_s is None:
+                seq.first_token_time_s = now
+                ttft = now - seq.arrival_time_s
+            elif seq.last_token_time_s is not None:
+                itl = [now - seq.last_token_time_s]
+            seq.last_token_time_s = now
+            num_output = len(tokens) - seq.num_prompt_tokens
+            stop = state.stop
+            reason: str | None = None
+            if token_id in stop.stop_token_ids and num_output >= stop.min_tokens:
+                reason = FINISH_STOP
+            elif num_output >= stop.max_tokens or len(tokens) >= max_model_len:
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self._finish(seq, reason=reason)
+            if outputs is None:
+                self._pending.append((state, token_id, logprob, num_output, reason, now, ttft, itl))
+                continue
+            text = ""
+            if stop.needs_text:
+                final = stop.append_text(token_id=token_id, num_output_tokens=num_output, token_reason=reason)
+                if final is not None and reason is None:
+                    self._finish(seq, reason=final)  # a stop string
+                elif final is not None:
+                    seq.finish_reason = final
+                reason = final
+                text = stop.take_new_text(finished=reason is not None)
+            outputs.append(new_output(
+                seq.request_id, [token_id], text, None if logprob is None else [logprob], reason,
+                seq.num_prompt_tokens, num_output, seq.num_cached_tokens, ttft, itl,
+                None if reason is None else now - seq.arrival_time_s))
+        self._generation_tokens_total += num_generated
 
     def _process_pending(self) -> list[RequestOutput]:
         """The text part of the appended tokens: detokenize, stop strings, outputs."""
         pending, self._pending = self._pending, []
         outputs: list[RequestOutput] = []
-        for p in pending:
-            seq = p.state.seq
-            reason = p.state.stop.append_text(token_id=p.token_id,
-                                              num_output_tokens=p.num_output_tokens,
-                                              token_reason=p.token_reason)
-            if reason is not None and p.token_reason is None:
+        for state, token_id, logprob, num_output, token_reason, now, ttft, itl in pending:
+            seq = state.seq
+            reason = state.stop.append_text(token_id=token_id, num_output_tokens=num_output,
+                                            token_reason=token_reason)
+            if reason is not None and token_reason is None:
                 self._finish(seq, reason=reason)  # a stop string
             elif reason is not None:
                 seq.finish_reason = reason
             outputs.append(self._output(
-                p.state, new_token_ids=[p.token_id],
-                new_logprobs=None if p.logprob is None else [p.logprob], finish_reason=reason,
-                now=p.now, ttft=p.ttft, itl=p.itl, num_output_tokens=p.num_output_tokens))
+                state, new_token_ids=[token_id], new_logprobs=None if logprob is None else [logprob],
+                finish_reason=reason, now=now, ttft=ttft, itl=itl, num_output_tokens=num_output))
         return outputs
 
     def _finish(self, seq: Sequence, *, reason: str) -> None:
         state = self._requests.get(seq.request_id)
         if state is not None and state.keep_kv:
+            if self._inflight is not None and seq.num_computed_tokens >= seq.num_tokens:
+                self._inflight.wait()  # its dropped row is still being written into its blocks
             self._keep_kv(seq)
         self.scheduler.finish(seq, reason=reason)
-        self.runner.sampler.release(seq.request_id)
+        self._release_sampler(seq.request_id)
         self._requests.pop(seq.request_id, None)
 
     def _drop_pending(self, request_id: str) -> None:
-        if any(p.state.seq.request_id == request_id for p in self._pending):
-            self._pending = [p for p in self._pending if p.state.seq.request_id != request_id]
+        if any(p[0].seq.request_id == request_id for p in self._pending):
+            self._pending = [p for p in self._pending if p[0].seq.request_id != request_id]
 
     def _output(self, state: _RequestState, *, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprob] | None, finish_reason: str | None, now: float,
@@ -394,19 +520,18 @@ class LLMEngine:
                 num_output_tokens: int | None = None) -> RequestOutput:
         seq = state.seq
         finished = finish_reason is not None
-        return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_token_ids,
-            new_text=state.stop.take_new_text(finished=finished), new_logprobs=new_logprobs,
-            finished=finished, finish_reason=finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens if num_output_tokens is None else num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, ttft_seconds=ttft, itl_seconds=itl,
-            e2e_seconds=(now - seq.arrival_time_s) if finished else None)
+        return new_output(
+            seq.request_id, new_token_ids, state.stop.take_new_text(finished=finished), new_logprobs,
+            finish_reason, seq.num_prompt_tokens,
+            seq.num_output_tokens if num_output_tokens is None else num_output_tokens,
+            seq.num_cached_tokens, ttft, itl, (now - seq.arrival_time_s) if finished else None)
 
     # ------------------------------------------------------------------ KV handoff
     def _keep_kv(self, seq: Sequence) -> None:
         bm = self.block_manager
-        num_tokens = seq.num_computed_tokens
+        # the last token (the one that ended it) is never computed; with asynchronous
+        # scheduling the step in flight may count it already
+        num_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         block_ids = seq.block_table[:bm.num_blocks_for(num_tokens)]
         bm.pin_blocks(block_ids)
         self._kept_kv[seq.request_id] = KeptKV(
@@ -444,6 +569,8 @@ class LLMEngine:
                                 arrival_time_s=arrival_time_s)
         if self.scheduler.num_running + len(self._reserved) >= self.config.max_num_seqs:
             return None
+        if self._inflight is not None:  # blocks it frees may still be written by the step in flight
+            self._inflight.wait()
         seq = state.seq
         num_cached = self.block_manager.allocate_for_known_prefix(seq=seq, num_tokens=num_imported_tokens)
         if num_cached is None:

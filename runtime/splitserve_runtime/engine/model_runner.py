@@ -2,22 +2,33 @@
 
 The runner owns the model and the paged KV cache (per layer a ``(k_cache, v_cache)`` pair
 of ``[num_blocks, block_size, num_kv_heads, head_dim]`` on the device). Inputs are built on
-the host as flat Python lists (prefill chunks first, then decodes, as
+the host (prefill chunks first, then decodes, as
 :class:`~splitserve_runtime.ops.interface.AttentionMetadata` requires) and copied in one
 go, pinned and non-blocking on CUDA, so the only host/device synchronisation per step is
 reading the sampled token ids.
+
+Decode rows travel as columns (:class:`DecodeRows`: numpy arrays of token ids, positions and
+block-table rows gathered from the block manager's :class:`~.block_tables.BlockTables`), so
+a step of hundreds of decodes builds its slot mapping, context lengths and padded block
+tables with a few vectorised operations instead of Python work per sequence and block.
+Prefill chunks (few per step, long) stay rows of lists.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..ops.interface import AttentionMetadata
+from .block_tables import BlockTables
 from .kv_budget import (
     KVCacheSpec,
     cpu_kv_budget_bytes,
@@ -25,6 +36,7 @@ from .kv_budget import (
     num_blocks_for_budget,
 )
 from .sampler import PendingSample, Sampler, SamplerOutput
+from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -57,12 +69,49 @@ class DecodeRow:
 
 
 @dataclass(slots=True, kw_only=True)
+class DecodeRows:
+    """Decode rows as columns: ``token_ids`` and ``positions`` (int64, one per row) and
+    ``block_tables`` (int32 ``[rows, width]``, zero-padded). Sliced like a list of
+    :class:`DecodeRow` (a pipeline's micro-batches); iterating yields :class:`DecodeRow`."""
+
+    token_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    block_tables: npt.NDArray[np.int32]
+
+    def __post_init__(self) -> None:
+        n = len(self.positions)
+        if len(self.token_ids) != n or self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
+            raise ValueError("decode rows need one token id, position and block-table row each")
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index: slice) -> DecodeRows:
+        return DecodeRows(token_ids=self.token_ids[index], positions=self.positions[index],
+                          block_tables=self.block_tables[index])
+
+    def __iter__(self) -> Iterator[DecodeRow]:
+        for token_id, position, table in zip(self.token_ids.tolist(), self.positions.tolist(),
+                                             self.block_tables.tolist(), strict=True):
+            yield DecodeRow(token_id=token_id, position=position, block_table=table)
+
+    @classmethod
+    def from_rows(cls, rows: Seq[DecodeRow]) -> DecodeRows:
+        width = max((len(r.block_table) for r in rows), default=0)
+        tables = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tables[i, :len(r.block_table)] = r.block_table
+        return cls(token_ids=np.array([r.token_id for r in rows], dtype=np.int64),
+                   positions=np.array([r.position for r in rows], dtype=np.int64), block_tables=tables)
+
+
+@dataclass(slots=True, kw_only=True)
 class StepRows:
-    """One step's batch as host lists: what :func:`build_step_inputs` turns into tensors (and
+    """One step's batch on the host: what :func:`build_step_inputs` turns into tensors (and
     what a tensor-parallel driver sends its ranks, so each builds the same inputs)."""
 
     prefills: list[PrefillRow]
-    decodes: list[DecodeRow]
+    decodes: list[DecodeRow] | DecodeRows
     sample_prefill: list[int]
 
     def build(self, *, block_size: int, device: torch.device) -> StepInputs:
@@ -79,73 +128,103 @@ class StepInputs:
     """Rows of the hidden states whose logits are sampled, in :attr:`sample_seqs` order."""
 
 
-def build_step_inputs(*, prefills: list[PrefillRow], decodes: list[DecodeRow],
+def build_step_inputs(*, prefills: list[PrefillRow], decodes: Seq[DecodeRow] | DecodeRows,
                       sample_prefill: list[int], block_size: int,
                       device: torch.device) -> StepInputs:
     """Flatten rows into model inputs; ``sample_prefill[i]`` is how many trailing rows of
     chunk i are sampled: 0, 1 (a chunk that reaches the end of its sequence; ``True`` works),
-    or ``1 + k`` for a decode verifying ``k`` speculative proposals. Every decode row is sampled."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu_seqlens = [0]
-    prefill_ctx: list[int] = []
-    logits_idx: list[int] = []
-    for row, samples in zip(prefills, sample_prefill, strict=True):
-        n = len(row.token_ids)
+    or ``1 + k`` for a decode verifying ``k`` speculative proposals. Every decode row is sampled.
+
+    Every int64 input lands in one host buffer and every int32 one in another; the tensors are
+    views of the two (two conversions, and two copies to the device, per step)."""
+    dec = decodes if isinstance(decodes, DecodeRows) else DecodeRows.from_rows(decodes)
+    num_prefills = len(prefills)
+    num_decodes = len(dec)
+    q_lens = [len(row.token_ids) for row in prefills]
+    num_prefill_tokens = sum(q_lens)
+    num_tokens = num_prefill_tokens + num_decodes
+    num_sampled_prefill = sum(int(n) for n in sample_prefill)
+    if len(sample_prefill) != num_prefills:
+        raise ValueError(f"{len(sample_prefill)} sample counts for {num_prefills} prefill rows")
+    num_logits = num_sampled_prefill + num_decodes
+    prefill_width = max((len(r.block_table) for r in prefills), default=1)
+    decode_width = dec.block_tables.shape[1] if num_decodes else 1
+
+    # int64: input ids | positions | slot mapping | logits indices
+    wide = np.empty(3 * num_tokens + num_logits, dtype=np.int64)
+    ids, pos, slots, logits = (wide[:num_tokens], wide[num_tokens:2 * num_tokens],
+                               wide[2 * num_tokens:3 * num_tokens], wide[3 * num_tokens:])
+    # int32: cu_seqlens | prefill context lens | decode context lens | prefill tables | decode tables
+    p_end = 2 * num_prefills + 1
+    d_end = p_end + num_decodes
+    pt_end = d_end + num_prefills * prefill_width
+    narrow = np.empty(pt_end + num_decodes * decode_width, dtype=np.int32)
+    cu_seqlens, prefill_ctx = narrow[:num_prefills + 1], narrow[num_prefills + 1:p_end]
+    decode_ctx = narrow[p_end:d_end]
+    prefill_tables = narrow[d_end:pt_end].reshape(num_prefills, prefill_width)
+    decode_tables = narrow[pt_end:].reshape(num_decodes, decode_width)
+
+    cu_seqlens[0] = 0
+    offset = logit = 0
+    max_context = 0
+    for i, (row, samples) in enumerate(zip(prefills, sample_prefill, strict=True)):
+        n = q_lens[i]
         start = row.start_position
-        bt = row.block_table
-        input_ids.extend(row.token_ids)
-        positions.extend(range(start, start + n))
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        cu_seqlens.append(cu_seqlens[-1] + n)
-        prefill_ctx.append(start + n)
-        logits_idx.extend(range(cu_seqlens[-1] - int(samples), cu_seqlens[-1]))
-    num_prefill_tokens = cu_seqlens[-1]
-    decode_ctx: list[int] = []
-    for j, drow in enumerate(decodes):
-        p = drow.position
-        input_ids.append(drow.token_id)
-        positions.append(p)
-        slots.append(drow.block_table[p // block_size] * block_size + p % block_size)
-        decode_ctx.append(p + 1)
-        logits_idx.append(num_prefill_tokens + j)
-
-    pin = device.type == "cuda"
-
-    def to_dev(data: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=pin)
-        return t.to(device, non_blocking=True) if pin else t
-
-    def tables(rows: list[list[int]]) -> torch.Tensor:
-        if not rows:
-            return to_dev([[0]], torch.int32)[:0]
-        width = max(len(r) for r in rows)
-        flat: list[int] = []  # one flat list converts much faster than a nested one
-        for r in rows:
-            flat.extend(r)
-            flat.extend([0] * (width - len(r)))
-        return to_dev(flat, torch.int32).view(len(rows), width)
-
+        end = offset + n
+        ids[offset:end] = row.token_ids
+        p = pos[offset:end]
+        p[:] = np.arange(start, start + n)
+        table = np.asarray(row.block_table, dtype=np.int64)
+        slots[offset:end] = table[p // block_size] * block_size + p % block_size
+        cu_seqlens[i + 1] = end
+        prefill_ctx[i] = start + n
+        max_context = max(max_context, start + n)
+        k = int(samples)
+        logits[logit:logit + k] = np.arange(end - k, end)
+        logit += k
+        prefill_tables[i, :len(row.block_table)] = row.block_table
+        prefill_tables[i, len(row.block_table):] = 0
+        offset = end
+    if num_decodes:
+        d_pos = dec.positions
+        ids[offset:] = dec.token_ids
+        pos[offset:] = d_pos
+        np.add(dec.block_tables[np.arange(num_decodes), d_pos // block_size].astype(np.int64) * block_size,
+               d_pos % block_size, out=slots[offset:])
+        np.add(d_pos, 1, out=decode_ctx, casting="unsafe")
+        logits[logit:] = np.arange(offset, offset + num_decodes)
+        decode_tables[:] = dec.block_tables
+    host_wide = torch.from_numpy(wide)
+    host_narrow = torch.from_numpy(narrow)
+    if device.type == "cuda":
+        host_wide = host_wide.pin_memory().to(device, non_blocking=True)
+        host_narrow = host_narrow.pin_memory().to(device, non_blocking=True)
+    t_ids, t_pos = host_wide[:num_tokens], host_wide[num_tokens:2 * num_tokens]
+    t_slots, t_logits = host_wide[2 * num_tokens:3 * num_tokens], host_wide[3 * num_tokens:]
+    t_cu, t_pctx, t_dctx = host_narrow[:num_prefills + 1], host_narrow[num_prefills + 1:p_end], host_narrow[p_end:d_end]
+    t_ptab, t_dtab = host_narrow[d_end:pt_end], host_narrow[pt_end:]
     md = AttentionMetadata(
-        slot_mapping=to_dev(slots, torch.int64),
-        num_prefills=len(prefills),
+        slot_mapping=t_slots,
+        num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
-        prefill_cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
-        prefill_context_lens=to_dev(prefill_ctx, torch.int32),
-        prefill_block_tables=tables([r.block_table for r in prefills]),
-        prefill_max_q_len=max((len(r.token_ids) for r in prefills), default=0),
-        prefill_max_context_len=max(prefill_ctx, default=0),
-        num_decodes=len(decodes),
-        decode_context_lens=to_dev(decode_ctx, torch.int32),
-        decode_block_tables=tables([r.block_table for r in decodes]),
-        decode_max_context_len=max(decode_ctx, default=0),
+        prefill_cu_seqlens_q=t_cu,
+        prefill_context_lens=t_pctx,
+        prefill_block_tables=t_ptab.view(num_prefills, prefill_width),
+        prefill_max_q_len=max(q_lens, default=0),
+        prefill_max_context_len=max_context,
+        num_decodes=num_decodes,
+        decode_context_lens=t_dctx,
+        decode_block_tables=t_dtab.view(num_decodes, decode_width),
+        decode_max_context_len=int(dec.positions.max()) + 1 if num_decodes else 0,
         block_size=block_size,
     )
-    return StepInputs(
-        input_ids=to_dev(input_ids, torch.int64), positions=to_dev(positions, torch.int64),
-        md=md, logits_indices=to_dev(logits_idx, torch.int64),
-    )
+    return StepInputs(input_ids=t_ids, positions=t_pos, md=md, logits_indices=t_logits)
+
+
+_num_computed = attrgetter("num_computed_tokens")
+_block_row = attrgetter("block_row")
+_request_id = attrgetter("request_id")
+_params = attrgetter("params")
 
 
 def allocate_kv_caches(*, spec: KVCacheSpec, num_blocks: int, block_size: int,
@@ -224,6 +303,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks,
                                             block_size=block_size, device=device)
         self.sampler = Sampler(device=device)
+        self.block_tables: BlockTables | None = None
+        """The block manager's table mirror (set by the engine); without it decode tables are
+        built from the sequences' lists."""
 
     def read_block(self, block_id: int) -> bytes:
         """Export hook: one block's K/V as bytes, ordered ``[layer][K, V][token][head][dim]``.
@@ -279,22 +361,36 @@ class ModelRunner:
             sample_prefill.append(int(samples))
             if samples:
                 sample_seqs.append(seq)
-        # decodes with proposals run as extend chunks after the prefills: their last token and
-        # the proposals, every row sampled
-        decodes: list[DecodeRow] = []
-        plain: list[Sequence] = []
-        for seq in sched.decodes:
-            if seq.spec_token_ids:
-                prefills.append(PrefillRow(token_ids=[seq.token_ids[-1], *seq.spec_token_ids],
-                                           start_position=seq.num_tokens - 1, block_table=seq.block_table))
-                sample_prefill.append(1 + len(seq.spec_token_ids))
-                sample_seqs.extend([seq] * (1 + len(seq.spec_token_ids)))
-            else:
-                decodes.append(DecodeRow(token_id=seq.token_ids[-1], position=seq.num_tokens - 1,
-                                         block_table=seq.block_table))
-                plain.append(seq)
+        plain = sched.decodes
+        if sched.num_speculative:
+            # decodes with proposals run as extend chunks after the prefills: their last token
+            # and the proposals, every row sampled
+            plain = []
+            for seq in sched.decodes:
+                if seq.spec_token_ids:
+                    prefills.append(PrefillRow(token_ids=[seq.token_ids[-1], *seq.spec_token_ids],
+                                               start_position=seq.num_tokens - 1, block_table=seq.block_table))
+                    sample_prefill.append(1 + len(seq.spec_token_ids))
+                    sample_seqs.extend([seq] * (1 + len(seq.spec_token_ids)))
+                else:
+                    plain.append(seq)
         sample_seqs.extend(plain)
-        return StepRows(prefills=prefills, decodes=decodes, sample_prefill=sample_prefill), sample_seqs
+        return (StepRows(prefills=prefills, decodes=self.decode_rows(plain), sample_prefill=sample_prefill),
+                sample_seqs)
+
+    def decode_rows(self, seqs: list[Sequence]) -> DecodeRows:
+        """The decode rows of ``seqs`` (each with one uncomputed token, at position
+        ``num_computed_tokens``): token id, position and block table, as columns."""
+        n = len(seqs)
+        positions = np.fromiter(map(_num_computed, seqs), dtype=np.int64, count=n)
+        token_ids = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
+        tables = self.block_tables
+        if tables is None:
+            return DecodeRows.from_rows([DecodeRow(token_id=int(t), position=int(p), block_table=seq.block_table)
+                                         for t, p, seq in zip(token_ids, positions, seqs, strict=True)])
+        rows = np.fromiter(map(_block_row, seqs), dtype=np.intp, count=n)
+        width = int(positions.max()) // self.block_size + 1 if n else 0
+        return DecodeRows(token_ids=token_ids, positions=positions, block_tables=tables.gather(rows, width=width))
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
         """Model inputs for ``sched`` and the sequence of every sampled row, in order."""
@@ -319,11 +415,18 @@ class ModelRunner:
             if logits is None or not sample_seqs:
                 return LaunchedStep(sample_seqs=[], pending=PendingSample(
                     token_ids=torch.empty(0, dtype=torch.long), params=[]))
-            pending = self.sampler.launch(
-                logits=logits, request_ids=[s.request_id for s in sample_seqs],
-                params=[s.params for s in sample_seqs],
-                banned_token_ids=self._banned_token_ids(sample_seqs))
+            pending = self.sample(logits, sample_seqs)
         return LaunchedStep(sample_seqs=sample_seqs, pending=pending)
+
+    def sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]) -> PendingSample:
+        """Queue sampling of one logits row per entry of ``sample_seqs``."""
+        request_ids, params, banned = self.sample_args(sample_seqs)
+        return self.sampler.launch(logits=logits, request_ids=request_ids, params=params,
+                                   banned_token_ids=banned)
+
+    def sample_args(self, seqs: list[Sequence]) -> tuple[list[str], list[SamplingParams], list[list[int]] | None]:
+        """The sampler's per-row arguments for ``seqs``: request ids, params, banned ids."""
+        return list(map(_request_id, seqs)), list(map(_params, seqs)), self._banned_token_ids(seqs)
 
     def forward_logits(self, rows: StepRows) -> torch.Tensor | None:
         """Run the model on ``rows``; fp32 logits of the sampled rows (None when none is)."""
@@ -343,7 +446,8 @@ class ModelRunner:
         banned: list[list[int]] | None = None
         for i, seq in enumerate(seqs):
             params = seq.params
-            if params.min_tokens > seq.num_output_tokens:
+            # the row samples output token num_output_tokens + pending + 1
+            if params.min_tokens and params.min_tokens > seq.num_output_tokens + seq.num_pending_tokens:
                 if banned is None:
                     banned = [[] for _ in seqs]
                 eos = [] if params.ignore_eos else self.eos_token_ids

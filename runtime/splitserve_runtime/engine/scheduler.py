@@ -24,6 +24,17 @@ KV to be pulled: on a prefill pod under KV pressure that lost the request (``exp
 
 The output (:class:`SchedulerOutput`) lists prefill chunks first, then decodes — the order
 of :class:`~splitserve_runtime.ops.interface.AttentionMetadata`.
+
+Two ways to finish a step. Synchronously, :meth:`Scheduler.on_step_done` advances the computed
+counters once the step has run. With asynchronous scheduling (the engine schedules step n+1
+while step n runs), :meth:`Scheduler.on_step_launched` advances them as soon as the step is
+launched and counts each sampled token as pending (``Sequence.num_pending_tokens``), so the
+next :meth:`Scheduler.schedule` already sees the sequence as a decode; a decode whose pending
+token reaches ``max_tokens`` is not scheduled again (it finishes when the token arrives). The
+engine appends the tokens and indexes the full blocks when the step's results arrive.
+
+A decode step is the hot path (hundreds of sequences, every few milliseconds): its loop does
+no per-sequence call unless a sequence needs a new block.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence (its last row is sampled)."""
-        return self.start_position + self.num_tokens == self.seq.num_tokens
+        seq = self.seq
+        return self.start_position + self.num_tokens == len(seq.token_ids) + seq.num_pending_tokens
 
 
 @dataclass(kw_only=True)
@@ -70,6 +82,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     """Sequences the scheduler itself ended (a lone sequence the KV cache cannot hold)."""
+    num_speculative: int = 0
+    """Decodes scheduled with speculative proposals."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -161,38 +175,50 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()  # id() of sequences scheduled this step
+        block_size = self.block_manager.block_size
+        running_status = SequenceStatus.RUNNING
+        decodes = out.decodes
+        chunked: list[Sequence] = []  # running sequences with more than one uncomputed token
 
         # 1. decodes, oldest first (with their speculative proposals when budget and free
         #    blocks allow; speculation never preempts anybody)
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if seq.status is not running_status:
                 continue
-            if seq.spec_token_ids and (1 + len(seq.spec_token_ids) > budget or not self.block_manager.allocate_slots(
-                    seq=seq, num_new_tokens=1 + len(seq.spec_token_ids))):
-                seq.spec_token_ids = []
-            if self._reserve(seq=seq, num_new_tokens=1, scheduled=scheduled, out=out):
-                out.decodes.append(seq)
-                scheduled.add(id(seq))
+            computed = seq.num_computed_tokens
+            pending = seq.num_pending_tokens
+            uncomputed = len(seq.token_ids) + pending - computed
+            if uncomputed != 1:
+                if uncomputed > 1:
+                    chunked.append(seq)
+                continue
+            if pending and len(seq.token_ids) + pending - seq.num_prompt_tokens >= seq.params.max_tokens:
+                continue  # the token in flight is its last: it finishes when the token arrives
+            if seq.spec_token_ids:
+                if not self._reserve_speculative(seq, budget=budget, out=out):
+                    continue
                 budget -= 1 + len(seq.spec_token_ids)
-            else:
-                seq.spec_token_ids = []
+                continue
+            # the common case: room left in the last block, nothing to allocate
+            if computed < len(seq.block_table) * block_size or self._reserve(seq=seq, num_new_tokens=1, out=out):
+                decodes.append(seq)
+                budget -= 1
 
         # 2. continuing prefill chunks, oldest first
-        for seq in list(self.running):
+        for seq in chunked:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
+            if seq.status is not running_status:  # preempted for a decode above
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.config.chunked_prefill and num_new < seq.num_uncomputed_tokens:
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_new = min(num_uncomputed, budget)
+            if not self.config.chunked_prefill and num_new < num_uncomputed:
                 continue
             start = seq.num_computed_tokens
-            if self._reserve(seq=seq, num_new_tokens=num_new, scheduled=scheduled, out=out):
+            if self._reserve(seq=seq, num_new_tokens=num_new, out=out):
                 out.prefills.append(ScheduledChunk(seq=seq, start_position=start, num_tokens=num_new))
-                scheduled.add(id(seq))
                 budget -= num_new
 
         # 3. admission (FCFS), only if nobody was preempted this step
@@ -200,10 +226,25 @@ class Scheduler:
             budget = self._admit(budget=budget, out=out)
         return out
 
+    def _reserve_speculative(self, seq: Sequence, *, budget: int, out: SchedulerOutput) -> bool:
+        """Schedule a decode with proposals (dropping them when the budget or the free blocks
+        do not allow them); False if ``seq`` itself had to be preempted."""
+        if 1 + len(seq.spec_token_ids) > budget or not self.block_manager.allocate_slots(
+                seq=seq, num_new_tokens=1 + len(seq.spec_token_ids)):
+            seq.spec_token_ids = []
+        if self._reserve(seq=seq, num_new_tokens=1, out=out):
+            out.decodes.append(seq)
+            out.num_speculative += bool(seq.spec_token_ids)
+            return True
+        seq.spec_token_ids = []
+        return False
+
     def _admit(self, *, budget: int, out: SchedulerOutput) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while its last step runs: not before it ends
+                break
             hits = bm.lookup_prefix(seq)
             num_cached = len(hits) * bm.block_size
             num_uncomputed = seq.num_tokens - num_cached
@@ -227,8 +268,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _reserve(self, *, seq: Sequence, num_new_tokens: int, scheduled: set[int],
-                 out: SchedulerOutput) -> bool:
+    def _reserve(self, *, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate KV for ``seq``, preempting newer unscheduled sequences as needed.
 
         Returns False if ``seq`` itself had to be preempted (or finished, if the whole
@@ -236,7 +276,7 @@ class Scheduler:
         """
         bm = self.block_manager
         while not bm.allocate_slots(seq=seq, num_new_tokens=num_new_tokens):
-            victim = self._pick_victim(scheduled=scheduled)
+            victim = self._pick_victim(out)
             if victim is None or victim is seq:
                 if bm.num_blocks_for(seq.num_computed_tokens + num_new_tokens) > bm.num_blocks:
                     # More than the whole pool: it can never fit. End it.
@@ -250,7 +290,10 @@ class Scheduler:
             self._preempt(victim, out=out)
         return True
 
-    def _pick_victim(self, *, scheduled: set[int]) -> Sequence | None:
+    def _pick_victim(self, out: SchedulerOutput) -> Sequence | None:
+        """The newest running sequence not scheduled in ``out`` yet."""
+        scheduled = {id(seq) for seq in out.decodes}
+        scheduled.update(id(chunk.seq) for chunk in out.prefills)
         for seq in reversed(self.running):
             if id(seq) not in scheduled:
                 return seq
@@ -268,20 +311,40 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed counters for what the model just ran and index full blocks."""
+        bm = self.block_manager
         for chunk in out.prefills:
             if chunk.seq.is_finished:  # ended while the step ran (a stop string, overlapped)
                 continue
             chunk.seq.num_computed_tokens = chunk.start_position + chunk.num_tokens
-            self.block_manager.commit(chunk.seq)
+            bm.commit(chunk.seq)
+        caching = bm.enable_prefix_caching
+        block_size = bm.block_size
+        finished = SequenceStatus.FINISHED
         for seq in out.decodes:
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
-            seq.num_computed_tokens += 1 + seq.num_spec_accepted
             if seq.spec_token_ids:
+                seq.num_computed_tokens += 1 + seq.num_spec_accepted
                 # the rejected proposals' slots go back; the accepted tokens are appended after
                 # this, so the engine commits their blocks then
-                self.block_manager.trim(seq)
+                bm.trim(seq)
                 seq.spec_token_ids = []
                 seq.num_spec_accepted = 0
                 continue
-            self.block_manager.commit(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if caching and computed // block_size > seq.num_registered_blocks:
+                bm.commit(seq)
+
+    def on_step_launched(self, out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: count ``out`` as computed as soon as it is launched, and
+        its sampled tokens as pending (see the module docstring). No speculation."""
+        for chunk in out.prefills:
+            seq = chunk.seq
+            if chunk.samples:
+                seq.num_pending_tokens += 1
+            seq.num_computed_tokens = chunk.start_position + chunk.num_tokens
+        for seq in out.decodes:
+            if seq.spec_token_ids:
+                raise RuntimeError("speculative decodes cannot be scheduled asynchronously")
+            seq.num_computed_tokens += 1
+            seq.num_pending_tokens += 1

@@ -5,6 +5,11 @@ two counters: ``num_tokens`` (all tokens) and ``num_computed_tokens`` (tokens wh
 in the cache). A step computes ``num_tokens - num_computed_tokens`` tokens (or a chunk of
 them); when it reaches the end, the model's last row samples the next token. Prefill,
 chunked prefill, decode and recompute after preemption are therefore the same operation.
+
+With asynchronous scheduling (:mod:`.llm_engine`) a step is scheduled while the previous one
+still runs: a token sampled by a step in flight is counted in ``num_pending_tokens`` (its
+value is not known yet; the model reads it on the device), and ``num_computed_tokens``
+already includes the positions the step in flight computes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class Sequence:
     """One request. Identity-compared (``eq=False``): two requests never compare equal."""
 
@@ -51,6 +56,10 @@ class Sequence:
     """Leading positions whose draft-model K/V is valid (``--speculative-method draft``)."""
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
+    num_pending_tokens: int = 0
+    """Tokens sampled by a step still in flight, not in :attr:`token_ids` yet (0 or 1)."""
+    block_row: int = -1
+    """This sequence's row in the block manager's :class:`~.block_tables.BlockTables`."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +75,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -30,13 +30,24 @@ DetokenizerFactory = Callable[[list[int]], Detokenizer]
 
 
 class StopChecker:
-    """Tracks one request's text; :meth:`append` decides whether it has finished."""
+    """Tracks one request's text; :meth:`append` decides whether it has finished.
+
+    The engine's per-token loop reads :attr:`stop_token_ids`, :attr:`min_tokens`,
+    :attr:`max_tokens` and :attr:`needs_text` directly (the same test as :meth:`check_token`,
+    without a call per token) and skips :meth:`append_text` for requests without text.
+    """
 
     def __init__(self, *, params: SamplingParams, eos_token_ids: frozenset[int],
                  detokenizer: Detokenizer | None) -> None:
         self.params = params
         self._stop_ids = frozenset(params.stop_token_ids)
         self._eos_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = self._stop_ids | self._eos_ids
+        """Token ids that end the request once it has ``min_tokens`` output tokens."""
+        self.min_tokens = params.min_tokens
+        self.max_tokens = params.max_tokens
+        self.needs_text = detokenizer is not None
+        """Whether tokens have text to build (else :meth:`append_text` changes nothing)."""
         self._detok = detokenizer
         self._stops = params.stop
         self._max_stop_chars = max((len(s) for s in self._stops), default=0)
@@ -45,10 +56,9 @@ class StopChecker:
 
     def check_token(self, *, token_id: int, num_output_tokens: int) -> str | None:
         """The cheap checks on a new output token's id: stop/eos tokens, then max_tokens."""
-        if num_output_tokens >= self.params.min_tokens and (
-                token_id in self._stop_ids or token_id in self._eos_ids):
+        if num_output_tokens >= self.min_tokens and token_id in self.stop_token_ids:
             return FINISH_STOP
-        if num_output_tokens >= self.params.max_tokens:
+        if num_output_tokens >= self.max_tokens:
             return FINISH_LENGTH
         return None
 

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 
 import splitserve_contract as contract
 from splitserve_runtime.body_limit import BodySizeLimit
+from splitserve_runtime.engine.parallel.placement import PlacementError, pin, resolve_placement
 from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
@@ -320,10 +321,22 @@ def parse_args(argv: list[str]) -> contract.ServeArgs:
 
 
 def main(argv: list[str]) -> int:
-    """`splitserve serve`: listen at once, load the engine, drain on SIGTERM."""
+    """`splitserve serve`: listen at once, load the engine, drain on SIGTERM (a worker pod of
+    a multi-pod group runs its ranks instead: :mod:`.worker_node`)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        placement = resolve_placement(args)
+    except PlacementError as exc:
+        logger.error("%s", exc)
+        write_termination_message(str(exc))
+        return 2
+    args = pin(args, placement)
+    if not placement.is_leader:
+        from splitserve_runtime.server.worker_node import serve_worker_node
+
+        return serve_worker_node(args, placement)
     served_name = args.served_model_name or _default_served_name(args.model)
     api_key = os.environ.get(contract.ENV_API_KEY) or None
 

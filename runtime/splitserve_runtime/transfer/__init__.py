@@ -7,15 +7,26 @@ connector interface (:class:`~.connector.KVConnector`) hides the transport: the 
 implementation here runs anywhere (CPU tests, loopback, cross-node), a GPU transport
 (NCCL, CUDA IPC, RDMA) can replace it without touching the engine or the router.
 :mod:`.auth` decides who may take part: pods holding the InferenceService's handoff key, or
-loopback peers when there is none.
+loopback peers when there is none. The TCP transport moves blocks without per-block copies in
+Python (:mod:`.wire`: gathered sends of the blocks' own memory; :mod:`.receive`: scattered
+receives straight into a :class:`~.connector.BlockDestination`), CRC-checked (:mod:`.framing`).
 """
 
 from .auth import HandoffAuth, HandoffKey, HandoffRejected
-from .connector import FetchResult, KVConnector, KVLayout, TransferError
+from .connector import (
+    BlockDestination,
+    BlockSink,
+    FetchResult,
+    KVConnector,
+    KVLayout,
+    TransferError,
+)
 from .registry import ExportedKV, KVExportRegistry
 from .tcp import TcpKVConnector, TcpKVServer
 
 __all__ = [
+    "BlockDestination",
+    "BlockSink",
     "ExportedKV",
     "FetchResult",
     "HandoffAuth",

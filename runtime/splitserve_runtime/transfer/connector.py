@@ -8,9 +8,9 @@ GPU transport can implement the same `fetch` and be selected by configuration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,36 @@ class FetchResult:
 
 
 BlockSink = Callable[[int, memoryview], None]
-"""Called once per received block with (block index within the request, block bytes)."""
+"""Called once per received, verified block with (block index within the request, block
+bytes). The bytes are valid only during the call (the connector receives the next block into
+the same buffer): copy them into the cache, keep no reference."""
+
+
+@runtime_checkable
+class BlockDestination(Protocol):
+    """A sink that lets the connector receive each block straight into its final place (no
+    copy after the socket's): give it to ``fetch`` instead of a :data:`BlockSink`."""
+
+    def buffers(self, index: int) -> Sequence[memoryview]:
+        """Writable byte views whose lengths add up to one block: where block ``index``'s bytes
+        land, in order. Called in block order, a few blocks ahead of their arrival: the
+        buffers of different blocks must not overlap. If the fetch fails, whatever they hold
+        is garbage (the caller discards the blocks of a failed fetch)."""
+        ...
+
+    def received(self, index: int) -> None:
+        """Block ``index`` arrived whole in :meth:`buffers` and passed its CRC."""
+        ...
 
 
 class KVConnector(Protocol):
     async def fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink, timeout_seconds: float, expected_num_tokens: int | None = None,
+        on_block: BlockSink | BlockDestination, timeout_seconds: float,
+        expected_num_tokens: int | None = None,
     ) -> FetchResult:
         """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port"); with
         `expected_num_tokens`, a server holding another number of tokens is refused before
-        any block. Raises TransferError (only); blocks already handed to `on_block` must then
-        be discarded."""
+        any block. Raises TransferError (only); blocks already handed to `on_block` (or written
+        into a destination's buffers) must then be discarded."""
         ...

@@ -3,9 +3,15 @@
 One connection moves one request's blocks (pull, as NIXL does in vLLM): the decode pod sends
 FETCH with the first block it lacks, the server answers LAYOUT then one BLOCK frame per block,
 then DONE; the client answers RELEASE, and only then are the prefill pod's blocks unpinned. A
-client that vanishes before RELEASE leaves the export to its lease (it may retry). Back-pressure
-comes from awaiting `drain()` after each block, so a slow decode pod never makes the prefill pod
-buffer a whole request in memory.
+client that vanishes before RELEASE leaves the export to its lease (it may retry).
+
+Both ends move bytes through :class:`~.wire.Channel` (the event loop's own sockets, no asyncio
+streams): the server hands frame headers and the blocks' own bytes to gathering ``sendmsg``
+calls, reading and checksumming blocks at most :data:`SEND_AHEAD_BYTES` ahead of what the socket
+took, and mostly while it is full, so a slow decode pod never makes the prefill pod buffer a
+whole request, and the CRCs overlap the decode pod's receiving.
+The client receives each block straight into its buffer (the destination's own memory when the
+sink is a :class:`~.connector.BlockDestination`), checks the CRC there, then hands it over.
 
 Both ends authenticate (:mod:`.auth`): the server answers nothing but an ERROR to a FETCH
 without a valid token, and the client accepts no block before the LAYOUT proved the server
@@ -19,21 +25,24 @@ anything else ends the pull with a :class:`~.connector.TransferError` (the only 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 
 from .auth import HandoffAuth, HandoffRejected
-from .connector import BlockSink, FetchResult, KVLayout, TransferError
+from .connector import BlockDestination, BlockSink, FetchResult, KVLayout, TransferError
 from .framing import (
+    BLOCK_HEADER_SIZE,
+    Frame,
     FrameError,
     FrameType,
+    block_header,
     encode_json,
-    read_frame,
-    write_block,
 )
-from .registry import KVExportRegistry
+from .receive import BlockReceiver
+from .registry import ExportedKV, KVExportRegistry
+from .wire import Channel, PeerClosed, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,10 @@ PEER_ERROR_CODES = frozenset({"unknown_request", "layout_mismatch", "protocol", 
 """Codes a server's ERROR frame may carry; any other is reported as ``protocol`` (a peer's
 words go into logs and errors only as bounded, known codes and a truncated message)."""
 MAX_PEER_MESSAGE_CHARS = 300
+SEND_AHEAD_BYTES = 2 * 1024 * 1024
+"""How far the server reads and checksums blocks ahead of what the socket took (at least one
+block): enough to keep the socket fed while the decode pod drains it, little memory."""
+LISTEN_BACKLOG = 128
 
 TransferObserver = Callable[[int, float, bool], None]
 """Called after each transfer with (bytes moved, seconds, succeeded): feeds the metrics."""
@@ -52,6 +65,52 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise TransferError(code="connect_failed", message=f"bad KV endpoint {endpoint!r} (want host:port)")
     return host.strip("[]"), int(port)
+
+
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host``:``port``, bound as ``asyncio.start_server`` would (every
+    address ``host`` resolves to; all interfaces for ""), non-blocking."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, family=socket.AF_UNSPEC,
+                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _name, address in dict.fromkeys(infos):
+            listener = socket.socket(family, kind, proto)
+            listeners.append(listener)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+    except BaseException:
+        for listener in listeners:
+            listener.close()
+        raise
+    if not listeners:
+        raise OSError(f"{host!r} resolves to no address to listen on")
+    return listeners
+
+
+async def _connect(host: str, port: int) -> Channel:
+    """A channel to the first address of ``host``:``port`` that accepts the connection."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    failure: OSError = OSError(f"{host!r} resolves to no address")
+    for family, kind, proto, _name, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return Channel(sock)
+        except OSError as exc:
+            sock.close()
+            failure = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise failure
 
 
 class TcpKVServer:
@@ -69,27 +128,47 @@ class TcpKVServer:
         self._port = port
         self._io_timeout_seconds = io_timeout_seconds
         self._observer = observer
-        self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self._expiry_task: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
+        if not self._listeners:
             return self._port
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._listeners[0].getsockname()[1])
 
     async def start(self, *, expiry_interval_seconds: float = 1.0) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        self._listeners = await _listen(self._host, self._port)
+        for listener in self._listeners:
+            self._spawn(self._accept_forever(listener))
         self._expiry_task = asyncio.create_task(self._expire_forever(expiry_interval_seconds))
 
     async def stop(self) -> None:
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry_task
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        """Stop accepting, end transfers still running (their pullers see a truncated
+        stream and fall back), and close the listening sockets."""
+        tasks = [*self._tasks, *([self._expiry_task] if self._expiry_task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for listener in self._listeners:
+            listener.close()
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_forever(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                connection, _address = await loop.sock_accept(listener)
+            except OSError as exc:  # out of file descriptors, ...: keep serving the others
+                log.warning("KV server cannot accept a connection: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._spawn(self._serve(connection))
 
     async def _expire_forever(self, interval_seconds: float) -> None:
         while True:
@@ -98,46 +177,58 @@ class TcpKVServer:
             if expired:
                 log.warning("freed KV of %d unclaimed request(s) after their lease", expired)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, connection: socket.socket) -> None:
         started = time.perf_counter()
         num_bytes = 0
         ok = False
+        peer: object = "?"
+        channel: Channel | None = None
         try:
-            num_bytes = await self._serve_one(reader, writer)
+            peer = connection.getpeername()
+            channel = Channel(connection)
+            num_bytes = await self._serve_one(channel, peer=peer)
             ok = True
-        except (FrameError, TransferError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
-            log.warning("KV transfer to %s failed: %s", writer.get_extra_info("peername"), exc)
+        except (FrameError, TransferError, PeerClosed, TimeoutError, OSError) as exc:
+            log.warning("KV transfer to %s failed: %s", peer, str(exc) or type(exc).__name__)
+        except asyncio.CancelledError:  # the server stops: not a failed transfer
+            num_bytes, ok = 0, True
+            raise
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            if channel is not None:
+                channel.close()
+            else:
+                connection.close()
             if self._observer is not None and (num_bytes or not ok):
                 self._observer(num_bytes, time.perf_counter() - started, ok)
 
-    async def _send_error(self, writer: asyncio.StreamWriter, *, code: str, message: str) -> None:
-        writer.write(encode_json(FrameType.ERROR, {"code": code, "message": message}))
-        await writer.drain()
+    async def _send(self, channel: Channel, buffers: Sequence[bytes | memoryview]) -> None:
+        channel.expire_in(self._io_timeout_seconds)
+        await channel.send(buffers)
 
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
-        frame = await read_frame(
-            reader, timeout_seconds=self._io_timeout_seconds, max_payload_bytes=CONTROL_FRAME_MAX_BYTES,
-        )
+    async def _send_error(self, channel: Channel, *, code: str, message: str) -> None:
+        await self._send(channel, [encode_json(FrameType.ERROR, {"code": code, "message": message})])
+
+    async def _read_control(self, channel: Channel) -> Frame:
+        channel.expire_in(self._io_timeout_seconds)
+        return await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
+
+    async def _serve_one(self, channel: Channel, *, peer: object) -> int:
+        frame = await self._read_control(channel)
         if frame.type is not FrameType.FETCH:
             raise FrameError(f"expected FETCH, got {frame.type.name}")
         body = frame.json()
-        peer = writer.get_extra_info("peername")
         peer_host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         try:  # first: a stranger learns nothing, not even whether the request exists
             nonce = self._auth.check_fetch(body, peer_host=peer_host)
         except HandoffRejected as exc:
-            await self._send_error(writer, code="unauthorized", message="FETCH refused: not authenticated")
+            await self._send_error(channel, code="unauthorized", message="FETCH refused: not authenticated")
             raise TransferError(code="unauthorized", message=exc.message) from None
         request_id = str(body.get("request_id", ""))
         first_block = body.get("first_block", 0)
         wanted = KVLayout.from_json(body.get("layout", {}))
         if wanted != self._layout:
             await self._send_error(
-                writer, code="layout_mismatch",
+                channel, code="layout_mismatch",
                 message=f"KV layouts differ (decode vs prefill: {wanted.mismatch(self._layout)}); "
                 f"decode wants {wanted}, prefill holds {self._layout}",
             )
@@ -145,32 +236,42 @@ class TcpKVServer:
         exported = self._registry.get(request_id)
         if exported is None:
             await self._send_error(
-                writer, code="unknown_request",
+                channel, code="unknown_request",
                 message=f"no KV held for request {request_id!r} (never prefilled here, released, or expired)",
             )
             return 0
         if not isinstance(first_block, int) or not 0 <= first_block <= exported.num_blocks:
             await self._send_error(
-                writer, code="protocol",
+                channel, code="protocol",
                 message=f"first_block {first_block!r} outside 0..{exported.num_blocks}",
             )
             return 0
         header = {"num_blocks": exported.num_blocks, "num_tokens": exported.num_tokens,
                   "first_block": first_block, "block_nbytes": self._layout.block_nbytes}
-        writer.write(encode_json(FrameType.LAYOUT, {
-            **header, **self._auth.layout_proof(request_id=request_id, nonce=nonce, header=header)}))
-        num_bytes = 0
-        for index in range(first_block, exported.num_blocks):
-            num_bytes += write_block(writer, index=index, data=exported.read_block(index))
-            await writer.drain()
-        writer.write(encode_json(FrameType.DONE, {"num_bytes": num_bytes}))
-        await writer.drain()
-        ack = await read_frame(
-            reader, timeout_seconds=self._io_timeout_seconds, max_payload_bytes=CONTROL_FRAME_MAX_BYTES,
-        )
+        layout = encode_json(FrameType.LAYOUT, {
+            **header, **self._auth.layout_proof(request_id=request_id, nonce=nonce, header=header)})
+        await channel.send_frames(self._frames(exported, first_block=first_block, layout=layout),
+                                  ahead_bytes=SEND_AHEAD_BYTES, stall_seconds=self._io_timeout_seconds)
+        num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + self._layout.block_nbytes)
+        ack = await self._read_control(channel)
         if ack.type is FrameType.RELEASE:
             self._registry.release(request_id)
         return num_bytes
+
+    def _frames(self, exported: ExportedKV, *, first_block: int,
+                layout: bytes) -> Iterator[Sequence[bytes | memoryview]]:
+        """LAYOUT, then each BLOCK frame as (header, the block's own bytes), then DONE; a
+        block is read and checksummed only when the channel asks for it."""
+        yield (layout,)
+        block_nbytes = self._layout.block_nbytes
+        for index in range(first_block, exported.num_blocks):
+            data = byte_view(exported.read_block(index))
+            if len(data) != block_nbytes:
+                raise TransferError(code="protocol", message=(
+                    f"block {index} of {exported.request_id!r} has {len(data)} bytes, the layout {block_nbytes}"))
+            yield block_header(index=index, data=data), data
+        num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + block_nbytes)
+        yield (encode_json(FrameType.DONE, {"num_bytes": num_bytes}),)
 
 
 class TcpKVConnector:
@@ -183,8 +284,11 @@ class TcpKVConnector:
 
     async def fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink, timeout_seconds: float, expected_num_tokens: int | None = None,
+        on_block: BlockSink | BlockDestination, timeout_seconds: float,
+        expected_num_tokens: int | None = None,
     ) -> FetchResult:
+        """See :meth:`.connector.KVConnector.fetch`. Raises ValueError (not TransferError)
+        when a :class:`~.connector.BlockDestination` offers buffers that do not hold a block."""
         started = time.perf_counter()
         try:
             result = await self._fetch(
@@ -202,7 +306,8 @@ class TcpKVConnector:
 
     async def _fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink, timeout_seconds: float, expected_num_tokens: int | None,
+        on_block: BlockSink | BlockDestination, timeout_seconds: float,
+        expected_num_tokens: int | None,
     ) -> FetchResult:
         try:
             self._auth.check_endpoint(endpoint)
@@ -212,18 +317,18 @@ class TcpKVConnector:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_seconds):
-                reader, writer = await asyncio.open_connection(host, port)
+                channel = await _connect(host, port)
         except (OSError, TimeoutError) as exc:
             raise TransferError(code="connect_failed", message=f"{endpoint}: {exc or type(exc).__name__}") from exc
         nonce = self._auth.new_nonce()
         try:
-            writer.write(encode_json(FrameType.FETCH, {
+            channel.expire_in(timeout_seconds)
+            await channel.send([encode_json(FrameType.FETCH, {
                 "request_id": request_id, "first_block": first_block, "layout": layout.to_json(),
                 **self._auth.fetch_credentials(request_id=request_id, nonce=nonce),
-            }))
-            await writer.drain()
+            })])
             return await self._receive(
-                reader=reader, writer=writer, request_id=request_id, nonce=nonce,
+                channel=channel, request_id=request_id, nonce=nonce,
                 first_block=first_block, layout=layout, on_block=on_block,
                 timeout_seconds=timeout_seconds, started=started,
                 expected_num_tokens=expected_num_tokens,
@@ -232,23 +337,23 @@ class TcpKVConnector:
             raise TransferError(code="corrupt", message=str(exc)) from exc
         except HandoffRejected as exc:
             raise TransferError(code="unauthenticated", message=exc.message) from None
-        except asyncio.IncompleteReadError as exc:
-            raise TransferError(code="truncated", message=f"peer closed after {len(exc.partial)} bytes of a frame") from exc
+        except PeerClosed as exc:
+            raise TransferError(code="truncated", message=(
+                f"peer closed after {exc.received} of the {exc.expected} bytes due")) from exc
         except TimeoutError as exc:
             raise TransferError(code="timeout", message=f"no data from {endpoint} within {timeout_seconds}s") from exc
         except OSError as exc:  # reset, broken pipe, ...
             raise TransferError(code="truncated", message=f"connection to {endpoint} lost: {exc}") from exc
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            channel.close()
 
     async def _receive(
-        self, *, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request_id: str,
-        nonce: str, first_block: int, layout: KVLayout, on_block: BlockSink,
-        timeout_seconds: float, started: float, expected_num_tokens: int | None,
+        self, *, channel: Channel, request_id: str, nonce: str, first_block: int,
+        layout: KVLayout, on_block: BlockSink | BlockDestination, timeout_seconds: float,
+        started: float, expected_num_tokens: int | None,
     ) -> FetchResult:
-        frame = await read_frame(reader, timeout_seconds=timeout_seconds, max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
+        channel.expire_in(timeout_seconds)
+        frame = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
         if frame.type is FrameType.ERROR:
             body = frame.json()
             code = body.get("code")
@@ -260,26 +365,15 @@ class TcpKVConnector:
         self._auth.check_layout(header, request_id=request_id, nonce=nonce)  # before any block
         num_blocks, num_tokens = _check_layout_header(header, layout=layout, first_block=first_block,
                                                       expected_num_tokens=expected_num_tokens)
-        max_payload = layout.block_nbytes + 64
-        num_bytes = 0
-        for expected_index in range(first_block, num_blocks):
-            frame = await read_frame(reader, timeout_seconds=timeout_seconds, max_payload_bytes=max_payload)
-            if frame.type is not FrameType.BLOCK:
-                raise TransferError(code="protocol", message=f"expected BLOCK {expected_index}, got {frame.type.name}")
-            index, data = frame.block()
-            if index != expected_index or len(data) != layout.block_nbytes:
-                raise TransferError(
-                    code="corrupt",
-                    message=f"block {index} with {len(data)} bytes where block {expected_index} "
-                    f"with {layout.block_nbytes} bytes was due",
-                )
-            on_block(index, data)
-            num_bytes += len(frame.payload)
-        done = await read_frame(reader, timeout_seconds=timeout_seconds, max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
+        num_bytes = await BlockReceiver(
+            channel=channel, layout=layout, on_block=on_block, timeout_seconds=timeout_seconds,
+            first_block=first_block, num_blocks=num_blocks).receive()
+        channel.expire_in(timeout_seconds)
+        done = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
         if done.type is not FrameType.DONE:
             raise TransferError(code="protocol", message=f"expected DONE, got {done.type.name}")
-        writer.write(encode_json(FrameType.RELEASE, {"request_id": request_id}))
-        await writer.drain()
+        channel.expire_in(timeout_seconds)
+        await channel.send([encode_json(FrameType.RELEASE, {"request_id": request_id})])
         return FetchResult(
             num_blocks=num_blocks - first_block, num_bytes=num_bytes,
             num_tokens=num_tokens, seconds=time.perf_counter() - started,

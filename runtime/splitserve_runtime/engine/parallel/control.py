@@ -3,9 +3,11 @@
 Each message is one pickled object broadcast over the host-side gloo group: a step's rows (each
 rank builds the same inputs from them and runs its part of the forward), a request to read KV
 blocks (every rank sends its layers' and heads' part, rank 0 assembles the whole-model
-layout), KV blocks to write (every rank keeps its part), or stop. The whole-model layout is
-the single-process runner's ``[layer][K, V][token][head][dim]``, so pools with different
-tensor- and pipeline-parallel sizes exchange the same bytes.
+layout), KV blocks to write (every rank keeps its part), a ping (the driver's keepalive while
+idle: a worker waits for the next message in a collective that would otherwise time out, and
+a ping tells the driver at once when a rank's connection is gone), or stop. The whole-model
+layout is the single-process runner's ``[layer][K, V][token][head][dim]``, so pools with
+different tensor- and pipeline-parallel sizes exchange the same bytes.
 """
 
 from __future__ import annotations
@@ -37,11 +39,16 @@ class WriteBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     pass
 
 
-Message = Step | ReadBlocks | WriteBlocks | Stop
+Message = Step | ReadBlocks | WriteBlocks | Ping | Stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +79,7 @@ def send(group: ParallelGroup, message: Message) -> None:
 def receive(group: ParallelGroup) -> Message:
     """Worker side: the driver's next message (blocks until it comes)."""
     message = group.broadcast_object()
-    if not isinstance(message, Step | ReadBlocks | WriteBlocks | Stop):
+    if not isinstance(message, Step | ReadBlocks | WriteBlocks | Ping | Stop):
         raise RuntimeError(f"parallel driver sent {type(message).__name__}, not a message")
     return message
 

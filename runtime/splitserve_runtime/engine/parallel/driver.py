@@ -5,6 +5,10 @@ The order matters: the workers are started first (they join the group, then load
 while rank 0 loads its own), every rank measures the KV cache in lock-step and takes the
 smallest block count, and only then is the engine built, with a runner that drives the other
 ranks. If rank 0 fails on the way, the workers are stopped with it.
+
+On the leader of a multi-pod group (:mod:`.placement`) rank 0 starts only its own pod's other
+ranks, hosts the group's store on the rendezvous port, waits for the other pods' ranks to join,
+and watches those pods' heartbeats (:mod:`.liveness`) for as long as it runs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -22,10 +27,15 @@ from splitserve_contract.model_config import ModelConfig
 
 from ..config import EngineConfig
 from ..llm_engine import LLMEngine
-from .group import init_group
+from .failure import GroupFailure
+from .group import INIT_TIMEOUT, ParallelGroup, init_group
 from .launcher import free_init_method, start_workers
+from .liveness import Heartbeat
+from .placement import Placement, PlacementError, pin, resolve_placement
 from .runner import ParallelRunner
 from .worker import load_rank, rank_device
+
+log = logging.getLogger(__name__)
 
 
 def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConfig,
@@ -40,11 +50,22 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
                                "pipeline parallelism yet (ngram is)")
     check_divisible(model_config, args.tensor_parallel_size)
     PipelineStage(config=model_config, stage=0, num_stages=args.pipeline_parallel_size)  # fits the layers
-    init_method = free_init_method()
-    workers = start_workers(args, model_dir=model_dir, init_method=init_method)
+    placement = resolve_placement(args)
+    if not placement.is_leader:
+        raise PlacementError(f"node rank {placement.node_rank} of a {placement.nnodes}-pod group runs only its "
+                             f"ranks (`splitserve serve` does that there), not an engine")
+    args = pin(args, placement)
+    init_method = placement.init_method() if placement.is_multinode else free_init_method()
+    failure = GroupFailure()
+    workers = start_workers(args, model_dir=model_dir, init_method=init_method,
+                            ranks=placement.local_ranks[1:], on_death=failure.worker_died)
+    failure.workers = workers
     try:
-        group = init_group(rank=0, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                           init_method=init_method, device=rank_device(device, 0))
+        group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0))
+        if placement.is_multinode:
+            failure.heartbeat = Heartbeat(host="127.0.0.1", port=placement.rendezvous_port, node=0,
+                                          peers=placement.remote_nodes(), describe=placement.describe_node,
+                                          on_lost=failure, wait_for_first_beat=False).start()
         loaded = load_rank(args, model_dir=model_dir, group=group)
         config = EngineConfig.from_serve_args(dataclasses.replace(args, num_kv_blocks=loaded.num_blocks),
                                               max_model_len=loaded.max_model_len)
@@ -52,12 +73,37 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
                            config=config, device=group.device,
                            **text_settings(args, model_dir=model_dir, model_config=model_config),
                            runner_factory=functools.partial(ParallelRunner, group=group, loaded=loaded,
-                                                            workers=workers))
+                                                            workers=workers, on_failure=failure,
+                                                            exit_on_forward_error=placement.is_multinode))
     except BaseException:
+        if failure.heartbeat is not None:
+            failure.heartbeat.stop()
         workers.kill()
         raise
     runner = engine.runner
     assert isinstance(runner, ParallelRunner)
     engine.on_close.append(runner.close)
-    atexit.register(workers.kill)  # a process that ends without close() leaves no worker behind
+    if failure.heartbeat is not None:
+        engine.on_close.append(failure.heartbeat.stop)
+
+    def abandon() -> None:  # a process that ends without close() leaves no worker behind
+        runner.abandon()
+        workers.kill()
+    atexit.register(abandon)
     return engine
+
+
+def _join(placement: Placement, *, args: ServeArgs, init_method: str, device: torch.device) -> ParallelGroup:
+    """Rank 0 joins (and, as the store's host, waits for) every rank of the group."""
+    if placement.is_multinode:
+        log.info("waiting up to %.0f s for the group's %d ranks on %d pods to join at port %d",
+                 INIT_TIMEOUT.total_seconds(), placement.world_size, placement.nnodes, placement.rendezvous_port)
+    try:
+        return init_group(rank=0, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
+                          init_method=init_method, device=device)
+    except RuntimeError as exc:
+        if not placement.is_multinode:
+            raise
+        raise RuntimeError(f"the group's {placement.world_size} ranks on {placement.nnodes} pods did not all join "
+                           f"at rendezvous port {placement.rendezvous_port} within "
+                           f"{INIT_TIMEOUT.total_seconds():.0f} s: {exc}") from exc

@@ -6,12 +6,23 @@ it moves KV blocks in the whole-model layout: an export gathers the
 blocks from every rank at once on the engine thread (the transfer thread then serves the
 snapshot), and imported blocks written from the transfer thread are queued and sent to every
 rank before the next forward, on the engine thread, so control messages never interleave.
+
+While the engine is idle a keepalive thread pings the other ranks (under the same lock as every
+other control message): a worker waits for the next message inside a collective, which would
+time out after an idle :data:`~.group.INIT_TIMEOUT`, and a ping to a rank whose connection
+closed fails at once, so a dead rank in another pod takes this one down within seconds even
+when no request comes. A control message or ping that fails leaves the ranks out of step for
+good, so it ends the process (:class:`~.failure.GroupFailure`) with a termination message rather
+than only the engine; so does a failed forward when the group spans pods (``exit_on_forward_error``:
+in one pod the supervisor names the dead rank, and an in-process engine's bug stays an exception).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -19,8 +30,15 @@ from ..kv_budget import KVCacheSpec
 from ..model_runner import CausalLM, ModelRunner, StepRows
 from . import control
 from .group import ParallelGroup
-from .launcher import Workers
+from .launcher import Workers, exit_group
 from .worker import RankModel
+
+PING_SECONDS = 2.0
+"""The keepalive pings after this long without a control message."""
+
+
+def _exit_process(symptom: str) -> NoReturn:
+    exit_group(f"the parallel group broke: {symptom}")
 
 
 class ParallelRunner(ModelRunner):
@@ -28,7 +46,8 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, *, model: CausalLM, spec: KVCacheSpec, device: torch.device, block_size: int,
                  num_blocks: int, eos_token_ids: frozenset[int] = frozenset(),
-                 group: ParallelGroup, loaded: RankModel, workers: Workers) -> None:
+                 group: ParallelGroup, loaded: RankModel, workers: Workers,
+                 on_failure: Callable[[str], NoReturn] = _exit_process, exit_on_forward_error: bool = False) -> None:
         super().__init__(model=model, spec=spec, device=device, block_size=block_size,
                          num_blocks=num_blocks, eos_token_ids=eos_token_ids)
         self.group = group
@@ -40,22 +59,58 @@ class ParallelRunner(ModelRunner):
                                      head_dim=spec.head_dim, dtype=spec.dtype)
         self._lock = threading.Lock()
         self._pending_writes: dict[int, bytes] = {}
+        self._on_failure = on_failure
+        self._exit_on_forward_error = exit_on_forward_error
+        self._control = threading.Lock()
+        """Held for a control message and the control-group collectives that follow it."""
+        self._last_message = time.monotonic()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True).start()
 
     def before_forward(self, rows: StepRows) -> None:
-        self._flush_writes()
-        control.send(self.group, control.Step(rows=rows))
+        with self._control:
+            self._flush_writes()
+            self._send(control.Step(rows=rows))
 
     def forward_logits(self, rows: StepRows) -> torch.Tensor | None:
-        return self.loaded.forward_logits(self.group, rows=rows, caches=self.kv_caches, block_size=self.block_size)
+        try:
+            return self.loaded.forward_logits(self.group, rows=rows, caches=self.kv_caches,
+                                              block_size=self.block_size)
+        except RuntimeError as exc:
+            if not self._exit_on_forward_error:
+                raise
+            self._on_failure(f"a parallel forward failed: {exc}")
 
     def block_reader(self, block_ids: list[int]) -> Callable[[int], bytes]:
         for block_id in block_ids:
             self._check_block_id(block_id)
-        self._flush_writes()
-        control.send(self.group, control.ReadBlocks(block_ids=list(block_ids)))
-        blocks = control.gather_blocks(self.group, self.part, self.kv_caches, list(block_ids))
+        with self._control:
+            self._flush_writes()
+            self._send(control.ReadBlocks(block_ids=list(block_ids)))
+            try:
+                blocks = control.gather_blocks(self.group, self.part, self.kv_caches, list(block_ids))
+            except RuntimeError as exc:
+                self._on_failure(f"gathering KV blocks from the ranks failed: {exc}")
         assert blocks is not None  # the driver receives them
         return blocks.__getitem__
+
+    def _send(self, message: control.Message) -> None:
+        """Broadcast ``message`` (the caller holds ``_control``)."""
+        try:
+            control.send(self.group, message)
+        except RuntimeError as exc:
+            if self._closed.is_set() and isinstance(message, control.Ping):
+                return  # abandoned at exit: the workers are being killed
+            self._on_failure(f"sending {type(message).__name__} to the ranks failed: {exc}")
+        self._last_message = time.monotonic()
+
+    def _keepalive(self) -> None:
+        while not self._closed.wait(PING_SECONDS / 4):
+            if time.monotonic() - self._last_message < PING_SECONDS:
+                continue
+            with self._control:
+                if not self._closed.is_set() and time.monotonic() - self._last_message >= PING_SECONDS:
+                    self._send(control.Ping())
 
     def read_block(self, block_id: int) -> bytes:
         return self.block_reader([block_id])(0)
@@ -70,13 +125,20 @@ class ParallelRunner(ModelRunner):
             self._pending_writes[block_id] = bytes(data)
 
     def _flush_writes(self) -> None:
+        """Send the queued imported blocks (the caller holds ``_control``)."""
         with self._lock:
             blocks, self._pending_writes = self._pending_writes, {}
         if blocks:
-            control.send(self.group, control.WriteBlocks(blocks=blocks))
+            self._send(control.WriteBlocks(blocks=blocks))
             control.write_blocks(self.group, self.part, self.kv_caches, blocks)
 
     def close(self) -> None:
-        """Tell the other ranks to stop and wait for them to exit."""
-        control.send(self.group, control.Stop())
+        """Tell the other ranks to stop and wait for this pod's to exit."""
+        with self._control:
+            self._closed.set()
+            self._send(control.Stop())
         self.workers.stop()
+
+    def abandon(self) -> None:
+        """Stop pinging without telling the ranks (the process exits and kills its workers)."""
+        self._closed.set()

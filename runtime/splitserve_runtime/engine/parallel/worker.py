@@ -6,7 +6,8 @@ part (its pipeline stage's layers, its tensor-parallel shard of them), size the 
 collectives), and agree on the smallest block count. A worker then executes the driver's
 messages until told to stop; it has no scheduler, sampler or HTTP server.
 
-Started as ``python -m splitserve_runtime.engine.parallel.worker`` by :mod:`.launcher`.
+Started as ``python -m splitserve_runtime.engine.parallel.worker`` by :mod:`.launcher` (on the
+leader's pod by the server, on a worker pod of a multi-pod group by its agent, :mod:`.node`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ..kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from ..model_runner import KVCaches, StepRows, allocate_kv_caches, measure_num_kv_blocks
 from . import control, pipeline
 from .group import ParallelGroup, init_group
+from .liveness import LEADER_WAIT_SECONDS, mark_ready, wait_for_leader
+from .placement import resolve_placement
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +67,9 @@ class RankModel:
         return self.model.compute_logits(hidden[inputs.logits_indices])  # the vocabulary gather
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """``cuda`` → this rank's GPU (one per rank, in order); CPU stays CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_index: int) -> torch.device:
+    """``cuda`` → this rank's GPU (one per rank, in order within its pod); CPU stays CPU."""
+    return torch.device("cuda", local_index) if device.type == "cuda" else device
 
 
 def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> RankModel:
@@ -79,8 +82,8 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> Rank
     from ..loading import resolve_dtype
 
     device = group.device
-    if device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
+    if device.type == "cpu":  # the pod's ranks share its host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, group.size // max(1, args.nnodes))))
     config = load_model_config(model_dir=model_dir)
     stage = PipelineStage(config=config, stage=group.stage, num_stages=group.num_stages) if group.num_stages > 1 else None
     staged = stage.local_config() if stage is not None else config
@@ -106,22 +109,35 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> Rank
                      dtype=dtype)
 
 
-def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> None:
-    """A worker rank's whole life: join, load, execute the driver's messages, leave."""
+DRIVER_GONE_STATUS = 69
+"""A worker rank's exit status when the driver (rank 0) went away without a Stop (EX_UNAVAILABLE)."""
+
+
+def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> int:
+    """A worker rank's whole life: join, load, execute the driver's messages, leave. Returns
+    the exit status: 0 when told to stop, :data:`DRIVER_GONE_STATUS` when the driver is gone."""
     from ..loading import resolve_device
 
+    placement = resolve_placement(args, env={})  # the launcher passes the placement in args
+    device = rank_device(resolve_device(args.device), placement.local_index(rank))
+    if not placement.is_leader:  # another pod's store: wait for it quietly (the store's own retries are loud),
+        # a little longer than the pod's agent, whose message says more when the leader never comes
+        wait_for_leader(placement.leader_address, placement.rendezvous_port, timeout_s=LEADER_WAIT_SECONDS + 60)
     group = init_group(rank=rank, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                       init_method=init_method, device=rank_device(resolve_device(args.device), rank))
+                       init_method=init_method, device=device)
     loaded = load_rank(args, model_dir=model_dir, group=group)
     caches = allocate_kv_caches(spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size,
                                 device=group.device)
+    mark_ready(group.store, rank)
     log.info("parallel rank %d ready: %d KV blocks", rank, loaded.num_blocks)
     while True:
         try:
             message = control.receive(group)
         except RuntimeError as exc:  # the driver is gone (its connection closed)
             log.warning("parallel rank %d: the driver is gone (%s); exiting", rank, exc)
-            return
+            return DRIVER_GONE_STATUS
+        if isinstance(message, control.Ping):
+            continue
         if isinstance(message, control.Step):
             with torch.inference_mode():
                 loaded.forward_logits(group, rows=message.rows, caches=caches, block_size=args.block_size)
@@ -130,7 +146,7 @@ def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: st
         elif isinstance(message, control.WriteBlocks):
             control.write_blocks(group, loaded.part, caches, message.blocks)
         else:
-            break
+            return 0
 
 
 PARENT_POLL_SECONDS = 0.5
@@ -165,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{ns.rank} %(levelname)s %(name)s: %(message)s")
     args = ServeArgs(**json.loads(ns.serve_args))
-    serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method)
-    return 0
+    code = serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method)
+    # Exit now: the interpreter's teardown of torch's modules takes seconds on a loaded host,
+    # and the server (or the pod's agent) waits for its stopped ranks.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Asynchronous scheduling: step n+1 is scheduled and its inputs built while step n runs.
+
+Without it a step is strictly *schedule → build inputs → forward + sample → wait → append
+tokens*, so the host's bookkeeping and the model's forward add up. With it the engine
+(:mod:`.llm_engine`) keeps one step in flight: while step n computes, it schedules step n+1,
+builds its inputs and launches it, and only then waits for step n's tokens and processes them
+(the text too) while step n+1 computes. A step then takes ``max(forward, bookkeeping)``
+instead of their sum.
+
+Step n+1 is scheduled before step n's tokens are known. The scheduler counts each of them
+as *pending* (``Sequence.num_pending_tokens``; see :mod:`.scheduler`), so a sequence sampled
+in step n is a decode in step n+1, and the decode's input token is copied on the device from
+step n's sampled ids (:class:`InFlightStep` ``.token_ids``) into step n+1's ``input_ids``
+before its forward — the host never waits for it. What this costs: a sequence that step n
+ends (eos, a stop token or a stop string; ``max_tokens`` is known ahead and is not
+scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
+scheduling does. KV the dropped row writes lands past the sequence's end, in blocks no other
+step reads before the row has run: later steps run after it, in order, on the one device
+stream or forward thread, and the engine waits for the step in flight before it hands blocks
+to anything outside that order (a KV import's reservation, a finished ``keep_kv`` sequence
+whose last step is still running).
+
+Where the forward runs:
+
+- **CUDA** — on the engine thread: launching only queues kernels, so the host is free at once.
+  The sampled ids (and logprobs) are copied to pinned host memory behind the step's own
+  kernels, and :meth:`InFlightStep.resolve` waits for that copy only, not for the step queued
+  after it.
+- **CPU** — on one forward thread (:class:`ForwardThread`): torch's kernels release the GIL,
+  so the engine thread's Python runs meanwhile. Everything that reads or writes the
+  sampler's per-request state runs on that thread too, in submission order.
+
+Not with speculative decoding (proposals are made from the tokens of the step before), nor
+with a runner that overrides the forward hooks (the parallel driver, whose control messages
+to the other ranks must stay in step order on the engine thread).
+
+Off by default (``EngineConfig.async_scheduling=None``); ``True`` turns it on. It is correct
+(the whole runtime and disaggregation test suites pass with it on, and
+``tests/runtime/test_engine_step_bookkeeping.py`` checks it gives the synchronous tokens), and
+it hides the host's work behind a forward that leaves the GIL (``bench/cpu_engine.py`` (c)).
+It is not the default yet because: on the CPU the forward thread's Python (the model's glue
+between kernels, the sampler) takes turns with the engine thread for the GIL, and when the
+host's work is the larger part a step measured slower than synchronous on the shared 2-core
+development machine, with tiny-model throughput inconclusive there; the CUDA path (inline
+launch, pinned copies behind the step's kernels, an event per step) has not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from .model_runner import ModelRunner, StepInputs
+from .sampler import PendingSample, SamplerOutput
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+T = TypeVar("T")
+
+
+class ForwardThread:
+    """One thread that runs submitted work in order (the CPU's forwards and sampling)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitserve-forward")
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        return self._pool.submit(fn)
+
+    def flush(self) -> None:
+        """Wait until everything submitted so far has run."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+class InFlightStep:
+    """A launched step: its schedule, sampled sequences, and tokens still being computed."""
+
+    def __init__(self, *, sched: SchedulerOutput, sample_seqs: list[Sequence],
+                 future: Future[PendingSample], host: PendingSample | None = None,
+                 copied: torch.cuda.Event | None = None) -> None:
+        self.sched = sched
+        self.sample_seqs = sample_seqs
+        self._future = future
+        self._host = host
+        self._copied = copied
+        self._rows: dict[int, int] | None = None
+
+    def row_of(self, seq: Sequence) -> int:
+        """The sampled row of ``seq`` in this step."""
+        if self._rows is None:
+            self._rows = {id(s): i for i, s in enumerate(self.sample_seqs)}
+        return self._rows[id(seq)]
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The sampled ids on the device. Only for work ordered after this step's (the next
+        step's forward on the same thread or stream): it does not wait."""
+        return self._future.result().token_ids
+
+    def wait(self) -> None:
+        """Until the step's forward and sampling have run (its KV writes are done)."""
+        self._future.result()
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def resolve(self) -> SamplerOutput:
+        """Wait for the sampled tokens and return them (host lists)."""
+        self.wait()
+        return (self._host or self._future.result()).resolve()
+
+
+def launch(runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep | None,
+           thread: ForwardThread | None) -> InFlightStep:
+    """Build ``sched``'s inputs here and run its forward and sampling after ``after``'s (on
+    ``thread``, or queued on the device when there is none). Decodes whose input token is
+    pending are read from ``after``'s sampled ids."""
+    rows, sample_seqs = runner.step_rows(sched)
+    inputs = rows.build(block_size=runner.block_size, device=runner.device)
+    offset = inputs.md.num_prefill_tokens
+    dst: list[int] = []
+    src: list[int] = []
+    for j, seq in enumerate(sched.decodes):
+        if seq.num_pending_tokens:
+            if after is None:
+                raise RuntimeError(f"request {seq.request_id} waits for a token no step computes")
+            dst.append(offset + j)
+            src.append(after.row_of(seq))
+    fill = None
+    if dst:
+        assert after is not None
+        fill = (after, torch.tensor(dst, dtype=torch.long).to(runner.device, non_blocking=True),
+                torch.tensor(src, dtype=torch.long).to(runner.device, non_blocking=True))
+    request_ids, params, banned = runner.sample_args(sample_seqs)
+
+    def run() -> PendingSample:
+        with torch.inference_mode():
+            if fill is not None:
+                previous, rows_to, rows_from = fill
+                inputs.input_ids[rows_to] = previous.token_ids[rows_from]
+            logits = _logits(runner, inputs)
+            if logits is None or not sample_seqs:
+                return PendingSample(token_ids=torch.empty(0, dtype=torch.long, device=runner.device), params=[])
+            return runner.sampler.launch(logits=logits, request_ids=request_ids, params=params,
+                                         banned_token_ids=banned)
+
+    if thread is not None:
+        return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=thread.submit(run))
+    pending = run()
+    host, copied = _copy_to_host(pending)
+    return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=_done(pending), host=host, copied=copied)
+
+
+def _logits(runner: ModelRunner, inputs: StepInputs) -> torch.Tensor | None:
+    hidden = runner.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
+                                  kv_caches=runner.kv_caches, md=inputs.md)
+    if not inputs.logits_indices.numel():
+        return None
+    return runner.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _copy_to_host(pending: PendingSample) -> tuple[PendingSample | None, torch.cuda.Event | None]:
+    """Queue copies of ``pending``'s device tensors into pinned host memory behind the step's
+    kernels, and an event that marks them done (None, None off CUDA)."""
+    copies: dict[str, torch.Tensor] = {}
+    for f in dataclasses.fields(pending):
+        value = getattr(pending, f.name)
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            copies[f.name] = host
+    if not copies:
+        return None, None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return dataclasses.replace(pending, **copies), event  # type: ignore[arg-type]

@@ -1,0 +1,47 @@
+"""bench/kv_transfer.py on tiny shapes: every shape gets a row with each leg's GB/s and the
+ratios to the raw copy, and the legs can be chosen (for before/after runs against an older
+connector). Figures are not asserted (the machine is shared)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
+
+
+def _run(*args: str) -> list[str]:
+    done = subprocess.run([sys.executable, str(BENCH), "--repeat", "1", *args],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.splitlines()
+
+
+def _rows(lines: list[str]) -> dict[tuple[str, str], list[float]]:
+    """(shape, leg) -> GB/s, x raw, CPU ms, x raw; a shape is named on its first leg's row."""
+    rows: dict[tuple[str, str], list[float]] = {}
+    shape = ""
+    for line in lines[2:]:
+        if line[:16].strip():
+            shape = line[:16].strip()
+        leg, *figures = line[16:].split()
+        rows[shape, leg] = [float("nan") if value == "-" else float(value) for value in figures]
+    return rows
+
+
+def test_bench_reports_every_shape_and_leg_with_its_ratio() -> None:
+    lines = _run("--shape", "4x65536", "--shape", "32x131072")
+    assert lines[0].startswith("KV transfer on loopback, CRC-32 by zlib")
+    rows = _rows(lines)
+    assert set(rows) == {(shape, leg) for shape in ("4 x 64 KiB", "32 x 128 KiB")
+                         for leg in ("destination", "copy", "raw")}
+    for (_shape, leg), figures in rows.items():
+        assert len(figures) == 4 and figures[2] > 0, figures
+        if leg == "raw":
+            assert figures[1] == figures[3] == 1.0, figures
+
+
+def test_bench_runs_only_the_legs_asked_for() -> None:
+    rows = _rows(_run("--shape", "4x65536", "--legs", "copy"))
+    assert list(rows) == [("4 x 64 KiB", "copy")]
+    assert len(rows["4 x 64 KiB", "copy"]) == 4  # no raw leg: no ratios ("-")
