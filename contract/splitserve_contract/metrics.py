@@ -35,6 +35,14 @@ class Metric:
     INTER_TOKEN_LATENCY_SECONDS: Final = "splitserve_inter_token_latency_seconds"
     E2E_REQUEST_LATENCY_SECONDS: Final = "splitserve_e2e_request_latency_seconds"
     KV_TRANSFER_SECONDS: Final = "splitserve_kv_transfer_seconds"
+    # Engine-step counters: their increases over a window are one exact regression point of the
+    # SLO autoscaler's step model (splitserve_operator.autoscaler.slo.inputs.StepSample).
+    ENGINE_STEPS_TOTAL: Final = "splitserve_engine_steps_total"
+    ENGINE_STEP_SECONDS_TOTAL: Final = "splitserve_engine_step_seconds_total"  # busy time inside steps
+    ENGINE_PREFILL_TOKENS_TOTAL: Final = "splitserve_engine_prefill_tokens_total"  # uncached prompt tokens computed
+    ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL: Final = "splitserve_engine_prefill_attention_pairs_total"
+    ENGINE_DECODE_ROWS_TOTAL: Final = "splitserve_engine_decode_rows_total"  # decoding sequences summed over steps
+    ENGINE_DECODE_CONTEXT_TOKENS_TOTAL: Final = "splitserve_engine_decode_context_tokens_total"
 
 
 class ModelServerMetric:
@@ -57,6 +65,9 @@ class OperatorMetric:
     RECONCILE_SECONDS: Final = "splitserve_operator_reconcile_seconds"
     RECONCILE_ERRORS_TOTAL: Final = "splitserve_operator_reconcile_errors_total"
     LEADER: Final = "splitserve_operator_leader"  # 1 while this replica holds the leader Lease
+    API_REQUESTS_TOTAL: Final = "splitserve_operator_api_requests_total"
+    """Requests the operator's reconciler, autoscaler and leader election sent to the API server
+    (labels verb, resource); kopf's own watches and annotation patches are not counted."""
     INFERENCESERVICE_CONDITION: Final = "splitserve_inferenceservice_condition"
     """1 per (namespace, inferenceservice, type, status, reason) an InferenceService's status shows now."""
     AUTOSCALER_DESIRED_REPLICAS: Final = "splitserve_autoscaler_desired_replicas"  # label: role

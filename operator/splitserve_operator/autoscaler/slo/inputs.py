@@ -1,0 +1,141 @@
+"""What the SLO controller reads: the shared input types of :mod:`.` (operator loop, simulator, tests).
+
+Why a separate module: three producers build these values — the operator's Prometheus
+queries (:mod:`..signals`), the fleet simulator (:mod:`splitserve_planner.sim`) and the
+calibration tests that drive the real runtime — and one consumer decides from them
+(:mod:`.controller`). Keeping the types here, pure and free of Kubernetes, is the seam.
+
+The step model is linear in its coefficients on purpose: an engine step's time is the
+planner's roofline sum (GEMM part + attention part + fixed overhead) linearised, so the
+*sums* of the runtime's step counters over a window obey the same equation as one step::
+
+    seconds = step·steps + prefill_token·prefill_tokens + prefill_pair·prefill_attention_pairs
+              + decode_row·decode_rows + decode_context·decode_context_tokens
+
+and a window of counter deltas per pod is one exact regression point (no per-step samples
+need to leave the pod; Prometheus counters are enough).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+COEFFICIENT_NAMES: tuple[str, ...] = (
+    "step", "prefill_token", "prefill_pair", "decode_row", "decode_context")
+"""Order of :class:`StepCoefficients` fields and of :meth:`StepSample.features`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCoefficients:
+    """Seconds per unit of each step feature (see the module docstring)."""
+
+    step: float
+    """Fixed cost of one engine step (launches, scheduling, sampling)."""
+    prefill_token: float
+    """Per new (uncached) prompt token computed: the linear layers' GEMMs."""
+    prefill_pair: float
+    """Per causal (query, key) pair of prefill attention: the quadratic part of long prompts."""
+    decode_row: float
+    """Per decoding sequence in a step: its GEMM row, LM head and sampling."""
+    decode_context: float
+    """Per context token a decoding sequence attends to: the KV read."""
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return tuple(getattr(self, name) for name in COEFFICIENT_NAMES)
+
+    @classmethod
+    def from_tuple(cls, values: Sequence[float]) -> StepCoefficients:
+        return cls(**dict(zip(COEFFICIENT_NAMES, values, strict=True)))
+
+    def scaled(self, factor: float) -> StepCoefficients:
+        """Every coefficient times ``factor`` (a prior 2x too fast is ``true.scaled(0.5)``)."""
+        return StepCoefficients.from_tuple([v * factor for v in self.as_tuple()])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """Engine-step counter deltas of one pod over one window (one regression point).
+
+    Maps to the runtime counters ``splitserve_engine_steps_total``,
+    ``splitserve_engine_step_seconds_total``, ``splitserve_engine_prefill_tokens_total``,
+    ``splitserve_engine_prefill_attention_pairs_total``, ``splitserve_engine_decode_rows_total``
+    and ``splitserve_engine_decode_context_tokens_total`` (increase over the window).
+    """
+
+    steps: float
+    seconds: float
+    """Wall time spent inside engine steps (busy time, not idle time)."""
+    prefill_tokens: float
+    prefill_attention_pairs: float
+    decode_rows: float
+    decode_context_tokens: float
+
+    def features(self) -> tuple[float, ...]:
+        """The regressors, in :data:`COEFFICIENT_NAMES` order."""
+        return (self.steps, self.prefill_tokens, self.prefill_attention_pairs,
+                self.decode_rows, self.decode_context_tokens)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolSloObservation:
+    """One pool at one autoscaling round, live (Ready) pods only."""
+
+    role: str
+    """``prefill``, ``decode`` or ``aggregated``."""
+    current_replicas: int
+    ready_replicas: int
+    pending_replicas: int
+    """Pods Pending for lack of GPUs (no scale-up beyond current while any exist)."""
+    step_samples: Sequence[StepSample]
+    """One per live pod that ran steps in the window."""
+    requests_waiting: float
+    """Summed over live pods, now."""
+    prompt_tokens_waiting: float
+    """Uncached prompt tokens waiting, summed over live pods, now."""
+    requests_running: float
+    kv_cache_usage_ratio: float
+    """Mean over live pods."""
+    kv_cache_tokens_per_replica: float
+    """KV capacity of one pod in tokens (blocks × block size); 0 when unknown."""
+    ttft_p99_seconds: float | None
+    """Measured over the window from the pods' histograms (None: no requests finished)."""
+    itl_p99_seconds: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadObservation:
+    """The service's workload over the last window."""
+
+    window_seconds: float
+    request_rate: float
+    """Requests arriving per second."""
+    prompt_tokens_mean: float
+    output_tokens_mean: float
+    prefix_hit_ratio: float
+    """Prompt tokens served from the prefix cache / prompt tokens queried, in [0, 1]."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SloTarget:
+    """``spec.autoscaling.slo``, in seconds."""
+
+    ttft_p99_seconds: float
+    itl_p99_seconds: float
+    attainment: float = 0.99
+    """Fraction of requests that must meet both targets."""
+    headroom: float = 0.8
+    """Plan for ``headroom × target`` (the seed's 70-80 % rule): the margin for error."""
+    prior: StepCoefficients | None = None
+    """Starting point of the fit (``splitserve plan --slo`` writes the roofline's); None: no prior,
+    the fit starts with zero confidence and decisions rely on measured latency until it has data."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SloInputs:
+    """Everything one SLO round reads."""
+
+    now_seconds: float
+    pools: Mapping[str, PoolSloObservation]
+    load: LoadObservation | None
+    """None when the load could not be read this round (the controller holds)."""
