@@ -249,9 +249,6 @@ def test_skip_draw_lines_up_a_decode_pod() -> None:
     decode = Sampler(device=torch.device("cpu"))
     decode.skip_draw("x", seed=31)
     assert _draw(decode, logits, ["x"], [p], steps=5)[0] == aggregated[1:]
-    legacy = Sampler(device=torch.device("cpu"))  # what engine/remote.py calls today
-    legacy._generator("x", 31)
-    assert _draw(legacy, logits, ["x"], [p], steps=5)[0] == aggregated[1:]
     decode.release("x")
     assert decode._generators == {}
 

@@ -477,9 +477,7 @@ class HandoffEngine(DelegatingEngine):
     def _skip_prefill_draw(core: LLMEngine, *, request_id: str, params: SamplingParams) -> None:
         if params.seed is not None and params.temperature > 0:  # the prefill pod drew one
             # noise row for the first token; draw it here too so the seed's sequence lines up
-            sampler = core.runner.sampler
-            generator = sampler._generator(request_id, params.seed)
-            torch.empty(core.vocab_size, device=generator.device).exponential_(generator=generator)
+            core.runner.sampler.skip_draw(request_id, seed=params.seed)
 
     async def _release_remote(self, source: RemotePrefill, *, first_block: int) -> None:
         """Pull nothing, but tell the prefill pod to unpin now (else its lease does)."""

@@ -111,14 +111,6 @@ class Sampler:
         """Count a draw made for this request elsewhere (the prefill pod's first token)."""
         self._stream(request_id, seed).skip()
 
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        """Deprecated: what ``engine/remote.py`` calls to skip the prefill pod's draw (it then
-        draws a noise row from the returned generator). Counts the draw like
-        :meth:`skip_draw`; the generator is a throwaway. Remove once remote.py calls
-        :meth:`skip_draw`."""
-        self.skip_draw(request_id, seed=seed)
-        return torch.Generator()
-
     def _stream(self, request_id: str, seed: int) -> SeedStream:
         stream = self._generators.get(request_id)
         if stream is None:
