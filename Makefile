@@ -76,3 +76,4 @@ bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/scheduler_side_by_side.py
 	$(PYTHON) bench/sampler.py
 	$(PYTHON) bench/kv_transfer.py
+	$(PYTHON) bench/slo_autoscaling.py --ci

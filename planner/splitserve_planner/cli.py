@@ -19,6 +19,12 @@ Precision is three flags, priced separately (:mod:`.precision`): ``--dtype`` (ac
 embeddings, LM head), ``--quantization none|fp8|int8|int4`` (linear-layer weights and their
 GEMM rate) and ``--kv-cache-dtype auto|fp8``; ``--dtype fp8`` still means ``--quantization fp8``.
 
+``--slo ttft=500ms,itl=50ms[,attainment=0.99][,headroom=0.8]`` sets the SLOs (instead of
+``--ttft-p99-ms``/``--itl-p99-ms``) and then runs the operator's SLO controller in the simulator
+over the workload from the chosen plan's counts (:mod:`.slo_plan`): it prints the replicas per
+pool over time, the GPU-hours and the attainment, and ``--emit-manifest`` writes
+``spec.autoscaling.slo`` with the roofline prior (:mod:`.slo_prior`) the online fit starts from.
+
 ``--speculative ngram`` prices speculative decoding on decode and aggregated pods
 (:mod:`.speculation`): ``--spec-acceptance`` is the workload's per-position acceptance,
 ``--num-speculative-tokens`` and ``--speculative-max-num-seqs`` the runtime's flags, written
@@ -37,6 +43,7 @@ from pathlib import Path
 
 from splitserve_contract import capabilities as caps
 from splitserve_contract import defaults
+from splitserve_operator.autoscaler.slo.inputs import SloTarget
 
 from .gpus import get_gpu
 from .model_presets import HF_IDS, load_model
@@ -71,6 +78,7 @@ from .simulator import (
     SimOptions,
     simulate,
 )
+from .slo_plan import format_report, parse_slo, simulate_controller, slo_manifest
 from .speculation import DEFAULT_ACCEPTANCE, DEFAULT_NUM_TOKENS, Speculation, decode_forward_seconds
 from .speculation import DEFAULT_MAX_NUM_SEQS as DEFAULT_SPEC_MAX_NUM_SEQS
 from .speculation import METHODS as SPECULATIVE_METHODS
@@ -109,6 +117,13 @@ def _tensor_parallel(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {AUTO} or a size, got {text!r}") from None
+
+
+def _slo_arg(text: str) -> SloTarget:
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("SLOs and sizing")
     s.add_argument("--ttft-p99-ms", type=float, default=1000.0)
     s.add_argument("--itl-p99-ms", type=float, default=50.0)
+    s.add_argument("--slo", type=_slo_arg, default=None, metavar="ttft=500ms,itl=50ms[,attainment=0.99]",
+                   help="SLOs for planning and for the SLO controller (spec.autoscaling.slo); reports what it would do")
     s.add_argument("--headroom", type=float, default=0.75, help="peak utilization limit per pool (0.7-0.8 rule)")
     s.add_argument("--max-replicas", type=int, default=128, help="search limit per pool")
     s.add_argument("--min-rate", type=float, default=None, help="off-peak rate for replicas.min (default: rate / 4)")
@@ -372,6 +389,8 @@ def _default_uri(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.slo is not None:  # --slo sets the planning SLOs too
+        args.ttft_p99_ms, args.itl_p99_ms = args.slo.ttft_p99_seconds * 1e3, args.slo.itl_p99_seconds * 1e3
     _validate(args)
     requests, workload_label = _requests(args)
     speculation = _speculation(args)
@@ -432,7 +451,20 @@ def run(args: argparse.Namespace) -> int:
     chosen = "what-if, not servable by this version" if what_if else "chosen"
     print(f"\n{chosen}: {label}: {pods} x {best.gpus_per_replica} GPU = {best.num_gpus} GPUs "
           f"(token budget {best.max_batched_tokens}); {'; '.join(best.notes)}")
+    slo_report = None
+    if args.slo is not None:
+        counts = ({"aggregated": best.aggregated_replicas} if best.mode == AGGREGATED
+                  else {"prefill": best.prefill_replicas, "decode": best.decode_replicas})
+        slo_report = simulate_controller(
+            perf=perf, requests=requests, slo=args.slo, mode=best.mode, replicas=counts,
+            engine=replace(engine, max_batched_tokens=best.max_batched_tokens), gpus_per_replica=best.gpus_per_replica,
+            max_replicas=args.max_replicas, router_policy=args.router, kv_link_bytes_per_second=args.kv_link_gbps * 1e9,
+            seed=args.seed)
+        print()
+        print(format_report(slo_report))
     if args.emit_manifest is not None:
+        from splitserve_operator.api import InferenceService
+
         from .manifest import build_manifest, manifest_yaml
 
         name = args.name or re.sub(r"[^a-z0-9-]+", "-", Path(args.model).name.lower()).strip("-")[:40] or "planned"
@@ -441,6 +473,9 @@ def run(args: argparse.Namespace) -> int:
                                   router_policy=args.router, memory_fraction=args.memory_fraction,
                                   max_num_seqs=args.max_num_seqs, block_size=engine.block_size,
                                   speculation=speculation)
+        if slo_report is not None:
+            manifest["spec"]["autoscaling"]["slo"] = slo_manifest(slo_report)
+            InferenceService.parse(manifest)  # the API must accept the SLO block as written
         header = (f"Planned by `splitserve plan` for {workload_label}\nSLOs TTFT p99 {args.ttft_p99_ms:g} ms, "
                   f"ITL p99 {args.itl_p99_ms:g} ms; {label}; {perf_label}")
         args.emit_manifest.write_text(manifest_yaml(manifest, header=header), encoding="utf-8")

@@ -31,7 +31,10 @@ aggregated serving pays for prefill/decode interference and disaggregated servin
 * **Autoscaling** (optional): every interval the operator's own
   :func:`splitserve_operator.autoscaler.decision.decide` (imported, not copied) sees the
   simulated queue depth and KV usage per pool; new pods serve after a start-up delay,
-  removed pods stop taking requests and leave when drained.
+  removed pods stop taking requests and leave when drained. In SLO mode
+  (``AutoscaleSettings.slo``) the operator's SLO controller
+  (:mod:`splitserve_operator.autoscaler.slo`) decides instead, fed the engine-step counters,
+  latency quantiles and load the operator would read (:mod:`.sim.observe`).
 
 Deterministic: every random draw comes from generators seeded by ``seed``.
 

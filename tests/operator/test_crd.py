@@ -308,8 +308,10 @@ def test_crd_size_stays_small() -> None:
     # KServe's 2.7 MB CRD breaks client-side apply: `kubectl apply` stores the object as
     # compact JSON in an annotation limited to 256 KiB. Kubernetes' Affinity schema, embedded
     # in each of the three pools, is most of ours; descriptions keep their first sentence.
+    # The compact JSON is what that annotation holds; the YAML bound keeps the chart's CRD
+    # readable (its Kubernetes descriptions are ~31 KB: trim those before raising it again).
     assert len(json.dumps(crdgen.crd(), separators=(",", ":"))) < 128_000
-    assert len(crdgen.render()) < 200_000
+    assert len(crdgen.render()) < 215_000
 
 
 def test_capability_messages_stay_within_the_cel_cost_budget() -> None:

@@ -76,9 +76,13 @@ _POOL_TENSOR_ONE = ("(!has(self.{p}) || !has(self.{p}.parallelism) || ("
 _ROUTER_MODE = "((has({o}.router) && has({o}.router.mode)) ? {o}.router.mode : 'Builtin')"
 MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
 INTERVAL_RULE_MESSAGE: Final = "autoscaling.interval must be at least 1s"
+SLO_TARGETS_RULE_MESSAGE: Final = "autoscaling.slo.ttftP99 and itlP99 must be above 0s"
 AUTOSCALING_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": "!has(self.interval) || duration(self.interval) >= duration('1s')",
      "message": INTERVAL_RULE_MESSAGE},
+    {"rule": "!has(self.slo) || (duration(self.slo.ttftP99) > duration('0s')"
+             " && duration(self.slo.itlP99) > duration('0s'))",
+     "message": SLO_TARGETS_RULE_MESSAGE},
 )
 SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {

@@ -61,6 +61,7 @@ from .rules import (
     NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
+    SLO_TARGETS_RULE_MESSAGE,
     SPECULATING_POOLS,
 )
 
@@ -575,6 +576,44 @@ class ScalingBehavior(ApiModel):
     scale_down: ScaleDownBehavior = _object(ScaleDownBehavior, "Scale-down limits.")
 
 
+class SloPriorSpec(ApiModel):
+    """Step-model coefficients the online fit starts from, in seconds per unit (``splitserve plan --slo`` prints them)."""
+
+    step: float = Field(ge=0, allow_inf_nan=False, description="Per engine step.")
+    prefill_token: float = Field(ge=0, allow_inf_nan=False, description="Per uncached prompt token.")
+    prefill_pair: float = Field(ge=0, allow_inf_nan=False, description="Per causal pair of prefill attention.")
+    decode_row: float = Field(ge=0, allow_inf_nan=False, description="Per decoding sequence in a step.")
+    decode_context: float = Field(ge=0, allow_inf_nan=False, description="Per context token a decoding sequence reads.")
+
+
+class SloSpec(ApiModel):
+    """Latency objectives the pools are scaled to meet; the per-pool targets become floors."""
+
+    ttft_p99: str = Field(
+        validation_alias="ttftP99", serialization_alias="ttftP99",
+        pattern=DURATION_PATTERN, max_length=32, description="Time to first token to meet, e.g. 500ms.")
+    itl_p99: str = Field(
+        validation_alias="itlP99", serialization_alias="itlP99",
+        pattern=DURATION_PATTERN, max_length=32, description="Inter-token latency to meet, e.g. 50ms.")
+    attainment: float = Field(default=0.99, gt=0.5, lt=1, description="Fraction of requests meeting both.")
+    headroom: float = Field(default=0.8, gt=0, le=1, description="Plan for this fraction of each target.")
+    prior: SloPriorSpec | None = Field(default=None, description="Starting model. Empty: measured latency only.")
+
+    @model_validator(mode="after")
+    def _targets_are_positive(self) -> SloSpec:
+        if parse_duration_seconds(self.ttft_p99) <= 0 or parse_duration_seconds(self.itl_p99) <= 0:
+            raise ValueError(SLO_TARGETS_RULE_MESSAGE)
+        return self
+
+    @property
+    def ttft_p99_seconds(self) -> float:
+        return parse_duration_seconds(self.ttft_p99)
+
+    @property
+    def itl_p99_seconds(self) -> float:
+        return parse_duration_seconds(self.itl_p99)
+
+
 class AutoscalingSpec(ApiModel):
     """Metric-driven scaling of prefill and decode, decided jointly."""
 
@@ -604,6 +643,8 @@ class AutoscalingSpec(ApiModel):
         le=100_000,
         description="Most GPUs all pools may use together. Empty: no joint cap.",
     )
+    slo: SloSpec | None = Field(
+        default=None, description="Scale on p99 TTFT and ITL. Empty: targets only.")
 
     @model_validator(mode="after")
     def _interval_is_long_enough(self) -> AutoscalingSpec:

@@ -60,6 +60,8 @@ class ScalingDecision(_StatusModel):
     formula: str = Field(default="", max_length=1024, description="The formula, with values substituted.")
     result: int = Field(ge=0, description="Replica count the decision asked for.")
     reason: str = Field(max_length=1024, description="CamelCase reason, e.g. ScaledUp or WithinTolerance.")
+    model: dict[str, float] = Field(
+        default_factory=dict, max_length=32, description="SLO decisions: the model and estimates.")
 
 
 class RecentDecision(_StatusModel):

@@ -139,6 +139,9 @@ class Decision:
     hold: bool = False
     dry_run: bool = False
     message: str = ""
+    model: Mapping[str, float] | None = None
+    """The SLO controller's fitted model and estimates behind this decision (coefficients,
+    confidence, forecast load, TTFT/ITL estimates at the result); None for target tracking."""
 
     @property
     def direction(self) -> str:
@@ -400,21 +403,50 @@ def decide(
                      history=history, gpus_per_replica=gpus_per_replica, dry_run=dry_run)
 
     proposal = _propose(usable, ready_replicas=ready_replicas, current_replicas=current, tolerance=policy.tolerance)
-    stabilized = _stabilize(proposal=proposal.replicas, current_replicas=current, history=history,
-                            now_seconds=now_seconds, behavior=policy.behavior)
-    limited = _apply_limits(stabilized, current_replicas=current, pending_replicas=pending, policy=policy,
-                            gpus_per_replica=gpus_per_replica, gpu_budget_remaining=gpu_budget_remaining)
-    reason = _limit_reason(limited, policy=policy) or _movement_reason(
-        result=limited.result, current_replicas=current, proposal=proposal)
-    stages = [proposal.formula, f"stabilized {stabilized}", *limited.stages]
+    settled = settle(proposal=proposal.replicas, now_seconds=now_seconds, current_replicas=current,
+                     pending_replicas=pending, policy=policy, history=history,
+                     gpus_per_replica=gpus_per_replica, gpu_budget_remaining=gpu_budget_remaining)
+    reason = settled.limit_reason or _movement_reason(
+        result=settled.result, current_replicas=current, proposal=proposal)
+    stages = [proposal.formula, *settled.stages]
     return Decision(
         pool=pool, time_seconds=now_seconds, current_replicas=current,
         ready_replicas=ready_replicas, pending_replicas=pending,
         min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
         gpus_per_replica=gpus_per_replica, signals=dict(usable), ratio=proposal.ratio,
-        proposal=proposal.replicas, stabilized=stabilized, step_limited=limited.step_limited,
-        result=limited.result, reason=reason, formula=" → ".join(stages), dry_run=dry_run,
+        proposal=proposal.replicas, stabilized=settled.stabilized, step_limited=settled.step_limited,
+        result=settled.result, reason=reason, formula=" → ".join(stages), dry_run=dry_run,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """Steps 3-7 applied to a proposal: what :func:`settle` returns."""
+
+    stabilized: int
+    step_limited: int
+    result: int
+    limit_reason: str | None
+    """The reason when a limit decided the count (pending pods, budget, bounds), else None."""
+    stages: tuple[str, ...]
+    """Formula parts, starting with ``stabilized N``."""
+
+
+def settle(
+    *, proposal: int, now_seconds: float, current_replicas: int, pending_replicas: int, policy: PoolPolicy,
+    history: RecommendationHistory, gpus_per_replica: int, gpu_budget_remaining: int | None = None,
+) -> Settled:
+    """The tail every proposal goes through, whoever proposed it (target tracking here, the
+    SLO controller in :mod:`.slo.controller`): stabilization (records ``proposal`` in
+    ``history``), pending-pod hold, step limits, this pool's GPU budget, ``[min, max]``."""
+    stabilized = _stabilize(proposal=proposal, current_replicas=current_replicas, history=history,
+                            now_seconds=now_seconds, behavior=policy.behavior)
+    limited = _apply_limits(stabilized, current_replicas=current_replicas, pending_replicas=pending_replicas,
+                            policy=policy, gpus_per_replica=gpus_per_replica,
+                            gpu_budget_remaining=gpu_budget_remaining)
+    return Settled(stabilized=stabilized, step_limited=limited.step_limited, result=limited.result,
+                   limit_reason=_limit_reason(limited, policy=policy),
+                   stages=(f"stabilized {stabilized}", *limited.stages))
 
 
 def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list[Decision]:

@@ -2,7 +2,9 @@
 
 A round (:func:`run_once`) goes: observe every pool (Deployment replicas, Ready and
 GPU-Pending pods) → query its signals in Prometheus → :func:`~.decision.decide` per pool →
-:func:`~.decision.plan_joint` over the GPU budget → act (deletion costs, then
+:func:`~.decision.plan_joint` over the GPU budget (with ``spec.autoscaling.slo``: the SLO
+controller instead, :mod:`.slo_round`, with the per-pool decisions as floors and its state in
+the ``<isvc>-slo-state`` ConfigMap, :mod:`.slo_store`) → act (deletion costs, then
 ``spec.replicas``) unless dry run → report: ``status.<pool>.lastDecision`` (and
 ``desiredReplicas``/``lastScaleTime`` after a write), ``status.<pool>.recentDecisions``,
 ``status.scalingHistory``, the ``MetricsHealthy`` and ``ScalingActive`` conditions, Events
@@ -63,7 +65,7 @@ from ..api import (
     pool_names,
     pool_spec,
 )
-from . import actuator
+from . import actuator, slo_round
 from . import history as history_of_decisions
 from .decision import (
     Behavior,
@@ -76,7 +78,9 @@ from .decision import (
 )
 from .metrics import AutoscalerMetrics
 from .observe import PoolObservation, observe_pool
-from .signals import PoolSample, Targets, fetch_pool_sample, pool_signals
+from .signals import PoolSample, Targets, fetch_pool_sample, fetch_pool_slo, pool_signals
+from .slo.inputs import PoolSloObservation
+from .slo_store import SloStore
 from .state import AutoscalerState, ServiceKey
 
 STALE_AFTER_INTERVALS: Final = 3
@@ -96,6 +100,9 @@ class PoolRound:
     sample: PoolSample | None
     problem: MetricsUnavailable | None
     decision: Decision
+    """The target-tracking decision (with ``spec.autoscaling.slo``: the SLO decision's floor)."""
+    slo: PoolSloObservation | None = None
+    """The SLO controller's view of the pool (with ``spec.autoscaling.slo`` and fresh metrics)."""
 
 
 def policy_for(*, spec: InferenceServiceSpec, pool: str) -> tuple[PoolPolicy, Targets, int]:
@@ -155,6 +162,7 @@ async def _observe_and_decide(
     sample: PoolSample | None = None
     problem: MetricsUnavailable | None = None
     signals: dict[str, SignalValue] = {}
+    slo = _idle_pool_slo(obs) if spec.autoscaling.slo is not None else None
     if obs.ready_replicas > 0:
         try:
             sample = await asyncio.to_thread(
@@ -163,6 +171,14 @@ async def _observe_and_decide(
                 window_seconds=window_seconds, pods=obs.ready_pod_names,
             )
             signals = pool_signals(sample=sample, ready_replicas=obs.ready_replicas, targets=targets)
+            if spec.autoscaling.slo is not None:
+                slo = await asyncio.to_thread(
+                    fetch_pool_slo, prometheus=prometheus, namespace=namespace, inferenceservice=name,
+                    role=pool, pods=obs.ready_pod_names, sample=sample, current_replicas=obs.current_replicas,
+                    pending_replicas=len(obs.pending_for_gpus), block_size=spec.kv_cache.block_size,
+                    attainment=spec.autoscaling.slo.attainment, now_seconds=now_seconds,
+                    window_seconds=window_seconds,
+                )
         except MetricsUnavailable as exc:
             problem = exc
     decision = decide(
@@ -173,7 +189,90 @@ async def _observe_and_decide(
                               current_replicas=obs.current_replicas),
         gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
     )
-    return PoolRound(observation=obs, sample=sample, problem=problem, decision=decision)
+    return PoolRound(observation=obs, sample=sample, problem=problem, decision=decision,
+                     slo=slo if problem is None else None)
+
+
+def _idle_pool_slo(obs: PoolObservation) -> PoolSloObservation:
+    """The SLO view of a pool without Ready pods: nothing measured, nothing waiting there."""
+    return PoolSloObservation(
+        role=obs.pool, current_replicas=obs.current_replicas, ready_replicas=0,
+        pending_replicas=len(obs.pending_for_gpus), step_samples=(), requests_waiting=0.0,
+        prompt_tokens_waiting=0.0, requests_running=0.0, kv_cache_usage_ratio=0.0,
+        kv_cache_tokens_per_replica=0.0, ttft_p99_seconds=None, itl_p99_seconds=None,
+    )
+
+
+async def _decide_slo(
+    *, spec: InferenceServiceSpec, isvc: Mapping[str, Any], rounds: list[PoolRound], api: kube.Kube,
+    prometheus: PrometheusConnect, state: AutoscalerState, slo_store: SloStore, now_seconds: float,
+    window_seconds: float,
+) -> tuple[list[Decision], list[PoolRound]]:
+    """The SLO controller's decisions for ``rounds`` (in their order), and the rounds (with a
+    problem reading the load recorded on the entry pool). Metrics hold as without an SLO: while
+    any pool's metrics are unavailable the target-tracking decisions stand (they hold that
+    pool) except that no pool scales down, and without the load every pool holds; the fits
+    still learn from what was read."""
+    slo = spec.autoscaling.slo
+    assert slo is not None
+    meta = isvc.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    problem = next((r.problem for r in rounds if r.problem is not None), None)
+    if problem is not None:
+        # The SLO is joint (a prefill pool's TTFT leans on decode's first step): no pool sheds
+        # replicas on target tracking alone while another pool's metrics are missing.
+        held = [r.decision if r.decision.direction != "down" else _hold_for(
+            r, problem=problem, spec=spec, state=state, namespace=namespace, name=name, now_seconds=now_seconds,
+            history_pool=r.observation.pool) for r in rounds]
+        return plan_joint(decisions=held, gpu_budget=spec.autoscaling.gpu_budget), rounds
+    load = None
+    load_problem: MetricsUnavailable | None = None
+    try:
+        load = await asyncio.to_thread(
+            slo_round.read_load, prometheus=prometheus, spec=spec, namespace=namespace, name=name,
+            ready_pods={r.observation.pool: r.observation.ready_pod_names for r in rounds},
+            now_seconds=now_seconds, window_seconds=window_seconds)
+    except MetricsUnavailable as exc:
+        load_problem = exc
+        entry, _ = slo_round.entry_and_prefill_roles(spec)
+        rounds = [dataclasses.replace(r, problem=exc) if r.observation.pool == entry else r for r in rounds]
+    slo_state = await asyncio.to_thread(slo_store.load, api=api, namespace=namespace, name=name)
+    inputs = slo_round.observe(slo=slo, slo_state=slo_state, load=load, now_seconds=now_seconds,
+                               pools={r.observation.pool: r.slo for r in rounds if r.slo is not None})
+    if load_problem is not None:
+        return [_hold_for(r, problem=load_problem, spec=spec, state=state, namespace=namespace, name=name,
+                          now_seconds=now_seconds, history_pool=r.observation.pool + slo_round.HISTORY_SUFFIX)
+                for r in rounds], rounds
+    policies: dict[str, PoolPolicy] = {}
+    gpus: dict[str, int] = {}
+    for r in rounds:
+        policies[r.observation.pool], _, gpus[r.observation.pool] = policy_for(spec=spec, pool=r.observation.pool)
+    histories = slo_round.slo_histories(
+        state=state, namespace=namespace, name=name, now_seconds=now_seconds,
+        current_replicas={r.observation.pool: r.observation.current_replicas for r in rounds})
+    decided = slo_round.decide(
+        spec=spec, slo=slo, slo_state=slo_state, inputs=inputs,
+        floors={r.observation.pool: r.decision.result for r in rounds}, policies=policies,
+        gpus_per_replica=gpus, histories=histories,
+    )
+    by_pool = {d.pool: d for d in decided}
+    return [by_pool.get(r.observation.pool, r.decision) for r in rounds], rounds
+
+
+def _hold_for(
+    pool_round: PoolRound, *, problem: MetricsUnavailable, spec: InferenceServiceSpec, state: AutoscalerState,
+    namespace: str, name: str, now_seconds: float, history_pool: str,
+) -> Decision:
+    """A hold of ``pool_round``'s pool for ``problem`` (recorded in the history of ``history_pool``)."""
+    obs = pool_round.observation
+    policy, _, gpus = policy_for(spec=spec, pool=obs.pool)
+    return decide(
+        pool=obs.pool, now_seconds=now_seconds, current_replicas=obs.current_replicas,
+        ready_replicas=obs.ready_replicas, pending_replicas=len(obs.pending_for_gpus), signals=problem,
+        policy=policy, gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
+        history=state.history(namespace=namespace, name=name, pool=history_pool, now_seconds=now_seconds,
+                              current_replicas=obs.current_replicas),
+    )
 
 
 def _act(
@@ -192,13 +291,17 @@ def _last_decision(decision: Decision, *, now_seconds: float, previous: Mapping[
     sent as null (deleted), so the status never mixes two decisions' numbers."""
     inputs: dict[str, Any] = {key: None for key in (previous.get("inputs") or {})}
     inputs.update(decision.inputs())
-    return {
+    out: dict[str, Any] = {
         "time": _timestamp(now_seconds),
         "inputs": inputs,
         "formula": decision.formula[:MAX_FORMULA_LENGTH],
         "result": decision.result,
         "reason": decision.reason,
     }
+    if decision.model or previous.get("model"):
+        # merged key by key like inputs: keys of the previous model this one lacks are deleted
+        out["model"] = {key: None for key in (previous.get("model") or {})} | dict(decision.model or {})
+    return out
 
 
 async def run_once(
@@ -212,9 +315,13 @@ async def run_once(
     logger: logging.Logger | logging.LoggerAdapter[Any],
     scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
+    slo_store: SloStore | None = None,
 ) -> list[Decision]:
     """One round for ``isvc`` (a full object: dict or kopf body); returns the decisions
-    (after the joint GPU budget). A paused or invalid object gets no writes at all."""
+    (after the joint GPU budget). A paused or invalid object gets no writes at all.
+    With ``spec.autoscaling.slo`` the SLO controller decides (:func:`_decide_slo`), its state
+    kept in ``slo_store`` (None: a store for this round only, read from and written to the
+    ConfigMap)."""
     meta = isvc.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     if _is_paused(isvc) or meta.get("deletionTimestamp"):
@@ -252,7 +359,13 @@ async def run_once(
             rounds.append(observed)
     if not rounds:
         return []
-    decisions = plan_joint(decisions=[r.decision for r in rounds], gpu_budget=auto.gpu_budget)
+    store = slo_store if slo_store is not None else SloStore()
+    if auto.slo is not None:
+        decisions, rounds = await _decide_slo(
+            spec=spec, isvc=isvc, rounds=rounds, api=api, prometheus=prometheus, state=state, slo_store=store,
+            now_seconds=now_seconds, window_seconds=window_seconds)
+    else:
+        decisions = plan_joint(decisions=[r.decision for r in rounds], gpu_budget=auto.gpu_budget)
 
     written: set[str] = set()
     failures: list[str] = []
@@ -267,6 +380,12 @@ async def run_once(
             failures.append(f"{decision.pool} {decision.current_replicas} → {decision.result}: {kube.error_message(exc)}")
             continue
         written.add(decision.pool)
+    if auto.slo is not None and (namespace, name) in store.entries:
+        slo_state = store.entries[(namespace, name)].state
+        for pool in written:
+            slo_state.record_replicas_write(pool, now_seconds, next(d.result for d in decisions if d.pool == pool))
+        await asyncio.to_thread(store.save, api=api, namespace=namespace, name=name, uid=str(meta.get("uid", "")),
+                                now_seconds=now_seconds, force=bool(written))
 
     fields = _record(isvc=isvc, decisions=decisions, written=written, state=state, now_seconds=now_seconds)
     conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
@@ -408,6 +527,8 @@ class AutoscalerLoop:
     base_tick_seconds: float = defaults.AUTOSCALER_BASE_TICK_SECONDS
     scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS
+    slo_store: SloStore = dataclasses.field(default_factory=SloStore)
+    """The SLO controller's state of every service with ``spec.autoscaling.slo`` (:mod:`.slo_store`)."""
     bodies: dict[ServiceKey, dict[str, Any]] = dataclasses.field(default_factory=dict)
     contexts: dict[ServiceKey, contextvars.Context] = dataclasses.field(default_factory=dict)
     """Per object, the context of its latest ``on.event`` call (kopf's Event poster lives there)."""
@@ -429,6 +550,7 @@ class AutoscalerLoop:
             if running is not None:
                 running.cancel()  # the object is gone: its round has nothing left to write
             self.state.forget(namespace=key[0], name=key[1])
+            self.slo_store.forget(namespace=key[0], name=key[1])
             self.metrics.forget(namespace=key[0], name=key[1])
         else:
             self.bodies[key] = copy.deepcopy(dict(body))
@@ -487,7 +609,8 @@ class AutoscalerLoop:
         try:
             await run_once(isvc=body, api=self.api, prometheus=self.prometheus, state=self.state,
                            metrics=self.metrics, now_seconds=now_seconds, logger=logger,
-                           scrape_interval_seconds=self.scrape_interval_seconds, window_seconds=self.window_seconds)
+                           scrape_interval_seconds=self.scrape_interval_seconds, window_seconds=self.window_seconds,
+                           slo_store=self.slo_store)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - one object's failure must not stop the others' rounds

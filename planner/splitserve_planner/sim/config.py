@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve_contract import defaults
+from splitserve_operator.autoscaler.slo.inputs import SloTarget
 
 from ..speculation import NO_SPECULATION, Speculation
 
@@ -51,6 +52,12 @@ class AutoscaleSettings:
     min_replicas: int = 1
     max_replicas: int = 64
     scale_down_stabilization_seconds: float = 300.0
+    slo: SloTarget | None = None
+    """Scale on the SLO (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) instead
+    of the targets above; the startup delay is then measured by the controller, not told."""
+    slo_target_floors: bool = False
+    """With ``slo``: the targets above are configured too, and what target tracking would choose
+    is a floor under the SLO decision (``spec.autoscaling`` with both set)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,8 @@ def _decode_token_seconds(pod: Pod, num_seqs: int, context_tokens: int) -> float
 class _Batch:
     """The step being assembled: the token budget left and the inputs of its cost."""
 
-    __slots__ = ("budget", "num_tokens", "num_seqs", "pairs", "kv_tokens", "chunks")
+    __slots__ = ("budget", "num_tokens", "num_seqs", "pairs", "kv_tokens", "chunks", "decode_context",
+                 "prefill_tokens", "prefill_pairs")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -51,6 +52,9 @@ class _Batch:
         self.pairs = 0
         self.kv_tokens = 0
         self.chunks: list[tuple[Job, int]] = []
+        self.decode_context = 0
+        self.prefill_tokens = 0
+        self.prefill_pairs = 0
 
     def add_decodes(self, num_seqs: int, context_tokens: int) -> None:
         """``num_seqs`` sequences each decoding one token over ``context_tokens`` in total."""
@@ -59,11 +63,15 @@ class _Batch:
         self.pairs += context_tokens + num_seqs
         self.kv_tokens += context_tokens
         self.budget -= num_seqs
+        self.decode_context += context_tokens
 
     def add_chunk(self, job: Job, take: int, computed: int) -> None:
         """``take`` prompt tokens of ``job`` after ``computed`` already in the KV cache."""
         self.chunks.append((job, take))
-        self.pairs += prefill_attention_pairs(num_new_tokens=take, num_computed_tokens=computed)
+        pairs = prefill_attention_pairs(num_new_tokens=take, num_computed_tokens=computed)
+        self.pairs += pairs
+        self.prefill_pairs += pairs
+        self.prefill_tokens += take
         self.kv_tokens += computed
         self.num_tokens += take
         self.budget -= take
@@ -86,7 +94,7 @@ class EngineModel(SimState):
         ones. False when the decodes' next KV slots do not fit (the mixed path preempts)."""
         n = pod.n_dec
         if n == 0:
-            pod.busy = False
+            self._went_idle(pod)
             return True
         ctx = n * pod.step_index + pod.dec_offset
         if pod.prefill_kv + ctx + n > pod.capacity:
@@ -110,10 +118,18 @@ class EngineModel(SimState):
         pod.cur_dt = dt
         pod.cur_tokens_per_forward = pod.speculation.tokens_per_forward if pod.speculation.applies(n) else 1.0
         pod.macro_k = k
+        pod.cur_prefill_tokens = pod.cur_prefill_pairs = 0
+        pod.cur_decode_rows, pod.cur_decode_context = n, ctx
         pod.step_end_s = self.now + dt
         self.seq += 1
         heapq.heappush(self.events, (pod.step_end_s, self.seq, STEP_END, pod))
         return True
+
+    def _went_idle(self, pod: Pod) -> None:
+        """No step to run; a removed pod with nothing left has drained and gives its GPU back."""
+        pod.busy = False
+        if not pod.accepting and pod.gone_s < 0 and pod.is_idle() and not pod.inbound:
+            pod.gone_s = self.now
 
     def _start_mixed_step(self, pod: Pod) -> None:
         """Decodes, then continuing prefill chunks, then admission; the step's cost is its mix."""
@@ -129,7 +145,7 @@ class EngineModel(SimState):
             if static:
                 pod.batch_open = False
         if batch.num_tokens == 0:
-            pod.busy = False
+            self._went_idle(pod)
             return
         chunks = batch.chunks
         pod.cur_tokens_per_forward = 1.0
@@ -145,6 +161,8 @@ class EngineModel(SimState):
         pod.cur_prefill = chunks
         pod.cur_dt = dt
         pod.macro_k = 1
+        pod.cur_prefill_tokens, pod.cur_prefill_pairs = batch.prefill_tokens, batch.prefill_pairs
+        pod.cur_decode_rows, pod.cur_decode_context = batch.num_seqs, batch.decode_context
         pod.step_end_s = self.now + dt
         self._push(pod.step_end_s, STEP_END, pod)
 
@@ -238,6 +256,8 @@ class EngineModel(SimState):
         job.pod = pod
         if job.first_token_s < 0:
             job.first_token_s = self.now
+            if self.observing:
+                self.window_ttft.append(self.now - job.req.arrival_seconds)
         if job.start_s < 0:
             job.start_s = self.now
         if job.remaining <= 0:
@@ -309,6 +329,8 @@ class EngineModel(SimState):
             pod.busy_seconds += dt
             job, pod.exp_job = pod.exp_job, None
             job.first_token_s = self.now
+            if self.observing:
+                self.window_ttft.append(self.now - job.req.arrival_seconds)
             self._finish(job)
             if self.central and not pod.waiting:
                 self._pull_central(pod)
@@ -317,6 +339,7 @@ class EngineModel(SimState):
         pod.busy_seconds += dt
         n = pod.n_dec
         k = pod.macro_k
+        self._count_step(pod, dt, k)
         if n:
             pod.dec_seq_seconds += n * dt
             pod.decode_tokens += n * k
@@ -328,6 +351,8 @@ class EngineModel(SimState):
                 else:
                     self.itl_values.append(dt / k)
                     self.itl_weights.append(n * k)
+            if self.observing:
+                self.window_itl.append((dt / k * pod.cur_tokens_per_forward, n * k))
         pod.kv_seconds += (pod.prefill_kv + n * (pod.step_index + k / 2) + pod.dec_offset) * dt
         pod.step_index += k
         heap = pod.finish_heap
@@ -348,6 +373,19 @@ class EngineModel(SimState):
         if self.central and not pod.waiting:
             self._pull_central(pod)
         self._start_step(pod)
+
+    @staticmethod
+    def _count_step(pod: Pod, dt: float, k: int) -> None:
+        """Add the ended event (``k`` steps) to the pod's engine-step counters; a macro step's
+        context grows by its rows each step, so its context sum is ``k·ctx + rows·k(k−1)/2``."""
+        counters = pod.counters
+        rows = pod.cur_decode_rows
+        counters.steps += k
+        counters.seconds += dt
+        counters.prefill_tokens += pod.cur_prefill_tokens
+        counters.prefill_attention_pairs += pod.cur_prefill_pairs
+        counters.decode_rows += rows * k
+        counters.decode_context_tokens += k * pod.cur_decode_context + rows * k * (k - 1) // 2
 
     def _prefill_done(self, pod: Pod, job: Job) -> None:
         pod.prefilling.remove(job)
@@ -370,6 +408,8 @@ class EngineModel(SimState):
         pod.prefill_kv -= job.num_tokens
         if job.first_token_s < 0:
             job.first_token_s = self.now
+            if self.observing:
+                self.window_ttft.append(self.now - job.req.arrival_seconds)
         if job.remaining <= 0:
             self._finish(job)
             return

@@ -13,6 +13,8 @@ class Router(SimState):
 
     def _arrive(self, req: Request) -> None:
         job = Job(req)
+        if self.observing:
+            self.window_arrivals.append(req)
         if self.fleet.router_policy == "central-queue":
             for pod in self.pools[self.entry_role]:
                 if pod.accepting and pod.is_idle():

@@ -46,6 +46,26 @@ class Job:
         self.prefill_done_s = -1.0
 
 
+class StepCounters:
+    """Cumulative engine-step counters of one pod, as ``splitserve_engine_*_total``
+    (:class:`splitserve_operator.autoscaler.slo.inputs.StepSample` is a window's delta)."""
+
+    __slots__ = ("steps", "seconds", "prefill_tokens", "prefill_attention_pairs", "decode_rows",
+                 "decode_context_tokens")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds = 0.0
+        self.prefill_tokens = 0
+        self.prefill_attention_pairs = 0
+        self.decode_rows = 0
+        self.decode_context_tokens = 0
+
+    def snapshot(self) -> tuple[float, ...]:
+        return (float(self.steps), self.seconds, float(self.prefill_tokens), float(self.prefill_attention_pairs),
+                float(self.decode_rows), float(self.decode_context_tokens))
+
+
 class Pod:
     """One engine: its queues, KV usage, decode aggregates and the step it is running."""
 
@@ -54,7 +74,8 @@ class Pod:
                  "step_start_s", "busy_seconds", "dec_seq_seconds", "kv_seconds", "lru",
                  "accepting", "inbound", "batch_open", "cur_prefill", "cur_dt", "counter",
                  "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta",
-                 "speculation", "cur_tokens_per_forward")
+                 "speculation", "cur_tokens_per_forward", "cur_prefill_tokens", "cur_prefill_pairs",
+                 "cur_decode_rows", "cur_decode_context", "counters", "born_s", "gone_s")
 
     def __init__(self, *, index: int, role: str, perf: StepCost, engine: EngineSettings) -> None:
         self.index = index
@@ -92,6 +113,20 @@ class Pod:
         """Prefill pods never speculate (``spec.engine.speculative`` applies to decode and aggregated pods)."""
         self.cur_tokens_per_forward = 1.0
         """Expected tokens per sequence per forward of the running step (> 1: it speculated)."""
+        self.cur_prefill_tokens = 0
+        """Prompt tokens the running step computes (its prefill chunks)."""
+        self.cur_prefill_pairs = 0
+        """Causal attention pairs of the running step's prefill chunks."""
+        self.cur_decode_rows = 0
+        """Decoding sequences in each step of the running event."""
+        self.cur_decode_context = 0
+        """Their context tokens in the event's first step (it grows by the rows each step)."""
+        self.counters = StepCounters()
+        """The engine-step counters the runtime exports (:mod:`.observe` reads them)."""
+        self.born_s = 0.0
+        """When the pod was created (its GPU is held from then: starting pods count)."""
+        self.gone_s = -1.0
+        """When a removed pod finished draining and gave its GPU back (-1: still here)."""
 
     @property
     def kv_used(self) -> int:
@@ -155,11 +190,20 @@ class SimState:
         self.prefill_cached: dict[str, int] = dict.fromkeys(self.pools, 0)
         self.preemptions: dict[str, int] = dict.fromkeys(self.pools, 0)
         self.starting: dict[str, int] = dict.fromkeys(self.pools, 0)
+        self.observing = False
+        """Whether the window lists below are kept (SLO mode: :mod:`.observe` drains them each tick)."""
+        self.window_ttft: list[float] = []
+        """TTFT of every first token since the last autoscaler tick (:mod:`.observe`)."""
+        self.window_itl: list[tuple[float, float]] = []
+        """(inter-token seconds, tokens) of every decode event since the last tick."""
+        self.window_arrivals: list[Request] = []
+        """Requests that arrived since the last tick."""
 
     # ------------------------------------------------------------------ plumbing
     def _new_pod(self, role: str) -> Pod:
         perf = self.decode_perf if role == "decode" else self.perf
         pod = Pod(index=len(self.all_pods), role=role, perf=perf, engine=self.engine)
+        pod.born_s = self.now
         self.all_pods.append(pod)
         return pod
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ from .speculative import SpeculativeConfig
 from .stats import EngineStats
 from .step_overlap import ForwardThread, InFlightStep
 from .step_overlap import launch as launch_async
+from .step_work import StepCounters, StepWork, step_work
 from .stop_checker import DetokenizerFactory, StopChecker
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,11 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._steps_total = 0
+        self._step_counters = StepCounters()
+        self._finished_work: list[StepWork] = []
+        """The steps the current :meth:`step` call finished (timed by it, :mod:`.step_work`)."""
+        self._launched_work: deque[StepWork] = deque()
+        """Asynchronous scheduling: the work of the steps launched and not finished, oldest first."""
         self.stalled = False
         """Whether the last :meth:`step` could do nothing (every waiting or preempted request
         waits for KV blocks held elsewhere): until a request is added, aborted or released,
@@ -262,9 +269,19 @@ class LLMEngine:
         dropped. Without it (the CPU default) every output is returned by its own step.
         With asynchronous scheduling the call returns the outputs of the step launched by the
         call before (or by this one, when none was in flight) and leaves the next in flight.
+
+        A call that finished a step is timed as a whole for the engine-step counters
+        (:mod:`.step_work`); a call that finds nothing to do counts nothing.
         """
-        if self.async_scheduling:
-            return self._step_async()
+        started = time.monotonic()
+        self._finished_work.clear()
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if self._finished_work:
+            self._step_counters.add(self._finished_work, seconds=time.monotonic() - started)
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, append: one step, synchronously."""
         proposed = self._propose()
         sched = self.scheduler.schedule()
         if proposed:
@@ -283,6 +300,7 @@ class LLMEngine:
             self.stalled = not (outputs or sched.preempted or sched.finished)
             return outputs
         self.stalled = False
+        self._finished_work.append(step_work(sched))  # counted if the step completes
         launched = self.runner.launch(sched)
         if self.overlap_output_processing:
             outputs.extend(self._process_pending())  # runs while the device computes
@@ -329,6 +347,7 @@ class LLMEngine:
         # then `inflight`'s tokens, while the next step runs
         result = inflight.resolve()
         self._steps_total += 1
+        self._finished_work.append(self._launched_work.popleft())
         bm = self.block_manager
         if bm.enable_prefix_caching:  # index the blocks the step filled, before a finish frees them
             done = inflight.sched
@@ -342,11 +361,13 @@ class LLMEngine:
         if self._inflight is not None and not self._requests:
             self._inflight.wait()  # only dropped rows of finished requests: nothing to wait for later
             self._inflight = None
+            self._finished_work.append(self._launched_work.popleft())  # it ran: busy time and work
         if self._inflight is None and self._forward_thread is not None:
             self._forward_thread.flush()  # idle from here: queued sampler releases have run
         return outputs
 
     def _launch_async(self, sched: SchedulerOutput, *, after: InFlightStep | None) -> InFlightStep:
+        self._launched_work.append(step_work(sched))  # before on_step_launched advances the counters
         step = launch_async(self.runner, sched, after=after, thread=self._forward_thread)
         self.scheduler.on_step_launched(sched)
         return step
@@ -639,6 +660,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched = self.scheduler
         bm = self.block_manager
+        steps = self._step_counters
         return EngineStats(
             requests_waiting=sched.num_waiting, requests_running=sched.num_running,
             prompt_tokens_waiting=sched.num_prompt_tokens_waiting(),
@@ -652,5 +674,10 @@ class LLMEngine:
             spec_decode_proposed_tokens_total=self._spec_proposed_total,
             spec_decode_accepted_tokens_total=self._spec_accepted_total,
             spec_decode_accepted_tokens_by_position=tuple(self._spec_accepted_by_position),
-            spec_decode_proposed_tokens_by_position=tuple(self._spec_proposed_by_position))
+            spec_decode_proposed_tokens_by_position=tuple(self._spec_proposed_by_position),
+            engine_steps_total=steps.steps, engine_step_seconds_total=steps.seconds,
+            engine_prefill_tokens_total=steps.prefill_tokens,
+            engine_prefill_attention_pairs_total=steps.prefill_attention_pairs,
+            engine_decode_rows_total=steps.decode_rows,
+            engine_decode_context_tokens_total=steps.decode_context_tokens)
 

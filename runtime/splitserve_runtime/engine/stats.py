@@ -35,3 +35,15 @@ class EngineStats:
     spec_decode_proposed_tokens_by_position: tuple[int, ...] = ()
     """Verifications that proposed a token at each position: accepted / proposed at position i
     is that position's acceptance rate."""
+    engine_steps_total: int = 0
+    """Engine steps that ran (:mod:`.step_work`: the SLO autoscaler's step-model counters)."""
+    engine_step_seconds_total: float = 0.0
+    """Wall time spent inside those steps (busy time: scheduling, forward, sampling, outputs)."""
+    engine_prefill_tokens_total: int = 0
+    """New (uncached) prompt tokens computed, recompute after preemption included."""
+    engine_prefill_attention_pairs_total: int = 0
+    """Causal attention pairs of prefill chunks: ``n·c + n(n+1)/2`` per chunk."""
+    engine_decode_rows_total: int = 0
+    """Decoding sequences summed over steps (a speculative verification: 1 + proposals rows)."""
+    engine_decode_context_tokens_total: int = 0
+    """KV-cache tokens each decode row reads (the sequence's computed tokens), summed."""

@@ -2,8 +2,8 @@
 
 Two sources feed one private registry (never the global one, so several apps can live in a
 test process):
-- engine state (queue depth, KV usage, token, prefix-cache and speculative decoding counters)
-  is read from ``engine.stats()`` at scrape time by :class:`_EngineStatsCollector`; nothing copies it
+- engine state (queue depth, KV usage, token, prefix-cache, speculative decoding and
+  engine-step counters) is read from ``engine.stats()`` at scrape time by :class:`_EngineStatsCollector`; nothing copies it
   periodically, so a scrape is never stale and an idle server does no work;
 - request-level series (outcomes, TTFT / inter-token / end-to-end latency, KV transfer)
   are ordinary prometheus_client objects the serving code updates.
@@ -64,6 +64,18 @@ _COUNTERS: Sequence[tuple[str, str, str]] = (
      "speculative proposals verified"),
     (M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, "spec_decode_accepted_tokens_total",
      "speculative proposals accepted (each one a token without a step of its own)"),
+    # the SLO autoscaler's step model: increases over a window are one regression point
+    (M.ENGINE_STEPS_TOTAL, "engine_steps_total", "engine steps run"),
+    (M.ENGINE_STEP_SECONDS_TOTAL, "engine_step_seconds_total",
+     "wall time spent inside engine steps (busy time, idle excluded)"),
+    (M.ENGINE_PREFILL_TOKENS_TOTAL, "engine_prefill_tokens_total",
+     "new (uncached) prompt tokens computed by engine steps"),
+    (M.ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL, "engine_prefill_attention_pairs_total",
+     "causal attention pairs of prefill chunks (n*c + n(n+1)/2 per chunk)"),
+    (M.ENGINE_DECODE_ROWS_TOTAL, "engine_decode_rows_total",
+     "decoding sequences summed over steps (speculative verification: 1 + proposals rows)"),
+    (M.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL, "engine_decode_context_tokens_total",
+     "KV-cache tokens the decode rows read (their computed context), summed over steps"),
 )
 _POSITION_COUNTERS: Sequence[tuple[str, str, str]] = (
     (M.SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL, "spec_decode_accepted_tokens_by_position",

@@ -1,0 +1,605 @@
+"""The SLO controller: the fewest replicas per pool whose estimated p99 TTFT/ITL meet the SLO.
+
+Why a model and not target tracking: a target on a proxy signal (queue length, KV usage)
+has to be hand-tuned per workload to hit a latency goal; the step model fitted from the
+pods' own counters (:mod:`.step_fit`) turns a latency goal into replica counts directly,
+and plans the prefill and decode pools jointly (TTFT is the prefill pool's, plus the
+decode pool's first step; ITL is the decode pool's).
+
+One round, per pool (:func:`decide_slo`):
+
+1. Load to plan for: the forecaster's load at the pool's measured pod start time; the
+   request rate is ``max(current, forecast) + BURST_MARGIN × burstiness`` (the forecast only
+   adds; ``burstiness`` is the rate's mean absolute miss around its trend beyond Poisson
+   noise, so bursty traffic is planned with the margin a pod start time cannot provide once
+   a burst has begun), the
+   lengths ``max(current, forecast)``, the prefix hit ratio the smaller of the two.
+2. Model count: the fewest replicas in ``[1, maxReplicas]`` whose estimate
+   (:mod:`.estimate`; TTFT with the backlog drain beyond one pod start time) meets
+   ``headroom × target`` (decode pools first; the prefill pool's
+   TTFT includes the decode pool's first step at its chosen count). None fits → max.
+3. Reactive correction: when the measured p99 of the pool's metric exceeds the target
+   (the model says fine but reality does not), ``ceil(ready × min(measured/target, 2))``,
+   like target tracking on measured/target but at most doubling the Ready pods (latency
+   lags; see :data:`REACTIVE_MAX_FACTOR`); the larger of model and reactive counts wins.
+4. Scale-down gates: a model-driven count below the current one is used only when the
+   fit's confidence is at least :data:`MIN_CONFIDENCE_TO_SCALE_DOWN`, the measured p99s
+   are within ``headroom × target``, and the estimate at ``current - 1`` (and at the
+   count the step limit would allow), corrected by ``max(1, measured/estimated)`` at the
+   current count, still meets the SLO with headroom (the N-1 check, against Dynamo's 2↔1
+   flapping); otherwise the current count is held.
+5. Floors: never below the count target tracking chose (``floors``; targets are floors).
+6. The target tracker's tail (:func:`..decision.settle`): stabilization windows, Pending
+   pods, step limits, ``[min, max]``.
+7. GPU budget, jointly: when the pools' GPUs exceed ``gpu_budget``, GPUs held now stay
+   held this round; increases up to ``min`` come first, then replicas are granted one at a
+   time to the pool with the largest marginal gain per GPU,
+   ``(score(n) - score(n+1)) / gpus_per_replica``, where ``score`` is the pool's largest
+   estimate/target ratio (unstable counts score ``CAP·(1 + utilization)`` so that capacity
+   still goes where the overload is worst); ties by pool name.
+
+No load and no coefficients (no prior, too little data) → hold with reason
+``SloModelUnavailable``, unless the measured latency violates (then step 3 alone).
+The controller does not update :class:`.state.SloState`; the caller calls
+:meth:`.state.SloState.observe` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+from splitserve_contract import Reason
+
+from ..decision import Decision, PoolPolicy, RecommendationHistory, SignalValue, settle
+from .estimate import (
+    Backlog,
+    LatencyEstimate,
+    Workload,
+    estimate_aggregated,
+    estimate_decode,
+    estimate_prefill,
+)
+from .inputs import (
+    COEFFICIENT_NAMES,
+    LoadObservation,
+    PoolSloObservation,
+    SloInputs,
+    SloTarget,
+    StepCoefficients,
+)
+from .state import SloState
+from .step_fit import StepFit
+
+MIN_CONFIDENCE_TO_SCALE_DOWN: Final = 0.5
+"""Below this fit confidence the model may add replicas but never remove them."""
+BURST_MARGIN: Final = 3.0
+"""Requests/s added to the planned rate per request/s of the forecaster's burstiness. 3 is
+the smallest that met 99 % on the simulator's bursty MMPP trace (3600 s; 2: 98.3 %) and adds
+nothing on the steady and diurnal ones (their deviation is Poisson noise)."""
+REACTIVE_MAX_FACTOR: Final = 2.0
+"""The reactive correction at most doubles the Ready pods per round: measured p99 latency
+lags (a built queue keeps it high while new pods start), so proportional control on it
+alone would ratchet; the model's backlog term sizes the rest."""
+SCORE_CAP: Final = 1000.0
+"""Estimate/target ratio standing for "unstable" in the budget trade."""
+
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_AGGREGATED: Final = "aggregated"
+
+_CAMEL = {"step": "step", "prefill_token": "prefillToken", "prefill_pair": "prefillPair",
+          "decode_row": "decodeRow", "decode_context": "decodeContext"}
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One pool's working values through the round."""
+
+    name: str
+    pool: PoolSloObservation
+    policy: PoolPolicy
+    fit: StepFit | None
+    theta: StepCoefficients | None
+    workload: Workload | None
+    current_workload: Workload | None
+    horizon_seconds: float
+    forecast_rate: float | None
+    estimate: Callable[[int, Workload], LatencyEstimate] | None = None
+    model_replicas: int | None = None
+    model_replicas_now: int | None = None
+    unattainable: bool = False
+    stages: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def confidence(self) -> float:
+        return self.fit.confidence if self.fit is not None else 0.0
+
+    def metrics(self) -> tuple[bool, bool]:
+        """Which of (TTFT, ITL) this pool answers for."""
+        role = self.pool.role
+        return role in (ROLE_PREFILL, ROLE_AGGREGATED), role in (ROLE_DECODE, ROLE_AGGREGATED)
+
+    def ratios(self, estimate: LatencyEstimate, slo: SloTarget) -> tuple[float | None, float | None]:
+        """(TTFT, ITL) estimate/target of the metrics this pool answers for (None: not its
+        metric); TTFT as sized, with the backlog drain beyond one pod start time."""
+        ttft, itl = self.metrics()
+        return (estimate.ttft_ratio(slo, drain_allowance_seconds=self.horizon_seconds) if ttft else None,
+                estimate.itl_ratio(slo) if itl else None)
+
+    def score(self, estimate: LatencyEstimate, slo: SloTarget) -> float:
+        """The largest estimate/target ratio of this pool's metrics (inf when unstable)."""
+        return max((r for r in self.ratios(estimate, slo) if r is not None), default=0.0)
+
+    def meets(self, replicas: int, slo: SloTarget, workload: Workload | None = None) -> bool:
+        assert self.estimate is not None
+        load = workload if workload is not None else self.workload
+        assert load is not None
+        return self.score(self.estimate(replicas, load), slo) <= slo.headroom + 1e-12
+
+
+def decide_slo(
+    *,
+    inputs: SloInputs,
+    slo: SloTarget,
+    state: SloState,
+    policies: Mapping[str, PoolPolicy],
+    histories: Mapping[str, RecommendationHistory],
+    gpus_per_replica: Mapping[str, int],
+    floors: Mapping[str, int] | None,
+    gpu_budget: int | None,
+    max_num_batched_tokens: int,
+    dry_run: bool = False,
+) -> list[Decision]:
+    """One :class:`..decision.Decision` per pool of ``inputs.pools`` (module docstring).
+
+    ``histories`` are appended to (stabilization); ``floors`` are target tracking's counts
+    (None: no floors); ``gpu_budget`` caps the pools' GPUs together (None: no cap).
+    """
+    plans = {name: _plan(name, pool, inputs=inputs, slo=slo, state=state, policy=policies[name])
+             for name, pool in sorted(inputs.pools.items())}
+    _attach_estimators(plans, slo=slo, max_num_batched_tokens=max_num_batched_tokens)
+    measured_ttft = _worst(p.ttft_p99_seconds for p in inputs.pools.values())
+    measured_itl = _worst(p.itl_p99_seconds for p in inputs.pools.values())
+    decisions = [
+        _decide_pool(plan, inputs=inputs, slo=slo, history=histories[name], gpus=gpus_per_replica.get(name, 1),
+                     floor=(floors or {}).get(name), measured_ttft=measured_ttft, measured_itl=measured_itl,
+                     dry_run=dry_run)
+        for name, plan in plans.items()
+    ]
+    return _trade_budget(decisions, plans=plans, slo=slo, gpu_budget=gpu_budget)
+
+
+# ---------------------------------------------------------------------------- planning
+def _worst(values: Iterable[float | None]) -> float | None:
+    found = [v for v in values if v is not None and math.isfinite(v)]
+    return max(found) if found else None
+
+
+def _plan_load(current: LoadObservation | None, forecast: LoadObservation | None, *,
+               deviation: float = 0.0) -> Workload | None:
+    if current is None:
+        return None
+    if forecast is None:
+        return Workload.from_load(current)
+    return Workload(
+        request_rate=max(current.request_rate, forecast.request_rate, 0.0) + BURST_MARGIN * max(0.0, deviation),
+        prompt_tokens=max(current.prompt_tokens_mean, forecast.prompt_tokens_mean, 0.0),
+        output_tokens=max(current.output_tokens_mean, forecast.output_tokens_mean, 1.0),
+        prefix_hit_ratio=min(1.0, max(0.0, min(current.prefix_hit_ratio, forecast.prefix_hit_ratio))),
+    )
+
+
+def _plan(name: str, pool: PoolSloObservation, *, inputs: SloInputs, slo: SloTarget, state: SloState,
+          policy: PoolPolicy) -> _Plan:
+    fit = state.fits.get(name)
+    theta = fit.coefficients if fit is not None else slo.prior
+    horizon = state.pod_start_seconds(name if name in state.start_seconds else pool.role)
+    forecast = state.forecaster.forecast(horizon_seconds=horizon)
+    return _Plan(
+        name=name, pool=pool, policy=policy, fit=fit, theta=theta,
+        workload=_plan_load(inputs.load, forecast, deviation=state.forecaster.burstiness),
+        current_workload=Workload.from_load(inputs.load) if inputs.load is not None else None,
+        horizon_seconds=horizon, forecast_rate=forecast.request_rate if forecast is not None else None,
+    )
+
+
+def _attach_estimators(plans: Mapping[str, _Plan], *, slo: SloTarget, max_num_batched_tokens: int) -> None:
+    """Give every pool with coefficients its estimate function and model count; decode
+    pools first, so the prefill pools' TTFT can include the chosen decode pool's first step."""
+    budget = max_num_batched_tokens
+    q = slo.attainment
+    decode_plans = [p for p in plans.values() if p.pool.role == ROLE_DECODE]
+    for plan in plans.values():
+        theta, pool = plan.theta, plan.pool
+        if theta is None:
+            continue
+        if pool.role == ROLE_AGGREGATED:
+            def aggregated(n: int, load: Workload, theta: StepCoefficients = theta,
+                           pool: PoolSloObservation = pool, horizon: float = plan.horizon_seconds) -> LatencyEstimate:
+                return estimate_aggregated(
+                    theta, load, replicas=n, max_num_batched_tokens=budget, attainment=q,
+                    backlog=_backlog(pool), kv_tokens_per_replica=pool.kv_cache_tokens_per_replica,
+                    serving_replicas=_serving(pool), start_seconds=horizon)
+            plan.estimate = aggregated
+        elif pool.role == ROLE_DECODE:
+            def decode(n: int, load: Workload, theta: StepCoefficients = theta,
+                       pool: PoolSloObservation = pool) -> LatencyEstimate:
+                d = estimate_decode(theta, load, replicas=n, attainment=q,
+                                    kv_tokens_per_replica=pool.kv_cache_tokens_per_replica)
+                return LatencyEstimate(ttft_seconds=d.step_seconds, itl_seconds=d.itl_seconds, decode=d)
+            plan.estimate = decode
+    for plan in plans.values():
+        if plan.estimate is not None:
+            _search(plan, slo)
+    for plan in plans.values():
+        theta, pool = plan.theta, plan.pool
+        if theta is None or pool.role != ROLE_PREFILL:
+            continue
+
+        def prefill(n: int, load: Workload, theta: StepCoefficients = theta, pool: PoolSloObservation = pool,
+                    horizon: float = plan.horizon_seconds) -> LatencyEstimate:
+            p = estimate_prefill(theta, load, replicas=n, max_num_batched_tokens=budget, attainment=q,
+                                 backlog=_backlog(pool), serving_replicas=_serving(pool),
+                                 start_seconds=horizon)
+            first = _first_decode_step(decode_plans, load)
+            return LatencyEstimate(ttft_seconds=p.ttft_seconds + first, itl_seconds=0.0, prefill=p)
+        plan.estimate = prefill
+        _search(plan, slo)
+
+
+def _first_decode_step(decode_plans: list[_Plan], load: Workload) -> float:
+    """Mean step time of the decode pool(s) at their model count (0 when unknown)."""
+    steps = []
+    for d in decode_plans:
+        if d.estimate is None or d.model_replicas is None:
+            continue
+        decode = d.estimate(d.model_replicas, load).decode
+        if decode is not None:
+            steps.append(decode.step_seconds)
+    return max(steps, default=0.0)
+
+
+def _serving(pool: PoolSloObservation) -> float:
+    """Pods that drain the backlog over the next pod start time: the Ready ones. Starting
+    pods are not counted (one requested a moment ago serves only after the full start time;
+    counting them let a growing queue look like a shrinking one in the simulator)."""
+    return float(pool.ready_replicas)
+
+
+def _backlog(pool: PoolSloObservation) -> Backlog:
+    return Backlog(requests_waiting=max(0.0, pool.requests_waiting),
+                   prompt_tokens_waiting=max(0.0, pool.prompt_tokens_waiting))
+
+
+def _fewest(plan: _Plan, slo: SloTarget, workload: Workload) -> tuple[int, bool]:
+    """``(n, attainable)``: the fewest replicas in [1, max] meeting the SLO, or max."""
+    top = max(1, plan.policy.max_replicas)
+    for n in range(1, top + 1):
+        if plan.meets(n, slo, workload):
+            return n, True
+    return top, False
+
+
+def _search(plan: _Plan, slo: SloTarget) -> None:
+    if plan.workload is None or plan.estimate is None:
+        return
+    plan.model_replicas, attainable = _fewest(plan, slo, plan.workload)
+    plan.unattainable = not attainable
+    if plan.current_workload is not None:
+        plan.model_replicas_now, _ = _fewest(plan, slo, plan.current_workload)
+
+
+# ---------------------------------------------------------------------------- deciding
+def _decide_pool(
+    plan: _Plan, *, inputs: SloInputs, slo: SloTarget, history: RecommendationHistory, gpus: int,
+    floor: int | None, measured_ttft: float | None, measured_itl: float | None, dry_run: bool,
+) -> Decision:
+    pool, policy = plan.pool, plan.policy
+    current, ready = pool.current_replicas, pool.ready_replicas
+    wants_ttft, wants_itl = plan.metrics()
+    signals: dict[str, SignalValue] = {}
+    if wants_ttft and measured_ttft is not None:
+        signals["ttftP99"] = SignalValue(value=measured_ttft, target=slo.ttft_p99_seconds)
+    if wants_itl and measured_itl is not None:
+        signals["itlP99"] = SignalValue(value=measured_itl, target=slo.itl_p99_seconds)
+    measured_ratio = max((s.ratio for s in signals.values()), default=None)
+
+    stages = [_describe_inputs(plan, slo)]
+    gate: str | None = None
+    reactive: int | None = None
+    if measured_ratio is not None and measured_ratio > 1.0:
+        reactive = math.ceil(max(ready, 1) * min(measured_ratio, REACTIVE_MAX_FACTOR) - 1e-9)
+
+    model = plan.model_replicas
+    if model is None and reactive is None and (floor is None or floor <= current):
+        why = "no load observed" if plan.workload is None else "no step model (no prior, too little data)"
+        return _hold(plan, slo=slo, now=inputs.now_seconds, history=history, gpus=gpus, signals=signals,
+                     measured_ratio=measured_ratio, why=why, dry_run=dry_run, stages=stages)
+
+    proposal = current
+    if model is not None:
+        stages.append(_describe_model(plan, slo))
+    if reactive is not None:
+        assert measured_ratio is not None
+        factor = min(measured_ratio, REACTIVE_MAX_FACTOR)
+        stages.append(f"measured {_signal_terms(signals)} > target → reactive ceil({max(ready, 1)} ready × "
+                      f"{factor:.2f}) = {reactive}")
+    if model is not None:
+        proposal = model
+        if model < current:
+            proposal, gate = _gate_scale_down(plan, slo=slo, model=model, signals=signals,
+                                              measured_ratio=measured_ratio)
+            if gate is not None:
+                stages.append(f"scale-down refused ({gate}) → keep {current}")
+    if reactive is not None and reactive > proposal:
+        proposal = reactive
+    if floor is not None and floor > proposal:
+        stages.append(f"floor (target tracking) {floor}")
+        proposal = floor
+    stages.append(f"proposal {proposal}")
+    settled = settle(proposal=proposal, now_seconds=inputs.now_seconds, current_replicas=current,
+                     pending_replicas=pool.pending_replicas, policy=policy, history=history,
+                     gpus_per_replica=gpus)
+    reason = settled.limit_reason or _reason(plan, result=settled.result, proposal=proposal, reactive=reactive,
+                                             gate=gate, floor=floor)
+    return Decision(
+        pool=plan.name, time_seconds=inputs.now_seconds, current_replicas=current, ready_replicas=ready,
+        pending_replicas=pool.pending_replicas, min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus, signals=signals, ratio=_ratio_now(plan, slo, measured_ratio), proposal=proposal,
+        stabilized=settled.stabilized, step_limited=settled.step_limited, result=settled.result, reason=reason,
+        formula=" → ".join([*stages, *settled.stages]), dry_run=dry_run,
+        model=_model_fields(plan, slo, settled.result),
+    )
+
+
+def _gate_scale_down(plan: _Plan, *, slo: SloTarget, model: int, signals: Mapping[str, SignalValue],
+                     measured_ratio: float | None) -> tuple[int, str | None]:
+    """The count a model-driven scale-down may go to, and why not when it may not.
+
+    The N-1 check corrects the model by what was measured: when the measured p99 at the
+    current count is above the model's estimate there (under the current load), the
+    estimates at fewer replicas are scaled up by the same factor before they are compared
+    with ``headroom × target`` (a model that is optimistic now is optimistic at N-1 too).
+    """
+    current = plan.pool.current_replicas
+    if plan.confidence < MIN_CONFIDENCE_TO_SCALE_DOWN:
+        return current, f"confidence {plan.confidence:.2f} < {MIN_CONFIDENCE_TO_SCALE_DOWN:g}"
+    if measured_ratio is not None and measured_ratio > slo.headroom:
+        return current, f"measured {measured_ratio:.2f} of target > headroom {slo.headroom:g}"
+    correction = _correction(plan, signals)
+    lowest_step = max(model, current - plan.policy.behavior.scale_down_max_step)
+    for n in sorted({current - 1, lowest_step}):
+        if n < 1:
+            continue
+        assert plan.estimate is not None and plan.workload is not None
+        ratios = plan.ratios(plan.estimate(n, plan.workload), slo)
+        worst = max((r * c for r, c in zip(ratios, correction, strict=True) if r is not None), default=0.0)
+        if worst > slo.headroom + 1e-12:
+            factor = max(correction)
+            corrected = f" (model × measured/estimated {factor:.2f})" if factor > 1.0 else ""
+            return current, f"N-1 check: {n} replicas at {worst:.2f} of target{corrected} > {slo.headroom:g}"
+    return model, None
+
+
+def _correction(plan: _Plan, signals: Mapping[str, SignalValue]) -> tuple[float, float]:
+    """``max(1, measured / estimated)`` at the current count and load, for (TTFT, ITL)."""
+    if plan.estimate is None or plan.current_workload is None or plan.pool.current_replicas < 1:
+        return 1.0, 1.0
+    now = plan.estimate(plan.pool.current_replicas, plan.current_workload)
+    factors = []
+    for key, estimated in (("ttftP99", now.ttft_seconds), ("itlP99", now.itl_seconds)):
+        signal = signals.get(key)
+        if signal is None or not math.isfinite(estimated) or estimated <= 0.0:
+            factors.append(1.0)
+        else:
+            factors.append(max(1.0, signal.value / estimated))
+    return factors[0], factors[1]
+
+
+def _reason(plan: _Plan, *, result: int, proposal: int, reactive: int | None, gate: str | None,
+            floor: int | None) -> str:
+    current = plan.pool.current_replicas
+    if result > current:
+        if reactive is not None and reactive >= proposal:
+            return Reason.SLO_VIOLATED
+        if plan.unattainable and plan.model_replicas == proposal:
+            return Reason.SLO_UNATTAINABLE
+        if (plan.model_replicas is not None and plan.model_replicas_now is not None
+                and plan.model_replicas == proposal and plan.model_replicas_now < plan.model_replicas):
+            return Reason.SLO_FORECAST
+        return Reason.SCALED_UP
+    if result < current:
+        return Reason.SCALED_DOWN
+    if gate is not None:
+        return Reason.SLO_LOW_CONFIDENCE if gate.startswith("confidence") else Reason.SLO_SCALE_DOWN_UNSAFE
+    if proposal != current:
+        return Reason.STABILIZING
+    if reactive is not None:
+        return Reason.SLO_VIOLATED
+    if plan.unattainable:
+        return Reason.SLO_UNATTAINABLE
+    return Reason.SLO_MET
+
+
+def _hold(plan: _Plan, *, slo: SloTarget, now: float, history: RecommendationHistory, gpus: int,
+          signals: Mapping[str, SignalValue], measured_ratio: float | None, why: str, dry_run: bool,
+          stages: list[str]) -> Decision:
+    pool, policy = plan.pool, plan.policy
+    current = pool.current_replicas
+    history.record(time_seconds=now, replicas=current, keep_seconds=max(
+        policy.behavior.scale_up_stabilization_seconds, policy.behavior.scale_down_stabilization_seconds))
+    result = max(policy.min_replicas, min(policy.max_replicas, current))
+    return Decision(
+        pool=plan.name, time_seconds=now, current_replicas=current, ready_replicas=pool.ready_replicas,
+        pending_replicas=pool.pending_replicas, min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas, gpus_per_replica=gpus, signals=dict(signals), ratio=None,
+        proposal=current, stabilized=current, step_limited=current, result=result,
+        reason=Reason.SLO_MODEL_UNAVAILABLE, hold=True, dry_run=dry_run, message=why,
+        formula=" → ".join([*stages, f"hold {current} ({why})",
+                            f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"]),
+        model=_model_fields(plan, slo, result),
+    )
+
+
+def _ratio_now(plan: _Plan, slo: SloTarget, measured_ratio: float | None) -> float | None:
+    """Estimate/target at the current count under the planned load (measured when no model)."""
+    if plan.estimate is not None and plan.workload is not None and plan.pool.current_replicas > 0:
+        score = plan.score(plan.estimate(plan.pool.current_replicas, plan.workload), slo)
+        return score if math.isfinite(score) else SCORE_CAP
+    return measured_ratio
+
+
+# ---------------------------------------------------------------------------- explaining
+def _signal_terms(signals: Mapping[str, SignalValue]) -> str:
+    return ", ".join(f"{name} {s.value:.3f}s/{s.target:g}s" for name, s in sorted(signals.items()))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s" if math.isfinite(value) else "inf"
+
+
+def _describe_inputs(plan: _Plan, slo: SloTarget) -> str:
+    head = (f"slo ttft {slo.ttft_p99_seconds:g}s itl {slo.itl_p99_seconds:g}s × headroom {slo.headroom:g} "
+            f"@ q{slo.attainment:g}")
+    w = plan.workload
+    if w is None:
+        return f"{head}; load unknown"
+    forecast = (f" (forecast {plan.forecast_rate:.2f}/s @ {plan.horizon_seconds:.0f}s)"
+                if plan.forecast_rate is not None else "")
+    fit = plan.fit
+    model = "θ none" if plan.theta is None else (
+        f"θ conf {plan.confidence:.2f} ({fit.points if fit else 0} windows)")
+    return (f"{head}; plan λ {w.request_rate:.2f}/s{forecast}, prompt {w.prompt_tokens:.0f} "
+            f"(hit {w.prefix_hit_ratio:.2f}), output {w.output_tokens:.0f}; {model}")
+
+
+def _describe_model(plan: _Plan, slo: SloTarget) -> str:
+    assert plan.model_replicas is not None and plan.estimate is not None and plan.workload is not None
+    n = plan.model_replicas
+    at = plan.estimate(n, plan.workload)
+    terms = _estimate_terms(plan, at)
+    head = f"fewest N meeting {slo.headroom:g}×target: {n} ({terms})"
+    if plan.unattainable:
+        head = f"no N ≤ {plan.policy.max_replicas} meets {slo.headroom:g}×target: {n} ({terms})"
+    if n > 1:
+        below = plan.estimate(n - 1, plan.workload)
+        head += f"; at {n - 1}: {_estimate_terms(plan, below, detail=False)}"
+    return head
+
+
+def _estimate_terms(plan: _Plan, estimate: LatencyEstimate, *, detail: bool = True) -> str:
+    ttft, itl = plan.metrics()
+    parts = []
+    if ttft:
+        parts.append(f"TTFT {_seconds(estimate.ttft_seconds)}")
+        if detail and estimate.prefill is not None and math.isfinite(estimate.prefill.ttft_seconds):
+            p = estimate.prefill
+            parts.append(f"= drain {_seconds(p.drain_seconds)} + wait {_seconds(p.queue_seconds)} + prefill "
+                         f"{_seconds(p.prefill_seconds)}" + (
+                             f" + first step {_seconds(estimate.ttft_seconds - p.ttft_seconds)}"
+                             if plan.pool.role == ROLE_PREFILL else "") + f", ρ {p.utilization:.2f}")
+    if itl:
+        parts.append(f"ITL {_seconds(estimate.itl_seconds)}")
+        if detail and estimate.decode is not None and math.isfinite(estimate.decode.batch):
+            parts.append(f"batch {estimate.decode.batch:.1f}")
+    return " ".join(parts)
+
+
+def _model_fields(plan: _Plan, slo: SloTarget, result: int) -> dict[str, float]:
+    """``lastDecision.model``: the fit, the planned load and the estimates at ``result``."""
+    out: dict[str, float] = {}
+    if plan.theta is not None:
+        for name, value in zip(COEFFICIENT_NAMES, plan.theta.as_tuple(), strict=True):
+            out[_CAMEL[name]] = value
+    if plan.fit is not None:
+        out["confidence"] = round(plan.fit.confidence, 4)
+        out["points"] = float(plan.fit.points)
+        error = plan.fit.relative_error
+        if error is not None:
+            out["relativeError"] = round(error, 4)
+    out["horizonSeconds"] = round(plan.horizon_seconds, 1)
+    if plan.current_workload is not None:
+        out["requestRate"] = round(plan.current_workload.request_rate, 4)
+    if plan.forecast_rate is not None:
+        out["forecastRate"] = round(plan.forecast_rate, 4)
+    if plan.workload is not None:
+        w = plan.workload
+        out.update(planRate=round(w.request_rate, 4), promptTokens=round(w.prompt_tokens, 1),
+                   outputTokens=round(w.output_tokens, 1), prefixHitRatio=round(w.prefix_hit_ratio, 4))
+    if plan.model_replicas is not None:
+        out["modelReplicas"] = float(plan.model_replicas)
+    if plan.estimate is not None and plan.workload is not None and result > 0:
+        at = plan.estimate(result, plan.workload)
+        ttft, itl = plan.metrics()
+        values = {"ttftEstimateSeconds": at.ttft_seconds if ttft else math.nan,
+                  "itlEstimateSeconds": at.itl_seconds if itl else math.nan}
+        if at.prefill is not None:
+            values["prefillUtilization"] = at.prefill.utilization
+        if at.decode is not None:
+            values["decodeBatch"] = at.decode.batch
+        out.update({k: round(v, 6) for k, v in values.items() if math.isfinite(v)})
+    return out
+
+
+# ---------------------------------------------------------------------------- GPU budget
+def _budget_score(plan: _Plan, slo: SloTarget, replicas: int, decision: Decision) -> float:
+    """How far the pool misses its SLO at ``replicas`` (the budget trade's currency)."""
+    if replicas <= 0:
+        return SCORE_CAP * 2
+    if plan.estimate is not None and plan.workload is not None:
+        estimate = plan.estimate(replicas, plan.workload)
+        score = plan.score(estimate, slo)
+        if math.isfinite(score):
+            return min(score, SCORE_CAP)
+        utilization = max((e.utilization for e in (estimate.prefill, estimate.decode)
+                           if e is not None and math.isfinite(e.utilization)), default=SCORE_CAP)
+        return SCORE_CAP * (1.0 + utilization)
+    ratio = max((s.ratio for s in decision.signals.values()), default=1.0)
+    return ratio * max(decision.ready_replicas, 1) / replicas
+
+
+def _trade_budget(decisions: list[Decision], *, plans: Mapping[str, _Plan], slo: SloTarget,
+                  gpu_budget: int | None) -> list[Decision]:
+    """Step 7 of the module docstring."""
+    if gpu_budget is None:
+        return decisions
+    if sum(max(d.result, d.current_replicas) * d.gpus_per_replica for d in decisions) <= gpu_budget:
+        return decisions
+    free = gpu_budget - sum(d.current_replicas * d.gpus_per_replica for d in decisions)
+    growing = {d.pool: d for d in decisions if d.result > d.current_replicas}
+    granted: dict[str, int] = {}
+    for name, d in sorted(growing.items()):
+        granted[name] = max(0, d.min_replicas - d.current_replicas)
+        free -= granted[name] * d.gpus_per_replica
+    trail: list[str] = []
+    while True:
+        candidates = [d for d in growing.values()
+                      if d.current_replicas + granted[d.pool] < d.result and 0 < d.gpus_per_replica <= free]
+        if not candidates:
+            break
+
+        def gain(d: Decision) -> float:
+            n = d.current_replicas + granted[d.pool]
+            plan = plans[d.pool]
+            return (_budget_score(plan, slo, n, d) - _budget_score(plan, slo, n + 1, d)) / d.gpus_per_replica
+
+        best = max(sorted(candidates, key=lambda d: d.pool), key=gain)
+        trail.append(f"{best.pool}+1 (gain/GPU {gain(best):.3g})")
+        granted[best.pool] += 1
+        free -= best.gpus_per_replica
+    out: list[Decision] = []
+    for d in decisions:
+        if d.pool not in granted or d.current_replicas + granted[d.pool] >= d.result:
+            out.append(d)
+            continue
+        trimmed = d.current_replicas + granted[d.pool]
+        grants = ", ".join(trail) if trail else "none"
+        out.append(dataclasses.replace(
+            d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
+            formula=f"{d.formula} → joint gpu-budget {gpu_budget} (grants: {grants}) {trimmed}",
+            model=_model_fields(plans[d.pool], slo, trimmed),
+        ))
+    return out

@@ -1,0 +1,198 @@
+"""Target tracking vs the SLO controller, in the fleet simulator (``bench/slo_autoscaling.py``).
+
+Why: the claim of SLO autoscaling is "meets the SLO with fewer GPUs than target tracking, with
+no per-service tuning". That needs one harness that runs the *same* requests through the
+simulator under each policy and scores them the same way:
+
+* **attainment** — the fraction of requests (arrived in the trace) whose TTFT meets the TTFT
+  target *and* whose mean inter-token latency (TPOT) meets the ITL target; unfinished requests
+  miss both;
+* **GPU-hours** — every pod from its creation (a starting pod already holds its GPU) until it
+  finished draining, over the trace's span ``[0, last arrival]``.
+
+Policies: ``default`` is target tracking with the spec's default targets
+(:class:`~.sim.config.AutoscaleSettings`); ``tuned`` is target tracking with targets chosen
+per trace by a grid search (:data:`TUNING_GRID`, fewest GPU-hours among the points meeting the
+attainment, else the best attainment) — the hand-tuning an operator would have to do; ``slo``
+is the SLO controller (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) with
+the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from splitserve_operator.autoscaler.slo.inputs import SloTarget
+
+from .gpus import get_gpu
+from .model_presets import load_model
+from .perf_model import StepCost, roofline_model
+from .sim.config import DISAGGREGATED, AutoscaleSettings, EngineSettings, FleetConfig, SimOptions
+from .sim.observe import gpu_seconds
+from .simulator import Simulator
+from .slo_prior import fit_prior
+from .slo_traces import TRACE_KINDS, TraceShape, make_trace
+from .workload import Request
+
+TUNING_GRID: tuple[tuple[float, float, float], ...] = tuple(
+    (prefill_queue, decode_queue, decode_kv)
+    for prefill_queue in (0.5, 1.0, 4.0)
+    for decode_queue, decode_kv in ((1.0, 0.3), (2.0, 0.5), (2.0, 0.8)))
+"""(prefill queue-depth target, decode queue-depth target, decode KV-utilization target)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """Model, hardware, SLO, trace sizes and the fleet every policy starts from."""
+
+    model: str = "llama-3.1-8b"
+    gpu: str = "L40S"
+    slo: SloTarget = SloTarget(ttft_p99_seconds=1.0, itl_p99_seconds=0.05, attainment=0.99)
+    shape: TraceShape = TraceShape(mean_rate=20.0, duration_seconds=3600.0)
+    seed: int = 1
+    initial_prefill: int = 2
+    initial_decode: int = 3
+    """The fleet at t=0 (enough for the steady trace's mean rate): every policy starts from it."""
+    interval_seconds: float = 15.0
+    startup_seconds: float = 60.0
+    engine: EngineSettings = EngineSettings()
+    traces: tuple[str, ...] = TRACE_KINDS
+
+
+CI_SCENARIO = Scenario(shape=TraceShape(mean_rate=20.0, duration_seconds=900.0))
+"""Small enough for a test on one core (each run ~1 s)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    trace: str
+    policy: str
+    """``default``, ``tuned`` or ``slo``."""
+    attainment: float
+    gpu_hours: float
+    ttft_p99_seconds: float
+    itl_p99_seconds: float
+    peak_replicas: dict[str, int]
+    settings: str
+    """What was configured (targets, or the SLO)."""
+    num_requests: int
+    timeline: list[dict[str, float]] = field(default_factory=list, repr=False)
+
+
+def perf_of(scenario: Scenario) -> StepCost:
+    name, config = load_model(name_or_path=scenario.model)
+    return roofline_model(name=name, config=config, gpu=get_gpu(scenario.gpu), tensor_parallel=1, dtype="bfloat16")
+
+
+def attainment(*, ttft: np.ndarray, tpot: np.ndarray, num_requests: int, slo: SloTarget) -> float:
+    """Fraction of ``num_requests`` meeting both targets (the arrays hold the finished ones)."""
+    if num_requests == 0:
+        return 1.0
+    met = int(np.count_nonzero((ttft <= slo.ttft_p99_seconds) & (tpot <= slo.itl_p99_seconds)))
+    return met / num_requests
+
+
+def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str, policy: str,
+               autoscale: AutoscaleSettings) -> Outcome:
+    """One simulated run of ``requests`` under ``autoscale``; scored as the module docstring says."""
+    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=scenario.initial_prefill,
+                        decode_replicas=scenario.initial_decode, engine=scenario.engine, autoscale=autoscale)
+    sim = Simulator(fleet=fleet, perf=perf, requests=requests,
+                    options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed))
+    result = sim.run()
+    end = requests[-1].arrival_seconds if requests else 0.0
+    hours = gpu_seconds(sim.all_pods, start_s=0.0, end_s=end, gpus_per_replica=fleet.gpus_per_replica) / 3600.0
+    peaks = {role: int(max((row.get(f"{role}_replicas", 0.0) + row.get(f"{role}_starting", 0.0)
+                            for row in result.timeline), default=0.0)) for role in sim.pools}
+    q = 100.0 * scenario.slo.attainment
+    if autoscale.slo is not None:
+        settings = (f"SLO ttft {autoscale.slo.ttft_p99_seconds * 1e3:g} ms, itl {autoscale.slo.itl_p99_seconds * 1e3:g} ms"
+                    f" @ {autoscale.slo.attainment:g}")
+    else:
+        settings = (f"prefill queue {autoscale.prefill_target_queue_depth:g}, decode queue "
+                    f"{autoscale.decode_target_queue_depth:g}, kv {autoscale.decode_target_kv_utilization:g}")
+    return Outcome(trace=trace, policy=policy,
+                   attainment=attainment(ttft=result.ttft_seconds, tpot=result.tpot_seconds,
+                                         num_requests=result.num_measured, slo=scenario.slo),
+                   gpu_hours=hours, ttft_p99_seconds=result.ttft_percentile(q),
+                   itl_p99_seconds=result.itl_percentile(q), peak_replicas=peaks, settings=settings,
+                   num_requests=result.num_measured, timeline=result.timeline)
+
+
+def base_settings(scenario: Scenario) -> AutoscaleSettings:
+    return AutoscaleSettings(interval_seconds=scenario.interval_seconds, startup_seconds=scenario.startup_seconds)
+
+
+def slo_settings(scenario: Scenario, perf: StepCost) -> AutoscaleSettings:
+    """The SLO controller with the roofline prior; nothing tuned per trace."""
+    prior = fit_prior(perf, max_batched_tokens=scenario.engine.max_batched_tokens,
+                      max_num_seqs=scenario.engine.max_num_seqs).coefficients
+    return replace(base_settings(scenario), slo=replace(scenario.slo, prior=prior))
+
+
+def tune(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str) -> Outcome:
+    """Target tracking with the :data:`TUNING_GRID` point that meets the attainment with the
+    fewest GPU-hours (none meets it: the best attainment, then the fewest GPU-hours)."""
+    best: Outcome | None = None
+    for prefill_queue, decode_queue, decode_kv in TUNING_GRID:
+        settings = replace(base_settings(scenario), prefill_target_queue_depth=prefill_queue,
+                           decode_target_queue_depth=decode_queue, decode_target_kv_utilization=decode_kv)
+        outcome = run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy="tuned",
+                             autoscale=settings)
+        if best is None or _better(outcome, best, target=scenario.slo.attainment):
+            best = outcome
+    assert best is not None
+    return best
+
+
+def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
+    a_meets, b_meets = a.attainment >= target, b.attainment >= target
+    if a_meets != b_meets:
+        return a_meets
+    if a_meets:
+        return a.gpu_hours < b.gpu_hours
+    return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
+
+
+def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
+    """Every policy on every trace of the scenario, in trace then policy order."""
+    perf = perf_of(scenario)
+    out: list[Outcome] = []
+    for trace in scenario.traces:
+        requests = make_trace(trace, scenario.shape, seed=scenario.seed)
+        for policy in policies:
+            if policy == "default":
+                out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                      policy=policy, autoscale=base_settings(scenario)))
+            elif policy == "tuned":
+                out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace))
+            elif policy == "slo":
+                out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                      policy=policy, autoscale=slo_settings(scenario, perf)))
+            else:
+                raise ValueError(f"unknown policy {policy!r}; choose default, tuned or slo")
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return "inf" if not math.isfinite(seconds) else f"{seconds * 1e3:.0f}"
+
+
+def format_table(outcomes: list[Outcome], *, scenario: Scenario) -> str:
+    """A markdown table, one row per (trace, policy)."""
+    slo = scenario.slo
+    lines = [f"{scenario.model} on {scenario.gpu}, SLO TTFT {slo.ttft_p99_seconds * 1e3:g} ms / ITL "
+             f"{slo.itl_p99_seconds * 1e3:g} ms at {slo.attainment:.0%}; mean {scenario.shape.mean_rate:g} req/s "
+             f"over {scenario.shape.duration_seconds:g} s, seed {scenario.seed}",
+             "",
+             "| trace | policy | attainment | GPU-hours | TTFT p | ITL p | peak P/D | configured |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for o in outcomes:
+        meets = "" if o.attainment >= slo.attainment else " (miss)"
+        lines.append(f"| {o.trace} | {o.policy} | {o.attainment:.2%}{meets} | {o.gpu_hours:.2f} | "
+                     f"{_ms(o.ttft_p99_seconds)} ms | {_ms(o.itl_p99_seconds)} ms | "
+                     f"{o.peak_replicas.get('prefill', 0)}/{o.peak_replicas.get('decode', 0)} | {o.settings} |")
+    return "\n".join(lines)

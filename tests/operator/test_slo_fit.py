@@ -1,0 +1,158 @@
+"""The online step-model fit: recovery, prior convergence, forgetting, confidence, persistence."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from slo_testing import TRUTH, predicts, trained_fit, window, within
+
+from splitserve_operator.autoscaler.slo import (
+    SloState,
+    StepCoefficients,
+    StepFit,
+    StepSample,
+    step_fit,
+)
+
+
+def test_recovers_known_coefficients_without_a_prior() -> None:
+    fit = trained_fit(TRUTH, role="aggregated", windows=60)
+    assert within(fit.coefficients, TRUTH, 0.10), fit.coefficients
+    assert fit.relative_error is not None and fit.relative_error < 0.05
+    assert fit.confidence > 0.8
+    assert fit.points == 60
+
+
+def test_no_prior_and_too_little_data_gives_no_coefficients() -> None:
+    fit = StepFit.fresh(prior=None)
+    assert fit.coefficients is None and fit.confidence == 0.0 and fit.relative_error is None
+    fit.add([window(random.Random(1), TRUTH)], now_seconds=0.0)
+    assert fit.coefficients is None
+
+
+def test_prior_dominates_without_data() -> None:
+    prior = TRUTH.scaled(0.5)
+    fit = StepFit.fresh(prior=prior)
+    assert fit.coefficients == prior
+    assert fit.confidence == 0.0
+
+
+def test_a_prior_twice_too_fast_converges_within_a_few_windows() -> None:
+    """Convergence of what decisions use: the predicted time of the reference steps (a
+    prefill chunk, a decode step, a mixed step) within 10 % of the truth's."""
+    prior = TRUTH.scaled(0.5)
+    assert not predicts(prior, TRUTH, 0.10)
+    rng = random.Random(3)
+    fit = StepFit.fresh(prior=prior)
+    converged_at = None
+    for n in range(1, 61):
+        fit.add([window(rng, TRUTH, noise=0.03)], now_seconds=15.0 * n)
+        if n == 1:
+            # one window moves the fit off the prior but does not yet replace it
+            assert fit.coefficients != prior and not predicts(fit.coefficients, TRUTH, 0.10)
+        if converged_at is None and predicts(fit.coefficients, TRUTH, 0.10):
+            converged_at = n
+    print(f"prior 2x too fast: reference steps within 10% after {converged_at} windows")
+    assert converged_at is not None and converged_at <= 20
+    assert predicts(fit.coefficients, TRUTH, 0.05)
+    assert within(fit.coefficients, TRUTH, 0.15)
+    assert fit.confidence > 0.8
+
+
+def reconvergence_seconds(fit: StepFit, *, factor: float, limit_seconds: float) -> float | None:
+    """Feed an hour of windows timed by TRUTH, then ``factor`` × slower ones; seconds until
+    the fit predicts the reference steps within 10 % again (None: not within the limit)."""
+    slower = TRUTH.scaled(factor)
+    rng = random.Random(5)
+    t = 0.0
+    for _ in range(240):
+        t += 15.0
+        fit.add([window(rng, TRUTH, noise=0.02)], now_seconds=t)
+    assert predicts(fit.coefficients, TRUTH, 0.05)
+    shift = t
+    while t < shift + limit_seconds:
+        t += 15.0
+        fit.add([window(rng, slower, noise=0.02)], now_seconds=t)
+        if predicts(fit.coefficients, slower, 0.10):
+            return t - shift
+    return None
+
+
+def test_forgetting_reconverges_after_the_pod_got_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    detected = reconvergence_seconds(StepFit.fresh(prior=None), factor=1.6, limit_seconds=3 * 3600)
+    monkeypatch.setattr(step_fit, "CHANGE_MIN_WEIGHT", math.inf)  # change detection off
+    decayed = reconvergence_seconds(StepFit.fresh(prior=None), factor=1.6, limit_seconds=3 * 3600)
+    stubborn = reconvergence_seconds(StepFit.fresh(prior=None, half_life_seconds=1e9), factor=1.6,
+                                     limit_seconds=3 * 3600)
+    print(f"re-converged after a 1.6x slowdown: {detected} s with change detection, {decayed} s with the "
+          f"{step_fit.HALF_LIFE_SECONDS:.0f} s half-life alone, {stubborn} s without forgetting")
+    assert detected is not None and detected <= 600
+    assert decayed is not None and detected < decayed <= 4 * step_fit.HALF_LIFE_SECONDS
+    assert stubborn is None, "without forgetting the old data still dominates"
+
+
+def test_a_feature_never_seen_keeps_the_prior_and_coefficients_stay_non_negative() -> None:
+    prior = TRUTH.scaled(0.5)
+    fit = StepFit.fresh(prior=prior)
+    rng = random.Random(9)
+    for i in range(30):
+        fit.add([window(rng, TRUTH, role="decode")], now_seconds=15.0 * i)
+    theta = fit.coefficients
+    assert theta is not None
+    assert theta.prefill_token == prior.prefill_token and theta.prefill_pair == prior.prefill_pair
+    assert abs(theta.decode_row - TRUTH.decode_row) < 0.15 * TRUTH.decode_row
+
+    zero_pair = StepCoefficients(step=0.01, prefill_token=5e-5, prefill_pair=0.0, decode_row=2e-4, decode_context=0.0)
+    noisy = StepFit.fresh(prior=None)
+    for i in range(50):
+        noisy.add([window(rng, zero_pair, noise=0.2)], now_seconds=15.0 * i)
+    fitted = noisy.coefficients
+    assert fitted is not None and min(fitted.as_tuple()) >= 0.0
+
+
+def test_confidence_is_low_when_the_model_does_not_explain_the_data() -> None:
+    good = trained_fit(TRUTH, role="aggregated", windows=40)
+    rng = random.Random(11)
+    bad = StepFit.fresh(prior=None)
+    for i in range(40):
+        bad.add([window(rng, TRUTH, noise=0.6)], now_seconds=15.0 * i)
+    assert bad.relative_error is not None and good.relative_error is not None
+    assert bad.relative_error > 3 * good.relative_error
+    assert bad.confidence < 0.5 < good.confidence
+
+
+def test_idle_and_malformed_windows_are_ignored() -> None:
+    fit = StepFit.fresh(prior=TRUTH)
+    fit.add([StepSample(steps=0, seconds=0, prefill_tokens=0, prefill_attention_pairs=0, decode_rows=0,
+                        decode_context_tokens=0),
+             StepSample(steps=10, seconds=float("nan"), prefill_tokens=0, prefill_attention_pairs=0,
+                        decode_rows=1, decode_context_tokens=0)], now_seconds=0.0)
+    assert fit.points == 0 and fit.coefficients == TRUTH
+
+
+def test_serialization_round_trips_in_a_few_kilobytes() -> None:
+    fit = trained_fit(TRUTH, role="aggregated", prior=TRUTH.scaled(0.5), windows=30)
+    text = json.dumps(fit.to_dict())
+    assert len(text) < 4096
+    back = StepFit.from_dict(json.loads(text))
+    assert back.coefficients == fit.coefficients
+    assert back.confidence == fit.confidence and back.points == fit.points
+
+
+def test_state_round_trips_and_corrupt_json_gives_fresh_state() -> None:
+    state = SloState.fresh()
+    state.fits["decode"] = trained_fit(TRUTH, role="decode", prior=TRUTH, windows=10)
+    state.record_replicas_write("decode", 0.0, 3)
+    text = state.to_json()
+    back = SloState.from_json(text)
+    assert back.fits["decode"].coefficients == state.fits["decode"].coefficients
+    assert back.pending_writes == state.pending_writes
+    assert back.to_json() == text
+    for corrupt in ("", "not json", "[]", '{"version": 99}', '{"version": 1, "fits": {"x": {"version": 1}}}',
+                    '{"version": 1, "fits": {}, "forecaster": {"version": 1, "level": "NaN"}}',
+                    text[: len(text) // 2]):
+        fresh = SloState.from_json(corrupt)
+        assert fresh.fits == {} and fresh.forecaster.level is None, corrupt

@@ -1,0 +1,203 @@
+"""The SLO autoscaler's step-model fit calibrates on the real runtime from a prior 2x too fast.
+
+The real engine (tiny Llama on CPU, in-process, one torch thread) serves closed-loop traffic at
+six load levels, from one long decode to 32 concurrent ones and 1.5k-token prompts, each
+for a window of 0.35 s, round-robin. Each window's increase of the engine-step counters
+(``splitserve_engine_*_total``: what the operator reads from Prometheus) is one
+:class:`~splitserve_operator.autoscaler.slo.inputs.StepSample`.
+
+* "true" coefficients: the (non-negative, otherwise unregularised) least-squares fit on every
+  window, training and held out;
+* the operator's :class:`~splitserve_operator.autoscaler.slo.step_fit.StepFit`, started from the
+  prior ``true.scaled(0.5)`` (every step predicted 2x too fast), is fed the training windows one
+  by one; its step-time prediction on held-out windows (two per round, each level twice) must
+  come within :data:`BOUND` of the true fit's (median over the windows) and stay there: the
+  number of windows ``K`` this took, and the traffic wall time behind them, are printed;
+* with calibration disabled (the prior alone) the same check fails (50 %); against the
+  measured busy time the calibrated fit errs at most :data:`MEASURED_MARGIN` more than the true
+  fit, and less than the prior alone.
+
+Why the bound is on the deviation from the true fit and not on the measurement: the CPU is
+shared with other work, and the wall time of a 0.35 s window moves with the share of the CPU
+this process gets (the true fit itself missed the held-out measurements by a median 10-25 %
+from run to run here). No speed is asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve_contract import ServeArgs
+from splitserve_operator.autoscaler.slo.inputs import StepCoefficients, StepSample
+from splitserve_operator.autoscaler.slo.step_fit import StepFit
+from splitserve_runtime.engine.llm_engine import LLMEngine
+from splitserve_runtime.engine.sampling_params import SamplingParams
+from splitserve_runtime.engine.stats import EngineStats
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow  # ~13 s of real traffic, ~20 s in all
+
+BOUND = 0.20
+"""Median deviation of held-out windows' predicted busy time from the true fit's (the prior's: 50 %)."""
+MEASURED_MARGIN = 0.10
+"""Against the measured busy time the calibrated fit may err this much more than the true fit
+(whose own error here was 10-25 %: wall time on a shared CPU; the prior alone's 45-57 %)."""
+WINDOW_SECONDS = 0.35
+ROUNDS = 6
+"""Each round runs every level once; round ``r`` holds out the windows of levels ``r`` and
+``r + 3`` (so held-out windows cover every level twice and the whole run: the machine's speed
+drifts with other load)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadLevel:
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+LEVELS = (LoadLevel(1, 32, 96), LoadLevel(8, 128, 32), LoadLevel(32, 32, 128),
+          LoadLevel(4, 768, 4), LoadLevel(16, 384, 16), LoadLevel(2, 1536, 2))
+
+
+def _sample(before: EngineStats, after: EngineStats) -> StepSample:
+    return StepSample(
+        steps=after.engine_steps_total - before.engine_steps_total,
+        seconds=after.engine_step_seconds_total - before.engine_step_seconds_total,
+        prefill_tokens=after.engine_prefill_tokens_total - before.engine_prefill_tokens_total,
+        prefill_attention_pairs=(after.engine_prefill_attention_pairs_total
+                                 - before.engine_prefill_attention_pairs_total),
+        decode_rows=after.engine_decode_rows_total - before.engine_decode_rows_total,
+        decode_context_tokens=after.engine_decode_context_tokens_total - before.engine_decode_context_tokens_total)
+
+
+class ClosedLoopTraffic:
+    """Keeps ``concurrency`` requests in flight (a new one as soon as one finishes)."""
+
+    def __init__(self, engine: LLMEngine, *, seed: int) -> None:
+        self.engine = engine
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+
+    def window(self, level: LoadLevel, *, seconds: float) -> StepSample:
+        engine = self.engine
+        before = engine.stats()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            while engine.num_requests < level.concurrency:
+                self._add(level)
+            engine.step()
+        return _sample(before, engine.stats())
+
+    def _add(self, level: LoadLevel) -> None:
+        # lengths vary ±25 % around the level's, so windows of one level differ a little
+        prompt = int(level.prompt_tokens * self.rng.uniform(0.75, 1.25))
+        output = max(1, int(level.output_tokens * self.rng.uniform(0.75, 1.25)))
+        self.count += 1
+        self.engine.add_request(
+            request_id=f"cal-{self.count}", prompt_token_ids=[int(t) for t in self.rng.integers(3, 500, prompt)],
+            params=SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
+
+
+def _least_squares(samples: Sequence[StepSample]) -> StepCoefficients:
+    """Non-negative least squares on absolute seconds (drop the most negative, refit)."""
+    a = np.array([s.features() for s in samples], dtype=float)
+    b = np.array([s.seconds for s in samples])
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-12)  # conditioning only
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sub, *_ = np.linalg.lstsq(a[:, active] / scale[active], b, rcond=None)
+        if (sub >= 0).all():
+            coef[active] = sub / scale[active]
+            break
+        active.pop(int(np.argmin(sub)))
+    return StepCoefficients.from_tuple([float(c) for c in coef])
+
+
+def _predict(theta: StepCoefficients, sample: StepSample) -> float:
+    return sum(c * x for c, x in zip(theta.as_tuple(), sample.features(), strict=True))
+
+
+def prediction_error(theta: StepCoefficients, samples: Sequence[StepSample]) -> float:
+    """Median absolute percentage error of the windows' measured busy seconds."""
+    return float(np.median([abs(_predict(theta, s) - s.seconds) / s.seconds for s in samples]))
+
+
+def deviation(theta: StepCoefficients, true: StepCoefficients, samples: Sequence[StepSample]) -> float:
+    """Median absolute percentage deviation of the windows' predicted busy seconds from the true fit's."""
+    return float(np.median([abs(_predict(theta, s) - _predict(true, s)) / _predict(true, s) for s in samples]))
+
+
+@pytest.fixture(scope="module")
+def windows(tiny_llama_dir: Path) -> tuple[list[StepSample], list[StepSample], float]:
+    torch.set_num_threads(1)
+    engine = LLMEngine.from_args(ServeArgs(
+        model=str(tiny_llama_dir), device="cpu", block_size=16, num_kv_blocks=2048, max_model_len=2048,
+        max_num_batched_tokens=1024, max_num_seqs=64))
+    traffic = ClosedLoopTraffic(engine, seed=0)
+    traffic.window(LEVELS[1], seconds=0.2)  # warm-up (allocator, first-call paths), not measured
+    rounds: list[list[StepSample]] = []
+    started = time.monotonic()
+    for _ in range(ROUNDS):
+        rounds.append([traffic.window(level, seconds=WINDOW_SECONDS) for level in LEVELS])
+    wall = time.monotonic() - started
+    for rid in list(engine._requests):  # noqa: SLF001 (the test's own engine)
+        engine.abort_request(rid)
+    held = {(r, (r + shift) % len(LEVELS)) for r in range(ROUNDS) for shift in (0, 3)}
+    train = [s for r, windows in enumerate(rounds) for i, s in enumerate(windows) if (r, i) not in held]
+    held_out = [rounds[r][i] for r, i in sorted(held)]
+    assert all(s.steps > 0 for s in train + held_out)
+    return train, held_out, wall
+
+
+def test_windows_span_the_step_model(windows: tuple[list[StepSample], list[StepSample], float]) -> None:
+    """The load levels exercise every coefficient: prefill-heavy, decode-heavy and mixed windows."""
+    train, _, _ = windows
+    features = np.array([s.features() for s in train])
+    assert (features > 0).any(axis=0).all()
+    decode_share = features[:, 3] / np.maximum(features[:, 1] + features[:, 3], 1)
+    assert decode_share.min() < 0.2 and decode_share.max() > 0.6  # (with leftovers of the level before)
+    assert np.linalg.matrix_rank(features / features.max(axis=0)) == features.shape[1]
+
+
+def test_fit_from_a_2x_fast_prior_converges_and_the_prior_alone_does_not(
+        windows: tuple[list[StepSample], list[StepSample], float]) -> None:
+    train, held_out, wall = windows
+    true = _least_squares(train + held_out)
+    prior = true.scaled(0.5)
+    true_error = prediction_error(true, held_out)
+    prior_error = prediction_error(prior, held_out)
+    fit = StepFit.fresh(prior=prior)
+    deviations: list[float] = []
+    errors: list[float] = []
+    traffic_seconds = 0.0
+    for sample in train:
+        traffic_seconds += WINDOW_SECONDS
+        fit.add([sample], now_seconds=traffic_seconds)
+        theta = fit.coefficients
+        assert theta is not None
+        deviations.append(deviation(theta, true, held_out))
+        errors.append(prediction_error(theta, held_out))
+    within = [d <= BOUND for d in deviations]
+    k = next((i + 1 for i in range(len(within)) if all(within[i:])), None)
+    print(f"\n{len(train)} training + {len(held_out)} held-out windows of {WINDOW_SECONDS} s "
+          f"({wall:.1f} s of traffic). Held-out step time, median deviation from the true fit's: prior alone "
+          f"(calibration disabled) {deviation(prior, true, held_out):.1%}, calibrated after each window "
+          f"{[round(d, 3) for d in deviations]}: within {BOUND:.0%} from K={k} windows "
+          f"({(k or 0) * WINDOW_SECONDS:.1f} s of traffic). Median error against the measured busy time: "
+          f"true fit {true_error:.1%}, prior alone {prior_error:.1%}, calibrated {errors[-1]:.1%}. "
+          f"Confidence {fit.confidence:.2f}; true {true}; fitted {fit.coefficients}")
+    assert deviation(prior, true, held_out) > BOUND  # 50 %: without calibration the bound fails
+    assert k is not None, f"the fit never stayed within {BOUND:.0%} of the true step time: {deviations}"
+    # and it predicts the measurements about as well as the best linear model does, better than the prior
+    assert errors[-1] <= true_error + MEASURED_MARGIN, (errors[-1], true_error)
+    assert errors[-1] < prior_error, (errors[-1], prior_error)
+    assert 0.0 < fit.confidence <= 1.0  # (noisy wall time keeps it lowish: it penalises the fit's error)
