@@ -8,7 +8,11 @@ builds :class:`AttentionMetadata` for one step of prefill/extend chunks plus dec
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -16,6 +20,19 @@ from splitserve_runtime.engine.llm_engine import LLMEngine
 from splitserve_runtime.engine.sampling_params import SamplingParams
 from splitserve_runtime.model.llama import LlamaForCausalLM
 from splitserve_runtime.ops.interface import AttentionMetadata
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module (bench scripts are not a package); registered in
+    ``sys.modules`` first, so its dataclasses resolve their module by name."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_to_completion(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, *,

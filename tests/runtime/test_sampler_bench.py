@@ -3,28 +3,18 @@ and each case's mix is what its name says. Figures are not asserted (the machine
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "sampler.py"
+from helpers import BENCH_DIR, load_bench
 
-
-def _bench_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sampler_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+BENCH = BENCH_DIR / "sampler.py"
 
 
 def test_bench_reports_every_case() -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--seqs", "8", "--vocab", "600", "--steps", "1"],
                           capture_output=True, text=True, timeout=300, check=True)
-    names = ["torch.argmax", *_bench_module().cases(8)]
+    names = ["torch.argmax", *load_bench("sampler").cases(8)]
     lines = done.stdout.splitlines()
     for name in names:
         row = next(line for line in lines if line.strip().startswith(name))
@@ -32,7 +22,7 @@ def test_bench_reports_every_case() -> None:
 
 
 def test_case_mixes() -> None:
-    cases = _bench_module().cases(8)
+    cases = load_bench("sampler").cases(8)
     assert all(p.is_greedy for p in cases["greedy"])
     assert [p.is_greedy for p in cases["mixed 50/50"]] == [True, False] * 4
     assert sum(p.seed is not None for p in cases["mixed, 1/4 seeded"]) == 2

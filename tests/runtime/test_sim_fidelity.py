@@ -23,32 +23,20 @@ wall- and CPU-clock figures.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from helpers import load_bench
 
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow  # ~25 s on one core (calibration and two workloads)
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "sim_fidelity.py"
 BOUND = 0.15
 
 
-def _bench_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_fidelity_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_simulator_matches_the_real_runtime_on_the_calibrated_model(tiny_llama_dir: Path) -> None:
-    bench = _bench_module()
+    bench = load_bench("sim_fidelity")
     torch.set_num_threads(1)
     calibration, levels = bench.measure(model_dir=tiny_llama_dir, rates=(15.0, 35.0), seconds=5.0,
                                         calibration_seconds=4.0, clock="model")

@@ -25,20 +25,18 @@ from run to run here). No speed is asserted.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_bench
 
 from splitserve_contract import ServeArgs
 from splitserve_operator.autoscaler.slo.inputs import StepCoefficients, StepSample
 from splitserve_operator.autoscaler.slo.step_fit import StepFit
 from splitserve_runtime.engine.llm_engine import LLMEngine
-from splitserve_runtime.engine.sampling_params import SamplingParams
-from splitserve_runtime.engine.stats import EngineStats
 
 torch = pytest.importorskip("torch")
 
@@ -56,54 +54,9 @@ ROUNDS = 6
 drifts with other load)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadLevel:
-    concurrency: int
-    prompt_tokens: int
-    output_tokens: int
-
-
-LEVELS = (LoadLevel(1, 32, 96), LoadLevel(8, 128, 32), LoadLevel(32, 32, 128),
-          LoadLevel(4, 768, 4), LoadLevel(16, 384, 16), LoadLevel(2, 1536, 2))
-
-
-def _sample(before: EngineStats, after: EngineStats) -> StepSample:
-    return StepSample(
-        steps=after.engine_steps_total - before.engine_steps_total,
-        seconds=after.engine_step_seconds_total - before.engine_step_seconds_total,
-        prefill_tokens=after.engine_prefill_tokens_total - before.engine_prefill_tokens_total,
-        prefill_attention_pairs=(after.engine_prefill_attention_pairs_total
-                                 - before.engine_prefill_attention_pairs_total),
-        decode_rows=after.engine_decode_rows_total - before.engine_decode_rows_total,
-        decode_context_tokens=after.engine_decode_context_tokens_total - before.engine_decode_context_tokens_total)
-
-
-class ClosedLoopTraffic:
-    """Keeps ``concurrency`` requests in flight (a new one as soon as one finishes)."""
-
-    def __init__(self, engine: LLMEngine, *, seed: int) -> None:
-        self.engine = engine
-        self.rng = np.random.default_rng(seed)
-        self.count = 0
-
-    def window(self, level: LoadLevel, *, seconds: float) -> StepSample:
-        engine = self.engine
-        before = engine.stats()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            while engine.num_requests < level.concurrency:
-                self._add(level)
-            engine.step()
-        return _sample(before, engine.stats())
-
-    def _add(self, level: LoadLevel) -> None:
-        # lengths vary ±25 % around the level's, so windows of one level differ a little
-        prompt = int(level.prompt_tokens * self.rng.uniform(0.75, 1.25))
-        output = max(1, int(level.output_tokens * self.rng.uniform(0.75, 1.25)))
-        self.count += 1
-        self.engine.add_request(
-            request_id=f"cal-{self.count}", prompt_token_ids=[int(t) for t in self.rng.integers(3, 500, prompt)],
-            params=SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
+BENCH = load_bench("sim_fidelity")
+"""The closed-loop traffic at six levels and the counter → step-sample mapping are the fidelity bench's."""
+LEVELS = BENCH.CALIBRATION_LEVELS
 
 
 def _least_squares(samples: Sequence[StepSample]) -> StepCoefficients:
@@ -122,18 +75,15 @@ def _least_squares(samples: Sequence[StepSample]) -> StepCoefficients:
     return StepCoefficients.from_tuple([float(c) for c in coef])
 
 
-def _predict(theta: StepCoefficients, sample: StepSample) -> float:
-    return sum(c * x for c, x in zip(theta.as_tuple(), sample.features(), strict=True))
-
-
 def prediction_error(theta: StepCoefficients, samples: Sequence[StepSample]) -> float:
     """Median absolute percentage error of the windows' measured busy seconds."""
-    return float(np.median([abs(_predict(theta, s) - s.seconds) / s.seconds for s in samples]))
+    return float(np.median([abs(BENCH.predicted_seconds(theta, s) - s.seconds) / s.seconds for s in samples]))
 
 
 def deviation(theta: StepCoefficients, true: StepCoefficients, samples: Sequence[StepSample]) -> float:
     """Median absolute percentage deviation of the windows' predicted busy seconds from the true fit's."""
-    return float(np.median([abs(_predict(theta, s) - _predict(true, s)) / _predict(true, s) for s in samples]))
+    predict = BENCH.predicted_seconds
+    return float(np.median([abs(predict(theta, s) - predict(true, s)) / predict(true, s) for s in samples]))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +92,7 @@ def windows(tiny_llama_dir: Path) -> tuple[list[StepSample], list[StepSample], f
     engine = LLMEngine.from_args(ServeArgs(
         model=str(tiny_llama_dir), device="cpu", block_size=16, num_kv_blocks=2048, max_model_len=2048,
         max_num_batched_tokens=1024, max_num_seqs=64))
-    traffic = ClosedLoopTraffic(engine, seed=0)
+    traffic = BENCH.ClosedLoopTraffic(engine, seed=0)
     traffic.window(LEVELS[1], seconds=0.2)  # warm-up (allocator, first-call paths), not measured
     rounds: list[list[StepSample]] = []
     started = time.monotonic()
