@@ -167,11 +167,11 @@ def test_no_model_and_no_load_holds_unless_measured_latency_violates() -> None:
 
 def test_the_forecast_starts_pods_before_the_load_arrives() -> None:
     pools = disagg(2, 2)
-    steady = decide(pools, rate=12.0)
-    assert steady["prefill"].result == 2  # 12/s: 2 prefill replicas meet the SLO, 16/s would not
-    rising = state(pools, rate=12.0, ramp=0.75)  # +3 requests/s per minute; 120 s start time
-    d = decide(pools, rate=12.0, slo_state=rising)["prefill"]
-    assert d.model is not None and d.model["forecastRate"] > 14.0 and d.model["planRate"] == d.model["forecastRate"]
+    steady = decide(pools, rate=8.0)
+    assert steady["prefill"].result == 2  # 8/s: 2 prefill replicas meet the SLO, 9/s would not
+    rising = state(pools, rate=8.0, ramp=0.75)  # +3 requests/s per minute; 120 s start time
+    d = decide(pools, rate=8.0, slo_state=rising)["prefill"]
+    assert d.model is not None and d.model["forecastRate"] > 10.0 and d.model["planRate"] == d.model["forecastRate"]
     assert (d.result, d.reason) == (3, Reason.SLO_FORECAST), d.formula
 
 
@@ -206,3 +206,19 @@ def test_dry_run_is_marked_and_decisions_record_history() -> None:
     out = decide(disagg(2, 2), rate=8.0, dry_run=True, histories=histories)
     assert all(d.dry_run and not d.write for d in out.values())
     assert histories["prefill"].samples == [(NOW, 2)]
+
+
+def test_a_recent_burst_keeps_its_capacity_planned_after_the_rate_drops() -> None:
+    """A burst 2 minutes ago: the rate is back to 4/s, which 1 prefill pod would serve, but the
+    plan keeps the recent peak (the next burst arrives faster than a pod starts)."""
+    pools = disagg(3, 3)
+    calm = decide(pools, rate=4.0)["prefill"]
+    assert calm.result < 3, calm.formula
+    bursty = SloState.fresh()
+    bursty.fits = state(pools, rate=None).fits
+    for i in range(20):
+        t = NOW - 15.0 * (19 - i)
+        bursty.forecaster.update(load(12.0 if i < 12 else 4.0), now_seconds=t)
+    d = decide(pools, rate=4.0, slo_state=bursty)["prefill"]
+    assert d.model is not None and d.model["planRate"] > 8.0, d.formula
+    assert d.result == 3, d.formula

@@ -131,3 +131,15 @@ def test_aggregated_steps_carry_prefill_chunks() -> None:
     pure = estimate_decode(TRUTH, LOAD, replicas=3, attainment=0.99)
     assert agg.itl_seconds > pure.itl_seconds
     assert agg.decode is not None and agg.decode.batch > pure.batch  # steps are longer, so more in flight
+
+
+def test_a_committed_queue_drains_at_one_servers_spare_rate() -> None:
+    """The router binds a request to one pod on arrival: the wait probability is still
+    Erlang C's, but the tail decays c× slower than a shared queue's."""
+    shared = queue_wait_quantile(servers=4, rate=3.4, service_seconds=1.0, attainment=0.99)
+    committed = queue_wait_quantile(servers=4, rate=3.4, service_seconds=1.0, attainment=0.99, committed=True)
+    assert shared > 0.0 and math.isclose(committed, 4.0 * shared)
+    single = queue_wait_quantile(servers=1, rate=0.85, service_seconds=1.0, attainment=0.99)
+    assert queue_wait_quantile(servers=1, rate=0.85, service_seconds=1.0, attainment=0.99, committed=True) == single
+    # idle capacity: no wait either way
+    assert queue_wait_quantile(servers=4, rate=0.2, service_seconds=1.0, attainment=0.99, committed=True) == 0.0

@@ -118,3 +118,28 @@ def test_burstiness_is_deviation_beyond_poisson_noise() -> None:
 def _poisson(rng: random.Random, mean: float) -> float:
     """A Poisson count by its normal approximation (mean ≥ 100 here)."""
     return max(0.0, round(rng.gauss(mean, math.sqrt(mean))))
+
+
+def test_the_recent_peak_outlives_a_burst_and_decays_with_its_half_life() -> None:
+    """After a burst the plan keeps the burst's rate for a while (a pod start is too slow to
+    catch the next one): the peak stays near the high state, then decays toward the level."""
+    from splitserve_operator.autoscaler.slo import forecast
+
+    f = LoadForecaster()
+    t = 0.0
+    for rate in [10.0] * 20 + [30.0] * 20:
+        f.update(load(rate), now_seconds=t)
+        t += 15.0
+    assert f.peak > 29.0
+    for _ in range(20):
+        f.update(load(10.0), now_seconds=t)
+        t += 15.0
+    assert f.level is not None and f.level < 11.0
+    # 300 s of low rate: one half-life, so about half of the excess is left
+    half = forecast.PEAK_HALF_LIFE_SECONDS
+    assert half == 20 * 15.0
+    assert 16.0 < f.peak < 22.0, f.peak
+    restored = LoadForecaster.from_dict(json.loads(json.dumps(f.to_dict())))
+    assert restored.peak == f.peak
+    legacy = {k: v for k, v in f.to_dict().items() if k != "peak"}
+    assert LoadForecaster.from_dict(legacy).peak == f.level

@@ -23,7 +23,12 @@ Prefill (TTFT) — the pool is a token server, FCFS over chunks of B tokens:
   ``c = N`` servers and offered load ``λ·S``, then ``P(wait > t) = E·exp(-t·(N/S - λ)·2/(1+cs²))``
   so ``wait_q = ln(E/(1-q))·(1+cs²)/(2(N/S - λ))`` when ``E > 1-q``, else 0.
   ``cs² = 1`` (:data:`PREFILL_SERVICE_SCV`: prompt lengths vary about as much as an
-  exponential) — the router's load balancing is assumed to approach one shared queue.
+  exponential). The router commits each request to one pod on arrival (join the shortest
+  queue, no shared queue): a request still waits only when every pod is busy (``E``), but
+  then behind its own pod, which drains at one pod's spare rate, so the prefill pool uses
+  ``N`` times the shared queue's tail, ``wait_q = N·ln(E/(1-q))·(1+cs²)/(2(N/S - λ))``
+  (``committed=True``). The shared-queue form underestimated the simulator's transients
+  2-5×; the committed one lifted the CI bursty trace from 87 % to 97 %.
 * backlog drain (the Dynamo lesson: a burst's queue is part of TTFT): the waiting prompt
   work ``Q = waiting_tokens·(θ.prefill_token + θ.step/B) + waiting_requests·θ.prefill_pair·pairs_w``
   is served by the spare capacity ``N·(1-ρ)``; for a scale-up beyond the R pods serving
@@ -202,8 +207,13 @@ def erlang_c(servers: int, offered: float) -> float:
 
 
 def queue_wait_quantile(*, servers: int, rate: float, service_seconds: float, attainment: float,
-                        scv: float = PREFILL_SERVICE_SCV) -> float:
-    """Wait in queue at quantile ``attainment``, M/G/c (Allen-Cunneen); inf when saturated."""
+                        scv: float = PREFILL_SERVICE_SCV, committed: bool = False) -> float:
+    """Wait in queue at quantile ``attainment``, M/G/c (Allen-Cunneen); inf when saturated.
+
+    ``committed``: the router binds a request to one server on arrival (join the shortest
+    queue, no central queue). It still waits only when every server is busy (Erlang C, as
+    JSQ routes to an idle one), but then behind its own server's queue, which drains at one
+    server's spare rate ``μ(1-ρ)``, not the pool's ``cμ(1-ρ)``: the tail decays ``c``× slower."""
     if rate <= 0.0:
         return 0.0
     if servers <= 0 or service_seconds <= 0.0:
@@ -215,7 +225,7 @@ def queue_wait_quantile(*, servers: int, rate: float, service_seconds: float, at
     tail = 1.0 - attainment
     if waits <= tail:
         return 0.0
-    decay = (servers / service_seconds - rate) * 2.0 / (1.0 + scv)
+    decay = (servers / service_seconds - rate) / (servers if committed else 1) * 2.0 / (1.0 + scv)
     return math.log(waits / tail) / decay
 
 
@@ -244,8 +254,9 @@ def estimate_prefill(
     if rho >= 1.0:
         return _unstable_prefill(replicas, utilization=rho, service=service)
     own = _chunks(p, budget) * (theta.step + decode_rows * decode_row_seconds) + work
+    # the router commits each request to one pod on arrival (see queue_wait_quantile)
     queue = queue_wait_quantile(servers=replicas, rate=load.request_rate, service_seconds=service,
-                                attainment=attainment)
+                                attainment=attainment, committed=True)
     drain = 0.0
     if backlog.prompt_tokens_waiting > 0 or backlog.requests_waiting > 0:
         waiting_p = backlog.prompt_tokens_waiting / backlog.requests_waiting if backlog.requests_waiting > 0 else 0.0

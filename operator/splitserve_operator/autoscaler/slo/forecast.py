@@ -21,7 +21,8 @@ trend counts in full, so one burst window does not extrapolate into a surge (one
 3× a steady 2/s gives a +120 s forecast of 5.6/s, below the burst; β = 0.3 would give 8.8/s). The means of prompt and output
 length and the prefix hit ratio are plain EWMAs (α = 0.5; lengths shift, they do not
 trend). A gap longer than :data:`RESET_AFTER_SECONDS` restarts from the new observation.
-The controller plans on ``max(current, forecast) + BURST_MARGIN × burstiness``, where
+The controller plans on ``max(current, forecast, peak) + BURST_MARGIN × burstiness``, where
+``peak`` is the recent peak of the level (decaying toward it, :data:`PEAK_HALF_LIFE_SECONDS`),
 ``deviation`` is a slow EWMA (α = 0.05) of ``|rate - predicted|`` and ``burstiness`` the part
 of it beyond the Poisson sampling noise of a window rate (``sqrt(2/π)·sqrt(λ/W)``):
 the forecast only ever adds capacity, and a bursty workload (MMPP) gets the margin a pod
@@ -43,6 +44,11 @@ DEVIATION_ALPHA: Final = 0.05
 """Slow on purpose: the burstiness of a workload is a property of it (about 5 min memory at 15 s)."""
 NOISE_FACTOR: Final = 1.0
 """Deviation up to this many times the Poisson sampling noise counts as noise, not bursts."""
+PEAK_HALF_LIFE_SECONDS: Final = 300.0
+"""The recent peak of the smoothed rate decays toward the level with this half-life. The
+peak is what the controller plans on through a lull between bursts (a pod start is too slow
+to catch the next one); 5 min, like the burstiness' memory: about one lull of a bursty
+workload, and on a diurnal ramp's falling side it only delays scale-down by minutes."""
 RESET_AFTER_SECONDS: Final = 600.0
 FORMAT_VERSION: Final = 1
 
@@ -57,6 +63,9 @@ class LoadForecaster:
         """Smoothed slope of the rate (requests/s per second)."""
         self.deviation = 0.0
         """EWMA of ``|rate - predicted|`` (requests/s): how bursty the rate is around the trend."""
+        self.peak = 0.0
+        """Recent peak of the smoothed rate (requests/s), decaying toward the level (see
+        :data:`PEAK_HALF_LIFE_SECONDS`)."""
         self.prompt_tokens_mean = 0.0
         self.output_tokens_mean = 0.0
         self.prefix_hit_ratio = 0.0
@@ -69,7 +78,7 @@ class LoadForecaster:
         if not math.isfinite(rate):
             return
         if self.level is None or self.last_seconds is None or now_seconds - self.last_seconds > RESET_AFTER_SECONDS:
-            self.level, self.trend, self.deviation = rate, 0.0, 0.0
+            self.level, self.trend, self.deviation, self.peak = rate, 0.0, 0.0, rate
             self.prompt_tokens_mean, self.output_tokens_mean = load.prompt_tokens_mean, load.output_tokens_mean
             self.prefix_hit_ratio = load.prefix_hit_ratio
         else:
@@ -80,6 +89,8 @@ class LoadForecaster:
                 self.deviation = DEVIATION_ALPHA * miss + (1.0 - DEVIATION_ALPHA) * self.deviation
                 self.level = max(0.0, ALPHA * rate + (1.0 - ALPHA) * (previous + self.trend * dt))
                 self.trend = BETA * (self.level - previous) / dt + (1.0 - BETA) * self.trend
+                decay = 0.5 ** (dt / PEAK_HALF_LIFE_SECONDS)
+                self.peak = max(self.level, self.level + (self.peak - self.level) * decay)
             self.prompt_tokens_mean = _ewma(self.prompt_tokens_mean, load.prompt_tokens_mean)
             self.output_tokens_mean = _ewma(self.output_tokens_mean, load.output_tokens_mean)
             self.prefix_hit_ratio = _ewma(self.prefix_hit_ratio, load.prefix_hit_ratio)
@@ -111,7 +122,7 @@ class LoadForecaster:
     def to_dict(self) -> dict[str, object]:
         return {
             "version": FORMAT_VERSION, "level": self.level, "trend": self.trend, "deviation": self.deviation,
-            "promptTokensMean": self.prompt_tokens_mean, "outputTokensMean": self.output_tokens_mean,
+            "peak": self.peak, "promptTokensMean": self.prompt_tokens_mean, "outputTokensMean": self.output_tokens_mean,
             "prefixHitRatio": self.prefix_hit_ratio, "windowSeconds": self.window_seconds,
             "lastSeconds": self.last_seconds,
         }
@@ -127,6 +138,7 @@ class LoadForecaster:
         out.last_seconds = None if last is None else _float(last)
         out.trend = _float(data.get("trend", 0.0))
         out.deviation = _float(data.get("deviation", 0.0))
+        out.peak = _float(data.get("peak", out.level or 0.0))
         out.prompt_tokens_mean = _float(data.get("promptTokensMean", 0.0))
         out.output_tokens_mean = _float(data.get("outputTokensMean", 0.0))
         out.prefix_hit_ratio = _float(data.get("prefixHitRatio", 0.0))

@@ -25,7 +25,11 @@ pseudo-windows shaped like the data (Zellner's g-prior), so the fit is about
 ``(n·θ_data + k·θ₀)/(n + k)`` — the prior dominates with no data and the data wins after a
 few windows, whatever the features' units (pairs are ~10⁸ per window, steps ~10³); the
 small diagonal share keeps directions the data never excited (collinear features) at the
-prior. A feature never seen (``G_jj = 0``, e.g. prefill tokens on a decode pod) keeps the
+prior. That Zellner prior is as weak along a feature as the data is rich in it, so on top a
+floor derived from the prior alone: ``P_jj ≥`` :data:`PRIOR_FLOOR_WINDOWS` ``/ θ0_j²`` (a
+fraction of a window made of feature ``j`` alone); without it one nearly decode-only window
+let the prefill coefficients absorb the whole miss (a prefill chunk predicted 21,000× too
+slow after window 1). A feature never seen (``G_jj = 0``, e.g. prefill tokens on a decode pod) keeps the
 prior's value, or 0 without a prior. Without a prior ``P`` is a negligible ridge and the
 coefficients stay None until :data:`MIN_POINTS_WITHOUT_PRIOR` windows have been seen and
 the system is solvable. Coefficients are constrained to be ``>= 0`` (active-set
@@ -39,6 +43,19 @@ the share of real data against the prior's pseudo-windows, times a penalty for h
 the fitted model explains the data (``relative_error = sqrt(Σw·(1 - θ·x/y)² / Σw)``, the
 relative RMS error of the predicted window busy time; ``ERROR_SCALE`` = 0.5, so 10 % error
 keeps 80 % of the trust and 50 % error none). No data → 0.
+
+Collinear traffic (prefill and decode work growing together, or prompt tokens and attention
+pairs at one prompt length) leaves a direction of ``θ`` the data cannot identify; the
+confidence does not see it, on purpose: (1) along that direction the fit stays at the
+prior's split (the diagonal share and the floor), so a step of another mix is predicted
+between the prior and the truth, never beyond (``test_collinear_traffic_keeps_the_
+unidentified_split_between_prior_and_truth``) — no worse than with no calibration at all;
+(2) a pool's decisions predict the pool's own mix at the forecast load, which the data does
+identify; (3) when the mix shifts (the bursty trace's prompt-length shift), the new windows
+miss the fit, change detection discounts the old data and the new mix separates the
+coefficients within a few rounds. Gating on a per-direction posterior variance would
+instead hold every pure prefill/decode pool at low confidence (their features are
+collinear by construction) and block its scale-downs.
 """
 
 from __future__ import annotations
@@ -71,6 +88,14 @@ CHANGE_DECAY: Final = 0.5
 CHANGE_MIN_WEIGHT: Final = 8.0
 NOISE_ALPHA: Final = 0.1
 """Windows of data before change detection is trusted."""
+PRIOR_FLOOR_WINDOWS: Final = 0.01
+"""Floor of the prior's strength per coefficient: 1/100 of a window whose busy time is that
+feature alone, by the prior (precision ``≥ 0.01/θ0_j²``). Independent of the data, so a
+feature the data has barely shown cannot move freely (one nearly decode-only window sent a
+prefill chunk's prediction 21,000x off without it, 0.5x with it); a feature with share
+``s`` of the busy time outweighs it after ``0.01/s²`` windows (10 %: one window, 1 %:
+100), so calibration of the features that matter is not slowed (2x-too-fast prior: 13
+windows to 10 %, as before)."""
 PRIOR_DIAGONAL: Final = 0.1
 """Share of the prior's weight kept on the diagonal (pins directions the data never excites)."""
 FORMAT_VERSION: Final = 1
@@ -209,6 +234,12 @@ class StepFit:
             # plus a little on the diagonal for directions the data has not excited.
             precision = [[PRIOR_WINDOWS * self._gram[i][j] / n * (1.0 + (PRIOR_DIAGONAL if i == j else 0.0))
                           for j in range(_N)] for i in range(_N)]
+            # Floor from the prior itself: at least PRIOR_FLOOR_WINDOWS windows made of
+            # feature j alone (u_j = 1/θ0_j), so a feature barely present in the data so far
+            # cannot absorb the whole miss of the windows it is barely in.
+            for j in range(_N):
+                if theta0[j] > 0.0:
+                    precision[j][j] = max(precision[j][j], PRIOR_FLOOR_WINDOWS / (theta0[j] * theta0[j]))
         else:
             precision = [[RIDGE_WITHOUT_PRIOR * self._gram[i][j] if i == j else 0.0 for j in range(_N)]
                          for i in range(_N)]
@@ -222,7 +253,7 @@ class StepFit:
         if z is None:
             return self.prior
         return StepCoefficients.from_tuple(
-            [z[j] / diag[j] if diag[j] > 0 else max(0.0, theta0[j]) for j in range(_N)])
+            [z[j] / diag[j] if self._gram[j][j] > 0 and diag[j] > 0 else max(0.0, theta0[j]) for j in range(_N)])
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, object]:
