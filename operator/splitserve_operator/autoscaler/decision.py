@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from splitserve_contract import Reason
@@ -449,51 +449,65 @@ def settle(
                    stages=(f"stabilized {stabilized}", *limited.stages))
 
 
-def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list[Decision]:
-    """Trim scale-ups so the pools' GPUs together stay within ``gpu_budget``.
+def grant_gpu_budget(decisions: Sequence[Decision], *, gpu_budget: int | None,
+                     priority: Callable[[Decision, int], float]) -> tuple[dict[str, int], list[str]] | None:
+    """Share ``gpu_budget`` among the pools' scale-ups; None when every result fits as it is.
 
     GPUs held now count against the budget until they are released: a pool that scales
     down this round still holds its current GPUs, so another pool can use them only on a
     later round (requests never exceed the budget during a rebalance, cf. dynamo#12428).
-    Increases up to ``min`` are granted first; the rest is handed out one replica at a time
-    to the pool with the highest pressure after the grant (demand ``ratio * ready`` over
-    replicas granted so far), ties by pool name. Scale-downs and holds are unchanged.
+    Increases up to ``min`` are granted first (the CRD guarantees the budget covers every
+    min); the rest is handed out one replica at a time to the growing pool with the highest
+    ``priority(decision, replicas so far)``, ties by pool name. Returns the replicas granted
+    on top of each growing pool's current count, and the grants in order (for the formula).
     """
     if gpu_budget is None:
-        return list(decisions)
+        return None
     if sum(max(d.result, d.current_replicas) * d.gpus_per_replica for d in decisions) <= gpu_budget:
-        return list(decisions)
-
+        return None
     free = gpu_budget - sum(d.current_replicas * d.gpus_per_replica for d in decisions)
     growing = sorted((d for d in decisions if d.result > d.current_replicas), key=lambda d: d.pool)
     granted: dict[str, int] = {}
-    for d in growing:  # up to min first (the CRD guarantees the budget covers every min)
+    for d in growing:
         granted[d.pool] = max(0, d.min_replicas - d.current_replicas)
         free -= granted[d.pool] * d.gpus_per_replica
-
-    def pressure(d: Decision) -> float:
-        capacity = d.current_replicas + granted[d.pool]
-        demand = (d.ratio if d.ratio is not None else 1.0) * max(d.ready_replicas, 1)
-        return demand / capacity if capacity > 0 else math.inf
-
+    trail: list[str] = []
     while True:
-        candidates = [
-            d for d in growing
-            if d.current_replicas + granted[d.pool] < d.result and d.gpus_per_replica <= free
-        ]
+        candidates = [d for d in growing
+                      if d.current_replicas + granted[d.pool] < d.result and d.gpus_per_replica <= free]
         if not candidates:
-            break
-        best = max(candidates, key=pressure)  # first of equals: ties go by pool name
+            return granted, trail
+        score = {d.pool: priority(d, d.current_replicas + granted[d.pool]) for d in candidates}
+        best = max(candidates, key=lambda d: score[d.pool])  # first of equals: ties go by pool name
+        trail.append(f"{best.pool}+1 ({score[best.pool]:.3g})")
         granted[best.pool] += 1
         free -= best.gpus_per_replica
 
+
+def trimmed_to(decision: Decision, granted: Mapping[str, int]) -> int | None:
+    """The count ``decision`` is cut to by :func:`grant_gpu_budget`'s grants; None when it keeps its result."""
+    if decision.pool not in granted or decision.current_replicas + granted[decision.pool] >= decision.result:
+        return None
+    return decision.current_replicas + granted[decision.pool]
+
+
+def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list[Decision]:
+    """Trim scale-ups so the pools' GPUs together stay within ``gpu_budget``
+    (:func:`grant_gpu_budget`), the next replica going to the pool with the highest pressure
+    after the grant: demand ``ratio * ready`` over the replicas granted so far. Scale-downs
+    and holds are unchanged.
+    """
+    def pressure(d: Decision, replicas: int) -> float:
+        demand = (d.ratio if d.ratio is not None else 1.0) * max(d.ready_replicas, 1)
+        return demand / replicas if replicas > 0 else math.inf
+
+    grants = grant_gpu_budget(decisions, gpu_budget=gpu_budget, priority=pressure)
+    if grants is None:
+        return list(decisions)
     out: list[Decision] = []
     for d in decisions:
-        if d.pool not in granted or d.current_replicas + granted[d.pool] >= d.result:
-            out.append(d)
-            continue
-        trimmed = d.current_replicas + granted[d.pool]
-        out.append(dataclasses.replace(
+        trimmed = trimmed_to(d, grants[0])
+        out.append(d if trimmed is None else dataclasses.replace(
             d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
             formula=f"{d.formula} → joint gpu-budget {gpu_budget} {trimmed}",
         ))

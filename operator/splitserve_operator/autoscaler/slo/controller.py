@@ -56,7 +56,15 @@ from typing import Final
 
 from splitserve_contract import Reason
 
-from ..decision import Decision, PoolPolicy, RecommendationHistory, SignalValue, settle
+from ..decision import (
+    Decision,
+    PoolPolicy,
+    RecommendationHistory,
+    SignalValue,
+    grant_gpu_budget,
+    settle,
+    trimmed_to,
+)
 from .estimate import (
     Backlog,
     LatencyEstimate,
@@ -568,43 +576,22 @@ def _budget_score(plan: _Plan, slo: SloTarget, replicas: int, decision: Decision
 
 def _trade_budget(decisions: list[Decision], *, plans: Mapping[str, _Plan], slo: SloTarget,
                   gpu_budget: int | None) -> list[Decision]:
-    """Step 7 of the module docstring."""
-    if gpu_budget is None:
-        return decisions
-    if sum(max(d.result, d.current_replicas) * d.gpus_per_replica for d in decisions) <= gpu_budget:
-        return decisions
-    free = gpu_budget - sum(d.current_replicas * d.gpus_per_replica for d in decisions)
-    growing = {d.pool: d for d in decisions if d.result > d.current_replicas}
-    granted: dict[str, int] = {}
-    for name, d in sorted(growing.items()):
-        granted[name] = max(0, d.min_replicas - d.current_replicas)
-        free -= granted[name] * d.gpus_per_replica
-    trail: list[str] = []
-    while True:
-        candidates = [d for d in growing.values()
-                      if d.current_replicas + granted[d.pool] < d.result and 0 < d.gpus_per_replica <= free]
-        if not candidates:
-            break
+    """Step 7 of the module docstring: :func:`~..decision.grant_gpu_budget` with the SLO gain per GPU as priority."""
+    def gain(d: Decision, replicas: int) -> float:
+        plan = plans[d.pool]
+        return (_budget_score(plan, slo, replicas, d) - _budget_score(plan, slo, replicas + 1, d)) / max(
+            d.gpus_per_replica, 1)
 
-        def gain(d: Decision) -> float:
-            n = d.current_replicas + granted[d.pool]
-            plan = plans[d.pool]
-            return (_budget_score(plan, slo, n, d) - _budget_score(plan, slo, n + 1, d)) / d.gpus_per_replica
-
-        best = max(sorted(candidates, key=lambda d: d.pool), key=gain)
-        trail.append(f"{best.pool}+1 (gain/GPU {gain(best):.3g})")
-        granted[best.pool] += 1
-        free -= best.gpus_per_replica
+    grants = grant_gpu_budget(decisions, gpu_budget=gpu_budget, priority=gain)
+    if grants is None:
+        return decisions
+    granted, trail = grants
     out: list[Decision] = []
     for d in decisions:
-        if d.pool not in granted or d.current_replicas + granted[d.pool] >= d.result:
-            out.append(d)
-            continue
-        trimmed = d.current_replicas + granted[d.pool]
-        grants = ", ".join(trail) if trail else "none"
-        out.append(dataclasses.replace(
+        trimmed = trimmed_to(d, granted)
+        out.append(d if trimmed is None else dataclasses.replace(
             d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
-            formula=f"{d.formula} → joint gpu-budget {gpu_budget} (grants: {grants}) {trimmed}",
+            formula=f"{d.formula} → joint gpu-budget {gpu_budget} (grants: {', '.join(trail) or 'none'}) {trimmed}",
             model=_model_fields(plans[d.pool], slo, trimmed),
         ))
     return out
