@@ -222,3 +222,22 @@ def test_a_recent_burst_keeps_its_capacity_planned_after_the_rate_drops() -> Non
     d = decide(pools, rate=4.0, slo_state=bursty)["prefill"]
     assert d.model is not None and d.model["planRate"] > 8.0, d.formula
     assert d.result == 3, d.formula
+
+
+def test_low_confidence_steps_down_one_replica_on_measured_evidence_alone() -> None:
+    # a fit that never gets confident (noisy CPU pods) must not keep a burst's replicas forever
+    ttft_target, itl_target = SLO.ttft_p99_seconds, SLO.itl_p99_seconds
+    far_below = disagg(4, 4, ttft=0.05 * ttft_target, itl=0.05 * itl_target)
+    unsure = state(far_below, rate=1.0, trained=False)
+    out = decide(far_below, rate=1.0, slo_state=unsure)
+    for d in out.values():
+        assert (d.result, d.reason) == (3, Reason.SCALED_DOWN), d.formula
+        assert "scale-down on measurements" in d.formula
+    # measured within headroom, but not within half of it once scaled by N/(N-1): held
+    near = disagg(4, 4, ttft=0.35 * ttft_target, itl=0.35 * itl_target)
+    held = decide(near, rate=1.0, slo_state=state(near, rate=1.0, trained=False))
+    assert all((d.result, d.reason) == (4, Reason.SLO_LOW_CONFIDENCE) for d in held.values())
+    # idle: no request finished in the window (no latency measured) and nothing queued or running
+    idle = disagg(3, 3)
+    stepped = decide(idle, rate=0.0, slo_state=state(idle, rate=0.0, trained=False))
+    assert all(d.result == 2 and "idle" in d.formula for d in stepped.values())

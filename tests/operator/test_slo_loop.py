@@ -208,10 +208,12 @@ def busy_prometheus(*, waiting: float = 0.0, rate: float = 40.0) -> FakePromethe
                          Metric.PROMPT_TOKENS_WAITING: 0.0, Metric.KV_CACHE_USAGE_RATIO: 0.9,
                          Metric.KV_CACHE_BLOCKS: 4096,
                          **engine_counters(steps=900, prefill_tokens=0, pairs=0, rows=54_000, context=6.5e7)}
+    # prompts are counted where they are computed: 90 % on prefill, 10 % sent straight to decode
     prom.pool["prefill"] = {"ttft": 2.5, "rate:" + Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL: rate * 1000,
-                            "rate:" + Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL: rate * 100}
+                            "rate:" + Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL: rate * 100,
+                            "rate:" + Metric.PROMPT_TOKENS_TOTAL: rate * 900}
     prom.pool["decode"] = {"ttft": 0.05, "itl": 0.12, "rate:" + Metric.REQUESTS_TOTAL: rate,
-                           "rate:" + Metric.PROMPT_TOKENS_TOTAL: rate * 1000,
+                           "rate:" + Metric.PROMPT_TOKENS_TOTAL: rate * 100,
                            "rate:" + Metric.GENERATION_TOKENS_TOTAL: rate * 200}
     return prom
 
@@ -466,7 +468,7 @@ def test_pool_slo_observation_sums_live_pods_and_reads_capacity_and_quantiles() 
     assert all('pod=~"svc\\\\-decode\\\\-0|svc\\\\-decode\\\\-1"' in q or "pod=~" in q for q in prom.queries)
 
 
-def test_load_comes_from_the_entry_pool_and_the_prefix_ratio_from_prefill() -> None:
+def test_load_comes_from_the_entry_pool_prompts_from_where_computed_and_the_prefix_ratio_from_prefill() -> None:
     prom = busy_prometheus(rate=8.0)
     load = fetch_load(prometheus=prom, namespace=NS, inferenceservice=NAME, entry_role="decode",
                       entry_pods=["svc-decode-0"], prefill_role="prefill", prefill_pods=["svc-prefill-0"],

@@ -317,8 +317,9 @@ def fetch_load(
 ) -> LoadObservation:
     """The service's load over the window. Every request finishes on the entry pool (decode, or
     aggregated), so its ``splitserve_requests_total`` (all outcomes) is the request rate and its
-    prompt and generation token counters give the means per request; the prefix hit ratio is
-    the prefill pool's (prefill, or aggregated), where prompts are computed. Raises
+    generation token counter gives the output mean per request; prompt tokens are counted where
+    they are computed (the prefill pool's, plus the decode pool's own for prompts the router
+    sent straight to it), and so is the prefix hit ratio. Raises
     :class:`MetricsUnavailable` (``NoData`` without live entry pods or without any request
     series)."""
     if not entry_pods:
@@ -339,6 +340,8 @@ def fetch_load(
     if prefill_pods:
         prefill = pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=prefill_role,
                                 pods=prefill_pods)
+        if prefill_role != entry_role:  # a decode pod counts the prompts it computed itself, not imported ones
+            prompt_rate += rate(Metric.PROMPT_TOKENS_TOTAL, prefill) or 0.0
         queried = rate(Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL, prefill) or 0.0
         hits = rate(Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL, prefill) or 0.0
         hit_ratio = min(1.0, max(0.0, hits / queried)) if queried > 0 else 0.0
