@@ -91,6 +91,10 @@ def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir: Path, prom
         assert decode.stats().spec_decode_accepted_tokens_total == decode.stats().spec_decode_proposed_tokens_total
     assert outs[-1].num_output_tokens == MAX_TOKENS and outs[-1].finish_reason == "length"
     assert decode.block_manager.usage_ratio == 0.0
+    # the first token's TTFT belongs to the prefill side: the decode engine reports none, and
+    # every token it generates (the second one on) is an inter-token gap
+    assert all(out.ttft_seconds is None for out in outs)
+    assert sum(len(out.itl_seconds) for out in outs) == len(rest)
 
 
 def test_import_reuses_local_prefix_cache_and_cancel_frees(tiny_llama_dir: Path,

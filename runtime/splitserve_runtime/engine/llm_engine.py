@@ -621,9 +621,18 @@ class LLMEngine:
                                 num_prompt_tokens=num_prompt_tokens, params=params,
                                 arrival_time_s=arrival_time_s)
         imported_text = self._replay_imported_tokens(state)
+        self._mark_first_token_elsewhere(state)
         self._requests[request_id] = state
         self.scheduler.add(state.seq)
         return imported_text
+
+    @staticmethod
+    def _mark_first_token_elsewhere(state: _RequestState) -> None:
+        """The first token came from another pod and its TTFT was recorded with it
+        (:class:`~.remote.HandoffEngine`): this engine's first token is an inter-token gap,
+        measured from now, not a second TTFT."""
+        seq = state.seq
+        seq.first_token_time_s = seq.last_token_time_s = time.monotonic()
 
     def _replay_imported_tokens(self, state: _RequestState) -> str:
         """Feed the output tokens generated elsewhere (already streamed) through the stop
@@ -646,6 +655,7 @@ class LLMEngine:
         self.block_manager.mark_computed(seq=state.seq, num_tokens=num_imported_tokens)
         self._requests[request_id] = state
         state.prompt_counted = True  # the prompt was counted where it was computed
+        self._mark_first_token_elsewhere(state)
         self.scheduler.add_running(state.seq)
 
     def cancel_imported_request(self, request_id: str) -> bool:
