@@ -241,3 +241,19 @@ def test_low_confidence_steps_down_one_replica_on_measured_evidence_alone() -> N
     idle = disagg(3, 3)
     stepped = decide(idle, rate=0.0, slo_state=state(idle, rate=0.0, trained=False))
     assert all(d.result == 2 and "idle" in d.formula for d in stepped.values())
+
+
+def test_without_a_prior_a_barely_fitted_model_adds_no_pods_but_measured_violations_do() -> None:
+    no_prior = SloTarget(ttft_p99_seconds=0.5, itl_p99_seconds=0.05, attainment=0.99, headroom=0.8, prior=None)
+    pools = disagg(1, 1)
+    shaky = state(pools, rate=30.0, prior=TRUTH, trained=False)  # coefficients: the prior's; confidence 0
+    for fit in shaky.fits.values():
+        assert fit.confidence < 0.2
+    held = decide(pools, rate=30.0, slo=no_prior, slo_state=shaky)
+    for d in held.values():
+        assert d.result == 1 and "ignored for scale-up" in d.formula, d.formula
+    with_prior = decide(pools, rate=30.0, slo_state=state(pools, rate=30.0, trained=False))
+    assert all(d.result > 1 for d in with_prior.values())  # the same model, stated as a prior, may
+    violated = disagg(1, 1, ttft=0.9, itl=0.09)
+    reactive = decide(violated, rate=30.0, slo=no_prior, slo_state=state(violated, rate=30.0, trained=False))
+    assert all(d.result > 1 and d.reason == Reason.SLO_VIOLATED for d in reactive.values())

@@ -30,7 +30,9 @@ One round, per pool (:func:`decide_slo`):
    are within ``headroom × target``, and the estimate at ``current - 1`` (and at the
    count the step limit would allow), corrected by ``max(1, measured/estimated)`` at the
    current count, still meets the SLO with headroom (the N-1 check, against Dynamo's 2↔1
-   flapping); otherwise the current count is held. A fit of low confidence still steps down
+   flapping); otherwise the current count is held. Without a prior, a model count above the
+   current one is used only at a confidence of :data:`MIN_CONFIDENCE_TO_SCALE_UP` or more
+   (measured violations scale up regardless). A fit of low confidence still steps down
    one replica on measurements alone: an idle pool, or a measured p99 that stays within half
    the headroom even scaled by ``N/(N-1)`` (:func:`_measured_scale_down`).
 5. Floors: never below the count target tracking chose (``floors``; targets are floors).
@@ -87,6 +89,9 @@ from .state import SloState
 from .step_fit import StepFit
 
 MIN_CONFIDENCE_TO_SCALE_DOWN: Final = 0.5
+MIN_CONFIDENCE_TO_SCALE_UP: Final = 0.2
+"""Without a prior, a fit below this confidence does not add replicas on its own (measured
+violations still do): its first windows can put a pool's cost on the wrong feature."""
 MEASURED_SCALE_DOWN_FRACTION: Final = 0.5
 """Below this confidence a pool still steps down one replica when its measured p99, scaled by
 ``N/(N-1)``, is within this fraction of ``headroom × target`` (:func:`_measured_scale_down`)."""
@@ -345,6 +350,12 @@ def _decide_pool(
         factor = min(measured_ratio, REACTIVE_MAX_FACTOR)
         stages.append(f"measured {_signal_terms(signals)} > target → reactive ceil({max(ready, 1)} ready × "
                       f"{factor:.2f}) = {reactive}")
+    if model is not None and model > current and slo.prior is None and plan.confidence < MIN_CONFIDENCE_TO_SCALE_UP:
+        # a fit from a few windows and no prior can be wildly off (e2e: 1.4 s per decode row
+        # from a prefill pod's windows); it may not add pods on its own, measured latency may
+        stages.append(f"model {model} ignored for scale-up (no prior, confidence {plan.confidence:.2f} < "
+                      f"{MIN_CONFIDENCE_TO_SCALE_UP:g})")
+        model = current
     if model is not None:
         proposal = model
         if model < current:
