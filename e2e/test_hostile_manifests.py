@@ -125,7 +125,7 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
     ("node-selector-bad-value", _prefill(nodeSelector={"zone": "not a label value"}),
      ["spec.prefill.nodeSelector.zone"]),
     ("priority-class-bad-name", _prefill(priorityClassName="Not_Valid"), ["spec.prefill.priorityClassName"]),
-    ("too-many-gpus", _prefill(resources={"gpus": 9}), ["spec.prefill.resources.gpus"]),
+    ("too-many-gpus", _prefill(resources={"gpus": rules.MAX_REPLICA_GPUS + 1}), ["spec.prefill.resources.gpus"]),
     # issue 12 #14
     ("autoscaling-interval-zero", {"spec": {"autoscaling": {"interval": "0s"}}}, [rules.INTERVAL_RULE_MESSAGE]),
     ("autoscaling-interval-not-a-duration", {"spec": {"autoscaling": {"interval": "fast"}}},

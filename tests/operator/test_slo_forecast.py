@@ -6,6 +6,7 @@ import json
 import math
 import random
 
+import pytest
 from slo_testing import load
 
 from splitserve_operator.autoscaler.slo import LoadForecaster, LoadObservation
@@ -143,3 +144,21 @@ def test_the_recent_peak_outlives_a_burst_and_decays_with_its_half_life() -> Non
     assert restored.peak == f.peak
     legacy = {k: v for k, v in f.to_dict().items() if k != "peak"}
     assert LoadForecaster.from_dict(legacy).peak == f.level
+
+
+def test_the_memory_is_one_of_time_not_of_updates() -> None:
+    # a step from 0 to 20/s seen through a 30 s rate() window is a 30 s ramp; the trend it leaves
+    # after 45 s must not depend on how often the operator looks (5 s vs the default 15 s)
+    def forecast_after(interval: float) -> float:
+        forecaster = LoadForecaster()
+        t = 0.0
+        while t <= 45.0:
+            forecaster.update(load(min(20.0, 20.0 * t / 30.0)), now_seconds=t)
+            t += interval
+        out = forecaster.forecast(horizon_seconds=120.0)
+        assert out is not None
+        return out.request_rate
+
+    every_5s, every_15s = forecast_after(5.0), forecast_after(15.0)
+    assert every_5s == pytest.approx(every_15s, rel=0.25), (every_5s, every_15s)
+    assert every_5s < 2.0 * 20.0  # a step does not extrapolate into a surge

@@ -8,7 +8,8 @@ Why Holt and not Holt-Winters: the seasonal periods of inference traffic are a d
 week, the horizon is minutes; over minutes a daily cycle *is* a linear trend, and a
 seasonal model needs several periods of history (days) the operator does not keep.
 
-With irregular intervals ``dt`` between windows (the level and trend are per second)::
+With irregular intervals ``dt`` between windows (the level and trend are per second; α, β
+and the deviation's weight are per 15 s and scaled to ``dt`` so the memory is one of time)::
 
     predicted = level + trend · dt
     level'    = max(0, α · rate + (1 - α) · predicted)         α = 0.5
@@ -49,6 +50,9 @@ PEAK_HALF_LIFE_SECONDS: Final = 300.0
 peak is what the controller plans on through a lull between bursts (a pod start is too slow
 to catch the next one); 5 min, like the burstiness' memory: about one lull of a bursty
 workload, and on a diurnal ramp's falling side it only delays scale-down by minutes."""
+REFERENCE_INTERVAL_SECONDS: Final = 15.0
+"""ALPHA, BETA and DEVIATION_ALPHA are the weights of an update this long after the last (the
+default autoscaling interval); other intervals get the weight of the same memory in time."""
 RESET_AFTER_SECONDS: Final = 600.0
 FORMAT_VERSION: Final = 1
 
@@ -85,10 +89,11 @@ class LoadForecaster:
             dt = now_seconds - self.last_seconds
             if dt > 0:
                 previous = self.level
+                alpha, beta, deviation_alpha = (_per_interval(a, dt) for a in (ALPHA, BETA, DEVIATION_ALPHA))
                 miss = abs(rate - (previous + self.trend * dt))
-                self.deviation = DEVIATION_ALPHA * miss + (1.0 - DEVIATION_ALPHA) * self.deviation
-                self.level = max(0.0, ALPHA * rate + (1.0 - ALPHA) * (previous + self.trend * dt))
-                self.trend = BETA * (self.level - previous) / dt + (1.0 - BETA) * self.trend
+                self.deviation = deviation_alpha * miss + (1.0 - deviation_alpha) * self.deviation
+                self.level = max(0.0, alpha * rate + (1.0 - alpha) * (previous + self.trend * dt))
+                self.trend = beta * (self.level - previous) / dt + (1.0 - beta) * self.trend
                 decay = 0.5 ** (dt / PEAK_HALF_LIFE_SECONDS)
                 self.peak = max(self.level, self.level + (self.peak - self.level) * decay)
             self.prompt_tokens_mean = _ewma(self.prompt_tokens_mean, load.prompt_tokens_mean)
@@ -144,6 +149,15 @@ class LoadForecaster:
         out.prefix_hit_ratio = _float(data.get("prefixHitRatio", 0.0))
         out.window_seconds = _float(data.get("windowSeconds", 0.0))
         return out
+
+
+def _per_interval(weight: float, dt: float) -> float:
+    """A smoothing weight stated per :data:`REFERENCE_INTERVAL_SECONDS`, for an update ``dt``
+    seconds after the last: ``1 - (1 - weight)^(dt / reference)``. The memory is then one of
+    time, not of updates: at a 5 s interval the trend needs the same ~2.5 min of consistent
+    slope as at 15 s, instead of learning a step load's ``rate()``-window ramp three times as
+    fast and extrapolating it over the pod start time."""
+    return 1.0 - math.pow(1.0 - weight, dt / REFERENCE_INTERVAL_SECONDS)
 
 
 def _ewma(previous: float, value: float) -> float:
