@@ -92,6 +92,9 @@ class Reason:
     """Measured p99 TTFT or ITL exceeds the target: scaled up from the measurement (reactive)."""
     SLO_FORECAST: Final = "SloForecast"
     """The forecast load at the pod start horizon needs more replicas than the current load."""
+    SLO_PREDICTED: Final = "SloPredicted"
+    """The fitted model says the current (planned) load misses the SLO at the current count,
+    before the measured p99 does: scaled up ahead of the miss."""
     SLO_MODEL_UNAVAILABLE: Final = "SloModelUnavailable"
     """No fitted step model yet (no prior and too few data points) or no load: hold."""
     SLO_LOW_CONFIDENCE: Final = "SloLowConfidence"

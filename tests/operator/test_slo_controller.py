@@ -257,3 +257,11 @@ def test_without_a_prior_a_barely_fitted_model_adds_no_pods_but_measured_violati
     violated = disagg(1, 1, ttft=0.9, itl=0.09)
     reactive = decide(violated, rate=30.0, slo=no_prior, slo_state=state(violated, rate=30.0, trained=False))
     assert all(d.result > 1 and d.reason == Reason.SLO_VIOLATED for d in reactive.values())
+
+
+def test_a_model_driven_scale_up_at_the_current_load_says_so() -> None:
+    # steady 30/s, nothing measured yet: the model alone says one pod of each misses the SLO
+    pools = disagg(1, 1)
+    out = decide(pools, rate=30.0)
+    for d in out.values():
+        assert d.result > 1 and d.reason == Reason.SLO_PREDICTED, (d.reason, d.formula)

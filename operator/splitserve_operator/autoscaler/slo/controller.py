@@ -469,6 +469,8 @@ def _reason(plan: _Plan, *, result: int, proposal: int, reactive: int | None, ga
         if (plan.model_replicas is not None and plan.model_replicas_now is not None
                 and plan.model_replicas == proposal and plan.model_replicas_now < plan.model_replicas):
             return Reason.SLO_FORECAST
+        if plan.model_replicas is not None and plan.model_replicas == proposal:
+            return Reason.SLO_PREDICTED
         return Reason.SCALED_UP
     if result < current:
         return Reason.SCALED_DOWN
