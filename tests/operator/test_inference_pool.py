@@ -8,16 +8,13 @@ API server of kube_testing)."""
 from __future__ import annotations
 
 import copy
-import glob
-import os
-import shutil
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from chart_rbac import helm_binary, holds, operator_rules
 from kube_testing import FakeKube, api_error, isvc_obj, record_events, run
 
 import splitserve_contract as contract
@@ -230,38 +227,20 @@ def test_example_parses_and_renders_an_inference_pool() -> None:
 
 
 # ---------------------------------------------------------------------------- the chart
-def _helm() -> str | None:
-    found = os.environ.get("SPLITSERVE_HELM") or shutil.which("helm")
-    cached = sorted(glob.glob(str(Path.home() / ".cache" / "splitserve" / "bin" / "helm-*" / "helm")))
-    return found or (cached[-1] if cached else None)
-
-
-def _holds(rules_: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
-    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-               and "resourceNames" not in r for r in rules_)
-
-
-@pytest.mark.skipif(_helm() is None, reason="helm binary not found (run the e2e build first)")
+@pytest.mark.skipif(helm_binary() is None, reason="helm binary not found (run the e2e build first)")
 @pytest.mark.parametrize(("sets", "kind"), [((), "ClusterRole"), (("rbac.scope=namespace",), "Role")])
 def test_operator_holds_what_it_grants_and_manages_the_new_children(sets: tuple[str, ...], kind: str) -> None:
-    helm = _helm()
-    assert helm is not None
-    args = [helm, "template", "rel", str(REPO / "helm" / "splitserve"), "--namespace", "ops"]
-    for item in sets:
-        args += ["--set", item]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
-    role = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == kind and d["metadata"]["name"] == "rel-splitserve")
-    held = role["rules"]
+    held = operator_rules(sets=sets, kind=kind)
     # RBAC lets a subject create a Role only with permissions it holds itself (no escalate/bind).
     for rule in inference_pool.picker_rules(NAME):
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
-                    assert _holds(held, group, resource, verb), (group, resource, verb)
+                    assert holds(held, group, resource, verb), (group, resource, verb)
     for group, resource in [("inference.networking.k8s.io", "inferencepools"), ("", "serviceaccounts"),
                             ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")]:
         for verb in ("create", "get", "patch"):
-            assert _holds(held, group, resource, verb), (resource, verb)
+            assert holds(held, group, resource, verb), (resource, verb)
     assert not any({"escalate", "bind", "impersonate", "*"} & set(r["verbs"]) for r in held)
 
 

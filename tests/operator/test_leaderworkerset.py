@@ -10,16 +10,12 @@ budget, and the chart RBAC that lets the operator write all of it."""
 from __future__ import annotations
 
 import copy
-import glob
-import os
-import shutil
-import subprocess
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from chart_rbac import helm_binary, holds, operator_rules
 from kube_testing import NAME, FakeKube, api_error, isvc_obj, record_events, run
 
 import splitserve_contract as contract
@@ -39,7 +35,6 @@ from splitserve_operator.autoscaler.loop import policy_for
 from splitserve_operator.autoscaler.observe import classify, observe_pool
 from splitserve_operator.render import render_children
 
-REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "team-a"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 MULTI_NODE = {"replicas": {"min": 2, "max": 4}, "resources": {"gpus": 4, "gpusPerNode": 2},
@@ -505,33 +500,16 @@ def test_a_group_is_one_replica_of_gpus_in_the_budget() -> None:
 
 
 # ---------------------------------------------------------------------------- the chart
-def _helm() -> str | None:
-    found = os.environ.get("SPLITSERVE_HELM") or shutil.which("helm")
-    cached = sorted(glob.glob(str(Path.home() / ".cache" / "splitserve" / "bin" / "helm-*" / "helm")))
-    return found or (cached[-1] if cached else None)
-
-
-def _holds(held: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
-    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in held)
-
-
-@pytest.mark.skipif(_helm() is None, reason="helm binary not found (run the e2e build first)")
+@pytest.mark.skipif(helm_binary() is None, reason="helm binary not found (run the e2e build first)")
 @pytest.mark.parametrize(("sets", "kind"), [((), "ClusterRole"), (("rbac.scope=namespace",), "Role")])
 def test_operator_may_write_what_it_renders_and_scales(sets: tuple[str, ...], kind: str) -> None:
-    helm = _helm()
-    assert helm is not None
-    args = [helm, "template", "rel", str(REPO / "helm" / "splitserve"), "--namespace", "ops"]
-    for item in sets:
-        args += ["--set", item]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
-    role = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == kind and d["metadata"]["name"] == "rel-splitserve")
-    held = role["rules"]
+    held = operator_rules(sets=sets, kind=kind)
     # the reconciler's server-side apply (a GET, then a PATCH that may create) and the
     # autoscaler's (a GET to find the workload, a PATCH of spec.replicas)
     for verb in ("get", "create", "patch"):
-        assert _holds(held, leader_worker_set.API_GROUP, leader_worker_set.PLURAL, verb), verb
+        assert holds(held, leader_worker_set.API_GROUP, leader_worker_set.PLURAL, verb), verb
     for sub in ("scale", "status"):
-        assert _holds(held, leader_worker_set.API_GROUP, f"{leader_worker_set.PLURAL}/{sub}", "get"), sub
+        assert holds(held, leader_worker_set.API_GROUP, f"{leader_worker_set.PLURAL}/{sub}", "get"), sub
     # least privilege: never deleted nor watched by the operator (the garbage collector deletes)
     for verb in ("delete", "watch", "update"):
-        assert not _holds(held, leader_worker_set.API_GROUP, leader_worker_set.PLURAL, verb), verb
+        assert not holds(held, leader_worker_set.API_GROUP, leader_worker_set.PLURAL, verb), verb
