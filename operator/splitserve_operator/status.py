@@ -78,14 +78,14 @@ def merge_conditions(
     return [by_type[t] for t in order]
 
 
-def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def merge_patch(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """RFC 7386 semantics: dicts merge recursively, None deletes, anything else replaces."""
     out = dict(base)
     for key, value in extra.items():
         if value is None:
             out.pop(key, None)
         elif isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = merge_patch(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -116,7 +116,7 @@ def patch_status(
         if live_obj is None:
             return None
         live_status: dict[str, Any] = dict(live_obj.get("status") or {})
-        new_status = _deep_merge(live_status, fields or {})
+        new_status = merge_patch(live_status, fields or {})
         if conditions:
             new_status["conditions"] = merge_conditions(
                 live=live_status.get("conditions") or [], updates=conditions,

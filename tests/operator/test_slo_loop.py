@@ -40,6 +40,7 @@ from splitserve_operator.autoscaler.slo.inputs import StepCoefficients
 from splitserve_operator.autoscaler.slo.state import SloState
 from splitserve_operator.autoscaler.slo_store import SloStore, config_map_name
 from splitserve_operator.autoscaler.state import AutoscalerState
+from splitserve_operator.status import merge_patch
 
 NS = "ns"
 NAME = "svc"
@@ -121,25 +122,13 @@ class SelectingKube:
         """A JSON merge patch at every depth (RFC 7386), as the API server applies one."""
         self.fake.writes.append((f"{kind.kind}/{name}", f"patch {subresource or ''}".strip()))
         live = self.fake.objects[(kind.kind, name)]
-        live.update(merged(live, {k: v for k, v in patch.items() if k != "metadata"}))
+        live.update(merge_patch(live, {k: v for k, v in patch.items() if k != "metadata"}))
         return copy.deepcopy(dict(live))
 
     def list(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
         wanted = dict(pair.split("=", 1) for pair in label_selector.split(",") if pair)
         found: list[dict[str, Any]] = self.fake.list(kind=kind, namespace=namespace, label_selector=label_selector)
         return [p for p in found if wanted.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
-
-
-def merged(target: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(target)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def engine_counters(*, steps: float, prefill_tokens: float, pairs: float, rows: float, context: float,
