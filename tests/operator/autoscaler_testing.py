@@ -28,12 +28,14 @@ from wsgiref.simple_server import WSGIServer
 
 import pytest
 import requests
+from kubernetes import client as k8s
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from urllib3.util.retry import Retry
 
 from splitserve_e2e import build
+from splitserve_e2e import pki as build_pki
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import quote_label_value
 
@@ -56,6 +58,44 @@ def require_binaries() -> build.Binaries:
     if binaries is None:
         pytest.skip("needs the harness' binaries (python -m splitserve_e2e.build)")
     return binaries
+
+
+@dataclasses.dataclass(frozen=True)
+class BareApiserver:
+    """A kube-apiserver (with its etcd) and nothing else: no controllers, no nodes."""
+
+    url: str
+    pki: build_pki.ClusterPki
+    api_client: k8s.ApiClient
+
+
+@contextlib.contextmanager
+def bare_apiserver(state: Path) -> Iterator[BareApiserver]:
+    """Start etcd and kube-apiserver under ``state`` (skip without the harness' binaries), with
+    an admin client; both stop on exit."""
+    from splitserve_e2e.apiserver import start_apiserver
+    from splitserve_e2e.etcd import start_etcd
+
+    binaries = require_binaries()
+    logs, pids = state / "logs", state / "pids"
+    logs.mkdir()
+    pids.mkdir()
+    pki = build_pki.ensure_pki(directory=state / "pki")
+    etcd = start_etcd(binary=binaries.etcd, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
+    try:
+        server = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki,
+                                 log_dir=logs, pid_dir=pids)
+        try:
+            configuration = k8s.Configuration()
+            configuration.host = server.url
+            configuration.ssl_ca_cert = str(pki.ca_cert)
+            configuration.cert_file = str(pki.admin.cert)
+            configuration.key_file = str(pki.admin.key)
+            yield BareApiserver(url=server.url, pki=pki, api_client=k8s.ApiClient(configuration))
+        finally:
+            server.process.stop(grace_seconds=5)
+    finally:
+        etcd.process.stop(grace_seconds=5)
 
 
 async def wait_until(

@@ -25,8 +25,8 @@ import kopf
 import pytest
 from autoscaler_testing import (
     FakePod,
+    bare_apiserver,
     free_port,
-    require_binaries,
     running_prometheus,
     wait_for_window,
     wait_until,
@@ -86,52 +86,30 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from splitserve_e2e.apiserver import start_apiserver
-    from splitserve_e2e.etcd import start_etcd
-    from splitserve_e2e.pki import ensure_pki
-
-    binaries = require_binaries()
-    state = tmp_path_factory.mktemp("cluster")
-    logs, pids = state / "logs", state / "pids"
-    logs.mkdir()
-    pids.mkdir()
-    pki = ensure_pki(directory=state / "pki")
-    etcd = start_etcd(binary=binaries.etcd, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
-    try:
-        server = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki, log_dir=logs, pid_dir=pids)
-        try:
-            configuration = k8s.Configuration()
-            configuration.host = server.url
-            configuration.ssl_ca_cert = str(pki.ca_cert)
-            configuration.cert_file = str(pki.admin.cert)
-            configuration.key_file = str(pki.admin.key)
-            api_client = k8s.ApiClient(configuration)
-            CLIENTS.append(api_client)
-            # A permissive CRD with the status subresource: this test is about the autoscaler,
-            # which validates objects itself (InferenceService.parse); crds/ has its own tests.
-            crd = {
-                "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
-                "spec": {
-                    "group": API_GROUP, "scope": "Namespaced",
-                    "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower()},
-                    "versions": [{
-                        "name": API_VERSION, "served": True, "storage": True, "subresources": {"status": {}},
-                        "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-                    }],
-                },
-            }
-            api = kube.Kube(api_client=api_client)
-            api.create(kind=CRD, namespace=None, obj=crd)
-            # no controller-manager here: create the ServiceAccounts pods need
-            for namespace in (NS, NS_KOPF):
-                api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": namespace}})
-                api.create(kind=SERVICE_ACCOUNT, namespace=namespace, obj={"metadata": {"name": "default"}})
-            yield Cluster(api=api, url=server.url, pki=pki)
-        finally:
-            server.process.stop(grace_seconds=5)
-    finally:
-        etcd.process.stop(grace_seconds=5)
+    with bare_apiserver(tmp_path_factory.mktemp("cluster")) as server:
+        api_client = server.api_client
+        CLIENTS.append(api_client)
+        # A permissive CRD with the status subresource: this test is about the autoscaler,
+        # which validates objects itself (InferenceService.parse); crds/ has its own tests.
+        crd = {
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+            "spec": {
+                "group": API_GROUP, "scope": "Namespaced",
+                "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower()},
+                "versions": [{
+                    "name": API_VERSION, "served": True, "storage": True, "subresources": {"status": {}},
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }],
+            },
+        }
+        api = kube.Kube(api_client=api_client)
+        api.create(kind=CRD, namespace=None, obj=crd)
+        # no controller-manager here: create the ServiceAccounts pods need
+        for namespace in (NS, NS_KOPF):
+            api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": namespace}})
+            api.create(kind=SERVICE_ACCOUNT, namespace=namespace, obj={"metadata": {"name": "default"}})
+        yield Cluster(api=api, url=server.url, pki=server.pki)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from autoscaler_testing import require_binaries
-from kubernetes import client as k8s
+from autoscaler_testing import bare_apiserver
 from kubernetes.client.exceptions import ApiException
 
 from splitserve_contract import API_GROUP, API_VERSION, KIND
@@ -152,35 +151,12 @@ def test_status_last_decision_has_a_model_map() -> None:
 @pytest.fixture(scope="module")
 def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Kube]:
     """A real kube-apiserver (with etcd) serving the generated CRD."""
-    from splitserve_e2e.apiserver import start_apiserver
-    from splitserve_e2e.etcd import start_etcd
-    from splitserve_e2e.pki import ensure_pki
-
-    binaries = require_binaries()
-    state = tmp_path_factory.mktemp("slo-admission")
-    logs, pids = state / "logs", state / "pids"
-    logs.mkdir()
-    pids.mkdir()
-    pki = ensure_pki(directory=state / "pki")
-    etcd = start_etcd(binary=binaries.etcd, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
-    try:
-        server = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki,
-                                 log_dir=logs, pid_dir=pids)
-        try:
-            configuration = k8s.Configuration()
-            configuration.host = server.url
-            configuration.ssl_ca_cert = str(pki.ca_cert)
-            configuration.cert_file = str(pki.admin.cert)
-            configuration.key_file = str(pki.admin.key)
-            client = kube.Kube(api_client=k8s.ApiClient(configuration))
-            client.create(kind=CRD_KIND, namespace=None, obj=crdgen.crd())
-            client.create(kind=NAMESPACE_KIND, namespace=None, obj={"metadata": {"name": "ns"}})
-            _wait_served(client)
-            yield client
-        finally:
-            server.process.stop(grace_seconds=5)
-    finally:
-        etcd.process.stop(grace_seconds=5)
+    with bare_apiserver(tmp_path_factory.mktemp("slo-admission")) as server:
+        client = kube.Kube(api_client=server.api_client)
+        client.create(kind=CRD_KIND, namespace=None, obj=crdgen.crd())
+        client.create(kind=NAMESPACE_KIND, namespace=None, obj={"metadata": {"name": "ns"}})
+        _wait_served(client)
+        yield client
 
 
 def _wait_served(client: kube.Kube) -> None:
