@@ -19,12 +19,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse as StarlettePlainText
 from starlette.routing import Route
-from threaded_server import ThreadedServer, free_port
+from threaded_server import ThreadedServer, aggregated_pod_app, free_port
 
 from splitserve_contract import INFO_PATH, Metric, Role, RouterArgs
 
@@ -32,19 +32,7 @@ KEY = "sk-router-test-key"
 
 
 def _pod() -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/ready")
-    async def ready() -> dict[str, str]:
-        return {"status": "ready"}
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse("")
-
-    @app.get(INFO_PATH)
-    async def info() -> dict[str, str]:
-        return {"role": "aggregated", "compat_hash": "", "kv_endpoint": ""}
+    app: FastAPI = aggregated_pod_app()  # typed: mypy does not resolve the helper
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:

@@ -1,5 +1,5 @@
-"""A uvicorn server on a thread for the router tests' fake pods, a free loopback port, and a
-/metrics gauge reader."""
+"""A uvicorn server on a thread for the router tests' fake pods, the routes a fake aggregated pod
+needs to pass the router's health poll, a free loopback port, and a /metrics gauge reader."""
 
 from __future__ import annotations
 
@@ -10,13 +10,37 @@ from typing import Any
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve_contract import INFO_PATH
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def aggregated_pod_app() -> FastAPI:
+    """A FastAPI app with what the router's health poller reads from an aggregated pod (ready,
+    no load, no compat hash); the test adds its completion routes."""
+    app = FastAPI()
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.get(INFO_PATH)
+    async def info() -> dict[str, str]:
+        return {"role": "aggregated", "compat_hash": "", "kv_endpoint": ""}
+
+    return app
 
 
 class ThreadedServer:

@@ -10,6 +10,10 @@ runs on the event loop, so it reads at most ``AFFINITY_PREFIX_CHARS`` of a
 prompt (and ``AFFINITY_MESSAGES`` of a chat): affinity hashes only the leading blocks, and a prompt cut there is long whatever the
 short-prompt threshold. A multi-megabyte prompt used to hold the router's loop for seconds.
 
+The proxied routes skip FastAPI's own layers (:mod:`.hot_path`), and uvicorn runs on uvloop with
+httptools' parser when they are installed (the ``runtime`` extra): each took a share of the
+router's added latency (bench/router_overhead.py).
+
 ``/metrics`` adds two gauges to the router's counters, so a stuck request shows:
 ``splitserve_router_requests_in_flight`` (client requests inside the router, streams until
 their last byte) and ``splitserve_router_upstream_requests_in_flight{pod}`` (the router's calls
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -31,6 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve_contract import (
@@ -45,11 +51,11 @@ from splitserve_contract import (
 
 from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware
 from ..body_limit import BodySizeLimit
-from ..json_bodies import BodyDecoder, DecoderBusy, DecoderFailed
+from ..json_bodies import BodyDecoder
 from . import metrics
 from .aiohttp_transport import AiohttpTransport
-from .bodies import BodyRefusal, decode_client_body
 from .discovery import KubernetesDiscovery, parse_static
+from .hot_path import ProxyEndpoint, RouterApp
 from .pods import HealthPoller, PodSet
 from .policy import PrefillSelector
 from .proxy import Router, RouterConfig, Tokenize, error_response
@@ -57,6 +63,7 @@ from .proxy import Router, RouterConfig, Tokenize, error_response
 log = logging.getLogger("splitserve.router")
 
 OPEN_PATHS = ROUTER_OPEN_PATHS
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 AFFINITY_PREFIX_CHARS = 65_536
 """The most prompt (or rendered chat) characters the router tokenizes for affinity: far more
@@ -191,12 +198,6 @@ class CatchAllErrors:
             await response(scope, receive, send)
 
 
-def _add_api_key_middleware(app: FastAPI, *, api_key: str | None) -> None:
-    """The pods' own key check (splitserve_runtime.auth), with the router's open paths."""
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=ROUTER_OPEN_PATHS)
-
-
 def _add_health_routes(app: FastAPI, *, pods: PodSet, gauges: CollectorRegistry) -> None:
     """/health, /ready and /metrics (open even with an API key)."""
 
@@ -233,43 +234,43 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
             return error_response(status=502, message=f"model listing failed: {type(exc).__name__}", type_="upstream_error")
         return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
 
-    # Plain Starlette routes: FastAPI's request handler (dependency solving, telemetry) cost
-    # about 5% of the router's CPU per request for an endpoint that reads its own body.
-    async def completions(request: Request) -> Response:
-        return await _proxy(request, "/v1/completions", state=state)
-
-    async def chat(request: Request) -> Response:
-        return await _proxy(request, "/v1/chat/completions", state=state)
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    # The proxied routes are plain ASGI (:mod:`.hot_path`); registered here as well so another
+    # method on them is a 405, and RouterApp sends their POSTs past FastAPI's stack.
+    for path in PROXIED_PATHS:
+        app.router.routes.append(Route(path, ProxyEndpoint(path=path, state=state), methods=["POST"]))
 
 
-async def _proxy(request: Request, path: str, *, state: dict[str, Any]) -> Response:
-    decoder: BodyDecoder = state["decoder"]
-    try:
-        body = await decoder.run(decode_client_body, await request.body())
-    except DecoderBusy as exc:
-        return error_response(status=429, message=str(exc), type_="rate_limit_error",
-                              code="rate_limit_exceeded", headers={"Retry-After": "1"})
-    except DecoderFailed as exc:
-        return error_response(status=503, message=str(exc), type_="service_unavailable",
-                              code="decoder_failed", headers={"Retry-After": "1"})
-    if isinstance(body, BodyRefusal):
-        return error_response(status=400, message=body.message, type_="invalid_request_error",
-                              code=body.code)
-    router: Router = state["router"]
-    return await router.handle(path=path, body=body, headers={k.lower(): v for k, v in request.headers.items()})
+def _add_layers(app: RouterApp, *, args: RouterArgs, api_key: str | None, counter: dict[str, int],
+                state: dict[str, Any]) -> None:
+    """The pure-ASGI layers, innermost first: body limit, in-flight count, API key (when one is
+    set), errors (outermost, so it covers the key check too). FastAPI adds them around its
+    stack, and the same layers wrap each proxied endpoint that RouterApp calls directly."""
+    layers: list[tuple[Any, dict[str, Any]]] = [
+        (BodySizeLimit, {"max_bytes": args.max_request_body_bytes}),
+        (metrics.InFlight, {"counter": counter}),
+    ]
+    if api_key:  # the pods' own key check (splitserve_runtime.auth), with the router's open paths
+        layers.append((APIKeyMiddleware, {"api_key": api_key, "open_paths": ROUTER_OPEN_PATHS}))
+    layers.append((CatchAllErrors, {}))
+    proxied: dict[str, ASGIApp] = {}
+    for path in PROXIED_PATHS:
+        endpoint: ASGIApp = ProxyEndpoint(path=path, state=state)
+        for layer, options in layers:
+            endpoint = layer(endpoint, **options)
+        proxied[path] = endpoint
+    for layer, options in layers:
+        app.add_middleware(layer, **options)
+    app.proxy_posts(proxied)
 
 
-def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> FastAPI:
+def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> RouterApp:
     pods = _static_pods(args)
     selector = PrefillSelector(policy=RoutingPolicy(args.policy))
     model_label = args.served_model_name or args.model or "unknown"
     state: dict[str, Any] = {}
     lifespan = _make_lifespan(args=args, pods=pods, selector=selector, tokenize=tokenize,
                               model_label=model_label, state=state)
-    app = FastAPI(title="splitserve router", lifespan=lifespan)
+    app = RouterApp(title="splitserve router", lifespan=lifespan)
     app.state.pods = pods
     app.state.selector = selector
     counter = {"in_flight": 0}
@@ -277,10 +278,7 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     gauges.register(metrics.InFlightCollector(pods=pods, counter=counter, model_label=model_label))
     _add_health_routes(app, pods=pods, gauges=gauges)
     _add_openai_routes(app, pods=pods, state=state)
-    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
-    app.add_middleware(metrics.InFlight, counter=counter)
-    _add_api_key_middleware(app, api_key=api_key)
-    app.add_middleware(CatchAllErrors)  # added last: outermost, so it covers the key check too
+    _add_layers(app, args=args, api_key=api_key, counter=counter, state=state)
     return app
 
 
@@ -295,5 +293,12 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.request_timeout_seconds))
+    # What the imports built (FastAPI, pydantic, aiohttp: ~70k objects) lives as long as the
+    # process: out of the collector's full scans, each of which cost ~50 ms of CPU (a 2-core
+    # dev machine) in the middle of some request.
+    gc.collect()
+    gc.freeze()
+    # loop and http "auto": uvloop and httptools where installed (the runtime extra has them)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=int(args.request_timeout_seconds))
     return 0

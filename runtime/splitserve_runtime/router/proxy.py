@@ -30,7 +30,6 @@ an OpenAI-style error event, so a client never waits past the read timeout.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
 from splitserve_runtime.prefill_request import (
@@ -50,8 +49,10 @@ from splitserve_runtime.prefill_request import (
 )
 
 from . import metrics
+from .aiohttp_transport import AiohttpTransport, PodResponse, pod_timeout
 from .pods import Pod, PodSet
 from .policy import PrefillSelector, choose_decode, prefix_block_hashes
+from .relay import RelayResponse
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,6 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 """What a request on a pooled connection the pod has just closed fails with (before any
 response byte); such a request is sent once more on a new connection."""
-
-_pod_url = functools.lru_cache(maxsize=1024)(httpx.URL)
-"""A pod's URL parsed once: parsing the string cost about 5% of the router's CPU per request."""
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
@@ -76,6 +74,13 @@ def error_response(*, status: int, message: str, type_: str, code: str | None = 
         content={"error": {"message": message, "type": type_, "param": None, "code": code}},
         headers=headers,
     )
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A body the router changed, as JSON for a pod. NaN and Infinity, which Python's decoder
+    took from the client, go on as they came, as they do in a body the router forwards
+    unchanged: the pod judges them (refusing to encode them was a 500)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _sse_error(message: str) -> bytes:
@@ -94,13 +99,14 @@ class RouterConfig:
 
 
 class Router:
-    """Sends to the pods through ``transport`` (:mod:`.aiohttp_transport`, the pool the app's
+    """Sends to the pods with ``transport.post`` (:mod:`.aiohttp_transport`, the pool the app's
     AsyncClient shares), not through the client: its cookie jar (one jar for every client of
     the router), redirect and auth layers and per-request INFO line cost about a tenth of the
-    router's CPU per request (bench/router_overhead.py) and do nothing for a proxy."""
+    router's CPU per request, and httpx's request and response models about a quarter
+    (bench/router_overhead.py); they do nothing for a proxy."""
 
     def __init__(
-        self, *, pods: PodSet, selector: PrefillSelector, transport: httpx.AsyncBaseTransport,
+        self, *, pods: PodSet, selector: PrefillSelector, transport: AiohttpTransport,
         config: RouterConfig, tokenize: Tokenize,
     ) -> None:
         self._pods = pods
@@ -108,24 +114,24 @@ class Router:
         self._transport = transport
         self._config = config
         self._tokenize = tokenize
-        self._timeout = httpx.Timeout(config.request_timeout_seconds, connect=3.0).as_dict()
+        self._timeout = pod_timeout(connect_seconds=3.0, read_seconds=config.request_timeout_seconds,
+                                    pool_seconds=config.request_timeout_seconds)
 
     # ------------------------------------------------------------------ helpers
     def _headers(self, incoming: dict[str, str], request_id: str) -> dict[str, str]:
         headers = {k: v for k, v in incoming.items() if k.lower() in FORWARDED_HEADERS}
         headers[HEADER_REQUEST_ID] = request_id
+        headers["content-type"] = "application/json"
         return headers
 
-    async def _send(self, *, pod: Pod, url: str, body: dict[str, Any], headers: dict[str, str],
-                    stream: bool) -> httpx.Response:
-        """POST ``body`` to ``url``; a stale pooled connection is retried once (see the module
-        docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
+    async def _send(self, *, pod: Pod, url: str, content: bytes, headers: dict[str, str],
+                    stream: bool) -> PodResponse:
+        """POST ``content`` (a JSON body) to ``url``; a stale pooled connection is retried once
+        (see the module docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
         for attempt in (1, 2):
-            request = httpx.Request("POST", _pod_url(url), json=body, headers=headers,
-                                    extensions={"timeout": self._timeout})
             try:
-                response = await self._transport.handle_async_request(request)
-                response.request = request
+                response = await self._transport.post(url, content=content, headers=headers,
+                                                      timeout=self._timeout)
                 if not stream:
                     try:
                         await response.aread()
@@ -149,12 +155,17 @@ class Router:
         return len(token_ids), prefix_block_hashes(token_ids, block_size=self._config.block_size)
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, *, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def handle(self, *, path: str, body: dict[str, Any], headers: dict[str, str],
+                     raw: bytes | None = None) -> Response:
+        """Answer one client request; ``raw`` is the body as the client sent it (``body``
+        decoded), forwarded as is where the router sends the body unchanged."""
         started = time.perf_counter()
         request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{uuid.uuid4().hex}"
         if KV_TRANSFER_PARAMS_FIELD in body:  # only our prefill pods hand requests over
             log.debug("dropped the client's %s of request %s", KV_TRANSFER_PARAMS_FIELD, request_id)
             body = {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS_FIELD}
+            raw = None
+        content = raw if raw is not None else encode_body(body)
         session = headers.get(self._config.session_header.lower())
         num_prompt_tokens, hashes = self._prompt(path, body)
         metrics.PREFIX_QUERIED_BLOCKS.labels(model=self._config.model_label).inc(len(hashes))
@@ -171,7 +182,7 @@ class Router:
                 self._record(choice.pod, hashes, choice.matched_blocks)
                 return self._pods.get(choice.pod)
 
-            return await self._forward(pick=pick_aggregated, path=path, body=body, headers=fwd_headers,
+            return await self._forward(pick=pick_aggregated, path=path, content=content, headers=fwd_headers,
                                        started=started, unavailable="no aggregated pod is healthy")
 
         prefill_pods = self._pods.healthy(Role.PREFILL)
@@ -182,7 +193,7 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
-                path=path, body=body, headers=fwd_headers, started=started,
+                path=path, content=content, headers=fwd_headers, started=started,
                 unavailable="no decode pod is healthy",
             )
 
@@ -199,14 +210,15 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
-                path=path, body=body, headers=fwd_headers, started=started,
+                path=path, content=content, headers=fwd_headers, started=started,
                 unavailable="no decode pod is healthy",
             )
         prefill_pod, params = handoff
         metrics.ROUTES.labels(model=self._config.model_label, route="disaggregated").inc()
         return await self._forward(
             pick=lambda exclude: self._pick_decode(compat_hash=prefill_pod.compat_hash or None, exclude=exclude),
-            path=path, body={**body, KV_TRANSFER_PARAMS_FIELD: params}, headers=fwd_headers, started=started,
+            path=path, content=encode_body({**body, KV_TRANSFER_PARAMS_FIELD: params}), headers=fwd_headers,
+            started=started,
             unavailable=f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}",
         )
 
@@ -228,7 +240,7 @@ class Router:
         self, *, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
         session: str | None,
     ) -> tuple[Pod, dict[str, Any]] | Response:
-        prefill_body = prefill_request_body(body)
+        prefill_body = encode_body(prefill_request_body(body))
         tried: set[str] = set()
         last_error = "no prefill pod is healthy"
         for attempt in range(MAX_PREFILL_ATTEMPTS):
@@ -247,7 +259,7 @@ class Router:
                 metrics.PREFILL_RETRIES.labels(model=self._config.model_label).inc()
             pod.load.in_flight += 1
             try:
-                response = await self._send(pod=pod, url=f"{pod.url}{path}", body=prefill_body,
+                response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
                                             headers=headers, stream=False)
             except httpx.HTTPError as exc:
                 last_error = f"prefill pod {pod.name} failed: {type(exc).__name__}: {exc}"
@@ -284,7 +296,7 @@ class Router:
 
     # ------------------------------------------------------------------ forward
     async def _forward(
-        self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, body: dict[str, Any],
+        self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, content: bytes,
         headers: dict[str, str], started: float, unavailable: str,
     ) -> Response:
         """Send to the pod `pick` chooses; a pod that cannot be reached, or answers 503
@@ -299,7 +311,7 @@ class Router:
             tried.add(pod.name)
             pod.load.in_flight += 1
             try:
-                upstream = await self._send(pod=pod, url=f"{pod.url}{path}", body=body,
+                upstream = await self._send(pod=pod, url=f"{pod.url}{path}", content=content,
                                             headers=headers, stream=True)
             except httpx.HTTPError as exc:
                 pod.load.in_flight -= 1
@@ -320,7 +332,7 @@ class Router:
         metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
         return error_response(status=502, message=last_error, type_="upstream_error", code="decode_failed")
 
-    async def _respond(self, *, pod: Pod, upstream: httpx.Response, started: float) -> Response:
+    async def _respond(self, *, pod: Pod, upstream: PodResponse, started: float) -> Response:
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not is_stream:
             try:
@@ -357,8 +369,8 @@ class Router:
                 else:
                     metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
 
-        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
-                                 headers=_passthrough_headers(upstream))
+        return RelayResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
+                             headers=_passthrough_headers(upstream))
 
     def _finish(self, status: int, started: float) -> None:
         outcome = "success" if status < 400 else ("client_error" if status < 500 else "upstream_error")
@@ -366,5 +378,5 @@ class Router:
         metrics.REQUEST_SECONDS.labels(model=self._config.model_label).observe(time.perf_counter() - started)
 
 
-def _passthrough_headers(response: httpx.Response) -> dict[str, str]:
+def _passthrough_headers(response: PodResponse) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", HEADER_REQUEST_ID)}
