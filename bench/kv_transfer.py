@@ -9,7 +9,11 @@ costs show), 128 MiB each. For each:
 - ``copy``: a plain ``on_block`` sink copying each block into its slot (one copy more: what
   the engine's ``write_block`` sink does);
 - ``raw``: the same bytes with no protocol at all: the sender hands each block to
-  ``sock_sendall``, the receiver ``recv_into``s it straight into its slot.
+  ``sock_sendall``, the receiver ``recv_into``s it straight into its slot;
+- ``half``: one decode rank's pull at tensor parallelism 2 from a TP 1 prefill pod: half the
+  KV heads of every block (a :class:`~splitserve_runtime.transfer.KVSlice`, which the server
+  cuts out of each block: one copy more there), straight into a destination. Its GB/s count
+  the bytes it moves (half of the others').
 
 Every leg runs on one event loop, the prefill side in a separate process (as the pods are),
 so the ratio shows what framing, CRCs, the handshake and Python's per-frame work cost; the
@@ -40,13 +44,14 @@ from splitserve_runtime.transfer import (
     ExportedKV,
     KVExportRegistry,
     KVLayout,
+    KVSlice,
     TcpKVConnector,
     TcpKVServer,
     framing,
 )
 
 DEFAULT_SHAPES = ("64x2097152", "1024x131072")
-LEGS = ("destination", "copy", "raw")
+LEGS = ("destination", "copy", "raw", "half")
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,11 @@ class Shape:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.block_nbytes
+
+    def half(self) -> KVSlice:
+        """Half the KV heads of every layer: a TP 2 decode rank's share."""
+        layout = self.layout()
+        return KVSlice(0, layout.num_layers, 0, layout.num_kv_heads // 2)
 
     def __str__(self) -> str:
         size = (f"{self.block_nbytes >> 20} MiB" if self.block_nbytes % (1 << 20) == 0
@@ -148,6 +158,24 @@ class Destination:
         self.count += 1
 
 
+class HalfDestination(Destination):
+    """Half a block per slot (the ``half`` leg's slices)."""
+
+    def buffers(self, index: int) -> Sequence[memoryview]:
+        return [self.cache.block(index)[:self.cache.block_nbytes // 2]]
+
+
+async def _half(shape: Shape, cache: Cache, *, port: int, request_id: str) -> float:
+    destination = HalfDestination(cache)
+    started = time.perf_counter()
+    await TcpKVConnector().fetch(
+        endpoint=f"127.0.0.1:{port}", request_id=request_id, first_block=0, layout=shape.layout(),
+        on_block=destination, timeout_seconds=60, slice=shape.half())
+    elapsed = time.perf_counter() - started
+    assert destination.count == shape.num_blocks
+    return elapsed
+
+
 async def _ours(shape: Shape, cache: Cache, *, port: int, request_id: str, copy: bool) -> float:
     destination = Destination(cache)
 
@@ -189,6 +217,8 @@ async def _raw(shape: Shape, cache: Cache, *, port: int) -> float:
 async def _leg(leg: str, shape: Shape, cache: Cache, *, ports: tuple[int, int], request_id: str) -> float:
     if leg == "raw":
         return await _raw(shape, cache, port=ports[1])
+    if leg == "half":
+        return await _half(shape, cache, port=ports[0], request_id=request_id)
     return await _ours(shape, cache, port=ports[0], request_id=request_id, copy=leg == "copy")
 
 
@@ -222,7 +252,7 @@ async def _measure(shape: Shape, *, repeat: int, legs: Sequence[str]) -> dict[st
                 if run:
                     times[leg].append(seconds)
                     cpu[leg].append(time.process_time() - cpu_started)
-        return {leg: Figures(gb_per_s=shape.num_bytes / statistics.median(times[leg]) / 1e9,
+        return {leg: Figures(gb_per_s=shape.num_bytes / (2 if leg == "half" else 1) / statistics.median(times[leg]) / 1e9,
                              decode_cpu_seconds=statistics.median(cpu[leg])) for leg in legs}
     finally:
         parent.send("stop")

@@ -1,8 +1,9 @@
 """Heterogeneous disaggregation as real processes: a prefill pod at tensor parallelism 2 and a
 decode pod at 1, the other way round, and a two-stage pipeline prefilling for a TP 2 decode
-pod. The KV blocks cross the transfer in the whole-model layout (a parallel pod gathers its
-ranks' layers and heads when it exports, and scatters them when it imports), so the answers
-equal the aggregated single-process engine's and the blocks really moved."""
+pod. The KV moves rank to rank (each decode rank pulls the layers and KV heads it owns from the
+prefill ranks holding them, at the ports those ranks listen on), so the answers equal the
+aggregated single-process engine's and the blocks really moved (test_kv_rank_pull.py checks
+which ranks connect to which and how many bytes each receives)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """bench/kv_transfer.py on tiny shapes: every shape gets a row with each leg's GB/s and the
-ratios to the raw copy, and the legs can be chosen (for before/after runs against an older
+ratios to the raw copy (a tensor-parallel decode rank's half-block pull included), and the legs can be chosen (for before/after runs against an older
 connector). Figures are not asserted (the machine is shared)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_bench_reports_every_shape_and_leg_with_its_ratio() -> None:
     assert lines[0].startswith("KV transfer on loopback, CRC-32 by zlib")
     rows = _rows(lines)
     assert set(rows) == {(shape, leg) for shape in ("4 x 64 KiB", "32 x 128 KiB")
-                         for leg in ("destination", "copy", "raw")}
+                         for leg in ("destination", "copy", "raw", "half")}
     for (_shape, leg), figures in rows.items():
         assert len(figures) == 4 and figures[2] > 0, figures
         if leg == "raw":

@@ -278,7 +278,7 @@ async def _trickle(stream: bytes, *, seed: int, into: str) -> tuple[list[int], C
             await asyncio.sleep(0)
 
     channel = Channel(ours)
-    receiver = BlockReceiver(channel=channel, layout=LAYOUT, timeout_seconds=2.0, first_block=1,
+    receiver = BlockReceiver(channel=channel, block_nbytes=LAYOUT.block_nbytes, timeout_seconds=2.0, first_block=1,
                              num_blocks=NUM_BLOCKS, on_block=destination if into == "destination" else sink)
     sending = asyncio.create_task(send())
     try:

@@ -26,6 +26,17 @@ length mismatch) raises :class:`~.errors.KVTransferFailed`.
 The same seeded request decodes the same tokens as on an aggregated pod: the decode side
 advances the request's generator past the draw the prefill pod made.
 
+Parallel pods (tensor and/or pipeline parallelism) move KV rank to rank, never through rank 0
+(:mod:`.parallel.kv_slices`): a parallel prefill pod's export has every rank snapshot its own
+layers and KV heads for its own KV endpoint, and its handoff parameters carry the layout
+(``kv_layout``: tp, pp, and each rank's endpoint and slice; absent at TP = PP = 1, so those
+parameters keep their single-endpoint shape and the router never looks inside them). A decode
+pod with ranks, or fed by a prefill pod with ranks, has every rank pull the slice it owns from
+the prefill ranks that hold it, in parallel, into its own cache; the driver collects their
+reports, fails the whole pull (so the request is computed here) if any rank failed, and then
+releases the export on the prefill pod's main endpoint (rank 0 unpins, and has its ranks drop
+their snapshots). Two single-process pods keep the one-connection path.
+
 Authentication (:mod:`..transfer.auth`): the prefill role signs the handoff parameters it
 answers with; the decode role acts only on parameters that pass
 :meth:`HandoffEngine.accept_remote` (signed with the pool's key, not expired, this pod's
@@ -41,11 +52,11 @@ import contextlib
 import logging
 import math
 import time
+import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import torch
 
 from ..transfer import (
     ExportedKV,
@@ -53,16 +64,22 @@ from ..transfer import (
     HandoffRejected,
     KVExportRegistry,
     KVLayout,
+    KVSlice,
+    RankSource,
     TcpKVConnector,
     TcpKVServer,
     TransferError,
 )
+from ..transfer.slices import MAX_RANK_SOURCES
+from ..transfer.wire import byte_view
 from .async_engine import AsyncEngine
 from .delegate import DelegatingEngine
 from .errors import HandoffRefused, KVTransferFailed, QueueFull
 from .handoff import ImportReservation
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from .parallel.kv_slices import PullOrder, PullReport, pull_part, wire_layout
+from .parallel.runner import ParallelRunner
 from .sampling_params import SamplingParams
 from .stop_checker import StopChecker
 
@@ -74,6 +91,8 @@ IMPORT_WAIT_SECONDS = 10.0
 """Decode role: how long an imported prompt waits for KV blocks or a batch slot before 429
 (well inside the prefill pod's KV lease, --kv-ttl-seconds, 30 s by default)."""
 IMPORT_RETRY_SECONDS = 0.02
+RANK_PULL_HISTORY = 256
+"""Decode role: how many rank pull reports :attr:`HandoffEngine.rank_pulls` keeps."""
 
 TransferObserver = Callable[[int, float, bool], None]
 """(bytes, seconds, succeeded) after each transfer: the server's KV transfer metrics."""
@@ -92,6 +111,8 @@ class RemotePrefill:
     """Unix seconds after which the parameters are refused (with a handoff key; 0: none)."""
     signature: str = ""
     """The prefill pod's HMAC over the other fields (:mod:`..transfer.auth`; "": unsigned)."""
+    kv_layout: KVRanks | None = None
+    """A parallel prefill pod's ranks (None: one endpoint, ``remote_endpoint``, holds it all)."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -101,33 +122,67 @@ class RemotePrefill:
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")
             return value
+        layout = params.get("kv_layout")
         return cls(remote_endpoint=field("remote_endpoint", str),
                    remote_request_id=field("remote_request_id", str),
                    num_prompt_tokens=field("num_prompt_tokens", int),
                    first_token_id=field("first_token_id", int),
                    compat_hash=field("compat_hash", str, ""),
                    expires_at=field("expires_at", int, 0),
-                   signature=field("signature", str, ""))
+                   signature=field("signature", str, ""),
+                   kv_layout=None if layout is None else KVRanks.from_json(layout))
 
     def to_params(self) -> dict[str, Any]:
-        """The wire object; the signed fields only when signed (the unsigned shape as before)."""
+        """The wire object; the signed fields only when signed, the layout only when the
+        prefill pod has ranks (the single-endpoint shape as before)."""
         params: dict[str, Any] = {
             "remote_endpoint": self.remote_endpoint, "remote_request_id": self.remote_request_id,
             "num_prompt_tokens": self.num_prompt_tokens, "first_token_id": self.first_token_id,
             "compat_hash": self.compat_hash}
+        if self.kv_layout is not None:
+            params["kv_layout"] = self.kv_layout.to_json()
         if self.signature:
             params.update(expires_at=self.expires_at, signature=self.signature)
         return params
 
+    def sources(self, layout: KVLayout) -> tuple[RankSource, ...]:
+        """Where each slice of the blocks is: the ranks, or the one endpoint holding it all."""
+        if self.kv_layout is not None:
+            return self.kv_layout.ranks
+        return (RankSource(endpoint=self.remote_endpoint, slice=KVSlice.whole(layout)),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVRanks:
+    """A parallel prefill pod's layout: its sizes and every rank's endpoint and slice, in rank
+    order (rank 0's endpoint is the pod's ``remote_endpoint``)."""
+
+    tp: int
+    pp: int
+    ranks: tuple[RankSource, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp, "pp": self.pp, "ranks": [rank.to_json() for rank in self.ranks]}
+
+    @classmethod
+    def from_json(cls, body: object) -> KVRanks:
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(body, dict):
+            raise ValueError(f"kv_transfer_params.kv_layout must be an object, got {body!r}")
+        tp, pp, ranks = body.get("tp"), body.get("pp"), body.get("ranks")
+        if type(tp) is not int or type(pp) is not int or tp < 1 or pp < 1:
+            raise ValueError(f"kv_transfer_params.kv_layout needs tp and pp >= 1, got {tp!r} and {pp!r}")
+        if not isinstance(ranks, list) or len(ranks) != tp * pp or len(ranks) > MAX_RANK_SOURCES:
+            raise ValueError(f"kv_transfer_params.kv_layout.ranks must list the {tp} x {pp} ranks")
+        try:
+            return cls(tp=tp, pp=pp, ranks=tuple(RankSource.from_json(rank) for rank in ranks))
+        except ValueError as exc:
+            raise ValueError(f"kv_transfer_params.kv_layout.ranks: {exc}") from None
+
 
 def kv_layout_of(core: LLMEngine, *, compat_hash: str) -> KVLayout:
     """The wire layout of ``core``'s KV blocks (``ModelRunner.read_block``'s byte order)."""
-    spec = core.runner.wire_spec
-    dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
-    return KVLayout(num_layers=spec.num_layers, block_size=core.block_manager.block_size,
-                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                    dtype=str(spec.dtype).removeprefix("torch."), dtype_bytes=dtype_bytes,
-                    compat_hash=compat_hash)
+    return wire_layout(core.runner.wire_spec, block_size=core.block_manager.block_size, compat_hash=compat_hash)
 
 
 class HandoffEngine(DelegatingEngine):
@@ -159,6 +214,9 @@ class HandoffEngine(DelegatingEngine):
         self._layout: KVLayout | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.rank_pulls: deque[PullReport] = deque(maxlen=RANK_PULL_HISTORY)
+        """Decode role: the latest rank-by-rank pulls' reports (which prefill ranks each rank
+        connected to, the bytes it received)."""
 
     # ------------------------------------------------------------------ EngineClient
     @property
@@ -175,8 +233,11 @@ class HandoffEngine(DelegatingEngine):
         self._loop = asyncio.get_running_loop()
         self._layout = kv_layout_of(self._engine.engine, compat_hash=self.compat_hash)
         if self.role == "prefill":
+            runner = self._engine.engine.runner
+            holds = runner.rank_slices()[0] if isinstance(runner, ParallelRunner) else None
             self._server = TcpKVServer(registry=self.registry, layout=self._layout, host=self._kv_host,
-                                       port=self._kv_port, observer=self._observe, auth=self.auth)
+                                       port=self._kv_port, observer=self._observe, auth=self.auth,
+                                       holds=holds)
             await self._server.start()
             log.info("KV server on %s:%d (lease %.0f s)", self._kv_host, self._server.port,
                      self._kv_ttl_seconds)
@@ -220,7 +281,7 @@ class HandoffEngine(DelegatingEngine):
         """Run the prompt, keep its KV and export it; ``on_export`` receives the handoff
         parameters before the finished output is yielded."""
         engine = self._engine
-        exported = False
+        exported: _Export | None = None
         try:
             async with contextlib.aclosing(engine.generate(
                     request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
@@ -230,7 +291,7 @@ class HandoffEngine(DelegatingEngine):
                         first = (out.new_token_ids or [-1])[-1]
                         exported = await asyncio.shield(engine.call(
                             lambda core: self._export(core, request_id=request_id)))
-                        if not exported or first < 0:
+                        if exported is None or first < 0:
                             log.warning("request %s finished (%s) without kept KV to export",
                                         request_id, out.finish_reason)
                             raise KVTransferFailed(code="export_failed",
@@ -238,35 +299,61 @@ class HandoffEngine(DelegatingEngine):
                         on_export(RemotePrefill.from_params(self.auth.sign(RemotePrefill(
                             remote_endpoint=self.kv_endpoint, remote_request_id=request_id,
                             num_prompt_tokens=len(prompt_token_ids), first_token_id=first,
-                            compat_hash=self.compat_hash).to_params(),
+                            compat_hash=self.compat_hash, kv_layout=exported.layout).to_params(),
                             lifetime_seconds=self._kv_ttl_seconds)))
                     yield out
         finally:
-            if not exported:  # it may have finished (and pinned) while we were cancelled
+            if exported is None:  # it may have finished (and pinned) while we were cancelled
                 self._spawn(engine.call(lambda core: core.release_kept_kv(request_id)))
 
-    def _export(self, core: LLMEngine, *, request_id: str) -> bool:
-        """On the engine thread: hand the kept blocks of ``request_id`` to the registry."""
+    def _export(self, core: LLMEngine, *, request_id: str) -> _Export | None:
+        """On the engine thread: hand the kept blocks of ``request_id`` to the registry (a
+        parallel runner's ranks each serve their own part; see the module docstring)."""
         kept = core.kept_kv(request_id)
         if kept is None:
-            return False
+            return None
         block_ids = list(kept.block_ids)
-        reader = core.runner.block_reader(block_ids)
+        runner = core.runner
+        layout: KVRanks | None = None
+        read_block: Callable[[int], memoryview]
+        if isinstance(runner, ParallelRunner):
+            try:
+                mine, endpoints = runner.export_blocks(request_id=request_id, block_ids=block_ids,
+                                                       num_tokens=kept.num_tokens)
+            except RuntimeError as exc:
+                log.warning("cannot export the KV of request %s: %s", request_id, exc)
+                return None
+            slices = runner.rank_slices()
+            layout = KVRanks(tp=runner.group.tp_size, pp=runner.group.num_stages, ranks=tuple(
+                RankSource(endpoint=endpoint, slice=part)
+                for endpoint, part in zip([self.kv_endpoint, *endpoints], slices, strict=True)))
 
-        def read_block(index: int) -> memoryview:
-            return memoryview(reader(index))
+            def read_block(index: int) -> memoryview:
+                return byte_view(mine[index].numpy())
+        else:
+            reader = runner.block_reader(block_ids)
+
+            def read_block(index: int) -> memoryview:
+                return memoryview(reader(index))
 
         def release() -> None:
             loop = self._loop
             if loop is None or loop.is_closed():
                 return
             loop.call_soon_threadsafe(self._spawn, self._engine.call(
-                lambda c: c.release_kept_kv(request_id)))
+                lambda c: self._release_export(c, request_id=request_id)))
 
         self.registry.add(ExportedKV(request_id=request_id, num_tokens=kept.num_tokens,
                                      num_blocks=len(block_ids), read_block=read_block,
                                      release=release))
-        return True
+        return _Export(layout=layout)
+
+    @staticmethod
+    def _release_export(core: LLMEngine, *, request_id: str) -> None:
+        """Engine thread: unpin the blocks, and have the ranks free their snapshots."""
+        core.release_kept_kv(request_id)
+        if isinstance(core.runner, ParallelRunner):
+            core.runner.drop_export(request_id)
 
     # ------------------------------------------------------------------ decode role
     def accept_remote(self, params: dict[str, Any]) -> RemotePrefill:
@@ -434,6 +521,10 @@ class HandoffEngine(DelegatingEngine):
         """Fetch the blocks this pod lacks from the prefill pod straight into the reservation."""
         block_ids = reservation.block_ids
         runner = self._engine.engine.runner
+        if source.kv_layout is not None or isinstance(runner, ParallelRunner):
+            await self._pull_by_rank(source=source, reservation=reservation, num_prompt=num_prompt,
+                                     num_remote_blocks=num_remote_blocks)
+            return
 
         def on_block(index: int, data: memoryview) -> None:
             if not reservation.first_block_index <= index < num_remote_blocks:
@@ -453,6 +544,31 @@ class HandoffEngine(DelegatingEngine):
             raise KVTransferFailed(code="prompt_mismatch", message=(
                 f"the prefill pod sent {result.num_blocks} blocks of {result.num_tokens} tokens, "
                 f"the prompt has {num_prompt}"))
+
+    async def _pull_by_rank(self, *, source: RemotePrefill, reservation: ImportReservation,
+                            num_prompt: int, num_remote_blocks: int) -> None:
+        """Every rank of this pod pulls the slice it owns from the prefill ranks holding it;
+        then the export is released on the prefill pod's main endpoint."""
+        runner = self._engine.engine.runner
+        first_block = reservation.first_block_index
+        order = PullOrder(pull_id=uuid.uuid4().hex, request_id=source.remote_request_id,
+                          sources=source.sources(self.layout), first_block=first_block,
+                          block_ids=tuple(reservation.block_ids[first_block:num_remote_blocks]),
+                          num_tokens=num_prompt, layout=self.layout, timeout_seconds=self._fetch_timeout_seconds)
+        if order.block_ids:
+            if isinstance(runner, ParallelRunner):
+                reports = await runner.pull(order, connector=self._connector)
+                for report in reports[1:]:  # rank 0's transfers count in its connector
+                    self._observe(report.num_bytes, report.seconds, report.ok)
+            else:
+                reports = [await pull_part(order, connector=self._connector, caches=runner.kv_caches, rank=0,
+                                           mine=KVSlice.whole(self.layout))]
+            self.rank_pulls.extend(reports)
+            failed = next((report for report in reports if not report.ok), None)
+            if failed is not None:  # free the prefill pod's blocks now (in the background: it may be gone)
+                self._spawn(self._release_remote(source, first_block=num_remote_blocks))
+                raise KVTransferFailed(code=failed.code, message=f"decode rank {failed.rank}: {failed.message}")
+        await self._release_remote(source, first_block=num_remote_blocks)
 
     async def _activate_stream(self, *, request_id: str,
                                params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
@@ -499,6 +615,13 @@ class HandoffEngine(DelegatingEngine):
                              num_output_tokens=1, num_cached_tokens=num_cached,
                              ttft_seconds=time.monotonic() - started,
                              e2e_seconds=(time.monotonic() - started) if finished else None)
+
+
+@dataclass(frozen=True)
+class _Export:
+    """A request's KV is exported; ``layout``: the ranks serving it (None: this endpoint alone)."""
+
+    layout: KVRanks | None
 
 
 async def _consume(stream: AsyncGenerator[RequestOutput, None]) -> None:

@@ -10,6 +10,8 @@ implementation here runs anywhere (CPU tests, loopback, cross-node), a GPU trans
 loopback peers when there is none. The TCP transport moves blocks without per-block copies in
 Python (:mod:`.wire`: gathered sends of the blocks' own memory; :mod:`.receive`: scattered
 receives straight into a :class:`~.connector.BlockDestination`), CRC-checked (:mod:`.framing`).
+With tensor or pipeline parallelism every rank serves, and pulls, only its own layers and KV
+heads (:mod:`.slices`), straight between the ranks that hold them.
 """
 
 from .auth import HandoffAuth, HandoffKey, HandoffRejected
@@ -22,6 +24,7 @@ from .connector import (
     TransferError,
 )
 from .registry import ExportedKV, KVExportRegistry
+from .slices import KVSlice, RankSource, plan_pulls
 from .tcp import TcpKVConnector, TcpKVServer
 
 __all__ = [
@@ -35,7 +38,10 @@ __all__ = [
     "KVConnector",
     "KVExportRegistry",
     "KVLayout",
+    "KVSlice",
+    "RankSource",
     "TcpKVConnector",
     "TcpKVServer",
     "TransferError",
+    "plan_pulls",
 ]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .slices import KVSlice
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,14 @@ class KVConnector(Protocol):
     async def fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
         on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None = None,
+        expected_num_tokens: int | None = None, slice: KVSlice | None = None,
+        release: bool = True,
     ) -> FetchResult:
         """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port"); with
         `expected_num_tokens`, a server holding another number of tokens is refused before
-        any block. Raises TransferError (only); blocks already handed to `on_block` (or written
-        into a destination's buffers) must then be discarded."""
+        any block. With `slice`, only those layers and KV heads of each block travel (a
+        parallel rank's part, :mod:`.slices`; default: whole blocks). `release=False` leaves
+        the blocks pinned on the server (other ranks still pull other slices of them). Raises
+        TransferError (only); blocks already handed to `on_block` (or written into a
+        destination's buffers) must then be discarded."""
         ...

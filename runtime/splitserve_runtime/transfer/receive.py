@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .connector import BlockDestination, BlockSink, KVLayout, TransferError
+from .connector import BlockDestination, BlockSink, TransferError
 from .framing import (
     BLOCK_HEADER_SIZE,
     BLOCK_INDEX,
@@ -44,11 +44,13 @@ _CRC_OFFSET = HEADER_SIZE - 4  # the header's last field
 class BlockReceiver:
     """Receives blocks ``first_block..num_blocks - 1`` of one pull from ``channel``."""
 
-    def __init__(self, *, channel: Channel, layout: KVLayout, on_block: BlockSink | BlockDestination,
+    def __init__(self, *, channel: Channel, block_nbytes: int, on_block: BlockSink | BlockDestination,
                  timeout_seconds: float, first_block: int, num_blocks: int) -> None:
+        """``block_nbytes``: the bytes of each block on the wire (a whole block, or the
+        :class:`~.slices.KVSlice` of it that was asked for)."""
         self._channel = channel
-        self._block_nbytes = layout.block_nbytes
-        self._frame_nbytes = BLOCK_HEADER_SIZE + layout.block_nbytes
+        self._block_nbytes = block_nbytes
+        self._frame_nbytes = BLOCK_HEADER_SIZE + block_nbytes
         self._timeout_seconds = timeout_seconds
         self._first_block = first_block
         self._num_blocks = num_blocks

@@ -5,6 +5,12 @@ FETCH with the first block it lacks, the server answers LAYOUT then one BLOCK fr
 then DONE; the client answers RELEASE, and only then are the prefill pod's blocks unpinned. A
 client that vanishes before RELEASE leaves the export to its lease (it may retry).
 
+A parallel rank's server holds one :class:`~.slices.KVSlice` of every block (its layers and KV
+heads); a FETCH may name a ``slice`` (inside what the server holds, else ``layout_mismatch``)
+and then each BLOCK frame carries just that rectangle. Several ranks of a decode pod pull
+slices of one export, so theirs end with RELEASE ``keep`` (done, but leave it pinned); the
+decode driver's final pull of no blocks releases it.
+
 Both ends move bytes through :class:`~.wire.Channel` (the event loop's own sockets, no asyncio
 streams): the server hands frame headers and the blocks' own bytes to gathering ``sendmsg``
 calls, reading and checksumming blocks at most :data:`SEND_AHEAD_BYTES` ahead of what the socket
@@ -42,6 +48,7 @@ from .framing import (
 )
 from .receive import BlockReceiver
 from .registry import ExportedKV, KVExportRegistry
+from .slices import KVSlice, extract
 from .wire import Channel, PeerClosed, byte_view
 
 log = logging.getLogger(__name__)
@@ -119,11 +126,16 @@ class TcpKVServer:
     def __init__(
         self, *, registry: KVExportRegistry, layout: KVLayout, host: str, port: int,
         io_timeout_seconds: float = 30.0, observer: TransferObserver | None = None,
-        auth: HandoffAuth | None = None,
+        auth: HandoffAuth | None = None, holds: KVSlice | None = None,
     ) -> None:
+        """``holds``: the slice of every block this server's exports hold (a parallel rank's
+        layers and heads; default: whole blocks)."""
         self._auth = auth if auth is not None else HandoffAuth(key=None)
         self._registry = registry
         self._layout = layout
+        self._holds = holds if holds is not None else KVSlice.whole(layout)
+        if not self._holds.fits(layout):
+            raise ValueError(f"a KV server cannot hold {self._holds.describe()} of {layout}")
         self._host = host
         self._port = port
         self._io_timeout_seconds = io_timeout_seconds
@@ -246,29 +258,51 @@ class TcpKVServer:
                 message=f"first_block {first_block!r} outside 0..{exported.num_blocks}",
             )
             return 0
+        try:
+            wanted_slice = KVSlice.from_json(body["slice"]) if "slice" in body else KVSlice.whole(self._layout)
+        except TransferError as exc:
+            await self._send_error(channel, code="protocol", message=exc.message)
+            return 0
+        if first_block < exported.num_blocks and not (
+                wanted_slice.fits(self._layout) and self._holds.contains(wanted_slice)):
+            await self._send_error(
+                channel, code="layout_mismatch",
+                message=f"this endpoint holds {self._holds.describe()}, not {wanted_slice.describe()}",
+            )
+            return 0
+        block_nbytes = wanted_slice.block_nbytes(self._layout)
         header = {"num_blocks": exported.num_blocks, "num_tokens": exported.num_tokens,
-                  "first_block": first_block, "block_nbytes": self._layout.block_nbytes}
+                  "first_block": first_block, "block_nbytes": block_nbytes}
         layout = encode_json(FrameType.LAYOUT, {
             **header, **self._auth.layout_proof(request_id=request_id, nonce=nonce, header=header)})
-        await channel.send_frames(self._frames(exported, first_block=first_block, layout=layout),
+        await channel.send_frames(self._frames(exported, first_block=first_block, layout=layout,
+                                               wanted=wanted_slice),
                                   ahead_bytes=SEND_AHEAD_BYTES, stall_seconds=self._io_timeout_seconds)
-        num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + self._layout.block_nbytes)
+        num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + block_nbytes)
         ack = await self._read_control(channel)
-        if ack.type is FrameType.RELEASE:
+        if ack.type is FrameType.RELEASE and ack.json().get("keep") is not True:
             self._registry.release(request_id)
         return num_bytes
 
-    def _frames(self, exported: ExportedKV, *, first_block: int,
-                layout: bytes) -> Iterator[Sequence[bytes | memoryview]]:
-        """LAYOUT, then each BLOCK frame as (header, the block's own bytes), then DONE; a
-        block is read and checksummed only when the channel asks for it."""
+    def _frames(self, exported: ExportedKV, *, first_block: int, layout: bytes,
+                wanted: KVSlice) -> Iterator[Sequence[bytes | memoryview]]:
+        """LAYOUT, then each BLOCK frame as (header, the block's own bytes, or the slice of
+        them that was asked for), then DONE; a block is read and checksummed only when the
+        channel asks for it."""
         yield (layout,)
-        block_nbytes = self._layout.block_nbytes
+        held_nbytes = self._holds.block_nbytes(self._layout)
+        block_nbytes = wanted.block_nbytes(self._layout)
+        # Slices are cut into a ring of buffers, each reused once the channel sent it: it
+        # holds at most SEND_AHEAD_BYTES plus one frame not yet sent (see send_frames).
+        ring = ([] if wanted == self._holds else
+                [memoryview(bytearray(block_nbytes)) for _ in range(SEND_AHEAD_BYTES // block_nbytes + 3)])
         for index in range(first_block, exported.num_blocks):
             data = byte_view(exported.read_block(index))
-            if len(data) != block_nbytes:
+            if len(data) != held_nbytes:
                 raise TransferError(code="protocol", message=(
-                    f"block {index} of {exported.request_id!r} has {len(data)} bytes, the layout {block_nbytes}"))
+                    f"block {index} of {exported.request_id!r} has {len(data)} bytes, the layout {held_nbytes}"))
+            data = extract(data, layout=self._layout, held=self._holds, wanted=wanted,
+                           out=ring[index % len(ring)] if ring else None)
             yield block_header(index=index, data=data), data
         num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + block_nbytes)
         yield (encode_json(FrameType.DONE, {"num_bytes": num_bytes}),)
@@ -285,7 +319,8 @@ class TcpKVConnector:
     async def fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
         on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None = None,
+        expected_num_tokens: int | None = None, slice: KVSlice | None = None,
+        release: bool = True,
     ) -> FetchResult:
         """See :meth:`.connector.KVConnector.fetch`. Raises ValueError (not TransferError)
         when a :class:`~.connector.BlockDestination` offers buffers that do not hold a block."""
@@ -294,7 +329,7 @@ class TcpKVConnector:
             result = await self._fetch(
                 endpoint=endpoint, request_id=request_id, first_block=first_block,
                 layout=layout, on_block=on_block, timeout_seconds=timeout_seconds,
-                expected_num_tokens=expected_num_tokens,
+                expected_num_tokens=expected_num_tokens, slice=slice, release=release,
             )
         except TransferError:
             if self._observer is not None:
@@ -307,8 +342,10 @@ class TcpKVConnector:
     async def _fetch(
         self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
         on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None,
+        expected_num_tokens: int | None, slice: KVSlice | None, release: bool,
     ) -> FetchResult:
+        if slice is not None and not slice.fits(layout):
+            raise TransferError(code="layout_mismatch", message=f"{slice.describe()} is outside the KV layout")
         try:
             self._auth.check_endpoint(endpoint)
         except HandoffRejected as exc:
@@ -325,6 +362,7 @@ class TcpKVConnector:
             channel.expire_in(timeout_seconds)
             await channel.send([encode_json(FrameType.FETCH, {
                 "request_id": request_id, "first_block": first_block, "layout": layout.to_json(),
+                **({"slice": slice.to_json()} if slice is not None else {}),
                 **self._auth.fetch_credentials(request_id=request_id, nonce=nonce),
             })])
             return await self._receive(
@@ -332,6 +370,7 @@ class TcpKVConnector:
                 first_block=first_block, layout=layout, on_block=on_block,
                 timeout_seconds=timeout_seconds, started=started,
                 expected_num_tokens=expected_num_tokens,
+                block_nbytes=(slice or KVSlice.whole(layout)).block_nbytes(layout), release=release,
             )
         except FrameError as exc:
             raise TransferError(code="corrupt", message=str(exc)) from exc
@@ -350,7 +389,7 @@ class TcpKVConnector:
     async def _receive(
         self, *, channel: Channel, request_id: str, nonce: str, first_block: int,
         layout: KVLayout, on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        started: float, expected_num_tokens: int | None,
+        started: float, expected_num_tokens: int | None, block_nbytes: int, release: bool,
     ) -> FetchResult:
         channel.expire_in(timeout_seconds)
         frame = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
@@ -364,16 +403,18 @@ class TcpKVConnector:
         header = frame.json()
         self._auth.check_layout(header, request_id=request_id, nonce=nonce)  # before any block
         num_blocks, num_tokens = _check_layout_header(header, layout=layout, first_block=first_block,
-                                                      expected_num_tokens=expected_num_tokens)
+                                                      expected_num_tokens=expected_num_tokens,
+                                                      block_nbytes=block_nbytes)
         num_bytes = await BlockReceiver(
-            channel=channel, layout=layout, on_block=on_block, timeout_seconds=timeout_seconds,
+            channel=channel, block_nbytes=block_nbytes, on_block=on_block, timeout_seconds=timeout_seconds,
             first_block=first_block, num_blocks=num_blocks).receive()
         channel.expire_in(timeout_seconds)
         done = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
         if done.type is not FrameType.DONE:
             raise TransferError(code="protocol", message=f"expected DONE, got {done.type.name}")
         channel.expire_in(timeout_seconds)
-        await channel.send([encode_json(FrameType.RELEASE, {"request_id": request_id})])
+        await channel.send([encode_json(FrameType.RELEASE, {"request_id": request_id,
+                                                            **({} if release else {"keep": True})})])
         return FetchResult(
             num_blocks=num_blocks - first_block, num_bytes=num_bytes,
             num_tokens=num_tokens, seconds=time.perf_counter() - started,
@@ -381,7 +422,7 @@ class TcpKVConnector:
 
 
 def _check_layout_header(header: dict[str, object], *, layout: KVLayout, first_block: int,
-                         expected_num_tokens: int | None) -> tuple[int, int]:
+                         expected_num_tokens: int | None, block_nbytes: int) -> tuple[int, int]:
     """(num_blocks, num_tokens) of a LAYOUT answer, which must describe exactly the pull that
     was asked for; raises TransferError otherwise."""
     values: dict[str, int] = {}
@@ -390,7 +431,7 @@ def _check_layout_header(header: dict[str, object], *, layout: KVLayout, first_b
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TransferError(code="protocol", message=f"LAYOUT field {name} is {value!r}, not a count")
         values[name] = value
-    if values["block_nbytes"] != layout.block_nbytes:
+    if values["block_nbytes"] != block_nbytes:
         raise TransferError(code="layout_mismatch", message="block size in bytes differs between pods")
     num_blocks, num_tokens = values["num_blocks"], values["num_tokens"]
     if values["first_block"] != first_block or not first_block <= num_blocks:

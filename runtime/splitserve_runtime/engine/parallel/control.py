@@ -3,11 +3,17 @@
 Each message is one pickled object broadcast over the host-side gloo group: a step's rows (each
 rank builds the same inputs from them and runs its part of the forward), a request to read KV
 blocks (every rank sends its layers' and heads' part, rank 0 assembles the whole-model
-layout), KV blocks to write (every rank keeps its part), a ping (the driver's keepalive while
-idle: a worker waits for the next message in a collective that would otherwise time out, and
-a ping tells the driver at once when a rank's connection is gone), or stop. The whole-model
-layout is the single-process runner's ``[layer][K, V][token][head][dim]``, so pools with
-different tensor- and pipeline-parallel sizes exchange the same bytes.
+layout), KV blocks to write (every rank keeps its part), the KV handoff's messages (export:
+every rank snapshots its part of a request's blocks for its own KV endpoint; drop: forget it;
+pull: every decode rank pulls its part from the prefill ranks, see :mod:`.kv_slices`), a ping
+(the driver's keepalive while idle: a worker waits for the next message in a collective that
+would otherwise time out, and a ping tells the driver at once when a rank's connection is
+gone), or stop. The whole-model layout is the single-process runner's
+``[layer][K, V][token][head][dim]``, so pools with different tensor- and pipeline-parallel
+sizes exchange the same bytes.
+
+ReadBlocks and WriteBlocks (the whole model through rank 0) serve the in-process engine API
+(``block_reader``/``write_block``); the serving handoff moves each rank's slice directly.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import torch
 
 from ...model.pipeline import PipelineStage
 from ...model.tensor_parallel import TensorParallelLayout
+from ...transfer import KVSlice
 from ..model_runner import KVCaches, StepRows
 from .group import ParallelGroup
+from .kv_slices import PullOrder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,31 @@ class WriteBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExportBlocks:
+    """Snapshot this rank's part of ``block_ids`` (a finished prefill of ``num_tokens``) and
+    serve it as ``request_id`` on this rank's KV endpoint; every rank answers with its endpoint
+    (or an error) in an all-gather."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DropExports:
+    """The driver released these exports: free their snapshots."""
+
+    request_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PullBlocks:
+    """Pull this rank's part of ``order`` into its cache; the rank reports through the store."""
+
+    order: PullOrder
+
+
+@dataclasses.dataclass(frozen=True)
 class Ping:
     pass
 
@@ -48,7 +81,7 @@ class Stop:
     pass
 
 
-Message = Step | ReadBlocks | WriteBlocks | Ping | Stop
+Message = Step | ReadBlocks | WriteBlocks | ExportBlocks | DropExports | PullBlocks | Ping | Stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +99,12 @@ class KVPart:
             return 0, self.layout.config.num_hidden_layers
         return self.stage.layer_range(stage)
 
+    def slice(self, *, stage: int, tp_rank: int) -> KVSlice:
+        """The global layers and KV heads held by (``stage``, ``tp_rank``)."""
+        first, last = self.layers(stage)
+        start = self.layout.kv_head_start(tp_rank)
+        return KVSlice(first, last, start, start + self.layout.num_kv_heads_of(tp_rank))
+
     @property
     def num_layers(self) -> int:
         return self.stage.config.num_hidden_layers if self.stage is not None else self.layout.config.num_hidden_layers
@@ -79,7 +118,7 @@ def send(group: ParallelGroup, message: Message) -> None:
 def receive(group: ParallelGroup) -> Message:
     """Worker side: the driver's next message (blocks until it comes)."""
     message = group.broadcast_object()
-    if not isinstance(message, Step | ReadBlocks | WriteBlocks | Ping | Stop):
+    if not isinstance(message, Message):
         raise RuntimeError(f"parallel driver sent {type(message).__name__}, not a message")
     return message
 

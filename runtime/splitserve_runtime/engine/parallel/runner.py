@@ -1,11 +1,16 @@
 """The driver's model runner: the single-process runner plus what the other ranks must see.
 
 Before each forward it broadcasts the step's rows (the other ranks run their part of the
-forward: the same one for tensor parallelism, the next stages for pipeline parallelism), and
-it moves KV blocks in the whole-model layout: an export gathers the
-blocks from every rank at once on the engine thread (the transfer thread then serves the
-snapshot), and imported blocks written from the transfer thread are queued and sent to every
-rank before the next forward, on the engine thread, so control messages never interleave.
+forward: the same one for tensor parallelism, the next stages for pipeline parallelism).
+
+The KV handoff moves each rank's own slice (:mod:`.kv_slices`, :mod:`.rank_kv`): an export
+(:meth:`ParallelRunner.export_blocks`, on the engine thread) has every rank snapshot its part
+for its own KV endpoint, and learns their endpoints; a release queues a drop that reaches the
+ranks before the next forward; a pull (:meth:`ParallelRunner.pull`, from the event loop) tells
+every rank what to pull, pulls rank 0's part, and collects the other ranks' reports from the
+store, never holding the control channel while bytes move. The whole-model path (an export
+gathers every rank's part on rank 0, imported whole-model blocks are queued and broadcast
+before the next forward) remains for the in-process ``block_reader``/``write_block`` API.
 
 While the engine is idle a keepalive thread pings the other ranks (under the same lock as every
 other control message): a worker waits for the next message inside a collective, which would
@@ -19,6 +24,8 @@ in one pod the supervisor names the dead rank, and an in-process engine's bug st
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -26,15 +33,20 @@ from typing import NoReturn
 
 import torch
 
+from ...transfer import KVConnector, KVSlice
 from ..kv_budget import KVCacheSpec
 from ..model_runner import CausalLM, ModelRunner, StepRows
 from . import control
 from .group import ParallelGroup
+from .kv_slices import PullOrder, PullReport, pull_part, snapshot
 from .launcher import Workers, exit_group
+from .rank_kv import report_key
 from .worker import RankModel
 
 PING_SECONDS = 2.0
 """The keepalive pings after this long without a control message."""
+PULL_REPORT_SECONDS = 30.0
+"""How long, beyond its transfers' own timeouts, a rank may take to report a KV pull."""
 
 
 def _exit_process(symptom: str) -> NoReturn:
@@ -59,6 +71,7 @@ class ParallelRunner(ModelRunner):
                                      head_dim=spec.head_dim, dtype=spec.dtype)
         self._lock = threading.Lock()
         self._pending_writes: dict[int, bytes] = {}
+        self._pending_drops: list[str] = []
         self._on_failure = on_failure
         self._exit_on_forward_error = exit_on_forward_error
         self._control = threading.Lock()
@@ -106,11 +119,85 @@ class ParallelRunner(ModelRunner):
 
     def _keepalive(self) -> None:
         while not self._closed.wait(PING_SECONDS / 4):
-            if time.monotonic() - self._last_message < PING_SECONDS:
+            if time.monotonic() - self._last_message < PING_SECONDS and not self._pending_drops:
                 continue
             with self._control:
-                if not self._closed.is_set() and time.monotonic() - self._last_message >= PING_SECONDS:
+                if self._closed.is_set():
+                    continue
+                if self._pending_drops:
+                    self._flush_drops()
+                elif time.monotonic() - self._last_message >= PING_SECONDS:
                     self._send(control.Ping())
+
+    # ------------------------------------------------------------------ the KV handoff, rank by rank
+    def rank_slices(self) -> list[KVSlice]:
+        """The global layers and KV heads each rank holds, in rank order."""
+        return [self.part.slice(stage=rank // self.group.tp_size, tp_rank=rank % self.group.tp_size)
+                for rank in range(self.group.size)]
+
+    def export_blocks(self, *, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, list[str]]:
+        """Engine thread: every rank snapshots its part of ``block_ids`` and serves it as
+        ``request_id`` on its KV endpoint. Returns rank 0's snapshot (``[block][its slice's
+        bytes]``, which rank 0's endpoint serves) and the other ranks' endpoints, in rank
+        order. Raises RuntimeError when a rank cannot serve it."""
+        for block_id in block_ids:
+            self._check_block_id(block_id)
+        with self._control:
+            self._flush_writes()
+            self._send(control.ExportBlocks(request_id=request_id, block_ids=list(block_ids), num_tokens=num_tokens))
+            mine = snapshot(self.kv_caches, block_ids)
+            try:
+                answers: list[tuple[bool, str]] = self.group.all_gather_object((True, ""))
+            except RuntimeError as exc:
+                self._on_failure(f"exporting KV blocks from the ranks failed: {exc}")
+        failed = [f"rank {rank}: {text}" for rank, (ok, text) in enumerate(answers) if not ok]
+        if failed:
+            self.drop_export(request_id)
+            raise RuntimeError(f"the ranks cannot export KV: {'; '.join(failed)}")
+        return mine, [text for _, text in answers[1:]]
+
+    def drop_export(self, request_id: str) -> None:
+        """Any thread: the ranks free their snapshots of ``request_id`` (before the next forward)."""
+        with self._lock:
+            self._pending_drops.append(request_id)
+
+    def _flush_drops(self) -> None:
+        """Send the queued drops (the caller holds ``_control``)."""
+        with self._lock:
+            drops, self._pending_drops = self._pending_drops, []
+        if drops:
+            self._send(control.DropExports(request_ids=drops))
+
+    async def pull(self, order: PullOrder, *, connector: KVConnector) -> list[PullReport]:
+        """Event loop: every rank pulls its part of ``order`` into its cache at once; their
+        reports, in rank order. Returns when every rank has reported (each rank's transfers are
+        bounded by ``order.timeout_seconds`` of silence), so a failed pull leaves no rank
+        still writing into blocks the caller is about to free."""
+        await asyncio.to_thread(self._start_pull, order)
+        try:
+            mine = await pull_part(order, connector=connector, caches=self.kv_caches, rank=0,
+                                   mine=self.part.slice(stage=0, tp_rank=0))
+        finally:  # even when rank 0's part raised: the caller frees the blocks after this
+            others = await asyncio.to_thread(self._collect, order)
+        return [mine, *others]
+
+    def _start_pull(self, order: PullOrder) -> None:
+        with self._control:
+            self._send(control.PullBlocks(order=order))
+
+    def _collect(self, order: PullOrder) -> list[PullReport]:
+        store = self.group.store
+        reports: list[PullReport] = []
+        for rank in range(1, self.group.size):
+            key = report_key(order.pull_id, rank)
+            try:
+                store.wait([key], datetime.timedelta(seconds=PULL_REPORT_SECONDS + 4 * order.timeout_seconds))
+                report = PullReport.from_json(store.get(key))
+                store.delete_key(key)
+            except RuntimeError as exc:  # no report in time: the group is broken
+                self._on_failure(f"rank {rank} did not report its KV pull: {exc}")
+            reports.append(report)
+        return reports
 
     def read_block(self, block_id: int) -> bytes:
         return self.block_reader([block_id])(0)
@@ -126,6 +213,7 @@ class ParallelRunner(ModelRunner):
 
     def _flush_writes(self) -> None:
         """Send the queued imported blocks (the caller holds ``_control``)."""
+        self._flush_drops()
         with self._lock:
             blocks, self._pending_writes = self._pending_writes, {}
         if blocks:

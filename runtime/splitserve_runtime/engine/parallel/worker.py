@@ -32,8 +32,10 @@ from ..kv_budget import KVCacheSpec, resolve_kv_cache_dtype
 from ..model_runner import KVCaches, StepRows, allocate_kv_caches, measure_num_kv_blocks
 from . import control, pipeline
 from .group import ParallelGroup, init_group
+from .kv_slices import PullReport
 from .liveness import LEADER_WAIT_SECONDS, mark_ready, wait_for_leader
 from .placement import resolve_placement
+from .rank_kv import RankKV, report_key
 
 log = logging.getLogger(__name__)
 
@@ -128,25 +130,59 @@ def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: st
     loaded = load_rank(args, model_dir=model_dir, group=group)
     caches = allocate_kv_caches(spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size,
                                 device=group.device)
+    rank_kv = RankKV.for_rank(args, group=group, part=loaded.part, dtype=loaded.spec.dtype,
+                              head_dim=loaded.spec.head_dim, local_index=placement.local_index(rank))
     mark_ready(group.store, rank)
     log.info("parallel rank %d ready: %d KV blocks", rank, loaded.num_blocks)
+    try:
+        return _execute(group, loaded=loaded, caches=caches, rank_kv=rank_kv, block_size=args.block_size)
+    finally:
+        if rank_kv is not None:
+            rank_kv.close()
+
+
+def _execute(group: ParallelGroup, *, loaded: RankModel, caches: KVCaches, rank_kv: RankKV | None,
+             block_size: int) -> int:
+    """Execute the driver's messages until Stop (0) or the driver is gone."""
     while True:
         try:
             message = control.receive(group)
         except RuntimeError as exc:  # the driver is gone (its connection closed)
-            log.warning("parallel rank %d: the driver is gone (%s); exiting", rank, exc)
+            log.warning("parallel rank %d: the driver is gone (%s); exiting", group.rank, exc)
             return DRIVER_GONE_STATUS
         if isinstance(message, control.Ping):
             continue
         if isinstance(message, control.Step):
             with torch.inference_mode():
-                loaded.forward_logits(group, rows=message.rows, caches=caches, block_size=args.block_size)
+                loaded.forward_logits(group, rows=message.rows, caches=caches, block_size=block_size)
         elif isinstance(message, control.ReadBlocks):
             control.gather_blocks(group, loaded.part, caches, message.block_ids)
         elif isinstance(message, control.WriteBlocks):
             control.write_blocks(group, loaded.part, caches, message.blocks)
+        elif isinstance(message, control.ExportBlocks):
+            group.all_gather_object(_export(rank_kv, message, caches))
+        elif isinstance(message, control.DropExports):
+            if rank_kv is not None:
+                rank_kv.drop(message.request_ids)
+        elif isinstance(message, control.PullBlocks):
+            if rank_kv is None:  # the driver sends none to an aggregated pod; answer anyway
+                group.store.set(report_key(message.order.pull_id, group.rank), PullReport(
+                    rank=group.rank, ok=False, code="protocol", message="this rank takes no KV handoff").to_json())
+            else:
+                rank_kv.pull(message.order, caches)
         else:
             return 0
+
+
+def _export(rank_kv: RankKV | None, message: control.ExportBlocks, caches: KVCaches) -> tuple[bool, str]:
+    """(True, this rank's KV endpoint) once its part of the export is served, else (False, why)."""
+    if rank_kv is None:
+        return False, "this rank takes no KV handoff"
+    try:
+        return True, rank_kv.export(request_id=message.request_id, block_ids=message.block_ids,
+                                    num_tokens=message.num_tokens, caches=caches)
+    except (RuntimeError, ValueError) as exc:
+        return False, str(exc)
 
 
 PARENT_POLL_SECONDS = 0.5
