@@ -12,6 +12,10 @@ and output folder, with a time limit,
 3. ``bench/gpu_engine.py --speculative ngram``: the cost of verifying 1 + k rows per sequence
    (break-even tokens per forward) at batch 1 / 16 / 64;
 4. ``bench/gpu_engine.py --tp 2`` when two or more GPUs are visible;
+5. ``bench/gpu_cuda_graphs.py``: decode tokens/s with CUDA graphs vs eager at batch 1 / 64 /
+   256 on the same engine and requests, and the graphs' logits against eager ones (GPU only:
+   the smoke run leaves it out; ``tests/runtime/test_gpu_cuda_graphs_bench.py`` checks its
+   ``--smoke``);
 
 then writes ``$OUT/gpu_all.json``: each step's command, exit status, seconds and JSON, and a
 ``summary`` with the headline ratios, and prints that summary. The exit status is 1 when a
@@ -78,6 +82,9 @@ def _steps(*, smoke: bool, gpus: int) -> list[Step]:
         steps.append(Step("engine_tp2", "gpu_engine.py",
                           (*smoke_args, "--batches", "1,64", "--tp", "2"),
                           "gpu_engine.json", 150.0))
+    if not smoke:
+        steps.append(Step("engine_cuda_graphs", "gpu_cuda_graphs.py",
+                          ("--batches", "1,64,256", "--new-tokens", "32"), "gpu_cuda_graphs.json", 90.0))
     return steps
 
 
@@ -143,6 +150,11 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
              "wall_vs_roofline": r.get("wall_vs_roofline")} for r in _rows(engine, "decode")]
     speculative = by_name.get("engine_speculative") or {}
     summary["engine_speculative"] = speculative.get("speculative") or _rows(speculative, "decode")
+    graphs = by_name.get("engine_cuda_graphs") or {}
+    summary["engine_cuda_graphs_decode"] = [
+        {key: r.get(key) for key in ("batch", "eager_tokens_per_s", "graphs_tokens_per_s", "speedup",
+                                     "logits_max_abs_diff_rel", "argmax_agreement")}
+        for r in _rows(graphs, "decode")]
     return summary
 
 

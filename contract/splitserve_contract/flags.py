@@ -54,6 +54,7 @@ class ServeArgs:
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     chunked_prefill: bool = True
+    cuda_graphs: bool = False  # replay pure-decode steps from CUDA graphs (batch-size buckets)
     max_queue_len: int = defaults.MAX_QUEUE_LEN
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
     tensor_parallel_size: int = 1
@@ -101,6 +102,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("max-num-seqs", "max_num_seqs", "maximum running sequences per step", type=int),
     Flag("max-num-batched-tokens", "max_num_batched_tokens", "token budget per engine step", type=int),
     Flag("chunked-prefill", "chunked_prefill", "split long prompts across steps", is_bool=True),
+    Flag("cuda-graphs", "cuda_graphs",
+         "replay pure-decode steps of up to --max-num-seqs (at most 512) rows from CUDA graphs, one per "
+         "batch-size bucket (1, 2, 4, then multiples of 8); CUDA and the triton backend only, not with "
+         "tensor or pipeline parallelism", is_bool=True),
     Flag("max-queue-len", "max_queue_len", "waiting requests before answering 429", type=int),
     Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
     Flag("tensor-parallel-size", "tensor_parallel_size", "GPUs per tensor-parallel group", type=int),

@@ -29,6 +29,11 @@ class EngineConfig:
     """Schedule step n+1 while step n runs (:mod:`.step_overlap`). None (the default): off,
     for the reasons in :mod:`.step_overlap`; True: on, an error with speculative decoding or
     tensor / pipeline parallelism."""
+    cuda_graphs: bool = False
+    """Replay pure-decode steps of up to ``max_num_seqs`` rows (at most 512) from CUDA graphs,
+    one per batch-size bucket (:mod:`.cuda_graphs`). Off by default until a GPU run shows them correct
+    and faster; on: an error off CUDA, with the torch attention backend, with tensor / pipeline
+    parallelism or with asynchronous scheduling."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -46,14 +51,20 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}); enable chunked prefill or lower max_model_len"
             )
+        if self.cuda_graphs and self.async_scheduling:
+            raise ValueError("CUDA graphs do not cover asynchronous scheduling yet: its steps build "
+                             "their inputs outside the model runner; turn one of them off")
 
     @classmethod
     def from_serve_args(cls, args: ServeArgs, *, max_model_len: int) -> EngineConfig:
+        if args.cuda_graphs and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+            raise ValueError("--cuda-graphs is not available with tensor or pipeline parallelism yet "
+                             "(the ranks' forwards run eagerly); drop one of them")
         return cls(
             max_model_len=max_model_len, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
             prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             chunked_prefill=args.chunked_prefill, max_queue_len=args.max_queue_len,
-            seed=args.seed,
+            seed=args.seed, cuda_graphs=args.cuda_graphs,
         )

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -40,6 +41,7 @@ from splitserve_contract import ServeArgs
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graphs import decode_buckets
 from .draft import DraftModel
 from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCapacity
 from .handoff import ImportReservation, KeptKV
@@ -66,16 +68,27 @@ from .stop_checker import DetokenizerFactory, StopChecker
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _RequestState:
-    seq: Sequence
+@dataclass(eq=False, kw_only=True, slots=True)
+class _Request(Sequence):
+    """A request the engine holds: the sequence the scheduler sees, plus what only the engine
+    reads. One object, so the per-token loop reaches a row's stop conditions without a dict
+    look-up or a second object: after a forward that evicted the host's caches each object a
+    row touches is a cache miss, hundreds per step."""
+
     stop: StopChecker
+    stop_token_ids: frozenset[int] | None
+    """:attr:`StopChecker.stop_token_ids`, None when empty (nothing to look up)."""
+    min_tokens: int
+    token_limit: int
+    """The length (all tokens) at which it ends: ``max_tokens`` outputs or ``max_model_len``."""
+    needs_text: bool
+    """:attr:`StopChecker.needs_text`."""
     prompt_counted: bool = False
     keep_kv: bool = False
 
 
-_PendingToken = tuple[_RequestState, int, TokenLogprob | None, int, str | None, float, float | None, list[float]]
-"""A sampled token whose text and output are not processed yet: state, token id, logprob,
+_PendingToken = tuple[_Request, int, TokenLogprob | None, int, str | None, float, float | None, list[float]]
+"""A sampled token whose text and output are not processed yet: request, token id, logprob,
 output tokens so far, the token's own finish reason, time, TTFT, ITL."""
 _FINISHED = SequenceStatus.FINISHED
 _RUNNING = SequenceStatus.RUNNING
@@ -106,7 +119,7 @@ class LLMEngine:
             device.type == "cuda" if overlap_output_processing is None else overlap_output_processing)
         self._pending: list[_PendingToken] = []
         self._kept_kv: dict[str, KeptKV] = {}
-        self._reserved: dict[str, tuple[_RequestState, int]] = {}  # state, imported tokens
+        self._reserved: dict[str, tuple[_Request, int]] = {}  # request, imported tokens
         self.device = device
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -135,12 +148,15 @@ class LLMEngine:
                                   block_size=config.block_size, num_blocks=num_blocks,
                                   eos_token_ids=self.eos_token_ids)
         self.runner.block_tables = self.block_manager.tables
+        if config.cuda_graphs:
+            self.runner.capture_decode_graphs(max_model_len=config.max_model_len,
+                                              buckets=decode_buckets(config.max_num_seqs))
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling)
         """Whether steps are scheduled one ahead of the model (see :mod:`.step_overlap`)."""
         self._inflight: InFlightStep | None = None
         self._forward_thread = (ForwardThread() if self.async_scheduling and device.type != "cuda"
                                 else None)
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, _Request] = {}
         self.on_close: list[Callable[[], None]] = []
         """Run by :meth:`close` (a tensor-parallel engine stops its worker ranks there)."""
         self._prompt_tokens_total = 0
@@ -219,36 +235,38 @@ class LLMEngine:
                     params: SamplingParams, arrival_time_s: float | None = None,
                     keep_kv: bool = False) -> None:
         """Queue a request. ``keep_kv``: pin its KV when it finishes (see :mod:`.handoff`)."""
-        state = self._new_state(request_id=request_id, token_ids=prompt_token_ids,
-                                num_prompt_tokens=len(prompt_token_ids), params=params,
-                                arrival_time_s=arrival_time_s)
-        state.keep_kv = keep_kv
-        self._requests[request_id] = state
-        self.scheduler.add(state.seq)
+        request = self._new_request(request_id=request_id, token_ids=prompt_token_ids,
+                                    num_prompt_tokens=len(prompt_token_ids), params=params,
+                                    arrival_time_s=arrival_time_s)
+        request.keep_kv = keep_kv
+        self._requests[request_id] = request
+        self.scheduler.add(request)
 
-    def _new_state(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                   params: SamplingParams, arrival_time_s: float | None) -> _RequestState:
+    def _new_request(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                   params: SamplingParams, arrival_time_s: float | None) -> _Request:
         if request_id in self._requests or request_id in self._reserved:
             raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
         prompt = list(token_ids[:num_prompt_tokens])
         self.check_request(prompt_token_ids=prompt, params=params)
-        seq = Sequence(request_id=request_id, token_ids=list(token_ids),
-                       num_prompt_tokens=num_prompt_tokens, params=params,
-                       arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s)
         detok = self._detokenizer_factory(prompt) if self._detokenizer_factory else None
-        return _RequestState(
-            seq=seq, stop=StopChecker(params=params, eos_token_ids=self.eos_token_ids, detokenizer=detok))
+        stop = StopChecker(params=params, eos_token_ids=self.eos_token_ids, detokenizer=detok)
+        return _Request(
+            request_id=request_id, token_ids=list(token_ids), num_prompt_tokens=num_prompt_tokens,
+            params=params, arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+            stop=stop, stop_token_ids=stop.stop_token_ids or None, min_tokens=stop.min_tokens,
+            token_limit=min(num_prompt_tokens + stop.max_tokens, self.config.max_model_len),
+            needs_text=stop.needs_text)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output (None if unknown)."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
             self.cancel_imported_request(request_id)
             return None
         self._drop_pending(request_id)
         self.scheduler.abort(request_id)
         self._release_sampler(request_id)
-        return self._output(state, new_token_ids=[], new_logprobs=None, finish_reason=FINISH_ABORT,
+        return self._output(request, new_token_ids=[], new_logprobs=None, finish_reason=FINISH_ABORT,
                             now=time.monotonic(), ttft=None, itl=[])
 
     def has_unfinished(self) -> bool:
@@ -288,12 +306,12 @@ class LLMEngine:
             scheduled = {id(seq) for seq in sched.decodes}
             for seq in proposed:  # preempted or unscheduled this step: nothing to verify
                 if id(seq) not in scheduled:
-                    seq.spec_token_ids = []
+                    seq.spec_token_ids = ()
             proposed = [seq for seq in proposed if seq.spec_token_ids]
             if self._draft is not None and proposed:  # the reserved slots get the draft's tokens
                 lengths = [len(seq.spec_token_ids) for seq in proposed]
                 for seq, tokens in zip(proposed, self._draft.propose(proposed, lengths), strict=True):
-                    seq.spec_token_ids = tokens
+                    seq.spec_token_ids = tuple(tokens)
         outputs = self._scheduler_finished(sched)
         if sched.is_empty:
             outputs.extend(self._process_pending())
@@ -381,9 +399,9 @@ class LLMEngine:
         outputs.extend(self._process_pending())
         now = time.monotonic()
         for seq in sched.finished:
-            state = self._requests.pop(seq.request_id)
+            request = self._requests.pop(seq.request_id)
             self._release_sampler(seq.request_id)
-            outputs.append(self._output(state, new_token_ids=[], new_logprobs=None,
+            outputs.append(self._output(request, new_token_ids=[], new_logprobs=None,
                                         finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
         return outputs
 
@@ -414,7 +432,7 @@ class LLMEngine:
             drafts = (self._proposer.propose(seq.token_ids, max_tokens=room) if self._proposer is not None
                       else [-1] * room)  # draft model: slots reserved now, tokens after scheduling
             if drafts:
-                seq.spec_token_ids = drafts
+                seq.spec_token_ids = tuple(drafts)
                 proposed.append(seq)
         return proposed
 
@@ -453,16 +471,15 @@ class LLMEngine:
                        outputs: list[RequestOutput] | None) -> None:
         """Append one sampled token to each of ``seqs`` (skipping those already finished), time
         it and check its id for a stop. With ``outputs`` the text part and the output follow at
-        once (appended there); without, the token waits in ``_pending`` (output overlap)."""
-        requests = self._requests
-        max_model_len = self.config.max_model_len
+        once (appended there); without, the token waits in ``_pending`` (output overlap).
+        Every sequence the scheduler holds is one of this engine's :class:`_Request`."""
         num_generated = 0
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
+        requests = cast(list[_Request], seqs)
+        for seq, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
             if seq.status is _FINISHED:  # ended while the step ran (aborted, or a stop on its
                 continue                 # previous token with the step already launched)
-            state = requests[seq.request_id]
-            if not state.prompt_counted:
-                state.prompt_counted = True
+            if not seq.prompt_counted:
+                seq.prompt_counted = True
                 self._prompt_tokens_total += seq.num_prompt_tokens
             tokens = seq.token_ids
             tokens.append(token_id)
@@ -477,20 +494,22 @@ class LLMEngine:
             elif seq.last_token_time_s is not None:
                 itl = [now - seq.last_token_time_s]
             seq.last_token_time_s = now
-            num_output = len(tokens) - seq.num_prompt_tokens
-            stop = state.stop
+            num_tokens = len(tokens)
+            num_output = num_tokens - seq.num_prompt_tokens
             reason: str | None = None
-            if token_id in stop.stop_token_ids and num_output >= stop.min_tokens:
+            stop_ids = seq.stop_token_ids
+            if stop_ids is not None and token_id in stop_ids and num_output >= seq.min_tokens:
                 reason = FINISH_STOP
-            elif num_output >= stop.max_tokens or len(tokens) >= max_model_len:
+            elif num_tokens >= seq.token_limit:
                 reason = FINISH_LENGTH
             if reason is not None:
                 self._finish(seq, reason=reason)
             if outputs is None:
-                self._pending.append((state, token_id, logprob, num_output, reason, now, ttft, itl))
+                self._pending.append((seq, token_id, logprob, num_output, reason, now, ttft, itl))
                 continue
             text = ""
-            if stop.needs_text:
+            if seq.needs_text:
+                stop = seq.stop
                 final = stop.append_text(token_id=token_id, num_output_tokens=num_output, token_reason=reason)
                 if final is not None and reason is None:
                     self._finish(seq, reason=final)  # a stop string
@@ -508,22 +527,20 @@ class LLMEngine:
         """The text part of the appended tokens: detokenize, stop strings, outputs."""
         pending, self._pending = self._pending, []
         outputs: list[RequestOutput] = []
-        for state, token_id, logprob, num_output, token_reason, now, ttft, itl in pending:
-            seq = state.seq
-            reason = state.stop.append_text(token_id=token_id, num_output_tokens=num_output,
-                                            token_reason=token_reason)
+        for request, token_id, logprob, num_output, token_reason, now, ttft, itl in pending:
+            reason = request.stop.append_text(token_id=token_id, num_output_tokens=num_output,
+                                              token_reason=token_reason)
             if reason is not None and token_reason is None:
-                self._finish(seq, reason=reason)  # a stop string
+                self._finish(request, reason=reason)  # a stop string
             elif reason is not None:
-                seq.finish_reason = reason
+                request.finish_reason = reason
             outputs.append(self._output(
-                state, new_token_ids=[token_id], new_logprobs=None if logprob is None else [logprob],
+                request, new_token_ids=[token_id], new_logprobs=None if logprob is None else [logprob],
                 finish_reason=reason, now=now, ttft=ttft, itl=itl, num_output_tokens=num_output))
         return outputs
 
-    def _finish(self, seq: Sequence, *, reason: str) -> None:
-        state = self._requests.get(seq.request_id)
-        if state is not None and state.keep_kv:
+    def _finish(self, seq: _Request, *, reason: str) -> None:
+        if seq.keep_kv and seq.request_id in self._requests:
             if self._inflight is not None and seq.num_computed_tokens >= seq.num_tokens:
                 self._inflight.wait()  # its dropped row is still being written into its blocks
             self._keep_kv(seq)
@@ -532,17 +549,16 @@ class LLMEngine:
         self._requests.pop(seq.request_id, None)
 
     def _drop_pending(self, request_id: str) -> None:
-        if any(p[0].seq.request_id == request_id for p in self._pending):
-            self._pending = [p for p in self._pending if p[0].seq.request_id != request_id]
+        if any(p[0].request_id == request_id for p in self._pending):
+            self._pending = [p for p in self._pending if p[0].request_id != request_id]
 
-    def _output(self, state: _RequestState, *, new_token_ids: list[int],
+    def _output(self, seq: _Request, *, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprob] | None, finish_reason: str | None, now: float,
                 ttft: float | None, itl: list[float],
                 num_output_tokens: int | None = None) -> RequestOutput:
-        seq = state.seq
         finished = finish_reason is not None
         return new_output(
-            seq.request_id, new_token_ids, state.stop.take_new_text(finished=finished), new_logprobs,
+            seq.request_id, new_token_ids, seq.stop.take_new_text(finished=finished), new_logprobs,
             finish_reason, seq.num_prompt_tokens,
             seq.num_output_tokens if num_output_tokens is None else num_output_tokens,
             seq.num_cached_tokens, ttft, itl, (now - seq.arrival_time_s) if finished else None)
@@ -585,25 +601,24 @@ class LLMEngine:
                              f"got {num_imported_tokens}")
         if not 1 <= num_prompt_tokens <= len(token_ids):
             raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids)}]")
-        state = self._new_state(request_id=request_id, token_ids=token_ids,
-                                num_prompt_tokens=num_prompt_tokens, params=params,
-                                arrival_time_s=arrival_time_s)
+        request = self._new_request(request_id=request_id, token_ids=token_ids,
+                                    num_prompt_tokens=num_prompt_tokens, params=params,
+                                    arrival_time_s=arrival_time_s)
         if self.scheduler.num_running + len(self._reserved) >= self.config.max_num_seqs:
             return None
         if self._inflight is not None:  # blocks it frees may still be written by the step in flight
             self._inflight.wait()
-        seq = state.seq
-        num_cached = self.block_manager.allocate_for_known_prefix(seq=seq, num_tokens=num_imported_tokens)
+        num_cached = self.block_manager.allocate_for_known_prefix(seq=request, num_tokens=num_imported_tokens)
         if num_cached is None:
             return None
         try:
-            imported_text = self._replay_imported_tokens(state)
+            imported_text = self._replay_imported_tokens(request)
         except ValueError:
-            self.block_manager.free(seq)
+            self.block_manager.free(request)
             raise
-        seq.num_cached_tokens = num_cached
-        self._reserved[request_id] = (state, num_imported_tokens)
-        return ImportReservation(request_id=request_id, block_ids=list(seq.block_table),
+        request.num_cached_tokens = num_cached
+        self._reserved[request_id] = (request, num_imported_tokens)
+        return ImportReservation(request_id=request_id, block_ids=list(request.block_table),
                                  num_cached_tokens=num_cached, block_size=self.block_manager.block_size,
                                  imported_text=imported_text)
 
@@ -617,53 +632,51 @@ class LLMEngine:
         if not 1 <= num_prompt_tokens < len(token_ids):
             raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids) - 1}], "
                              f"got {num_prompt_tokens}")
-        state = self._new_state(request_id=request_id, token_ids=token_ids,
-                                num_prompt_tokens=num_prompt_tokens, params=params,
-                                arrival_time_s=arrival_time_s)
-        imported_text = self._replay_imported_tokens(state)
-        self._mark_first_token_elsewhere(state)
-        self._requests[request_id] = state
-        self.scheduler.add(state.seq)
+        request = self._new_request(request_id=request_id, token_ids=token_ids,
+                                    num_prompt_tokens=num_prompt_tokens, params=params,
+                                    arrival_time_s=arrival_time_s)
+        imported_text = self._replay_imported_tokens(request)
+        self._mark_first_token_elsewhere(request)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
         return imported_text
 
     @staticmethod
-    def _mark_first_token_elsewhere(state: _RequestState) -> None:
+    def _mark_first_token_elsewhere(request: _Request) -> None:
         """The first token came from another pod and its TTFT was recorded with it
         (:class:`~.remote.HandoffEngine`): this engine's first token is an inter-token gap,
         measured from now, not a second TTFT."""
-        seq = state.seq
-        seq.first_token_time_s = seq.last_token_time_s = time.monotonic()
+        request.first_token_time_s = request.last_token_time_s = time.monotonic()
 
-    def _replay_imported_tokens(self, state: _RequestState) -> str:
+    def _replay_imported_tokens(self, request: _Request) -> str:
         """Feed the output tokens generated elsewhere (already streamed) through the stop
         checker; return their text. Raises ValueError if they already finish the request."""
-        seq = state.seq
-        for index, token_id in enumerate(seq.output_token_ids, start=1):
-            reason = state.stop.check_token(token_id=token_id, num_output_tokens=index)
-            reason = state.stop.append_text(token_id=token_id, num_output_tokens=index,
-                                            token_reason=reason)
+        for index, token_id in enumerate(request.output_token_ids, start=1):
+            reason = request.stop.check_token(token_id=token_id, num_output_tokens=index)
+            reason = request.stop.append_text(token_id=token_id, num_output_tokens=index,
+                                              token_reason=reason)
             if reason is not None:
-                raise ValueError(f"the imported tokens already finish request {seq.request_id!r} ({reason})")
-        return state.stop.take_new_text(finished=False)
+                raise ValueError(f"the imported tokens already finish request {request.request_id!r} ({reason})")
+        return request.stop.take_new_text(finished=False)
 
     def activate_imported_request(self, request_id: str) -> None:
         """The reserved blocks are filled: index them and start decoding."""
         reserved = self._reserved.pop(request_id, None)
         if reserved is None:
             raise KeyError(f"no reserved import {request_id!r}")
-        state, num_imported_tokens = reserved
-        self.block_manager.mark_computed(seq=state.seq, num_tokens=num_imported_tokens)
-        self._requests[request_id] = state
-        state.prompt_counted = True  # the prompt was counted where it was computed
-        self._mark_first_token_elsewhere(state)
-        self.scheduler.add_running(state.seq)
+        request, num_imported_tokens = reserved
+        self.block_manager.mark_computed(seq=request, num_tokens=num_imported_tokens)
+        self._requests[request_id] = request
+        request.prompt_counted = True  # the prompt was counted where it was computed
+        self._mark_first_token_elsewhere(request)
+        self.scheduler.add_running(request)
 
     def cancel_imported_request(self, request_id: str) -> bool:
         """Free a reservation whose transfer failed; False if there was none."""
         reserved = self._reserved.pop(request_id, None)
         if reserved is None:
             return False
-        self.block_manager.free(reserved[0].seq)
+        self.block_manager.free(reserved[0])
         return True
 
     # ------------------------------------------------------------------ stats

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,9 @@ from .sampler import PendingSample, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs, GraphBackend
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,13 @@ class StepInputs:
     """Rows of the hidden states whose logits are sampled, in :attr:`sample_seqs` order."""
 
 
+def decode_slot_mapping(rows: DecodeRows, *, block_size: int, out: npt.NDArray[np.int64]) -> None:
+    """Write each decode row's KV slot (``block * block_size + offset`` of its position) to ``out``."""
+    positions = rows.positions
+    blocks = rows.block_tables[np.arange(len(rows)), positions // block_size].astype(np.int64)
+    np.add(blocks * block_size, positions % block_size, out=out)
+
+
 def build_step_inputs(*, prefills: list[PrefillRow], decodes: Seq[DecodeRow] | DecodeRows,
                       sample_prefill: list[int], block_size: int,
                       device: torch.device) -> StepInputs:
@@ -189,8 +199,7 @@ def build_step_inputs(*, prefills: list[PrefillRow], decodes: Seq[DecodeRow] | D
         d_pos = dec.positions
         ids[offset:] = dec.token_ids
         pos[offset:] = d_pos
-        np.add(dec.block_tables[np.arange(num_decodes), d_pos // block_size].astype(np.int64) * block_size,
-               d_pos % block_size, out=slots[offset:])
+        decode_slot_mapping(dec, block_size=block_size, out=slots[offset:])
         np.add(d_pos, 1, out=decode_ctx, casting="unsafe")
         logits[logit:] = np.arange(offset, offset + num_decodes)
         decode_tables[:] = dec.block_tables
@@ -306,6 +315,8 @@ class ModelRunner:
         self.block_tables: BlockTables | None = None
         """The block manager's table mirror (set by the engine); without it decode tables are
         built from the sequences' lists."""
+        self.decode_graphs: DecodeGraphs | None = None
+        """Replayable pure-decode forwards (:meth:`capture_decode_graphs`); None: all eager."""
 
     def read_block(self, block_id: int) -> bytes:
         """Export hook: one block's K/V as bytes, ordered ``[layer][K, V][token][head][dim]``.
@@ -429,13 +440,43 @@ class ModelRunner:
         return list(map(_request_id, seqs)), list(map(_params, seqs)), self._banned_token_ids(seqs)
 
     def forward_logits(self, rows: StepRows) -> torch.Tensor | None:
-        """Run the model on ``rows``; fp32 logits of the sampled rows (None when none is)."""
+        """Run the model on ``rows``; fp32 logits of the sampled rows (None when none is).
+        A pure-decode step that a captured bucket holds replays its graph."""
+        graphs = self.decode_graphs
+        if graphs is not None and not rows.prefills and rows.decodes:
+            decodes = rows.decodes if isinstance(rows.decodes, DecodeRows) else DecodeRows.from_rows(rows.decodes)
+            if graphs.fits(decodes):
+                return self.model.compute_logits(graphs.forward(decodes))
         inputs = rows.build(block_size=self.block_size, device=self.device)
         hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
                                     kv_caches=self.kv_caches, md=inputs.md)
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def capture_decode_graphs(self, *, max_model_len: int, buckets: Seq[int],
+                              backend: GraphBackend | None = None) -> None:
+        """Capture one decode graph per batch size in ``buckets`` (:mod:`.cuda_graphs`) and
+        route pure-decode steps through them. ``backend``: how forwards are captured (default:
+        CUDA graphs, an error off CUDA or with a backend whose kernels sync with the host;
+        :class:`~.cuda_graphs.EagerReplay` runs the same padded static-buffer path without graphs)."""
+        from .cuda_graphs import CudaGraphBackend, DecodeGraphs
+
+        if type(self).forward_logits is not ModelRunner.forward_logits:
+            raise ValueError("CUDA graphs are not available with tensor or pipeline parallelism yet")
+        if backend is None:
+            if self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a CUDA device, this engine runs on {self.device}")
+            ops_name = getattr(getattr(self.model, "ops", None), "name", "triton")
+            if ops_name != "triton":
+                raise ValueError(f"CUDA graphs need the triton attention backend, not {ops_name!r} "
+                                 "(its KV write synchronises with the host)")
+            backend = CudaGraphBackend(self.device)
+        graphs = DecodeGraphs(model=self.model, kv_caches=self.kv_caches, buckets=buckets,
+                              max_model_len=max_model_len, block_size=self.block_size,
+                              device=self.device, backend=backend)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def before_forward(self, rows: StepRows) -> None:
         """Called with each step's rows before its forward (a tensor-parallel driver sends

@@ -231,12 +231,12 @@ class Scheduler:
         do not allow them); False if ``seq`` itself had to be preempted."""
         if 1 + len(seq.spec_token_ids) > budget or not self.block_manager.allocate_slots(
                 seq=seq, num_new_tokens=1 + len(seq.spec_token_ids)):
-            seq.spec_token_ids = []
+            seq.spec_token_ids = ()
         if self._reserve(seq=seq, num_new_tokens=1, out=out):
             out.decodes.append(seq)
             out.num_speculative += bool(seq.spec_token_ids)
             return True
-        seq.spec_token_ids = []
+        seq.spec_token_ids = ()
         return False
 
     def _admit(self, *, budget: int, out: SchedulerOutput) -> int:
@@ -328,7 +328,7 @@ class Scheduler:
                 # the rejected proposals' slots go back; the accepted tokens are appended after
                 # this, so the engine commits their blocks then
                 bm.trim(seq)
-                seq.spec_token_ids = []
+                seq.spec_token_ids = ()
                 seq.num_spec_accepted = 0
                 continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1

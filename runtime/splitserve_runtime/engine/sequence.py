@@ -48,8 +48,10 @@ class Sequence:
     num_preemptions: int = 0
     was_admitted: bool = False
     finish_reason: str | None = None
-    spec_token_ids: list[int] = field(default_factory=list)
-    """Speculative proposals verified in the current step (empty: a plain decode)."""
+    spec_token_ids: tuple[int, ...] = ()
+    """Speculative proposals verified in the current step (empty: a plain decode). A tuple:
+    every plain decode shares the one empty tuple, so the scheduler's per-decode test of it
+    reads no object of the sequence's own."""
     num_spec_accepted: int = 0
     """How many of :attr:`spec_token_ids` the target accepted (set after the step's forward)."""
     num_draft_computed: int = 0

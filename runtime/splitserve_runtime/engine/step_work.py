@@ -30,8 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .scheduler import SchedulerOutput
+
+_num_computed = attrgetter("num_computed_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,12 @@ def step_work(sched: SchedulerOutput) -> StepWork:
         n, c = chunk.num_tokens, chunk.start_position
         prefill_tokens += n
         pairs += n * c + n * (n + 1) // 2
+    decodes = sched.decodes
+    if not sched.num_speculative:  # the hot path: one row per decode, summed without a Python loop
+        return StepWork(prefill_tokens=prefill_tokens, prefill_attention_pairs=pairs,
+                        decode_rows=len(decodes), decode_context_tokens=sum(map(_num_computed, decodes)))
     rows = context = 0
-    for seq in sched.decodes:
+    for seq in decodes:
         k = len(seq.spec_token_ids)
         rows += 1 + k
         context += (1 + k) * seq.num_computed_tokens + k * (k + 1) // 2

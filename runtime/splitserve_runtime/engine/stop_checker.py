@@ -32,9 +32,10 @@ DetokenizerFactory = Callable[[list[int]], Detokenizer]
 class StopChecker:
     """Tracks one request's text; :meth:`append` decides whether it has finished.
 
-    The engine's per-token loop reads :attr:`stop_token_ids`, :attr:`min_tokens`,
-    :attr:`max_tokens` and :attr:`needs_text` directly (the same test as :meth:`check_token`,
-    without a call per token) and skips :meth:`append_text` for requests without text.
+    The engine copies :attr:`stop_token_ids`, :attr:`min_tokens`, :attr:`max_tokens` and
+    :attr:`needs_text` onto its request when it is created (its per-token loop makes the test of
+    :meth:`check_token` without a call or a second object per token) and skips
+    :meth:`append_text` for requests without text; they are fixed for the request's life.
     """
 
     def __init__(self, *, params: SamplingParams, eos_token_ids: frozenset[int],
