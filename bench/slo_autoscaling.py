@@ -8,13 +8,17 @@ bursty 2-state MMPP whose prompts double mid-trace) run through the simulator un
     target and the decode queue/KV targets (``TUNING_GRID``) keeping the fewest GPU-hours that
     meet the attainment (none meets it: the best attainment),
 (c) the SLO controller (the operator's ``decide_slo``, imported) with the roofline prior and
-    nothing tuned per trace.
+    nothing tuned per trace,
+
+and prints the ``ceiling``: every pool at ``max_replicas`` from the first tick, the most any
+policy starting from the same fleet can attain (the first ``interval + startup`` seconds of
+requests meet the initial fleet whatever a policy does).
 
 Attainment is the fraction of requests whose TTFT and mean inter-token latency both meet the
 SLO; GPU-hours count every pod from creation to drained over the trace. Figures, not
 assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 
-    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,slo] [--traces steady,diurnal,bursty-shift]
+    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,slo,ceiling] [--traces steady,diurnal,bursty-shift]
 """
 
 from __future__ import annotations
@@ -23,13 +27,20 @@ import argparse
 import time
 from dataclasses import replace
 
-from splitserve_planner.slo_compare import CI_SCENARIO, TUNING_GRID, Scenario, compare, format_table
+from splitserve_planner.slo_compare import (
+    CI_SCENARIO,
+    POLICIES,
+    TUNING_GRID,
+    Scenario,
+    compare,
+    format_table,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ci", action="store_true", help="CI size: 900 s traces (about a minute on one core)")
-    parser.add_argument("--policies", default="default,tuned,slo")
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--traces", default=None, help="comma-separated subset of steady,diurnal,bursty-shift")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()

@@ -15,7 +15,13 @@ Policies: ``default`` is target tracking with the spec's default targets
 per trace by a grid search (:data:`TUNING_GRID`, fewest GPU-hours among the points meeting the
 attainment, else the best attainment) — the hand-tuning an operator would have to do; ``slo``
 is the SLO controller (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) with
-the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all.
+the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all; ``ceiling`` is not a
+policy but a bound: every pool at ``max_replicas`` from the first tick. Pods asked for then are
+Ready only ``interval + startup`` seconds in, and the router commits each request to a pod Ready
+at its arrival, so the requests of that first stretch meet the initial fleet whatever a policy
+does: no policy starting from the same fleet attains more than the ceiling (on the CI-size
+bursty trace, which opens in its high state at 1.35x the rate the initial fleet is sized for,
+it is below 99 %). :attr:`Outcome.missed_arrival_seconds` says when the misses arrived.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .model_presets import load_model
 from .perf_model import StepCost, roofline_model
 from .sim.config import DISAGGREGATED, AutoscaleSettings, EngineSettings, FleetConfig, SimOptions
 from .sim.observe import gpu_seconds
+from .sim.results import SimResult
 from .simulator import Simulator
 from .slo_prior import fit_prior
 from .slo_traces import TRACE_KINDS, TraceShape, make_trace
@@ -80,6 +87,14 @@ class Outcome:
     """What was configured (targets, or the SLO)."""
     num_requests: int
     timeline: list[dict[str, float]] = field(default_factory=list, repr=False)
+    missed_arrival_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Arrival times of the finished requests that missed the SLO (unfinished ones are
+    ``num_requests`` minus the finished, and miss too)."""
+
+    def misses_between(self, start_seconds: float, end_seconds: float) -> int:
+        """Finished requests arrived in ``[start_seconds, end_seconds)`` that missed the SLO."""
+        arrived = self.missed_arrival_seconds
+        return int(np.count_nonzero((arrived >= start_seconds) & (arrived < end_seconds)))
 
 
 def perf_of(scenario: Scenario) -> StepCost:
@@ -87,12 +102,16 @@ def perf_of(scenario: Scenario) -> StepCost:
     return roofline_model(name=name, config=config, gpu=get_gpu(scenario.gpu), tensor_parallel=1, dtype="bfloat16")
 
 
+def meets(*, ttft: np.ndarray, tpot: np.ndarray, slo: SloTarget) -> np.ndarray:
+    """Per finished request: TTFT and mean inter-token latency both within their targets."""
+    return np.asarray((ttft <= slo.ttft_p99_seconds) & (tpot <= slo.itl_p99_seconds), dtype=bool)
+
+
 def attainment(*, ttft: np.ndarray, tpot: np.ndarray, num_requests: int, slo: SloTarget) -> float:
     """Fraction of ``num_requests`` meeting both targets (the arrays hold the finished ones)."""
     if num_requests == 0:
         return 1.0
-    met = int(np.count_nonzero((ttft <= slo.ttft_p99_seconds) & (tpot <= slo.itl_p99_seconds)))
-    return met / num_requests
+    return int(np.count_nonzero(meets(ttft=ttft, tpot=tpot, slo=slo))) / num_requests
 
 
 def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str, policy: str,
@@ -108,7 +127,10 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
     peaks = {role: int(max((row.get(f"{role}_replicas", 0.0) + row.get(f"{role}_starting", 0.0)
                             for row in result.timeline), default=0.0)) for role in sim.pools}
     q = 100.0 * scenario.slo.attainment
-    if autoscale.slo is not None:
+    met = meets(ttft=result.ttft_seconds, tpot=result.tpot_seconds, slo=scenario.slo)
+    if policy == "ceiling":
+        settings = f"every pool at {autoscale.min_replicas} from the first tick (a bound, not a policy)"
+    elif autoscale.slo is not None:
         settings = (f"SLO ttft {autoscale.slo.ttft_p99_seconds * 1e3:g} ms, itl {autoscale.slo.itl_p99_seconds * 1e3:g} ms"
                     f" @ {autoscale.slo.attainment:g}")
     else:
@@ -119,7 +141,16 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
                                          num_requests=result.num_measured, slo=scenario.slo),
                    gpu_hours=hours, ttft_p99_seconds=result.ttft_percentile(q),
                    itl_p99_seconds=result.itl_percentile(q), peak_replicas=peaks, settings=settings,
-                   num_requests=result.num_measured, timeline=result.timeline)
+                   num_requests=result.num_measured, timeline=result.timeline,
+                   missed_arrival_seconds=result.arrival_seconds[~met])
+
+
+def run_fixed_fleet(*, scenario: Scenario, perf: StepCost, requests: list[Request], prefill: int,
+                    decode: int) -> SimResult:
+    """The requests on a fleet that never scales (a hindsight reference, or a model check)."""
+    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=prefill, decode_replicas=decode, engine=scenario.engine)
+    return Simulator(fleet=fleet, perf=perf, requests=requests,
+                     options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed)).run()
 
 
 def base_settings(scenario: Scenario) -> AutoscaleSettings:
@@ -131,6 +162,12 @@ def slo_settings(scenario: Scenario, perf: StepCost) -> AutoscaleSettings:
     prior = fit_prior(perf, max_batched_tokens=scenario.engine.max_batched_tokens,
                       max_num_seqs=scenario.engine.max_num_seqs).coefficients
     return replace(base_settings(scenario), slo=replace(scenario.slo, prior=prior))
+
+
+def ceiling_settings(scenario: Scenario) -> AutoscaleSettings:
+    """Every pool at ``max_replicas`` from the first tick on (the module docstring's ceiling)."""
+    base = base_settings(scenario)
+    return replace(base, min_replicas=base.max_replicas)
 
 
 def tune(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str) -> Outcome:
@@ -157,6 +194,9 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
     return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
 
 
+POLICIES = ("default", "tuned", "slo", "ceiling")
+
+
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
     """Every policy on every trace of the scenario, in trace then policy order."""
     perf = perf_of(scenario)
@@ -172,8 +212,11 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
             elif policy == "slo":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf)))
+            elif policy == "ceiling":
+                out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                      policy=policy, autoscale=ceiling_settings(scenario)))
             else:
-                raise ValueError(f"unknown policy {policy!r}; choose default, tuned or slo")
+                raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
     return out
 
 

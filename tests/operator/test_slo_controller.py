@@ -81,10 +81,36 @@ def test_model_keeps_a_pool_that_meets_the_slo_and_explains_it() -> None:
 def test_ttft_violation_scales_prefill_not_decode() -> None:
     histories = {"prefill": RecommendationHistory.fresh(now_seconds=NOW - 1, current_replicas=2),
                  "decode": RecommendationHistory.fresh(now_seconds=NOW - 1, current_replicas=2)}
-    out = decide(disagg(2, 2, ttft=0.7, itl=0.02), rate=8.0, behavior=Behavior(), histories=histories)
+    queued = {"prefill": pool("prefill", current=2, ttft=0.7, itl=0.02, waiting=6.0, waiting_tokens=6000.0),
+              "decode": pool("decode", current=2, ttft=0.7, itl=0.02)}
+    out = decide(queued, rate=8.0, behavior=Behavior(), histories=histories)
     assert (out["prefill"].result, out["prefill"].reason) == (3, Reason.SLO_VIOLATED), out["prefill"].formula
     assert "reactive ceil(2 ready × 1.40) = 3" in out["prefill"].formula
     assert out["decode"].result == 2 and out["decode"].reason != Reason.SLO_VIOLATED
+
+
+def test_a_ttft_violation_that_left_no_queue_and_that_the_model_explains_is_not_chased() -> None:
+    """A window's p99 over target with nothing waiting at the round, while the model says the
+    current count meets the SLO, is a passing cluster: no reactive pod (it would be kept for the
+    whole scale-down window). A queue, or a model that wants more pods, makes it act again."""
+    histories = {"prefill": RecommendationHistory.fresh(now_seconds=NOW - 1, current_replicas=2),
+                 "decode": RecommendationHistory.fresh(now_seconds=NOW - 1, current_replicas=2)}
+    drained = decide(disagg(2, 2, ttft=0.7, itl=0.02), rate=8.0, behavior=Behavior(), histories=dict(histories))
+    prefill = drained["prefill"]
+    assert (prefill.result, prefill.reason) == (2, Reason.SLO_MET), prefill.formula
+    assert "not acted on: no request waiting and the model meets it with 2 ≤ 2" in prefill.formula
+    assert "reactive" not in prefill.formula
+    one_waiting = {"prefill": pool("prefill", current=2, ttft=0.7, itl=0.02, waiting=1.0, waiting_tokens=1000.0),
+                   "decode": pool("decode", current=2)}
+    assert decide(one_waiting, rate=8.0)["prefill"].reason == Reason.SLO_VIOLATED
+    # at 16 req/s the model itself wants more than 2 prefill pods: the measurement is acted on
+    busier = decide(disagg(2, 2, ttft=0.7, itl=0.02), rate=16.0)["prefill"]
+    assert busier.result > 2 and "not acted on" not in busier.formula, busier.formula
+    # a fit too young to add pods without a prior is too young to overrule a measurement
+    no_prior = SloTarget(ttft_p99_seconds=0.5, itl_p99_seconds=0.05, attainment=0.99, headroom=0.8, prior=None)
+    pools = disagg(2, 2, ttft=0.7, itl=0.02)
+    shaky = decide(pools, rate=8.0, slo=no_prior, slo_state=state(pools, rate=8.0, prior=TRUTH, trained=False))
+    assert shaky["prefill"].reason == Reason.SLO_VIOLATED, shaky["prefill"].formula
 
 
 def test_itl_violation_scales_decode_not_prefill() -> None:
@@ -129,7 +155,7 @@ def test_floors_from_target_tracking_are_respected() -> None:
 
 
 def test_pending_pods_hold_scale_up() -> None:
-    pools = {"prefill": pool("prefill", current=3, pending=1, ready=2, ttft=0.9),
+    pools = {"prefill": pool("prefill", current=3, pending=1, ready=2, ttft=0.9, waiting=4.0, waiting_tokens=4000.0),
              "decode": pool("decode", current=2)}
     d = decide(pools, rate=8.0)["prefill"]
     assert "reactive ceil(2 ready × 1.80) = 4" in d.formula

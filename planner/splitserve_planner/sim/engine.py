@@ -428,6 +428,7 @@ class EngineModel(SimState):
         self.e2e.append(e2e)
         outputs = req.num_output_tokens
         self.tpot.append((e2e - ttft) / (outputs - 1) if outputs > 1 else 0.0)
+        self.arrivals.append(req.arrival_seconds)
         self.queue.append(job.start_s - req.arrival_seconds)
         self.output_tokens += outputs
 

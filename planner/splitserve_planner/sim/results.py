@@ -38,6 +38,9 @@ class SimResult:
     prefill_side_seconds: np.ndarray
     """Arrival to the end of prefill (disaggregated; equals TTFT when aggregated)."""
     tpot_seconds: np.ndarray
+    arrival_seconds: np.ndarray
+    """Arrival time of each finished request, aligned with ``ttft_seconds`` and ``tpot_seconds``
+    (when the misses happened: the SLO comparison attributes them to what a policy could reach)."""
     e2e_seconds: np.ndarray
     queue_seconds: np.ndarray
     itl_values_seconds: np.ndarray
@@ -143,7 +146,7 @@ class Observer(SimState):
         return SimResult(
             num_measured=len(measured_requests), num_unfinished=len(measured_requests) - self.num_measured,
             ttft_seconds=np.asarray(self.ttft), prefill_side_seconds=np.asarray(self.ttft_prefill),
-            tpot_seconds=np.asarray(self.tpot),
+            tpot_seconds=np.asarray(self.tpot), arrival_seconds=np.asarray(self.arrivals),
             e2e_seconds=np.asarray(self.e2e), queue_seconds=np.asarray(self.queue),
             itl_values_seconds=np.asarray(self.itl_values), itl_weights=np.asarray(self.itl_weights, dtype=float),
             measured_seconds=span, num_gpus=self.fleet.num_gpus, pools=pools, timeline=self.timeline,

@@ -178,6 +178,7 @@ class SimState:
         self.ttft: list[float] = []
         self.ttft_prefill: list[float] = []
         self.tpot: list[float] = []
+        self.arrivals: list[float] = []
         self.e2e: list[float] = []
         self.queue: list[float] = []
         self.itl_values: list[float] = []

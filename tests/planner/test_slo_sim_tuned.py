@@ -1,0 +1,83 @@
+"""The SLO controller against target tracking hand-tuned per trace, at CI size.
+
+The issue's goal is "fewer GPU-hours than default targets and within 5 % of targets tuned for
+each trace, without per-trace tuning". On the steady trace the controller meets it (below the
+tuned point: it no longer chases a passing cluster of arrivals with a pod the scale-down window
+keeps for 5 min). On the diurnal trace it does not, and the reason is asserted: the model is
+right (its ITL estimate at the tuned point's decode count is within a few percent of what the
+simulator measures there), but the tuned point runs its decode pool above the controller's
+planning limit, ``headroom × itlP99`` (40 ms): the attainment scores each request's *mean*
+inter-token latency, which leaves slack below a token-level p99 the controller is told to keep
+within 80 % of the target. See docs/slo-autoscaling-simulation.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from splitserve_operator.autoscaler.slo.estimate import Workload, estimate_decode
+from splitserve_planner.slo_compare import (
+    CI_SCENARIO,
+    Outcome,
+    compare,
+    perf_of,
+    run_fixed_fleet,
+    slo_settings,
+)
+from splitserve_planner.slo_traces import make_trace
+
+STEADY_AND_DIURNAL = replace(CI_SCENARIO, traces=("steady", "diurnal"))
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[tuple[str, str], Outcome]:
+    return {(o.trace, o.policy): o for o in compare(STEADY_AND_DIURNAL, policies=("tuned", "slo"))}
+
+
+def test_steady_meets_the_goal_within_five_percent_of_tuned_targets(
+    outcomes: dict[tuple[str, str], Outcome],
+) -> None:
+    tuned, slo = outcomes[("steady", "tuned")], outcomes[("steady", "slo")]
+    assert tuned.attainment >= CI_SCENARIO.slo.attainment  # the tuned point is a real competitor
+    assert slo.attainment >= CI_SCENARIO.slo.attainment, slo
+    assert slo.gpu_hours <= 1.05 * tuned.gpu_hours, (slo, tuned)
+
+
+def test_diurnal_costs_more_than_tuned_because_tuned_runs_above_the_planning_limit(
+    outcomes: dict[tuple[str, str], Outcome],
+) -> None:
+    tuned, slo = outcomes[("diurnal", "tuned")], outcomes[("diurnal", "slo")]
+    target = CI_SCENARIO.slo
+    assert slo.attainment >= target.attainment, slo
+    # what the controller reaches (+15 % when written): the goal's 5 % does not hold here
+    assert slo.gpu_hours <= 1.2 * tuned.gpu_hours, (slo, tuned)
+    # the tuned point's token-level p99 ITL is above the 40 ms the controller plans for, the
+    # controller's is within it
+    assert tuned.itl_p99_seconds > target.headroom * target.itl_p99_seconds, tuned
+    assert slo.itl_p99_seconds <= target.headroom * target.itl_p99_seconds, slo
+
+
+def test_the_decode_model_is_not_what_costs_the_extra_pod() -> None:
+    """At the tuned point's 3 decode pods on the steady trace the ITL estimate (roofline prior)
+    matches the simulator's measured p99 to 5 %, and both sit at the 40 ms planning limit: the
+    controller's fourth decode pod is the headroom, not a pessimistic model."""
+    perf = perf_of(CI_SCENARIO)
+    requests = make_trace("steady", CI_SCENARIO.shape, seed=CI_SCENARIO.seed)
+    measured = run_fixed_fleet(
+        scenario=CI_SCENARIO, perf=perf, requests=requests, prefill=2, decode=3
+    )
+    prior = slo_settings(CI_SCENARIO, perf).slo
+    assert prior is not None and prior.prior is not None
+    span = requests[-1].arrival_seconds
+    load = Workload(
+        request_rate=len(requests) / span,
+        prompt_tokens=sum(r.num_prompt_tokens for r in requests) / len(requests),
+        output_tokens=sum(r.num_output_tokens for r in requests) / len(requests),
+    )
+    estimate = estimate_decode(prior.prior, load, replicas=3, attainment=CI_SCENARIO.slo.attainment)
+    itl_p99 = measured.itl_percentile(100.0 * CI_SCENARIO.slo.attainment)
+    assert estimate.itl_seconds == pytest.approx(itl_p99, rel=0.05)
+    limit = CI_SCENARIO.slo.headroom * CI_SCENARIO.slo.itl_p99_seconds
+    assert itl_p99 == pytest.approx(limit, rel=0.05)
