@@ -178,3 +178,37 @@ def test_failed_import_resumed_locally_matches_one_engine(tiny_llama_dir: Path, 
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         decode.add_resumed_request(request_id="s", token_ids=prompt, num_prompt_tokens=len(prompt),
                                    params=params)
+
+
+async def test_a_release_after_shutdown_is_retrieved_not_left_to_asyncio(
+        tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A background KV release that meets a stopped engine (a prefill pod shutting down) ends
+    quietly: its EngineDead is retrieved, so asyncio never reports "Task exception was never
+    retrieved"; another failure is logged as a warning."""
+    import gc
+    import logging
+
+    from splitserve_runtime.engine.remote import HandoffEngine
+
+    core = AsyncEngine(engine=_engine(tiny_llama_dir))
+    handoff = HandoffEngine(engine=core, role="prefill", compat_hash="h", kv_host="127.0.0.1",
+                            kv_port=0, kv_endpoint="127.0.0.1:0", kv_ttl_seconds=5.0)
+    await core.start()
+    await core.shutdown()
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.DEBUG, logger="splitserve_runtime.engine.remote"):
+        handoff._spawn(core.call(lambda engine: engine.release_kept_kv("gone")))
+        handoff._spawn(broken())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+    assert not unretrieved
+    assert not handoff._tasks
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["background KV task failed: RuntimeError('boom')"]
+    assert any("engine is stopped" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)

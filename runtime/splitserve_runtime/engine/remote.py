@@ -74,7 +74,7 @@ from ..transfer.slices import MAX_RANK_SOURCES
 from ..transfer.wire import byte_view
 from .async_engine import AsyncEngine
 from .delegate import DelegatingEngine
-from .errors import HandoffRefused, KVTransferFailed, QueueFull
+from .errors import EngineDead, HandoffRefused, KVTransferFailed, QueueFull
 from .handoff import ImportReservation
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
@@ -271,7 +271,20 @@ class HandoffEngine(DelegatingEngine):
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        """Forget a finished background task and retrieve its outcome: a release that finds the
+        engine stopped (shutdown) is expected; anything else is logged, not left to asyncio's
+        "Task exception was never retrieved" at garbage collection."""
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, EngineDead):
+            log.debug("background KV task skipped, the engine is stopped: %s", exc)
+        elif exc is not None:
+            log.warning("background KV task failed: %r", exc)
 
     # ------------------------------------------------------------------ prefill role
     async def generate_for_export(
