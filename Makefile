@@ -77,3 +77,4 @@ bench: ## CPU benchmarks (print figures)
 	$(PYTHON) bench/sampler.py
 	$(PYTHON) bench/kv_transfer.py
 	$(PYTHON) bench/slo_autoscaling.py --ci
+	$(PYTHON) bench/operator_reconcile.py
