@@ -88,12 +88,25 @@ class Process:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _operator_process(cluster: LocalCluster, namespace: str) -> Process:
+def _running_operator_pods(cluster: LocalCluster, namespace: str) -> list[Any]:
     core: Any = cluster.core()
-    pods = [p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
-            if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+    return [p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
+            if p.status.phase == "Running" and p.status.pod_ip and not p.metadata.deletion_timestamp]
+
+
+def _operator_pod(cluster: LocalCluster, namespace: str) -> Any:
+    """The one running operator pod. The install returns once the operator holds its Lease;
+    the kubelet's status update (phase Running, pod IP) can reach the API server seconds
+    later on a loaded machine, so this waits for it rather than reading once."""
+    pods = cluster.wait_for(functools.partial(_running_operator_pods, cluster, namespace),
+                            timeout_seconds=60, what=f"the operator pod in {namespace} reported Running")
     assert len(pods) == 1, [p.metadata.name for p in pods]
-    init = cluster.container_pid(namespace=namespace, pod=pods[0].metadata.name)
+    return pods[0]
+
+
+def _operator_process(cluster: LocalCluster, namespace: str) -> Process:
+    pod = _operator_pod(cluster, namespace)
+    init = cluster.container_pid(namespace=namespace, pod=pod.metadata.name)
     assert init is not None
     # the operator is the only child of the container's PID 1 (tini)
     children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
@@ -134,9 +147,7 @@ def _idle(cluster: LocalCluster, process: Process, metrics_url: str) -> Idle:
 
 
 def _operator_metrics_url(cluster: LocalCluster, namespace: str) -> str:
-    core: Any = cluster.core()
-    pod = next(p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
-               if p.status.phase == "Running" and not p.metadata.deletion_timestamp)
+    pod = _operator_pod(cluster, namespace)
     port = next((p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == "metrics"), 8080)
     return f"http://{pod.status.pod_ip}:{port}/metrics"
 
