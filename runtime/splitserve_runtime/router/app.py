@@ -56,6 +56,7 @@ from . import metrics
 from .aiohttp_transport import AiohttpTransport
 from .discovery import KubernetesDiscovery, parse_static
 from .hot_path import ProxyEndpoint, RouterApp
+from .pod_client import PodClient
 from .pods import HealthPoller, PodSet
 from .policy import PrefillSelector
 from .proxy import Router, RouterConfig, Tokenize, error_response
@@ -134,8 +135,8 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        transport = AiohttpTransport(max_connections=1024)  # one pool: the client closes it
-        async with httpx.AsyncClient(transport=transport) as client:
+        pod_client = PodClient(max_connections=1024)  # the proxied requests
+        async with httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024)) as client:  # polls, model list
             poller = HealthPoller(pods=pods, client=client, interval_seconds=args.health_interval_seconds)
             discovery = None
             if args.discovery == "kubernetes":
@@ -144,7 +145,7 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
             await poller.poll_once()
             poller.start()
             state["router"] = Router(
-                pods=pods, selector=selector, transport=transport, tokenize=tokenize or make_tokenize(model=args.model),
+                pods=pods, selector=selector, pod_client=pod_client, tokenize=tokenize or make_tokenize(model=args.model),
                 config=RouterConfig(
                     served_model_name=args.served_model_name, block_size=args.block_size,
                     short_prompt_threshold=args.short_prompt_threshold, session_header=args.session_header,
@@ -156,6 +157,7 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
             try:
                 yield
             finally:
+                await pod_client.aclose()
                 state["decoder"].shutdown()
                 if discovery is not None:
                     discovery.stop()

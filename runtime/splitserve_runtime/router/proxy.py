@@ -49,7 +49,7 @@ from splitserve_runtime.prefill_request import (
 )
 
 from . import metrics
-from .aiohttp_transport import AiohttpTransport, PodResponse, pod_timeout
+from .pod_client import PodClient, PodResponse, PodTimeout
 from .pods import Pod, PodSet
 from .policy import PrefillSelector, choose_decode, prefix_block_hashes
 from .relay import RelayResponse
@@ -99,23 +99,22 @@ class RouterConfig:
 
 
 class Router:
-    """Sends to the pods with ``transport.post`` (:mod:`.aiohttp_transport`, the pool the app's
-    AsyncClient shares), not through the client: its cookie jar (one jar for every client of
-    the router), redirect and auth layers and per-request INFO line cost about a tenth of the
-    router's CPU per request, and httpx's request and response models about a quarter
-    (bench/router_overhead.py); they do nothing for a proxy."""
+    """Sends to the pods with ``pods_client.post`` (:mod:`.pod_client`), not through an httpx
+    client: its cookie jar, redirect and auth layers, request and response models, and
+    aiohttp's below them, cost most of the router's CPU per request (bench/router_overhead.py)
+    and do nothing for a proxy."""
 
     def __init__(
-        self, *, pods: PodSet, selector: PrefillSelector, transport: AiohttpTransport,
+        self, *, pods: PodSet, selector: PrefillSelector, pod_client: PodClient,
         config: RouterConfig, tokenize: Tokenize,
     ) -> None:
         self._pods = pods
         self._selector = selector
-        self._transport = transport
+        self._pod_client = pod_client
         self._config = config
         self._tokenize = tokenize
-        self._timeout = pod_timeout(connect_seconds=3.0, read_seconds=config.request_timeout_seconds,
-                                    pool_seconds=config.request_timeout_seconds)
+        self._timeout = PodTimeout(connect_seconds=3.0, read_seconds=config.request_timeout_seconds,
+                                   pool_seconds=config.request_timeout_seconds)
 
     # ------------------------------------------------------------------ helpers
     def _headers(self, incoming: dict[str, str], request_id: str) -> dict[str, str]:
@@ -130,8 +129,8 @@ class Router:
         (see the module docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
         for attempt in (1, 2):
             try:
-                response = await self._transport.post(url, content=content, headers=headers,
-                                                      timeout=self._timeout)
+                response = await self._pod_client.post(url, content=content, headers=headers,
+                                                       timeout=self._timeout)
                 if not stream:
                     try:
                         await response.aread()
