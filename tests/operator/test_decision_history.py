@@ -112,6 +112,45 @@ def test_newest_first_and_bounded() -> None:
     assert recent == sorted(recent, key=lambda e: e["time"], reverse=True)
 
 
+def _entry(step: int, *, reason: str, frm: int, to: int, applied: bool) -> dict[str, Any]:
+    return {"time": f"2027-01-15T08:{step:02d}:00Z", "from": frm, "to": to, "reason": reason,
+            "applied": applied, "formula": f"f{step}"}
+
+
+def test_the_newest_applied_change_stays_while_a_pool_flaps_at_its_maximum() -> None:
+    """A pool scaled 1 -> 2 and then alternates between two decisions that change nothing:
+    the scale-up (with its formula) is still in the list, as its last item."""
+    recent: list[dict[str, Any]] = [_entry(0, reason="ScaledUp", frm=1, to=2, applied=True)]
+    for step in range(1, 4 * MAX_RECENT_DECISIONS):
+        reason = "SloViolated" if step % 2 else "AtMaxReplicas"
+        updated = history.with_decision(recent, _entry(step, reason=reason, frm=2, to=2, applied=False))
+        assert updated is not None
+        recent = updated
+        assert len(recent) == min(step + 1, MAX_RECENT_DECISIONS)
+        assert recent[-1]["reason"] == "ScaledUp" and recent[-1]["formula"] == "f0"
+        assert recent[0]["formula"] == f"f{step}"
+        assert recent == sorted(recent, key=lambda e: e["time"], reverse=True)  # still newest first
+    # a newer change takes the pin's place; the old one falls off as usual
+    for step in range(4 * MAX_RECENT_DECISIONS, 5 * MAX_RECENT_DECISIONS + 1):
+        entry = (_entry(step, reason="ScaledDown", frm=2, to=1, applied=True)
+                 if step == 4 * MAX_RECENT_DECISIONS else
+                 _entry(step, reason="SloViolated" if step % 2 else "Steady", frm=1, to=1, applied=False))
+        updated = history.with_decision(recent, entry)
+        assert updated is not None
+        recent = updated
+    assert [e["reason"] for e in recent].count("ScaledUp") == 0
+    assert recent[-1]["reason"] == "ScaledDown"
+
+
+def test_a_dry_run_or_unchanged_count_is_not_pinned() -> None:
+    recent = [_entry(0, reason="ScaledUp", frm=1, to=2, applied=False)]  # a dry run: not applied
+    for step in range(1, MAX_RECENT_DECISIONS + 1):
+        updated = history.with_decision(recent, _entry(step, reason=f"R{step % 2}", frm=2, to=2, applied=step % 2 == 0))
+        assert updated is not None
+        recent = updated
+    assert [e["formula"] for e in recent] == [f"f{i}" for i in range(MAX_RECENT_DECISIONS, 0, -1)]
+
+
 def test_each_pool_keeps_its_own_list() -> None:
     isvc = _isvc({"prefill": {"recentDecisions": [
         {"time": "2027-01-15T07:00:00Z", "from": 1, "to": 1, "reason": "Steady", "applied": False, "formula": "x"}]}})

@@ -102,7 +102,8 @@ class PoolStatus(_StatusModel):
     recent_decisions: list[RecentDecision] = Field(
         default_factory=list,
         max_length=MAX_RECENT_DECISIONS,
-        description=f"The last {MAX_RECENT_DECISIONS} distinct autoscaler decisions for this pool, newest first.",
+        description=f"The last {MAX_RECENT_DECISIONS} distinct autoscaler decisions for this pool, newest first; "
+        "the newest applied replica change stays as the last item while newer decisions change nothing.",
     )
     summary: str = Field(
         default="",

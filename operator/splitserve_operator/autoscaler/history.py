@@ -10,6 +10,11 @@ A decision that repeats every interval (same reason, same from and to, same outc
 kept once, with the time it was first made, so a steady pool does not push its history out
 and the list is rewritten only when something changed. It rides in the status patch that
 writes ``lastDecision`` anyway: no extra API write.
+
+A pool that alternates between decisions that change nothing (at its maximum: an SLO
+violation it cannot act on, ``AtMaxReplicas``, ...) would still push its last *change* out of
+the short list, leaving no formula for why it has the replicas it has; so the newest applied
+change stays, as the list's last item, until a newer change replaces it.
 """
 
 from __future__ import annotations
@@ -37,12 +42,24 @@ def decision_entry(decision: Decision, *, timestamp: str, applied: bool, max_for
     }
 
 
+def is_applied_change(entry: Mapping[str, Any]) -> bool:
+    """A decision whose new replica count was written."""
+    return bool(entry.get("applied")) and entry.get("from") != entry.get("to")
+
+
 def with_decision(previous: Sequence[Mapping[str, Any]], entry: Mapping[str, Any], *,
                   limit: int = MAX_RECENT_DECISIONS) -> list[dict[str, Any]] | None:
     """The new ``recentDecisions`` list with ``entry`` in front, at most ``limit`` long, or
-    None when ``entry`` repeats the newest one (nothing to write)."""
+    None when ``entry`` repeats the newest one (nothing to write). When the newest applied
+    change would fall off the end, it replaces the last item instead (module docstring)."""
     if limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
     if previous and all(previous[0].get(key) == entry.get(key) for key in IDENTITY_KEYS):
         return None
-    return [dict(entry), *(dict(e) for e in previous)][:limit]
+    entries = [dict(entry), *(dict(e) for e in previous)]
+    kept = entries[:limit]
+    if not any(is_applied_change(e) for e in kept):
+        change = next((e for e in entries[limit:] if is_applied_change(e)), None)
+        if change is not None:
+            kept[-1] = change
+    return kept

@@ -337,13 +337,15 @@ class PodClient:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def post(self, url: str, *, content: bytes, headers: Mapping[str, str],
-                   timeout: PodTimeout) -> PodResponse:
-        """POST ``content`` to ``url``; the answer once its status and headers have arrived."""
+                   timeout: PodTimeout, fresh: bool = False) -> PodResponse:
+        """POST ``content`` to ``url``; the answer once its status and headers have arrived.
+        ``fresh``: on a new connection, not a kept one (a retry after a kept one failed)."""
         host, port, target, host_header = _address(url)
         self.loop = asyncio.get_running_loop()
         await self._acquire(timeout.pool_seconds)
         try:
-            connection = self._take_idle((host, port)) or await self._connect(host, port, timeout.connect_seconds)
+            connection = (None if fresh else self._take_idle((host, port))) or await self._connect(
+                host, port, timeout.connect_seconds)
         except BaseException:
             self._slots.release()
             raise

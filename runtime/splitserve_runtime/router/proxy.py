@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,7 +130,7 @@ class Router:
         for attempt in (1, 2):
             try:
                 response = await self._pod_client.post(url, content=content, headers=headers,
-                                                       timeout=self._timeout)
+                                                       timeout=self._timeout, fresh=attempt == 2)
                 if not stream:
                     try:
                         await response.aread()
@@ -159,7 +159,7 @@ class Router:
         """Answer one client request; ``raw`` is the body as the client sent it (``body``
         decoded), forwarded as is where the router sends the body unchanged."""
         started = time.perf_counter()
-        request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{uuid.uuid4().hex}"
+        request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{os.urandom(16).hex()}"  # 128 random bits, as uuid4 but without the UUID object
         if KV_TRANSFER_PARAMS_FIELD in body:  # only our prefill pods hand requests over
             log.debug("dropped the client's %s of request %s", KV_TRANSFER_PARAMS_FIELD, request_id)
             body = {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS_FIELD}

@@ -213,6 +213,16 @@ async def test_an_idle_connection_the_pod_closed_is_not_reused(client: PodClient
         assert pod.connections == 2
 
 
+async def test_a_fresh_request_does_not_take_a_kept_connection(client: PodClient) -> None:
+    async with Pod(_answering) as pod:
+        for fresh in (False, True):
+            response = await client.post(f"{pod.url}/v1/completions", content=b"{}", headers={},
+                                         timeout=TIMEOUT, fresh=fresh)
+            assert await response.aread() == OK
+            await response.aclose()
+        assert pod.connections == 2
+
+
 async def test_an_idle_connection_past_the_keepalive_is_not_reused() -> None:
     client = PodClient(max_connections=4, keepalive_seconds=0.05)
     try:
