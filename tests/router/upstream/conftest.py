@@ -1,4 +1,5 @@
-"""The pod client's tests run on both event loops: asyncio's, and uvloop's, which the router
+"""The router's upstream clients (the pod client of the proxied requests, the aiohttp transport
+of its health polls) are tested on both event loops: asyncio's, and uvloop's, which the router
 runs on (its transports are not subclasses of asyncio's)."""
 
 from __future__ import annotations

@@ -11,66 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from scripted_pod import (
+    FIRST_EVENT,
+    SECOND_EVENT,
+    STREAM_HEAD,
+    Pod,
+    chunked,
+    die_after_first_event,
+    endless_streams,
+    hang_up,
+    read_request,
+    silent,
+    two_events,
+)
 
 from splitserve_runtime.router import pod_client as pod_client_module
 from splitserve_runtime.router.pod_client import PodClient, PodTimeout
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUT = PodTimeout(connect_seconds=3.0, read_seconds=10.0, pool_seconds=10.0)
 OK = b'{"ok":true}'
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head[:-4].split(b"\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.decode().partition(":")
-        headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    return lines[0], headers, body
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _ok(body: bytes = OK, extra: bytes = b"") -> bytes:
     return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-request-id: rt-1\r\n" + extra
             + b"content-length: %d\r\n\r\n%s" % (len(body), body))
-
-
-class Pod:
-    """A scripted pod: ``handler`` serves each connection; ``connections`` counts them."""
-
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
-        self.connections = 0
-        self.url = ""
-        self._server: asyncio.Server | None = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self._handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> Pod:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
 
 
 @pytest.fixture
@@ -91,7 +59,7 @@ async def _post(client: PodClient, url: str, *, timeout: PodTimeout = TIMEOUT,
 
 async def _answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     while True:  # keep-alive: one connection, many requests
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(_ok())
         await writer.drain()
 
@@ -101,7 +69,7 @@ async def test_a_body_goes_and_comes_back_on_one_kept_connection(client: PodClie
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            seen.append(await _read_request(reader))
+            seen.append(await read_request(reader))
             writer.write(_ok())
             await writer.drain()
 
@@ -127,7 +95,7 @@ async def test_the_caller_cannot_set_framing_headers_or_split_the_request(client
     seen: list[tuple[bytes, dict[str, str], bytes]] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(await _read_request(reader))
+        seen.append(await read_request(reader))
         writer.write(_ok())
         await writer.drain()
 
@@ -147,30 +115,20 @@ async def test_the_caller_cannot_set_framing_headers_or_split_the_request(client
 async def test_a_stream_arrives_event_by_event(client: PodClient) -> None:
     go_on = asyncio.Event()
 
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        writer.write(_chunk(b"data: first\n\n"))
-        await writer.drain()
-        await go_on.wait()  # the second event only after the client has the first
-        writer.write(_chunk(b"data: second\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-
-    async with Pod(stream) as pod:
+    async with Pod(two_events(go_on)) as pod:
         response = await _post(client, pod.url)
         assert response.headers["content-type"] == "text/event-stream"
         chunks = response.aiter_raw()
-        assert await anext(chunks) == b"data: first\n\n"
+        assert await anext(chunks) == FIRST_EVENT
         go_on.set()
-        assert b"".join([chunk async for chunk in chunks]) == b"data: second\n\n"
+        assert b"".join([chunk async for chunk in chunks]) == SECOND_EVENT
         assert response.done
         await response.aclose()
 
 
 async def test_a_body_ended_by_the_connection_s_close_is_complete(client: PodClient) -> None:
     async def old_style(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + OK)
         await writer.drain()
 
@@ -190,8 +148,6 @@ async def test_a_refused_connection_is_a_connect_error(client: PodClient) -> Non
 
 
 async def test_a_pod_that_closes_before_answering_is_a_remote_protocol_error(client: PodClient) -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)  # and close without a byte, as a pod dropping an idle connection
 
     async with Pod(hang_up) as pod:
         with pytest.raises(httpx.RemoteProtocolError):
@@ -200,7 +156,7 @@ async def test_a_pod_that_closes_before_answering_is_a_remote_protocol_error(cli
 
 async def test_an_idle_connection_the_pod_closed_is_not_reused(client: PodClient) -> None:
     async def one_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(_ok())
         await writer.drain()  # then the handler ends and the pod closes the kept connection
 
@@ -238,9 +194,6 @@ async def test_an_idle_connection_past_the_keepalive_is_not_reused() -> None:
 
 
 async def test_a_silent_pod_is_a_read_timeout(client: PodClient) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(5)
 
     async with Pod(silent) as pod:
         with pytest.raises(httpx.ReadTimeout):
@@ -249,29 +202,23 @@ async def test_a_silent_pod_is_a_read_timeout(client: PodClient) -> None:
 
 async def test_a_stream_that_stalls_is_a_read_timeout(client: PodClient) -> None:
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n" + _chunk(b"data: first\n\n"))
+        await read_request(reader)
+        writer.write(STREAM_HEAD + chunked(FIRST_EVENT))
         await writer.drain()
         await asyncio.sleep(5)
 
     async with Pod(stall) as pod:
         response = await _post(client, pod.url, timeout=PodTimeout(connect_seconds=3.0, read_seconds=0.2))
         chunks = response.aiter_raw()
-        assert await anext(chunks) == b"data: first\n\n"
+        assert await anext(chunks) == FIRST_EVENT
         with pytest.raises(httpx.ReadTimeout):
             await anext(chunks)
         await response.aclose()
 
 
 async def test_a_pod_dying_mid_stream_is_an_http_error(client: PodClient) -> None:
-    async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n" + _chunk(b"data: first\n\n"))
-        await writer.drain()  # then the connection closes in the middle of the stream
 
-    async with Pod(die) as pod:
+    async with Pod(die_after_first_event) as pod:
         response = await _post(client, pod.url)
         with pytest.raises(httpx.RemoteProtocolError):
             async for _data in response.aiter_raw():
@@ -281,7 +228,7 @@ async def test_a_pod_dying_mid_stream_is_an_http_error(client: PodClient) -> Non
 
 async def test_a_malformed_answer_is_a_remote_protocol_error(client: PodClient) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(1)
@@ -292,17 +239,11 @@ async def test_a_malformed_answer_is_a_remote_protocol_error(client: PodClient) 
 
 
 async def test_a_stream_closed_before_its_end_leaves_its_connection(client: PodClient) -> None:
-    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n" + _chunk(b"data: first\n\n"))
-            await writer.drain()
 
-    async with Pod(endless) as pod:
+    async with Pod(endless_streams) as pod:
         for _ in range(2):  # a client that went away: the router closes the pod's stream
             response = await _post(client, pod.url)
-            assert await anext(response.aiter_raw()) == b"data: first\n\n"
+            assert await anext(response.aiter_raw()) == FIRST_EVENT
             await response.aclose()
         assert pod.connections == 2  # the half-read connection was not reused
 
@@ -315,7 +256,7 @@ async def test_a_slow_reader_pauses_the_pod_and_loses_nothing(client: PodClient)
 
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal written
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
         while written < total:
             writer.write(piece)
@@ -337,48 +278,52 @@ async def test_a_slow_reader_pauses_the_pod_and_loses_nothing(client: PodClient)
         await response.aclose()
 
 
-async def test_the_pool_limit_makes_a_request_wait_then_time_out() -> None:
+@pytest.fixture
+async def one_slot() -> AsyncIterator[PodClient]:
+    """A client allowed one connection in use at a time."""
     client = PodClient(max_connections=1)
     try:
-        async with Pod(_answering) as pod:
-            first = await _post(client, pod.url)
-            with pytest.raises(httpx.PoolTimeout):
-                await _post(client, pod.url, timeout=PodTimeout(connect_seconds=3.0, read_seconds=5.0,
-                                                                pool_seconds=0.1))
-            waiting = asyncio.ensure_future(_post(client, pod.url))
-            await asyncio.sleep(0.05)
-            assert not waiting.done()
-            await first.aread()
-            await first.aclose()  # the slot frees: the waiting request goes out
-            second = await asyncio.wait_for(waiting, 5)
-            assert await second.aread() == OK
-            await second.aclose()
-            assert pod.connections == 1
+        yield client
     finally:
         await client.aclose()
 
 
-async def test_a_response_dropped_unclosed_gives_back_its_slot() -> None:
-    client = PodClient(max_connections=1)
-    try:
-        async with Pod(_answering) as pod:
-            response = await _post(client, pod.url)
-            del response  # a relay that never started: nobody closes it
-            gc.collect()
-            await asyncio.sleep(0.01)
-            again = await _post(client, pod.url, timeout=PodTimeout(connect_seconds=3.0, read_seconds=5.0,
-                                                                    pool_seconds=1.0))
-            assert await again.aread() == OK
-            await again.aclose()
-            assert pod.connections == 2  # the dropped one's connection was closed, not reused
-    finally:
-        await client.aclose()
+def _pool_wait(seconds: float) -> PodTimeout:
+    return PodTimeout(connect_seconds=3.0, read_seconds=5.0, pool_seconds=seconds)
+
+
+async def test_the_pool_limit_makes_a_request_wait_then_time_out(one_slot: PodClient) -> None:
+    async with Pod(_answering) as pod:
+        first = await _post(one_slot, pod.url)
+        with pytest.raises(httpx.PoolTimeout):
+            await _post(one_slot, pod.url, timeout=_pool_wait(0.1))
+        waiting = asyncio.ensure_future(_post(one_slot, pod.url))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await first.aread()
+        await first.aclose()  # the slot frees: the waiting request goes out
+        second = await asyncio.wait_for(waiting, 5)
+        assert await second.aread() == OK
+        await second.aclose()
+        assert pod.connections == 1
+
+
+async def test_a_response_dropped_unclosed_gives_back_its_slot(one_slot: PodClient) -> None:
+    async with Pod(_answering) as pod:
+        response = await _post(one_slot, pod.url)
+        del response  # a relay that never started: nobody closes it
+        gc.collect()
+        await asyncio.sleep(0.01)
+        again = await _post(one_slot, pod.url, timeout=_pool_wait(1.0))
+        assert await again.aread() == OK
+        await again.aclose()
+        assert pod.connections == 2  # the dropped one's connection was closed, not reused
 
 
 async def test_concurrent_requests_to_one_pod_each_get_their_own_answer(client: PodClient) -> None:
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            _line, headers, _body = await _read_request(reader)
+            _line, headers, _body = await read_request(reader)
             await asyncio.sleep(0.01)
             writer.write(_ok(headers["x-request-id"].encode()))
             await writer.drain()

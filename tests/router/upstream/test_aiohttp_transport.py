@@ -2,64 +2,30 @@
 they arrive, connections are reused, and every failure is the httpx error the router handles
 (a connection the pod closed before answering is the RemoteProtocolError it resends once).
 
-Each test runs a raw asyncio HTTP server on loopback whose behaviour the test scripts.
+Each test runs a raw asyncio HTTP server on loopback whose behaviour the test scripts
+(scripted_pod.py), on asyncio's loop and on uvloop's (conftest.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from scripted_pod import (
+    FIRST_EVENT,
+    SECOND_EVENT,
+    Pod,
+    die_after_first_event,
+    endless_streams,
+    hang_up,
+    read_request,
+    silent,
+    two_events,
+)
 
 from splitserve_runtime.router.aiohttp_transport import AiohttpTransport
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head[:-4].split(b"\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.decode().partition(":")
-        headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    return lines[0], headers, body
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-class Pod:
-    """A scripted pod: ``handler`` serves each connection; ``connections`` counts them."""
-
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
-        self.connections = 0
-        self.url = ""
-        self._server: asyncio.Server | None = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self._handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> Pod:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
 
 
 @pytest.fixture
@@ -82,7 +48,7 @@ async def test_a_body_goes_and_comes_back_on_one_kept_connection(transport: Aioh
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:  # keep-alive: one connection, many requests
-            seen.append(await _read_request(reader))
+            seen.append(await read_request(reader))
             body = b'{"ok":true}'
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-request-id: rt-1\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
@@ -108,22 +74,12 @@ async def test_a_body_goes_and_comes_back_on_one_kept_connection(transport: Aioh
 async def test_a_stream_arrives_event_by_event(transport: AiohttpTransport) -> None:
     go_on = asyncio.Event()
 
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        writer.write(_chunk(b"data: first\n\n"))
-        await writer.drain()
-        await go_on.wait()  # the second event only after the client has the first
-        writer.write(_chunk(b"data: second\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-
-    async with Pod(stream) as pod:
+    async with Pod(two_events(go_on)) as pod:
         response = await transport.handle_async_request(_post(pod.url))
         chunks = response.aiter_raw()
-        assert await anext(chunks) == b"data: first\n\n"
+        assert await anext(chunks) == FIRST_EVENT
         go_on.set()
-        assert b"".join([chunk async for chunk in chunks]) == b"data: second\n\n"
+        assert b"".join([chunk async for chunk in chunks]) == SECOND_EVENT
         await response.aclose()
 
 
@@ -136,8 +92,6 @@ async def test_a_refused_connection_is_a_connect_error(transport: AiohttpTranspo
 
 async def test_a_pod_that_closes_before_answering_is_a_remote_protocol_error(
         transport: AiohttpTransport) -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)  # and close without a byte, as a pod dropping an idle connection
 
     async with Pod(hang_up) as pod:
         with pytest.raises(httpx.RemoteProtocolError):
@@ -145,9 +99,6 @@ async def test_a_pod_that_closes_before_answering_is_a_remote_protocol_error(
 
 
 async def test_a_silent_pod_is_a_read_timeout(transport: AiohttpTransport) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(5)
 
     async with Pod(silent) as pod:
         with pytest.raises(httpx.ReadTimeout):
@@ -155,13 +106,8 @@ async def test_a_silent_pod_is_a_read_timeout(transport: AiohttpTransport) -> No
 
 
 async def test_a_pod_dying_mid_stream_is_an_http_error(transport: AiohttpTransport) -> None:
-    async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n" + _chunk(b"data: first\n\n"))
-        await writer.drain()  # then the connection closes in the middle of the stream
 
-    async with Pod(die) as pod:
+    async with Pod(die_after_first_event) as pod:
         response = await transport.handle_async_request(_post(pod.url))
         with pytest.raises(httpx.HTTPError):
             async for _data in response.aiter_raw():
@@ -171,24 +117,18 @@ async def test_a_pod_dying_mid_stream_is_an_http_error(transport: AiohttpTranspo
 
 async def test_a_stream_closed_before_its_end_leaves_its_connection(
         transport: AiohttpTransport) -> None:
-    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n" + _chunk(b"data: first\n\n"))
-            await writer.drain()
 
-    async with Pod(endless) as pod:
+    async with Pod(endless_streams) as pod:
         for _ in range(2):  # a client that went away: the router closes the pod's stream
             response = await transport.handle_async_request(_post(pod.url))
-            assert await anext(response.aiter_raw()) == b"data: first\n\n"
+            assert await anext(response.aiter_raw()) == FIRST_EVENT
             await response.aclose()
         assert pod.connections == 2  # the half-read connection was not reused
 
 
 async def test_the_health_poller_s_client_reads_through_it() -> None:
     async def ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        line, _, _ = await _read_request(reader)
+        line, _, _ = await read_request(reader)
         assert line == b"GET /ready HTTP/1.1"
         writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 18\r\n\r\n{"status":"ready"}')
         await writer.drain()
