@@ -45,9 +45,8 @@ import httpx
 KEEPALIVE_SECONDS = 5.0
 """How long an idle connection to a pod is kept (the pods' own idle timeout is the same)."""
 PAUSE_BYTES = 256 * 1024
-"""Unread body bytes at which reading from the pod pauses (back-pressure to the pod)."""
-RESUME_BYTES = 64 * 1024
-"""Unread body bytes at or below which reading resumes."""
+"""Unread body bytes at which reading from the pod pauses (back-pressure to the pod); it
+resumes when the reader takes what is buffered (:meth:`PodResponse.aiter_raw` takes it all)."""
 _NOT_SENT = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 """Headers the client writes itself (the rest of the caller's headers go as given)."""
 
@@ -335,13 +334,14 @@ class PodClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop the connections run on (set with the first); a dropped response's
+        finalizer schedules the end of its exchange there."""
 
     async def post(self, url: str, *, content: bytes, headers: Mapping[str, str],
                    timeout: PodTimeout, fresh: bool = False) -> PodResponse:
         """POST ``content`` to ``url``; the answer once its status and headers have arrived.
         ``fresh``: on a new connection, not a kept one (a retry after a kept one failed)."""
         host, port, target, host_header = _address(url)
-        self.loop = asyncio.get_running_loop()
         await self._acquire(timeout.pool_seconds)
         try:
             connection = (None if fresh else self._take_idle((host, port))) or await self._connect(
@@ -378,7 +378,7 @@ class PodClient:
         return None
 
     async def _connect(self, host: str, port: int, seconds: float | None) -> _Connection:
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         key = (host, port)
         try:
             _transport, connection = await asyncio.wait_for(

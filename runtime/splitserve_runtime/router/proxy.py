@@ -99,7 +99,7 @@ class RouterConfig:
 
 
 class Router:
-    """Sends to the pods with ``pods_client.post`` (:mod:`.pod_client`), not through an httpx
+    """Sends to the pods with ``pod_client.post`` (:mod:`.pod_client`), not through an httpx
     client: its cookie jar, redirect and auth layers, request and response models, and
     aiohttp's below them, cost most of the router's CPU per request (bench/router_overhead.py)
     and do nothing for a proxy."""

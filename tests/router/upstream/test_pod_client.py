@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -55,6 +55,14 @@ async def _post(client: PodClient, url: str, *, timeout: PodTimeout = TIMEOUT,
     return await client.post(f"{url}/v1/completions", content=b'{"prompt":"hi"}',
                              headers=headers or {"x-request-id": "rt-1", "content-type": "application/json"},
                              timeout=timeout)
+
+
+async def _until(condition: Callable[[], bool], *, seconds: float = 5.0) -> None:
+    """Wait, polling, until ``condition()`` holds (fails after ``seconds``)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
 
 
 async def _answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -165,7 +173,7 @@ async def test_an_idle_connection_the_pod_closed_is_not_reused(client: PodClient
             response = await _post(client, pod.url)
             assert await response.aread() == OK
             await response.aclose()
-            await asyncio.sleep(0.05)  # the close reaches the client
+            await _until(lambda: not client._idle)  # the pod's close reached the pool
         assert pod.connections == 2
 
 
@@ -313,8 +321,7 @@ async def test_a_response_dropped_unclosed_gives_back_its_slot(one_slot: PodClie
         response = await _post(one_slot, pod.url)
         del response  # a relay that never started: nobody closes it
         gc.collect()
-        await asyncio.sleep(0.01)
-        again = await _post(one_slot, pod.url, timeout=_pool_wait(1.0))
+        again = await _post(one_slot, pod.url, timeout=_pool_wait(1.0))  # waits for the freed slot
         assert await again.aread() == OK
         await again.aclose()
         assert pod.connections == 2  # the dropped one's connection was closed, not reused
