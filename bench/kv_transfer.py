@@ -13,13 +13,21 @@ costs show), 128 MiB each. For each:
 - ``half``: one decode rank's pull at tensor parallelism 2 from a TP 1 prefill pod: half the
   KV heads of every block (a :class:`~splitserve_runtime.transfer.KVSlice`, which the server
   cuts out of each block: one copy more there), straight into a destination. Its GB/s count
-  the bytes it moves (half of the others').
+  the bytes it moves (half of the others');
+- ``no-crc``: the ``destination`` leg with the CRC-32 replaced by a constant on both sides
+  (a second prefill process, and the decode side for that leg only): not a mode of the
+  product, a bound that shows what the integrity check costs, so that the gap between
+  ``destination`` and ``raw`` splits into the checksum and everything else (framing,
+  handshake, Python's per-frame work).
 
 Every leg runs on one event loop, the prefill side in a separate process (as the pods are),
 so the ratio shows what framing, CRCs, the handshake and Python's per-frame work cost; the
 machine's noise moves all legs alike, so compare ratios of one run. Figures are GB/s (10^9
-bytes/s) of block payload and the decode side's CPU milliseconds per pull, each with its ratio
-to the raw leg (``x raw``; for CPU, lower is cheaper), medians of ``--repeat`` runs.
+bytes/s) of block payload and the decode and prefill sides' CPU milliseconds per pull, each
+with its ratio to the raw leg (``x raw``; for CPU, lower is cheaper), medians of ``--repeat``
+runs. The prefill side's CPU is read from Linux's ``/proc/<pid>/task/*/schedstat`` (``-``
+elsewhere): on a machine with two cores both sides are busy at once, so the side with more
+work per byte bounds the transfer.
 
     python bench/kv_transfer.py [--repeat 5] [--shape 64x2097152 --shape 1024x131072]
 
@@ -31,14 +39,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from splitserve_runtime.transfer import (
     ExportedKV,
@@ -51,7 +62,7 @@ from splitserve_runtime.transfer import (
 )
 
 DEFAULT_SHAPES = ("64x2097152", "1024x131072")
-LEGS = ("destination", "copy", "raw", "half")
+LEGS = ("destination", "copy", "raw", "half", "no-crc")
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,22 @@ class Shape:
 
 
 # --------------------------------------------------------------------------- prefill process
+def _constant_crc(data: object, value: int = 0) -> int:
+    """The ``no-crc`` leg's checksum: every frame's CRC is 0 (never a mode of the product)."""
+    return 0
+
+
+@contextlib.contextmanager
+def _without_crc() -> Iterator[None]:
+    """The connector's CRC-32 replaced by a constant while the block runs."""
+    real = framing._crc32
+    framing._crc32 = _constant_crc
+    try:
+        yield
+    finally:
+        framing._crc32 = real
+
+
 async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection) -> None:
     """Export ``requests`` copies of one request (one per timed pull) and a raw server."""
     layout = shape.layout()
@@ -127,8 +154,20 @@ async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.C
     raw.close()
 
 
-def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection) -> None:
+def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection,
+                     crc: bool = True) -> None:
+    if not crc:
+        framing._crc32 = _constant_crc
     asyncio.run(_serve(shape, requests, pipe))
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by every thread of process ``pid`` (Linux), else None."""
+    try:
+        return sum(int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+                   for task in os.listdir(f"/proc/{pid}/task")) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # --------------------------------------------------------------------------- decode side
@@ -219,6 +258,9 @@ async def _leg(leg: str, shape: Shape, cache: Cache, *, ports: tuple[int, int], 
         return await _raw(shape, cache, port=ports[1])
     if leg == "half":
         return await _half(shape, cache, port=ports[0], request_id=request_id)
+    if leg == "no-crc":
+        with _without_crc():
+            return await _ours(shape, cache, port=ports[0], request_id=request_id, copy=False)
     return await _ours(shape, cache, port=ports[0], request_id=request_id, copy=leg == "copy")
 
 
@@ -229,34 +271,66 @@ class Figures:
     gb_per_s: float
     decode_cpu_seconds: float
     """CPU time of the decode side (this process) per pull: less noisy than wall time on a
-    shared machine, and the receiving side is the one that bounds a transfer."""
+    shared machine."""
+    prefill_cpu_seconds: float | None
+    """CPU time of the prefill process per pull (None where it cannot be read)."""
+
+
+@dataclass
+class _Prefill:
+    """One prefill process and its pipe (the ``no-crc`` leg has its own)."""
+
+    process: multiprocessing.process.BaseProcess
+    pipe: multiprocessing.connection.Connection
+
+    @classmethod
+    def start(cls, shape: Shape, requests: int, *, crc: bool) -> _Prefill:
+        parent, child = multiprocessing.Pipe()
+        process = multiprocessing.get_context("spawn").Process(
+            target=_prefill_process, args=(shape, requests, child, crc), daemon=True)
+        process.start()
+        return cls(process=process, pipe=parent)
+
+    def stop(self) -> None:
+        self.pipe.send("stop")
+        self.process.join(30)
 
 
 async def _measure(shape: Shape, *, repeat: int, legs: Sequence[str]) -> dict[str, Figures]:
     """Each leg's figures (median of ``repeat``), the legs interleaved so noise hits them alike."""
-    parent, child = multiprocessing.Pipe()
-    process = multiprocessing.get_context("spawn").Process(
-        target=_prefill_process, args=(shape, len(legs) * (repeat + 1), child), daemon=True)
-    process.start()
+    requests = len(legs) * (repeat + 1)
+    prefill = {True: _Prefill.start(shape, requests, crc=True)}
+    if "no-crc" in legs:
+        prefill[False] = _Prefill.start(shape, requests, crc=False)
     try:
-        ports = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        loop = asyncio.get_running_loop()
+        ports = {crc: await loop.run_in_executor(None, side.pipe.recv) for crc, side in prefill.items()}
         times: dict[str, list[float]] = {leg: [] for leg in legs}
         cpu: dict[str, list[float]] = {leg: [] for leg in legs}
+        prefill_cpu: dict[str, list[float]] = {leg: [] for leg in legs}
         cache = Cache(shape)
         pulls = 0
         for run in range(repeat + 1):  # the first round warms up and is not counted
             for leg in legs:
-                cpu_started = time.process_time()
-                seconds = await _leg(leg, shape, cache, ports=ports, request_id=f"bench-{pulls}")
+                side = prefill[leg != "no-crc"]
+                pid = side.process.pid or 0
+                cpu_started, prefill_started = time.process_time(), _cpu_seconds(pid)
+                seconds = await _leg(leg, shape, cache, ports=ports[leg != "no-crc"], request_id=f"bench-{pulls}")
                 pulls += 1
+                prefill_ended = _cpu_seconds(pid)
                 if run:
                     times[leg].append(seconds)
                     cpu[leg].append(time.process_time() - cpu_started)
-        return {leg: Figures(gb_per_s=shape.num_bytes / (2 if leg == "half" else 1) / statistics.median(times[leg]) / 1e9,
-                             decode_cpu_seconds=statistics.median(cpu[leg])) for leg in legs}
+                    if prefill_started is not None and prefill_ended is not None:
+                        prefill_cpu[leg].append(prefill_ended - prefill_started)
+        return {leg: Figures(
+            gb_per_s=shape.num_bytes / (2 if leg == "half" else 1) / statistics.median(times[leg]) / 1e9,
+            decode_cpu_seconds=statistics.median(cpu[leg]),
+            prefill_cpu_seconds=statistics.median(prefill_cpu[leg]) if prefill_cpu[leg] else None,
+        ) for leg in legs}
     finally:
-        parent.send("stop")
-        process.join(30)
+        for side in prefill.values():
+            side.stop()
 
 
 async def main() -> None:
@@ -272,16 +346,25 @@ async def main() -> None:
         parser.error(f"--legs takes a comma-separated choice of {', '.join(LEGS)}")
     crc = getattr(framing, "CRC32_IMPLEMENTATION", "zlib")
     print(f"KV transfer on loopback, CRC-32 by {crc}, median of {args.repeat} (GB/s = 1e9 bytes/s)")
-    print(f"{'shape':<16}{'leg':<13}{'GB/s':>7}{'x raw':>7}{'decode CPU ms':>15}{'x raw':>7}")
+    print(f"{'shape':<16}{'leg':<13}{'GB/s':>7}{'x raw':>7}{'decode CPU ms':>15}{'x raw':>7}"
+          f"{'prefill CPU ms':>16}{'x raw':>7}")
     for shape in shapes:
         figures = await _measure(shape, repeat=args.repeat, legs=legs)
         raw = figures.get("raw")
         for number, leg in enumerate(legs):
             leg_figures = figures[leg]
-            speed = f"{leg_figures.gb_per_s / raw.gb_per_s:>7.2f}" if raw else f"{'-':>7}"
-            cost = f"{leg_figures.decode_cpu_seconds / raw.decode_cpu_seconds:>7.2f}" if raw else f"{'-':>7}"
-            print(f"{str(shape) if number == 0 else '':<16}{leg:<13}{leg_figures.gb_per_s:>7.2f}{speed}"
-                  f"{leg_figures.decode_cpu_seconds * 1e3:>15.1f}{cost}")
+            prefill_cpu = leg_figures.prefill_cpu_seconds
+            print(f"{str(shape) if number == 0 else '':<16}{leg:<13}{leg_figures.gb_per_s:>7.2f}"
+                  f"{_ratio(leg_figures.gb_per_s, raw.gb_per_s if raw else None)}"
+                  f"{leg_figures.decode_cpu_seconds * 1e3:>15.1f}"
+                  f"{_ratio(leg_figures.decode_cpu_seconds, raw.decode_cpu_seconds if raw else None)}"
+                  f"{'-' if prefill_cpu is None else f'{prefill_cpu * 1e3:.1f}':>16}"
+                  f"{_ratio(prefill_cpu, raw.prefill_cpu_seconds if raw else None)}")
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` in the table's 7 columns, ``-`` where either is missing."""
+    return f"{value / base:>7.2f}" if value is not None and base else f"{'-':>7}"
 
 
 if __name__ == "__main__":
