@@ -125,26 +125,51 @@ def _median_step_us(engine: LLMEngine, *, num_steps: int, num_seqs: int) -> floa
     return statistics.median(times) * 1e6
 
 
+def _async_sides(engine: LLMEngine, *, num_steps: int, num_seqs: int) -> tuple[float, float, float]:
+    """Asynchronous steps: median µs per step, the forward thread's mean busy µs per step (the
+    forward side: sleep, sampler, its GIL waits) and the engine thread's median CPU µs per step
+    (the host side: scheduling, inputs, output processing)."""
+    times, host = [], []
+    busy_started = engine.forward_busy_seconds
+    for _ in range(num_steps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        times.append(time.perf_counter() - t0)
+        host.append(time.thread_time() - c0)
+        if len(outputs) != num_seqs:
+            raise RuntimeError(f"expected {num_seqs} outputs, got {len(outputs)}")
+    busy_ended = engine.forward_busy_seconds
+    engine.close()
+    if busy_started is None or busy_ended is None:
+        raise RuntimeError("asynchronous scheduling did not start a forward thread")
+    forward_side = (busy_ended - busy_started) / num_steps
+    return statistics.median(times) * 1e6, forward_side * 1e6, statistics.median(host) * 1e6
+
+
 def bench_overlap(*, num_seqs: int, num_steps: int, prompt_len: int,
                   forward_ms: float) -> dict[str, float]:
     """Median µs per step: host work alone (O), a forward alone (F), and both, synchronous
-    and asynchronous. Small vocabulary: the logits and the sampler stay a small part of F."""
-    def run(*, async_scheduling: bool, forward_seconds: float) -> float:
-        engine = _decoding_engine(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len,
-                                  vocab_size=1024, async_scheduling=async_scheduling,
-                                  forward_seconds=forward_seconds)
-        return _median_step_us(engine, num_steps=num_steps, num_seqs=num_seqs)
+    and asynchronous; for the asynchronous steps also the two sides they overlap (see
+    :func:`_async_sides`). Small vocabulary: the logits and the sampler stay small."""
+    def engine(*, async_scheduling: bool, forward_seconds: float) -> LLMEngine:
+        return _decoding_engine(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len,
+                                vocab_size=1024, async_scheduling=async_scheduling,
+                                forward_seconds=forward_seconds)
 
     sleeps = []
     for _ in range(50):
         t0 = time.perf_counter()
         time.sleep(forward_ms / 1000)
         sleeps.append(time.perf_counter() - t0)
-    host = run(async_scheduling=False, forward_seconds=0.0)
-    sync = run(async_scheduling=False, forward_seconds=forward_ms / 1000)
-    overlapped = run(async_scheduling=True, forward_seconds=forward_ms / 1000)
+    host = _median_step_us(engine(async_scheduling=False, forward_seconds=0.0), num_steps=num_steps,
+                           num_seqs=num_seqs)
+    sync = _median_step_us(engine(async_scheduling=False, forward_seconds=forward_ms / 1000),
+                           num_steps=num_steps, num_seqs=num_seqs)
+    overlapped, forward_side, host_side = _async_sides(
+        engine(async_scheduling=True, forward_seconds=forward_ms / 1000), num_steps=num_steps, num_seqs=num_seqs)
     forward = statistics.median(sleeps) * 1e6
-    return {"O": host, "F": forward, "sync": sync, "async": overlapped, "bound": max(host, forward)}
+    return {"O": host, "F": forward, "sync": sync, "async": overlapped, "bound": max(host, forward),
+            "forward side": forward_side, "host side": host_side}
 
 
 def _prompts(tokenizer: object, *, batch: int) -> list[list[int]]:
@@ -253,12 +278,19 @@ def main() -> None:
 
     print(f"(c) overlap, {args.overlap_seqs} decodes, null model with a fixed-time forward F "
           "(median µs/step; O = host work per step)")
-    print(f"    {'F':>8}{'O':>8}{'sync':>9}{'async':>9}{'max(F,O)':>10}{'async/max':>11}{'sync/(F+O)':>12}")
+    print(f"    {'F':>8}{'O':>8}{'sync':>9}{'async':>9}{'max(F,O)':>10}{'async/max':>11}{'sync/(F+O)':>12}"
+          f"{'fwd side':>10}{'host side':>11}{'async/max(sides)':>18}")
     for forward_ms in (float(f) for f in args.forward_ms.split(",")):
         row = bench_overlap(num_seqs=args.overlap_seqs, num_steps=args.steps, prompt_len=args.prompt_len,
                             forward_ms=forward_ms)
+        sides = max(row["forward side"], row["host side"])
         print(f"    {row['F']:>8.0f}{row['O']:>8.0f}{row['sync']:>9.0f}{row['async']:>9.0f}{row['bound']:>10.0f}"
-              f"{row['async'] / row['bound']:>11.2f}{row['sync'] / (row['F'] + row['O']):>12.2f}")
+              f"{row['async'] / row['bound']:>11.2f}{row['sync'] / (row['F'] + row['O']):>12.2f}"
+              f"{row['forward side']:>10.0f}{row['host side']:>11.0f}{row['async'] / sides:>18.2f}")
+    print("    fwd side = the forward thread's busy time per step (F, the sampler, its waits for the GIL);"
+          " host side = the engine thread's CPU per step;\n"
+          "    async/max(sides) near 1: the step takes the larger side, not the sum (the overlap works);"
+          " async/max(F,O) above it: on the CPU the sampler and the GIL waits move to the forward side")
 
 
 if __name__ == "__main__":

@@ -173,6 +173,12 @@ class LLMEngine:
         stepping again changes nothing, so a driver may wait for one instead of spinning."""
         log.info("engine ready: %d KV blocks of %d tokens on %s", num_blocks, config.block_size, device)
 
+    @property
+    def forward_busy_seconds(self) -> float | None:
+        """Asynchronous scheduling on the CPU: the forward thread's busy time so far
+        (:attr:`.step_overlap.ForwardThread.busy_seconds`); None without a forward thread."""
+        return self._forward_thread.busy_seconds if self._forward_thread is not None else None
+
     def close(self) -> None:
         """Release what outlives the object (worker processes); the engine is unusable after."""
         if self._forward_thread is not None:

@@ -48,6 +48,7 @@ launch, pinned copies behind the step's kernels, an event per step) has not run 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -67,9 +68,21 @@ class ForwardThread:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitserve-forward")
+        self.busy_seconds = 0.0
+        """Wall time the thread spent running submitted work: the forward side of the steps
+        (model, sampler, and its waits for the GIL while the engine thread runs Python).
+        Written by the forward thread only; ``bench/cpu_engine.py`` (c) divides it by the
+        steps to compare a step with the larger of its two sides."""
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
-        return self._pool.submit(fn)
+        def timed() -> T:
+            started = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+
+        return self._pool.submit(timed)
 
     def flush(self) -> None:
         """Wait until everything submitted so far has run."""
