@@ -263,17 +263,26 @@ STATUS_CASES = [
 ]
 
 
-def _stalled_for(cluster: LocalCluster, ns: str, name: str, reason: str) -> dict[str, Any] | None:
+def _stalled_for(cluster: LocalCluster, ns: str, name: str, reason: str,
+                 words: tuple[str, ...] = ()) -> dict[str, Any] | None:
     obj = get_isvc(cluster=cluster, namespace=ns, name=name)
     stalled = condition(obj, ConditionType.STALLED) or {}
-    if stalled.get("reason") == reason and stalled.get("observedGeneration") == obj["metadata"]["generation"]:
+    if (stalled.get("reason") == reason and stalled.get("observedGeneration") == obj["metadata"]["generation"]
+            and all(w in str(stalled.get("message", "")) for w in words)):
         return obj
     return None
 
 
-def _wait_stalled(cluster: LocalCluster, ns: str, name: str, reason: str) -> dict[str, Any]:
+def _wait_stalled(cluster: LocalCluster, ns: str, name: str, reason: str,
+                  words: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The InferenceService once Stalled with ``reason`` and a message holding ``words``.
+
+    Why wait for the words too: the operator relays the kubelet's own words, and the kubelet's
+    first attempt may fail for a passing cause on a loaded node (``failed to sync secret cache:
+    timed out waiting for the condition``) before a retry names the real one (``secret ... not
+    found``); the relayed message follows the pod's."""
     try:
-        obj = cluster.wait_for(lambda: _stalled_for(cluster, ns, name, reason),
+        obj = cluster.wait_for(lambda: _stalled_for(cluster, ns, name, reason, words),
                                timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0,
                                what=f"{name}: Stalled/{reason}")
     except TimeoutError as error:
@@ -309,7 +318,7 @@ def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster,
     name = f"h-{case.id[:24].strip('-')}-{uuid.uuid4().hex[:4]}"
     try:
         _apply(cluster, _admitted(name, ns, model_hub, pools=case.pools, runtime=case.runtime))  # admitted
-        obj = _wait_stalled(cluster, ns, name, case.reason)
+        obj = _wait_stalled(cluster, ns, name, case.reason, case.message)
         stalled = condition(obj, ConditionType.STALLED) or {}
         assert stalled["status"] == "True"
         for words in case.message:
