@@ -156,9 +156,8 @@ async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.C
 
 def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection,
                      crc: bool = True) -> None:
-    if not crc:
-        framing._crc32 = _constant_crc
-    asyncio.run(_serve(shape, requests, pipe))
+    with contextlib.nullcontext() if crc else _without_crc():
+        asyncio.run(_serve(shape, requests, pipe))
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -312,10 +311,10 @@ async def _measure(shape: Shape, *, repeat: int, legs: Sequence[str]) -> dict[st
         pulls = 0
         for run in range(repeat + 1):  # the first round warms up and is not counted
             for leg in legs:
-                side = prefill[leg != "no-crc"]
-                pid = side.process.pid or 0
+                crc = leg != "no-crc"
+                pid = prefill[crc].process.pid or 0
                 cpu_started, prefill_started = time.process_time(), _cpu_seconds(pid)
-                seconds = await _leg(leg, shape, cache, ports=ports[leg != "no-crc"], request_id=f"bench-{pulls}")
+                seconds = await _leg(leg, shape, cache, ports=ports[crc], request_id=f"bench-{pulls}")
                 pulls += 1
                 prefill_ended = _cpu_seconds(pid)
                 if run:

@@ -53,7 +53,8 @@ def test_bench_runs_only_the_legs_asked_for() -> None:
 
 def test_the_checksum_free_bound_moves_the_same_blocks() -> None:
     """The ``no-crc`` leg runs its own prefill process (and the decode side's checksum is
-    replaced for that leg only), so a leg with CRCs after it still checks them."""
+    replaced for that leg only), so the ``destination`` leg after it (the second round) still
+    checks real CRCs: a decode side left without them would refuse every block and end the run."""
     rows = _rows(_run("--shape", "4x65536", "--legs", "no-crc,destination,raw"))
     assert set(rows) == {("4 x 64 KiB", leg) for leg in ("destination", "raw", "no-crc")}
     assert all(figures[0] > 0 for figures in rows.values())
