@@ -10,8 +10,9 @@ instead of their sum.
 Step n+1 is scheduled before step n's tokens are known. The scheduler counts each of them
 as *pending* (``Sequence.num_pending_tokens``; see :mod:`.scheduler`), so a sequence sampled
 in step n is a decode in step n+1, and the decode's input token is copied on the device from
-step n's sampled ids (:class:`InFlightStep` ``.token_ids``) into step n+1's ``input_ids``
-before its forward — the host never waits for it. What this costs: a sequence that step n
+step n's sampled ids (:class:`InFlightStep` ``.sampled``) into step n+1's ``input_ids``
+before its forward — the host never waits for it. On the forward thread that copy runs
+right after step n samples, before step n is reported done (:class:`SampledIds`). What this costs: a sequence that step n
 ends (eos, a stop token or a stop string; ``max_tokens`` is known ahead and is not
 scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
 scheduling does. KV the dropped row writes lands past the sequence's end, in blocks no other
@@ -48,6 +49,7 @@ launch, pinned copies behind the step's kernels, an event per step) has not run 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,13 +100,66 @@ def _done(value: T) -> Future[T]:
     return future
 
 
+class SampledIds:
+    """A step's sampled ids once they exist, and the work waiting for them.
+
+    The next step's decode inputs are copied from these ids. On the forward thread that copy
+    runs as soon as the ids are sampled, before the step is reported done: if it ran at the
+    start of the next step's work instead, it would wait for the GIL while the engine thread,
+    woken by the finished step, processes its outputs, and the next forward would start only
+    after the host's work rather than beside it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._waiting: list[Callable[[torch.Tensor], None]] = []
+
+    def then(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """Run ``fn(ids)`` now if the ids exist (on the device they are queued work: ``fn``
+        queues behind it), else on the forward thread right after they are sampled; never if
+        the step failed (the step that needs ``fn`` calls :meth:`check` before it runs, and the
+        engine meets the failure first, when it resolves the failed step)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            if self._ids is None:
+                self._waiting.append(fn)
+                return
+            ids = self._ids
+        fn(ids)
+
+    def check(self) -> None:
+        """Raise the error of the step that was to sample the ids, if it failed."""
+        if self._error is not None:
+            raise RuntimeError("the step before failed; its sampled ids do not exist") from self._error
+
+    def publish(self, ids: torch.Tensor) -> None:
+        with self._lock:
+            self._ids, waiting, self._waiting = ids, self._waiting, []
+        try:
+            for fn in waiting:
+                fn(ids)
+        except BaseException as error:
+            self._error = error  # the step waiting for these ids must not run on unfilled inputs
+            raise
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error, self._waiting = error, []
+
+
 class InFlightStep:
     """A launched step: its schedule, sampled sequences, and tokens still being computed."""
 
     def __init__(self, *, sched: SchedulerOutput, sample_seqs: list[Sequence],
-                 future: Future[PendingSample], host: PendingSample | None = None,
-                 copied: torch.cuda.Event | None = None) -> None:
+                 future: Future[PendingSample], sampled: SampledIds,
+                 host: PendingSample | None = None, copied: torch.cuda.Event | None = None) -> None:
         self.sched = sched
+        self.sampled = sampled
+        """The sampled ids on the device, for work ordered after this step's (the next step's
+        decode inputs): :meth:`SampledIds.then` does not wait for them."""
         self.sample_seqs = sample_seqs
         self._future = future
         self._host = host
@@ -116,12 +171,6 @@ class InFlightStep:
         if self._rows is None:
             self._rows = {id(s): i for i, s in enumerate(self.sample_seqs)}
         return self._rows[id(seq)]
-
-    @property
-    def token_ids(self) -> torch.Tensor:
-        """The sampled ids on the device. Only for work ordered after this step's (the next
-        step's forward on the same thread or stream): it does not wait."""
-        return self._future.result().token_ids
 
     def wait(self) -> None:
         """Until the step's forward and sampling have run (its KV writes are done)."""
@@ -151,29 +200,43 @@ def launch(runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep |
                 raise RuntimeError(f"request {seq.request_id} waits for a token no step computes")
             dst.append(offset + j)
             src.append(after.row_of(seq))
-    fill = None
     if dst:
         assert after is not None
-        fill = (after, torch.tensor(dst, dtype=torch.long).to(runner.device, non_blocking=True),
-                torch.tensor(src, dtype=torch.long).to(runner.device, non_blocking=True))
+        rows_to = torch.tensor(dst, dtype=torch.long).to(runner.device, non_blocking=True)
+        rows_from = torch.tensor(src, dtype=torch.long).to(runner.device, non_blocking=True)
+
+        def fill_inputs(ids: torch.Tensor) -> None:
+            with torch.inference_mode():
+                inputs.input_ids[rows_to] = ids[rows_from]
+
+        after.sampled.then(fill_inputs)
     request_ids, params, banned = runner.sample_args(sample_seqs)
+    sampled = SampledIds()
 
     def run() -> PendingSample:
-        with torch.inference_mode():
-            if fill is not None:
-                previous, rows_to, rows_from = fill
-                inputs.input_ids[rows_to] = previous.token_ids[rows_from]
-            logits = _logits(runner, inputs)
-            if logits is None or not sample_seqs:
-                return PendingSample(token_ids=torch.empty(0, dtype=torch.long, device=runner.device), params=[])
-            return runner.sampler.launch(logits=logits, request_ids=request_ids, params=params,
-                                         banned_token_ids=banned)
+        try:
+            if after is not None:
+                after.sampled.check()
+            with torch.inference_mode():
+                logits = _logits(runner, inputs)
+                if logits is None or not sample_seqs:
+                    pending = PendingSample(token_ids=torch.empty(0, dtype=torch.long, device=runner.device),
+                                            params=[])
+                else:
+                    pending = runner.sampler.launch(logits=logits, request_ids=request_ids, params=params,
+                                                    banned_token_ids=banned)
+        except BaseException as error:
+            sampled.fail(error)
+            raise
+        sampled.publish(pending.token_ids)
+        return pending
 
     if thread is not None:
-        return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=thread.submit(run))
+        return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=thread.submit(run), sampled=sampled)
     pending = run()
     host, copied = _copy_to_host(pending)
-    return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=_done(pending), host=host, copied=copied)
+    return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=_done(pending), sampled=sampled,
+                        host=host, copied=copied)
 
 
 def _logits(runner: ModelRunner, inputs: StepInputs) -> torch.Tensor | None:
