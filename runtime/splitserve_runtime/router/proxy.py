@@ -350,6 +350,22 @@ class Router:
             return Response(content=content, status_code=upstream.status_code,
                             media_type="application/json", headers=_passthrough_headers(upstream))
 
+        closed = False
+
+        async def close(*, ok: bool = True) -> None:
+            """Release the pod's stream once: from the relay's finally, or from the response
+            when the client left before the relay started (see :mod:`.relay`)."""
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            pod.load.in_flight -= 1
+            await upstream.aclose()
+            if ok:
+                self._finish(upstream.status_code, started)
+            else:
+                metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+
         async def relay() -> AsyncIterator[bytes]:
             ok = True
             try:
@@ -361,15 +377,10 @@ class Router:
                 metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
                 yield _sse_error(f"{pod.role.value} pod {pod.name} died mid-stream: {type(exc).__name__}")
             finally:
-                pod.load.in_flight -= 1
-                await upstream.aclose()
-                if ok:
-                    self._finish(upstream.status_code, started)
-                else:
-                    metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+                await close(ok=ok)
 
-        return RelayResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
-                             headers=_passthrough_headers(upstream))
+        return RelayResponse(relay(), on_close=close, status_code=upstream.status_code,
+                             media_type="text/event-stream", headers=_passthrough_headers(upstream))
 
     def _finish(self, status: int, started: float) -> None:
         outcome = "success" if status < 400 else ("client_error" if status < 500 else "upstream_error")
