@@ -12,9 +12,9 @@ as *pending* (``Sequence.num_pending_tokens``; see :mod:`.scheduler`), so a sequ
 in step n is a decode in step n+1, and the decode's input token is copied on the device from
 step n's sampled ids (:class:`InFlightStep` ``.sampled``) into step n+1's ``input_ids``
 before its forward — the host never waits for it. On the forward thread that copy runs
-right after step n samples, before step n is reported done (:class:`SampledIds`). What this costs: a sequence that step n
-ends (eos, a stop token or a stop string; ``max_tokens`` is known ahead and is not
-scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
+right after step n samples, before step n is reported done (:class:`SampledIds`). What
+this costs: a sequence that step n ends (eos, a stop token or a stop string; ``max_tokens``
+is known ahead and is not scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
 scheduling does. KV the dropped row writes lands past the sequence's end, in blocks no other
 step reads before the row has run: later steps run after it, in order, on the one device
 stream or forward thread, and the engine waits for the step in flight before it hands blocks

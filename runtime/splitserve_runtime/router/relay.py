@@ -31,7 +31,6 @@ class RelayResponse(StreamingResponse):
                  status_code: int = 200, headers: Mapping[str, str] | None = None,
                  media_type: str | None = None) -> None:
         super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
-        self._relay = content
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -44,7 +43,7 @@ class RelayResponse(StreamingResponse):
             streaming.cancel()  # no-op once it has ended
             watching.cancel()
             await asyncio.gather(streaming, watching, return_exceptions=True)
-            aclose = getattr(self._relay, "aclose", None)
+            aclose = getattr(self.body_iterator, "aclose", None)
             try:
                 if aclose is not None:
                     await aclose()  # a started relay's finally runs now, not when collected
