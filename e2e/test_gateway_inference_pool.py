@@ -60,10 +60,13 @@ ENGINES = 2
 READY_TIMEOUT_SECONDS = 600.0
 POOL_API = "inferencepools.inference.networking.k8s.io"
 LOAD_REQUESTS = 5
+"""Clients that each send one completion after another to the busy engine until the picker has
+shown the load: one sequence runs, four wait."""
 LOAD_REQUEST_SECONDS = 3.0
-"""About how long each load request runs: four queued for ~9 s span at least one 5 s flush of
-the picker's pool averages."""
+"""About how long each load request runs (estimated from a warm-up request)."""
 LOAD_MAX_TOKENS = 900  # the example's maxModelLen is 1024
+POOL_AVERAGE_TIMEOUT_SECONDS = 60.0
+"""The picker flushes its pool averages every 5 s; the load is held until a flush shows it."""
 CEL_CASES = 5  # test/cel/inferencepool_test.go of v1.2.0
 _SCRAPED = re.compile(r"Address:(?P<ip>[\d.]+) Port:\d+ .*?Metrics: \{.*?"
                       r"WaitingQueueSize:(?P<queue>\d+) KVCacheUsagePercent:(?P<kv>[\d.e+-]+) "
@@ -328,10 +331,10 @@ def test_picker_reads_the_runtime_gauges(picker: gie.EndpointPicker,
 
 def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.EndpointPicker,
                                                              pool: Pool) -> None:
-    """Five completions of about 3 s each sent straight to one engine (one sequence per step:
-    one runs, four wait) show in the picker's per-pod queue (read at each scrape of the picker)
-    and pool averages (flushed every 5 s), and steer its picks to the other engine; drained,
-    the queue reads 0 again."""
+    """Five clients sending completions of about 3 s each, one after another, straight to one
+    engine (one sequence per step: one runs, four wait) show in the picker's per-pod queue (read
+    at each scrape of the picker) and, held until its next 5 s flush, in its pool averages; they
+    steer its picks to the other engine; drained, the queue reads 0 again."""
     (busy_ip, busy), (idle_ip, idle) = sorted(pool.pods.items())
     results: list[int] = []
     started = time.monotonic()
@@ -340,14 +343,16 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
     assert warm.status_code == 200, warm.text
     per_token = (time.monotonic() - started) / 32
     tokens = max(32, min(LOAD_MAX_TOKENS, int(LOAD_REQUEST_SECONDS / per_token)))
-    log(f"{busy}: {per_token * 1000:.1f} ms per token; load of {LOAD_REQUESTS} x {tokens} tokens")
+    log(f"{busy}: {per_token * 1000:.1f} ms per token; {LOAD_REQUESTS} clients x {tokens} tokens")
+    shown = threading.Event()
 
     def load(index: int) -> None:
-        body = _completion_body(f"load {index} {uuid.uuid4().hex}", max_tokens=tokens,
-                                ignore_eos=True)
-        response = httpx.post(f"http://{pool.endpoint(busy_ip)}/v1/completions", json=body,
-                              timeout=300.0)
-        results.append(response.status_code)
+        while not shown.is_set():
+            body = _completion_body(f"load {index} {uuid.uuid4().hex}", max_tokens=tokens,
+                                    ignore_eos=True)
+            response = httpx.post(f"http://{pool.endpoint(busy_ip)}/v1/completions", json=body,
+                                  timeout=300.0)
+            results.append(response.status_code)
     threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(LOAD_REQUESTS)]
     for thread in threads:
         thread.start()
@@ -366,20 +371,32 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
     def queued() -> bool:
         observe()
         return peak["busy queue"] >= 2
-    LocalCluster.wait_for(queued, timeout_seconds=60, interval_seconds=0.1,
-                          what=f"the picker to see a queue on {busy}")
-    client = gie.ensure_gie_client()
+
+    def averaged() -> bool:
+        observe()
+        return peak["pool average queue"] >= 1 and peak["pool average kv"] > 0
     picks: list[gie.Pick] = []
-    for index in range(3):
-        picks.append(gie.pick(client, address=picker.grpc_address,
-                              body=_completion_body(f"fresh {index} {uuid.uuid4().hex}")))
+    try:
+        LocalCluster.wait_for(queued, timeout_seconds=60, interval_seconds=0.1,
+                              what=f"the picker to see a queue on {busy}")
+        client = gie.ensure_gie_client()
+        for index in range(3):
+            picks.append(gie.pick(client, address=picker.grpc_address,
+                                  body=_completion_body(f"fresh {index} {uuid.uuid4().hex}")))
+        with contextlib.suppress(TimeoutError):  # the assertions below say what was missing
+            LocalCluster.wait_for(averaged, timeout_seconds=POOL_AVERAGE_TIMEOUT_SECONDS,
+                                  interval_seconds=0.2,
+                                  what="the picker's pool averages to show the queue")
+    finally:
+        shown.set()
     while any(thread.is_alive() for thread in threads):
         observe()
         time.sleep(0.2)
     for thread in threads:
         thread.join(timeout=1)
-    assert results == [200] * LOAD_REQUESTS, results
-    log(f"under load on {busy}: peaks {peak}; picks {[p.endpoint for p in picks]}")
+    assert results and results == [200] * len(results), results
+    log(f"under load on {busy} ({len(results)} requests): peaks {peak}; "
+        f"picks {[p.endpoint for p in picks]}")
     pool.figures["picker's view under load (peaks)"] = json.dumps(peak)
     assert [p.endpoint for p in picks] == [pool.endpoint(idle_ip)] * 3, (picks, busy, idle)
     assert peak["idle queue"] == 0, peak
