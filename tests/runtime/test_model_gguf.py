@@ -32,11 +32,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from splitserve_contract.model_config import ModelConfig, RopeScaling, load_model_config
 from splitserve_e2e import smollm2
+from splitserve_runtime.model import gguf as gguf_module
 from splitserve_runtime.model.errors import ModelLoadError
 from splitserve_runtime.model.gguf import (
     build_gguf_tokenizer,
     decode_q4,
     gguf_source,
+    lazy_gguf_tensors,
     load_gguf_config,
     materialize_gguf_dir,
     open_gguf,
@@ -288,6 +290,57 @@ def test_tiny_llama_gguf_reads_as_hf_layout(tmp_path: Path) -> None:
     # Dense K came back in HF's row order exactly; int4 Q's columns were permuted as a whole.
     assert torch.equal(tensors["model.layers.0.self_attn.k_proj.weight"],  # type: ignore[arg-type]
                        torch.from_numpy(hf["blk.0.attn_k.weight"][0]))
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts :mod:`gguf_module`'s per-tensor decodes by GGUF tensor name from now on."""
+    decoded: Counter[str] = Counter()
+    real = gguf_module._decode
+
+    def counting(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        decoded[tensor.name] += 1
+        return real(tensor, *args, **kwargs)
+    monkeypatch.setattr(gguf_module, "_decode", counting)
+    return decoded
+
+
+def test_tensors_are_checked_up_front_and_decoded_only_when_asked(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing a GGUF's tensors reads the metadata only; each tensor is decoded when (and each
+    time) its function is called, to the same values as the eager read."""
+    hf = _tiny_llama(np.random.default_rng(2))
+    path = _write_gguf(tmp_path / "tiny.gguf", tensors=_as_stored(hf))
+    config = load_gguf_config(path)
+    decoded = _count_decodes(monkeypatch)
+    lazy = lazy_gguf_tensors(path, config)
+    assert len(lazy) == len(hf) and not decoded
+    eager = read_gguf_tensors(path, config)
+    assert decoded == Counter({name: 1 for name in hf})
+    for name, get in lazy.items():
+        assert torch.equal(dequantize(get()), dequantize(eager[name])), name
+    assert decoded == Counter({name: 2 for name in hf})
+
+
+def test_a_pipeline_stage_decodes_only_the_tensors_it_holds(smol: Smol, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the second of two pipeline stages of SmolLM2's GGUF decodes each of its own
+    tensors once (its layers, the final norm, the tied embedding as its head) and none of the
+    first stage's layers: host memory never holds the other stage's decoded weights."""
+    from splitserve_runtime.model.loader import load_model
+    from splitserve_runtime.model.pipeline import PipelineStage
+    from splitserve_runtime.ops import get_ops
+
+    cpu = torch.device("cpu")
+    stage = PipelineStage(config=smol.config, stage=1, num_stages=2)
+    start, end = stage.layer_range()
+    decoded = _count_decodes(monkeypatch)
+    model = load_model(model_dir=smol.sidecar, ops=get_ops(name="torch", device=cpu), dtype=torch.float32,
+                       device=cpu, stage=stage)
+    assert len(model.decoder_layers()) == end - start
+    layers = {int(name.split(".")[1]) for name in decoded if name.startswith("blk.")}
+    assert layers == set(range(start, end)), sorted(layers)
+    assert set(decoded.values()) == {1}, decoded
+    others = {name for name in decoded if not name.startswith("blk.")}
+    assert others == {"output_norm.weight", "token_embd.weight"}, others
 
 
 def test_shapes_must_match_the_metadata(tmp_path: Path) -> None:

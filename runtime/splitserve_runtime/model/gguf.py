@@ -24,7 +24,9 @@ the file was a GGUF:
   uses for that family (:data:`PRE_TOKENIZERS`). An unknown ``pre`` is refused, as llama.cpp
   does, rather than split text differently from how the merges were learned. SentencePiece
   vocabularies (``"llama"``: Llama 2, Mistral v0.1) are refused for now.
-- **Weights**: :func:`read_gguf_tensors` maps llama.cpp names to HF names, each ``[out, in]``.
+- **Weights**: :func:`lazy_gguf_tensors` maps llama.cpp names to HF names, each ``[out, in]``,
+  decoded one at a time when the loader places it (the file is memory-mapped: host memory holds
+  one decoded tensor beyond the model).
   Q4_0 and Q4_1 linear projections stay quantized as :class:`~..quant.formats.Int4Weight`
   (group 32, ``offset = -8 d`` / ``m``): the same numbers as the file, decoded by vectorised
   bit operations straight into the GPTQ-style packed layout. Every other type (F32, F16,
@@ -47,6 +49,7 @@ torch-free at import and at run time, so the router can resolve a GGUF model too
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import logging
@@ -560,17 +563,30 @@ class _Plan:
 def read_gguf_tensors(
     path: Path, config: ModelConfig, reader: gguf.GGUFReader | None = None,
 ) -> dict[str, torch.Tensor | Int4Weight]:
-    """Every tensor of the GGUF file under its HF name, ``[out, in]`` (see the module docstring):
-    Q4_0/Q4_1 linear weights as :class:`Int4Weight`, everything else dense float32. The set
-    of tensors and every shape is checked against ``config``."""
+    """Every tensor of the GGUF file under its HF name, ``[out, in]``, all decoded at once (see
+    :func:`lazy_gguf_tensors`, which the loader uses to decode one at a time)."""
+    return {name: get() for name, get in lazy_gguf_tensors(path, config, reader).items()}
+
+
+def lazy_gguf_tensors(
+    path: Path, config: ModelConfig, reader: gguf.GGUFReader | None = None,
+) -> dict[str, Callable[[], torch.Tensor | Int4Weight]]:
+    """Every tensor of the GGUF file under its HF name, as a function that decodes it, ``[out,
+    in]`` (see the module docstring): Q4_0/Q4_1 linear weights as :class:`Int4Weight`,
+    everything else dense float32. The set of tensors and every shape is checked against
+    ``config`` here, from the metadata alone, before anything is decoded.
+
+    Why lazy: the reader maps the file, so an undecoded tensor costs no memory, while a decoded
+    one is float32 (a Q8_0 or K-quant 8B file is ~32 GB of it). The loader decodes each tensor
+    when it places it, so host memory holds one decoded tensor beyond the model, and a
+    pipeline stage never decodes the layers it does not hold."""
     import gguf
-    import torch
 
     reader = reader if reader is not None else open_gguf(path)
     arch = _architecture(reader, str(path))
     expected = _expected_shapes(config)
     quantized4 = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
-    out: dict[str, torch.Tensor | Int4Weight] = {}
+    out: dict[str, Callable[[], torch.Tensor | Int4Weight]] = {}
     kept: collections.Counter[str] = collections.Counter()
     dense: collections.Counter[str] = collections.Counter()
     for tensor in reader.tensors:
@@ -588,25 +604,8 @@ def read_gguf_tensors(
             )
         if plan.hf_name in out:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} appears twice")
-        type_name = tensor.tensor_type.name
-        weight: torch.Tensor | Int4Weight
-        if plan.int4:
-            weight = decode_q4(np.asarray(tensor.data), tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1,
-                               out_features=shape[0], in_features=shape[1])
-            if plan.heads is not None:
-                weight = _permute_int4_columns(weight, _reverse_permutation(shape[0], plan.heads))
-            kept[type_name] += 1
-        else:
-            try:
-                values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-            except NotImplementedError as exc:
-                raise ModelLoadError(f"{path}: tensor {tensor.name!r} has unsupported type {type_name}") from exc
-            dense_tensor = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
-            if plan.heads is not None:
-                dense_tensor = dense_tensor[torch.from_numpy(_reverse_permutation(shape[0], plan.heads))]
-            weight = dense_tensor.contiguous()
-            dense[type_name] += 1
-        out[plan.hf_name] = weight
+        (kept if plan.int4 else dense)[tensor.tensor_type.name] += 1
+        out[plan.hf_name] = functools.partial(_decode, tensor, plan, shape=shape, path=path)
     missing = [name for name in expected if name not in out]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -614,6 +613,27 @@ def read_gguf_tensors(
     log.info("read %s: %d tensors; kept as int4 (group %d): %s; dequantized to float32: %s",
              path.name, len(out), INT4_GROUP_SIZE, _counts(kept), _counts(dense))
     return out
+
+
+def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...], path: Path) -> torch.Tensor | Int4Weight:
+    """One tensor of :func:`lazy_gguf_tensors`, decoded from the mapped file."""
+    import gguf
+    import torch
+
+    if plan.int4:
+        weight = decode_q4(np.asarray(tensor.data), tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1,
+                           out_features=shape[0], in_features=shape[1])
+        if plan.heads is not None:
+            weight = _permute_int4_columns(weight, _reverse_permutation(shape[0], plan.heads))
+        return weight
+    try:
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
+    dense_tensor = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    if plan.heads is not None:
+        dense_tensor = dense_tensor[torch.from_numpy(_reverse_permutation(shape[0], plan.heads))]
+    return dense_tensor.contiguous()
 
 
 def _counts(counter: collections.Counter[str]) -> str:

@@ -33,7 +33,7 @@ from splitserve_contract.model_config import ModelConfig, load_model_config
 from ..ops.interface import Ops
 from ..quant.formats import LinearWeight
 from .errors import ModelLoadError
-from .gguf import gguf_source, read_gguf_tensors
+from .gguf import gguf_source, lazy_gguf_tensors
 from .llama import LlamaForCausalLM
 from .pipeline import PipelineStage
 from .quantized_linears import LinearAssembler, load_time_method, resolve_scheme
@@ -143,8 +143,8 @@ def load_model(
         if local_name is not None:
             filler.offer(name=local_name, get=get, path=path)
     if gguf_file is not None:
-        for name, weight in read_gguf_tensors(gguf_file, config).items():
-            offer(name, lambda w=weight: w, gguf_file)  # type: ignore[misc]
+        for name, decode in lazy_gguf_tensors(gguf_file, config).items():
+            offer(name, decode, gguf_file)  # decoded when placed: one tensor at a time
     else:
         for path in weight_files(model_dir=model_dir):
             try:
