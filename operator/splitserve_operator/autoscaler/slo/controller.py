@@ -91,13 +91,14 @@ from .state import SloState
 from .step_fit import StepFit
 
 MIN_CONFIDENCE_TO_SCALE_DOWN: Final = 0.5
+"""Below this fit confidence the model may add replicas but never remove them (measurements
+alone may still take one step down: :data:`MEASURED_SCALE_DOWN_FRACTION`)."""
 MIN_CONFIDENCE_TO_SCALE_UP: Final = 0.2
 """Without a prior, a fit below this confidence does not add replicas on its own (measured
 violations still do): its first windows can put a pool's cost on the wrong feature."""
 MEASURED_SCALE_DOWN_FRACTION: Final = 0.5
 """Below this confidence a pool still steps down one replica when its measured p99, scaled by
 ``N/(N-1)``, is within this fraction of ``headroom × target`` (:func:`_measured_scale_down`)."""
-"""Below this fit confidence the model may add replicas but never remove them."""
 BURST_MARGIN: Final = 3.0
 """Requests/s added to the planned rate per request/s of the forecaster's burstiness (adds
 nothing on steady and diurnal traffic, whose deviation is Poisson noise). Since the plan
