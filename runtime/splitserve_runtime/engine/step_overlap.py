@@ -7,19 +7,19 @@ builds its inputs and launches it, and only then waits for step n's tokens and p
 (the text too) while step n+1 computes. A step then takes ``max(forward, bookkeeping)``
 instead of their sum.
 
-Step n+1 is scheduled before step n's tokens are known. The scheduler counts each of them
-as *pending* (``Sequence.num_pending_tokens``; see :mod:`.scheduler`), so a sequence sampled
-in step n is a decode in step n+1, and the decode's input token is copied on the device from
-step n's sampled ids (:class:`InFlightStep` ``.sampled``) into step n+1's ``input_ids``
-before its forward — the host never waits for it. On the forward thread that copy runs
-right after step n samples, before step n is reported done (:class:`SampledIds`). What
-this costs: a sequence that step n ends (eos, a stop token or a stop string; ``max_tokens``
-is known ahead and is not scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
+Step n+1 is scheduled before step n's tokens are known. The scheduler counts each of them as
+*pending* (``Sequence.num_pending_tokens``; see :mod:`.scheduler`), so a sequence sampled in
+step n is a decode in step n+1, and the decode's input token is copied on the device from step
+n's sampled ids (:class:`InFlightStep` ``.sampled``) into step n+1's ``input_ids`` before its
+forward — the host never waits for it. On the forward thread that copy runs right after step n
+samples, before step n is reported done (:class:`SampledIds`). What this costs: a sequence that
+step n ends (eos, a stop token or a stop string; ``max_tokens`` is known ahead and is not
+scheduled again) computes one more row in step n+1, which is dropped, as vLLM's async
 scheduling does. KV the dropped row writes lands past the sequence's end, in blocks no other
-step reads before the row has run: later steps run after it, in order, on the one device
-stream or forward thread, and the engine waits for the step in flight before it hands blocks
-to anything outside that order (a KV import's reservation, a finished ``keep_kv`` sequence
-whose last step is still running).
+step reads before the row has run: later steps run after it, in order, on the one device stream
+or forward thread, and the engine waits for the step in flight before it hands blocks to
+anything outside that order (a KV import's reservation, a finished ``keep_kv`` sequence whose
+last step is still running).
 
 Where the forward runs:
 

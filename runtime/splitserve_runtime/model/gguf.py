@@ -615,7 +615,8 @@ def lazy_gguf_tensors(
     return out
 
 
-def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...], path: Path) -> torch.Tensor | Int4Weight:
+def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...],
+            path: Path) -> torch.Tensor | Int4Weight:
     """One tensor of :func:`lazy_gguf_tensors`, decoded from the mapped file."""
     import gguf
     import torch
@@ -629,7 +630,8 @@ def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...], p
     try:
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
     except NotImplementedError as exc:
-        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
     dense_tensor = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
     if plan.heads is not None:
         dense_tensor = dense_tensor[torch.from_numpy(_reverse_permutation(shape[0], plan.heads))]
