@@ -12,7 +12,8 @@ One seeded workload per load level (Poisson arrivals, prompts uniform 32-512 tok
    (:class:`splitserve_operator.autoscaler.slo.step_fit.StepFit`, no prior) computed from the
    engine's step counters during a separate calibration (closed-loop windows at six levels,
    :data:`CALIBRATION_LEVELS`, plus one run of the same kind of traffic, other requests, per
-   rate): what the operator's fit would hold.
+   rate): what the operator's fit would hold. Each window is handed to the fit as the operator
+   does, its decode-only part and the rest (``StepSample.split``).
 
 It prints TTFT and ITL p50/p99 of both, the absolute percentage error of each figure and their
 median over all levels (the MAPE; target <= 10 %), the same for other step models
@@ -29,9 +30,9 @@ simulator is responsible for (scheduling, batching, queueing) plus the counters 
 On the shared 2-core machine this was written on, with other work running, the same workload
 run twice back to back differed from itself by a median 32 % (wall) and 14 % (CPU time) over
 these figures: the speed drifts with the load by ±25 % within a minute, between calibration and
-run too. With the machine otherwise idle the calibrated model's MAPE was 7.5-11.9 % on wall time
-over six runs, 4.4 % on the CPU clock and 2.5 % on the model clock
-(docs/slo-autoscaling-simulation.md, "Simulator fidelity").
+run too. Figures with the machine otherwise idle: docs/slo-autoscaling-simulation.md,
+"Simulator fidelity" (before the split, windows of the totals over-priced the large prefill
+steps that make the p99s: 7.5-11.9 % on wall time; with it, see there).
 """
 
 from __future__ import annotations
@@ -102,6 +103,23 @@ def counter_sample(before: EngineStats, after: EngineStats) -> StepSample:
         decode_context_tokens=after.engine_decode_context_tokens_total - before.engine_decode_context_tokens_total)
 
 
+def window_samples(before: EngineStats, after: EngineStats, *, seconds: float | None = None,
+                   decode_only_seconds: float = 0.0) -> list[StepSample]:
+    """The window as the operator's fit takes it: the decode-only part and the rest
+    (``StepSample.split``). ``seconds`` / ``decode_only_seconds``: the busy times in a virtual
+    clock (:class:`StepTimer`) instead of the engine's wall-time counters."""
+    total = counter_sample(before, after)
+    decode_only = after.engine_decode_only_step_seconds_total - before.engine_decode_only_step_seconds_total
+    if seconds is not None:
+        total, decode_only = dataclasses.replace(total, seconds=seconds), decode_only_seconds
+    return total.split(
+        decode_only_steps=after.engine_decode_only_steps_total - before.engine_decode_only_steps_total,
+        decode_only_seconds=decode_only,
+        decode_only_rows=after.engine_decode_only_rows_total - before.engine_decode_only_rows_total,
+        decode_only_context_tokens=(after.engine_decode_only_context_tokens_total
+                                    - before.engine_decode_only_context_tokens_total))
+
+
 def predicted_seconds(theta: StepCoefficients, sample: StepSample) -> float:
     return sum(c * x for c, x in zip(theta.as_tuple(), sample.features(), strict=True))
 
@@ -132,21 +150,22 @@ class StepTimer:
         self.rng = np.random.default_rng([seed, 11])
         self._stats = engine.stats()
 
-    def step(self) -> tuple[list[RequestOutput], float]:
-        if self.clock == "cpu":
-            cpu0 = time.thread_time()
-            outputs = self.engine.step()
-            return outputs, time.thread_time() - cpu0
-        wall0 = time.monotonic()
+    def step(self) -> tuple[list[RequestOutput], float, bool]:
+        """The step's outputs, its duration in this clock, and whether it computed no prefill
+        (the decode-only part of the counters; always False on the wall clock, whose windows
+        take both parts from the engine's own counters)."""
+        if self.clock == "wall":
+            return self.engine.step(), 0.0, False
+        cpu0, wall0 = time.thread_time(), time.monotonic()
         outputs = self.engine.step()
-        seconds = time.monotonic() - wall0
+        seconds = time.thread_time() - cpu0 if self.clock == "cpu" else time.monotonic() - wall0
+        stats = self.engine.stats()
+        work = counter_sample(self._stats, stats)
+        self._stats = stats
         if self.clock == "model":
-            stats = self.engine.stats()
-            work = counter_sample(self._stats, stats)
-            self._stats = stats
             seconds = 0.0 if not work.steps else predicted_seconds(MODEL_CLOCK_COEFFICIENTS, work) * float(
                 self.rng.lognormal(-MODEL_CLOCK_NOISE**2 / 2, MODEL_CLOCK_NOISE))
-        return outputs, seconds
+        return outputs, seconds, bool(work.steps) and not work.prefill_tokens
 
     def resync(self) -> None:
         """Requests were added or aborted outside :meth:`step` (no work counted there)."""
@@ -177,21 +196,23 @@ class ClosedLoopTraffic:
         self.vocab_size = vocab_size
         self.count = 0
 
-    def window(self, level: LoadLevel, *, seconds: float, clock: str = "wall") -> StepSample:
-        """Run ``level`` for ``seconds`` of wall time; the window's counter increase (its busy
-        seconds in ``clock``: :class:`StepTimer`)."""
+    def window(self, level: LoadLevel, *, seconds: float, clock: str = "wall") -> list[StepSample]:
+        """Run ``level`` for ``seconds`` of wall time; the window's counter increase, its
+        decode-only part and the rest (:func:`window_samples`; busy seconds in ``clock``)."""
         engine = self.engine
         before = engine.stats()
         timer = StepTimer(engine, clock=clock, seed=self.count)
         deadline = time.monotonic() + seconds
-        busy = 0.0
+        busy = busy_decode_only = 0.0
         while time.monotonic() < deadline:
             while engine.num_requests < level.concurrency:
                 self._add(level)
             timer.resync()
-            busy += timer.step()[1]
-        sample = counter_sample(before, engine.stats())
-        return sample if clock == "wall" else dataclasses.replace(sample, seconds=busy)
+            _, spent, decode_only = timer.step()
+            busy += spent
+            busy_decode_only += spent if decode_only else 0.0
+        return window_samples(before, engine.stats(), seconds=None if clock == "wall" else busy,
+                              decode_only_seconds=busy_decode_only)
 
     def stop(self) -> None:
         for rid in [f"cal-{i}" for i in range(1, self.count + 1)]:
@@ -217,10 +238,10 @@ def calibrate(engine: LLMEngine, *, rounds: int, window_seconds: float, seed: in
     elapsed = 0.0
     for _ in range(rounds):
         for level in CALIBRATION_LEVELS:
-            sample = traffic.window(level, seconds=window_seconds, clock=clock)
+            window = traffic.window(level, seconds=window_seconds, clock=clock)
             elapsed += window_seconds
-            fit.add([sample], now_seconds=elapsed)
-            samples.append(sample)
+            fit.add(window, now_seconds=elapsed)
+            samples.extend(window)
     traffic.stop()
     engine.block_manager.reset_prefix_cache()
     theta = fit.coefficients
@@ -237,8 +258,9 @@ class RealRun:
     wall_seconds: float
     counters: StepSample
     """The whole run's counter increase (busy time and work)."""
-    windows: list[StepSample]
-    """Counter increases per :data:`ONLINE_WINDOW_SECONDS` (what the operator scrapes while it runs)."""
+    windows: list[list[StepSample]]
+    """Counter increases per :data:`ONLINE_WINDOW_SECONDS` (what the operator scrapes while it
+    runs), each as the operator's fit takes it: its decode-only part and the rest."""
     span_seconds: float
     """First arrival to last output in the run's clock (the wall time, or the virtual CPU clock)."""
 
@@ -269,9 +291,16 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
     last: dict[str, float] = {}
     ttft: list[float] = []
     itl: list[float] = []
-    windows: list[StepSample] = []
+    windows: list[list[StepSample]] = []
     first = window_start = engine.stats()
-    window_cpu = 0.0
+    window_cpu = window_cpu_decode_only = 0.0
+
+    def close_window() -> None:
+        after = engine.stats()
+        if after.engine_steps_total > window_start.engine_steps_total:
+            windows.append(window_samples(window_start, after, seconds=window_cpu if virtual else None,
+                                          decode_only_seconds=window_cpu_decode_only))
+
     start = time.monotonic()
     now_v = 0.0
     next_window = ONLINE_WINDOW_SECONDS
@@ -288,10 +317,8 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
             index += 1
         timer.resync()
         if now >= next_window:
-            window = counter_sample(window_start, engine.stats())
-            if window.steps:
-                windows.append(dataclasses.replace(window, seconds=window_cpu) if virtual else window)
-            window_start, window_cpu = engine.stats(), 0.0
+            close_window()
+            window_start, window_cpu, window_cpu_decode_only = engine.stats(), 0.0, 0.0
             next_window = now + ONLINE_WINDOW_SECONDS
         if not engine.has_unfinished():
             if virtual:
@@ -299,9 +326,10 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
             else:
                 time.sleep(max(0.0, requests[index].arrival_seconds - (time.monotonic() - start)))
             continue
-        outputs, spent = timer.step()
+        outputs, spent, decode_only = timer.step()
         now_v += spent
         window_cpu += spent
+        window_cpu_decode_only += spent if decode_only else 0.0
         for out in outputs:
             if not out.new_token_ids:
                 continue
@@ -318,22 +346,20 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
                 itl.extend([now_v - last[rid]] + [0.0] * (len(out.new_token_ids) - 1))
             last[rid] = now_v
     wall = time.monotonic() - start
-    tail = counter_sample(window_start, engine.stats())
-    if tail.steps:
-        windows.append(dataclasses.replace(tail, seconds=window_cpu) if virtual else tail)
+    close_window()
     engine.block_manager.reset_prefix_cache()
     counters = counter_sample(first, engine.stats())
     if virtual:
-        counters = dataclasses.replace(counters, seconds=sum(w.seconds for w in windows))
+        counters = dataclasses.replace(counters, seconds=sum(s.seconds for w in windows for s in w))
     return RealRun(ttft_seconds=ttft, itl_seconds=itl, wall_seconds=wall, counters=counters, windows=windows,
                    span_seconds=now_v if virtual else wall)
 
 
-def online_fit(windows: Sequence[StepSample], *, prior: StepCoefficients | None) -> StepCoefficients | None:
+def online_fit(windows: Sequence[Sequence[StepSample]], *, prior: StepCoefficients | None) -> StepCoefficients | None:
     """The controller's fit over a run's own windows, as the operator keeps it while serving."""
     fit = StepFit.fresh(prior=prior)
     for i, window in enumerate(windows):
-        fit.add([window], now_seconds=(i + 1) * ONLINE_WINDOW_SECONDS)
+        fit.add(window, now_seconds=(i + 1) * ONLINE_WINDOW_SECONDS)
     return fit.coefficients
 
 
@@ -400,7 +426,7 @@ def calibrate_on_workload(engine: LLMEngine, *, rates: Sequence[float], seconds:
     samples: list[StepSample] = list(extra)
     for i, rate in enumerate(rates):
         run = serve(engine, workload(rate=rate, seconds=seconds, seed=seed + i), seed=seed + i, clock=clock)
-        samples.extend(run.windows)
+        samples.extend(point for window in run.windows for point in window)
     for i, window in enumerate(samples):
         fit.add([window], now_seconds=(i + 1) * ONLINE_WINDOW_SECONDS)
     theta = fit.coefficients

@@ -6,7 +6,9 @@ bursty 2-state MMPP whose prompts double mid-trace) run through the simulator un
 (a) target tracking with the spec's default targets,
 (b) target tracking with targets hand-tuned per trace — a grid search over the prefill queue
     target and the decode queue/KV targets (``TUNING_GRID``) keeping the fewest GPU-hours that
-    meet the attainment (none meets it: the best attainment),
+    meet the attainment (none meets it: the best attainment); ``tuned-floor`` searches the
+    pools' ``min_replicas`` too (``TUNING_FLOORS``: 1, 2, 3), as an operator tuning target
+    tracking by hand would,
 (c) the SLO controller (the operator's ``decide_slo``, imported) with the roofline prior and
     nothing tuned per trace,
 
@@ -18,7 +20,7 @@ Attainment is the fraction of requests whose TTFT and mean inter-token latency b
 SLO; GPU-hours count every pod from creation to drained over the trace. Figures, not
 assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 
-    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,slo,ceiling] [--traces steady,diurnal,bursty-shift]
+    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling] [--traces ...]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import replace
 from splitserve_planner.slo_compare import (
     CI_SCENARIO,
     POLICIES,
+    TUNING_FLOORS,
     TUNING_GRID,
     Scenario,
     compare,
@@ -52,7 +55,8 @@ def main() -> None:
     started = time.perf_counter()
     outcomes = compare(scenario, policies=tuple(args.policies.split(",")))
     print(format_table(outcomes, scenario=scenario))
-    print(f"\n(b) tuned: best of {len(TUNING_GRID)} target settings per trace; "
+    print(f"\n(b) tuned: best of {len(TUNING_GRID)} target settings per trace, tuned-floor: of "
+          f"{len(TUNING_GRID) * len(TUNING_FLOORS)} (x min replicas {TUNING_FLOORS}); "
           f"{time.perf_counter() - started:.0f} s wall")
 
 

@@ -43,6 +43,12 @@ class Metric:
     ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL: Final = "splitserve_engine_prefill_attention_pairs_total"
     ENGINE_DECODE_ROWS_TOTAL: Final = "splitserve_engine_decode_rows_total"  # decoding sequences summed over steps
     ENGINE_DECODE_CONTEXT_TOKENS_TOTAL: Final = "splitserve_engine_decode_context_tokens_total"
+    # The decode-only part of the four that apply (steps that computed no prefill chunk): a
+    # window's decode-only part and the rest are two regression points with different mixes.
+    ENGINE_DECODE_ONLY_STEPS_TOTAL: Final = "splitserve_engine_decode_only_steps_total"
+    ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL: Final = "splitserve_engine_decode_only_step_seconds_total"
+    ENGINE_DECODE_ONLY_ROWS_TOTAL: Final = "splitserve_engine_decode_only_rows_total"
+    ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL: Final = "splitserve_engine_decode_only_context_tokens_total"
 
 
 class ModelServerMetric:

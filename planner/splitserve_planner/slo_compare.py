@@ -13,7 +13,8 @@ simulator under each policy and scores them the same way:
 Policies: ``default`` is target tracking with the spec's default targets
 (:class:`~.sim.config.AutoscaleSettings`); ``tuned`` is target tracking with targets chosen
 per trace by a grid search (:data:`TUNING_GRID`, fewest GPU-hours among the points meeting the
-attainment, else the best attainment) — the hand-tuning an operator would have to do; ``slo``
+attainment, else the best attainment) — the hand-tuning an operator would have to do;
+``tuned-floor`` searches the pools' ``min_replicas`` too (:data:`TUNING_FLOORS`); ``slo``
 is the SLO controller (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) with
 the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all; ``ceiling`` is not a
 policy but a bound: every pool at ``max_replicas`` from the first tick. Pods asked for then are
@@ -49,6 +50,11 @@ TUNING_GRID: tuple[tuple[float, float, float], ...] = tuple(
     for prefill_queue in (0.5, 1.0, 4.0)
     for decode_queue, decode_kv in ((1.0, 0.3), (2.0, 0.5), (2.0, 0.8)))
 """(prefill queue-depth target, decode queue-depth target, decode KV-utilization target)."""
+TUNING_FLOORS: tuple[int, ...] = (1, 2, 3)
+"""``min_replicas`` of both pools, the ``tuned-floor`` policy's extra tuning dimension: target
+tracking with a floor near the mean load's fleet (2 prefill + 3 decode pods) does not fall to one
+pod in a lull, which is what makes the unfloored grid ratchet up to the maximum on the 1-hour
+traces."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +142,8 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
     else:
         settings = (f"prefill queue {autoscale.prefill_target_queue_depth:g}, decode queue "
                     f"{autoscale.decode_target_queue_depth:g}, kv {autoscale.decode_target_kv_utilization:g}")
+        if autoscale.min_replicas > 1:
+            settings += f", min {autoscale.min_replicas}"
     return Outcome(trace=trace, policy=policy,
                    attainment=attainment(ttft=result.ttft_seconds, tpot=result.tpot_seconds,
                                          num_requests=result.num_measured, slo=scenario.slo),
@@ -170,17 +178,21 @@ def ceiling_settings(scenario: Scenario) -> AutoscaleSettings:
     return replace(base, min_replicas=base.max_replicas)
 
 
-def tune(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str) -> Outcome:
-    """Target tracking with the :data:`TUNING_GRID` point that meets the attainment with the
-    fewest GPU-hours (none meets it: the best attainment, then the fewest GPU-hours)."""
+def tune(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str,
+         floors: tuple[int, ...] = (1,), policy: str = "tuned") -> Outcome:
+    """Target tracking with the :data:`TUNING_GRID` point (× ``floors``, the pools'
+    ``min_replicas``) that meets the attainment with the fewest GPU-hours (none meets it: the
+    best attainment, then the fewest GPU-hours)."""
     best: Outcome | None = None
-    for prefill_queue, decode_queue, decode_kv in TUNING_GRID:
-        settings = replace(base_settings(scenario), prefill_target_queue_depth=prefill_queue,
-                           decode_target_queue_depth=decode_queue, decode_target_kv_utilization=decode_kv)
-        outcome = run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy="tuned",
-                             autoscale=settings)
-        if best is None or _better(outcome, best, target=scenario.slo.attainment):
-            best = outcome
+    for floor in floors:
+        for prefill_queue, decode_queue, decode_kv in TUNING_GRID:
+            settings = replace(base_settings(scenario), prefill_target_queue_depth=prefill_queue,
+                               decode_target_queue_depth=decode_queue, decode_target_kv_utilization=decode_kv,
+                               min_replicas=floor)
+            outcome = run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy=policy,
+                                 autoscale=settings)
+            if best is None or _better(outcome, best, target=scenario.slo.attainment):
+                best = outcome
     assert best is not None
     return best
 
@@ -194,7 +206,7 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
     return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
 
 
-POLICIES = ("default", "tuned", "slo", "ceiling")
+POLICIES = ("default", "tuned", "tuned-floor", "slo", "ceiling")
 
 
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
@@ -209,6 +221,9 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
                                       policy=policy, autoscale=base_settings(scenario)))
             elif policy == "tuned":
                 out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace))
+            elif policy == "tuned-floor":
+                out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace, floors=TUNING_FLOORS,
+                                policy=policy))
             elif policy == "slo":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf)))

@@ -204,3 +204,61 @@ def test_collinear_traffic_keeps_the_unidentified_split_between_prior_and_truth(
         ratio = _step_seconds(fit.coefficients, reference) / _step_seconds(TRUTH, reference)
         low, high = sorted((prior_scale, 1.0))
         assert low - 0.02 <= ratio <= high + 0.02, (reference, ratio)
+
+
+@pytest.mark.parametrize("prior_scale", [0.5, 2.0])
+def test_splitting_windows_into_their_decode_only_part_identifies_an_aggregated_pods_mix(prior_scale: float) -> None:
+    """An aggregated pod under steady traffic: every window holds decode-only steps and mixed
+    steps (a prefill chunk beside the decodes) in one proportion, so the window totals all lie
+    on one line and cannot tell a decode step's cost from a prefill chunk's. The runtime's
+    decode-only counters split each window into two points of different mixes
+    (:meth:`StepSample.split`): then both kinds of step are predicted within 5 % from a prior
+    2x off, where the totals alone leave the decode step near the prior."""
+    rng = random.Random(2)
+    decode_step = (1.0, 0.0, 0.0, 24.0, 24.0 * 900.0)
+    mixed_step = (1.0, 300.0, 300.0 * 300.0, 24.0, 24.0 * 900.0)
+    split, whole = StepFit.fresh(prior=TRUTH.scaled(prior_scale)), StepFit.fresh(prior=TRUTH.scaled(prior_scale))
+    for n in range(1, 41):
+        mixed = 50.0 * rng.uniform(0.5, 1.5)
+        decode_only = 4.0 * mixed
+        noise = 1.0 + rng.gauss(0.0, 0.01)
+        d_seconds = _step_seconds(TRUTH, decode_step) * decode_only * noise
+        total = tuple(decode_only * d + mixed * m for d, m in zip(decode_step, mixed_step, strict=True))
+        window = StepSample(steps=total[0], seconds=d_seconds + _step_seconds(TRUTH, mixed_step) * mixed * noise,
+                            prefill_tokens=total[1], prefill_attention_pairs=total[2], decode_rows=total[3],
+                            decode_context_tokens=total[4])
+        parts = window.split(decode_only_steps=decode_only, decode_only_seconds=d_seconds,
+                             decode_only_rows=decode_only * decode_step[3],
+                             decode_only_context_tokens=decode_only * decode_step[4])
+        assert len(parts) == 2 and sum(p.seconds for p in parts) == pytest.approx(window.seconds)
+        split.add(parts, now_seconds=15.0 * n)
+        whole.add([window], now_seconds=15.0 * n)
+
+    def error(fit: StepFit, step: tuple[float, ...]) -> float:
+        return abs(_step_seconds(fit.coefficients, step) / _step_seconds(TRUTH, step) - 1.0)
+
+    print(f"prior x{prior_scale}: decode step off {error(split, decode_step):.1%} split, "
+          f"{error(whole, decode_step):.1%} whole; mixed step {error(split, mixed_step):.1%} / "
+          f"{error(whole, mixed_step):.1%}")
+    assert error(split, decode_step) < 0.05 and error(split, mixed_step) < 0.05
+    assert error(whole, decode_step) > 0.10  # what the split is for
+
+
+def test_split_leaves_windows_it_cannot_split_whole() -> None:
+    """No decode-only step, a decode-only part larger than the totals (counters read at
+    slightly different instants), or nothing but decode-only steps: one point, as before."""
+    window = StepSample(steps=10.0, seconds=0.5, prefill_tokens=100.0, prefill_attention_pairs=5050.0,
+                        decode_rows=40.0, decode_context_tokens=4000.0)
+    assert window.split(decode_only_steps=0.0, decode_only_seconds=0.0, decode_only_rows=0.0,
+                        decode_only_context_tokens=0.0) == [window]
+    assert window.split(decode_only_steps=11.0, decode_only_seconds=0.6, decode_only_rows=40.0,
+                        decode_only_context_tokens=4000.0) == [window]
+    decode = StepSample(steps=10.0, seconds=0.5, prefill_tokens=0.0, prefill_attention_pairs=0.0,
+                        decode_rows=40.0, decode_context_tokens=4000.0)
+    assert decode.split(decode_only_steps=10.0, decode_only_seconds=0.5, decode_only_rows=40.0,
+                        decode_only_context_tokens=4000.0) == [decode]
+    first, rest = window.split(decode_only_steps=6.0, decode_only_seconds=0.2, decode_only_rows=24.0,
+                               decode_only_context_tokens=2000.0)
+    assert (first.steps, first.prefill_tokens, first.decode_rows, first.seconds) == (6.0, 0.0, 24.0, 0.2)
+    assert (rest.steps, rest.prefill_tokens, rest.decode_rows, rest.decode_context_tokens) == (4.0, 100.0, 16.0, 2000.0)
+    assert rest.seconds == pytest.approx(0.3)

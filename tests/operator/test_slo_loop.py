@@ -31,6 +31,7 @@ from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.loop import run_once
 from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
 from splitserve_operator.autoscaler.signals import (
+    DECODE_ONLY_COUNTERS,
     PoolSample,
     fetch_load,
     fetch_pool_slo,
@@ -431,7 +432,28 @@ def test_step_samples_are_per_live_pod_and_skip_idle_or_partial_pods() -> None:
     assert [(s.steps, s.decode_rows, s.prefill_attention_pairs) for s in samples] == [(10, 100, 0), (20, 200, 15)]
     assert samples[1].seconds == pytest.approx(PRIOR.step * 20 + PRIOR.prefill_token * 5 + PRIOR.prefill_pair * 15
                                                + PRIOR.decode_row * 200 + PRIOR.decode_context * 3000)
-    assert all(f"increase({m}" in q and "[30s]" in q for m, q in zip(ENGINE, prom.queries, strict=True))
+    # the six totals, then the decode-only part (which these pods do not export: whole windows)
+    assert all(f"increase({m}" in q and "[30s]" in q
+               for m, q in zip(ENGINE + DECODE_ONLY_COUNTERS, prom.queries, strict=True))
+
+
+def test_a_pod_exporting_the_decode_only_counters_gives_two_points() -> None:
+    """An aggregated pod's window: 20 steps, 15 of them decode-only. The operator queries the
+    decode-only part beside the totals and hands the fit that part and the rest."""
+    prom = FakePrometheus()
+    prom.roles = {"a": "aggregated"}
+    total = engine_counters(steps=20, prefill_tokens=300, pairs=45_150, rows=200, context=30_000)
+    decode_only = engine_counters(steps=15, prefill_tokens=0, pairs=0, rows=150, context=22_000)
+    prom.pods = {"a": {**total, Metric.ENGINE_DECODE_ONLY_STEPS_TOTAL: 15,
+                       Metric.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL: decode_only[Metric.ENGINE_STEP_SECONDS_TOTAL],
+                       Metric.ENGINE_DECODE_ONLY_ROWS_TOTAL: 150, Metric.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL: 22_000}}
+    first, rest = fetch_step_samples(prometheus=prom, now_seconds=NOW, window_seconds=30,
+                                     selector='{namespace="ns",inferenceservice="svc",role="aggregated",pod=~"a"}')
+    assert (first.steps, first.prefill_tokens, first.decode_rows, first.decode_context_tokens) == (15, 0, 150, 22_000)
+    assert (rest.steps, rest.prefill_tokens, rest.prefill_attention_pairs, rest.decode_rows,
+            rest.decode_context_tokens) == (5, 300, 45_150, 50, 8_000)
+    assert first.seconds == pytest.approx(decode_only[Metric.ENGINE_STEP_SECONDS_TOTAL])
+    assert first.seconds + rest.seconds == pytest.approx(total[Metric.ENGINE_STEP_SECONDS_TOTAL])
 
 
 def test_pool_slo_observation_sums_live_pods_and_reads_capacity_and_quantiles() -> None:

@@ -80,6 +80,32 @@ def test_whole_prompts_then_decodes_count_exactly() -> None:
     assert stats.engine_step_seconds_total > 0.0
 
 
+def _decode_only(stats: EngineStats) -> tuple[int, int, int]:
+    return (stats.engine_decode_only_steps_total, stats.engine_decode_only_rows_total,
+            stats.engine_decode_only_context_tokens_total)
+
+
+def test_decode_only_part_counts_the_steps_without_a_prefill_chunk() -> None:
+    """``a`` (4-token prompt, 5 tokens) prefills alone, decodes once alone, then shares a step
+    with ``b``'s 6-token prompt (a mixed step: its decode row is in the totals, not in the
+    decode-only part), then both decode until ``b``'s 2 tokens are done and ``a`` goes on."""
+    engine = build_null_engine(config=_config())
+    engine.add_request(request_id="a", prompt_token_ids=_prompt(1, 4), params=_params(5))
+    engine.step()  # a's prefill
+    engine.step()  # a decodes alone (context 4)
+    assert _decode_only(engine.stats()) == (1, 1, 4)
+    engine.add_request(request_id="b", prompt_token_ids=_prompt(2, 6), params=_params(2))
+    engine.step()  # mixed: b's prefill, a's decode (context 5)
+    mixed = engine.stats()
+    assert _decode_only(mixed) == (1, 1, 4)
+    assert _work(mixed) == (3, 10, _pairs(4, 0) + _pairs(6, 0), 2, 4 + 5)
+    _drain(engine)  # a: context 6, 7 (with b's context 6), done
+    stats = engine.stats()
+    assert _work(stats) == (5, 10, 31, 5, 4 + 5 + 6 + 6 + 7)
+    assert _decode_only(stats) == (3, 4, 4 + 6 + 6 + 7)
+    assert 0.0 < stats.engine_decode_only_step_seconds_total < stats.engine_step_seconds_total
+
+
 def test_chunked_prefill_pairs_add_up_to_the_whole_prompt() -> None:
     """A 20-token prompt under an 8-token budget runs as chunks of 8, 8 and 4 after 0, 8 and
     16 computed tokens: n·c + n(n+1)/2 per chunk sums to the unchunked 20·21/2."""
@@ -202,6 +228,10 @@ def test_server_exports_the_counters_as_prometheus_counters() -> None:
         Metric.ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL: _pairs(12, 0),
         Metric.ENGINE_DECODE_ROWS_TOTAL: 2,
         Metric.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL: 12 + 13,
+        Metric.ENGINE_DECODE_ONLY_STEPS_TOTAL: 2,
+        Metric.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL: stats.engine_decode_only_step_seconds_total,
+        Metric.ENGINE_DECODE_ONLY_ROWS_TOTAL: 2,
+        Metric.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL: 12 + 13,
     }
     for name, value in expected.items():
         family = families[name.removesuffix("_total")]  # the parser names a counter's family without it

@@ -4,7 +4,8 @@ The real engine (tiny Llama on CPU, in-process, one torch thread) serves closed-
 six load levels, from one long decode to 32 concurrent ones and 1.5k-token prompts, each
 for a window of 0.35 s, round-robin. Each window's increase of the engine-step counters
 (``splitserve_engine_*_total``: what the operator reads from Prometheus) is one
-:class:`~splitserve_operator.autoscaler.slo.inputs.StepSample`.
+:class:`~splitserve_operator.autoscaler.slo.inputs.StepSample`, handed to the fit as the
+operator does: its decode-only part and the rest (``StepSample.split``).
 
 * "true" coefficients: the (non-negative, otherwise unregularised) least-squares fit on every
   window, training and held out;
@@ -86,15 +87,26 @@ def deviation(theta: StepCoefficients, true: StepCoefficients, samples: Sequence
     return float(np.median([abs(predict(theta, s) - predict(true, s)) / predict(true, s) for s in samples]))
 
 
+def _whole(points: Sequence[StepSample]) -> StepSample:
+    """A window's points added back together (its counter increase)."""
+    steps, tokens, pairs, rows, context = (sum(v) for v in zip(*(p.features() for p in points), strict=True))
+    return StepSample(steps=steps, seconds=sum(p.seconds for p in points), prefill_tokens=tokens,
+                      prefill_attention_pairs=pairs, decode_rows=rows, decode_context_tokens=context)
+
+
+Window = list[StepSample]
+"""One window's points (its decode-only part and the rest, or the whole window)."""
+
+
 @pytest.fixture(scope="module")
-def windows(tiny_llama_dir: Path) -> tuple[list[StepSample], list[StepSample], float]:
+def windows(tiny_llama_dir: Path) -> tuple[list[Window], list[StepSample], float]:
     torch.set_num_threads(1)
     engine = LLMEngine.from_args(ServeArgs(
         model=str(tiny_llama_dir), device="cpu", block_size=16, num_kv_blocks=2048, max_model_len=2048,
         max_num_batched_tokens=1024, max_num_seqs=64))
     traffic = BENCH.ClosedLoopTraffic(engine, seed=0)
     traffic.window(LEVELS[1], seconds=0.2)  # warm-up (allocator, first-call paths), not measured
-    rounds: list[list[StepSample]] = []
+    rounds: list[list[Window]] = []
     started = time.monotonic()
     for _ in range(ROUNDS):
         rounds.append([traffic.window(level, seconds=WINDOW_SECONDS) for level in LEVELS])
@@ -103,15 +115,15 @@ def windows(tiny_llama_dir: Path) -> tuple[list[StepSample], list[StepSample], f
         engine.abort_request(rid)
     held = {(r, (r + shift) % len(LEVELS)) for r in range(ROUNDS) for shift in (0, 3)}
     train = [s for r, windows in enumerate(rounds) for i, s in enumerate(windows) if (r, i) not in held]
-    held_out = [rounds[r][i] for r, i in sorted(held)]
-    assert all(s.steps > 0 for s in train + held_out)
+    held_out = [_whole(rounds[r][i]) for r, i in sorted(held)]
+    assert all(s.steps > 0 for s in held_out) and all(p.steps > 0 for w in train for p in w)
     return train, held_out, wall
 
 
-def test_windows_span_the_step_model(windows: tuple[list[StepSample], list[StepSample], float]) -> None:
+def test_windows_span_the_step_model(windows: tuple[list[Window], list[StepSample], float]) -> None:
     """The load levels exercise every coefficient: prefill-heavy, decode-heavy and mixed windows."""
     train, _, _ = windows
-    features = np.array([s.features() for s in train])
+    features = np.array([_whole(w).features() for w in train])
     assert (features > 0).any(axis=0).all()
     decode_share = features[:, 3] / np.maximum(features[:, 1] + features[:, 3], 1)
     assert decode_share.min() < 0.2 and decode_share.max() > 0.6  # (with leftovers of the level before)
@@ -119,9 +131,9 @@ def test_windows_span_the_step_model(windows: tuple[list[StepSample], list[StepS
 
 
 def test_fit_from_a_2x_fast_prior_converges_and_the_prior_alone_does_not(
-        windows: tuple[list[StepSample], list[StepSample], float]) -> None:
+        windows: tuple[list[Window], list[StepSample], float]) -> None:
     train, held_out, wall = windows
-    true = _least_squares(train + held_out)
+    true = _least_squares([p for w in train for p in w] + held_out)
     prior = true.scaled(0.5)
     true_error = prediction_error(true, held_out)
     prior_error = prediction_error(prior, held_out)
@@ -129,9 +141,9 @@ def test_fit_from_a_2x_fast_prior_converges_and_the_prior_alone_does_not(
     deviations: list[float] = []
     errors: list[float] = []
     traffic_seconds = 0.0
-    for sample in train:
+    for window in train:
         traffic_seconds += WINDOW_SECONDS
-        fit.add([sample], now_seconds=traffic_seconds)
+        fit.add(window, now_seconds=traffic_seconds)
         theta = fit.coefficients
         assert theta is not None
         deviations.append(deviation(theta, true, held_out))

@@ -214,6 +214,11 @@ ENGINE_COUNTERS: Final = (
     Metric.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL,
 )
 """The counters of one :class:`~.slo.inputs.StepSample`, in its field order."""
+DECODE_ONLY_COUNTERS: Final = (
+    Metric.ENGINE_DECODE_ONLY_STEPS_TOTAL, Metric.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL,
+    Metric.ENGINE_DECODE_ONLY_ROWS_TOTAL, Metric.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL,
+)
+"""Their decode-only part (:meth:`~.slo.inputs.StepSample.split`), in its argument order."""
 
 
 def query_value(*, prometheus: PrometheusConnect, promql: str, now_seconds: float) -> float | None:
@@ -226,21 +231,33 @@ def query_value(*, prometheus: PrometheusConnect, promql: str, now_seconds: floa
 def fetch_step_samples(
     *, prometheus: PrometheusConnect, selector: str, now_seconds: float, window_seconds: float,
 ) -> list[StepSample]:
-    """One :class:`StepSample` per pod that ran engine steps over the window: the increase of
-    the six engine counters. A pod missing a counter (an older runtime) gives no sample."""
-    by_metric = [
-        query_by_pod(prometheus=prometheus, now_seconds=now_seconds,
-                     promql=f"max by (pod) (increase({metric}{selector}[{window_seconds:.0f}s]))")
-        for metric in ENGINE_COUNTERS
-    ]
+    """The :class:`StepSample` points of every pod that ran engine steps over the window: the
+    increase of the six engine counters, split into its decode-only part and the rest when
+    the pod exports the decode-only counters (:meth:`StepSample.split`: two points of different
+    mixes). A pod missing one of the six (an older runtime) gives no point; one missing the
+    decode-only counters gives its window unsplit."""
+
+    def increases(metrics: Sequence[str]) -> list[dict[str, float]]:
+        return [query_by_pod(prometheus=prometheus, now_seconds=now_seconds,
+                             promql=f"max by (pod) (increase({metric}{selector}[{window_seconds:.0f}s]))")
+                for metric in metrics]
+
+    by_metric = increases(ENGINE_COUNTERS)
     pods = sorted(set.intersection(*(set(values) for values in by_metric)))
-    samples = []
+    decode_only = increases(DECODE_ONLY_COUNTERS) if pods else []
+    samples: list[StepSample] = []
     for pod in pods:
         steps, seconds, tokens, pairs, rows, context = (max(0.0, values[pod]) for values in by_metric)
-        if steps > 0:
-            samples.append(StepSample(steps=steps, seconds=seconds, prefill_tokens=tokens,
-                                      prefill_attention_pairs=pairs, decode_rows=rows,
-                                      decode_context_tokens=context))
+        if steps <= 0:
+            continue
+        window = StepSample(steps=steps, seconds=seconds, prefill_tokens=tokens, prefill_attention_pairs=pairs,
+                            decode_rows=rows, decode_context_tokens=context)
+        if not all(pod in values for values in decode_only):
+            samples.append(window)
+            continue
+        d_steps, d_seconds, d_rows, d_context = (max(0.0, values[pod]) for values in decode_only)
+        samples.extend(window.split(decode_only_steps=d_steps, decode_only_seconds=d_seconds,
+                                    decode_only_rows=d_rows, decode_only_context_tokens=d_context))
     return samples
 
 

@@ -380,12 +380,18 @@ class EngineModel(SimState):
         context grows by its rows each step, so its context sum is ``k·ctx + rows·k(k−1)/2``."""
         counters = pod.counters
         rows = pod.cur_decode_rows
+        context = k * pod.cur_decode_context + rows * k * (k - 1) // 2
         counters.steps += k
         counters.seconds += dt
         counters.prefill_tokens += pod.cur_prefill_tokens
         counters.prefill_attention_pairs += pod.cur_prefill_pairs
         counters.decode_rows += rows * k
-        counters.decode_context_tokens += k * pod.cur_decode_context + rows * k * (k - 1) // 2
+        counters.decode_context_tokens += context
+        if not pod.cur_prefill_tokens:
+            counters.decode_only_steps += k
+            counters.decode_only_seconds += dt
+            counters.decode_only_rows += rows * k
+            counters.decode_only_context_tokens += context
 
     def _prefill_done(self, pod: Pod, job: Job) -> None:
         pod.prefilling.remove(job)

@@ -60,20 +60,23 @@ class WindowObserver(SimState):
         self._last_prefill_counts = (0, 0)
         self._last_load = None
 
-    def _step_sample(self, pod: Pod) -> StepSample | None:
+    def _step_samples(self, pod: Pod) -> list[StepSample]:
+        """The pod's window as the operator reads it: its decode-only part and the rest."""
         now = pod.counters.snapshot()
         before = self._last_counters.get(pod.index, (0.0,) * len(now))
         self._last_counters[pod.index] = now
         delta = [a - b for a, b in zip(now, before, strict=True)]
         if delta[0] <= 0:
-            return None
-        return StepSample(steps=delta[0], seconds=delta[1], prefill_tokens=delta[2],
-                          prefill_attention_pairs=delta[3], decode_rows=delta[4], decode_context_tokens=delta[5])
+            return []
+        window = StepSample(steps=delta[0], seconds=delta[1], prefill_tokens=delta[2],
+                            prefill_attention_pairs=delta[3], decode_rows=delta[4], decode_context_tokens=delta[5])
+        return window.split(decode_only_steps=delta[6], decode_only_seconds=delta[7], decode_only_rows=delta[8],
+                            decode_only_context_tokens=delta[9])
 
     def _pool_observation(self, role: str, *, ttft: float | None,
                           itl: float | None) -> PoolSloObservation:
         pods = self.pools[role]
-        samples = [s for s in (self._step_sample(p) for p in pods) if s is not None]
+        samples = [s for p in pods for s in self._step_samples(p)]
         waiting_prompt = sum(j.num_tokens - j.num_computed for p in pods for j in p.waiting if not j.kv_ready)
         return PoolSloObservation(
             role=role, current_replicas=len(pods) + self.starting[role], ready_replicas=len(pods),

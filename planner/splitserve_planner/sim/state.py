@@ -51,7 +51,8 @@ class StepCounters:
     (:class:`splitserve_operator.autoscaler.slo.inputs.StepSample` is a window's delta)."""
 
     __slots__ = ("steps", "seconds", "prefill_tokens", "prefill_attention_pairs", "decode_rows",
-                 "decode_context_tokens")
+                 "decode_context_tokens", "decode_only_steps", "decode_only_seconds", "decode_only_rows",
+                 "decode_only_context_tokens")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -60,10 +61,17 @@ class StepCounters:
         self.prefill_attention_pairs = 0
         self.decode_rows = 0
         self.decode_context_tokens = 0
+        self.decode_only_steps = 0
+        """The decode-only part (``splitserve_engine_decode_only_*_total``): steps without a prefill chunk."""
+        self.decode_only_seconds = 0.0
+        self.decode_only_rows = 0
+        self.decode_only_context_tokens = 0
 
     def snapshot(self) -> tuple[float, ...]:
+        """The six totals, then the four decode-only parts."""
         return (float(self.steps), self.seconds, float(self.prefill_tokens), float(self.prefill_attention_pairs),
-                float(self.decode_rows), float(self.decode_context_tokens))
+                float(self.decode_rows), float(self.decode_context_tokens), float(self.decode_only_steps),
+                self.decode_only_seconds, float(self.decode_only_rows), float(self.decode_only_context_tokens))
 
 
 class Pod:

@@ -708,5 +708,9 @@ class LLMEngine:
             engine_prefill_tokens_total=steps.prefill_tokens,
             engine_prefill_attention_pairs_total=steps.prefill_attention_pairs,
             engine_decode_rows_total=steps.decode_rows,
-            engine_decode_context_tokens_total=steps.decode_context_tokens)
+            engine_decode_context_tokens_total=steps.decode_context_tokens,
+            engine_decode_only_steps_total=steps.decode_only_steps,
+            engine_decode_only_step_seconds_total=steps.decode_only_seconds,
+            engine_decode_only_rows_total=steps.decode_only_rows,
+            engine_decode_only_context_tokens_total=steps.decode_only_context_tokens)
 

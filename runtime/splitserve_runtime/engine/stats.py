@@ -47,3 +47,11 @@ class EngineStats:
     """Decoding sequences summed over steps (a speculative verification: 1 + proposals rows)."""
     engine_decode_context_tokens_total: int = 0
     """KV-cache tokens each decode row reads (the sequence's computed tokens), summed."""
+    engine_decode_only_steps_total: int = 0
+    """The part of ``engine_steps_total`` that computed no prefill chunk (decode-only steps)."""
+    engine_decode_only_step_seconds_total: float = 0.0
+    """Their part of ``engine_step_seconds_total``."""
+    engine_decode_only_rows_total: int = 0
+    """Their part of ``engine_decode_rows_total``."""
+    engine_decode_only_context_tokens_total: int = 0
+    """Their part of ``engine_decode_context_tokens_total``."""

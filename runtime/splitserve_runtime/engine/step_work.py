@@ -24,6 +24,15 @@ step runs, while ``num_computed_tokens`` still says where each row starts):
 :class:`StepCounters` adds steps, their busy wall time and that work; the engine times each
 :meth:`~.llm_engine.LLMEngine.step` call as a whole (scheduling, forward, sampling, output),
 so idle time between steps is never counted.
+
+It also keeps the same steps, seconds, decode rows and context tokens of the **decode-only**
+steps (no prefill chunk) apart. On an aggregated pod under steady traffic, prefill and decode
+work grow together from window to window, so windows of the totals alone cannot tell a
+prefill token's cost from a decode row's (measured on the tiny Llama on CPU: the fit
+over-priced a 256-512-token prefill step by 25 % with the window means right). The
+decode-only part of a window and the rest (total minus decode-only) are two regression
+points with different mixes, which separates them (``fetch_step_samples`` in the operator's
+``autoscaler/signals.py``).
 """
 
 from __future__ import annotations
@@ -77,17 +86,31 @@ class StepCounters:
     prefill_attention_pairs: int = 0
     decode_rows: int = 0
     decode_context_tokens: int = 0
+    decode_only_steps: int = 0
+    """The decode-only part (module docstring): calls whose steps computed no prefill chunk."""
+    decode_only_seconds: float = 0.0
+    decode_only_rows: int = 0
+    decode_only_context_tokens: int = 0
 
     def add(self, works: Iterable[StepWork], *, seconds: float) -> None:
         """``works``: the steps one ``LLMEngine.step`` call finished, in ``seconds`` of wall time
         (normally one; with asynchronous scheduling, a call may also wait out a dropped step)."""
-        counted = 0
+        counted = rows = context = prefill = 0
         for work in works:
             counted += 1
-            self.prefill_tokens += work.prefill_tokens
+            prefill += work.prefill_tokens
+            rows += work.decode_rows
+            context += work.decode_context_tokens
             self.prefill_attention_pairs += work.prefill_attention_pairs
-            self.decode_rows += work.decode_rows
-            self.decode_context_tokens += work.decode_context_tokens
-        if counted:
-            self.steps += counted
-            self.seconds += seconds
+        if not counted:
+            return
+        self.steps += counted
+        self.seconds += seconds
+        self.prefill_tokens += prefill
+        self.decode_rows += rows
+        self.decode_context_tokens += context
+        if not prefill:
+            self.decode_only_steps += counted
+            self.decode_only_seconds += seconds
+            self.decode_only_rows += rows
+            self.decode_only_context_tokens += context

@@ -76,6 +76,15 @@ _COUNTERS: Sequence[tuple[str, str, str]] = (
      "decoding sequences summed over steps (speculative verification: 1 + proposals rows)"),
     (M.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL, "engine_decode_context_tokens_total",
      "KV-cache tokens the decode rows read (their computed context), summed over steps"),
+    # their decode-only part (steps without a prefill chunk): two regression points per window
+    (M.ENGINE_DECODE_ONLY_STEPS_TOTAL, "engine_decode_only_steps_total",
+     "engine steps that computed no prefill chunk"),
+    (M.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL, "engine_decode_only_step_seconds_total",
+     "wall time spent inside engine steps that computed no prefill chunk"),
+    (M.ENGINE_DECODE_ONLY_ROWS_TOTAL, "engine_decode_only_rows_total",
+     "decoding sequences summed over the steps that computed no prefill chunk"),
+    (M.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL, "engine_decode_only_context_tokens_total",
+     "KV-cache tokens the decode rows of steps without a prefill chunk read, summed"),
 )
 _POSITION_COUNTERS: Sequence[tuple[str, str, str]] = (
     (M.SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL, "spec_decode_accepted_tokens_by_position",
