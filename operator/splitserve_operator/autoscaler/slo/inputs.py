@@ -82,22 +82,20 @@ class StepSample:
         ``splitserve_engine_decode_only_*_total`` increases) and the rest (the totals minus
         those). On an aggregated pod prefill and decode work grow together from window to
         window, so the totals alone leave a prefill token's and a decode row's cost
-        unidentified; the two parts have different mixes. A part without steps is left out,
-        and a decode-only part that does not fit inside the totals (counters read at slightly
-        different instants) gives the window unsplit."""
-        decode_only = StepSample(steps=decode_only_steps, seconds=decode_only_seconds, prefill_tokens=0.0,
-                                 prefill_attention_pairs=0.0, decode_rows=decode_only_rows,
-                                 decode_context_tokens=decode_only_context_tokens)
+        unidentified; the two parts have different mixes. A window with no decode-only step or
+        nothing but decode-only steps, or whose decode-only part does not fit inside the totals
+        (counters read at slightly different instants), is one point, unsplit."""
+        if decode_only_steps <= 0 or decode_only_steps >= self.steps:
+            return [self]  # no decode-only step, or nothing else: one mix
         rest = StepSample(steps=self.steps - decode_only_steps, seconds=self.seconds - decode_only_seconds,
                           prefill_tokens=self.prefill_tokens, prefill_attention_pairs=self.prefill_attention_pairs,
                           decode_rows=self.decode_rows - decode_only_rows,
                           decode_context_tokens=self.decode_context_tokens - decode_only_context_tokens)
-        if decode_only_steps <= 0:
+        if min(rest.seconds, rest.decode_rows, rest.decode_context_tokens) < 0:
             return [self]
-        if min(rest.steps, rest.seconds, rest.decode_rows, rest.decode_context_tokens) < 0:
-            return [self]
-        if rest.steps <= 0:
-            return [decode_only] if self.prefill_tokens <= 0 else [self]
+        decode_only = StepSample(steps=decode_only_steps, seconds=decode_only_seconds, prefill_tokens=0.0,
+                                 prefill_attention_pairs=0.0, decode_rows=decode_only_rows,
+                                 decode_context_tokens=decode_only_context_tokens)
         return [decode_only, rest]
 
 

@@ -45,15 +45,16 @@ relative RMS error of the predicted window busy time; ``ERROR_SCALE`` = 0.5, so 
 keeps 80 % of the trust and 50 % error none). No data → 0.
 
 Collinear traffic (prefill and decode work growing together, or prompt tokens and attention
-pairs at one prompt length) leaves a direction of ``θ`` the data cannot identify. The first
-case the runtime's decode-only counters break: the operator hands a pod's window over as two
-points, the steps that computed no prefill chunk and the rest (:meth:`.inputs.StepSample.split`),
-which have different mixes (on the tiny Llama on CPU, windows of the totals alone over-priced
-a 256-512-token prefill step by 25 % with every window's busy time right). Whatever
-direction is left unidentified, the confidence does not see it, on purpose: (1) along that direction the fit stays at the
-prior's split (the diagonal share and the floor), so a step of another mix is predicted
-between the prior and the truth, never beyond (``test_collinear_traffic_keeps_the_
-unidentified_split_between_prior_and_truth``) — no worse than with no calibration at all;
+pairs at one prompt length) leaves a direction of ``θ`` the data cannot identify. The
+runtime's decode-only counters break the first case: the operator hands a pod's window over
+as two points, the steps that computed no prefill chunk and the rest
+(:meth:`.inputs.StepSample.split`), which have different mixes (on the tiny Llama on CPU,
+windows of the totals alone over-priced a 256-512-token prefill step by 25 % with every
+window's busy time right). Whatever direction is left unidentified, the confidence does not
+see it, on purpose: (1) along that direction the fit stays at the prior's split (the
+diagonal share and the floor), so a step of another mix is predicted between the prior and
+the truth, never beyond (``test_collinear_traffic_keeps_the_unidentified_split_between_
+prior_and_truth``) — no worse than with no calibration at all;
 (2) a pool's decisions predict the pool's own mix at the forecast load, which the data does
 identify; (3) when the mix shifts (the bursty trace's prompt-length shift), the new windows
 miss the fit, change detection discounts the old data and the new mix separates the
