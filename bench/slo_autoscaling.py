@@ -20,7 +20,12 @@ Attainment is the fraction of requests whose TTFT and mean inter-token latency b
 SLO; GPU-hours count every pod from creation to drained over the trace. Figures, not
 assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 
-    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling] [--traces ...]
+``--headrooms 0.9,1.0`` adds the SLO controller at those ``headroom`` values (policies
+``slo@0.9``, ``slo@1.0``: one setting for every trace), the trade between margin and GPU-hours
+that ``docs/slo-autoscaling-simulation.md`` reports.
+
+    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling]
+        [--headrooms 0.9,0.95,1.0] [--traces ...] [--seed N]
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ci", action="store_true", help="CI size: 900 s traces (about a minute on one core)")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--headrooms", default="",
+                        help="comma-separated headrooms in (0, 1]: adds the SLO controller at each (slo@H)")
     parser.add_argument("--traces", default=None, help="comma-separated subset of steady,diurnal,bursty-shift")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
@@ -53,7 +60,9 @@ def main() -> None:
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)
     started = time.perf_counter()
-    outcomes = compare(scenario, policies=tuple(args.policies.split(",")))
+    policies = [p for p in args.policies.split(",") if p]
+    policies += [f"slo@{float(h):g}" for h in args.headrooms.split(",") if h]
+    outcomes = compare(scenario, policies=tuple(policies))
     print(format_table(outcomes, scenario=scenario))
     print(f"\n(b) tuned: best of {len(TUNING_GRID)} target settings per trace, tuned-floor: of "
           f"{len(TUNING_GRID) * len(TUNING_FLOORS)} (x min replicas {TUNING_FLOORS}); "

@@ -138,7 +138,7 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
         settings = f"every pool at {autoscale.min_replicas} from the first tick (a bound, not a policy)"
     elif autoscale.slo is not None:
         settings = (f"SLO ttft {autoscale.slo.ttft_p99_seconds * 1e3:g} ms, itl {autoscale.slo.itl_p99_seconds * 1e3:g} ms"
-                    f" @ {autoscale.slo.attainment:g}")
+                    f" @ {autoscale.slo.attainment:g}, headroom {autoscale.slo.headroom:g}")
     else:
         settings = (f"prefill queue {autoscale.prefill_target_queue_depth:g}, decode queue "
                     f"{autoscale.decode_target_queue_depth:g}, kv {autoscale.decode_target_kv_utilization:g}")
@@ -165,11 +165,30 @@ def base_settings(scenario: Scenario) -> AutoscaleSettings:
     return AutoscaleSettings(interval_seconds=scenario.interval_seconds, startup_seconds=scenario.startup_seconds)
 
 
-def slo_settings(scenario: Scenario, perf: StepCost) -> AutoscaleSettings:
-    """The SLO controller with the roofline prior; nothing tuned per trace."""
+def slo_settings(scenario: Scenario, perf: StepCost, *, headroom: float | None = None) -> AutoscaleSettings:
+    """The SLO controller with the roofline prior; nothing tuned per trace (``headroom``: the
+    spec's ``headroom`` instead of the scenario's, for the ``slo@H`` sweep)."""
     prior = fit_prior(perf, max_batched_tokens=scenario.engine.max_batched_tokens,
                       max_num_seqs=scenario.engine.max_num_seqs).coefficients
-    return replace(base_settings(scenario), slo=replace(scenario.slo, prior=prior))
+    slo = replace(scenario.slo, prior=prior)
+    if headroom is not None:
+        slo = replace(slo, headroom=headroom)
+    return replace(base_settings(scenario), slo=slo)
+
+
+def headroom_of(policy: str) -> float | None:
+    """The headroom of an ``slo@H`` policy name (``slo@0.9``), None for any other name;
+    ``ValueError`` when H is not a number in (0, 1]."""
+    name, at, value = policy.partition("@")
+    if name != "slo" or not at:
+        return None
+    try:
+        headroom = float(value)
+    except ValueError:
+        raise ValueError(f"policy {policy!r}: the headroom after 'slo@' must be a number in (0, 1]") from None
+    if not 0.0 < headroom <= 1.0:
+        raise ValueError(f"policy {policy!r}: the headroom after 'slo@' must be in (0, 1]")
+    return headroom
 
 
 def ceiling_settings(scenario: Scenario) -> AutoscaleSettings:
@@ -207,6 +226,8 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
 
 
 POLICIES = ("default", "tuned", "tuned-floor", "slo", "ceiling")
+"""The named policies; ``slo@H`` is the SLO controller with ``headroom`` H (a sweep, the same
+setting on every trace)."""
 
 
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
@@ -227,11 +248,15 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
             elif policy == "slo":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf)))
+            elif (headroom := headroom_of(policy)) is not None:
+                out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                      policy=policy, autoscale=slo_settings(scenario, perf, headroom=headroom)))
             elif policy == "ceiling":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=ceiling_settings(scenario)))
             else:
-                raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
+                raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}, or slo@H "
+                                 "(H the headroom, in (0, 1])")
     return out
 
 

@@ -29,6 +29,7 @@ from splitserve_planner.slo_compare import (
     Outcome,
     base_settings,
     compare,
+    headroom_of,
     perf_of,
     run_policy,
     slo_settings,
@@ -133,3 +134,20 @@ def test_run_policy_scores_attainment_and_gpu_hours() -> None:
     fewest = span_hours * 2  # one prefill and one decode pod at least, the whole span
     assert outcome.gpu_hours >= fewest * 0.999
     assert outcome.gpu_hours <= span_hours * (scenario.initial_prefill + scenario.initial_decode) * 1.001
+
+
+def test_the_headroom_sweep_runs_the_controller_at_each_headroom() -> None:
+    steady = replace(CI_SCENARIO, traces=("steady",))
+    by_policy = {o.policy: o for o in compare(steady, policies=("slo", "slo@1"))}
+    planned, edge = by_policy["slo"], by_policy["slo@1"]
+    assert planned.settings.endswith("headroom 0.8") and edge.settings.endswith("headroom 1")
+    # planning at the full targets instead of 80 % of them takes fewer pods, and runs closer to the ITL target
+    assert edge.gpu_hours < 0.95 * planned.gpu_hours
+    assert edge.itl_p99_seconds > planned.itl_p99_seconds
+    assert headroom_of("slo@0.95") == 0.95
+    assert headroom_of("slo") is None and headroom_of("tuned") is None
+    for bad in ("slo@0", "slo@1.5", "slo@fast"):
+        with pytest.raises(ValueError, match="headroom after 'slo@'"):
+            headroom_of(bad)
+    with pytest.raises(ValueError, match="or slo@H"):
+        compare(steady, policies=("slo-ish",))
