@@ -38,11 +38,12 @@ test-e2e: ## end-to-end tests only
 demo: deps ## local control plane + chart + Disaggregated InferenceService under a load burst + scaling report + a SmolLM2 chat answer
 	$(PYTHON) -m splitserve_e2e.demo $(DEMO_ARGS)
 
-lint: ## ruff, import layers (import-linter), mypy --strict on the packages and the tests
+lint: ## ruff, import layers (import-linter), mypy --strict on the packages, the tests and the benchmarks
 	$(PYTHON) -m ruff check contract operator runtime planner cli e2e tests bench
 	lint-imports
 	$(PYTHON) -m mypy --strict $(PACKAGES)
 	$(PYTHON) -m mypy --strict tests
+	$(PYTHON) -m mypy --strict bench
 
 crds: ## regenerate crds/ and the chart's copy from the pydantic models
 	$(PYTHON) -m splitserve_operator.crdgen

@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -214,7 +215,8 @@ def bench_tiny_e2e(*, batch: int, new_tokens: int, model_dir: Path,
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf.eval()
     width = max(len(p) for p in prompts)
     pad = 0
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

@@ -25,6 +25,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,14 @@ def _sim(perf: RooflineModel, fleet: FleetConfig, requests: list[Request]) -> Si
                     options=SimOptions(warmup_seconds=10, sample_interval_seconds=0))
 
 
-def _max_rate(ok, *, low: float, high: float, rel: float = 0.03) -> float:
+def _meets_at(perf: RooflineModel, fleet: FleetConfig, shape: Shape, slo: Slo) -> Callable[[float], bool]:
+    """Whether ``fleet`` meets ``slo`` on ``shape`` at a request rate (the bisection's test)."""
+    def ok(rate: float) -> bool:
+        return _meets(_sim(perf, fleet, shape.requests(rate=rate)), slo)
+    return ok
+
+
+def _max_rate(ok: Callable[[float], bool], *, low: float, high: float, rel: float = 0.03) -> float:
     """Largest rate in [low, high] with ok(rate) (monotone), by bisection; 0 if none."""
     while not ok(low):
         low, high = low / 2, low
@@ -128,7 +136,7 @@ def claim_disaggregation(perf: RooflineModel, *, slo: Slo, shapes: list[Shape]) 
                 continue
             estimate = GPUS / (demand.mean_prompt_tokens / cap_p + demand.mean_output_tokens / cap_d)
             fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=GPUS, engine=engine)
-            rate = _max_rate(lambda r, fleet=fleet, shape=shape: _meets(_sim(perf, fleet, shape.requests(rate=r)), slo),
+            rate = _max_rate(_meets_at(perf, fleet, shape, slo),
                              low=0.3 * estimate, high=1.2 * estimate)
             best_agg = max(best_agg, (rate, budget))
         cap_p, cap_d, demand = _capacity(perf, shape, engine=EngineSettings(), slo=slo)
@@ -137,7 +145,7 @@ def claim_disaggregation(perf: RooflineModel, *, slo: Slo, shapes: list[Shape]) 
         best_dis: tuple[float, str] = (0.0, "")
         for prefill in sorted(estimates, key=lambda p: -estimates[p])[:3]:  # the 3 analytically best splits
             fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=prefill, decode_replicas=GPUS - prefill)
-            rate = _max_rate(lambda r, fleet=fleet, shape=shape: _meets(_sim(perf, fleet, shape.requests(rate=r)), slo),
+            rate = _max_rate(_meets_at(perf, fleet, shape, slo),
                              low=0.3 * estimates[prefill], high=1.2 * estimates[prefill])
             best_dis = max(best_dis, (rate, f"{prefill}+{GPUS - prefill}"))
         gain = best_dis[0] / best_agg[0] - 1 if best_agg[0] else float("inf")

@@ -35,7 +35,7 @@ def _system_prompt(rng: random.Random) -> str:
 
 
 def _sum(pods: list[Proc], name: str) -> float:
-    return sum(p.metric(name) for p in pods)
+    return float(sum(p.metric(name) for p in pods))
 
 
 def _phase(*, cluster: Cluster, router: Proc, groups: list[str], num_requests: int,

@@ -25,7 +25,11 @@ assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 that ``docs/slo-autoscaling-simulation.md`` reports.
 
     python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling]
-        [--headrooms 0.9,0.95,1.0] [--traces ...] [--seed N]
+        [--headrooms 0.9,0.95,1.0] [--traces ...] [--seed N] [--tune-seed M]
+
+``--tune-seed M`` scores the tuned policies out of sample: their setting is the best on seed M's
+trace, run on seed N's (an operator tunes on past traffic); by default they are searched on the
+very trace they are scored on, which is hindsight no operator has.
 """
 
 from __future__ import annotations
@@ -53,12 +57,17 @@ def main() -> None:
                         help="comma-separated headrooms in (0, 1]: adds the SLO controller at each (slo@H)")
     parser.add_argument("--traces", default=None, help="comma-separated subset of steady,diurnal,bursty-shift")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--tune-seed", type=int, default=None,
+                        help="search the tuned settings on this seed's trace and score them on --seed's "
+                             "(default: on the scored trace itself, with hindsight)")
     args = parser.parse_args()
     scenario = CI_SCENARIO if args.ci else Scenario()
     if args.traces:
         scenario = replace(scenario, traces=tuple(args.traces.split(",")))
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)
+    if args.tune_seed is not None:
+        scenario = replace(scenario, tuning_seed=args.tune_seed)
     started = time.perf_counter()
     policies = [p for p in args.policies.split(",") if p]
     policies += [f"slo@{float(h):g}" for h in args.headrooms.split(",") if h]

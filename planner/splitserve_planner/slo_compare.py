@@ -73,6 +73,10 @@ class Scenario:
     startup_seconds: float = 60.0
     engine: EngineSettings = EngineSettings()
     traces: tuple[str, ...] = TRACE_KINDS
+    tuning_seed: int | None = None
+    """Where ``tuned`` and ``tuned-floor`` search their setting: None, on the trace they are
+    scored on (hindsight); a seed, on that seed's sample of the same trace kind, and the setting
+    found there is scored on this scenario's trace (tuned on yesterday's traffic, run on today's)."""
 
 
 CI_SCENARIO = Scenario(shape=TraceShape(mean_rate=20.0, duration_seconds=900.0))
@@ -198,22 +202,32 @@ def ceiling_settings(scenario: Scenario) -> AutoscaleSettings:
 
 
 def tune(*, scenario: Scenario, perf: StepCost, requests: list[Request], trace: str,
-         floors: tuple[int, ...] = (1,), policy: str = "tuned") -> Outcome:
+         floors: tuple[int, ...] = (1,), policy: str = "tuned",
+         tuning_requests: list[Request] | None = None) -> Outcome:
     """Target tracking with the :data:`TUNING_GRID` point (× ``floors``, the pools'
     ``min_replicas``) that meets the attainment with the fewest GPU-hours (none meets it: the
-    best attainment, then the fewest GPU-hours)."""
-    best: Outcome | None = None
+    best attainment, then the fewest GPU-hours).
+
+    ``tuning_requests``: search on these (another sample of the same trace kind: the traffic
+    an operator tuned on) and report the chosen setting run on ``requests`` (the traffic it then
+    serves); None: search and report on ``requests`` (tuning with hindsight)."""
+    search_on = requests if tuning_requests is None else tuning_requests
+    best: tuple[Outcome, AutoscaleSettings] | None = None
     for floor in floors:
         for prefill_queue, decode_queue, decode_kv in TUNING_GRID:
             settings = replace(base_settings(scenario), prefill_target_queue_depth=prefill_queue,
                                decode_target_queue_depth=decode_queue, decode_target_kv_utilization=decode_kv,
                                min_replicas=floor)
-            outcome = run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy=policy,
+            outcome = run_policy(scenario=scenario, perf=perf, requests=search_on, trace=trace, policy=policy,
                                  autoscale=settings)
-            if best is None or _better(outcome, best, target=scenario.slo.attainment):
-                best = outcome
+            if best is None or _better(outcome, best[0], target=scenario.slo.attainment):
+                best = (outcome, settings)
     assert best is not None
-    return best
+    if tuning_requests is None:
+        return best[0]
+    served = run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy=policy,
+                        autoscale=best[1])
+    return replace(served, settings=f"{served.settings} (tuned on seed {scenario.tuning_seed})")
 
 
 def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
@@ -236,15 +250,18 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
     out: list[Outcome] = []
     for trace in scenario.traces:
         requests = make_trace(trace, scenario.shape, seed=scenario.seed)
+        tuning = (None if scenario.tuning_seed is None or scenario.tuning_seed == scenario.seed
+                  else make_trace(trace, scenario.shape, seed=scenario.tuning_seed))
         for policy in policies:
             if policy == "default":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=base_settings(scenario)))
             elif policy == "tuned":
-                out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace))
+                out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                tuning_requests=tuning))
             elif policy == "tuned-floor":
                 out.append(tune(scenario=scenario, perf=perf, requests=requests, trace=trace, floors=TUNING_FLOORS,
-                                policy=policy))
+                                policy=policy, tuning_requests=tuning))
             elif policy == "slo":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf)))

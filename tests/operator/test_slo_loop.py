@@ -456,6 +456,30 @@ def test_a_pod_exporting_the_decode_only_counters_gives_two_points() -> None:
     assert first.seconds + rest.seconds == pytest.approx(total[Metric.ENGINE_STEP_SECONDS_TOTAL])
 
 
+
+def test_a_prefill_pool_is_read_without_the_decode_only_queries() -> None:
+    """A Disaggregated prefill pod finishes each request at its first token: it never runs a
+    decode-only step, so its pool's windows are taken whole and the four decode-only counters
+    are not queried (``split=False``, what :func:`fetch_pool_slo` passes for a prefill pool)."""
+    prom = FakePrometheus()
+    prom.roles = {"p": "prefill"}
+    prom.pods = {"p": engine_counters(steps=12, prefill_tokens=4096, pairs=2_000_000, rows=0, context=0)}
+    selector = '{namespace="ns",inferenceservice="svc",role="prefill",pod=~"p"}'
+    (whole,) = fetch_step_samples(prometheus=prom, now_seconds=NOW, window_seconds=30, selector=selector,
+                                  split=False)
+    assert (whole.steps, whole.prefill_tokens, whole.decode_rows) == (12, 4096, 0)
+    assert len(prom.queries) == len(ENGINE)
+    assert not any(m in q for m in DECODE_ONLY_COUNTERS for q in prom.queries)
+    sample = PoolSample(requests_waiting_by_pod={"p": 0.0}, requests_running_by_pod={"p": 1.0},
+                        prompt_tokens_waiting_by_pod={"p": 0.0}, kv_cache_usage_ratio_by_pod={"p": 0.1},
+                        newest_sample_age_seconds=1.0)
+    prom.queries.clear()
+    obs = fetch_pool_slo(prometheus=prom, namespace=NS, inferenceservice=NAME, role="prefill", pods=["p"],
+                         sample=sample, current_replicas=1, pending_replicas=0, block_size=16, attainment=0.99,
+                         now_seconds=NOW)
+    assert [s.steps for s in obs.step_samples] == [12]
+    assert not any(m in q for m in DECODE_ONLY_COUNTERS for q in prom.queries)
+
 def test_pool_slo_observation_sums_live_pods_and_reads_capacity_and_quantiles() -> None:
     prom = busy_prometheus(waiting=3.0)
     prom.roles["svc-decode-1"] = "decode"

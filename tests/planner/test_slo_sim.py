@@ -33,6 +33,7 @@ from splitserve_planner.slo_compare import (
     perf_of,
     run_policy,
     slo_settings,
+    tune,
 )
 from splitserve_planner.slo_traces import TraceShape, make_trace
 
@@ -151,3 +152,18 @@ def test_the_headroom_sweep_runs_the_controller_at_each_headroom() -> None:
             headroom_of(bad)
     with pytest.raises(ValueError, match="or slo@H"):
         compare(steady, policies=("slo-ish",))
+
+
+def test_tuning_out_of_sample_scores_the_setting_found_on_another_seed() -> None:
+    scenario = replace(CI_SCENARIO, shape=TraceShape(mean_rate=8.0, duration_seconds=240.0), traces=("steady",),
+                       seed=2, tuning_seed=1)
+    perf = perf_of(scenario)
+    served, tuning = (make_trace("steady", scenario.shape, seed=seed) for seed in (2, 1))
+    hindsight = tune(scenario=scenario, perf=perf, requests=tuning, trace="steady")
+    transferred = tune(scenario=scenario, perf=perf, requests=served, trace="steady", tuning_requests=tuning)
+    # the setting is the one found on seed 1's trace, scored on seed 2's requests
+    assert transferred.settings == f"{hindsight.settings} (tuned on seed 1)"
+    assert transferred.num_requests == len(served) != hindsight.num_requests
+    (via_compare,) = compare(scenario, policies=("tuned",))
+    assert via_compare.settings == transferred.settings
+    assert via_compare.gpu_hours == pytest.approx(transferred.gpu_hours)

@@ -230,12 +230,16 @@ def query_value(*, prometheus: PrometheusConnect, promql: str, now_seconds: floa
 
 def fetch_step_samples(
     *, prometheus: PrometheusConnect, selector: str, now_seconds: float, window_seconds: float,
+    split: bool = True,
 ) -> list[StepSample]:
     """The :class:`StepSample` points of every pod that ran engine steps over the window: the
     increase of the six engine counters, split into its decode-only part and the rest when
     the pod exports the decode-only counters (:meth:`StepSample.split`: two points of different
     mixes). A pod missing one of the six (an older runtime) gives no point; one missing the
-    decode-only counters gives its window unsplit."""
+    decode-only counters gives its window unsplit. ``split=False`` gives every window unsplit
+    without querying the decode-only counters: a Disaggregated prefill pool, whose pods
+    finish each request at its first token and so never run a decode-only step (four
+    queries fewer per round)."""
 
     def increases(metrics: Sequence[str]) -> list[dict[str, float]]:
         return [query_by_pod(prometheus=prometheus, now_seconds=now_seconds,
@@ -244,7 +248,7 @@ def fetch_step_samples(
 
     by_metric = increases(ENGINE_COUNTERS)
     pods = sorted(set.intersection(*(set(values) for values in by_metric)))
-    decode_only = increases(DECODE_ONLY_COUNTERS) if pods else []
+    decode_only = increases(DECODE_ONLY_COUNTERS) if pods and split else []
     samples: list[StepSample] = []
     for pod in pods:
         steps, seconds, tokens, pairs, rows, context = (max(0.0, values[pod]) for values in by_metric)
@@ -252,7 +256,7 @@ def fetch_step_samples(
             continue
         window = StepSample(steps=steps, seconds=seconds, prefill_tokens=tokens, prefill_attention_pairs=pairs,
                             decode_rows=rows, decode_context_tokens=context)
-        if not all(pod in values for values in decode_only):
+        if not decode_only or not all(pod in values for values in decode_only):
             samples.append(window)
             continue
         d_steps, d_seconds, d_rows, d_context = (max(0.0, values[pod]) for values in decode_only)
@@ -309,7 +313,7 @@ def fetch_pool_slo(
         ready_replicas=len(pods),
         pending_replicas=pending_replicas,
         step_samples=fetch_step_samples(prometheus=prometheus, selector=selector, now_seconds=now_seconds,
-                                        window_seconds=window_seconds),
+                                        window_seconds=window_seconds, split=role != Role.PREFILL.value),
         requests_waiting=sum(sample.requests_waiting_by_pod.values()),
         prompt_tokens_waiting=sum(prompt_tokens.values()),
         requests_running=sum(sample.requests_running_by_pod.values()),
