@@ -296,3 +296,23 @@ def format_table(outcomes: list[Outcome], *, scenario: Scenario) -> str:
                      f"{_ms(o.ttft_p99_seconds)} ms | {_ms(o.itl_p99_seconds)} ms | "
                      f"{o.peak_replicas.get('prefill', 0)}/{o.peak_replicas.get('decode', 0)} | {o.settings} |")
     return "\n".join(lines)
+
+
+def format_seed_summary(by_seed: dict[int, list[Outcome]], *, scenario: Scenario) -> str:
+    """One row per (trace, policy) over several seeds: on how many the policy met the attainment,
+    and its attainment and GPU-hours on each (a ``(miss)`` where it did not meet)."""
+    seeds = sorted(by_seed)
+    target = scenario.slo.attainment
+    cells: dict[tuple[str, str], dict[int, Outcome]] = {}
+    for seed in seeds:
+        for o in by_seed[seed]:
+            cells.setdefault((o.trace, o.policy), {})[seed] = o
+    lines = [f"| trace | policy | meets | {' | '.join(f'seed {seed}' for seed in seeds)} |",
+             "| --- | --- | --- |" + " --- |" * len(seeds)]
+    for (trace, policy), row in cells.items():
+        met = sum(1 for o in row.values() if o.attainment >= target)
+        values = [("-" if seed not in row else
+                   f"{row[seed].gpu_hours:.2f}" if row[seed].attainment >= target else
+                   f"{row[seed].attainment:.2%} (miss), {row[seed].gpu_hours:.2f}") for seed in seeds]
+        lines.append(f"| {trace} | {policy} | {met} of {len(row)} | {' | '.join(values)} |")
+    return "\n".join(lines)

@@ -113,6 +113,36 @@ def test_a_ttft_violation_that_left_no_queue_and_that_the_model_explains_is_not_
     assert shaky["prefill"].reason == Reason.SLO_VIOLATED, shaky["prefill"].formula
 
 
+def test_a_ttft_violation_whose_queue_is_draining_is_not_chased_by_a_trusted_model() -> None:
+    """A measured p99 describes requests that arrived up to one TTFT earlier: after a burst the
+    window's p99 stays high while the queue that caused it drains on the Ready pods, faster than a
+    pod asked for now could start. With the queue shrinking since the last round and a trusted fit
+    (confidence for scale-down) whose count the current one meets, the measurement is not chased;
+    a growing queue, a first round, or a young fit act as before."""
+    def prefill_decision(*, waiting: float, before: float | None, trained: bool = True) -> Decision:
+        pools = {"prefill": pool("prefill", current=2, ttft=3.0, itl=0.02, waiting=waiting,
+                                 waiting_tokens=1000.0 * waiting),
+                 "decode": pool("decode", current=2)}
+        st = state(pools, rate=8.0, trained=trained)
+        if before is not None:
+            st.waiting_before["prefill"] = before
+        return decide(pools, rate=8.0, slo_state=st)["prefill"]
+
+    draining = prefill_decision(waiting=3.0, before=40.0)
+    assert (draining.result, draining.reason) == (2, Reason.SLO_MET), draining.formula
+    assert "not acted on: the queue is draining (40 → 3 waiting since the last round)" in draining.formula
+    for growing in (prefill_decision(waiting=3.0, before=1.0), prefill_decision(waiting=3.0, before=None),
+                    prefill_decision(waiting=3.0, before=40.0, trained=False)):
+        assert growing.reason == Reason.SLO_VIOLATED and growing.result > 2, growing.formula
+
+
+def test_the_state_remembers_each_pools_queue_over_two_rounds() -> None:
+    st = SloState.fresh()
+    for now, waiting in ((NOW, 12.0), (NOW + 15.0, 5.0)):
+        st.observe(inputs(now, {"prefill": pool("prefill", current=2, waiting=waiting)}, 8.0), SLO)
+    assert (st.waiting_before["prefill"], st.waiting["prefill"]) == (12.0, 5.0)
+
+
 def test_itl_violation_scales_decode_not_prefill() -> None:
     out = decide(disagg(2, 2, ttft=0.2, itl=0.07), rate=8.0)
     assert (out["decode"].result, out["decode"].reason) == (3, Reason.SLO_VIOLATED), out["decode"].formula

@@ -146,10 +146,12 @@ def test_state_round_trips_and_corrupt_json_gives_fresh_state() -> None:
     state = SloState.fresh()
     state.fits["decode"] = trained_fit(TRUTH, role="decode", prior=TRUTH, windows=10)
     state.record_replicas_write("decode", 0.0, 3)
+    state.waiting, state.waiting_before = {"decode": 4.0}, {"decode": 9.0}
     text = state.to_json()
     back = SloState.from_json(text)
     assert back.fits["decode"].coefficients == state.fits["decode"].coefficients
     assert back.pending_writes == state.pending_writes
+    assert (back.waiting, back.waiting_before) == ({"decode": 4.0}, {"decode": 9.0})
     assert back.to_json() == text
     for corrupt in ("", "not json", "[]", '{"version": 99}', '{"version": 1, "fits": {"x": {"version": 1}}}',
                     '{"version": 1, "fits": {}, "forecaster": {"version": 1, "level": "NaN"}}',

@@ -29,6 +29,7 @@ from splitserve_planner.slo_compare import (
     Outcome,
     base_settings,
     compare,
+    format_seed_summary,
     headroom_of,
     perf_of,
     run_policy,
@@ -167,3 +168,17 @@ def test_tuning_out_of_sample_scores_the_setting_found_on_another_seed() -> None
     (via_compare,) = compare(scenario, policies=("tuned",))
     assert via_compare.settings == transferred.settings
     assert via_compare.gpu_hours == pytest.approx(transferred.gpu_hours)
+
+
+def test_the_controller_meets_steady_and_diurnal_traffic_on_every_seed() -> None:
+    """Seed 1's figures are not luck: on seeds 1-4 of the steady and diurnal traces the controller,
+    with nothing tuned, meets the attainment (on the bursty prompt-shift trace it does not in
+    general: docs/slo-autoscaling-simulation.md, "Across seeds")."""
+    scenario = replace(CI_SCENARIO, traces=("steady", "diurnal"))
+    by_seed = {seed: compare(replace(scenario, seed=seed), policies=("slo",)) for seed in (1, 2, 3, 4)}
+    for seed, outcomes in by_seed.items():
+        for o in outcomes:
+            assert o.attainment >= scenario.slo.attainment, (seed, o)
+    summary = format_seed_summary(by_seed, scenario=scenario).splitlines()
+    assert summary[0] == "| trace | policy | meets | seed 1 | seed 2 | seed 3 | seed 4 |"
+    assert summary[2].startswith("| steady | slo | 4 of 4 | ") and summary[3].startswith("| diurnal | slo | 4 of 4 | ")

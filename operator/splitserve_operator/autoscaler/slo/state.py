@@ -48,6 +48,11 @@ class SloState:
     """Scale-up writes per role not yet Ready: ``(time_seconds, replicas)``."""
     ready: dict[str, int] = dataclasses.field(default_factory=dict)
     """Ready replicas per role at the last :meth:`observe`."""
+    waiting: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Requests waiting per pool at the last :meth:`observe`."""
+    waiting_before: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Requests waiting per pool at the :meth:`observe` before the last: with :attr:`waiting`,
+    whether a pool's queue is draining (the controller's passing-violation rule)."""
 
     @classmethod
     def fresh(cls) -> SloState:
@@ -65,6 +70,9 @@ class SloState:
                 fit = self.fits[name] = StepFit.fresh(prior=slo.prior)
             fit.set_prior(slo.prior)
             fit.add(pool.step_samples, now_seconds=inputs.now_seconds)
+            if name in self.waiting:
+                self.waiting_before[name] = self.waiting[name]
+            self.waiting[name] = max(0.0, pool.requests_waiting)
             for key in {pool.role, name}:  # writes may be recorded by role or by pool name
                 self._close_writes(key, ready=pool.ready_replicas, now_seconds=inputs.now_seconds)
                 self.ready[key] = pool.ready_replicas
@@ -105,6 +113,8 @@ class SloState:
             "startSeconds": dict(sorted(self.start_seconds.items())),
             "pendingWrites": {role: [list(w) for w in writes] for role, writes in sorted(self.pending_writes.items())},
             "ready": dict(sorted(self.ready.items())),
+            "waiting": dict(sorted(self.waiting.items())),
+            "waitingBefore": dict(sorted(self.waiting_before.items())),
         }, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -125,6 +135,8 @@ class SloState:
                     for role, writes in _mapping(data.get("pendingWrites", {})).items()
                 },
                 ready={str(k): int(_finite(v)) for k, v in _mapping(data.get("ready", {})).items()},
+                waiting={str(k): _finite(v) for k, v in _mapping(data.get("waiting", {})).items()},
+                waiting_before={str(k): _finite(v) for k, v in _mapping(data.get("waitingBefore", {})).items()},
             )
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             return cls.fresh()
