@@ -28,9 +28,10 @@ that ``docs/slo-autoscaling-simulation.md`` reports.
         [--headrooms 0.9,0.95,1.0] [--traces ...] [--seed N | --seeds 1,2,3,4] [--tune-seed M]
 
 ``--seeds 1,2,3,4`` runs each seed's traces and ends with a summary: on how many seeds each
-policy met the attainment, and its GPU-hours on each. ``--tune-seed M`` scores the tuned policies out of sample: their setting is the best on seed M's
-trace, run on seed N's (an operator tunes on past traffic); by default they are searched on the
-very trace they are scored on, which is hindsight no operator has.
+policy met the attainment, and its GPU-hours on each. ``--tune-seed M`` scores the tuned
+policies out of sample: their setting is the best on seed M's trace, run on seed N's (an
+operator tunes on past traffic); by default they are searched on the very trace they are scored
+on, which is hindsight no operator has.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ from splitserve_planner.slo_compare import (
     POLICIES,
     TUNING_FLOORS,
     TUNING_GRID,
+    Outcome,
     Scenario,
     compare,
     format_seed_summary,
     format_table,
+    headroom_of,
 )
 
 
@@ -74,9 +77,9 @@ def main() -> None:
         scenario = replace(scenario, tuning_seed=args.tune_seed)
     started = time.perf_counter()
     policies = [p for p in args.policies.split(",") if p]
-    policies += [f"slo@{float(h):g}" for h in args.headrooms.split(",") if h]
+    policies += [f"slo@{headroom_of(f'slo@{h}'):g}" for h in args.headrooms.split(",") if h]
     seeds = [int(seed) for seed in args.seeds.split(",") if seed] or [scenario.seed]
-    by_seed = {}
+    by_seed: dict[int, list[Outcome]] = {}
     for seed in seeds:
         at_seed = replace(scenario, seed=seed)
         by_seed[seed] = compare(at_seed, policies=tuple(policies))

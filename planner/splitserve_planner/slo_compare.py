@@ -250,8 +250,9 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
     out: list[Outcome] = []
     for trace in scenario.traces:
         requests = make_trace(trace, scenario.shape, seed=scenario.seed)
-        tuning = (None if scenario.tuning_seed is None or scenario.tuning_seed == scenario.seed
-                  else make_trace(trace, scenario.shape, seed=scenario.tuning_seed))
+        tuning_seed = scenario.tuning_seed
+        tuning = (make_trace(trace, scenario.shape, seed=tuning_seed)
+                  if tuning_seed not in (None, scenario.seed) and {"tuned", "tuned-floor"} & set(policies) else None)
         for policy in policies:
             if policy == "default":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
