@@ -87,7 +87,7 @@ class Reason:
     STALE: Final = "Stale"
     # autoscaler: SLO controller decisions (lastDecision.reason with spec.autoscaling.slo)
     SLO_MET: Final = "SloMet"
-    """The fewest replicas whose estimated p99 TTFT/ITL meet headroom × target: no change needed."""
+    """The fewest replicas whose estimated p99 TTFT/ITL meet the targets at load ÷ headroom: no change needed."""
     SLO_VIOLATED: Final = "SloViolated"
     """Measured p99 TTFT or ITL exceeds the target: scaled up from the measurement (reactive)."""
     SLO_FORECAST: Final = "SloForecast"
@@ -100,6 +100,6 @@ class Reason:
     SLO_LOW_CONFIDENCE: Final = "SloLowConfidence"
     """The model would scale down but its confidence is too low to rely on: hold."""
     SLO_SCALE_DOWN_UNSAFE: Final = "SloScaleDownUnsafe"
-    """One replica fewer would miss the SLO with headroom (the N-1 check): hold."""
+    """One replica fewer would miss the targets at load ÷ headroom (the N-1 check): hold."""
     SLO_UNATTAINABLE: Final = "SloUnattainable"
     """Even maxReplicas is estimated to miss the SLO: scaled to the most allowed."""

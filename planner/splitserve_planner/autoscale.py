@@ -87,6 +87,9 @@ class SimAutoscaler:
             out[decision.pool] = decision.result
             if decision.write:
                 self.slo_state.record_replicas_write(decision.pool, now_seconds, decision.result)
+        at_max = self.settings.max_from_seconds
+        if at_max is not None and now_seconds >= at_max:
+            return dict.fromkeys(out, self.settings.max_replicas)
         return out
 
     def _target_tracking(self, *, now_seconds: float, observations: dict[str, PoolObservation],

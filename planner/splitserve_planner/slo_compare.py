@@ -17,7 +17,11 @@ attainment, else the best attainment) — the hand-tuning an operator would have
 ``tuned-floor`` searches the pools' ``min_replicas`` too (:data:`TUNING_FLOORS`); ``slo``
 is the SLO controller (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) with
 the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all; ``ceiling`` is not a
-policy but a bound: every pool at ``max_replicas`` from the first tick. Pods asked for then are
+policy but a bound: every pool at ``max_replicas`` from the first tick; ``shift-bound`` is the
+SLO controller until a trace's prompt shift and every pool at ``max_replicas`` from the first tick
+at or after it (a bound too, on traces with a shift only: the most any reaction to the shift
+attains from the fleet the controller holds when it comes; it knows of the shift at once and
+needs no measurement). Pods asked for then are
 Ready only ``interval + startup`` seconds in, and the router commits each request to a pod Ready
 at its arrival, so the requests of that first stretch meet the initial fleet whatever a policy
 does: no policy starting from the same fleet attains more than the ceiling (on the CI-size
@@ -42,7 +46,7 @@ from .sim.observe import gpu_seconds
 from .sim.results import SimResult
 from .simulator import Simulator
 from .slo_prior import fit_prior
-from .slo_traces import TRACE_KINDS, TraceShape, make_trace
+from .slo_traces import TRACE_KINDS, TraceShape, make_trace, shift_seconds
 from .workload import Request
 
 TUNING_GRID: tuple[tuple[float, float, float], ...] = tuple(
@@ -140,6 +144,9 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
     met = meets(ttft=result.ttft_seconds, tpot=result.tpot_seconds, slo=scenario.slo)
     if policy == "ceiling":
         settings = f"every pool at {autoscale.min_replicas} from the first tick (a bound, not a policy)"
+    elif autoscale.max_from_seconds is not None:
+        settings = (f"the SLO controller, every pool at {autoscale.max_replicas} from {autoscale.max_from_seconds:g} s "
+                    "(a bound, not a policy)")
     elif autoscale.slo is not None:
         settings = (f"SLO ttft {autoscale.slo.ttft_p99_seconds * 1e3:g} ms, itl {autoscale.slo.itl_p99_seconds * 1e3:g} ms"
                     f" @ {autoscale.slo.attainment:g}, headroom {autoscale.slo.headroom:g}")
@@ -239,9 +246,9 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
     return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
 
 
-POLICIES = ("default", "tuned", "tuned-floor", "slo", "ceiling")
+POLICIES = ("default", "tuned", "tuned-floor", "slo", "ceiling", "shift-bound")
 """The named policies; ``slo@H`` is the SLO controller with ``headroom`` H (a sweep, the same
-setting on every trace)."""
+setting on every trace). ``shift-bound`` runs on the traces with a prompt shift only."""
 
 
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
@@ -272,6 +279,11 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
             elif policy == "ceiling":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=ceiling_settings(scenario)))
+            elif policy == "shift-bound":
+                shift = shift_seconds(trace, scenario.shape)
+                if shift is not None:
+                    out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy=policy,
+                                          autoscale=replace(slo_settings(scenario, perf), max_from_seconds=shift)))
             else:
                 raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}, or slo@H "
                                  "(H the headroom, in (0, 1])")

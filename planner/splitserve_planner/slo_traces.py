@@ -87,6 +87,11 @@ def bursty_shift(shape: TraceShape, *, seed: int) -> list[Request]:
 TRACES: dict[str, Callable[..., list[Request]]] = {"steady": steady, "diurnal": diurnal, "bursty-shift": bursty_shift}
 
 
+def shift_seconds(kind: str, shape: TraceShape) -> float | None:
+    """When the trace's prompt lengths shift (None: they do not)."""
+    return shape.duration_seconds / 2 if kind == "bursty-shift" else None
+
+
 def make_trace(kind: str, shape: TraceShape, *, seed: int) -> list[Request]:
     """One of :data:`TRACE_KINDS`; ValueError names the known ones."""
     if kind not in TRACES:

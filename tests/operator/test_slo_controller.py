@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from slo_testing import TRUTH, inputs, load, pool, trained_fit
 
@@ -70,7 +71,7 @@ def test_model_keeps_a_pool_that_meets_the_slo_and_explains_it() -> None:
     for name in ("prefill", "decode"):
         d = out[name]
         assert (d.result, d.reason) == (2, Reason.SLO_MET), d.formula
-        assert "fewest N meeting 0.8×target: 2" in d.formula and "at 1:" in d.formula
+        assert "fewest N meeting the targets at λ/0.8 = 10.00/s: 2" in d.formula and "at 1:" in d.formula
         assert d.model is not None and d.model["modelReplicas"] == 2 and d.model["confidence"] > 0.8
         assert d.model["planRate"] == 8.0 and "step" in d.model
     assert out["prefill"].model is not None and 0 < out["prefill"].model["ttftEstimateSeconds"] < 0.4
@@ -224,11 +225,31 @@ def test_no_model_and_no_load_holds_unless_measured_latency_violates() -> None:
 def test_the_forecast_starts_pods_before_the_load_arrives() -> None:
     pools = disagg(2, 2)
     steady = decide(pools, rate=8.0)
-    assert steady["prefill"].result == 2  # 8/s: 2 prefill replicas meet the SLO, 9/s would not
+    assert steady["prefill"].result == 2  # 8/s: 2 prefill replicas meet the SLO at 8/0.8 = 10/s, 9/s would not
     rising = state(pools, rate=8.0, ramp=0.75)  # +3 requests/s per minute; 120 s start time
     d = decide(pools, rate=8.0, slo_state=rising)["prefill"]
     assert d.model is not None and d.model["forecastRate"] > 10.0 and d.model["planRate"] == d.model["forecastRate"]
     assert (d.result, d.reason) == (3, Reason.SLO_FORECAST), d.formula
+
+
+def test_headroom_is_a_margin_on_the_load_not_on_the_targets() -> None:
+    """``headroom`` h at λ decides as h = 1 at λ/h: the pools are sized to meet the full targets
+    at the load ÷ h (the planned load uses at most h of the SLO capacity), not to meet h × target."""
+    loose = replace(SLO, headroom=1.0)
+    counts = []
+    for rate in (2.0, 4.0, 8.0, 9.0, 12.0, 16.0):
+        margin = decide(disagg(2, 2), rate=rate)
+        scaled = decide(disagg(2, 2), rate=rate / SLO.headroom, slo=loose)
+        plain = decide(disagg(2, 2), rate=rate, slo=loose)
+        for name in ("prefill", "decode"):
+            with_margin, at_scaled_rate = margin[name].model, scaled[name].model
+            assert with_margin is not None and at_scaled_rate is not None
+            assert with_margin["modelReplicas"] == at_scaled_rate["modelReplicas"], (rate, name)
+            assert margin[name].result >= plain[name].result, (rate, name)
+        counts.append((margin["prefill"].result, plain["prefill"].result))
+    assert any(m > p for m, p in counts), counts  # the margin costs a pod somewhere in the range
+    d = decide(disagg(2, 2), rate=8.0)["decode"]
+    assert d.model is not None and "at λ/0.8 = 10.00/s" in d.formula, d.formula
 
 
 def test_aggregated_pool_answers_for_both_metrics() -> None:
@@ -248,9 +269,10 @@ def test_queue_backlog_drives_scale_up_when_it_outlasts_a_pod_start() -> None:
 
     calm = decide(disagg(2, 2), rate=8.0)["prefill"]
     assert calm.result == 2
-    # ~22 s of queued prefill: cleared by the 2 pods well within the 120 s start time
+    # ~22 s of queued prefill (~25 s while new arrivals come at the margin's 10/s): cleared by
+    # the 2 pods well within the 120 s start time
     short = with_backlog(400)
-    assert short.result == 2 and "drain 21." in short.formula, short.formula
+    assert short.result == 2 and "drain 24." in short.formula, short.formula
     # ~220 s of queued prefill: more pods, sized to clear it one start time after they arrive
     long = with_backlog(4000)
     assert long.result > 2 and long.model is not None, long.formula

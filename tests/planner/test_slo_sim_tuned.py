@@ -5,13 +5,13 @@ each trace, without per-trace tuning". On the steady trace the controller meets 
 tuned point: it no longer chases a passing cluster of arrivals with a pod the scale-down window
 keeps for 5 min). On the diurnal trace it does not, and the reason is asserted: the model is
 right (its ITL estimate at the tuned point's decode count is within a few percent of what the
-simulator measures there), but the tuned point runs its decode pool above the controller's
-planning limit, ``headroom × itlP99`` (40 ms): the attainment scores each request's *mean*
-inter-token latency, which leaves slack below a token-level p99 the controller is told to keep
-within 80 % of the target. And the tuned point is tuned with hindsight, on the trace it is scored
-on: the diurnal setting seed 1 selects, run on seed 2's diurnal trace (the next day of the same
-traffic), ratchets to the maximum and misses, where the controller meets both. See
-docs/slo-autoscaling-simulation.md.
+simulator measures there), but the controller keeps the margin it is told to keep, ``headroom``
+0.8: every pool meets the targets at the planned load ÷ 0.8, and the tuned point has no such
+margin (its decode pool runs at 45 ms of the 50 ms ITL target at the peak). Without the margin
+(``headroom`` 1) the controller is within 5 % of the tuned point. And the tuned point is tuned
+with hindsight, on the trace it is scored on: the diurnal setting seed 1 selects, run on seed
+2's diurnal trace (the next day of the same traffic), ratchets to the maximum and misses, where
+the controller meets both. See docs/slo-autoscaling-simulation.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ STEADY_AND_DIURNAL = replace(CI_SCENARIO, traces=("steady", "diurnal"))
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[tuple[str, str], Outcome]:
-    return {(o.trace, o.policy): o for o in compare(STEADY_AND_DIURNAL, policies=("tuned", "slo"))}
+    return {(o.trace, o.policy): o for o in compare(STEADY_AND_DIURNAL, policies=("tuned", "slo", "slo@1"))}
 
 
 def test_steady_meets_the_goal_within_five_percent_of_tuned_targets(
@@ -48,24 +48,26 @@ def test_steady_meets_the_goal_within_five_percent_of_tuned_targets(
     assert slo.gpu_hours <= 1.05 * tuned.gpu_hours, (slo, tuned)
 
 
-def test_diurnal_costs_more_than_tuned_because_tuned_runs_above_the_planning_limit(
-    outcomes: dict[tuple[str, str], Outcome],
-) -> None:
-    tuned, slo = outcomes[("diurnal", "tuned")], outcomes[("diurnal", "slo")]
+def test_diurnal_costs_more_than_tuned_by_the_headroom(outcomes: dict[tuple[str, str], Outcome]) -> None:
+    tuned, slo, bare = outcomes[("diurnal", "tuned")], outcomes[("diurnal", "slo")], outcomes[("diurnal", "slo@1")]
     target = CI_SCENARIO.slo
     assert slo.attainment >= target.attainment, slo
     # what the controller reaches (+15 % when written): the goal's 5 % does not hold here
     assert slo.gpu_hours <= 1.2 * tuned.gpu_hours, (slo, tuned)
-    # the tuned point's token-level p99 ITL is above the 40 ms the controller plans for, the
-    # controller's is within it
-    assert tuned.itl_p99_seconds > target.headroom * target.itl_p99_seconds, tuned
-    assert slo.itl_p99_seconds <= target.headroom * target.itl_p99_seconds, slo
+    # the margin is the difference: without it (headroom 1) the controller meets the attainment
+    # within 5 % of the tuned point (+2.5 % when written), whose decode pool runs closer to the
+    # target than the controller's
+    assert bare.attainment >= target.attainment, bare
+    assert bare.gpu_hours <= 1.05 * tuned.gpu_hours, (bare, tuned)
+    assert tuned.itl_p99_seconds > slo.itl_p99_seconds, (tuned, slo)
 
 
 def test_the_decode_model_is_not_what_costs_the_extra_pod() -> None:
     """At the tuned point's 3 decode pods on the steady trace the ITL estimate (roofline prior)
-    matches the simulator's measured p99 to 5 %, and both sit at the 40 ms planning limit: the
-    controller's fourth decode pod is the headroom, not a pessimistic model."""
+    matches the simulator's measured p99 to 5 %, and at the trace's mean rate ÷ headroom the
+    estimate for 3 pods is the 50 ms target itself: 3 pods have exactly the margin at the mean
+    rate, and the controller's fourth decode pod is the margin on a planned rate above the mean
+    (the recent peak of 15 s windows), not a pessimistic model."""
     perf = perf_of(CI_SCENARIO)
     requests = make_trace("steady", CI_SCENARIO.shape, seed=CI_SCENARIO.seed)
     measured = run_fixed_fleet(
@@ -82,8 +84,9 @@ def test_the_decode_model_is_not_what_costs_the_extra_pod() -> None:
     estimate = estimate_decode(prior.prior, load, replicas=3, attainment=CI_SCENARIO.slo.attainment)
     itl_p99 = measured.itl_percentile(100.0 * CI_SCENARIO.slo.attainment)
     assert estimate.itl_seconds == pytest.approx(itl_p99, rel=0.05)
-    limit = CI_SCENARIO.slo.headroom * CI_SCENARIO.slo.itl_p99_seconds
-    assert itl_p99 == pytest.approx(limit, rel=0.05)
+    margin = estimate_decode(prior.prior, load.with_margin(CI_SCENARIO.slo.headroom), replicas=3,
+                             attainment=CI_SCENARIO.slo.attainment)
+    assert margin.itl_seconds == pytest.approx(CI_SCENARIO.slo.itl_p99_seconds, rel=0.02)
 
 
 def test_targets_tuned_on_one_day_ratchet_on_the_next_where_the_controller_meets_both() -> None:

@@ -596,7 +596,7 @@ class SloSpec(ApiModel):
         validation_alias="itlP99", serialization_alias="itlP99",
         pattern=DURATION_PATTERN, max_length=32, description="Inter-token latency to meet, e.g. 50ms.")
     attainment: float = Field(default=0.99, gt=0.5, lt=1, description="Fraction of requests meeting both.")
-    headroom: float = Field(default=0.8, gt=0, le=1, description="Plan for this fraction of each target.")
+    headroom: float = Field(default=0.8, gt=0, le=1, description="Size the pools for the load divided by this.")
     prior: SloPriorSpec | None = Field(default=None, description="Starting model. Empty: measured latency only.")
 
     @model_validator(mode="after")

@@ -58,6 +58,9 @@ class AutoscaleSettings:
     slo_target_floors: bool = False
     """With ``slo``: the targets above are configured too, and what target tracking would choose
     is a floor under the SLO decision (``spec.autoscaling`` with both set)."""
+    max_from_seconds: float | None = None
+    """From this time on every pool is asked for ``max_replicas`` whatever the policy decides (a
+    bound, not a policy: the ``shift-bound`` of :mod:`splitserve_planner.slo_compare`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,8 +27,9 @@ Design, one module per job:
 * :mod:`.estimate` — closed-form p-quantile TTFT (backlog drain + M/G/c queue wait +
   own chunked prefill + the decode pool's first step) and ITL (Little's-law batch, its
   Poisson quantile, prefill chunks in aggregated steps, KV capacity) at a replica count.
-* :mod:`.controller` — per pool the fewest replicas meeting ``headroom × target`` on
-  ``max(current, forecast, recent peak) + 3 × burstiness`` (a backlog counts only beyond one pod start
+* :mod:`.controller` — per pool the fewest replicas meeting the targets at
+  ``(max(current, forecast, recent peak) + 3 × burstiness) ÷ headroom`` (the margin is on the
+  load, as the seed's 70-80 % utilisation rule; a backlog counts only beyond one pod start
   time: it must be gone then, not chased with unbounded replicas); reactive scale-up (at
   most doubling the Ready pods) when the measured p99 violates; confidence and an N-1
   check (the model corrected by measured/estimated) gate every scale-down; target

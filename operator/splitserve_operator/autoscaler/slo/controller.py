@@ -18,9 +18,15 @@ One round, per pool (:func:`decide_slo`):
    pods start stays on the old pods and later pods cannot drain it), the
    lengths ``max(current, forecast)``, the prefix hit ratio the smaller of the two.
 2. Model count: the fewest replicas in ``[1, maxReplicas]`` whose estimate
-   (:mod:`.estimate`; TTFT with the backlog drain beyond one pod start time) meets
-   ``headroom × target`` (decode pools first; the prefill pool's
-   TTFT includes the decode pool's first step at its chosen count). None fits → max.
+   (:mod:`.estimate`; TTFT with the backlog drain beyond one pod start time) meets the
+   targets at the planned request rate divided by ``headroom`` (decode pools first; the
+   prefill pool's TTFT includes the decode pool's first step at its chosen count). None
+   fits → max. The margin is on the load, not on the latency targets: the planned load
+   uses at most ``headroom`` of the rate the fleet can serve within the targets (the
+   seed's 70-80 % rule, the planner's ``--headroom``). A latency margin costs very
+   different capacity in different regimes: where latency is flat in the load (a decode
+   step is mostly weight reads) 0.8 × ITL is about 64 % of a decode pod's batch capacity
+   (Llama-3.1-8B on an L40S), near the knee of a prefill queue it is a few percent.
 3. Reactive correction: when the measured p99 of the pool's metric exceeds the target
    (the model says fine but reality does not), ``ceil(ready × min(measured/target, 2))``,
    like target tracking on measured/target but at most doubling the Ready pods (latency
@@ -30,14 +36,14 @@ One round, per pool (:func:`decide_slo`):
    to scale down) its queue has shrunk since the last round (:func:`_passed_violation`).
 4. Scale-down gates: a model-driven count below the current one is used only when the
    fit's confidence is at least :data:`MIN_CONFIDENCE_TO_SCALE_DOWN`, the measured p99s
-   are within ``headroom × target``, and the estimate at ``current - 1`` (and at the
+   are within target, and the estimate at ``current - 1`` (and at the
    count the step limit would allow), corrected by ``max(1, measured/estimated)`` at the
-   current count, still meets the SLO with headroom (the N-1 check, against Dynamo's 2↔1
+   current count, still meets the targets at the load ÷ headroom (the N-1 check, against Dynamo's 2↔1
    flapping); otherwise the current count is held. Without a prior, a model count above the
    current one is used only at a confidence of :data:`MIN_CONFIDENCE_TO_SCALE_UP` or more
    (measured violations scale up regardless). A fit of low confidence still steps down
    one replica on measurements alone: an idle pool, or a measured p99 that stays within half
-   the headroom even scaled by ``N/(N-1)`` (:func:`_measured_scale_down`).
+   of ``headroom × target`` even scaled by ``N/(N-1)`` (:func:`_measured_scale_down`).
 5. Floors: never below the count target tracking chose (``floors``; targets are floors).
 6. The target tracker's tail (:func:`..decision.settle`): stabilization windows, Pending
    pods, step limits, ``[min, max]``.
@@ -162,10 +168,11 @@ class _Plan:
         return max((r for r in self.ratios(estimate, slo) if r is not None), default=0.0)
 
     def meets(self, replicas: int, slo: SloTarget, workload: Workload | None = None) -> bool:
+        """Within the targets at ``workload`` (default: the planned load) ÷ headroom."""
         assert self.estimate is not None
         load = workload if workload is not None else self.workload
         assert load is not None
-        return self.score(self.estimate(replicas, load), slo) <= slo.headroom + 1e-12
+        return self.score(self.estimate(replicas, load.with_margin(slo.headroom)), slo) <= 1.0 + 1e-12
 
 
 def decide_slo(
@@ -402,7 +409,7 @@ def _passed_violation(plan: _Plan, signals: Mapping[str, SignalValue], slo: SloT
     A window's p99 describes the requests of that window; scaling acts on the next ones. A
     TTFT excess whose cause is gone does not recur: when no request waits in the pool at the
     round (the queue that delayed the first tokens has drained) *and* the model (fit or prior)
-    says the current count meets ``headroom × target`` under the current load, the violation
+    says the current count meets the targets at the current load ÷ headroom, the violation
     was a passing cluster of Poisson arrivals, not a lack of pods. Both witnesses are needed:
     without a model (or with a fit below :data:`MIN_CONFIDENCE_TO_SCALE_UP` and no prior, which
     may not add pods either), or with work still queued (unless it drains, below), the
@@ -454,7 +461,7 @@ def _gate_scale_down(plan: _Plan, *, slo: SloTarget, model: int, signals: Mappin
     The N-1 check corrects the model by what was measured: when the measured p99 at the
     current count is above the model's estimate there (under the current load), the
     estimates at fewer replicas are scaled up by the same factor before they are compared
-    with ``headroom × target`` (a model that is optimistic now is optimistic at N-1 too).
+    with the targets at the load ÷ headroom (a model that is optimistic now is optimistic at N-1 too).
     """
     current = plan.pool.current_replicas
     if plan.confidence < MIN_CONFIDENCE_TO_SCALE_DOWN:
@@ -462,20 +469,21 @@ def _gate_scale_down(plan: _Plan, *, slo: SloTarget, model: int, signals: Mappin
         if evidence is not None:
             return max(model, current - 1), None, evidence
         return current, f"confidence {plan.confidence:.2f} < {MIN_CONFIDENCE_TO_SCALE_DOWN:g}", None
-    if measured_ratio is not None and measured_ratio > slo.headroom:
-        return current, f"measured {measured_ratio:.2f} of target > headroom {slo.headroom:g}", None
+    if measured_ratio is not None and measured_ratio > 1.0:
+        return current, f"measured {measured_ratio:.2f} of target > 1", None
     correction = _correction(plan, signals)
     lowest_step = max(model, current - plan.policy.behavior.scale_down_max_step)
     for n in sorted({current - 1, lowest_step}):
         if n < 1:
             continue
         assert plan.estimate is not None and plan.workload is not None
-        ratios = plan.ratios(plan.estimate(n, plan.workload), slo)
+        ratios = plan.ratios(plan.estimate(n, plan.workload.with_margin(slo.headroom)), slo)
         worst = max((r * c for r, c in zip(ratios, correction, strict=True) if r is not None), default=0.0)
-        if worst > slo.headroom + 1e-12:
+        if worst > 1.0 + 1e-12:
             factor = max(correction)
-            corrected = f" (model × measured/estimated {factor:.2f})" if factor > 1.0 else ""
-            return current, f"N-1 check: {n} replicas at {worst:.2f} of target{corrected} > {slo.headroom:g}", None
+            corrected = f", model × measured/estimated {factor:.2f}" if factor > 1.0 else ""
+            return current, (f"N-1 check: {n} replicas at {worst:.2f} of target (load ÷ {slo.headroom:g}"
+                             f"{corrected}) > 1"), None
     return model, None, None
 
 
@@ -485,7 +493,7 @@ def _measured_scale_down(plan: _Plan, *, slo: SloTarget, measured_ratio: float |
     A fit whose relative error stays high (noisy CPU pods: 0.3-0.5 in the e2e runs) never reaches
     :data:`MIN_CONFIDENCE_TO_SCALE_DOWN`; without this a burst would keep its replicas forever.
     One step down is taken when the pool served no request and queues nothing in the window, or
-    when its measured p99 would stay within half the headroom even if the latency grew in
+    when its measured p99 would stay within half of ``headroom × target`` even if the latency grew in
     proportion to the load per replica (``measured × N/(N-1)``) — far from the knee where queueing
     latency grows faster than that.
     """
@@ -583,8 +591,8 @@ def _seconds(value: float) -> str:
 
 
 def _describe_inputs(plan: _Plan, slo: SloTarget) -> str:
-    head = (f"slo ttft {slo.ttft_p99_seconds:g}s itl {slo.itl_p99_seconds:g}s × headroom {slo.headroom:g} "
-            f"@ q{slo.attainment:g}")
+    head = (f"slo ttft {slo.ttft_p99_seconds:g}s itl {slo.itl_p99_seconds:g}s @ q{slo.attainment:g}, "
+            f"headroom {slo.headroom:g}")
     w = plan.workload
     if w is None:
         return f"{head}; load unknown"
@@ -600,13 +608,15 @@ def _describe_inputs(plan: _Plan, slo: SloTarget) -> str:
 def _describe_model(plan: _Plan, slo: SloTarget) -> str:
     assert plan.model_replicas is not None and plan.estimate is not None and plan.workload is not None
     n = plan.model_replicas
-    at = plan.estimate(n, plan.workload)
+    margin = plan.workload.with_margin(slo.headroom)
+    at = plan.estimate(n, margin)
     terms = _estimate_terms(plan, at)
-    head = f"fewest N meeting {slo.headroom:g}×target: {n} ({terms})"
+    load = f"at λ/{slo.headroom:g} = {margin.request_rate:.2f}/s"
+    head = f"fewest N meeting the targets {load}: {n} ({terms})"
     if plan.unattainable:
-        head = f"no N ≤ {plan.policy.max_replicas} meets {slo.headroom:g}×target: {n} ({terms})"
+        head = f"no N ≤ {plan.policy.max_replicas} meets the targets {load}: {n} ({terms})"
     if n > 1:
-        below = plan.estimate(n - 1, plan.workload)
+        below = plan.estimate(n - 1, margin)
         head += f"; at {n - 1}: {_estimate_terms(plan, below, detail=False)}"
     return head
 

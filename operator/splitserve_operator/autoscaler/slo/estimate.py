@@ -79,6 +79,12 @@ class Workload:
     output_tokens: float
     prefix_hit_ratio: float = 0.0
 
+    def with_margin(self, headroom: float) -> Workload:
+        """This load with the request rate divided by ``headroom`` (``spec.autoscaling.slo.headroom``):
+        what the pools are sized to serve within the targets, so the planned load uses at most
+        ``headroom`` of the capacity that meets them (the seed's 70-80 % rule, as the planner's)."""
+        return dataclasses.replace(self, request_rate=self.request_rate / headroom)
+
     @classmethod
     def from_load(cls, load: LoadObservation) -> Workload:
         return cls(request_rate=max(0.0, load.request_rate), prompt_tokens=max(0.0, load.prompt_tokens_mean),
@@ -173,10 +179,6 @@ class LatencyEstimate:
 
     def itl_ratio(self, slo: SloTarget) -> float:
         return self.itl_seconds / slo.itl_p99_seconds
-
-    def meets(self, slo: SloTarget) -> bool:
-        """Both within ``headroom × target``."""
-        return self.ttft_ratio(slo) <= slo.headroom and self.itl_ratio(slo) <= slo.headroom
 
 
 @functools.lru_cache(maxsize=64)

@@ -147,7 +147,9 @@ class SloTarget:
     attainment: float = 0.99
     """Fraction of requests that must meet both targets."""
     headroom: float = 0.8
-    """Plan for ``headroom × target`` (the seed's 70-80 % rule): the margin for error."""
+    """Size each pool to meet the targets at the planned request rate ÷ ``headroom``: the planned load
+    uses at most this fraction of the rate the fleet serves within the targets (the seed's 70-80 %
+    utilisation rule, as the planner's ``--headroom``): the margin for bursts and model error."""
     prior: StepCoefficients | None = None
     """Starting point of the fit (``splitserve plan --slo`` writes the roofline's); None: no prior,
     the fit starts with zero confidence and decisions rely on measured latency until it has data."""
