@@ -252,6 +252,23 @@ def test_headroom_is_a_margin_on_the_load_not_on_the_targets() -> None:
     assert d.model is not None and "at λ/0.8 = 10.00/s" in d.formula, d.formula
 
 
+def test_the_planned_rate_is_paired_with_the_current_mix_not_the_previous_one() -> None:
+    """After a step from 8 req/s of 200-token outputs to 16 req/s of 1-token outputs the forecaster
+    still remembers long outputs; planning 16 req/s × 200 tokens would scale the decode pool for
+    work that no request carries (the e2e TTFT step did). The plan takes the window's own mix, and
+    the forecaster's only for a window that saw no request."""
+    pools = disagg(2, 1)
+    before = state(pools, rate=8.0, prompt=1000.0, output=200.0)
+    d = decide(pools, rate=16.0, slo_state=before, output=1.0)["decode"]
+    assert d.model is not None and d.model["outputTokens"] == 1.0, d.formula
+    assert d.result == 1, d.formula
+    lagging = decide(pools, rate=16.0, slo_state=state(pools, rate=8.0, prompt=1000.0, output=200.0), output=200.0)
+    assert lagging["decode"].result > 1  # the same rate with the long outputs does need more decode pods
+    quiet = decide(pools, rate=0.0, slo_state=state(pools, rate=8.0, prompt=1000.0, output=200.0), output=0.0)
+    model = quiet["decode"].model
+    assert model is not None and model["outputTokens"] == 200.0, quiet["decode"].formula
+
+
 def test_aggregated_pool_answers_for_both_metrics() -> None:
     pools = {"main": pool("aggregated", current=2)}
     calm = decide(pools, rate=0.5)["main"]

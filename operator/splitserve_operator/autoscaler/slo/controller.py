@@ -16,7 +16,12 @@ One round, per pool (:func:`decide_slo`):
    with a 5-minute half-life, keeps a burst's capacity through the lull before the next
    one: the router commits requests to the pods Ready at arrival, so a backlog built while
    pods start stays on the old pods and later pods cannot drain it), the
-   lengths ``max(current, forecast)``, the prefix hit ratio the smaller of the two.
+   lengths the current window's (the forecaster's when the window saw no request), the
+   prefix hit ratio the smaller of the two. Not the larger of the current and the forecast
+   lengths: those are two mixes, and pairing the planned rate with the lagging mean of the
+   previous one plans work that neither carries (e2e: 16-token outputs, then a step to about
+   95 req/s of 1-token outputs planned 16 decode rows per request and scaled the decode pool
+   the step never loaded).
 2. Model count: the fewest replicas in ``[1, maxReplicas]`` whose estimate
    (:mod:`.estimate`; TTFT with the backlog drain beyond one pod start time) meets the
    targets at the planned request rate divided by ``headroom`` (decode pools first; the
@@ -219,10 +224,11 @@ def _plan_load(current: LoadObservation | None, forecast: LoadObservation | None
         return None
     if forecast is None:
         return Workload.from_load(current)
+    lengths = current if current.request_rate > 0.0 else forecast  # an empty window has no mix
     return Workload(
         request_rate=max(current.request_rate, forecast.request_rate, peak, 0.0) + BURST_MARGIN * max(0.0, deviation),
-        prompt_tokens=max(current.prompt_tokens_mean, forecast.prompt_tokens_mean, 0.0),
-        output_tokens=max(current.output_tokens_mean, forecast.output_tokens_mean, 1.0),
+        prompt_tokens=max(lengths.prompt_tokens_mean, 0.0),
+        output_tokens=max(lengths.output_tokens_mean, 1.0),
         prefix_hit_ratio=min(1.0, max(0.0, min(current.prefix_hit_ratio, forecast.prefix_hit_ratio))),
     )
 
