@@ -17,16 +17,16 @@ attainment, else the best attainment) — the hand-tuning an operator would have
 ``tuned-floor`` searches the pools' ``min_replicas`` too (:data:`TUNING_FLOORS`); ``slo``
 is the SLO controller (:func:`splitserve_operator.autoscaler.slo.controller.decide_slo`) with
 the roofline prior (:mod:`.slo_prior`) and no per-trace setting at all; ``ceiling`` is not a
-policy but a bound: every pool at ``max_replicas`` from the first tick; ``shift-bound`` is the
-SLO controller until a trace's prompt shift and every pool at ``max_replicas`` from the first tick
-at or after it (a bound too, on traces with a shift only: the most any reaction to the shift
-attains from the fleet the controller holds when it comes; it knows of the shift at once and
-needs no measurement). Pods asked for then are
+policy but a bound: every pool at ``max_replicas`` from the first tick. Pods asked for then are
 Ready only ``interval + startup`` seconds in, and the router commits each request to a pod Ready
 at its arrival, so the requests of that first stretch meet the initial fleet whatever a policy
 does: no policy starting from the same fleet attains more than the ceiling (on the CI-size
 bursty trace, which opens in its high state at 1.35x the rate the initial fleet is sized for,
-it is below 99 %). :attr:`Outcome.missed_arrival_seconds` says when the misses arrived.
+it is below 99 %). ``shift-bound`` is a bound too, on traces with a prompt shift only: the SLO
+controller until the shift and every pool at ``max_replicas`` from the first tick at or after
+it, the most any reaction to the shift attains from the fleet the controller holds when it
+comes (it knows of the shift at once and needs no measurement).
+:attr:`Outcome.missed_arrival_seconds` says when the misses arrived.
 """
 
 from __future__ import annotations

@@ -79,9 +79,13 @@ def bursty_shift(shape: TraceShape, *, seed: int) -> list[Request]:
     arrivals = Arrivals(rate_per_second=shape.mean_rate, kind="bursty", burst_factor=shape.burst_factor,
                         burst_seconds=shape.burst_seconds)
     times = arrivals.times(np.random.default_rng(seed), duration_seconds=shape.duration_seconds)
-    half = shape.duration_seconds / 2
+    shift = _shift_at(shape)
     return _requests(times, shape, seed=seed,
-                     prompt_for=lambda t: shape.prompt_tokens if t < half else shape.shifted_prompt_tokens)
+                     prompt_for=lambda t: shape.prompt_tokens if t < shift else shape.shifted_prompt_tokens)
+
+
+def _shift_at(shape: TraceShape) -> float:
+    return shape.duration_seconds / 2
 
 
 TRACES: dict[str, Callable[..., list[Request]]] = {"steady": steady, "diurnal": diurnal, "bursty-shift": bursty_shift}
@@ -89,7 +93,7 @@ TRACES: dict[str, Callable[..., list[Request]]] = {"steady": steady, "diurnal": 
 
 def shift_seconds(kind: str, shape: TraceShape) -> float | None:
     """When the trace's prompt lengths shift (None: they do not)."""
-    return shape.duration_seconds / 2 if kind == "bursty-shift" else None
+    return _shift_at(shape) if kind == "bursty-shift" else None
 
 
 def make_trace(kind: str, shape: TraceShape, *, seed: int) -> list[Request]:

@@ -35,7 +35,7 @@ from splitserve_planner.slo_compare import (
     perf_of,
     run_fixed_fleet,
 )
-from splitserve_planner.slo_traces import make_trace
+from splitserve_planner.slo_traces import make_trace, shift_seconds
 
 BURSTY = replace(CI_SCENARIO, traces=("bursty-shift",))
 
@@ -60,7 +60,9 @@ def slo_outcome(outcomes: dict[str, Outcome]) -> Outcome:
 
 FIRST_READY = BURSTY.interval_seconds + BURSTY.startup_seconds
 """A pod asked for at the first tick is Ready this late: requests before it meet the initial fleet."""
-SHIFT = BURSTY.shape.duration_seconds / 2
+_SHIFT = shift_seconds("bursty-shift", BURSTY.shape)
+assert _SHIFT is not None
+SHIFT: float = _SHIFT
 SHIFT_READY = (SHIFT // BURSTY.interval_seconds + 1) * BURSTY.interval_seconds + BURSTY.startup_seconds
 """The first tick after the shift sees it; a pod it asks for is Ready this late."""
 
