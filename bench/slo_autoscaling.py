@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--seeds", default="",
                         help="comma-separated seeds: the table of each, then a summary over them")
+    parser.add_argument("--prefill-overflow-tokens", type=int, default=0,
+                        help="the router's prefillOverflowTokens for every policy (default 0: no overflow)")
     parser.add_argument("--tune-seed", type=int, default=None,
                         help="search the tuned settings on this seed's trace and score them on --seed's "
                              "(default: on the scored trace itself, with hindsight)")
@@ -77,6 +79,8 @@ def main() -> None:
         scenario = replace(scenario, seed=args.seed)
     if args.tune_seed is not None:
         scenario = replace(scenario, tuning_seed=args.tune_seed)
+    if args.prefill_overflow_tokens:
+        scenario = replace(scenario, prefill_overflow_tokens=args.prefill_overflow_tokens)
     started = time.perf_counter()
     policies = [p for p in args.policies.split(",") if p]
     policies += [f"slo@{headroom_of(f'slo@{h}'):g}" for h in args.headrooms.split(",") if h]

@@ -173,6 +173,7 @@ class RouterArgs:
     served_model_name: str = ""
     block_size: int = defaults.BLOCK_SIZE
     short_prompt_threshold: int = defaults.SHORT_PROMPT_THRESHOLD
+    prefill_overflow_tokens: int = 0
     health_interval_seconds: float = defaults.ROUTER_HEALTH_INTERVAL_SECONDS
     request_timeout_seconds: float = 600.0
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
@@ -193,6 +194,7 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
     Flag("served-model-name", "served_model_name", "name clients use in the `model` field"),
     Flag("block-size", "block_size", "tokens per KV block (prefix hash granularity)", type=int),
     Flag("short-prompt-threshold", "short_prompt_threshold", "send prompts shorter than this straight to decode (0: never)", type=int),
+    Flag("prefill-overflow-tokens", "prefill_overflow_tokens", "prefill on a decode pod when every prefill pod has this many prompt tokens queued (0: never)", type=int),
     Flag("health-interval-seconds", "health_interval_seconds", "pod health-check period", type=float),
     Flag("request-timeout-seconds", "request_timeout_seconds", "upper bound for one upstream request", type=float),
     Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),

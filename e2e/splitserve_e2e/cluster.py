@@ -288,7 +288,11 @@ class LocalCluster:
                 "containerd_root": (str(self.kubelet_node.containerd.layout.root)
                                     if self.kubelet_node else None),
                 "start_seconds": round(self.start_seconds, 1), "pid": os.getpid()}
-        (self.state_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
+        # atomically: `up` polls for this file and reads it as soon as it exists (a plain
+        # write_text let it read an empty file and fail with a JSONDecodeError)
+        staging = self.state_dir / f".{INFO_FILE}.tmp"
+        staging.write_text(json.dumps(info, indent=2))
+        os.replace(staging, self.state_dir / INFO_FILE)
 
     # ------------------------------------------------------------------ clients
     def api_client(self) -> k8s.ApiClient:

@@ -352,6 +352,8 @@ class RequestResult:
     ok: bool
     error: str = ""
     tokens: int = 0
+    first_token_seconds: float | None = None
+    """From sending to the first streamed token (None: none came)."""
 
 
 class LoadBurst:
@@ -408,6 +410,7 @@ class LoadBurst:
                 self._sent += 1
                 started = time.monotonic()
                 tokens = 0
+                first: float | None = None
                 try:
                     stream = await client.completions.create(
                         model=SERVED_NAME, prompt=self._prompt(index), max_tokens=self.max_tokens,
@@ -415,8 +418,11 @@ class LoadBurst:
                     async for chunk in stream:
                         if chunk.choices and chunk.choices[0].text:
                             tokens += 1
+                            if first is None:
+                                first = time.monotonic() - started
                     self.results.append(RequestResult(started=started, ok=True, tokens=tokens,
-                                                      seconds=time.monotonic() - started))
+                                                      seconds=time.monotonic() - started,
+                                                      first_token_seconds=first))
                 except Exception as error:  # noqa: BLE001 - every failure is counted and shown
                     self.results.append(RequestResult(
                         started=started, ok=False, seconds=time.monotonic() - started,

@@ -227,6 +227,7 @@ def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
         served_model_name=served_name(isvc),
         block_size=spec.kv_cache.block_size,
         short_prompt_threshold=spec.router.short_prompt_threshold,
+        prefill_overflow_tokens=spec.router.prefill_overflow_tokens,
     )
 
 

@@ -81,6 +81,9 @@ class Scenario:
     """Where ``tuned`` and ``tuned-floor`` search their setting: None, on the trace they are
     scored on (hindsight); a seed, on that seed's sample of the same trace kind, and the setting
     found there is scored on this scenario's trace (tuned on yesterday's traffic, run on today's)."""
+    prefill_overflow_tokens: int = 0
+    """The router's ``prefillOverflowTokens`` for every policy (:class:`.sim.config.FleetConfig`);
+    0, the default and the docs' tables: no overflow."""
 
 
 CI_SCENARIO = Scenario(shape=TraceShape(mean_rate=20.0, duration_seconds=900.0))
@@ -100,6 +103,8 @@ class Outcome:
     settings: str
     """What was configured (targets, or the SLO)."""
     num_requests: int
+    overflowed: int = 0
+    """Requests the router sent to a decode pod because the prefill pool was full."""
     timeline: list[dict[str, float]] = field(default_factory=list, repr=False)
     missed_arrival_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Arrival times of the finished requests that missed the SLO (unfinished ones are
@@ -132,7 +137,8 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
                autoscale: AutoscaleSettings) -> Outcome:
     """One simulated run of ``requests`` under ``autoscale``; scored as the module docstring says."""
     fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=scenario.initial_prefill,
-                        decode_replicas=scenario.initial_decode, engine=scenario.engine, autoscale=autoscale)
+                        decode_replicas=scenario.initial_decode, engine=scenario.engine, autoscale=autoscale,
+                        prefill_overflow_tokens=scenario.prefill_overflow_tokens)
     sim = Simulator(fleet=fleet, perf=perf, requests=requests,
                     options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed))
     result = sim.run()
@@ -160,14 +166,15 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
                                          num_requests=result.num_measured, slo=scenario.slo),
                    gpu_hours=hours, ttft_p99_seconds=result.ttft_percentile(q),
                    itl_p99_seconds=result.itl_percentile(q), peak_replicas=peaks, settings=settings,
-                   num_requests=result.num_measured, timeline=result.timeline,
+                   num_requests=result.num_measured, overflowed=sim.overflowed, timeline=result.timeline,
                    missed_arrival_seconds=result.arrival_seconds[~met])
 
 
 def run_fixed_fleet(*, scenario: Scenario, perf: StepCost, requests: list[Request], prefill: int,
                     decode: int) -> SimResult:
     """The requests on a fleet that never scales (a hindsight reference, or a model check)."""
-    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=prefill, decode_replicas=decode, engine=scenario.engine)
+    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=prefill, decode_replicas=decode, engine=scenario.engine,
+                        prefill_overflow_tokens=scenario.prefill_overflow_tokens)
     return Simulator(fleet=fleet, perf=perf, requests=requests,
                      options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed)).run()
 

@@ -130,6 +130,7 @@ class Cluster:
     kv_ttl_seconds: float = 30.0
     health_interval_seconds: float = 0.5
     short_prompt_threshold: int = 8
+    prefill_overflow_tokens: int = 0
     decode_overrides: dict[str, Any] = field(default_factory=dict)
     prefill_overrides: dict[str, Any] = field(default_factory=dict)
     handoff_key: bytes | None = field(default_factory=lambda: secrets.token_hex(32).encode())
@@ -197,6 +198,7 @@ class Cluster:
             "--policy", policy, "--model", str(self.model_dir),
             "--served-model-name", MODEL_NAME, "--block-size", str(BLOCK_SIZE),
             "--short-prompt-threshold", str(self.short_prompt_threshold),
+            "--prefill-overflow-tokens", str(self.prefill_overflow_tokens),
             "--health-interval-seconds", str(self.health_interval_seconds),
             "--request-timeout-seconds", "60"])
 

@@ -210,6 +210,17 @@ def test_hub_token_and_endpoint_reach_every_container() -> None:
     assert "HF_ENDPOINT" not in env  # the runtime's default: huggingface.co
 
 
+def test_the_router_overflow_limit_reaches_its_argv_only_when_set() -> None:
+    def argv(spec: dict[str, Any] | None) -> list[str]:
+        return list(_container(_by(_render(_isvc(spec)), "Deployment", "llama-router"))["args"])
+
+    assert "--prefill-overflow-tokens" not in argv(None)  # off: an upgrade restarts no router
+    command = argv({"router": {"prefillOverflowTokens": 8000}})
+    parser = argparse.ArgumentParser()
+    contract.add_router_arguments(parser)
+    assert contract.router_args_from_namespace(parser.parse_args(command[2:])).prefill_overflow_tokens == 8000
+
+
 def test_router_reads_the_pinned_revision_from_its_model_uri() -> None:
     pinned = _isvc({"model": {"uri": "hf://meta/llama-3", "revision": "v1.2"}})
     assert router_args(isvc=pinned).model == "hf://meta/llama-3@v1.2"

@@ -15,6 +15,7 @@ from splitserve_operator.autoscaler.decision import (
     RecommendationHistory,
 )
 from splitserve_operator.autoscaler.slo import (
+    LoadObservation,
     PoolSloObservation,
     SloState,
     SloTarget,
@@ -22,6 +23,7 @@ from splitserve_operator.autoscaler.slo import (
     StepFit,
     decide_slo,
 )
+from splitserve_operator.autoscaler.slo.controller import _plan_load
 
 NOW = 1000.0
 SLO = SloTarget(ttft_p99_seconds=0.5, itl_p99_seconds=0.05, attainment=0.99, headroom=0.8, prior=TRUTH)
@@ -267,6 +269,25 @@ def test_the_planned_rate_is_paired_with_the_current_mix_not_the_previous_one() 
     quiet = decide(pools, rate=0.0, slo_state=state(pools, rate=8.0, prompt=1000.0, output=200.0), output=0.0)
     model = quiet["decode"].model
     assert model is not None and model["outputTokens"] == 200.0, quiet["decode"].formula
+
+
+def test_the_rate_still_to_come_takes_the_newest_requests_lengths() -> None:
+    """Two seconds into a step from long to short outputs the window still holds mostly the old
+    requests (mean 8 output tokens), while the forecast already counts the new ones: the part of
+    the planned rate above the window's is sized with the last interval's mix (1 token), not the
+    window's (the e2e TTFT step scaled decode on that pairing). Without a recent mix, or with no
+    rate above the window's, the window's lengths stand."""
+    current = LoadObservation(window_seconds=30.0, request_rate=12.0, prompt_tokens_mean=400.0,
+                              output_tokens_mean=8.0, prefix_hit_ratio=0.0,
+                              recent_prompt_tokens_mean=400.0, recent_output_tokens_mean=1.0)
+    forecast = replace(current, request_rate=20.0, recent_prompt_tokens_mean=None, recent_output_tokens_mean=None)
+    planned = _plan_load(current, forecast)
+    assert planned is not None and planned.request_rate == 20.0
+    assert planned.output_tokens == (12.0 * 8.0 + 8.0 * 1.0) / 20.0 and planned.prompt_tokens == 400.0
+    window_only = _plan_load(replace(current, recent_output_tokens_mean=None), forecast)
+    assert window_only is not None and window_only.output_tokens == 8.0
+    nothing_ahead = _plan_load(current, replace(forecast, request_rate=10.0))
+    assert nothing_ahead is not None and (nothing_ahead.request_rate, nothing_ahead.output_tokens) == (12.0, 8.0)
 
 
 def test_aggregated_pool_answers_for_both_metrics() -> None:

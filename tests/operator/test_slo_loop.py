@@ -510,6 +510,12 @@ def test_load_comes_from_the_entry_pool_prompts_from_where_computed_and_the_pref
                       now_seconds=NOW, window_seconds=30)
     assert (load.request_rate, load.prompt_tokens_mean, load.output_tokens_mean) == (8.0, 1000.0, 200.0)
     assert load.prefix_hit_ratio == pytest.approx(0.1) and load.window_seconds == 30
+    assert (load.recent_prompt_tokens_mean, load.recent_output_tokens_mean) == (None, None)  # not asked
+    recent = fetch_load(prometheus=prom, namespace=NS, inferenceservice=NAME, entry_role="decode",
+                        entry_pods=["svc-decode-0"], prefill_role="prefill", prefill_pods=["svc-prefill-0"],
+                        now_seconds=NOW, window_seconds=30, recent_seconds=5)
+    assert (recent.recent_prompt_tokens_mean, recent.recent_output_tokens_mean) == (1000.0, 200.0)
+    assert len([q for q in prom.queries if q.endswith("[5s]))")]) == 4  # requests, 2 prompt counters, outputs
     idle = FakePrometheus()
     idle.roles = {"d": "decode"}
     idle.pool["decode"] = {"rate:" + Metric.REQUESTS_TOTAL: 0.0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -23,9 +24,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def aggregated_pod_app() -> FastAPI:
-    """A FastAPI app with what the router's health poller reads from an aggregated pod (ready,
-    no load, no compat hash); the test adds its completion routes."""
+def aggregated_pod_app(*, role: str = "aggregated", metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
+    """A FastAPI app with what the router's health poller reads from a pod (ready, the load
+    ``metrics_text()`` gives, none by default, no compat hash); the test adds its completion
+    routes."""
     app = FastAPI()
 
     @app.get("/ready")
@@ -34,11 +36,11 @@ def aggregated_pod_app() -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse("")
+        return PlainTextResponse(metrics_text())
 
     @app.get(INFO_PATH)
     async def info() -> dict[str, str]:
-        return {"role": "aggregated", "compat_hash": "", "kv_endpoint": ""}
+        return {"role": role, "compat_hash": "", "kv_endpoint": ""}
 
     return app
 

@@ -395,6 +395,16 @@ class RouterSpec(ApiModel):
             "(mode Builtin)."
         ),
     )
+    prefill_overflow_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=16_777_216,
+        description=(
+            "When every prefill pod has this many prompt tokens queued, a request prefills on a "
+            "decode pod with fewer queued and in flight instead (conditional disaggregation). "
+            "0: never (mode Builtin)."
+        ),
+    )
     inference_pool: InferencePoolSpec | None = Field(
         default=None,
         description=(

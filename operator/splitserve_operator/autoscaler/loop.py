@@ -206,7 +206,7 @@ def _idle_pool_slo(obs: PoolObservation) -> PoolSloObservation:
 async def _decide_slo(
     *, spec: InferenceServiceSpec, isvc: Mapping[str, Any], rounds: list[PoolRound], api: kube.Kube,
     prometheus: PrometheusConnect, state: AutoscalerState, slo_store: SloStore, now_seconds: float,
-    window_seconds: float,
+    window_seconds: float, scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
 ) -> tuple[list[Decision], list[PoolRound]]:
     """The SLO controller's decisions for ``rounds`` (in their order), and the rounds (with a
     problem reading the load recorded on the entry pool). Metrics hold as without an SLO: while
@@ -231,7 +231,7 @@ async def _decide_slo(
         load = await asyncio.to_thread(
             slo_round.read_load, prometheus=prometheus, spec=spec, namespace=namespace, name=name,
             ready_pods={r.observation.pool: r.observation.ready_pod_names for r in rounds},
-            now_seconds=now_seconds, window_seconds=window_seconds)
+            now_seconds=now_seconds, window_seconds=window_seconds, scrape_interval_seconds=scrape_interval_seconds)
     except MetricsUnavailable as exc:
         load_problem = exc
         entry, _ = slo_round.entry_and_prefill_roles(spec)
@@ -363,7 +363,7 @@ async def run_once(
     if auto.slo is not None:
         decisions, rounds = await _decide_slo(
             spec=spec, isvc=isvc, rounds=rounds, api=api, prometheus=prometheus, state=state, slo_store=store,
-            now_seconds=now_seconds, window_seconds=window_seconds)
+            now_seconds=now_seconds, window_seconds=window_seconds, scrape_interval_seconds=scrape_interval_seconds)
     else:
         decisions = plan_joint(decisions=[r.decision for r in rounds], gpu_budget=auto.gpu_budget)
 

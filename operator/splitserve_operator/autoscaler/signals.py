@@ -335,42 +335,58 @@ def fetch_load(
     prefill_pods: Sequence[str],
     now_seconds: float,
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
+    recent_seconds: float | None = None,
 ) -> LoadObservation:
     """The service's load over the window. Every request finishes on the entry pool (decode, or
     aggregated), so its ``splitserve_requests_total`` (all outcomes) is the request rate and its
     generation token counter gives the output mean per request; prompt tokens are counted where
     they are computed (the prefill pool's, plus the decode pool's own for prompts the router
-    sent straight to it), and so is the prefix hit ratio. Raises
-    :class:`MetricsUnavailable` (``NoData`` without live entry pods or without any request
-    series)."""
+    sent straight to it), and so is the prefix hit ratio. With ``recent_seconds`` shorter than
+    the window, the prompt and output means over that last stretch too (four more queries;
+    None where it saw no request). Raises :class:`MetricsUnavailable` (``NoData`` without live
+    entry pods or without any request series)."""
     if not entry_pods:
         raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no ready {entry_role} pods to read the load from")
     entry = pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=entry_role, pods=entry_pods)
 
-    def rate(metric: str, selector: str) -> float | None:
+    prefill = (pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=prefill_role,
+                             pods=prefill_pods) if prefill_pods else None)
+
+    def rate(metric: str, selector: str, seconds: float = window_seconds) -> float | None:
         return query_value(prometheus=prometheus, now_seconds=now_seconds,
-                           promql=f"sum(rate({metric}{selector}[{window_seconds:.0f}s]))")
+                           promql=f"sum(rate({metric}{selector}[{seconds:.0f}s]))")
+
+    def prompt_rate(seconds: float) -> float:
+        """Prompt tokens computed per second: the entry pool's, plus the prefill pool's (a decode
+        pod counts the prompts it computed itself, not imported ones)."""
+        total = rate(Metric.PROMPT_TOKENS_TOTAL, entry, seconds) or 0.0
+        if prefill is not None and prefill_role != entry_role:
+            total += rate(Metric.PROMPT_TOKENS_TOTAL, prefill, seconds) or 0.0
+        return total
 
     requests_per_second = rate(Metric.REQUESTS_TOTAL, entry)
     if requests_per_second is None:
         raise MetricsUnavailable(reason=Reason.NO_DATA, message=(
             f"no {Metric.REQUESTS_TOTAL} series for {entry_role} pods of {namespace}/{inferenceservice}"))
-    prompt_rate = rate(Metric.PROMPT_TOKENS_TOTAL, entry) or 0.0
     output_rate = rate(Metric.GENERATION_TOKENS_TOTAL, entry) or 0.0
     hit_ratio = 0.0
-    if prefill_pods:
-        prefill = pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=prefill_role,
-                                pods=prefill_pods)
-        if prefill_role != entry_role:  # a decode pod counts the prompts it computed itself, not imported ones
-            prompt_rate += rate(Metric.PROMPT_TOKENS_TOTAL, prefill) or 0.0
+    if prefill is not None:
         queried = rate(Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL, prefill) or 0.0
         hits = rate(Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL, prefill) or 0.0
         hit_ratio = min(1.0, max(0.0, hits / queried)) if queried > 0 else 0.0
+    recent_prompt = recent_output = None
+    if recent_seconds is not None and recent_seconds < window_seconds:
+        recent_requests = rate(Metric.REQUESTS_TOTAL, entry, recent_seconds) or 0.0
+        if recent_requests > 0:
+            recent_prompt = prompt_rate(recent_seconds) / recent_requests
+            recent_output = (rate(Metric.GENERATION_TOKENS_TOTAL, entry, recent_seconds) or 0.0) / recent_requests
     per_request = requests_per_second if requests_per_second > 0 else math.inf
     return LoadObservation(
         window_seconds=window_seconds,
         request_rate=max(0.0, requests_per_second),
-        prompt_tokens_mean=prompt_rate / per_request,
+        prompt_tokens_mean=prompt_rate(window_seconds) / per_request,
         output_tokens_mean=output_rate / per_request,
         prefix_hit_ratio=hit_ratio,
+        recent_prompt_tokens_mean=recent_prompt,
+        recent_output_tokens_mean=recent_output,
     )

@@ -58,14 +58,19 @@ def read_load(
     *, prometheus: PrometheusConnect, spec: InferenceServiceSpec, namespace: str, name: str,
     ready_pods: Mapping[str, Sequence[str]], now_seconds: float,
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
+    scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
 ) -> LoadObservation:
-    """The service's load, from the live pods of ``ready_pods`` (pool → Ready pod names).
-    Raises :class:`MetricsUnavailable`."""
+    """The service's load, from the live pods of ``ready_pods`` (pool → Ready pod names), with
+    the request mix of the last autoscaling interval as well where that is shorter than the
+    window and holds two scrapes (``rate()`` needs two samples; with the default 15 s scrapes
+    it is the 30 s window itself, and nothing more is read). Raises :class:`MetricsUnavailable`."""
     entry, prefill = entry_and_prefill_roles(spec)
+    recent = max(spec.autoscaling.interval_seconds, 2.0 * scrape_interval_seconds)
     return fetch_load(prometheus=prometheus, namespace=namespace, inferenceservice=name,
                       entry_role=entry, entry_pods=list(ready_pods.get(entry, ())),
                       prefill_role=prefill, prefill_pods=list(ready_pods.get(prefill, ())),
-                      now_seconds=now_seconds, window_seconds=window_seconds)
+                      now_seconds=now_seconds, window_seconds=window_seconds,
+                      recent_seconds=recent if recent < window_seconds else None)
 
 
 def slo_histories(*, state: AutoscalerState, namespace: str, name: str, now_seconds: float,

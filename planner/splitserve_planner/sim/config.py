@@ -74,6 +74,11 @@ class FleetConfig:
     gpus_per_replica: int = 1
     engine: EngineSettings = EngineSettings()
     router_policy: str = "prefix-affinity"
+    prefill_overflow_tokens: int = 0
+    """As the router's ``--prefill-overflow-tokens`` (``spec.router.prefillOverflowTokens``): when
+    every prefill pod has this many uncached prompt tokens queued, an arrival prefills on the
+    decode pod it would be handed to, if that pod has fewer queued and in overflow requests in
+    flight. 0: never."""
     kv_link_bytes_per_second: float = 50e9
     kv_transfer_latency_seconds: float = 0.0005
     exponential_service_rate: float | None = None
@@ -90,6 +95,8 @@ class FleetConfig:
             raise ValueError(f"mode must be {DISAGGREGATED} or {AGGREGATED}, got {self.mode!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown router policy {self.router_policy!r}; choose one of: {', '.join(ROUTER_POLICIES)}")
+        if self.prefill_overflow_tokens < 0:
+            raise ValueError("prefill_overflow_tokens must be >= 0")
         if self.kv_link_bytes_per_second <= 0 or self.gpus_per_replica < 1:
             raise ValueError("KV link bandwidth must be > 0 and gpus per replica >= 1")
 

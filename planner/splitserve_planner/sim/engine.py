@@ -210,7 +210,7 @@ class EngineModel(SimState):
         """The head of the queue arrived with its KV. False: it does not fit now (stop)."""
         if pod.kv_used + job.num_tokens + 1 > pod.capacity or batch.budget <= 0:
             if pod.num_running == 0 and job.num_tokens + 1 > pod.capacity:
-                pod.waiting.popleft()  # can never fit: drop it (counted unfinished)
+                self._release_overflow(pod.waiting.popleft())  # can never fit: drop it (counted unfinished)
                 return True
             return False
         pod.waiting.popleft()
@@ -227,7 +227,7 @@ class EngineModel(SimState):
             return False
         if pod.kv_used + cached + take > pod.capacity:
             if pod.num_running == 0 and cached + take > pod.capacity:
-                pod.waiting.popleft()  # can never fit: drop it (counted unfinished)
+                self._release_overflow(pod.waiting.popleft())  # can never fit: drop it (counted unfinished)
                 return True
             return False
         pod.waiting.popleft()
@@ -421,8 +421,16 @@ class EngineModel(SimState):
             return
         self._join_decode(pod, job, ctx=job.num_tokens)
 
+    @staticmethod
+    def _release_overflow(job: Job) -> None:
+        """An overflow request has ended: its prompt no longer counts on its decode pod."""
+        if job.overflow_tokens and job.pod is not None:
+            job.pod.overflow_tokens -= job.overflow_tokens
+        job.overflow_tokens = 0
+
     def _finish(self, job: Job) -> None:
         job.finish_s = self.now
+        self._release_overflow(job)
         req = job.req
         if req.arrival_seconds < self.measure_from:
             return

@@ -1,5 +1,6 @@
-"""Where work goes: the router's entry policies, the central queue, and the decode target of a
-finished prefill (the decode pod with the most KV headroom)."""
+"""Where work goes: the router's entry policies, the central queue, the overflow of a full
+prefill pool to the decode pods (the router's ``--prefill-overflow-tokens``), and the decode
+target of a finished prefill (the decode pod with the most KV headroom)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,34 @@ class Router(SimState):
                     return
             self.central.append(job)
             return
+        overflow = self._overflow_target()
+        if overflow is not None:
+            self.overflowed += 1
+            job.overflow_tokens = job.num_tokens
+            overflow.overflow_tokens += job.num_tokens
+            self._enqueue(overflow, job)
+            return
         self._enqueue(self._choose_entry(job), job)
+
+    @staticmethod
+    def _queued_prompt_tokens(pod: Pod) -> int:
+        """Uncached prompt tokens waiting or being prefilled on ``pod`` (its
+        ``splitserve_prompt_tokens_waiting``, not stale as a poll would be)."""
+        waiting = sum(j.num_tokens - j.num_computed for j in pod.waiting if not j.kv_ready)
+        return waiting + sum(j.num_tokens - j.num_computed for j in pod.prefilling)
+
+    def _overflow_target(self) -> Pod | None:
+        """The decode pod an arrival prefills on because every prefill pod is full, or None
+        (as :meth:`splitserve_runtime.router.proxy.Router._overflow_exclusions`)."""
+        limit = self.fleet.prefill_overflow_tokens
+        if limit <= 0 or self.entry_role != "prefill":
+            return None
+        prefill = [p for p in self.pools["prefill"] if p.accepting]
+        if not prefill or min(self._queued_prompt_tokens(p) for p in prefill) < limit:
+            return None
+        room = [p for p in self.pools["decode"]
+                if p.accepting and max(self._queued_prompt_tokens(p), p.overflow_tokens) < limit]
+        return self._choose_decode(room) if room else None
 
     def _enqueue(self, pod: Pod, job: Job) -> None:
         job.pod = pod
@@ -58,8 +86,9 @@ class Router(SimState):
 
         return max(pods, key=score)
 
-    def _choose_decode(self) -> Pod:
-        pods = [p for p in self.pools["decode"] if p.accepting]
+    def _choose_decode(self, pods: list[Pod] | None = None) -> Pod:
+        if pods is None:
+            pods = [p for p in self.pools["decode"] if p.accepting]
         return min(pods, key=lambda p: (p.kv_used / p.capacity + 0.1 * (len(p.waiting) + p.inbound),
                                         p.n_dec, p.index))
 

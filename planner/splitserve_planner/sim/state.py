@@ -27,7 +27,7 @@ class Job:
 
     __slots__ = ("req", "num_tokens", "num_computed", "num_cached", "remaining", "first_token_s",
                  "finish_s", "kv_ready", "join_step", "join_ctx", "epoch", "start_s", "pod",
-                 "prefill_done_s")
+                 "prefill_done_s", "overflow_tokens")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -44,6 +44,9 @@ class Job:
         self.start_s = -1.0
         self.pod: Pod | None = None
         self.prefill_done_s = -1.0
+        self.overflow_tokens = 0
+        """Prompt tokens this request holds of its decode pod's overflow share (routed there
+        because the prefill pool was full) until it finishes; 0 otherwise."""
 
 
 class StepCounters:
@@ -83,7 +86,8 @@ class Pod:
                  "accepting", "inbound", "batch_open", "cur_prefill", "cur_dt", "counter",
                  "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta",
                  "speculation", "cur_tokens_per_forward", "cur_prefill_tokens", "cur_prefill_pairs",
-                 "cur_decode_rows", "cur_decode_context", "counters", "born_s", "gone_s")
+                 "cur_decode_rows", "cur_decode_context", "counters", "born_s", "gone_s",
+                 "overflow_tokens")
 
     def __init__(self, *, index: int, role: str, perf: StepCost, engine: EngineSettings) -> None:
         self.index = index
@@ -134,6 +138,8 @@ class Pod:
         self.born_s = 0.0
         """When the pod was created (its GPU is held from then: starting pods count)."""
         self.gone_s = -1.0
+        self.overflow_tokens = 0
+        """Prompt tokens of the overflow requests in flight here (as the router counts them)."""
         """When a removed pod finished draining and gave its GPU back (-1: still here)."""
 
     @property
@@ -183,6 +189,8 @@ class SimState:
             self.pools[role] = [self._new_pod(role) for _ in range(count)]
         self.rr = 0
         self.central: deque[Job] = deque()
+        self.overflowed = 0
+        """Requests routed to a decode pod because every prefill pod was full (``prefill_overflow_tokens``)."""
         self.ttft: list[float] = []
         self.ttft_prefill: list[float] = []
         self.tpot: list[float] = []
@@ -230,5 +238,5 @@ class SimState:
     def _pull_central(self, pod: Pod) -> None:
         raise NotImplementedError
 
-    def _choose_decode(self) -> Pod:
+    def _choose_decode(self, pods: list[Pod] | None = None) -> Pod:
         raise NotImplementedError

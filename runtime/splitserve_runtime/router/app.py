@@ -150,6 +150,7 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
                     served_model_name=args.served_model_name, block_size=args.block_size,
                     short_prompt_threshold=args.short_prompt_threshold, session_header=args.session_header,
                     request_timeout_seconds=args.request_timeout_seconds, model_label=model_label,
+                    prefill_overflow_tokens=args.prefill_overflow_tokens,
                 ),
             )
             state["client"] = client

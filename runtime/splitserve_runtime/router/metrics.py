@@ -39,7 +39,7 @@ REQUESTS = _Bound(Counter(
     (*_LABELS, "outcome"), registry=REGISTRY,
 ))
 ROUTES = _Bound(Counter(
-    "splitserve_router_routes_total", "Requests by route: disaggregated (prefill then decode) or direct",
+    "splitserve_router_routes_total", "Requests by route: disaggregated (prefill then decode), direct (a short prompt), fallback (prefill failed) or overflow (the prefill pool is full)",
     (*_LABELS, "route"), registry=REGISTRY,
 ))
 UPSTREAM_ERRORS = _Bound(Counter(

@@ -3,7 +3,7 @@ loaded (from its own polling), and which pods may be paired.
 
 Discovery only says which addresses back which role. Everything else the router learns from the
 pods themselves: `GET /v1/splitserve/info` gives the compat hash and the KV endpoint, `/ready`
-says whether the pod takes traffic, and three gauges of `/metrics` give its load. A pod that
+says whether the pod takes traffic, and four gauges of `/metrics` give its load. A pod that
 fails `unhealthy_after` polls in a row (or a request) is skipped until it answers again, so a
 dead pod costs at most one failed attempt per request, never a hang.
 """
@@ -129,7 +129,8 @@ class PodSet:
 
 def parse_load(text: str) -> PodLoad:
     """Sum the runtime's load gauges over all label sets of one pod's /metrics."""
-    values = {Metric.REQUESTS_WAITING: 0.0, Metric.REQUESTS_RUNNING: 0.0, Metric.KV_CACHE_USAGE_RATIO: 0.0}
+    values = {Metric.REQUESTS_WAITING: 0.0, Metric.REQUESTS_RUNNING: 0.0, Metric.KV_CACHE_USAGE_RATIO: 0.0,
+              Metric.PROMPT_TOKENS_WAITING: 0.0}
     for family in text_string_to_metric_families(text):
         if family.name in values:
             for sample in family.samples:
@@ -139,6 +140,7 @@ def parse_load(text: str) -> PodLoad:
         requests_waiting=values[Metric.REQUESTS_WAITING],
         requests_running=values[Metric.REQUESTS_RUNNING],
         kv_cache_usage_ratio=values[Metric.KV_CACHE_USAGE_RATIO],
+        prompt_tokens_waiting=values[Metric.PROMPT_TOKENS_WAITING],
     )
 
 
@@ -189,6 +191,7 @@ class HealthPoller:
             metrics = await self._client.get(f"{pod.url}/metrics", timeout=self._timeout_seconds)
             load = parse_load(metrics.text)
             load.in_flight = pod.load.in_flight
+            load.in_flight_prompt_tokens = pod.load.in_flight_prompt_tokens
             pod.load = load
         except (httpx.HTTPError, ValueError) as exc:
             was_healthy = pod.healthy

@@ -34,11 +34,21 @@ class PodLoad:
     requests_waiting: float = 0.0
     requests_running: float = 0.0
     kv_cache_usage_ratio: float = 0.0
+    prompt_tokens_waiting: float = 0.0
+    """Uncached prompt tokens queued on the pod (its ``splitserve_prompt_tokens_waiting``)."""
     in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+    """Prompt tokens of the prefill requests this router has sent the pod and not had answered."""
 
     @property
     def queue(self) -> float:
         return max(self.requests_waiting, 0.0) + self.in_flight
+
+    @property
+    def queued_prompt_tokens(self) -> float:
+        """Prompt tokens ahead of a new prefill: the larger of the pod's own count (every
+        router's requests, as of the last poll) and this router's in-flight ones (immediate)."""
+        return max(self.prompt_tokens_waiting, 0.0, float(self.in_flight_prompt_tokens))
 
 
 @dataclass

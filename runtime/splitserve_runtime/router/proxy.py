@@ -23,8 +23,18 @@ until the next health poll.
 
 A prefill pod that fails (connection error or 5xx) is retried on another pod, and when every
 attempt failed the decode pod computes the prompt itself (route "fallback"); a client error
-(4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill. A
-decode pod that dies before answering gives 502; one that dies mid-stream ends the stream with
+(4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill.
+
+With `prefill_overflow_tokens` set, a request also skips prefill when every prefill pod has that
+many prompt tokens queued (the pod's `splitserve_prompt_tokens_waiting` as last polled, or the
+tokens of this router's prefill requests in flight there, whichever is larger) and a decode pod
+has fewer in its own queue and in overflow requests in flight: that pod computes the prompt
+(route "overflow"; NVIDIA Dynamo's conditional disaggregation). A prefill pool saturated by a
+burst or a shift to longer prompts then borrows the decode pods' compute for the minutes its new
+pods take to start, instead of queueing every request behind the backlog; the bound on a decode
+pod's share keeps its decoding streams' inter-token latency in check.
+
+A decode pod that dies before answering gives 502; one that dies mid-stream ends the stream with
 an OpenAI-style error event, so a client never waits past the read timeout.
 """
 
@@ -96,6 +106,10 @@ class RouterConfig:
     session_header: str
     request_timeout_seconds: float
     model_label: str
+    prefill_overflow_tokens: int = 0
+    """Conditional disaggregation: when every prefill pod has at least this many prompt tokens
+    queued, a request prefills on a decode pod with fewer than this many in its own queue and in
+    overflow requests in flight (route "overflow"). 0: never."""
 
 
 class Router:
@@ -196,7 +210,18 @@ class Router:
                 unavailable="no decode pod is healthy",
             )
 
-        handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session)
+        overflow = self._overflow_exclusions(prefill_pods, num_prompt_tokens)
+        if overflow is not None:
+            metrics.ROUTES.labels(model=self._config.model_label, route="overflow").inc()
+            tokens = num_prompt_tokens or 0
+            return await self._forward(
+                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude | overflow),
+                path=path, content=content, headers=fwd_headers, started=started,
+                unavailable="no decode pod is healthy", prompt_tokens=tokens,
+            )
+
+        handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session,
+                                      prompt_tokens=num_prompt_tokens or 0)
         if isinstance(handoff, Response):
             if handoff.status_code < 500:
                 return handoff
@@ -225,6 +250,20 @@ class Router:
         self._selector.record(pod=pod, hashes=hashes)
         metrics.PREFIX_MATCHED_BLOCKS.labels(model=self._config.model_label).inc(matched_blocks)
 
+    def _overflow_exclusions(self, prefill_pods: Sequence[Pod], num_prompt_tokens: int | None) -> frozenset[str] | None:
+        """For a request that overflows to the decode pool, the decode pods already at the limit
+        (not to be picked); None when it stays on the prefill pool: overflow off, an untokenized
+        prompt, a prefill pod with fewer than the limit queued, or no decode pod under it
+        (module docstring)."""
+        limit = self._config.prefill_overflow_tokens
+        if limit <= 0 or num_prompt_tokens is None or not prefill_pods:
+            return None
+        if min(p.load.queued_prompt_tokens for p in prefill_pods) < limit:
+            return None
+        decode = self._pods.healthy(Role.DECODE)
+        full = frozenset(p.name for p in decode if p.load.queued_prompt_tokens >= limit)
+        return full if len(full) < len(decode) else None
+
     def _pick_decode(self, *, compat_hash: str | None, exclude: frozenset[str] = frozenset()) -> Pod | None:
         candidates = self._pods.healthy(Role.DECODE, compat_hash=compat_hash)
         name = choose_decode(candidates=[p.candidate() for p in candidates], exclude=exclude)
@@ -237,7 +276,7 @@ class Router:
     # ------------------------------------------------------------------ prefill
     async def _prefill(
         self, *, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
-        session: str | None,
+        session: str | None, prompt_tokens: int,
     ) -> tuple[Pod, dict[str, Any]] | Response:
         prefill_body = encode_body(prefill_request_body(body))
         tried: set[str] = set()
@@ -256,7 +295,9 @@ class Router:
             tried.add(pod.name)
             if attempt:
                 metrics.PREFILL_RETRIES.labels(model=self._config.model_label).inc()
+            uncached = max(0, prompt_tokens - choice.matched_blocks * self._config.block_size)
             pod.load.in_flight += 1
+            pod.load.in_flight_prompt_tokens += uncached
             try:
                 response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
                                             headers=headers, stream=False)
@@ -269,6 +310,7 @@ class Router:
                 continue
             finally:
                 pod.load.in_flight -= 1
+                pod.load.in_flight_prompt_tokens -= uncached
             if response.status_code >= 500:
                 last_error = f"prefill pod {pod.name} answered {response.status_code}"
                 log.warning("%s; retrying elsewhere", last_error)
@@ -296,11 +338,13 @@ class Router:
     # ------------------------------------------------------------------ forward
     async def _forward(
         self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, content: bytes,
-        headers: dict[str, str], started: float, unavailable: str,
+        headers: dict[str, str], started: float, unavailable: str, prompt_tokens: int = 0,
     ) -> Response:
         """Send to the pod `pick` chooses; a pod that cannot be reached, or answers 503
         (draining) or 429 (its queue is full) before sending anything, is skipped for another
-        one while one is left, so a scale-down or a full pod loses no request."""
+        one while one is left, so a scale-down or a full pod loses no request. `prompt_tokens`
+        count in the pod's ``in_flight_prompt_tokens`` until the answer ends (an overflow
+        request's share of a decode pod)."""
         tried: set[str] = set()
         last_error = unavailable
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
@@ -308,30 +352,30 @@ class Router:
             if pod is None:
                 break
             tried.add(pod.name)
-            pod.load.in_flight += 1
+            _acquire(pod, prompt_tokens)
             try:
                 upstream = await self._send(pod=pod, url=f"{pod.url}{path}", content=content,
                                             headers=headers, stream=True)
             except httpx.HTTPError as exc:
-                pod.load.in_flight -= 1
+                _release(pod, prompt_tokens)
                 self._pods.mark_failed(pod.name)
                 metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
                 last_error = f"{pod.role.value} pod {pod.name} failed: {type(exc).__name__}"
                 continue
             if upstream.status_code in RETRYABLE_STATUSES and pick(frozenset(tried)) is not None:
-                pod.load.in_flight -= 1
+                _release(pod, prompt_tokens)
                 await upstream.aclose()
                 if upstream.status_code == 503:
                     self._pods.mark_failed(pod.name)  # draining: out until the poller sees /ready again
                 metrics.FORWARD_RETRIES.labels(model=self._config.model_label, status=str(upstream.status_code)).inc()
                 continue
-            return await self._respond(pod=pod, upstream=upstream, started=started)
+            return await self._respond(pod=pod, upstream=upstream, started=started, prompt_tokens=prompt_tokens)
         if not tried:
             return self._unavailable(unavailable)
         metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
         return error_response(status=502, message=last_error, type_="upstream_error", code="decode_failed")
 
-    async def _respond(self, *, pod: Pod, upstream: PodResponse, started: float) -> Response:
+    async def _respond(self, *, pod: Pod, upstream: PodResponse, started: float, prompt_tokens: int) -> Response:
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not is_stream:
             try:
@@ -344,7 +388,7 @@ class Router:
                     type_="upstream_error", code="decode_failed",
                 )
             finally:
-                pod.load.in_flight -= 1
+                _release(pod, prompt_tokens)
                 await upstream.aclose()
             self._finish(upstream.status_code, started)
             return Response(content=content, status_code=upstream.status_code,
@@ -359,7 +403,7 @@ class Router:
             if closed:
                 return
             closed = True
-            pod.load.in_flight -= 1
+            _release(pod, prompt_tokens)
             await upstream.aclose()
             if ok:
                 self._finish(upstream.status_code, started)
@@ -386,6 +430,16 @@ class Router:
         outcome = "success" if status < 400 else ("client_error" if status < 500 else "upstream_error")
         metrics.REQUESTS.labels(model=self._config.model_label, outcome=outcome).inc()
         metrics.REQUEST_SECONDS.labels(model=self._config.model_label).observe(time.perf_counter() - started)
+
+
+def _acquire(pod: Pod, prompt_tokens: int) -> None:
+    pod.load.in_flight += 1
+    pod.load.in_flight_prompt_tokens += prompt_tokens
+
+
+def _release(pod: Pod, prompt_tokens: int) -> None:
+    pod.load.in_flight -= 1
+    pod.load.in_flight_prompt_tokens -= prompt_tokens
 
 
 def _passthrough_headers(response: PodResponse) -> dict[str, str]:

@@ -220,15 +220,27 @@ def _worst(values: Iterable[float | None]) -> float | None:
 
 def _plan_load(current: LoadObservation | None, forecast: LoadObservation | None, *,
                deviation: float = 0.0, peak: float = 0.0) -> Workload | None:
+    """The planned load: the larger of the current, forecast and peak rate plus the burst margin,
+    with the window's prompt and output lengths (the forecaster's for an empty window). The part
+    of the rate above the window's is requests still to come, so it takes the newest requests'
+    lengths where the last interval was read apart (``recent_*``): at a switch from long to
+    short outputs the window still holds the old mix, and pairing it with a rate that already
+    counts the new requests sized the decode pool for outputs nobody was asking for any more."""
     if current is None:
         return None
     if forecast is None:
         return Workload.from_load(current)
     lengths = current if current.request_rate > 0.0 else forecast  # an empty window has no mix
+    now = max(current.request_rate, 0.0)
+    rate = max(now, forecast.request_rate, peak, 0.0) + BURST_MARGIN * max(0.0, deviation)
+    prompt, output = max(lengths.prompt_tokens_mean, 0.0), max(lengths.output_tokens_mean, 1.0)
+    recent_prompt, recent_output = current.recent_prompt_tokens_mean, current.recent_output_tokens_mean
+    if rate > now and recent_prompt is not None and recent_output is not None:
+        ahead = rate - now
+        prompt = (now * prompt + ahead * max(recent_prompt, 0.0)) / rate
+        output = (now * output + ahead * max(recent_output, 1.0)) / rate
     return Workload(
-        request_rate=max(current.request_rate, forecast.request_rate, peak, 0.0) + BURST_MARGIN * max(0.0, deviation),
-        prompt_tokens=max(lengths.prompt_tokens_mean, 0.0),
-        output_tokens=max(lengths.output_tokens_mean, 1.0),
+        request_rate=rate, prompt_tokens=prompt, output_tokens=output,
         prefix_hit_ratio=min(1.0, max(0.0, min(current.prefix_hit_ratio, forecast.prefix_hit_ratio))),
     )
 

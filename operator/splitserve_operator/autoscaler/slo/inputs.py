@@ -136,6 +136,11 @@ class LoadObservation:
     output_tokens_mean: float
     prefix_hit_ratio: float
     """Prompt tokens served from the prefix cache / prompt tokens queried, in [0, 1]."""
+    recent_prompt_tokens_mean: float | None = None
+    recent_output_tokens_mean: float | None = None
+    """The same means over the last autoscaling interval only (None: not read, or no request
+    then): the newest requests' mix, which the planned load's part above the window's rate is
+    sized with (:func:`.controller._plan_load`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
