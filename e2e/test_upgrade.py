@@ -325,6 +325,12 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
             elif command[:2] == ["kubectl", "wait"]:
                 snapshot("stopped")
             elif command[:2] == ["kubectl", "apply"]:
+                # the API server swaps in a CRD's new schema asynchronously: a read right after
+                # the apply may still default by the old one (it did once, on a loaded machine)
+                cluster.wait_for(lambda: all(_isvc(cluster, name)["spec"][group][field] == default
+                                             for name in manifests
+                                             for (group, field), default in NEW_DEFAULTS.items()),
+                                 timeout_seconds=WAIT_SECONDS, what="the new CRD's defaults on read")
                 snapshot("crd upgraded")
             elif command[:2] == ["helm", "upgrade"]:  # the Deployment starts a pod again: ours
                 operators.append(HostOperator.start(cluster, pod_name="operator-upgraded", log_dir=tmp_path))

@@ -14,6 +14,7 @@ passed as ``--handoff-key-file``), so the handoff is authenticated as in product
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -55,6 +56,17 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct free ports: the sockets stay bound until all are picked (two calls of
+    :func:`free_port` in a row may return the same port, which the kernel just released; a
+    prefill pod then failed to bind its KV port next to its HTTP port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def _command() -> list[str]:
@@ -141,7 +153,7 @@ class Cluster:
 
     def _pod(self, *, role: str, index: int, octet: int) -> Proc:
         host = f"127.0.0.{octet}"
-        port, kv_port = free_port(host), free_port(host)
+        port, kv_port = free_ports(host, 2)
         args = serve_args(model_dir=self.model_dir, role=role, host=host, port=port,
                           kv_port=kv_port, kv_ttl_seconds=self.kv_ttl_seconds,
                           compat_hash=COMPAT_HASH, handoff_key_file=self._key_file(),
