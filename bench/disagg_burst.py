@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests" / "disagg"))  # the harness the disagg tes
 from disagg_harness import Cluster, Proc  # noqa: E402
 
 from splitserve_contract import Metric  # noqa: E402
-from splitserve_e2e.demo import LoadBurst  # noqa: E402
+from splitserve_e2e.demo import LoadBurst, percentile  # noqa: E402
 
 
 def _pod_figures(pod: Proc) -> dict[str, float]:
@@ -44,13 +44,6 @@ def _pod_figures(pod: Proc) -> dict[str, float]:
         "preemptions": pod.metric(Metric.PREEMPTIONS_TOTAL),
         "kv_transfer_failures": pod.metric(Metric.KV_TRANSFER_FAILURES_TOTAL),
     }
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))] * 1e3, 1)
 
 
 def run(*, requests: int, concurrency: int, num_kv_blocks: int, max_tokens: int,
@@ -84,7 +77,7 @@ def run(*, requests: int, concurrency: int, num_kv_blocks: int, max_tokens: int,
             "settings": {"concurrency": concurrency, "max_tokens": max_tokens,
                          "prompt_words": prompt_words, "prefill_overflow_tokens": prefill_overflow_tokens,
                          **engine},
-            "ttft_ms": {f"p{q}": _percentile(first_tokens, q) for q in (50, 90, 99)},
+            "ttft_ms": {f"p{q}": round(percentile(first_tokens, q / 100.0) * 1e3, 1) for q in (50, 90, 99)},
             "routes": {route: router.metric("splitserve_router_routes_total", route=route)
                        for route in ("disaggregated", "direct", "fallback", "overflow")},
             "router_prefill_upstream_errors": router.metric("splitserve_router_upstream_errors_total",

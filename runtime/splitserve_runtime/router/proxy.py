@@ -296,8 +296,7 @@ class Router:
             if attempt:
                 metrics.PREFILL_RETRIES.labels(model=self._config.model_label).inc()
             uncached = max(0, prompt_tokens - choice.matched_blocks * self._config.block_size)
-            pod.load.in_flight += 1
-            pod.load.in_flight_prompt_tokens += uncached
+            _acquire(pod, uncached)
             try:
                 response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
                                             headers=headers, stream=False)
@@ -309,8 +308,7 @@ class Router:
                 metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
                 continue
             finally:
-                pod.load.in_flight -= 1
-                pod.load.in_flight_prompt_tokens -= uncached
+                _release(pod, uncached)
             if response.status_code >= 500:
                 last_error = f"prefill pod {pod.name} answered {response.status_code}"
                 log.warning("%s; retrying elsewhere", last_error)
@@ -433,6 +431,7 @@ class Router:
 
 
 def _acquire(pod: Pod, prompt_tokens: int) -> None:
+    """A request of ``prompt_tokens`` is in flight on ``pod`` (its load, until :func:`_release`)."""
     pod.load.in_flight += 1
     pod.load.in_flight_prompt_tokens += prompt_tokens
 
