@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,24 @@ def longest_health_gap(server: InProcessServer, posted: Posted) -> float:
     return max(b - a for a, b in zip(marks, marks[1:], strict=False))
 
 
+def least_stalled(send: Callable[[], Posted], server: InProcessServer,
+                  bound: Callable[[Posted], float], attempts: int = 3) -> tuple[Posted, float]:
+    """``send()``'s request and the longest /health gap while it was in the server, measured
+    again (up to `attempts` times) while the gap is over ``bound(posted)``. Work on the event
+    loop stalls it on every attempt; a hiccup of the shared test machine (another process, a
+    scheduler or GC pause of this one) does not repeat, and once failed a full CI run."""
+    gaps: list[float] = []
+    for _attempt in range(attempts):
+        posted = send()
+        gaps.append(longest_health_gap(server, posted))
+        if gaps[-1] < bound(posted):
+            break
+    print(f"/health gaps, attempt by attempt: {', '.join(f'{gap:.3f} s' for gap in gaps)}")
+    if len(gaps) > 1:  # what else ran in this process, should the stall repeat
+        print("threads:", ", ".join(sorted(thread.name for thread in threading.enumerate())))
+    return posted, gaps[-1]
+
+
 def chat_body(text: str) -> dict[str, Any]:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
             "max_tokens": 1}
@@ -135,15 +153,19 @@ def short_server(tiny_llama_dir: Path) -> Iterator[InProcessServer]:
                                                  ("/v1/chat/completions", chat_body)])
 def test_health_answers_while_a_big_prompt_is_tokenized(long_server: InProcessServer,
                                                         path: str, make_body: Any) -> None:
-    posted = post_in_background(long_server, path, make_body(prose(BIG_CHARS)))
-    gap = longest_health_gap(long_server, posted)
+    def bound(posted: Posted) -> float:
+        return max(STALL_BOUND_SECONDS, posted.seconds / 4)
+
+    posted, gap = least_stalled(
+        lambda: post_in_background(long_server, path, make_body(prose(BIG_CHARS))),
+        long_server, bound)
     print(f"{path}: {BIG_CHARS / 1e6:.0f} MB prompt answered in {posted.seconds:.2f} s, "
           f"longest /health gap meanwhile {gap:.3f} s")
     # tokenized in full, then refused by the exact check (not by its length)
     assert posted.status == 400, posted.body
     assert posted.body["error"]["code"] == "context_length_exceeded"
     assert "in the prompt" in posted.body["error"]["message"]
-    assert gap < max(STALL_BOUND_SECONDS, posted.seconds / 4), (gap, posted.seconds)
+    assert gap < bound(posted), (gap, posted.seconds)
 
 
 def test_a_small_stream_finishes_while_a_big_prompt_is_tokenized(
@@ -190,8 +212,9 @@ def test_a_full_prompt_pool_answers_429_with_retry_after(long_server: InProcessS
                                                  ("/v1/chat/completions", chat_body)])
 def test_a_prompt_too_long_to_fit_is_refused_from_its_length(short_server: InProcessServer,
                                                              path: str, make_body: Any) -> None:
-    posted = post_in_background(short_server, path, make_body(prose(4_000_000)))
-    gap = longest_health_gap(short_server, posted)
+    posted, gap = least_stalled(
+        lambda: post_in_background(short_server, path, make_body(prose(4_000_000))),
+        short_server, lambda _posted: STALL_BOUND_SECONDS * 2)
     print(f"{path}: 4 MB prompt refused in {posted.seconds:.3f} s, /health gap {gap:.3f} s")
     assert posted.status == 400
     error = posted.body["error"]
@@ -223,8 +246,9 @@ def test_a_body_of_many_small_values_is_refused_without_stalling(
     40k unknown fields 10 s, 150k messages 6 s. These bodies are over the decoder's inline
     size, so they are decoded and validated in the decoder process."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    posted = post_in_background(short_server, path, {"model": MODEL_NAME, **body})
-    gap = longest_health_gap(short_server, posted)
+    posted, gap = least_stalled(
+        lambda: post_in_background(short_server, path, {"model": MODEL_NAME, **body}),
+        short_server, lambda _posted: STALL_BOUND_SECONDS * 2)
     print(f"{path}: refused in {posted.seconds:.3f} s, /health gap {gap:.3f} s")
     assert posted.status == 400, posted.body
     assert len(posted.body["error"]["message"]) < 1000
@@ -240,8 +264,9 @@ def test_a_body_of_millions_of_tiny_arrays_is_decoded_off_the_loop(
     request holds), and only the refusal crosses back."""
     arrays = ",".join(["[]"] * ((8 * 1024 * 1024 - 200) // 3))
     payload = f'{{"model": "{MODEL_NAME}", "prompt": "x", "user": [{arrays}]}}'.encode()
-    posted = post_raw_in_background(short_server, "/v1/completions", payload)
-    gap = longest_health_gap(short_server, posted)
+    posted, gap = least_stalled(
+        lambda: post_raw_in_background(short_server, "/v1/completions", payload),
+        short_server, lambda _posted: STALL_BOUND_SECONDS)
     print(f"8 MiB of tiny arrays refused in {posted.seconds:.3f} s, /health gap {gap:.3f} s")
     assert posted.status == 400, posted.body
     assert "JSON arrays and objects" in posted.body["error"]["message"]
