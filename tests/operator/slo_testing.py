@@ -83,3 +83,24 @@ def predicts(fitted: StepCoefficients | None, truth: StepCoefficients, tolerance
         if abs(got - want) > tolerance * want:
             return False
     return True
+
+
+def decode_window(theta: StepCoefficients, *, batch: float, steps: float = 500.0,
+                  context: float = 1100.0) -> StepSample:
+    """A decode pod's window of ``steps`` steps of ``batch`` rows each, timed by ``theta``."""
+    rows = batch * steps
+    x = (steps, 0.0, 0.0, rows, rows * context)
+    return StepSample(steps=steps, seconds=sum(c * v for c, v in zip(theta.as_tuple(), x, strict=True)),
+                      prefill_tokens=0.0, prefill_attention_pairs=0.0, decode_rows=rows,
+                      decode_context_tokens=rows * context)
+
+
+def decode_fit(theta: StepCoefficients, *, batches: list[float], prior: StepCoefficients | None = None,
+               until: float = 0.0) -> StepFit:
+    """A decode pool's fit from one window per batch size of ``batches`` (prompt lengths varying
+    a little, as they do), ending at ``until`` seconds."""
+    fit = StepFit.fresh(prior=prior)
+    for i, batch in enumerate(batches):
+        fit.add([decode_window(theta, batch=batch, context=1100.0 + 20.0 * (i % 3))],
+                now_seconds=until - (len(batches) - 1 - i) * 15.0)
+    return fit

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from slo_testing import TRUTH, inputs, load, pool, trained_fit
+from slo_testing import TRUTH, decode_fit, inputs, load, pool, trained_fit
 
 from splitserve_contract import Reason
 from splitserve_operator.autoscaler.decision import (
@@ -373,6 +373,26 @@ def test_without_a_prior_a_barely_fitted_model_adds_no_pods_but_measured_violati
     violated = disagg(1, 1, ttft=0.9, itl=0.09)
     reactive = decide(violated, rate=30.0, slo=no_prior, slo_state=state(violated, rate=30.0, trained=False))
     assert all(d.result > 1 and d.reason == Reason.SLO_VIOLATED for d in reactive.values())
+
+
+def test_without_a_prior_a_fit_is_trusted_only_for_the_mix_it_saw() -> None:
+    """A decode pool that has only run batches of one: its fit (no prior) explains every
+    window, but splits a step's cost between the fixed part and the row arbitrarily, and so
+    prices the batches the planned load brings at several times their cost. The controller
+    reads the fit's confidence at the planned mix, finds none, and adds no pods on it (a
+    measured violation still would); windows of several batch sizes make the same plan count."""
+    no_prior = SloTarget(ttft_p99_seconds=0.5, itl_p99_seconds=0.05, attainment=0.99, headroom=0.8, prior=None)
+    pools = disagg(2, 1)
+    st = state(pools, rate=30.0, prior=None)
+    st.fits["decode"] = decode_fit(TRUTH, batches=[1.0] * 12, until=NOW)
+    assert st.fits["decode"].confidence > 0.7
+    held = decide(pools, rate=30.0, slo=no_prior, slo_state=st)["decode"]
+    assert held.result == 1 and "ignored for scale-up" in held.formula, held.formula
+    st.fits["decode"] = decode_fit(TRUTH, batches=[1.0, 2.0, 4.0, 8.0, 16.0, 3.0, 6.0, 12.0] * 2, until=NOW)
+    sized = decide(pools, rate=30.0, slo=no_prior, slo_state=st)["decode"]
+    with_prior = decide(pools, rate=30.0)["decode"]
+    assert sized.result == with_prior.result > 1, (sized.formula, with_prior.formula)
+    assert sized.reason == Reason.SLO_PREDICTED
 
 
 def test_a_model_driven_scale_up_at_the_current_load_says_so() -> None:

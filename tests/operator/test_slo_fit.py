@@ -7,7 +7,16 @@ import math
 import random
 
 import pytest
-from slo_testing import REFERENCE_STEPS, TRUTH, predicts, trained_fit, window, within
+from slo_testing import (
+    REFERENCE_STEPS,
+    TRUTH,
+    decode_fit,
+    decode_window,
+    predicts,
+    trained_fit,
+    window,
+    within,
+)
 
 from splitserve_operator.autoscaler.slo import (
     SloState,
@@ -264,3 +273,41 @@ def test_split_leaves_windows_it_cannot_split_whole() -> None:
     assert (first.steps, first.prefill_tokens, first.decode_rows, first.seconds) == (6.0, 0.0, 24.0, 0.2)
     assert (rest.steps, rest.prefill_tokens, rest.decode_rows, rest.decode_context_tokens) == (4.0, 100.0, 16.0, 2000.0)
     assert rest.seconds == pytest.approx(0.3)
+
+
+def time_ratio(fitted: StepCoefficients | None, sample: StepSample) -> float:
+    """Predicted over true busy time of ``sample``."""
+    assert fitted is not None
+    return sum(c * v for c, v in zip(fitted.as_tuple(), sample.features(), strict=True)) / sample.seconds
+
+
+def test_without_a_prior_a_mix_the_windows_never_had_has_no_confidence() -> None:
+    """Batch-1 decode windows have as many decode rows as steps: they cannot split a step's
+    fixed cost from a row's, so the ridge's split prices a batch of 8 at ~4x its time. The
+    fit explains every window it saw (confidence high), but not that batch: its confidence at
+    that mix is none. Windows of several batch sizes identify the split, and the same mix
+    is trusted and predicted right."""
+    batch_one = decode_fit(TRUTH, batches=[1.0] * 8)
+    one, eight = decode_window(TRUTH, batch=1.0), decode_window(TRUTH, batch=8.0)
+    assert batch_one.confidence > 0.7
+    assert time_ratio(batch_one.coefficients, one) == pytest.approx(1.0, rel=0.01)
+    assert time_ratio(batch_one.coefficients, eight) > 2.0  # the unidentified split extrapolates badly
+    assert batch_one.support(one.features()) == pytest.approx(batch_one.weight, rel=0.25)
+    assert batch_one.confidence_at(one.features()) == pytest.approx(batch_one.confidence, rel=0.05)
+    assert batch_one.confidence_at(eight.features()) < 0.01
+    varied = decode_fit(TRUTH, batches=[1.0, 2.0, 4.0, 8.0, 1.0, 3.0, 6.0, 2.0])
+    assert time_ratio(varied.coefficients, eight) == pytest.approx(1.0, rel=0.01)
+    assert varied.confidence_at(eight.features()) > 0.8 * varied.confidence
+    # twice the largest batch seen: predicted right here, but an extrapolation, trusted less
+    sixteen = decode_window(TRUTH, batch=16.0)
+    assert 0.2 < varied.confidence_at(sixteen.features()) < varied.confidence_at(eight.features())
+
+
+def test_with_a_prior_the_support_counts_the_prior_along_what_the_data_leaves_open() -> None:
+    """With a prior the unidentified direction stays at the prior's split (the module
+    docstring), so a prediction there is finite and its support is the prior's few
+    pseudo-windows, not nothing; the controller uses the mix confidence only without one."""
+    fit = decode_fit(TRUTH, batches=[1.0] * 8, prior=TRUTH.scaled(0.5))
+    eight = decode_window(TRUTH, batch=8.0)
+    assert 0.0 < fit.support(eight.features()) < fit.weight
+    assert time_ratio(fit.coefficients, eight) < 1.0  # between the prior (2x fast) and the truth

@@ -152,9 +152,18 @@ class _Plan:
     unattainable: bool = False
     stages: list[str] = dataclasses.field(default_factory=list)
 
+    mix: tuple[float, ...] | None = None
+    """Without a prior: one planned request's step features on this pool (:func:`_planned_mix`)."""
+
     @property
     def confidence(self) -> float:
-        return self.fit.confidence if self.fit is not None else 0.0
+        """The fit's confidence; without a prior, at the planned mix (:meth:`.StepFit.confidence_at`):
+        a direction the data never excited has no value at all then, only the ridge's split."""
+        if self.fit is None:
+            return 0.0
+        if self.mix is not None:
+            return self.fit.confidence_at(self.mix)
+        return self.fit.confidence
 
     def metrics(self) -> tuple[bool, bool]:
         """Which of (TTFT, ITL) this pool answers for."""
@@ -303,6 +312,40 @@ def _attach_estimators(plans: Mapping[str, _Plan], *, slo: SloTarget, max_num_ba
             return LatencyEstimate(ttft_seconds=p.ttft_seconds + first, itl_seconds=0.0, prefill=p)
         plan.estimate = prefill
         _search(plan, slo)
+    if slo.prior is None:
+        for plan in plans.values():
+            plan.mix = _planned_mix(plan, budget)
+
+
+def _planned_mix(plan: _Plan, budget: int) -> tuple[float, ...] | None:
+    """The step features (:meth:`.inputs.StepSample.features` order) one request of the planned
+    load brings to this pool at its model count (else its current one): prefill chunks, prompt
+    tokens and attention pairs on a prefill pool, ``output / batch`` steps of ``batch`` rows on
+    a decode pool, both on an aggregated one. A fit from windows of another mix extrapolates to
+    it (batch-1 windows say nothing of a batch of 8)."""
+    load, estimate = plan.workload, plan.estimate
+    if load is None or estimate is None:
+        return None
+    replicas = plan.model_replicas or max(1, plan.pool.current_replicas)
+    role = plan.pool.role
+    chunks = float(math.ceil(load.uncached_tokens / max(1, budget))) if load.uncached_tokens > 0 else 0.0
+    prefill = (chunks, load.uncached_tokens, load.prefill_pairs, 0.0, 0.0)
+    if role == ROLE_PREFILL:
+        return prefill
+    decode = estimate(replicas, load).decode
+    if decode is not None and math.isfinite(decode.batch):
+        batch = decode.batch
+    else:  # unstable by this fit: at least the rows that arrive during a batch-1 step
+        theta = plan.theta
+        assert theta is not None
+        one_row = theta.step + theta.decode_row + theta.decode_context * load.decode_context
+        batch = load.request_rate * load.output_tokens / replicas * one_row
+    rows = max(load.output_tokens, 0.0)
+    steps = rows / max(1.0, batch)
+    decoding = (steps, 0.0, 0.0, rows, rows * load.decode_context)
+    if role == ROLE_DECODE:
+        return decoding
+    return tuple(a + b for a, b in zip(prefill, decoding, strict=True))
 
 
 def _first_decode_step(decode_plans: list[_Plan], load: Workload) -> float:
@@ -664,7 +707,7 @@ def _model_fields(plan: _Plan, slo: SloTarget, result: int) -> dict[str, float]:
         for name, value in zip(COEFFICIENT_NAMES, plan.theta.as_tuple(), strict=True):
             out[_CAMEL[name]] = value
     if plan.fit is not None:
-        out["confidence"] = round(plan.fit.confidence, 4)
+        out["confidence"] = round(plan.confidence, 4)
         out["points"] = float(plan.fit.points)
         error = plan.fit.relative_error
         if error is not None:

@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from .inputs import COEFFICIENT_NAMES, StepCoefficients, StepSample
-from .linalg import Matrix, solve_nonnegative, zeros
+from .linalg import Matrix, solve_nonnegative, solve_spd, zeros
 
 HALF_LIFE_SECONDS: Final = 900.0
 """Data older than this counts half (15 min: a drifted pod re-converges within ~30 min;
@@ -227,11 +227,60 @@ class StepFit:
         share = self._weight / (self._weight + PRIOR_WINDOWS)
         return max(0.0, min(1.0, share * max(0.0, 1.0 - error / ERROR_SCALE)))
 
-    def _solve(self) -> StepCoefficients | None:
-        if self._weight <= 0.0:
-            return self.prior
-        if self.prior is None and self._points < MIN_POINTS_WITHOUT_PRIOR:
-            return None
+    def support(self, features: Sequence[float]) -> float:
+        """Effective windows of data behind the prediction at ``features`` (a window's or a
+        step's feature vector): ``1 / (uᵀ (G + P)⁻¹ u)`` with ``u = x / (θ·x)``, the inverse
+        leverage of that point. A mix like the data's has the support of all of it (``n``
+        windows of one mix: ``n``); a mix along a direction the data never excited has
+        next to none without a prior (the ridge alone bounds it: batch-1 decode windows
+        cannot say what a batch of 16 costs, steps and decode rows being the same count
+        in every one of them). With a prior that direction stays at the prior's split and
+        the support counts the prior's pseudo-windows. 0 without coefficients."""
+        theta = self.coefficients
+        if theta is None or self._weight <= 0.0:
+            return 0.0
+        predicted = sum(c * v for c, v in zip(theta.as_tuple(), features, strict=True))
+        if not predicted > 0.0 or not math.isfinite(predicted):
+            return 0.0
+        u = [v / predicted for v in features]
+        precision, _ = self._precision()
+        a = [[self._gram[i][j] + precision[i][j] for j in range(_N)] for i in range(_N)]
+        # a feature neither the data nor the prior has (all-zero row) cannot be in ``u``
+        # of a prediction that needs it: drop it from the solve
+        keep = [j for j in range(_N) if a[j][j] > 0.0]
+        if any(u[j] != 0.0 for j in range(_N) if j not in keep):
+            return 0.0
+        # in unit-diagonal coordinates, as the solve: the features' scales differ by 10⁸
+        d = {j: math.sqrt(a[j][j]) for j in keep}
+        scaled_a = [[a[i][j] / (d[i] * d[j]) for j in keep] for i in keep]
+        scaled_u = [u[j] / d[j] for j in keep]
+        v = solve_spd(scaled_a, scaled_u)
+        if v is None:
+            return 0.0
+        leverage = sum(x * y for x, y in zip(scaled_u, v, strict=True))
+        # the data's own mean leverage is (effective parameters) / n: normalise by the
+        # effective parameters, trace((G + P)⁻¹ G), so a mix like the data's has support n
+        parameters = 0.0
+        for k, j in enumerate(keep):
+            column = solve_spd(scaled_a, [self._gram[i][j] / (d[i] * d[j]) for i in keep])
+            if column is None:
+                return 0.0
+            parameters += column[k]
+        return max(parameters, 1.0) / leverage if leverage > 0.0 else math.inf
+
+    def confidence_at(self, features: Sequence[float]) -> float:
+        """:attr:`confidence` with the data's share counted as the support of this mix
+        (:meth:`support`) where that is smaller: how far a prediction at ``features`` may
+        be relied on. Equal to :attr:`confidence` for a mix like the data's."""
+        error = self.relative_error
+        if error is None or self._weight <= 0.0:
+            return 0.0
+        windows = min(self._weight, self.support(features))
+        share = windows / (windows + PRIOR_WINDOWS)
+        return max(0.0, min(self.confidence, share * max(0.0, 1.0 - error / ERROR_SCALE)))
+
+    def _precision(self) -> tuple[Matrix, tuple[float, ...]]:
+        """``(P, θ₀)`` of the module docstring (a negligible ridge and zeros without a prior)."""
         theta0 = self.prior.as_tuple() if self.prior is not None else (0.0,) * _N
         n = self._weight
         if self.prior is not None:
@@ -248,6 +297,14 @@ class StepFit:
         else:
             precision = [[RIDGE_WITHOUT_PRIOR * self._gram[i][j] if i == j else 0.0 for j in range(_N)]
                          for i in range(_N)]
+        return precision, theta0
+
+    def _solve(self) -> StepCoefficients | None:
+        if self._weight <= 0.0:
+            return self.prior
+        if self.prior is None and self._points < MIN_POINTS_WITHOUT_PRIOR:
+            return None
+        precision, theta0 = self._precision()
         # Normalised coordinates z_j = D_j θ_j so that the solve sees unit diagonals.
         diag = [math.sqrt(self._gram[j][j] + precision[j][j]) for j in range(_N)]
         a = [[(self._gram[i][j] + precision[i][j]) / (diag[i] * diag[j]) if diag[i] > 0 and diag[j] > 0
