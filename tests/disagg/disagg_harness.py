@@ -14,12 +14,10 @@ passed as ``--handoff-key-file``), so the handoff is authenticated as in product
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve_contract import ServeArgs, serve_argv
+from splitserve_e2e.net import free_port
 
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 16
@@ -52,21 +51,9 @@ def serve_args(*, model_dir: Path, **overrides: object) -> ServeArgs:
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct free ports: the sockets stay bound until all are picked (two calls of
-    :func:`free_port` in a row may return the same port, which the kernel just released; a
-    prefill pod then failed to bind its KV port next to its HTTP port)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in socks:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+    """``count`` distinct free ports (:func:`splitserve_e2e.net.free_port` never repeats one)."""
+    return [free_port(host=host) for _ in range(count)]
 
 
 def _command() -> list[str]:

@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
-from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, free_port
+from disagg_harness import MODEL_NAME, Cluster, Proc, Reference
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_e2e.net import free_port
 from splitserve_runtime.transfer import HandoffAuth, HandoffKey, framing
 from splitserve_runtime.transfer.framing import FrameType
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, free_port, wait_for
+from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, wait_for
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_e2e.net import free_port
 
 PROMPT = ("Once upon a time in a land far away there lived a king who had three daughters, "
           "and the youngest of them was the cleverest of all")

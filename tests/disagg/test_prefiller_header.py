@@ -20,12 +20,13 @@ from typing import Any, cast
 import httpx
 import openai
 import pytest
-from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, free_port
+from disagg_harness import MODEL_NAME, Cluster, Proc, Reference
 from openai.types.chat import ChatCompletionMessageParam
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric, Role
+from splitserve_e2e.net import free_port
 from splitserve_runtime.server.errors import APIError
 from splitserve_runtime.server.prefiller import (
     PREFILL_ENDPOINTS_HEADER,

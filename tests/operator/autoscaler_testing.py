@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +35,7 @@ from urllib3.util.retry import Retry
 
 from splitserve_e2e import build
 from splitserve_e2e import pki as build_pki
+from splitserve_e2e.net import free_port
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import quote_label_value
 
@@ -132,10 +132,6 @@ def wait_for_window(
     eventually(settled, timeout_seconds=timeout_seconds)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclasses.dataclass

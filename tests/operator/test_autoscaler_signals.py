@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from autoscaler_testing import FakePod, eventually, free_port, running_prometheus
+from autoscaler_testing import FakePod, eventually, running_prometheus
 from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
 from splitserve_contract import Metric, Reason
+from splitserve_e2e.net import free_port
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import (
     KV,

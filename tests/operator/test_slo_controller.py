@@ -388,6 +388,7 @@ def test_without_a_prior_a_fit_is_trusted_only_for_the_mix_it_saw() -> None:
     assert st.fits["decode"].confidence > 0.7
     held = decide(pools, rate=30.0, slo=no_prior, slo_state=st)["decode"]
     assert held.result == 1 and "ignored for scale-up" in held.formula, held.formula
+    assert "at the planned mix (fit 0.8" in held.formula, held.formula
     st.fits["decode"] = decode_fit(TRUTH, batches=[1.0, 2.0, 4.0, 8.0, 16.0, 3.0, 6.0, 12.0] * 2, until=NOW)
     sized = decide(pools, rate=30.0, slo=no_prior, slo_state=st)["decode"]
     with_prior = decide(pools, rate=30.0)["decode"]

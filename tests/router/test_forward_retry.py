@@ -13,9 +13,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
-from threaded_server import ThreadedServer, free_port
+from threaded_server import ThreadedServer
 
 from splitserve_contract import RouterArgs
+from splitserve_e2e.net import free_port
 
 
 def _pod(*, status: int, hits: list[str], name: str) -> FastAPI:

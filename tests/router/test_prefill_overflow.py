@@ -19,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from threaded_server import ThreadedServer, aggregated_pod_app, free_port
+from threaded_server import ThreadedServer, aggregated_pod_app
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric, RouterArgs
+from splitserve_e2e.net import free_port
 
 PROMPT = "x" * 8000
 """2,000 tokens for the router's fallback tokenizer (4-byte chunks)."""

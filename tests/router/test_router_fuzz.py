@@ -24,9 +24,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from threaded_server import ThreadedServer, free_port, gauges
+from threaded_server import ThreadedServer, gauges
 
 from splitserve_contract import RouterArgs, ServeArgs
+from splitserve_e2e.net import free_port
 
 MODEL_NAME = "tiny-llama"
 CASES_PER_BATCH = 2300

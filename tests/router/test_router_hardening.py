@@ -24,9 +24,10 @@ from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse as StarlettePlainText
 from starlette.routing import Route
-from threaded_server import ThreadedServer, aggregated_pod_app, free_port
+from threaded_server import ThreadedServer, aggregated_pod_app
 
 from splitserve_contract import INFO_PATH, Metric, Role, RouterArgs
+from splitserve_e2e.net import free_port
 
 KEY = "sk-router-test-key"
 

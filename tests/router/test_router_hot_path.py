@@ -20,9 +20,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from threaded_server import ThreadedServer, aggregated_pod_app, free_port, gauges
+from threaded_server import ThreadedServer, aggregated_pod_app, gauges
 
 from splitserve_contract import RouterArgs
+from splitserve_e2e.net import free_port
 
 KEY = "sk-hot-path"
 EVENT_INTERVAL_S = 0.05

@@ -21,9 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-from threaded_server import ThreadedServer, free_port, gauges
+from threaded_server import ThreadedServer, gauges
 
 from splitserve_contract import RouterArgs, ServeArgs
+from splitserve_e2e.net import free_port
 
 MODEL_NAME = "tiny-llama"
 NUM_PODS = 2

@@ -3,7 +3,6 @@ needs to pass the router's health poll, a free loopback port, and a /metrics gau
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,12 +15,6 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve_contract import INFO_PATH
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def aggregated_pod_app(*, role: str = "aggregated", metrics_text: Callable[[], str] = lambda: "") -> FastAPI:

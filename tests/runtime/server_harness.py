@@ -110,10 +110,6 @@ def start_server(*, args: ServeArgs, api_key: str | None = None,
     return InProcessServer(app=app, engine=engine)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def spawn_server(*, args: ServeArgs, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

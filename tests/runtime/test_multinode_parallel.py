@@ -26,7 +26,6 @@ import openai
 import pytest
 from server_harness import (
     MODEL_NAME,
-    free_port,
     serve_args,
     serve_until_exit,
     spawn_server,
@@ -36,6 +35,7 @@ from server_harness import (
 from torch._C._distributed_c10d import TCPStore
 
 from splitserve_contract import ServeArgs
+from splitserve_e2e.net import free_port
 from splitserve_runtime.engine.parallel import liveness
 from splitserve_runtime.engine.parallel.launcher import WORKER_EXIT_STATUS
 from splitserve_runtime.engine.parallel.placement import (

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import MODEL_NAME, free_port, serve_args, spawn_server, start_server, wait_until
+from server_harness import MODEL_NAME, serve_args, spawn_server, start_server, wait_until
 
+from splitserve_e2e.net import free_port
 from splitserve_runtime.engine.parallel.launcher import WORKER_EXIT_STATUS
 from splitserve_runtime.termination import TERMINATION_LOG_ENV
 

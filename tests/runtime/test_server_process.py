@@ -12,10 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import MODEL_NAME, free_port, serve_args, spawn_server, wait_until
+from server_harness import MODEL_NAME, serve_args, spawn_server, wait_until
 
 import splitserve_cli as cli
 from splitserve_contract import SERVE_FLAGS
+from splitserve_e2e.net import free_port
 
 BLOCK_TORCH = """
 import sys

@@ -46,7 +46,9 @@ One round, per pool (:func:`decide_slo`):
    current count, still meets the targets at the load ÷ headroom (the N-1 check, against Dynamo's 2↔1
    flapping); otherwise the current count is held. Without a prior, a model count above the
    current one is used only at a confidence of :data:`MIN_CONFIDENCE_TO_SCALE_UP` or more
-   (measured violations scale up regardless). A fit of low confidence still steps down
+   (measured violations scale up regardless), and every confidence gate of a prior-less fit
+   reads its confidence at the planned request's mix (:meth:`.StepFit.confidence_at`,
+   :func:`_planned_mix`): batch-1 windows vouch for nothing about a batch of 8. A fit of low confidence still steps down
    one replica on measurements alone: an idle pool, or a measured p99 that stays within half
    of ``headroom × target`` even scaled by ``N/(N-1)`` (:func:`_measured_scale_down`).
 5. Floors: never below the count target tracking chose (``floors``; targets are floors).
@@ -660,8 +662,10 @@ def _describe_inputs(plan: _Plan, slo: SloTarget) -> str:
     forecast = (f" (forecast {plan.forecast_rate:.2f}/s @ {plan.horizon_seconds:.0f}s)"
                 if plan.forecast_rate is not None else "")
     fit = plan.fit
+    windows = fit.points if fit else 0
     model = "θ none" if plan.theta is None else (
-        f"θ conf {plan.confidence:.2f} ({fit.points if fit else 0} windows)")
+        f"θ conf {plan.confidence:.2f} at the planned mix (fit {fit.confidence:.2f}, {windows} windows)"
+        if plan.mix is not None and fit is not None else f"θ conf {plan.confidence:.2f} ({windows} windows)")
     return (f"{head}; plan λ {w.request_rate:.2f}/s{forecast}, prompt {w.prompt_tokens:.0f} "
             f"(hit {w.prefix_hit_ratio:.2f}), output {w.output_tokens:.0f}; {model}")
 

@@ -61,6 +61,15 @@ miss the fit, change detection discounts the old data and the new mix separates 
 coefficients within a few rounds. Gating on a per-direction posterior variance would
 instead hold every pure prefill/decode pool at low confidence (their features are
 collinear by construction) and block its scale-downs.
+
+Without a prior (1) does not hold: the unidentified direction has no value at all, only the
+negligible ridge's split (batch-1 decode windows put half a step's cost on the row and price a
+batch of 8 at ~4x). :meth:`StepFit.confidence_at` is for that case: the confidence with the
+data's share counted as the support of one mix, ``1 / leverage`` of the planned request's
+features (normalised by the effective number of parameters, so a mix like the data's has the
+support of all of it). Not a per-direction variance: the pool's own mix keeps the fit's full
+confidence; only a plan the windows never showed loses it. The controller reads it for
+prior-less fits (:func:`.controller._planned_mix`).
 """
 
 from __future__ import annotations
