@@ -283,15 +283,16 @@ def time_ratio(fitted: StepCoefficients | None, sample: StepSample) -> float:
 
 def test_without_a_prior_a_mix_the_windows_never_had_has_no_confidence() -> None:
     """Batch-1 decode windows have as many decode rows as steps: they cannot split a step's
-    fixed cost from a row's, so the ridge's split prices a batch of 8 at ~4x its time. The
-    fit explains every window it saw (confidence high), but not that batch: its confidence at
-    that mix is none. Windows of several batch sizes identify the split, and the same mix
-    is trusted and predicted right."""
+    fixed cost from a row's. Without a prior that split goes to the step (``ROW_RIDGE_FACTOR``),
+    so a batch of 8 is priced under its time, never over (the equal split before priced it at
+    ~4x). Either way it is a guess: the fit explains every window it saw
+    (confidence high), but its confidence at that batch is none. Windows of several batch
+    sizes identify the split, and the same mix is trusted and predicted right."""
     batch_one = decode_fit(TRUTH, batches=[1.0] * 8)
     one, eight = decode_window(TRUTH, batch=1.0), decode_window(TRUTH, batch=8.0)
     assert batch_one.confidence > 0.7
     assert time_ratio(batch_one.coefficients, one) == pytest.approx(1.0, rel=0.01)
-    assert time_ratio(batch_one.coefficients, eight) > 2.0  # the unidentified split extrapolates badly
+    assert 0.7 < time_ratio(batch_one.coefficients, eight) < 0.97  # the fixed part, and little of the rows
     assert batch_one.support(one.features()) == pytest.approx(batch_one.weight, rel=0.25)
     assert batch_one.confidence_at(one.features()) == pytest.approx(batch_one.confidence, rel=0.05)
     assert batch_one.confidence_at(eight.features()) < 0.01

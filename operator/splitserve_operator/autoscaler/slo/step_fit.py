@@ -63,8 +63,13 @@ instead hold every pure prefill/decode pool at low confidence (their features ar
 collinear by construction) and block its scale-downs.
 
 Without a prior (1) does not hold: the unidentified direction has no value at all, only the
-negligible ridge's split (batch-1 decode windows put half a step's cost on the row and price a
-batch of 8 at ~4x). :meth:`StepFit.confidence_at` is for that case: the confidence with the
+ridge's split. That split is put on the step's fixed part rather than on its decode rows
+(:data:`ROW_RIDGE_FACTOR`): batch-1 decode windows then price a batch of 8 a little under its
+time (0.92x on the test truth) instead of at ~4x (the equal split) — the weights read is the
+fixed part of every decode step, and an optimistic price is corrected by the first measured
+violation and the larger batches it brings, where a pessimistic one adds pods that keep the
+batches small, so the data never corrects it (the SLO e2e without a prior scaled its decode
+pool on the forecast so). :meth:`StepFit.confidence_at` is for the same case: the confidence with the
 data's share counted as the support of one mix, ``1 / leverage`` of the planned request's
 features (normalised by the effective number of parameters, so a mix like the data's has the
 support of all of it). Not a per-direction variance: the pool's own mix keeps the fit's full
@@ -94,6 +99,10 @@ MIN_POINTS_WITHOUT_PRIOR: Final = 3
 """Windows needed before a prior-less fit returns coefficients."""
 RIDGE_WITHOUT_PRIOR: Final = 1e-6
 """Ridge (relative to each feature's magnitude) that keeps a prior-less solve defined."""
+ROW_RIDGE_FACTOR: Final = 100.0
+"""The decode row and context coefficients' ridge, times :data:`RIDGE_WITHOUT_PRIOR`: what
+prior-less windows cannot split between a step's fixed part and its rows goes to the step
+(module docstring). Still 10⁻⁴ of each feature's own weight: no pull on identified data."""
 CHANGE_ERROR_FACTOR: Final = 3.0
 CHANGE_MIN_ERROR: Final = 0.08
 """A round off by more than this (and 3× the fit's usual error) signals a changed pod."""
@@ -304,8 +313,9 @@ class StepFit:
                 if theta0[j] > 0.0:
                     precision[j][j] = max(precision[j][j], PRIOR_FLOOR_WINDOWS / (theta0[j] * theta0[j]))
         else:
-            precision = [[RIDGE_WITHOUT_PRIOR * self._gram[i][j] if i == j else 0.0 for j in range(_N)]
-                         for i in range(_N)]
+            per_row = {COEFFICIENT_NAMES.index("decode_row"), COEFFICIENT_NAMES.index("decode_context")}
+            precision = [[RIDGE_WITHOUT_PRIOR * (ROW_RIDGE_FACTOR if i in per_row else 1.0) * self._gram[i][j]
+                          if i == j else 0.0 for j in range(_N)] for i in range(_N)]
         return precision, theta0
 
     def _solve(self) -> StepCoefficients | None:
