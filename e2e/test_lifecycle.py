@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,16 @@ def _wait_dead(pids: dict[str, int], *, timeout_seconds: float) -> list[str]:
     return alive()
 
 
-def test_up_status_down_and_killed_daemon_leave_no_process(tmp_path: Path) -> None:
-    state_dir = tmp_path / "cluster"
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    """The cluster's state directory; ``down`` afterwards whatever the test did, so a failed
+    assertion leaves no etcd or API server running (``down`` of a stopped cluster says so)."""
+    path = tmp_path / "cluster"
+    yield path
+    _cli(path, "down")
+
+
+def test_up_status_down_and_killed_daemon_leave_no_process(state_dir: Path) -> None:
     up = _cli(state_dir, "up", "--num-gpu-nodes=1", "--no-prometheus", "--no-kubelet-node")
     assert up.returncode == 0, up.stderr + up.stdout
     assert f"export KUBECONFIG={state_dir / 'admin.kubeconfig'}" in up.stdout
