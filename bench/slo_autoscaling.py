@@ -10,7 +10,7 @@ bursty 2-state MMPP whose prompts double mid-trace) run through the simulator un
     pools' ``min_replicas`` too (``TUNING_FLOORS``: 1, 2, 3), as an operator tuning target
     tracking by hand would,
 (c) the SLO controller (the operator's ``decide_slo``, imported) with the roofline prior and
-    nothing tuned per trace,
+    nothing tuned per trace (``slo-no-prior``: with no prior at all, learning online alone),
 
 and prints the ``ceiling``: every pool at ``max_replicas`` from the first tick, the most any
 policy starting from the same fleet can attain (the first ``interval + startup`` seconds of

@@ -183,11 +183,14 @@ def base_settings(scenario: Scenario) -> AutoscaleSettings:
     return AutoscaleSettings(interval_seconds=scenario.interval_seconds, startup_seconds=scenario.startup_seconds)
 
 
-def slo_settings(scenario: Scenario, perf: StepCost, *, headroom: float | None = None) -> AutoscaleSettings:
+def slo_settings(scenario: Scenario, perf: StepCost, *, headroom: float | None = None,
+                 with_prior: bool = True) -> AutoscaleSettings:
     """The SLO controller with the roofline prior; nothing tuned per trace (``headroom``: the
-    spec's ``headroom`` instead of the scenario's, for the ``slo@H`` sweep)."""
+    spec's ``headroom`` instead of the scenario's, for the ``slo@H`` sweep; ``with_prior``
+    False: no prior at all, the fit learns from the pods alone, as for a user who never ran
+    ``splitserve plan``: the ``slo-no-prior`` policy)."""
     prior = fit_prior(perf, max_batched_tokens=scenario.engine.max_batched_tokens,
-                      max_num_seqs=scenario.engine.max_num_seqs).coefficients
+                      max_num_seqs=scenario.engine.max_num_seqs).coefficients if with_prior else None
     slo = replace(scenario.slo, prior=prior)
     if headroom is not None:
         slo = replace(slo, headroom=headroom)
@@ -253,9 +256,10 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
     return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
 
 
-POLICIES = ("default", "tuned", "tuned-floor", "slo", "ceiling", "shift-bound")
+POLICIES = ("default", "tuned", "tuned-floor", "slo", "slo-no-prior", "ceiling", "shift-bound")
 """The named policies; ``slo@H`` is the SLO controller with ``headroom`` H (a sweep, the same
-setting on every trace). ``shift-bound`` runs on the traces with a prompt shift only."""
+setting on every trace), ``slo-no-prior`` the controller with no prior (online calibration
+alone). ``shift-bound`` runs on the traces with a prompt shift only."""
 
 
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
@@ -280,6 +284,9 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
             elif policy == "slo":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf)))
+            elif policy == "slo-no-prior":
+                out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
+                                      policy=policy, autoscale=slo_settings(scenario, perf, with_prior=False)))
             elif (headroom := headroom_of(policy)) is not None:
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=slo_settings(scenario, perf, headroom=headroom)))
