@@ -51,11 +51,6 @@ def serve_args(*, model_dir: Path, **overrides: object) -> ServeArgs:
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct free ports (:func:`splitserve_e2e.net.free_port` never repeats one)."""
-    return [free_port(host=host) for _ in range(count)]
-
-
 def _command() -> list[str]:
     exe = shutil.which("splitserve")
     return [exe] if exe else [sys.executable, "-m", "splitserve_cli"]
@@ -140,7 +135,7 @@ class Cluster:
 
     def _pod(self, *, role: str, index: int, octet: int) -> Proc:
         host = f"127.0.0.{octet}"
-        port, kv_port = free_ports(host, 2)
+        port, kv_port = free_port(host), free_port(host)  # never the same: free_port repeats none
         args = serve_args(model_dir=self.model_dir, role=role, host=host, port=port,
                           kv_port=kv_port, kv_ttl_seconds=self.kv_ttl_seconds,
                           compat_hash=COMPAT_HASH, handoff_key_file=self._key_file(),
