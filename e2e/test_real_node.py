@@ -327,6 +327,10 @@ def test_disaggregated_serves_through_prefill_and_decode(served_disaggregated: S
         assert roles == ["decode", "prefill", "router"], roles
         _assert_from_the_image(stack, pods)
         url = _router_url(stack, stack.workloads[1])
+        # Ready pods are not yet pods the router sends to: its health poll admits them (every
+        # 2 s), and until it has a prefill pod it sends prompts to decode directly.
+        wait(stack.cluster, lambda: _healthy_behind_router(url) == {"prefill": 1, "decode": 1, "aggregated": 0},
+             timeout=60, what=f"the router at {url} counting one healthy prefill and one decode pod")
         for i in range(3):
             body = wait(stack.cluster, functools.partial(_complete, url, f"Prefill then decode {i}"),
                         timeout=60, what=f"a completion from {url}")
@@ -336,6 +340,13 @@ def test_disaggregated_serves_through_prefill_and_decode(served_disaggregated: S
                        for p in pods if p.metadata.labels[contract.LABEL_COMPONENT] != "router"}
         assert all(value > 0 for value in transferred.values()), transferred
         log(f"Disaggregated: completions via the router ClusterIP {url}; KV bytes {transferred}")
+
+
+def _healthy_behind_router(url: str) -> dict[str, float]:
+    """``splitserve_router_healthy_pods`` by upstream role, from the router's /metrics."""
+    text = httpx.get(f"{url}{contract.METRICS_PATH}", timeout=10.0).text
+    return {line.split('upstream="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("splitserve_router_healthy_pods{")}
 
 
 def _kv_bytes(pod: Any) -> float:

@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from prometheus_client.parser import text_string_to_metric_families
 from threaded_server import ThreadedServer, aggregated_pod_app
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric, RouterArgs
 from splitserve_e2e.net import free_port
+from splitserve_e2e.process import wait_until
 
 PROMPT = "x" * 8000
 """2,000 tokens for the router's fallback tokenizer (4-byte chunks)."""
@@ -156,3 +158,29 @@ def test_the_routers_own_prefills_in_flight_count_before_any_poll(fleet: tuple[F
         third = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
     assert second == "local" and answers == ["handed-off"] and third == "handed-off"
     assert len(prefill.hits) == 2 and len(decode.hits) == 3
+
+
+def _healthy_pods(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "splitserve_router_healthy_pods"]
+    return {sample.labels["upstream"]: sample.value for sample in family.samples}
+
+
+def test_the_router_exports_the_pods_it_sends_to_by_role() -> None:
+    """``splitserve_router_healthy_pods{upstream}``: what a client (or an e2e test) reads to know
+    that the router will disaggregate, not only that the pods are Ready."""
+    from splitserve_runtime.router.app import build_app, byte_chunk_tokens
+
+    prefill, decode = FakePod(role="prefill"), FakePod(role="decode")
+    prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
+    args = RouterArgs(discovery="static", prefill_endpoints=f"127.0.0.1:{prefill_port}",
+                      decode_endpoints=f"127.0.0.1:{decode_port}", health_interval_seconds=0.1)
+    app = build_app(args=args, tokenize=lambda path, body: byte_chunk_tokens(str(body.get("prompt", ""))))
+    url = f"http://127.0.0.1:{router_port}"
+    with ThreadedServer(decode.app(), decode_port), ThreadedServer(app, router_port):
+        with ThreadedServer(prefill.app(), prefill_port):
+            wait_until(lambda: _healthy_pods(url) == {"prefill": 1, "decode": 1, "aggregated": 0},
+                       timeout_seconds=10, what="both pods counted healthy")
+        # the prefill pod is gone: after its failed polls the router counts it out
+        wait_until(lambda: _healthy_pods(url) == {"prefill": 0, "decode": 1, "aggregated": 0},
+                       timeout_seconds=10, what="the stopped prefill pod counted out")

@@ -10,6 +10,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve_contract import Role
+
 from .pods import PodSet
 
 REGISTRY = CollectorRegistry()
@@ -89,7 +91,8 @@ class InFlight:
 
 
 class InFlightCollector(Collector):
-    """The router's in-flight gauges, read from the live objects at scrape time."""
+    """The router's gauges of live state (requests in flight, healthy pods per role), read from
+    the live objects at scrape time."""
 
     def __init__(self, *, pods: PodSet, counter: dict[str, int], model_label: str) -> None:
         self._pods = pods
@@ -110,3 +113,10 @@ class InFlightCollector(Collector):
         for pod in self._pods.all():
             upstream.add_metric(["router", self._model, pod.name], pod.load.in_flight)
         yield upstream
+        healthy = GaugeMetricFamily(
+            "splitserve_router_healthy_pods",
+            "The pods of each role the router sends to now (discovered and answering its health polls)",
+            labels=["role", "model", "upstream"])
+        for upstream_role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED):
+            healthy.add_metric(["router", self._model, upstream_role.value], len(self._pods.healthy(upstream_role)))
+        yield healthy
