@@ -16,7 +16,9 @@ and prints the ``ceiling``: every pool at ``max_replicas`` from the first tick, 
 policy starting from the same fleet can attain (the first ``interval + startup`` seconds of
 requests meet the initial fleet whatever a policy does), and, on the bursty trace, the
 ``shift-bound``: the controller until the prompts double, every pool at ``max_replicas`` from
-that moment, the most any reaction to the shift attains from the fleet held when it comes.
+that moment, the most any reaction to the shift attains from the fleet held when it comes, and
+the ``tick-bound``: the same from the first tick after the shift, the most a controller that
+must see a shifted request before it acts (every ``interval``, 15 s) attains.
 
 Attainment is the fraction of requests whose TTFT and mean inter-token latency both meet the
 SLO; GPU-hours count every pod from creation to drained over the trace. Figures, not
@@ -26,7 +28,7 @@ assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 ``slo@0.9``, ``slo@1.0``: one setting for every trace), the trade between margin and GPU-hours
 that ``docs/slo-autoscaling-simulation.md`` reports.
 
-    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling,shift-bound]
+    python bench/slo_autoscaling.py [--ci] [--policies default,tuned,tuned-floor,slo,ceiling,shift-bound,tick-bound]
         [--headrooms 0.9,0.95,1.0] [--traces ...] [--seed N | --seeds 1,2,3,4] [--tune-seed M]
 
 ``--seeds 1,2,3,4`` runs each seed's traces and ends with a summary: on how many seeds each

@@ -25,7 +25,10 @@ bursty trace, which opens in its high state at 1.35x the rate the initial fleet 
 it is below 99 %). ``shift-bound`` is a bound too, on traces with a prompt shift only: the SLO
 controller until the shift and every pool at ``max_replicas`` from the first tick at or after
 it, the most any reaction to the shift attains from the fleet the controller holds when it
-comes (it knows of the shift at once and needs no measurement).
+comes (it knows of the shift at once and needs no measurement). ``tick-bound`` is the same
+from the first tick strictly after the shift (:func:`first_tick_after`): the earliest round
+whose window can hold one shifted request, so the most any controller that observes and ticks
+every ``interval`` attains; what separates the two is foresight of one interval.
 :attr:`Outcome.missed_arrival_seconds` says when the misses arrived.
 """
 
@@ -256,10 +259,20 @@ def _better(a: Outcome, b: Outcome, *, target: float) -> bool:
     return (a.attainment, -a.gpu_hours) > (b.attainment, -b.gpu_hours)
 
 
-POLICIES = ("default", "tuned", "tuned-floor", "slo", "slo-no-prior", "ceiling", "shift-bound")
+POLICIES = ("default", "tuned", "tuned-floor", "slo", "slo-no-prior", "ceiling", "shift-bound", "tick-bound")
 """The named policies; ``slo@H`` is the SLO controller with ``headroom`` H (a sweep, the same
 setting on every trace), ``slo-no-prior`` the controller with no prior (online calibration
-alone). ``shift-bound`` runs on the traces with a prompt shift only."""
+alone). ``shift-bound`` and ``tick-bound`` run on the traces with a prompt shift only."""
+
+
+BOUNDS = ("shift-bound", "tick-bound")
+"""The bounds on reacting to a prompt shift, loosest first."""
+
+
+def first_tick_after(seconds: float, interval_seconds: float) -> float:
+    """The first autoscaler tick (at ``k × interval``, k ≥ 1) strictly after ``seconds``: the
+    earliest round whose window can hold a request that arrived after that moment."""
+    return (math.floor(seconds / interval_seconds) + 1) * interval_seconds
 
 
 def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tuned", "slo")) -> list[Outcome]:
@@ -293,11 +306,12 @@ def compare(scenario: Scenario, *, policies: tuple[str, ...] = ("default", "tune
             elif policy == "ceiling":
                 out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace,
                                       policy=policy, autoscale=ceiling_settings(scenario)))
-            elif policy == "shift-bound":
+            elif policy in ("shift-bound", "tick-bound"):
                 shift = shift_seconds(trace, scenario.shape)
                 if shift is not None:
+                    at = shift if policy == "shift-bound" else first_tick_after(shift, scenario.interval_seconds)
                     out.append(run_policy(scenario=scenario, perf=perf, requests=requests, trace=trace, policy=policy,
-                                          autoscale=replace(slo_settings(scenario, perf), max_from_seconds=shift)))
+                                          autoscale=replace(slo_settings(scenario, perf), max_from_seconds=at)))
             else:
                 raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}, or slo@H "
                                  "(H the headroom, in (0, 1])")
@@ -328,8 +342,10 @@ def format_table(outcomes: list[Outcome], *, scenario: Scenario) -> str:
 def format_seed_summary(by_seed: dict[int, list[Outcome]], *, scenario: Scenario) -> str:
     """One row per (trace, policy) over several seeds: on how many the policy met the attainment,
     and its attainment and GPU-hours on each (a ``(miss)`` where it did not meet). Where the
-    trace has a ``shift-bound`` row, the other rows also count the seeds they meet among those
-    the bound meets: a seed the bound misses is out of reach of any reaction to the shift."""
+    trace has a ``shift-bound`` or ``tick-bound`` row, the other rows also count the seeds they
+    meet among those each bound meets: a seed ``tick-bound`` misses is out of reach of any
+    reaction to the shift by a controller ticking every ``interval``, one ``shift-bound`` misses
+    out of reach even of foresight."""
     seeds = sorted(by_seed)
     target = scenario.slo.attainment
     cells: dict[tuple[str, str], dict[int, Outcome]] = {}
@@ -341,10 +357,14 @@ def format_seed_summary(by_seed: dict[int, list[Outcome]], *, scenario: Scenario
     for (trace, policy), row in cells.items():
         met_seeds = {seed for seed, o in row.items() if o.attainment >= target}
         met = f"{len(met_seeds)} of {len(row)}"
-        bound = cells.get((trace, "shift-bound"))
-        if bound is not None and policy != "shift-bound":
-            reachable = {seed for seed, o in bound.items() if o.attainment >= target}
-            met += f" ({len(met_seeds & reachable)} of the bound's {len(reachable)})"
+        within = []
+        for bound_name in BOUNDS:
+            bound = cells.get((trace, bound_name))
+            if bound is not None and policy != bound_name:
+                reachable = {seed for seed, o in bound.items() if o.attainment >= target}
+                within.append(f"{len(met_seeds & reachable)} of {bound_name}'s {len(reachable)}")
+        if within:
+            met += f" ({', '.join(within)})"
         values = [("-" if seed not in row else
                    f"{row[seed].gpu_hours:.2f}" if row[seed].attainment >= target else
                    f"{row[seed].attainment:.2%} (miss), {row[seed].gpu_hours:.2f}") for seed in seeds]
