@@ -269,6 +269,7 @@ def _add_layers(app: RouterApp, *, args: RouterArgs, api_key: str | None, counte
 def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> RouterApp:
     pods = _static_pods(args)
     selector = PrefillSelector(policy=RoutingPolicy(args.policy))
+    pods.on_removed.append(selector.forget)
     model_label = args.served_model_name or args.model or "unknown"
     state: dict[str, Any] = {}
     lifespan = _make_lifespan(args=args, pods=pods, selector=selector, tokenize=tokenize,

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -79,6 +79,9 @@ class PodSet:
         self._pods: dict[str, Pod] = {}
         self._unhealthy_after = unhealthy_after
         self.changed = asyncio.Event()
+        self.on_removed: list[Callable[[str], None]] = []
+        """Called with each pod name discovery removes: what is kept per pod elsewhere (the
+        prefix affinity index, session pins) goes with it, so pod churn does not grow it."""
 
     def set_targets(self, *, role: Role, targets: Iterable[Target]) -> list[str]:
         """Replace the pods of `role`; returns the names that went away."""
@@ -87,6 +90,8 @@ class PodSet:
         for name in gone:
             removed = self._pods.pop(name)
             log.info("%s pod %s (%s) removed", role.value, name, removed.url)
+            for forget in self.on_removed:
+                forget(name)
         for name, target in wanted.items():
             pod = self._pods.get(name)
             if pod is None or pod.url != target.url:

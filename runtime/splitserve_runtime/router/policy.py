@@ -9,7 +9,9 @@ until that pod is busy enough that queueing there costs more than recomputing el
 no history yet, rendezvous hashing on the first block spreads distinct prefixes and keeps equal
 ones together. A session header pins a chat session to one pod while that pod stays healthy.
 
-Decode: the pod with the most KV headroom and the shortest queue wins.
+Decode: the pod with the most KV headroom and the shortest queue wins; for a prompt the decode
+pod computes itself (short, overflowed, prefill failed), prefix affinity within a small slack
+of that headroom, recorded in the same index (each pod has its own entries).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from splitserve_contract import RoutingPolicy
@@ -155,12 +157,28 @@ class PrefillSelector:
             del self._sessions[session]
 
 
-def choose_decode(*, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset()) -> str | None:
-    """The decode pod with the most KV headroom, then the shortest queue."""
+DECODE_AFFINITY_SLACK = 0.1
+"""How much more pressure (KV usage ratio + 0.1 per queued request) a decode pod that computes a
+prompt itself may carry than the least pressed one and still win on cached prefix blocks: its
+prefix cache saves recomputing them, and the slack keeps affinity from piling onto a full pod."""
+
+
+def _pressure(c: Candidate) -> float:
+    return c.load.kv_cache_usage_ratio + 0.1 * c.load.queue
+
+
+def choose_decode(*, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset(),
+                  matched_blocks: Callable[[str], int] | None = None) -> str | None:
+    """The decode pod with the most KV headroom, then the shortest queue. With ``matched_blocks``
+    (a prompt the decode pod computes itself: short, overflowed, or its prefill failed), the pod
+    within :data:`DECODE_AFFINITY_SLACK` of that with the most of the prompt's leading blocks
+    routed to it before wins instead."""
     pods = [c for c in candidates if c.name not in exclude]
     if not pods:
         return None
-    return min(
-        pods,
-        key=lambda c: (c.load.kv_cache_usage_ratio + 0.1 * c.load.queue, c.load.requests_running, c.name),
-    ).name
+    best = min(pods, key=lambda c: (_pressure(c), c.load.requests_running, c.name))
+    if matched_blocks is None:
+        return best.name
+    near = [c for c in pods if _pressure(c) <= _pressure(best) + DECODE_AFFINITY_SLACK]
+    cached = max(near, key=lambda c: (matched_blocks(c.name), -_pressure(c), -c.load.requests_running))
+    return cached.name if matched_blocks(cached.name) > 0 else best.name

@@ -205,7 +205,7 @@ class Router:
                 log.info("no prefill pod healthy; decode computes the prompt itself")
             metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
             return await self._forward(
-                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
+                pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
                 path=path, content=content, headers=fwd_headers, started=started,
                 unavailable="no decode pod is healthy",
             )
@@ -215,7 +215,7 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="overflow").inc()
             tokens = num_prompt_tokens or 0
             return await self._forward(
-                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude | overflow),
+                pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude | overflow),
                 path=path, content=content, headers=fwd_headers, started=started,
                 unavailable="no decode pod is healthy", prompt_tokens=tokens,
             )
@@ -233,7 +233,7 @@ class Router:
             log.warning("prefill failed (%d); the decode pod computes the prompt itself", handoff.status_code)
             metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
             return await self._forward(
-                pick=lambda exclude: self._pick_decode(compat_hash=None, exclude=exclude),
+                pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
                 path=path, content=content, headers=fwd_headers, started=started,
                 unavailable="no decode pod is healthy",
             )
@@ -268,6 +268,18 @@ class Router:
         candidates = self._pods.healthy(Role.DECODE, compat_hash=compat_hash)
         name = choose_decode(candidates=[p.candidate() for p in candidates], exclude=exclude)
         return self._pods.get(name) if name else None
+
+    def _pick_decode_computing(self, hashes: Sequence[bytes], *, exclude: frozenset[str]) -> Pod | None:
+        """A decode pod for a prompt it computes itself: prefix affinity within the KV-headroom
+        slack (:func:`.policy.choose_decode`), recorded as the prefill pods' choices are, so an
+        overflowed burst sharing a system prompt reuses one decode pod's prefix cache."""
+        index = self._selector.index
+        name = choose_decode(candidates=[p.candidate() for p in self._pods.healthy(Role.DECODE)], exclude=exclude,
+                             matched_blocks=lambda pod: index.matched_blocks(pod=pod, hashes=hashes))
+        if name is None:
+            return None
+        self._record(name, hashes, index.matched_blocks(pod=name, hashes=hashes))
+        return self._pods.get(name)
 
     def _unavailable(self, message: str) -> JSONResponse:
         metrics.REQUESTS.labels(model=self._config.model_label, outcome="unavailable").inc()
