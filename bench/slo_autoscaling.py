@@ -24,6 +24,10 @@ Attainment is the fraction of requests whose TTFT and mean inter-token latency b
 SLO; GPU-hours count every pod from creation to drained over the trace. Figures, not
 assertions (``tests/planner/test_slo_sim.py`` asserts the CI-size claims).
 
+``--observation-lag 15`` has the SLO rounds read the load (rate, lengths) of the window ending
+15 s before each round, as stale as the operator's Prometheus view can be (the tables in the docs
+are at 0).
+
 ``--headrooms 0.9,1.0`` adds the SLO controller at those ``headroom`` values (policies
 ``slo@0.9``, ``slo@1.0``: one setting for every trace), the trade between margin and GPU-hours
 that ``docs/slo-autoscaling-simulation.md`` reports.
@@ -70,6 +74,9 @@ def main() -> None:
                         help="comma-separated seeds: the table of each, then a summary over them")
     parser.add_argument("--prefill-overflow-tokens", type=int, default=0,
                         help="the router's prefillOverflowTokens for every policy (default 0: no overflow)")
+    parser.add_argument("--observation-lag", type=float, default=0.0,
+                        help="seconds: the SLO rounds read the load of the window ending this long ago "
+                             "(the operator's Prometheus view is staler than the simulator's; default 0)")
     parser.add_argument("--tune-seed", type=int, default=None,
                         help="search the tuned settings on this seed's trace and score them on --seed's "
                              "(default: on the scored trace itself, with hindsight)")
@@ -83,6 +90,8 @@ def main() -> None:
         scenario = replace(scenario, tuning_seed=args.tune_seed)
     if args.prefill_overflow_tokens:
         scenario = replace(scenario, prefill_overflow_tokens=args.prefill_overflow_tokens)
+    if args.observation_lag:
+        scenario = replace(scenario, observation_lag_seconds=args.observation_lag)
     started = time.perf_counter()
     policies = [p for p in args.policies.split(",") if p]
     policies += [f"slo@{headroom_of(f'slo@{h}'):g}" for h in args.headrooms.split(",") if h]

@@ -87,6 +87,9 @@ class Scenario:
     prefill_overflow_tokens: int = 0
     """The router's ``prefillOverflowTokens`` for every policy (:class:`.sim.config.FleetConfig`);
     0, the default and the docs' tables: no overflow."""
+    observation_lag_seconds: float = 0.0
+    """How stale the load the SLO rounds read is (:attr:`.sim.config.SimOptions.observation_lag_seconds`);
+    0, the docs' tables."""
 
 
 CI_SCENARIO = Scenario(shape=TraceShape(mean_rate=20.0, duration_seconds=900.0))
@@ -143,7 +146,8 @@ def run_policy(*, scenario: Scenario, perf: StepCost, requests: list[Request], t
                         decode_replicas=scenario.initial_decode, engine=scenario.engine, autoscale=autoscale,
                         prefill_overflow_tokens=scenario.prefill_overflow_tokens)
     sim = Simulator(fleet=fleet, perf=perf, requests=requests,
-                    options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed))
+                    options=SimOptions(sample_interval_seconds=5.0, seed=scenario.seed,
+                                       observation_lag_seconds=scenario.observation_lag_seconds))
     result = sim.run()
     end = requests[-1].arrival_seconds if requests else 0.0
     hours = gpu_seconds(sim.all_pods, start_s=0.0, end_s=end, gpus_per_replica=fleet.gpus_per_replica) / 3600.0

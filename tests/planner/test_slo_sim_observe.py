@@ -161,3 +161,31 @@ def test_prior_fit_recovers_a_linear_model_and_approximates_the_roofline(llama8b
     manifest = prior_manifest(roofline.coefficients)
     assert set(manifest) == {"step", "prefillToken", "prefillPair", "decodeRow", "decodeContext"}
     assert manifest["step"] == pytest.approx(roofline.coefficients.step, rel=1e-3)
+
+
+def test_an_observation_lag_shows_the_prompt_shift_to_the_controller_that_much_later() -> None:
+    """``SimOptions.observation_lag_seconds``: the SLO round reads the load of the window ending
+    that long ago (the operator reads Prometheus scrapes of counters that count a request when it
+    finishes). The CI bursty trace's prompts double at 450 s; the round at 465 s reads them at
+    once without a lag, and only the round after with a 15 s one."""
+    from splitserve_planner.slo_compare import CI_SCENARIO, perf_of, slo_settings
+    from splitserve_planner.slo_traces import shift_seconds
+
+    scenario = CI_SCENARIO
+    perf = perf_of(scenario)
+    shift = shift_seconds("bursty-shift", scenario.shape)
+    assert shift == 450.0
+    requests = [r for r in make_trace("bursty-shift", scenario.shape, seed=1) if r.arrival_seconds < shift + 60]
+
+    def planned_prompts(lag: float) -> dict[float, float]:
+        fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=2, decode_replicas=3, engine=scenario.engine,
+                            autoscale=slo_settings(scenario, perf))
+        sim = Simulator(fleet=fleet, perf=perf, requests=requests,
+                        options=SimOptions(sample_interval_seconds=5.0, seed=1, observation_lag_seconds=lag))
+        sim.run()
+        return {d.time_seconds: float(d.model["promptTokens"]) for d in sim.scaler.decisions
+                if d.pool == "prefill" and d.model and "promptTokens" in d.model}
+
+    now, lagged = planned_prompts(0.0), planned_prompts(15.0)
+    assert now[shift] < 1300 and now[shift + 15] > 1800, now  # 1k-token prompts, then 2k
+    assert lagged[shift + 15] < 1300 and lagged[shift + 30] > 1800, lagged

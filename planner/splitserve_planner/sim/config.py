@@ -117,3 +117,10 @@ class SimOptions:
     macro_steps: bool = True
     """Run runs of identical-batch decode steps as one event (exact up to the ITL of each step
     being the run's mean); False: one event per step."""
+    observation_lag_seconds: float = 0.0
+    """The request load an SLO round reads (rate, prompt and output lengths) is that of the
+    window ending this long before the round. 0: the window ending at the round, as the tables
+    of docs/slo-autoscaling-simulation.md were measured. The operator's view is staler: it reads
+    ``rate()`` over Prometheus scrapes (up to a scrape interval old) of counters that count a
+    request when it finishes; a lag of one interval puts a number on that (latency quantiles and
+    step counters are still read unlagged)."""

@@ -14,6 +14,8 @@ during the window reports its counters from zero.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 
 import numpy as np
@@ -25,6 +27,7 @@ from splitserve_operator.autoscaler.slo.inputs import (
     StepSample,
 )
 
+from ..workload import Request
 from .state import Pod, SimState
 
 
@@ -52,6 +55,8 @@ class WindowObserver(SimState):
     _last_tick_s: float
     _last_prefill_counts: tuple[int, int]
     _last_load: LoadObservation | None
+    _arrival_history: collections.deque[Request]
+    """With an observation lag: the arrivals not yet out of every window a later round reads."""
 
     def _init_observer(self) -> None:
         self.observing = True
@@ -59,6 +64,7 @@ class WindowObserver(SimState):
         self._last_tick_s = self.now
         self._last_prefill_counts = (0, 0)
         self._last_load = None
+        self._arrival_history = collections.deque()
 
     def _step_samples(self, pod: Pod) -> list[StepSample]:
         """The pod's window as the operator reads it: its decode-only part and the rest."""
@@ -88,8 +94,21 @@ class WindowObserver(SimState):
             kv_cache_tokens_per_replica=float(pods[0].capacity if pods else self.perf.kv_capacity_tokens),
             ttft_p99_seconds=ttft, itl_p99_seconds=itl)
 
+    def _observed_arrivals(self, window: float) -> list[Request]:
+        """The arrivals of the window the round reads: the last ``window`` seconds, or with an
+        observation lag (:attr:`.SimOptions.observation_lag_seconds`) the window ending that
+        long ago."""
+        lag = self.options.observation_lag_seconds
+        if lag <= 0:
+            return self.window_arrivals
+        self._arrival_history.extend(self.window_arrivals)
+        end = self.now - lag
+        while self._arrival_history and self._arrival_history[0].arrival_seconds < end - window:
+            self._arrival_history.popleft()
+        return list(itertools.takewhile(lambda r: r.arrival_seconds < end, self._arrival_history))
+
     def _load_observation(self, window: float) -> LoadObservation | None:
-        arrivals = self.window_arrivals
+        arrivals = self._observed_arrivals(window)
         role = self.entry_role
         counts = (self.prefill_computed[role], self.prefill_cached[role])
         computed = counts[0] - self._last_prefill_counts[0]
