@@ -61,9 +61,7 @@ class FakePod:
 @pytest.fixture
 def fleet() -> Iterator[tuple[FakePod, FakePod, int, int]]:
     prefill, decode = FakePod(role="prefill"), FakePod(role="decode")
-    prefill_port, decode_port = free_port(), free_port()
-    while decode_port == prefill_port:  # the kernel may hand the just-released port out again
-        decode_port = free_port()
+    prefill_port, decode_port = free_port(), free_port()  # never the same port twice in a process
     with ThreadedServer(prefill.app(), prefill_port), ThreadedServer(decode.app(), decode_port):
         yield prefill, decode, prefill_port, decode_port
         prefill.release.set()
