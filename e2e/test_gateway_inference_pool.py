@@ -139,8 +139,10 @@ def _crd_name(manifest: Path) -> str:
 @pytest.fixture(scope="module")
 def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub,
           gie_crds: list[Path]) -> Iterator[Stack]:
+    # inference_pool: the chart's inferencePool.enabled (off by default), which grants the
+    # operator what it needs to create the picker's ServiceAccount, Role and RoleBinding
     with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
-                         workloads=[f"inference-gie-{uuid.uuid4().hex[:4]}"]) as result:
+                         workloads=[f"inference-gie-{uuid.uuid4().hex[:4]}"], inference_pool=True) as result:
         yield result
 
 

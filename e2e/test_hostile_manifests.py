@@ -75,6 +75,14 @@ def _prefill(**pool: Any) -> dict[str, Any]:
     return {"spec": {"prefill": pool}}
 
 
+def _runtime_env(name: str, value: str) -> dict[str, Any]:
+    return {"spec": {"runtime": {"env": [{"name": name, "value": value}]}}}
+
+
+def _hub(endpoint: str) -> dict[str, Any]:
+    return {"spec": {"model": {"uri": "hf://org/model", "hubEndpoint": endpoint}}}
+
+
 # --------------------------------------------------------------------------- admission
 # (id, patch onto the minimal object, what the refusal must say: every str, or one of a tuple)
 ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] = [
@@ -159,7 +167,80 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
      ["spec.runtime.apiKeySecretRef.key: Required value"]),
     ("extra-arg-too-long", {"spec": {"runtime": {"extraArgs": ["x" * 1025]}}}, ["spec.runtime.extraArgs[0]"]),
     ("router-replicas-zero", {"spec": {"router": {"replicas": 0}}}, ["spec.router.replicas"]),
+    # what the operator renders is not the author's to set again: an empty SPLITSERVE_API_KEY
+    # switched the key off, HF_ENDPOINT/HF_TOKEN sent the token elsewhere, --role re-roled a pod
+    ("env-empty-api-key", _runtime_env("SPLITSERVE_API_KEY", ""),
+     ["spec.runtime.env", "runtime.env SPLITSERVE_API_KEY is set by the operator", "spec.runtime.apiKeySecretRef"]),
+    ("env-hub-endpoint", _runtime_env("HF_ENDPOINT", "file:///etc"),
+     ["spec.runtime.env", "runtime.env HF_ENDPOINT is set by the operator", "spec.model.hubEndpoint"]),
+    ("env-hub-token", _runtime_env("HF_TOKEN", "hf_x"), ["runtime.env HF_TOKEN is set by the operator"]),
+    ("env-reserved-prefix", _runtime_env("SPLITSERVE_TERMINATION_LOG", "/tmp/x"),
+     ["runtime.env SPLITSERVE_TERMINATION_LOG is set by the operator"]),
+    ("extra-arg-role", {"spec": {"runtime": {"extraArgs": ["--device", "cpu", "--role", "decode"]}}},
+     ["spec.runtime.extraArgs", "runtime.extraArgs --role sets a flag the operator renders", "--role (spec.mode)"]),
+    ("extra-arg-compat-hash-equals", {"spec": {"runtime": {"extraArgs": ["--compat-hash=forged"]}}},
+     ["runtime.extraArgs --compat-hash=forged sets a flag the operator renders"]),
+    ("extra-arg-port-equals", {"spec": {"runtime": {"extraArgs": ["--port=9000"]}}},
+     ["runtime.extraArgs --port=9000 sets a flag the operator renders"]),
+    ("extra-arg-no-prefill-headers", {"spec": {"runtime": {"extraArgs": ["--no-prefill-headers"]}}},
+     ["runtime.extraArgs --no-prefill-headers sets a flag"]),
+    # hubEndpoint gets the hub token (any key of any Secret of the namespace)
+    ("hub-endpoint-metadata-service", _hub("http://169.254.169.254/latest/meta-data"),
+     ["spec.model.hubEndpoint", rules.HUB_ENDPOINT_HOST_RULE_MESSAGE]),
+    ("hub-endpoint-kubernetes-api", _hub("https://kubernetes.default.svc"), [rules.HUB_ENDPOINT_HOST_RULE_MESSAGE]),
+    ("hub-endpoint-cluster-service", _hub("http://hub.other-ns.svc.cluster.local:8080"),
+     [rules.HUB_ENDPOINT_HOST_RULE_MESSAGE]),
+    ("hub-endpoint-loopback-v6", _hub("http://[::1]:8080"), [rules.HUB_ENDPOINT_HOST_RULE_MESSAGE]),
+    ("hub-endpoint-octal-ip", _hub("http://0251.0376.0251.0376"), [rules.HUB_ENDPOINT_HOST_RULE_MESSAGE]),
+    ("hub-endpoint-port-out-of-range", _hub("https://hub.example:99999"),
+     [rules.HUB_ENDPOINT_AUTHORITY_RULE_MESSAGE]),
+    ("hub-endpoint-userinfo", _hub("https://user:pw@hub.example"), ["spec.model.hubEndpoint"]),
+    ("hub-endpoint-nul", _hub("https://hub.example/a\u0000b"), ["spec.model.hubEndpoint"]),
+    ("hub-endpoint-ansi-escape", _hub("https://hub.example/\u001b[31mred"), ["spec.model.hubEndpoint"]),
+    # a revision or a path is read as a file path: nothing that climbs out
+    ("revision-dot-dot", {"spec": {"model": {"uri": "hf://org/model", "revision": "../../../../proc/self/environ"}}},
+     ["spec.model.revision"]),
+    ("revision-absolute", {"spec": {"model": {"uri": "hf://org/model", "revision": "/etc/passwd"}}},
+     ["spec.model.revision"]),
+    ("model-uri-pvc-traversal", {"spec": {"model": {"uri": "pvc://claim/../.."}}}, ["spec.model.uri"]),
+    ("model-uri-file-control-character", {"spec": {"model": {"uri": "file:///models/a\u0007b"}}},
+     ["spec.model.uri"]),
     ("session-header", {"spec": {"router": {"sessionHeader": "x session"}}}, ["spec.router.sessionHeader"]),
+    # admitted, then failing when the Deployment is applied or the pod starts
+    ("toleration-bad-key", _prefill(tolerations=[{"key": "bad key!", "operator": "Exists"}]),
+     ["spec.prefill.tolerations[0]", rules.TOLERATION_KEY_PATTERN_RULE_MESSAGE]),
+    ("affinity-in-without-values",
+     _prefill(affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+         "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In"}]}]}}}),
+     ["nodeSelectorTerms[0].matchExpressions[0]", rules.SELECTOR_VALUES_RULE_MESSAGE]),
+    ("affinity-exists-with-values",
+     _prefill(affinity={"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+         {"topologyKey": "zone", "labelSelector": {"matchExpressions": [
+             {"key": "app", "operator": "Exists", "values": ["x"]}]}}]}}),
+     ["labelSelector.matchExpressions[0]", rules.SELECTOR_VALUES_RULE_MESSAGE]),
+    ("affinity-empty-topology-key",
+     _prefill(affinity={"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": ""}]}}),
+     ["requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey", "at least 1 chars long"]),
+    ("extra-arg-nul", {"spec": {"runtime": {"extraArgs": ["--seed", "1\u0000"]}}},
+     ["spec.runtime.extraArgs[1]", rules.ARG_CONTROL_RULE_MESSAGE]),
+    ("env-value-nul", _runtime_env("FOO", "a\u0000b"), ["spec.runtime.env[0].value", rules.ENV_VALUE_CONTROL_RULE_MESSAGE]),
+    ("env-value-too-long", _runtime_env("FOO", "x" * 4097), ["spec.runtime.env[0].value"]),
+    ("env-values-total", {"spec": {"runtime": {"env": [{"name": f"V{i}", "value": "x" * 4096} for i in range(5)]}}},
+     ["spec.runtime.env", rules.ENV_TOTAL_RULE_MESSAGE]),
+    ("memory-huge", _prefill(resources={"memory": "1e30"}), ["spec.prefill.resources.memory", "at most 16Ti"]),
+    ("memory-zero", _prefill(resources={"memory": "0"}), ["spec.prefill.resources.memory", "must be above 0"]),
+    ("cpu-huge", _prefill(resources={"cpu": 100000}), ["spec.prefill.resources.cpu", "at most 1024"]),
+    ("autoscaling-interval-overflows", {"spec": {"autoscaling": {"interval": "99999999999999h"}}},
+     ["spec.autoscaling.interval"]),
+    ("autoscaling-interval-above-a-day", {"spec": {"autoscaling": {"interval": "25h"}}}, [rules.INTERVAL_RULE_MESSAGE]),
+    # admitted and silently ignored
+    ("inference-pool-router-replicas", {"spec": {"router": {"mode": "InferencePool", "replicas": 3}}},
+     [rules.ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE]),
+    ("inference-pool-router-policy", {"spec": {"router": {"mode": "InferencePool", "policy": "RoundRobin"}}},
+     [rules.ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE]),
+    ("aggregated-prefill-overflow",
+     {"spec": {"mode": "Aggregated", "aggregated": {}, "router": {"prefillOverflowTokens": 512}}},
+     [rules.PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE]),
 ]
 
 
@@ -335,6 +416,26 @@ def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster,
         _delete(cluster, ns, name)
 
 
+def test_hub_off_the_operators_list_is_stalled_and_nothing_is_rendered(cluster: LocalCluster, ns: str,
+                                                                       model_hub: ModelHub) -> None:
+    """The chart's hub.allowedEndpoints (the harness allows huggingface.co and its own hubs):
+    an endpoint the CRD admits but the operator does not serve is Stalled/InvalidSpec naming
+    it, and no child is created, so the hub token is never sent there."""
+    name = f"h-hub-{uuid.uuid4().hex[:4]}"
+    manifest = _admitted(name, ns, model_hub, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
+    manifest["spec"]["model"]["hubEndpoint"] = "https://hub.not-allowed.example"
+    try:
+        _apply(cluster, manifest)
+        _wait_stalled(cluster, ns, name, Reason.INVALID_SPEC,
+                      ("https://hub.not-allowed.example is not on this operator's list of allowed hubs",))
+        for kind in ("deployment", "configmap", "service"):
+            listed = json.loads(cluster.kubectl("get", kind, "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}",
+                                                "-o", "json").stdout)["items"]
+            assert listed == [], (kind, [o["metadata"]["name"] for o in listed])
+    finally:
+        _delete(cluster, ns, name)
+
+
 def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluster, ns: str,
                                                             model_hub: ModelHub) -> None:
     """Issue 12 #12: no back-off loop (an Event every few minutes, Reconciling=True forever);
@@ -373,7 +474,8 @@ def test_invalid_spec_is_not_retried_until_the_spec_changes(cluster: LocalCluste
 def test_disaggregated_service_gets_its_handoff_key_secret(cluster: LocalCluster, ns: str,
                                                            model_hub: ModelHub) -> None:
     """Issue 12 #4 (operator side): created once, owned, never rotated; mounted by prefill and
-    decode only. The operator may create Secrets but not read them (its RBAC)."""
+    decode only. The operator may create, list and watch Secrets (it asks for metadata only),
+    never get one (its RBAC)."""
     name = f"h-key-{uuid.uuid4().hex[:4]}"
     manifest = _admitted(name, ns, model_hub, pools={"prefill": _kwok_pool(), "decode": _kwok_pool()})
     secret_name = f"{name}{contract.HANDOFF_KEY_SECRET_SUFFIX}"
@@ -397,7 +499,7 @@ def test_disaggregated_service_gets_its_handoff_key_secret(cluster: LocalCluster
         operator_sa = f"system:serviceaccount:{ns}:splitserve"
         can = {verb: cluster.kubectl("auth", "can-i", verb, "secrets", "-n", ns, f"--as={operator_sa}",
                                      check=False).stdout.strip() for verb in ("create", "get", "list", "watch")}
-        assert can == {"create": "yes", "get": "no", "list": "no", "watch": "no"}
+        assert can == {"create": "yes", "get": "no", "list": "yes", "watch": "yes"}  # list/watch: metadata only
     finally:
         _delete(cluster, ns, name)
 

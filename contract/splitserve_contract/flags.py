@@ -57,6 +57,8 @@ class ServeArgs:
     cuda_graphs: bool = False  # replay pure-decode steps from CUDA graphs (batch-size buckets)
     max_queue_len: int = defaults.MAX_QUEUE_LEN
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
+    header_timeout_seconds: float = defaults.HEADER_TIMEOUT_SECONDS
+    body_idle_timeout_seconds: float = defaults.BODY_IDLE_TIMEOUT_SECONDS
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     nnodes: int = 1  # pods holding one replica's ranks (a LeaderWorkerSet group)
@@ -64,6 +66,7 @@ class ServeArgs:
     leader_address: str = ""  # the group's leader pod ("": $LWS_LEADER_ADDRESS)
     rendezvous_port: int = 29500  # the leader's port where the group's ranks meet
     drain_timeout_seconds: float = defaults.DRAIN_TIMEOUT_SECONDS
+    engine_step_timeout_seconds: float = defaults.ENGINE_STEP_TIMEOUT_SECONDS  # 0: no watchdog
     kv_ttl_seconds: float = defaults.KV_TTL_SECONDS  # prefill role: unclaimed KV is freed after this
     seed: int = 0
     speculative_method: str = "none"  # none | ngram (speculative decoding)
@@ -72,11 +75,24 @@ class ServeArgs:
     speculative_draft_model: str = ""  # --speculative-method draft: the draft model's URI
     compat_hash: str = ""  # set by the operator (LABEL_COMPAT_HASH); reported at INFO_PATH
     prefill_headers: bool = False  # decode role, behind a Gateway endpoint picker
+    prefill_timeout_seconds: float = defaults.PREFILL_TIMEOUT_SECONDS  # decode role: header-named prefill
     handoff_key_file: str = ""  # P/D roles: HMAC key authenticating kv_transfer_params ("" = none)
+    rendezvous_key_file: str = ""  # --nnodes > 1: secret authenticating the group's control messages
 
 
 def _str_choices(capability: caps.Capability) -> tuple[str, ...]:
     return tuple(str(v) for v in capability.known)
+
+
+_READ_TIMEOUT_FLAGS: tuple[Flag, ...] = (
+    Flag("header-timeout-seconds", "header_timeout_seconds",
+         "time a client has to send a request's line and headers, from its first byte or the "
+         "connection's start (then 408 and closed; 0: no bound)", type=float),
+    Flag("body-idle-timeout-seconds", "body_idle_timeout_seconds",
+         "longest pause between the bytes of a request body (then 408 and closed; 0: no bound)",
+         type=float),
+)
+"""Both HTTP servers' bounds on reading a request (the runtime's ``read_timeouts``)."""
 
 
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -108,6 +124,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "tensor or pipeline parallelism", is_bool=True),
     Flag("max-queue-len", "max_queue_len", "waiting requests before answering 429", type=int),
     Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
+    *_READ_TIMEOUT_FLAGS,
     Flag("tensor-parallel-size", "tensor_parallel_size", "GPUs per tensor-parallel group", type=int),
     Flag("pipeline-parallel-size", "pipeline_parallel_size", "pipeline stages", type=int),
     Flag("nnodes", "nnodes",
@@ -122,6 +139,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("rendezvous-port", "rendezvous_port",
          "port the leader listens on (all interfaces) for the group's ranks to join (--nnodes > 1)", type=int),
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
+    Flag("engine-step-timeout-seconds", "engine_step_timeout_seconds",
+         "an engine step running longer than this (a wedged rank) fails /health and the in-flight "
+         "requests (0: no watchdog)", type=float),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
     Flag("speculative-method", "speculative_method",
@@ -136,9 +156,16 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("prefill-headers", "prefill_headers",
          "decode role: prefill where an endpoint picker's x-prefiller-host-port / x-gateway-prefill-endpoints "
          "header says (only behind a Gateway that sets them: spec.router.mode InferencePool)", is_bool=True),
+    Flag("prefill-timeout-seconds", "prefill_timeout_seconds",
+         "decode role: total time a prefill pod named in a picker header has to answer (then "
+         "this pod computes the prompt)", type=float),
     Flag("handoff-key-file", "handoff_key_file",
          "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
          "decode accepts only params signed with it"),
+    Flag("rendezvous-key-file", "rendezvous_key_file",
+         "--nnodes > 1: file holding a secret every pod of the group holds; the group's control messages "
+         "are authenticated with a key derived from it and the leader's address (without it, a group "
+         "of several pods may only meet on loopback addresses)"),
 )
 
 
@@ -176,7 +203,10 @@ class RouterArgs:
     prefill_overflow_tokens: int = 0
     health_interval_seconds: float = defaults.ROUTER_HEALTH_INTERVAL_SECONDS
     request_timeout_seconds: float = 600.0
+    prefill_timeout_seconds: float = defaults.PREFILL_TIMEOUT_SECONDS
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
+    header_timeout_seconds: float = defaults.HEADER_TIMEOUT_SECONDS
+    body_idle_timeout_seconds: float = defaults.BODY_IDLE_TIMEOUT_SECONDS
 
 
 ROUTER_FLAGS: tuple[Flag, ...] = (
@@ -197,7 +227,11 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
     Flag("prefill-overflow-tokens", "prefill_overflow_tokens", "prefill on a decode pod when every prefill pod has this many prompt tokens queued (0: never)", type=int),
     Flag("health-interval-seconds", "health_interval_seconds", "pod health-check period", type=float),
     Flag("request-timeout-seconds", "request_timeout_seconds", "upper bound for one upstream request", type=float),
+    Flag("prefill-timeout-seconds", "prefill_timeout_seconds",
+         "total time a disaggregated request's prefill may take (then a decode pod computes the prompt)",
+         type=float),
     Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
+    *_READ_TIMEOUT_FLAGS,
 )
 
 

@@ -57,6 +57,11 @@ class Reason:
     """spec.router.mode InferencePool, but the cluster has no InferencePool CRD
     (inference.networking.k8s.io/v1, the Gateway API Inference Extension's): nothing can be
     routed until it is installed; the operator retries."""
+    INFERENCE_POOL_DISABLED: Final = "InferencePoolDisabled"
+    """spec.router.mode InferencePool, but this operator was installed without that mode (the
+    chart's ``inferencePool.enabled``, off by default): it holds no permission to create the
+    endpoint picker's ServiceAccount, Role and RoleBinding, so it renders and applies nothing
+    for the InferenceService until it is reinstalled with the mode on."""
     LEADER_WORKER_SET_CRD_MISSING: Final = "LeaderWorkerSetCRDMissing"
     """A pool spans several nodes (resources.gpusPerNode smaller than resources.gpus), but the
     cluster has no LeaderWorkerSet CRD (leaderworkerset.x-k8s.io/v1): the pool cannot be
@@ -69,6 +74,10 @@ class Reason:
     METRICS_UNHEALTHY: Final = "MetricsUnhealthy"
     SCALING_DISABLED: Final = "ScalingDisabled"
     SCALE_FAILED: Final = "ScaleFailed"
+    ROUND_FAILED: Final = "RoundFailed"
+    """ScalingActive=False: an autoscaling round failed before it could report a decision (a
+    number the status cannot hold, an unexpected error); the message says what failed. An API
+    server's refusal is ``ApiError`` instead."""
     DRY_RUN: Final = "DryRun"
     # autoscaler: decisions (lastDecision.reason)
     WITHIN_TOLERANCE: Final = "WithinTolerance"

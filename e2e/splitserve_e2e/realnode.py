@@ -151,8 +151,9 @@ def operator_pod(cluster: LocalCluster) -> Any:
 
 @contextlib.contextmanager
 def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_hub: ModelHub,
-                    workloads: Sequence[str]) -> Iterator[Stack]:
-    """The namespaces and the cluster-scoped operator (see the module), removed on exit."""
+                    workloads: Sequence[str], inference_pool: bool = False) -> Iterator[Stack]:
+    """The namespaces and the cluster-scoped operator (see the module; ``inference_pool``: the
+    chart's ``inferencePool.enabled``), removed on exit."""
     if cluster.kubelet_node is None or not cluster.prometheus_url:
         raise RuntimeError("real_node_stack needs the cluster's kubelet node and Prometheus")
     found = registry_manifest(image.rsplit(":", 1)[1])
@@ -170,7 +171,7 @@ def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_h
                 create_hub_token_secret(cluster=cluster, namespace=name, hub=model_hub)
             started = time.monotonic()
             install_operator(cluster=cluster, namespace=OPERATOR_NAMESPACE, image=image,
-                             release=RELEASE, cluster_scope=True,
+                             release=RELEASE, cluster_scope=True, inference_pool=inference_pool,
                              extra_args=("--set", f"router.namespaces={{{','.join(stack.workloads)}}}"))
             operator = wait(cluster, lambda: operator_pod(cluster), timeout=60,
                             what="the operator pod Ready")

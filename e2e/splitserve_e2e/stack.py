@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import shutil
 import subprocess
 import uuid
@@ -162,18 +163,26 @@ def install_operator(*, cluster: LocalCluster, namespace: str, image: str,
                      prometheus_url: str | None = None, with_prometheus: bool = True,
                      release: str = RELEASE,
                      cluster_scope: bool = False, replicas: int = 1,
+                     inference_pool: bool = False,
                      extra_args: Sequence[str] = (),
+                     hub_endpoints: Sequence[str] | None = None,
                      timeout_seconds: float = 300.0) -> None:
     """The chart into ``namespace`` (namespace-scoped RBAC unless ``cluster_scope``), the
     operator container from ``image`` (``registry/name:tag``), reading ``prometheus_url``
     (default: the cluster's; none at all when not ``with_prometheus``: no autoscaling
-    decisions); returns once the operator holds its Lease."""
+    decisions), with ``spec.router.mode: InferencePool`` allowed when ``inference_pool`` (the
+    chart's ``inferencePool.enabled``, off by default), serving the model hubs
+    ``hub_endpoints`` (the chart's ``hub.allowedEndpoints``; default:
+    :func:`harness_hub_endpoints`); returns once the operator holds its Lease."""
     apply_crds(cluster, CHART / "crds")
     repository, tag = image.rsplit(":", 1)
     values = ["--set-string", f"image.repository={repository}", "--set-string", f"image.tag={tag}",
               "--set-string", "image.pullPolicy=IfNotPresent",
               "--set", f"rbac.scope={'cluster' if cluster_scope else 'namespace'}",
-              "--set", f"replicaCount={replicas}"]
+              "--set", f"replicaCount={replicas}",
+              "--set", f"inferencePool.enabled={str(inference_pool).lower()}",
+              "--set-json", "hub.allowedEndpoints=" + json.dumps(
+                  list(harness_hub_endpoints(cluster) if hub_endpoints is None else hub_endpoints))]
     if with_prometheus:
         prometheus = prometheus_url or cluster.prometheus_url
         if not prometheus:
@@ -196,6 +205,17 @@ def install_operator(*, cluster: LocalCluster, namespace: str, image: str,
 
     cluster.wait_for(holder, timeout_seconds=timeout_seconds, interval_seconds=1.0,
                      what=f"the operator ({namespace}) holding Lease {lease}")
+
+
+def harness_hub_endpoints(cluster: LocalCluster) -> list[str]:
+    """The hubs an operator of this harness serves: huggingface.co (the chart's default) and
+    every hub the harness runs for the pods (the demo's and the tests'), which listen on the
+    kubelet node's bridge gateway, each on a port of its own (an entry without a port allows
+    them all). Without a kubelet node the hubs are on loopback, which the CRD refuses anyway."""
+    hubs = ["https://huggingface.co"]
+    if cluster.pod_gateway:
+        hubs.append(f"http://{cluster.pod_gateway}")
+    return hubs
 
 
 def remove_release(*, cluster: LocalCluster, namespace: str, release: str = RELEASE) -> None:

@@ -59,6 +59,7 @@ CEL_RULES_BY_MODEL: Final[dict[str, tuple[api.CelRule, ...]]] = {
     api.PoolSpec.__name__: api.POOL_CEL_RULES,
     api.ReplicasSpec.__name__: api.REPLICAS_CEL_RULES,
     api.ModelSpec.__name__: api.MODEL_CEL_RULES,
+    api.EnvVar.__name__: api.ENV_VAR_CEL_RULES,  # runtime.extraArgs' rule sits on its item schema
     api.ParallelismSpec.__name__: api.PARALLELISM_CEL_RULES,
     api.SpeculativeSpec.__name__: api.SPECULATIVE_CEL_RULES,
 }
@@ -329,7 +330,7 @@ def api_reference() -> str:
     for part in ("spec", "status"):
         out += ["", f"#### `{part}`", "", *header, *_doc_rows(schema[part], part, False, {})[1:]]
     rules = [*api.ROOT_CEL_RULES, *api.SPEC_CEL_RULES, *api.AUTOSCALING_CEL_RULES, *api.POOL_CEL_RULES, *api.REPLICAS_CEL_RULES,
-             *api.MODEL_CEL_RULES, *api.PARALLELISM_CEL_RULES, *api.SPECULATIVE_CEL_RULES]
+             *api.MODEL_CEL_RULES, *api.RUNTIME_CEL_RULES, *api.PARALLELISM_CEL_RULES, *api.SPECULATIVE_CEL_RULES]
     out += ["", "#### What this version supports", "",
             "Generated from the capabilities table (`splitserve_contract.capabilities`). Known "
             "but unsupported values are refused at admission with \"... is not supported by "

@@ -22,12 +22,19 @@ Triggers, all level-based (every reconcile recomputes everything):
   reconcile their InferenceService, so a capacity shortfall or a child failure is reported
   as soon as it shows. A Deployment that cannot create pods (ReplicaFailure) or is past its
   progress deadline changes its status, which the Deployment watch above already delivers.
+* The KV handoff key Secrets (labelled ``managed-by=splitserve-operator``): a metadata-only
+  watch of our own (:mod:`.secret_watch`; a kopf watch would receive the Secrets' data) feeds
+  the child cache and reconciles the controlling InferenceService of a Secret deleted or changed
+  by someone else (:func:`secret_event_target`), so a deleted key is created again at once.
 * A spec that can never apply is reported as Stalled/InvalidSpec by the reconcile and then
   left alone (:func:`reconcile.spec_never_applies`): neither kopf nor the child path retries
   it until its generation changes.
 * Pause: objects annotated ``splitserve.dev/paused: "true"`` are filtered out by ``when=``
   before kopf computes anything, so kopf stores no progress and writes nothing to them, and
-  the child path skips them too: zero writes.
+  the child path skips them too: zero writes. Removing the annotation reconciles at once
+  (:func:`unpause_target`): kopf leaves annotations under its own storage prefix
+  (``splitserve.dev/``) out of what it compares, so it sees no change, and drift made during
+  the pause would wait for some other event.
 * Deletion: no handler and no finalizer. Owner references with ``blockOwnerDeletion`` let the
   garbage collector remove the children; a finalizer would only make ``kubectl delete`` hang
   whenever the operator is down.
@@ -52,7 +59,7 @@ import kopf
 
 import splitserve_contract as contract
 
-from . import child_cache, failures, kube, leader_worker_set, reconcile
+from . import child_cache, failures, kube, leader_worker_set, reconcile, secret_watch
 from .metrics import OperatorMetrics
 
 logger = logging.getLogger(__name__)
@@ -82,6 +89,9 @@ CHILD_RESOURCES: Final = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 )
+
+CACHED_RESOURCES: Final = (*CHILD_RESOURCES, ("", "v1", "secrets"))
+"""What the child cache keeps: the kopf-watched children and the Secrets of :mod:`.secret_watch`."""
 
 
 def retry_delay(attempt: int) -> float:
@@ -142,6 +152,45 @@ def child_event_target(*, event: Mapping[str, Any], body: Mapping[str, Any], chi
     if event.get("type") is None and key in known:
         return None
     return None if echo else key
+
+
+def secret_event_target(*, event_type: str | None, secret: Mapping[str, Any],
+                        children: child_cache.ChildCache) -> Key | None:
+    """Keep what the Secret watch shows in ``children``, and say which InferenceService to
+    reconcile for it: for a deletion or a change by anyone else (not the echo of our own
+    create, not the initial listing), the one that controls it, else the one its instance
+    label names (a Secret stripped of its owner reference is no longer ours: a conflict to
+    report). None: nothing to do."""
+    if event_type == "DELETED":
+        children.forget(secret)
+        echo = False
+    else:
+        echo = children.observe(secret)
+    if event_type is None or echo:
+        return None
+    key = owner_key(secret)
+    if key is not None:
+        return key
+    meta = secret.get("metadata") or {}
+    instance = (meta.get("labels") or {}).get(contract.LABEL_INSTANCE)
+    return (str(meta.get("namespace")), str(instance)) if instance else None
+
+
+def unpause_target(*, event: Mapping[str, Any], body: Mapping[str, Any], paused: set[Key]) -> Key | None:
+    """Track which InferenceServices are paused (``paused``, updated in place) and say which
+    one was just unpaused: it is reconciled at once. None: nothing to do."""
+    meta = body.get("metadata") or {}
+    key = (str(meta.get("namespace")), str(meta.get("name")))
+    if event.get("type") == "DELETED":
+        paused.discard(key)
+        return None
+    if reconcile.is_paused(body):
+        paused.add(key)
+        return None
+    if key in paused:
+        paused.discard(key)
+        return key
+    return None
 
 
 class Coalescer:
@@ -232,11 +281,16 @@ class OperatorContext:
     known: dict[Key, None] = dataclasses.field(default_factory=dict)
     """InferenceServices this operator has seen (for the autoscaler loop)."""
     children: child_cache.ChildCache = dataclasses.field(
-        default_factory=lambda: child_cache.ChildCache.for_resources(CHILD_RESOURCES))
+        default_factory=lambda: child_cache.ChildCache.for_resources(CACHED_RESOURCES))
     """The children as the child watch delivers them (:mod:`.child_cache`)."""
     spec_lane: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(SPEC_WORKERS, thread_name_prefix="spec"))
     """Where the kopf handlers' reconciles run (:data:`SPEC_WORKERS`)."""
+    namespaces: tuple[str, ...] = ()
+    """The namespaces served (namespace scopes), () for all: where the Secret watch looks (one
+    watch each: the operator may list Secrets only in those)."""
+    paused: set[Key] = dataclasses.field(default_factory=set)
+    """InferenceServices last seen paused (:func:`unpause_target`)."""
 
     def run_reconcile(self, obj: Mapping[str, Any]) -> reconcile.Result:
         started = time.monotonic()
@@ -308,6 +362,8 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
     @kopf.on.event(group, version, plural, registry=registry, id="track")
     async def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         key = (str(body.metadata.namespace), str(body.metadata.name))
+        if unpause_target(event=event, body=body, paused=ctx.paused) is not None:
+            coalescer.request(key)
         if event.get("type") == "DELETED":
             ctx.known.pop(key, None)
             ctx.metrics.conditions.forget(key)
@@ -336,5 +392,25 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         api_version = f"{child_group}/{child_version}" if child_group else child_version
         kopf.on.event(api_version, child_plural, registry=registry, labels=labels,
                       id=f"child-{child_plural}")(child_event)
+
+    watch: list[secret_watch.SecretWatch] = []
+
+    @kopf.on.startup(registry=registry, id="secret-watch-start")
+    async def start_secret_watch(**_: Any) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_change(event_type: str | None, secret: Mapping[str, Any]) -> None:  # the watch's thread
+            key = secret_event_target(event_type=event_type, secret=secret, children=ctx.children)
+            if key is not None:
+                loop.call_soon_threadsafe(coalescer.request, key)
+
+        for namespace in ctx.namespaces or (None,):
+            watch.append(secret_watch.SecretWatch(api=ctx.api, namespace=namespace, on_change=on_change))
+            watch[-1].start()
+
+    @kopf.on.cleanup(registry=registry, id="secret-watch-stop")
+    async def stop_secret_watch(**_: Any) -> None:
+        for w in watch:
+            w.stop()
 
     return registry, coalescer

@@ -40,6 +40,15 @@ CRDS_MANIFEST_URL: Final = ("https://github.com/kubernetes-sigs/gateway-api-infe
                             "releases/download/v1.2.0/manifests.yaml")
 """The Inference Extension's CRDs (InferencePool, InferenceObjective), the version we render for."""
 
+CHART_VALUE: Final = "inferencePool.enabled"
+"""The chart value that turns this mode on (off by default). With it the operator may create
+ServiceAccounts, Roles and RoleBindings in the watched namespaces, and so hand any permission it
+holds to any subject (RBAC checks a binding's Role against the binder's own permissions, not who
+it binds): a grant an installer makes on purpose. Without it, an InferenceService in this mode is
+``Stalled``/``InferencePoolDisabled`` (:func:`disabled_message`) and nothing is applied for it."""
+OPERATOR_FLAG: Final = "--inference-pool"
+"""The operator flag the chart renders from :data:`CHART_VALUE`."""
+
 PICKER_IMAGE: Final = "registry.k8s.io/gateway-api-inference-extension/epp:v1.2.0"
 PICKER_COMPONENT: Final = "endpoint-picker"
 """``app.kubernetes.io/component`` of the picker's objects and pods (no ``splitserve.dev/role``:
@@ -155,6 +164,18 @@ def picker_rules(isvc_name: str) -> list[dict[str, Any]]:
         {"apiGroups": [OBJECTIVES_API_GROUP], "resources": ["inferenceobjectives"], "verbs": read},
         {"apiGroups": [""], "resources": ["pods"], "verbs": read},
     ]
+
+
+def disabled_message(isvc_name: str) -> str:
+    """The Stalled condition's message when this operator runs without InferencePool mode
+    (:data:`CHART_VALUE` off, the default): it may not create the picker's ServiceAccount, Role
+    and RoleBinding, so nothing is rendered for the InferenceService."""
+    return (f"spec.router.mode is InferencePool but this operator was installed without InferencePool "
+            f"mode, so it may not create the endpoint picker's ServiceAccount, Role and RoleBinding "
+            f"({picker_name(isvc_name)}) and applies nothing for this InferenceService: reinstall the "
+            f"splitserve chart with --set {CHART_VALUE}=true (operator flag {OPERATOR_FLAG}), which grants "
+            "the operator create on ServiceAccounts, Roles and RoleBindings in the watched namespaces, "
+            "or use spec.router.mode Builtin in a new InferenceService")
 
 
 def crd_missing_message(isvc_name: str) -> str:

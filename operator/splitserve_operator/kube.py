@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 from urllib.parse import quote
 
@@ -27,6 +27,9 @@ import splitserve_contract as contract
 APPLY_PATCH: Final = "application/apply-patch+yaml"
 MERGE_PATCH: Final = "application/merge-patch+json"
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
+METADATA_LIST: Final = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+METADATA_ONLY: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""Accept headers that make the API server answer with metadata alone (no ``data``, no ``spec``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,8 @@ class Kind:
 
 CONFIG_MAP: Final = Kind("v1", "ConfigMap", "configmaps")
 SECRET: Final = Kind("v1", "Secret", "secrets")
-"""Only ever created (the KV handoff key), never read: the operator has no Secret reads."""
+"""Only ever created (the KV handoff key) and seen as metadata (:meth:`Kube.list_metadata`,
+:meth:`Kube.watch_metadata`): the operator never asks for a Secret's data."""
 SERVICE: Final = Kind("v1", "Service", "services")
 POD: Final = Kind("v1", "Pod", "pods")
 NODE: Final = Kind("v1", "Node", "nodes", namespaced=False)
@@ -124,6 +128,9 @@ class KubeAPI(StatusAPI, Protocol):
     def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
                field_manager: str | None = None) -> dict[str, Any]: ...
 
+    def list_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str = "",
+                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]: ...
+
 
 RequestObserver = Callable[[str, str], None]
 """Called once per request sent, with (verb, resource): ``get``/``list``/``create``/``update``/
@@ -150,10 +157,11 @@ class Kube:
         query: Sequence[tuple[str, str]] = (),
         body: Any = None,
         content_type: str | None = None,
+        accept: str = "application/json",
     ) -> dict[str, Any]:
         if self._on_request is not None:
             self._on_request(verb, resource)
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if content_type is not None:
             headers["Content-Type"] = content_type
         elif body is not None:
@@ -197,6 +205,50 @@ class Kube:
                                path=kind.collection_path(namespace=namespace), query=query)
         items = result.get("items") or []
         return [item for item in items if isinstance(item, dict)]
+
+    def list_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str = "",
+                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]:
+        """The objects' metadata only (``PartialObjectMetadata``: the server sends no data) and
+        the list's resourceVersion (where a watch resumes)."""
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        result = self._request(verb="list", resource=kind.plural, method="GET",
+                               path=kind.collection_path(namespace=namespace), query=query, accept=METADATA_LIST)
+        items = [item for item in result.get("items") or [] if isinstance(item, dict)]
+        return items, str((result.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str, resource_version: str,
+                       timeout_seconds: int) -> Iterator[dict[str, Any]]:
+        """The watch events (``{"type", "object"}``, objects as metadata only) after
+        ``resource_version``, until the server ends the watch (``timeout_seconds``); raises
+        :class:`ApiException` for a refused watch. A 410 Gone arrives as an ``ERROR`` event."""
+        if self._on_request is not None:
+            self._on_request("watch", kind.plural)
+        query = [("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
+                 ("timeoutSeconds", str(timeout_seconds))]
+        if label_selector:
+            query.append(("labelSelector", label_selector))
+        method, url, headers, body, _post = self._api.param_serialize(
+            method="GET", resource_path=kind.collection_path(namespace=namespace), query_params=query,
+            header_params={"Accept": METADATA_ONLY}, auth_settings=["BearerToken"])
+        response = self._api.call_api(method, url, header_params=headers, body=body,
+                                      _request_timeout=(self._timeout, timeout_seconds + self._timeout))
+        raw = response.response
+        try:
+            if not 200 <= response.status < 300:
+                data = response.read()
+                raise ApiException(status=response.status, reason=response.reason,
+                                   body=data.decode("utf-8", "replace") if data else None)
+            buffer = b""
+            for chunk in raw.stream(65536, decode_content=True):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        event = json.loads(line)
+                        if isinstance(event, dict):
+                            yield event
+        finally:
+            raw.release_conn()
 
     # ------------------------------------------------------------------ writes
     def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]:

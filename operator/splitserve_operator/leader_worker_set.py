@@ -8,7 +8,8 @@ Deployment it replaces. Per replica the LWS controller makes a leader pod (worke
 HTTP server, the engine, KV transfer, metrics) and ``size - 1`` worker pods (ranks only, plus a
 ``/health`` and ``/ready`` for the kubelet), and its pod webhook gives each of them
 ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX``, from which the runtime
-finds its node rank and the leader (``--nnodes`` is the only multi-node flag rendered).
+finds its node rank and the leader (``--nnodes`` and ``--rendezvous-key-file``,
+:data:`RENDEZVOUS_KEY_FILE`, are the only multi-node flags rendered).
 
 Here: the LWS's labels and names, the leader-only selector of the pool's Service, the Stalled
 message for a cluster without the CRD, the apply that leaves an LWS alone when it already holds
@@ -34,7 +35,7 @@ from typing import Any, Final
 import splitserve_contract as contract
 from splitserve_contract import Role
 
-from . import apply, capacity, child_cache, kube, naming
+from . import apply, capacity, child_cache, handoff_key, kube, naming
 
 API_GROUP: Final = "leaderworkerset.x-k8s.io"
 API_VERSION: Final = f"{API_GROUP}/v1"
@@ -53,6 +54,12 @@ LEADER_WORKER_INDEX: Final = "0"
 
 RENDEZVOUS_PORT_NAME: Final = "rendezvous"
 """The leader's port the other ranks of its group join at (``--rendezvous-port``)."""
+RENDEZVOUS_KEY_FILE: Final = handoff_key.KEY_FILE
+"""``--rendezvous-key-file`` of every pod of a group: the ranks run what their leader sends
+them, so its messages are authenticated with a key derived from a secret only the
+InferenceService's pods hold. The secret is the InferenceService's KV handoff key Secret
+(:mod:`.handoff_key`; the runtime derives a separate key per group from it), mounted into the
+leader and worker pods of every multi-node pool, aggregated ones included."""
 
 
 def is_leader_worker_set(obj: Mapping[str, Any]) -> bool:

@@ -34,7 +34,7 @@ from kubernetes import config as k8s_config
 
 import splitserve_contract as contract
 
-from . import handlers, health, kube, leader, metrics, operator_flags, reconcile
+from . import api, handlers, health, kube, leader, metrics, operator_flags, reconcile
 from .autoscaler import loop as autoscaler_loop
 
 logger = logging.getLogger("splitserve_operator")
@@ -150,8 +150,10 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
     ctx = handlers.OperatorContext(
         api=api,
         settings=reconcile.ReconcileSettings(runtime_image=args.runtime_image,
-                                             router_service_account=args.router_service_account),
+                                             router_service_account=args.router_service_account,
+                                             inference_pool=args.inference_pool),
         metrics=operator_metrics,
+        namespaces=operator_flags.watched_namespaces(args),
     )
     registry, coalescer = handlers.build_registry(ctx=ctx)
     # The autoscaler's own handlers (an event tracker and a startup/cleanup pair that runs one
@@ -163,7 +165,7 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
                              window_seconds=args.metrics_window_seconds)
     stop_flag: asyncio.Event = asyncio.Event()
     ready_flag: asyncio.Event = asyncio.Event()
-    namespaces = [args.namespace] if args.namespace else []
+    namespaces = list(operator_flags.watched_namespaces(args))  # exactly these, or [] for all
     kopf_task = asyncio.create_task(kopf.operator(
         registry=registry, settings=kopf_settings(identity=identity, namespaced=bool(namespaces)), standalone=True,
         clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop_flag, ready_flag=ready_flag,
@@ -217,7 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of `splitserve operator` (argv without the subcommand)."""
-    args = operator_flags.operator_args_from_namespace(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = operator_flags.operator_args_from_namespace(parser.parse_args(argv))
+    try:
+        operator_flags.watched_namespaces(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:  # the hubs this operator serves: every spec it parses is checked against them
+        api.hub_policy.enforce(api.hub_policy.HubAllowList.parse(args.allowed_hub_endpoints))
+    except ValueError as exc:
+        parser.error(f"--allowed-hub-endpoints: {exc}")
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+from typing import Final
 
 from splitserve_contract import Flag, add_arguments, defaults
 
@@ -19,9 +21,11 @@ from splitserve_contract import Flag, add_arguments, defaults
 class OperatorArgs:
     """Arguments of `splitserve operator`. Defaults here are the operator's defaults."""
 
-    namespace: str = ""  # watch only this namespace; empty: cluster-wide
+    namespace: str = ""  # watch only these namespaces (comma-separated: watched_namespaces); empty: cluster-wide
     runtime_image: str = "ghcr.io/splitserve/splitserve:0.1.0"
     router_service_account: str = ""  # serviceAccountName of router pods; empty: namespace default
+    allowed_hub_endpoints: str = "https://huggingface.co"  # comma-separated (api.hub_policy); "*": any
+    inference_pool: bool = False  # spec.router.mode InferencePool allowed (the chart's inferencePool.enabled)
     metrics_port: int = 8080
     health_port: int = 8081
     leader_election: bool = True
@@ -34,9 +38,15 @@ class OperatorArgs:
 
 
 OPERATOR_FLAGS: tuple[Flag, ...] = (
-    Flag("namespace", "namespace", "watch only this namespace (empty: all namespaces)"),
+    Flag("namespace", "namespace", "watch only these namespaces, comma-separated (empty: all namespaces)"),
     Flag("runtime-image", "runtime_image", "runtime image for InferenceServices that set none"),
     Flag("router-service-account", "router_service_account", "serviceAccountName of router pods (empty: default)"),
+    Flag("allowed-hub-endpoints", "allowed_hub_endpoints",
+         "model hubs (scheme://host[:port][/path], comma-separated; no port: any port; '*': any hub) that "
+         "spec.model.hubEndpoint may name; InferenceServices with another are Stalled/InvalidSpec"),
+    Flag("inference-pool", "inference_pool",
+         "reconcile spec.router.mode InferencePool (needs create on ServiceAccounts, Roles and RoleBindings); "
+         "off: such InferenceServices are Stalled/InferencePoolDisabled", is_bool=True),
     Flag("metrics-port", "metrics_port", "port of /metrics", type=int),
     Flag("health-port", "health_port", "port of /healthz", type=int),
     Flag("leader-election", "leader_election", "elect one active replica with a Lease", is_bool=True),
@@ -57,6 +67,22 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def operator_args_from_namespace(ns: argparse.Namespace) -> OperatorArgs:
     return OperatorArgs(**{f.dest: getattr(ns, f.dest) for f in OPERATOR_FLAGS})
+
+
+_NAMESPACE_NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def watched_namespaces(args: OperatorArgs) -> tuple[str, ...]:
+    """The namespaces of ``--namespace`` in order, each once; () means every namespace.
+
+    Each must be a namespace name (a DNS label): kopf reads its namespaces as patterns (``*``
+    globs, ``!`` exclusions), and the operator must watch exactly the namespaces its Roles are
+    in, never a pattern that a namespace created later could match."""
+    names = tuple(dict.fromkeys(n.strip() for n in args.namespace.split(",") if n.strip()))
+    bad = [n for n in names if not _NAMESPACE_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"--namespace: not namespace names: {', '.join(map(repr, bad))}")
+    return names
 
 
 def flag_names() -> frozenset[str]:

@@ -13,13 +13,17 @@ The stages, each a small function passing a typed value to the next::
     obj      _Parsed   _Rendered _ApplyReport _Observed _Verdict
 
 Apply also creates the KV handoff key Secret of a disaggregated service, once
-(:mod:`handoff_key`). Observation covers the Deployments, the pods (pending ones, and pods
+(:mod:`handoff_key`). Children are applied in waves, each after what it uses
+(:mod:`dependencies`), and a child that uses an object this InferenceService does not control
+(a ``NameConflict``: a planted ServiceAccount, Role, RoleBinding or handoff key Secret) is not
+applied at all. Observation covers the Deployments, the pods (pending ones, and pods
 that cannot run: :mod:`failures`), and GPU capacity.
 
 Router mode InferencePool (:mod:`inference_pool`): the endpoint picker stands where the router
 stands (its Deployment's counts are ``status.router``, and Ready waits for it); its
-ServiceAccount and Role are applied before everything else, because the API server checks a
-RoleBinding against the Role it names; and a cluster without the InferencePool CRD is
+ServiceAccount and Role are applied before its RoleBinding and Deployment (the API server
+checks a RoleBinding against the Role it names, and neither is applied over a planted
+ServiceAccount or Role); and a cluster without the InferencePool CRD is
 ``Stalled=True``/``InferencePoolCRDMissing`` (the other children are applied, and the reconcile
 is retried with back-off until the CRD is there).
 
@@ -57,6 +61,7 @@ from . import (
     apply,
     capacity,
     child_cache,
+    dependencies,
     events,
     failures,
     handoff_key,
@@ -100,6 +105,12 @@ class RetryableError(Exception):
 class ReconcileSettings:
     runtime_image: str
     router_service_account: str = ""
+    inference_pool: bool = True
+    """Whether spec.router.mode InferencePool may be reconciled. The operator sets it from its
+    flag ``--inference-pool`` (the chart's ``inferencePool.enabled``, off by default): without
+    it the operator holds no permission to create the endpoint picker's ServiceAccount, Role and
+    RoleBinding, and such a service is Stalled/InferencePoolDisabled
+    (:func:`_report_inference_pool_disabled`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +273,16 @@ def _report_invalid_spec(*, api: kube.KubeAPI, obj: Mapping[str, Any], message: 
                   conditions=_stalled(Reason.INVALID_SPEC, message))
 
 
+def _report_inference_pool_disabled(*, api: kube.KubeAPI, parsed: _Parsed) -> None:
+    """Stalled/InferencePoolDisabled, and one Warning Event per generation; nothing is applied
+    and nothing retried: an operator restarted with the mode on reconciles every service again."""
+    obj, reason, message = parsed.obj, Reason.INFERENCE_POOL_DISABLED, inference_pool.disabled_message(parsed.name)
+    if not _already_stalled(obj, reason):
+        events.warning(obj=obj, reason=reason, message=message)
+    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
+                  conditions=_stalled(reason, message))
+
+
 # ---------------------------------------------------------------------------- stages
 
 
@@ -297,6 +318,8 @@ class _ApplyReport:
     """Applied Deployments by role; the endpoint picker's under Role.ROUTER."""
     planned: list[child_cache.PlannedChild] = dataclasses.field(default_factory=list)
     """Each child applied without error (what a later reconcile may skip: :func:`_unchanged`)."""
+    not_applied: list[str] = dataclasses.field(default_factory=list)
+    """Children not sent because something they use is not ours or was not applied."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,26 +368,28 @@ def _owner(parsed: _Parsed) -> apply.Owner:
     return apply.Owner(name=parsed.name, uid=str(parsed.obj["metadata"]["uid"]))
 
 
-def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered) -> ApiException | None:
-    """Create the KV handoff key Secret when a pool uses it (before the pods that mount it);
-    the API error, if creating it failed."""
-    if not any(render.uses_handoff_key(c.role) for c in rendered.comps):
+def _handoff_key_of(*, parsed: _Parsed, rendered: _Rendered) -> child_cache.ChildKey | None:
+    """Where the KV handoff key Secret is, when a pool of ``rendered`` mounts it."""
+    if not any(render.uses_handoff_key(c.role) or render.is_multi_node(c) for c in rendered.comps):
         return None
+    return (kube.SECRET.api_version, kube.SECRET.kind, parsed.namespace,
+            naming.handoff_key_secret_name(parsed.name))
+
+
+def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed,
+                        children: child_cache.ChildCache | None = None) -> apply.NameConflict | ApiException | None:
+    """Create the KV handoff key Secret unless ours is there (:func:`handoff_key.ensure`);
+    the name conflict or the API error, if any."""
     try:
         handoff_key.ensure(api=api, isvc_name=parsed.name, namespace=parsed.namespace,
-                           owner_reference=_owner(parsed).reference())
-    except ApiException as exc:
+                           owner_reference=_owner(parsed).reference(), cache=children)
+    except (apply.NameConflict, ApiException) as exc:
         return exc
     return None
 
 
 WORKLOAD_KINDS: Final = frozenset({kube.DEPLOYMENT.kind, kube.LEADER_WORKER_SET.kind})
 """The kinds a pool is rendered as; its replica count is the autoscaler's."""
-FIRST_KINDS: Final = frozenset({"ServiceAccount", "Role"})
-"""Applied before the other children: a RoleBinding is checked against the Role it names (the
-API server refuses it while that Role does not exist), and a pod against its ServiceAccount."""
-
-
 def _replica_counts(*, parsed: _Parsed, child: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(initial, fixed) replicas of a child for :func:`apply.apply_child`."""
     role_value = _role_of(child)
@@ -376,15 +401,42 @@ def _replica_counts(*, parsed: _Parsed, child: Mapping[str, Any]) -> tuple[int |
     return None, None
 
 
-def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
-               children: child_cache.ChildCache | None = None) -> list[apply.Applied | BaseException]:
-    """Apply every child; children are independent objects (but :data:`FIRST_KINDS`), so
-    concurrently (a PATCH each, a GET first for one the watch has not shown us, nothing for one
-    the watch shows as our last apply left it). Results come in the order of
-    ``rendered.children``."""
-    owner = _owner(parsed)
+@dataclasses.dataclass(frozen=True)
+class NotApplied:
+    """A child left unapplied because something it needs is not ours or was not applied
+    (:mod:`.dependencies`)."""
 
-    def apply_one(child: dict[str, Any]) -> apply.Applied | BaseException:
+    cause: child_cache.ChildKey
+
+
+ApplyResult = apply.Applied | BaseException | NotApplied
+
+
+def _label(key: child_cache.ChildKey) -> str:
+    return f"{key[1]}/{key[3]}"
+
+
+def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
+               children: child_cache.ChildCache | None = None,
+               handoff: child_cache.ChildKey | None = None) -> tuple[list[ApplyResult], ApplyResult | None]:
+    """Apply every child, and create the KV handoff key Secret at ``handoff`` (None: no pool
+    mounts one), in waves (:func:`dependencies.waves`): what needs nothing first, all at once
+    (a PATCH each, a GET first for one the watch has not shown us, nothing for one the watch
+    shows as our last apply left it), then what needs those, and so on. A child whose needs
+    are not all ours and applied is not sent (:class:`NotApplied`). Results come in the order
+    of ``rendered.children``, then the Secret's (None when ``handoff`` is None; its success is
+    an :class:`apply.Applied` with an empty object)."""
+    owner = _owner(parsed)
+    by_key = {child_cache.key_of(c): c for c in rendered.children}
+    edges = dependencies.needs(rendered.children, also_made=[handoff] if handoff is not None else [])
+    if handoff is not None:
+        edges[handoff] = set()
+
+    def apply_one(key: child_cache.ChildKey) -> ApplyResult:
+        if key == handoff:
+            error = _ensure_handoff_key(api=api, parsed=parsed, children=children)
+            return error if error is not None else apply.Applied({}, apply.Outcome.UNCHANGED)
+        child = by_key[key]
         initial, fixed = _replica_counts(parsed=parsed, child=child)
         # a LeaderWorkerSet is sent only when it changed (see apply_unless_held)
         applier = leader_worker_set.apply_unless_held if child["kind"] == kube.LEADER_WORKER_SET.kind \
@@ -395,23 +447,28 @@ def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
         except (apply.NameConflict, ApiException) as exc:
             return exc
 
-    def finish(applied: apply.Applied) -> apply.Applied | BaseException:
+    def finish(applied: apply.Applied) -> ApplyResult:
         assert applied.finish is not None
         try:
             return applied.finish()
         except ApiException as exc:
             return exc
 
-    first = [i for i, c in enumerate(rendered.children) if c["kind"] in FIRST_KINDS]
-    rest = [i for i, c in enumerate(rendered.children) if c["kind"] not in FIRST_KINDS]
-    results: dict[int, apply.Applied | BaseException] = {}
+    results: dict[child_cache.ChildKey, ApplyResult] = {}
     pool = _apply_pool()
-    for batch in (first, rest):
-        results.update(zip(batch, pool.map(apply_one, [rendered.children[i] for i in batch]), strict=True))
+    for wave in dependencies.waves(edges):
+        failed = {k for k, r in results.items() if not isinstance(r, apply.Applied | NotApplied)}
+        stopped = dependencies.blocked(edges, failed)
+        for key in wave:
+            if key in stopped:
+                results[key] = NotApplied(cause=stopped[key])
+        sent = [key for key in wave if key not in stopped]
+        results.update(zip(sent, pool.map(apply_one, sent), strict=True))
     # Replica hand-overs of created pools, once every child exists: they do not hold up the rest.
-    later = {i: r for i, r in results.items() if isinstance(r, apply.Applied) and r.finish is not None}
+    later = {k: r for k, r in results.items() if isinstance(r, apply.Applied) and r.finish is not None}
     results.update(zip(later, pool.map(finish, later.values()), strict=True))
-    return [results[i] for i in range(len(rendered.children))]
+    return ([results[child_cache.key_of(c)] for c in rendered.children],
+            None if handoff is None else results[handoff])
 
 
 OPTIONAL_CRD_KINDS: Final = (kube.INFERENCE_POOL.kind, kube.LEADER_WORKER_SET.kind)
@@ -457,17 +514,20 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
         text = f"{what} failed: {kube.error_message(exc)}"
         (permanent if apierrors.is_permanent(exc) else transient).append(text)
 
-    # The key is created alongside the children: a pod that mounts it is made by the Deployment
-    # controller much later than this one request takes.
-    key_created = _apply_pool().submit(_ensure_handoff_key, api=api, parsed=parsed, rendered=rendered)
-    results = _apply_all(api=api, parsed=parsed, rendered=rendered, children=children)
-    key_error = key_created.result()
-    if key_error is not None:
-        failed(f"creating Secret/{naming.handoff_key_secret_name(parsed.name)}", key_error)
+    handoff = _handoff_key_of(parsed=parsed, rendered=rendered)
+    results, key_result = _apply_all(api=api, parsed=parsed, rendered=rendered, children=children, handoff=handoff)
+    not_applied: dict[child_cache.ChildKey, list[str]] = {}
+    if handoff is not None and isinstance(key_result, apply.NameConflict):
+        report.conflicts.append(_label(handoff))
+        report.conflict_messages.append(str(key_result))
+    elif handoff is not None and isinstance(key_result, BaseException):
+        failed(f"creating {_label(handoff)}", key_result)
     crd_missing: set[str] = set()
     for child, result in zip(rendered.children, results, strict=True):
         label = f"{child['kind']}/{child['metadata']['name']}"
-        if _crd_missing(child, result):
+        if isinstance(result, NotApplied):
+            not_applied.setdefault(result.cause, []).append(label)
+        elif _crd_missing(child, result):
             crd_missing.add(str(child["kind"]))
         elif isinstance(result, apply.NameConflict):
             report.conflicts.append(label)
@@ -492,6 +552,11 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
                 key=child_cache.key_of(child), digest=result.digest,
                 hands_over_replicas=initial is not None and fixed is None,
                 deployment_role=None if deployment_role is None else deployment_role.value))
+    for cause, labels in not_applied.items():
+        what = "not controlled by this InferenceService" if _label(cause) in report.conflicts else "not applied"
+        text = f"{', '.join(labels)} not applied: {_label(cause)}, which they use, is {what}"
+        report.not_applied.extend(labels)
+        (report.conflict_messages if _label(cause) in report.conflicts else transient).append(text)
     if permanent:  # retrying cannot help, whatever else failed
         _report_invalid_spec(api=api, obj=obj, message=API_REFUSED_PREFIX + "; ".join(permanent))
         return None
@@ -525,8 +590,8 @@ def _unchanged(*, api: kube.KubeAPI, parsed: _Parsed, spec_key: str,
     """Render and apply stages skipped: this spec was applied completely before and the watch
     shows every child as that apply left it (:meth:`child_cache.ChildCache.unchanged`), so a
     render would produce the same bodies and every apply would change nothing. Only the KV
-    handoff key is created again (a Secret deleted by hand comes back; Secrets are not
-    watched). None: render and apply."""
+    handoff key is checked again (no request while its watch shows it as ours; a deleted one
+    is created again). None: render and apply."""
     plan = None if children is None else children.plan((parsed.namespace, parsed.name), spec_key=spec_key)
     if children is None or plan is None:
         return None
@@ -540,8 +605,9 @@ def _unchanged(*, api: kube.KubeAPI, parsed: _Parsed, spec_key: str,
         if planned.deployment_role is not None:
             deployments[Role(planned.deployment_role)] = seen.obj
     rendered = _Rendered(children=[], comps=render.components(parsed.isvc.spec))
-    if _ensure_handoff_key(api=api, parsed=parsed, rendered=rendered) is not None:
-        return None  # the full path reports the error
+    if (_handoff_key_of(parsed=parsed, rendered=rendered) is not None
+            and _ensure_handoff_key(api=api, parsed=parsed, children=children) is not None):
+        return None  # the full path reports the conflict or the error
     return rendered, _ApplyReport(created=[], updated=[], conflicts=[], conflict_messages=[],
                                   deployments=deployments, planned=list(plan.children))
 
@@ -689,6 +755,9 @@ def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileS
     parsed = _parse(api=api, obj=obj)
     if parsed is None:
         return Result(outcome=Reason.INVALID_SPEC)
+    if not settings.inference_pool and inference_pool.enabled(parsed.isvc.spec):
+        _report_inference_pool_disabled(api=api, parsed=parsed)
+        return Result(outcome=Reason.INFERENCE_POOL_DISABLED)
     spec_key = _spec_key(parsed=parsed, settings=settings)
     shortcut = _unchanged(api=api, parsed=parsed, spec_key=spec_key, children=children)
     if shortcut is not None:

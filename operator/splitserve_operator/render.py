@@ -181,7 +181,8 @@ def _multi_node_args(pool: PoolSpec) -> dict[str, Any]:
     come from the env the LWS pod webhook injects (``LWS_WORKER_INDEX``,
     ``LWS_LEADER_ADDRESS``), which the runtime reads when the flags are left out: one pod
     template serves the leader and every worker."""
-    return {"nnodes": pool.resources.pods_per_replica} if pool.resources.multi_node else {}
+    return {"nnodes": pool.resources.pods_per_replica,
+            "rendezvous_key_file": leader_worker_set.RENDEZVOUS_KEY_FILE} if pool.resources.multi_node else {}
 
 
 def speculates(isvc: InferenceService, role: Role) -> bool:
@@ -367,7 +368,7 @@ def _pod_spec(
         if pool.resources.multi_node:
             ports.append({"name": leader_worker_set.RENDEZVOUS_PORT_NAME,
                           "containerPort": args.rendezvous_port, "protocol": "TCP"})
-        if uses_handoff_key(component.role):
+        if uses_handoff_key(component.role) or pool.resources.multi_node:  # a group's rendezvous key too
             volumes.append(handoff_key.volume(isvc.metadata.name))
             mounts.append(handoff_key.volume_mount())
         _, draft_volume, draft_mount = _draft_model_location(isvc)

@@ -10,7 +10,8 @@ leaked /tokenize, /invocations, ...).
 The auth scheme is matched case-insensitively (RFC 7235 section 2.1: ``bearer``, ``BEARER``
 and ``Bearer`` are the same scheme). The comparison hashes both sides with SHA-256 and uses
 :func:`hmac.compare_digest`, so neither the key's content nor its length leaks through timing.
-The key is never logged and never echoed in an error. A rejection is a 401 in the OpenAI error
+The key is never logged and never echoed in an error. A key variable that is set but empty
+stops the process at start-up (:func:`api_key_from_env`), instead of silently serving everyone. A rejection is a 401 in the OpenAI error
 shape with ``WWW-Authenticate: Bearer``. Written as pure ASGI middleware (not
 BaseHTTPMiddleware) so streaming responses and disconnect detection are untouched.
 
@@ -23,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from splitserve_contract import INFO_PATH, METRICS_PATH
+from splitserve_contract import ENV_API_KEY, INFO_PATH, METRICS_PATH
 
 SERVER_OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH, INFO_PATH})
 """A pod's open paths: probes, the Prometheus scrape and the router's pod-info poll. None
@@ -41,6 +43,27 @@ OPEN_PATHS = SERVER_OPEN_PATHS
 """Kept for callers of the former ``server.auth.OPEN_PATHS``."""
 
 UNAUTHORIZED_MESSAGE = "Missing or incorrect API key. Send it as 'Authorization: Bearer <key>'."
+
+
+class APIKeyConfigError(ValueError):
+    """An API key is configured but unusable: the process must not start (serving without the
+    key the operator asked for would answer every client)."""
+
+
+def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key of this process: None when ``SPLITSERVE_API_KEY`` is not set (no key is
+    required), its value when it is. Set but empty or only whitespace (an empty Secret value, or
+    an env entry that replaced the Secret reference) raises :class:`APIKeyConfigError`: an empty
+    key must never mean "no key", which is what ``os.environ.get(...) or None`` made it."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_API_KEY)
+    if value is None:
+        return None
+    if not value.strip():
+        raise APIKeyConfigError(
+            f"{ENV_API_KEY} is set but empty: refusing to serve without the API key (check the "
+            "Secret named by spec.runtime.apiKeySecretRef, or unset the variable to serve without one)")
+    return value
 
 
 def _digest(value: bytes) -> bytes:

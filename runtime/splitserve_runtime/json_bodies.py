@@ -18,16 +18,28 @@ bodies waiting for it; past that, callers get :class:`DecoderBusy` (a 429). If t
 (killed, out of memory), the pool is replaced and the caller gets :class:`DecoderFailed`.
 Like :mod:`.body_limit`, this sits outside the runtime's layers so the server and the router
 share it; what a body must decode *to* is the caller's function.
+
+:func:`decode_body` is the one way both decode a body. ``json.loads`` fails in three ways that
+are not :class:`json.JSONDecodeError`: ``UnicodeDecodeError`` (not UTF-8), ``RecursionError``
+(arrays nested about a thousand deep: 2 KB of ``[``) and ``ValueError`` (an integer literal of
+more than ``sys.get_int_max_str_digits()`` digits, 4,300 by default); the last two escaped as
+500s with two tracebacks each, and the pod reset the client's keep-alive connection. Each is
+now :class:`InvalidJSON`, a 400 ``invalid_json``. A body that decodes but nests deeper than
+:data:`MAX_DEPTH` is refused the same way: code that walks the value recursively later
+(``json.dumps``, pydantic, a JSON schema) would meet the same limit with less stack left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from itertools import compress, islice
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +50,10 @@ MAX_CONTAINERS = 65_536
 """Arrays and objects a body may hold; more is refused without being returned."""
 DEFAULT_MAX_WAITING = 8
 """Large bodies waiting for the decoder process before the next one is refused."""
+MAX_DEPTH = 128
+"""Arrays and objects nested in one another that a body may hold (serde_json's default bound):
+real requests nest a few levels (a JSON schema a few dozen), and Python's recursion limit
+(1,000 frames, some of them the server's own) is far above it."""
 
 
 class DecoderBusy(Exception):
@@ -48,23 +64,70 @@ class DecoderFailed(Exception):
     """The decoder process died while decoding; it has been replaced."""
 
 
+class InvalidJSON(ValueError):
+    """A body that is not JSON this server decodes; the message says why, for the client."""
+
+
+class TooComplex(ValueError):
+    """A body holding more than :data:`MAX_CONTAINERS` arrays and objects."""
+
+
+_CONTAINER_TYPES = frozenset({dict, list})
+"""What ``json.loads`` builds arrays and objects as (exactly these types)."""
+
+
+def _container_excess(value: Any, *, max_containers: int, max_depth: int) -> str | None:
+    """"containers" if ``value`` holds more than ``max_containers`` arrays and objects, "depth"
+    if they nest deeper than ``max_depth``, else None. Level by level, each level's children
+    gathered and sifted by C loops (a prompt of a million token ids is one pass); it stops at
+    the first level that crosses a bound."""
+    level = [value] if type(value) in _CONTAINER_TYPES else []
+    count = depth = 0
+    while level:
+        count += len(level)
+        depth += 1
+        if count > max_containers:
+            return "containers"
+        if depth > max_depth:
+            return "depth"
+        children: list[Any] = []
+        for item in level:
+            children.extend(item.values() if type(item) is dict else item)
+        # lazily, and only as many as could still fit: the next check fails on one more
+        level = list(islice(compress(children, map(_CONTAINER_TYPES.__contains__, map(type, children))),
+                            max_containers - count + 1))
+    return None
+
+
 def exceeds_containers(value: Any, *, limit: int = MAX_CONTAINERS) -> bool:
     """Whether ``value`` (decoded JSON) holds more than ``limit`` arrays and objects.
     Iterative, and it stops as soon as the limit is crossed."""
-    count = 0
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-        else:
-            continue
-        count += 1
-        if count > limit:
-            return True
-    return False
+    return _container_excess(value, max_containers=limit, max_depth=sys.maxsize) == "containers"
+
+
+def decode_body(raw: bytes, *, max_containers: int = MAX_CONTAINERS,
+                max_depth: int = MAX_DEPTH) -> Any:
+    """``raw`` decoded as JSON; raises :class:`InvalidJSON` for anything that is not JSON this
+    server takes (malformed, not UTF-8, nested deeper than ``max_depth``, an integer over the
+    interpreter's digit limit) and :class:`TooComplex` for more than ``max_containers`` arrays
+    and objects. Nothing else escapes (module docstring)."""
+    too_deep = f"arrays and objects nested deeper than {max_depth} levels"
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidJSON(exc.msg) from None
+    except UnicodeDecodeError:
+        raise InvalidJSON("not UTF-8 text") from None
+    except RecursionError:
+        raise InvalidJSON(too_deep) from None
+    except ValueError:  # int("9" * 5000): the interpreter's guard against quadratic parsing
+        raise InvalidJSON(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    excess = _container_excess(value, max_containers=max_containers, max_depth=max_depth)
+    if excess == "depth":
+        raise InvalidJSON(too_deep)
+    if excess == "containers":
+        raise TooComplex(f"holds more than {max_containers} JSON arrays and objects")
+    return value
 
 
 class BodyDecoder:

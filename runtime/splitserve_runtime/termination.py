@@ -2,6 +2,12 @@
 
 Shared by the server (a model that fails to load) and the engine (a tensor-parallel worker
 rank that died), so it lives beside both rather than in either.
+
+:func:`log_startup_failure` decides how a start-up failure reaches the pod log: an expected
+one (the model is unavailable or unusable, a bad revision, an unreachable hub, a setting this
+version refuses: :data:`EXPECTED_STARTUP_ERRORS`) is one ERROR line holding the same text as
+the termination message, because its message already says everything a traceback would and a
+traceback around it buries it; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +16,13 @@ import logging
 import os
 
 import splitserve_contract as contract
+from splitserve_contract.capabilities import UnsupportedError
+from splitserve_contract.model_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
+
+EXPECTED_STARTUP_ERRORS: tuple[type[BaseException], ...] = (ModelLoadError, UnsupportedError)
+"""Start-up failures whose message is the whole story (logged without a traceback)."""
 
 TERMINATION_LOG_ENV = "SPLITSERVE_TERMINATION_LOG"
 """Overrides :data:`~splitserve_contract.TERMINATION_MESSAGE_PATH` (a pod's
@@ -39,4 +50,21 @@ def write_termination_message(message: str) -> bool:
     return True
 
 
-__all__ = ["TERMINATION_LOG_ENV", "write_termination_message"]
+def startup_failure_message(exc: BaseException) -> str:
+    """The termination message for a start-up failure: ``Type: message`` on one line."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def log_startup_failure(exc: BaseException, *, log: logging.Logger, what: str) -> str:
+    """Log that ``what`` failed because of ``exc`` (see the module docstring) and return the
+    termination message."""
+    message = startup_failure_message(exc)
+    if isinstance(exc, EXPECTED_STARTUP_ERRORS):
+        log.error("%s: %s", what, message)
+    else:
+        log.error("%s: %s", what, message, exc_info=exc)
+    return message
+
+
+__all__ = ["EXPECTED_STARTUP_ERRORS", "TERMINATION_LOG_ENV", "log_startup_failure",
+           "startup_failure_message", "write_termination_message"]

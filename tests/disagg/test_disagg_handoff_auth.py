@@ -9,14 +9,24 @@ deploys them.
 - Through the router, a client's ``kv_transfer_params`` are dropped on every route.
 - A KV puller without the key gets one ERROR frame from the prefill pod and nothing else, and
   the export stays for the real decode pod, which then pulls it.
+- The signed parameters bind the prompt (the cross-user prefix-cache poisoning defect): a real
+  prefill pod's parameters for prompt A presented with a prompt B of the same length are a 403
+  (``prompt_mismatch``) before any pull, and B is then served from B's own tokens (nothing
+  cached under B's block hashes), as by a decode pod that never saw the attempt.
+- Through the router, a decode pod refusing the parameters the router brought (another prompt's,
+  a first token outside the vocabulary, a length off by one) costs the client nothing: the
+  decode pod computes the prompt itself (route "fallback").
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +35,7 @@ import pytest
 from disagg_harness import MODEL_NAME, Cluster, Proc, Reference
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_contract.block_hash import prompt_digest
 from splitserve_e2e.net import free_port
 from splitserve_runtime.transfer import HandoffAuth, HandoffKey, framing
 from splitserve_runtime.transfer.framing import FrameType
@@ -84,10 +95,11 @@ def _body(prompt: str, **extra: Any) -> dict[str, Any]:
 def test_forged_handoff_params_are_refused_without_any_connection(cluster: Cluster,
                                                                    reference: Reference) -> None:
     decode, prefill = cluster.decode[0], cluster.prefill[0]
-    num_prompt = len(reference.tokenizer.encode(PROMPT))
+    token_ids = reference.tokenizer.encode(PROMPT)
     with Listener() as listener:
         base = {"remote_endpoint": listener.endpoint, "remote_request_id": "cmpl-probe",
-                "num_prompt_tokens": num_prompt, "first_token_id": 5, "compat_hash": "tinyhash"}
+                "num_prompt_tokens": len(token_ids), "first_token_id": 5, "compat_hash": "tinyhash",
+                "prompt_digest": prompt_digest(token_ids)}
         stranger = HandoffAuth(key=HandoffKey(b"a key of some other InferenceService"))
         genuine_elsewhere = cluster.sign({**base, "remote_endpoint": f"{prefill.host}:{prefill.kv_port}"})
         forged = {
@@ -172,3 +184,143 @@ async def test_a_kv_puller_without_the_key_gets_nothing_and_the_real_one_pulls(
         assert await asyncio.to_thread(decode.metric, Metric.KV_TRANSFER_BYTES_TOTAL) > received
     refused = prefill.log_tail(num_chars=1_000_000).count("(unauthorized)")
     assert refused == 3, prefill.log_tail()
+
+
+# --------------------------------------------------------------------------- the prompt binding
+NUM_BINDING_TOKENS = 96
+"""Six full blocks of 16: what a poisoned prefix cache would have served as cached."""
+
+
+def _token_prompt(reference: Reference, seed: int) -> list[int]:
+    """A prompt of token ids no other test sends (so nothing of it is cached beforehand)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, reference.engine.vocab_size) for _ in range(NUM_BINDING_TOKENS)]
+
+
+def _prefill_params(prefill: Proc, prompt: list[int]) -> dict[str, Any]:
+    """The signed handoff parameters a real prefill pod answers for ``prompt``."""
+    answer = _post(prefill, _body(prompt, max_tokens=1, **{KV_TRANSFER_PARAMS_FIELD: {"do_remote_decode": True}}))
+    assert answer.status_code == 200, answer.text
+    params: dict[str, Any] = answer.json()[KV_TRANSFER_PARAMS_FIELD]
+    assert params["num_prompt_tokens"] == NUM_BINDING_TOKENS and params["prompt_digest"]
+    return params
+
+
+def _cached_tokens(answer: httpx.Response) -> int:
+    return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_params_of_another_prompt_are_refused_and_poison_no_cache(cluster: Cluster,
+                                                                  reference: Reference) -> None:
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    prompt_a, prompt_b = _token_prompt(reference, seed=1), _token_prompt(reference, seed=2)
+    want_a, _ = reference.generate(prompt_a, max_tokens=6, ignore_eos=True)
+    want_b, _ = reference.generate(prompt_b, max_tokens=6, ignore_eos=True)
+    assert want_a != want_b  # else a poisoned answer could not be told from B's own
+    params_a = _prefill_params(prefill, prompt_a)
+    received = decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL)
+    for stream in (False, True):  # A's genuine, signed parameters with B: refused before any pull
+        answer = _post(decode, _body(prompt_b, stream=stream, **{KV_TRANSFER_PARAMS_FIELD: params_a}))
+        assert answer.status_code == 403, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "kv_transfer_params_rejected" and error["param"] == KV_TRANSFER_PARAMS_FIELD
+        assert "prompt_mismatch" in error["message"], error
+    assert decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL) == received  # no KV was pulled
+    # B as any later user sends it: computed from B's own tokens, nothing of A's KV under B's hashes
+    answer = _post(decode, _body(prompt_b))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want_b
+    assert _cached_tokens(answer) == 0
+    again = _post(decode, _body(prompt_b))  # and now B's own blocks are what is cached
+    assert again.json()["choices"][0]["text"] == want_b
+    assert _cached_tokens(again) == (NUM_BINDING_TOKENS - 1) // 16 * 16  # the last token is computed
+    # the refusals left A's export for its real decode: A with its own parameters pulls it
+    answer = _post(decode, _body(prompt_a, **{KV_TRANSFER_PARAMS_FIELD: params_a}))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want_a
+    assert decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL) > received
+
+
+class _SkewedPrefill:
+    """A "prefill pod" in front of the real one, for a router: GETs (ready, info, metrics) are
+    the real pod's; a prefill request goes to the real pod as ``rewrite`` changes it, and its
+    answer's handoff parameters come back as ``edit`` changes them (re-signed with the pool's
+    key, as a prefill pod with another tokenizer or a bug would sign them)."""
+
+    def __init__(self, *, cluster: Cluster, host: str = "127.0.0.33") -> None:
+        self.real = cluster.prefill[0]
+        self.rewrite: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: body
+        self.edit: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                real = httpx.get(f"{outer.real.url}{self.path}", timeout=10)
+                self._answer(real.status_code, real.content, real.headers.get("content-type", "text/plain"))
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                real = httpx.post(f"{outer.real.url}{self.path}", json=outer.rewrite(body), timeout=60)
+                answer = real.json()
+                if real.status_code == 200:
+                    answer[KV_TRANSFER_PARAMS_FIELD] = cluster.sign(outer.edit(answer[KV_TRANSFER_PARAMS_FIELD]))
+                self._answer(real.status_code, json.dumps(answer).encode(), "application/json")
+
+            def _answer(self, status: int, content: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+                pass
+
+        self._server = ThreadingHTTPServer((host, free_port(host)), Handler)
+        self.endpoint = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _SkewedPrefill:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_the_router_computes_on_decode_when_decode_refuses_its_handoff(
+        cluster: Cluster, reference: Reference) -> None:
+    decode = cluster.decode[0]
+    with _SkewedPrefill(cluster=cluster) as skewed:
+        router = cluster.router_proc(policy="RoundRobin", octet=60)
+        router.argv[router.argv.index("--prefill-endpoints") + 1] = skewed.endpoint
+        cluster.start_router(router)
+        cases: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[dict[str, Any]], dict[str, Any]]]] = {
+            "another prompt of the same length": (
+                lambda body: {**body, "prompt": _token_prompt(reference, seed=3)}, lambda params: params),
+            "a first token outside the vocabulary": (
+                lambda body: body, lambda params: {**params, "first_token_id": reference.engine.vocab_size}),
+            "a prompt length off by one": (
+                lambda body: body, lambda params: {**params, "num_prompt_tokens": params["num_prompt_tokens"] + 1}),
+        }
+        for index, (case, (rewrite, edit)) in enumerate(cases.items()):
+            skewed.rewrite, skewed.edit = rewrite, edit
+            prompt = _token_prompt(reference, seed=10 + index)
+            want, _ = reference.generate(prompt, max_tokens=6, ignore_eos=True)
+            for stream in (False, True):
+                fallbacks = router.metric("splitserve_router_routes_total", route="fallback")
+                received = decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL)
+                response = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                                      json=_body(prompt, stream=stream))
+                assert response.status_code == 200, (case, response.text)
+                if stream:
+                    chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                    assert all("error" not in chunk for chunk in chunks), (case, chunks)
+                    text = "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
+                else:
+                    text = response.json()["choices"][0]["text"]
+                assert text == want, case
+                assert router.metric("splitserve_router_routes_total", route="fallback") == fallbacks + 1, case
+                assert decode.metric(Metric.KV_TRANSFER_BYTES_TOTAL) == received, case  # nothing pulled

@@ -20,6 +20,7 @@ import pytest
 from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, wait_for
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_contract.block_hash import prompt_digest
 from splitserve_e2e.net import free_port
 
 PROMPT = ("Once upon a time in a land far away there lived a king who had three daughters, "
@@ -103,7 +104,7 @@ def test_handoff_to_a_closed_port_is_computed_on_the_decode_pod(cluster: Cluster
     host = "127.0.0.98"
     params = cluster.sign({"remote_endpoint": f"{host}:{free_port(host)}", "remote_request_id": "cmpl-gone",
                            "num_prompt_tokens": len(token_ids), "first_token_id": want_tokens[0],
-                           "compat_hash": "tinyhash"})
+                           "compat_hash": "tinyhash", "prompt_digest": prompt_digest(token_ids)})
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
     for stream in (False, True):
         failures = decode.metric(Metric.KV_TRANSFER_FAILURES_TOTAL)

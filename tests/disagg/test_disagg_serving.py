@@ -24,6 +24,7 @@ from disagg_harness import BLOCK_SIZE, MODEL_NAME, Cluster, Proc, Reference, wai
 from openai.types.chat import ChatCompletionMessageParam
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
+from splitserve_contract.block_hash import prompt_digest
 from splitserve_runtime.model.tokenizer import Tokenizer
 from splitserve_runtime.transfer.framing import (
     HEADER,
@@ -295,7 +296,7 @@ async def _pull_from(cluster: Cluster, decode: Proc, *, fake: FakePrefillKV, pro
     computes the prompt itself: returns the text it answered."""
     params = cluster.sign({"remote_endpoint": fake.endpoint, "remote_request_id": "cmpl-fake",
                            "num_prompt_tokens": len(prompt), "first_token_id": first_token_id,
-                           "compat_hash": "tinyhash"})
+                           "compat_hash": "tinyhash", "prompt_digest": prompt_digest(prompt)})
     async with httpx.AsyncClient(timeout=15) as http:
         response = await http.post(f"{decode.url}/v1/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0,

@@ -4,13 +4,14 @@
 The fake keeps one namespace. ``apply`` merges like a very small server-side apply and gives
 Deployments a status from ``ready_replicas`` and ``deployment_conditions``; ``create`` answers
 409 AlreadyExists for an object that exists; ``errors`` makes the next writes of an object
-fail with a given API error; ``writes`` records every write (kind/name, verb)."""
+fail with a given API error; ``writes`` records every write (kind/name, verb), and each
+metadata-only list (kind, "list metadata")."""
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -50,6 +51,15 @@ class FakeKube:
 
     def list(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
         return copy.deepcopy(self.pods) if kind is kube.POD else []
+
+    def list_metadata(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "",
+                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]:
+        """Objects of ``kind`` as ``PartialObjectMetadata`` (a ``metadata.name=`` field selector only)."""
+        self.writes.append((kind.kind, "list metadata"))
+        name = field_selector.removeprefix("metadata.name=") if field_selector else None
+        return ([{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                  "metadata": copy.deepcopy(obj.get("metadata") or {})}
+                 for (k, n), obj in self.objects.items() if k == kind.kind and name in (None, n)], "1")
 
     def _fail(self, kind: str, name: str) -> None:
         error = self.errors.get(f"{kind}/{name}")

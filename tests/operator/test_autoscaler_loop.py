@@ -348,12 +348,16 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
         assert key in loop.bodies and key in loop.state.last_run_seconds
         assert obj["metadata"].get("finalizers") in (None, []), obj["metadata"]["finalizers"]
 
-        # Unpaused, every round (each 2 s) rewrites lastDecision.time: the object changes...
+        # Unpaused, rounds (each 2 s) that decide what the last one did write nothing: an idle
+        # service's resourceVersion stays put over three intervals (it changed every interval,
+        # only lastDecision.time moving, waking every GitOps watcher).
         first = await between_rounds()
         version = isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"]
-        second = await between_rounds(after=first)
-        assert isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"] != version
-        # ...paused right after a round, nothing writes to it: not the loop, not kopf.
+        second = first
+        for _ in range(3):
+            second = await between_rounds(after=second)
+        assert isvc(api, namespace=NS_KOPF)["metadata"]["resourceVersion"] == version
+        # Paused right after a round, nothing writes to it: not the loop, not kopf.
         paused = await asyncio.to_thread(api.merge_patch, kind=kube.INFERENCE_SERVICE, namespace=NS_KOPF, name=NAME,
                                          patch={"metadata": {"annotations": {"splitserve.dev/paused": "true"}}})
         assert paused is not None

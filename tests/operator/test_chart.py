@@ -72,10 +72,13 @@ def _rules(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
 
 
 NAMESPACE_SCOPE = ("rbac.scope=namespace", "watchNamespace=team")
+NAMESPACES_SCOPE = ("rbac.scope=namespaces", "watchNamespaces={team-a,team-b}")
+INFERENCE_POOL = ("inferencePool.enabled=true",)
 
 
 @needs_helm
-@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, ("leaderElection.enabled=false", "replicaCount=1")])
+@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, NAMESPACES_SCOPE, INFERENCE_POOL + NAMESPACES_SCOPE,
+                                  ("leaderElection.enabled=false", "replicaCount=1")])
 def test_lint_strict(sets: tuple[str, ...]) -> None:
     args = ["lint", "--strict", str(CHART)]
     for item in sets:
@@ -113,18 +116,100 @@ def test_namespace_scope_renders_no_cluster_objects() -> None:
 
 
 @needs_helm
-@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, ("router.namespaces={a,b}",)])
+@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, NAMESPACES_SCOPE, INFERENCE_POOL, ("router.namespaces={a,b}",)])
 def test_rbac_is_explicit_and_never_reads_secrets(sets: tuple[str, ...]) -> None:
     rules = _rules(_render(*sets))
     assert rules
     for rule in rules:
         for field in ("apiGroups", "resources", "verbs"):
             assert all("*" not in item for item in rule[field]), rule
-        # The KV handoff key Secret is created once (a 409 means it is there); nothing reads
-        # a Secret, so no rule may get, list or watch them.
+        # The KV handoff key Secret is created once; its ownership and deletion are seen with
+        # metadata-only lists and watches. No rule may get a Secret (or write one but create).
         if "secrets" in rule["resources"]:
-            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create"], rule
+            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create", "list", "watch"], rule
         assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate", "deletecollection"}, rule
+
+
+@needs_helm
+def test_namespaces_scope_renders_a_role_per_namespace_and_no_cluster_objects() -> None:
+    docs = _render(*NAMESPACES_SCOPE)
+    assert not [k for k in _kinds(docs) if k.startswith("Cluster")]
+    watched = ["team-a", "team-b"]
+    for kind in ("Role", "RoleBinding"):
+        assert sorted(d["metadata"]["namespace"] for d in docs
+                      if d["kind"] == kind and d["metadata"]["name"] == "rel-splitserve") == watched, kind
+    for binding in (d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "rel-splitserve"):
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rel-splitserve"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-splitserve", "namespace": NAMESPACE}]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-splitserve"]
+    assert roles[0]["rules"] == roles[1]["rules"]
+    assert not [r for r in roles[0]["rules"] if {"nodes", "customresourcedefinitions", "namespaces"} & set(r["resources"])]
+    # the operator watches exactly those namespaces
+    args = _operator_args(docs)
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a,team-b"]
+    assert operator_flags.watched_namespaces(_parse_args(args)) == ("team-a", "team-b")
+    # router pods in each watched namespace get their ServiceAccount; the Lease stays home
+    assert sorted(d["metadata"]["namespace"] for d in docs
+                  if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "rel-splitserve-router") == watched
+    assert _one(docs, "Role", "rel-splitserve-leader-election")["metadata"]["namespace"] == NAMESPACE
+
+
+@needs_helm
+def test_existing_scopes_keep_their_meaning() -> None:
+    # rbac.scope namespace still means one namespace (watchNamespace, default the release's),
+    # cluster still a ClusterRole and every namespace; watchNamespaces is ignored by both.
+    for sets, flag in [(("rbac.scope=namespace", "watchNamespaces={x,y}"), "--namespace=ops"),
+                       (("watchNamespaces={x,y}",), None)]:
+        docs = _render(*sets)
+        assert [a for a in _operator_args(docs) if a.startswith("--namespace")] == ([flag] if flag else [])
+        assert not [d for d in docs if d["metadata"].get("namespace") in ("x", "y")]
+
+
+RBAC_WRITES = {"create", "patch", "update", "delete"}
+IDENTITY_RESOURCES = {"serviceaccounts", "roles", "rolebindings"}
+
+
+def _grants(docs: tuple[dict[str, Any], ...], resources: set[str], verbs: set[str]) -> list[tuple[str, str, str]]:
+    """(kind/name, resource, verb) of every rule in ``docs`` granting one of ``verbs`` on one of
+    ``resources``."""
+    return [(f"{d['kind']}/{d['metadata']['name']}", resource, verb)
+            for d in docs if d["kind"] in ("Role", "ClusterRole") for rule in d["rules"]
+            for resource in set(rule["resources"]) & resources for verb in set(rule["verbs"]) & verbs]
+
+
+@needs_helm
+@pytest.mark.parametrize("scope", [(), NAMESPACE_SCOPE, NAMESPACES_SCOPE])
+def test_inference_pool_rbac_is_off_by_default(scope: tuple[str, ...]) -> None:
+    # Creating ServiceAccounts, Roles and RoleBindings lets the operator hand its permissions
+    # to any subject: only with inferencePool.enabled, which also tells the operator.
+    off = _render(*scope)
+    assert _grants(off, IDENTITY_RESOURCES, RBAC_WRITES) == []
+    assert _grants(off, {"inferencepools", "inferenceobjectives"}, {"get", "list", "watch"} | RBAC_WRITES) == []
+    # the child watch still lists the picker's objects (kopf watches them in every mode)
+    assert {(r, v) for _, r, v in _grants(off, IDENTITY_RESOURCES, {"get", "list", "watch"})} == {
+        (r, v) for r in IDENTITY_RESOURCES for v in ("get", "list", "watch")}
+    assert "--no-inference-pool" in _operator_args(off) and "--inference-pool" not in _operator_args(off)
+    assert _parse_args(_operator_args(off)).inference_pool is False
+
+    on = _render(*scope, *INFERENCE_POOL)
+    operator = [g for g in _grants(on, IDENTITY_RESOURCES | {"inferencepools"}, RBAC_WRITES)
+                if g[0] in ("Role/rel-splitserve", "ClusterRole/rel-splitserve")]
+    assert {(r, v) for _, r, v in operator} == {(r, v) for r in IDENTITY_RESOURCES | {"inferencepools"}
+                                                for v in RBAC_WRITES}
+    assert "--inference-pool" in _operator_args(on)
+    assert _parse_args(_operator_args(on)).inference_pool is True
+    # nothing else changes: the router's and the Lease's Roles are the same either way
+    def rest(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+        return [d for d in docs if not (d["kind"] in ("Role", "ClusterRole", "Deployment")
+                                        and d["metadata"]["name"] == "rel-splitserve")]
+
+    assert rest(on) == rest(off)
+
+
+def _parse_args(args: list[str]) -> operator_flags.OperatorArgs:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    operator_flags.add_operator_arguments(parser)
+    return operator_flags.operator_args_from_namespace(parser.parse_args(args))
 
 
 @needs_helm
@@ -142,7 +227,7 @@ def test_operator_rules_cover_what_it_manages() -> None:
                             ("policy", "poddisruptionbudgets"), ("networking.k8s.io", "networkpolicies")]:
         assert verbs(group, resource) == crud, resource
     assert verbs("", "pods") == {"get", "list", "watch", "patch"}
-    assert verbs("", "secrets") == {"create"}
+    assert verbs("", "secrets") == {"create", "list", "watch"}
     assert verbs("discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
     assert verbs("", "events") == {"create", "patch"} == verbs("events.k8s.io", "events")
 
@@ -153,7 +238,7 @@ def test_operator_creates_handoff_key_secrets_in_both_scopes(sets: tuple[str, ..
     # Issue 12 #4: the operator creates each disaggregated InferenceService's KV handoff key
     # Secret where the InferenceService lives (the watched namespace in namespace scope).
     role = _one(_render(*sets), kind, "rel-splitserve")
-    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]} in role["rules"]
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "list", "watch"]} in role["rules"]
     if kind == "Role":
         assert role["metadata"]["namespace"] == "team"
 
@@ -183,7 +268,8 @@ def _operator_args(docs: tuple[dict[str, Any], ...]) -> list[str]:
 
 
 @needs_helm
-@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, ("leaderElection.enabled=false", "prometheus.url=http://prom:9090")])
+@pytest.mark.parametrize("sets", [(), NAMESPACE_SCOPE, NAMESPACES_SCOPE, INFERENCE_POOL,
+                                  ("leaderElection.enabled=false", "prometheus.url=http://prom:9090")])
 def test_rendered_args_are_accepted_by_the_operator(sets: tuple[str, ...]) -> None:
     args = _operator_args(_render(*sets))
     names = {a.split("=", 1)[0] for a in args}
@@ -194,6 +280,20 @@ def test_rendered_args_are_accepted_by_the_operator(sets: tuple[str, ...]) -> No
     assert parsed.metrics_port == 8080 and parsed.health_port == 8081
     assert parsed.router_service_account == "rel-splitserve-router"
     assert parsed.runtime_image == "ghcr.io/splitserve/splitserve:0.1.0"
+
+
+@needs_helm
+@pytest.mark.parametrize(("sets", "flag"), [
+    ((), "--allowed-hub-endpoints=https://huggingface.co"),  # the default: huggingface.co alone
+    (("hub.allowedEndpoints={https://hf.corp.example/hf,http://10.0.0.5}",),
+     "--allowed-hub-endpoints=https://hf.corp.example/hf,http://10.0.0.5"),
+])
+def test_the_operator_serves_only_the_hubs_of_the_values(sets: tuple[str, ...], flag: str) -> None:
+    from splitserve_operator.api import hub_policy
+
+    args = _operator_args(_render(*sets))
+    assert flag in args
+    hub_policy.HubAllowList.parse(flag.split("=", 1)[1])  # the operator accepts the list
 
 
 @needs_helm
@@ -267,6 +367,9 @@ def test_router_service_accounts_per_namespace() -> None:
         ("rbac.scope=global", "rbac"),
         ("replicaCount=0", "replicaCount"),
         ("logLevel=chatty", "logLevel"),
+        ("rbac.scope=namespaces", "watchNamespaces"),  # namespaces scope with no namespace
+        ("watchNamespaces={team-*}", "watchNamespaces"),  # kopf would read a glob
+        ("inferencePool.enabled=yes", "inferencePool"),
     ],
 )
 def test_schema_rejects_bad_values(item: str, message: str) -> None:

@@ -10,7 +10,7 @@ ownership, and a resourceVersion bumped by every change."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -62,6 +62,10 @@ class SsaFake:
     def create(self, *, kind: kube.Kind, namespace: str | None, obj: Mapping[str, Any],
                field_manager: str | None = None) -> dict[str, Any]:
         raise AssertionError("children are applied, never created")
+
+    def list_metadata(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "",
+                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]:
+        raise AssertionError("only the KV handoff key's owner is looked up this way")
 
     def merge_patch(self, *, kind: kube.Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
                     subresource: str | None = None, field_manager: str | None = None) -> dict[str, Any]:
@@ -304,13 +308,13 @@ def test_child_events_reconcile_the_owner_but_not_for_our_own_echo() -> None:
 
 def _watch_fake(fake: FakeKube, cache: child_cache.ChildCache) -> None:
     for (kind, _name), obj in fake.objects.items():
-        if kind not in (contract.KIND, "Secret"):
+        if kind != contract.KIND:  # a cache of unwatched kinds keeps nothing of them
             cache.observe(obj)
 
 
 def test_an_unchanged_service_is_reconciled_without_render_or_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeKube()
-    cache = child_cache.ChildCache.for_resources(handlers.CHILD_RESOURCES)
+    cache = child_cache.ChildCache.for_resources(handlers.CACHED_RESOURCES)
     fake.objects[(contract.KIND, NAME)] = isvc_obj(mode="Disaggregated")
 
     def run() -> reconcile.Result:
@@ -331,8 +335,14 @@ def test_an_unchanged_service_is_reconciled_without_render_or_apply(monkeypatch:
     monkeypatch.setattr(render, "render_children", counting_render)
     result = run()
     assert renders == [] and not result.created and not result.updated
-    # no child is written; only the handoff key's create-if-absent (Secrets are not watched)
-    assert [w for w in fake.writes if not w[0].startswith(contract.KIND)] == [(f"Secret/{NAME}-kv-handoff", "create")]
+    # no child is written, nor the handoff key (its watch shows it as this service's own)
+    assert [w for w in fake.writes if not w[0].startswith(contract.KIND)] == []
+    # a key deleted by hand (its watch forgets it) is created again by the next reconcile
+    cache.forget(fake.objects.pop(("Secret", f"{NAME}-kv-handoff")))
+    fake.writes.clear()
+    run()
+    assert renders == [] and [w for w in fake.writes if w[0].startswith("Secret")] == [
+        (f"Secret/{NAME}-kv-handoff", "create")]
     # a new generation is rendered and applied again
     fake.objects[(contract.KIND, NAME)] = isvc_obj(mode="Disaggregated", generation=2)
     fake.objects[(contract.KIND, NAME)]["spec"]["runtime"] = {"image": "other:2"}

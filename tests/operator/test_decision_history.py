@@ -88,7 +88,8 @@ def test_a_repeated_decision_is_kept_once_and_writes_no_list() -> None:
     assert (entry["reason"], entry["from"], entry["to"], entry["applied"]) == ("MetricsUnavailable", 2, 2, False)
     again = _round(isvc, [_decision(current=2, signals=held, now=T0 + 15)], written=set(), now=T0 + 15)
     assert "recentDecisions" not in again["decode"]  # nothing new: the list is not rewritten
-    assert again["decode"]["lastDecision"]["time"] == "2027-01-15T08:00:15Z"  # lastDecision still moves
+    # lastDecision keeps the time the decision was first made: the patch changes nothing
+    assert again["decode"]["lastDecision"]["time"] == "2027-01-15T08:00:00Z"
     assert isvc["status"]["decode"]["recentDecisions"][0]["time"] == "2027-01-15T08:00:00Z"  # first seen
 
 

@@ -83,7 +83,7 @@ def test_a_failed_create_is_an_api_error_and_retried() -> None:
 
 def test_ensure_reports_whether_it_created() -> None:
     fake = FakeKube()
-    owner = {"apiVersion": "v1", "kind": "X", "name": "tiny", "uid": "u"}
+    owner = {"apiVersion": "v1", "kind": "X", "name": "tiny", "uid": "u", "controller": True}
     assert handoff_key.ensure(api=fake, isvc_name="tiny", namespace="n", owner_reference=owner,
                               random_bytes=lambda n: b"\x01" * n)
     assert not handoff_key.ensure(api=fake, isvc_name="tiny", namespace="n", owner_reference=owner,

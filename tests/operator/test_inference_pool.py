@@ -230,7 +230,7 @@ def test_example_parses_and_renders_an_inference_pool() -> None:
 @pytest.mark.skipif(helm_binary() is None, reason="helm binary not found (run the e2e build first)")
 @pytest.mark.parametrize(("sets", "kind"), [((), "ClusterRole"), (("rbac.scope=namespace",), "Role")])
 def test_operator_holds_what_it_grants_and_manages_the_new_children(sets: tuple[str, ...], kind: str) -> None:
-    held = operator_rules(sets=sets, kind=kind)
+    held = operator_rules(sets=(*sets, "inferencePool.enabled=true"), kind=kind)  # off by default
     # RBAC lets a subject create a Role only with permissions it holds itself (no escalate/bind).
     for rule in inference_pool.picker_rules(NAME):
         for group in rule["apiGroups"]:
@@ -347,5 +347,7 @@ def test_only_decode_pods_behind_a_picker_honour_its_prefill_headers(mode: str) 
     assert picked, "no runtime Deployment rendered"
     for name, args in picked.items():
         assert ("--prefill-headers" in args) is name.endswith("-decode"), (name, args)
+        if "--prefill-headers" in args:  # a key-less pod would send a client's key to any address named
+            assert "--handoff-key-file" in args, (name, args)
     for name, args in runtime_args(_render(_isvc(mode, router={}))).items():
         assert "--prefill-headers" not in args, (name, args)

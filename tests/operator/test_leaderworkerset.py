@@ -172,6 +172,37 @@ def test_a_groups_ranks_may_reach_each_other_on_any_tcp_port() -> None:
     assert not [r for r in decode if r.get("ports") == [{"protocol": "TCP"}]]
 
 
+@pytest.mark.parametrize(("mode", "roles"), [("Aggregated", ["engine"]), ("Disaggregated", ["prefill", "decode"])])
+def test_every_pod_of_a_group_holds_the_secret_its_rendezvous_key_comes_from(mode: str, roles: list[str]) -> None:
+    """The ranks run what their leader sends them, so a group's control messages are MAC'd
+    under a key derived from the InferenceService's Secret: every leader and worker pod mounts
+    it and is told where (aggregated pools too, which take no KV handoff)."""
+    objs = _render(_obj(mode=mode))
+    secret_volume = {"name": "kv-handoff", "secret": {"secretName": naming.handoff_key_secret_name("chat"),
+                                                      "defaultMode": 0o440}}
+    for role in roles:
+        template = _one(objs, "LeaderWorkerSet", f"chat-{role}")["spec"]["leaderWorkerTemplate"]
+        for pod in (template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]):
+            assert secret_volume in pod["volumes"]
+            (container,) = pod["containers"]
+            key_file = _flags(container["args"])["--rendezvous-key-file"]
+            mount = next(m for m in container["volumeMounts"] if m["name"] == "kv-handoff")
+            assert key_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+    # a one-pod replica draws its own key: no flag, and an aggregated one no Secret
+    one_pod = _one(_render(_obj(pool=ONE_POD)), "Deployment", "chat-engine")["spec"]["template"]["spec"]
+    assert "--rendezvous-key-file" not in one_pod["containers"][0]["args"]
+    assert "kv-handoff" not in {v["name"] for v in one_pod.get("volumes", [])}
+
+
+def test_an_aggregated_multi_node_service_gets_the_secret_its_pods_mount() -> None:
+    fake = nodes_kube()
+    run(fake, isvc_obj(**POOL))
+    assert ("Secret", naming.handoff_key_secret_name(NAME)) in fake.objects
+    single = nodes_kube()
+    run(single, isvc_obj(replicas={"min": 1, "max": 3}, resources={"gpus": 2}, parallelism={"tensor": 2}))
+    assert ("Secret", naming.handoff_key_secret_name(NAME)) not in single.objects
+
+
 def test_an_inference_pool_of_a_multi_node_pool_selects_its_leaders() -> None:
     objs = _render(_obj(router={"mode": "InferencePool"}))
     pool = _one(objs, "InferencePool", "chat")

@@ -2,7 +2,10 @@
 authenticated KV connection, over real loopback sockets.
 
 Decode side: parameters that are unsigned, forged, altered, expired or from another pool are
-refused; without a key only loopback endpoints are. KV port: a puller without a valid token
+refused; without a key only loopback endpoints are. With or without a key, parameters computed
+for another prompt than the one presented with them are refused (``prompt_mismatch``: the
+cross-user prefix-cache poisoning defect, where prompt A's signed parameters came with prompt B
+of the same length and B's block hashes then named A's KV). KV port: a puller without a valid token
 gets an ERROR and nothing else (no LAYOUT, no BLOCK, and the export stays for the real
 puller); a server that cannot prove it holds the key gets no block into the sink.
 """
@@ -16,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from splitserve_contract.block_hash import prompt_digest
 from splitserve_runtime.transfer import (
     ExportedKV,
     HandoffAuth,
@@ -28,13 +32,21 @@ from splitserve_runtime.transfer import (
     TransferError,
     framing,
 )
-from splitserve_runtime.transfer.auth import CLOCK_SKEW_SECONDS, SIGNATURE_FIELD
+from splitserve_runtime.transfer.auth import (
+    CLOCK_SKEW_SECONDS,
+    PROMPT_DIGEST_FIELD,
+    SIGNATURE_FIELD,
+)
 from splitserve_runtime.transfer.framing import FrameType
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32",
                   dtype_bytes=4, compat_hash="pool-a")
 KEY = HandoffKey(b"k" * 32)
 OTHER_KEY = HandoffKey(b"another InferenceService's key")
+PROMPT = tuple(range(100, 121))
+"""The prompt (21 token ids) the parameters below were computed for."""
+OTHER_PROMPT = (*PROMPT[:-1], 7)
+"""Another prompt of the same length (its last token differs)."""
 
 
 class Clock:
@@ -47,12 +59,14 @@ class Clock:
 
 def _params(**overrides: Any) -> dict[str, Any]:
     return {"remote_endpoint": "10.1.2.3:8100", "remote_request_id": "cmpl-1",
-            "num_prompt_tokens": 21, "first_token_id": 7, "compat_hash": "pool-a", **overrides}
+            "num_prompt_tokens": 21, "first_token_id": 7, "compat_hash": "pool-a",
+            PROMPT_DIGEST_FIELD: prompt_digest(PROMPT), **overrides}
 
 
-def _refusal(auth: HandoffAuth, params: dict[str, Any], *, compat_hash: str = "pool-a") -> str:
+def _refusal(auth: HandoffAuth, params: dict[str, Any], *, compat_hash: str = "pool-a",
+             prompt: tuple[int, ...] = PROMPT) -> str:
     with pytest.raises(HandoffRejected) as info:
-        auth.check_params(params, compat_hash=compat_hash)
+        auth.check_params(params, compat_hash=compat_hash, prompt_token_ids=prompt)
     return info.value.code
 
 
@@ -88,9 +102,9 @@ def test_signed_params_are_accepted_until_they_expire() -> None:
     auth = HandoffAuth(key=KEY, clock=clock)
     signed = auth.sign(_params(), lifetime_seconds=30)
     assert signed["expires_at"] == clock.now + 30 and len(signed[SIGNATURE_FIELD]) == 64
-    auth.check_params(signed, compat_hash="pool-a")
+    auth.check_params(signed, compat_hash="pool-a", prompt_token_ids=PROMPT)
     clock.now += 30 + CLOCK_SKEW_SECONDS  # the last second the skew allows
-    auth.check_params(signed, compat_hash="pool-a")
+    auth.check_params(signed, compat_hash="pool-a", prompt_token_ids=PROMPT)
     clock.now += 1
     assert _refusal(auth, signed) == "expired"
 
@@ -98,6 +112,7 @@ def test_signed_params_are_accepted_until_they_expire() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("remote_endpoint", "127.0.0.1:22"), ("remote_request_id", "cmpl-2"), ("num_prompt_tokens", 22),
     ("first_token_id", 8), ("compat_hash", "pool-b"), ("expires_at", 1_800_000_000), ("extra", 1),
+    (PROMPT_DIGEST_FIELD, prompt_digest(OTHER_PROMPT)), (PROMPT_DIGEST_FIELD, "0" * 64),
 ])
 def test_any_altered_field_breaks_the_signature(field: str, value: object) -> None:
     auth = HandoffAuth(key=KEY, clock=Clock())
@@ -115,7 +130,8 @@ def test_unsigned_foreign_and_other_pool_params_are_refused() -> None:
     other_pool = auth.sign(_params(compat_hash="pool-b"), lifetime_seconds=30)  # same key, other hash
     assert _refusal(auth, other_pool) == "compat_mismatch"
     with pytest.raises(HandoffRejected) as nan:  # a value no canonical encoding exists for
-        auth.check_params({**_params(extra=float("nan")), SIGNATURE_FIELD: "ab" * 32}, compat_hash="pool-a")
+        auth.check_params({**_params(extra=float("nan")), SIGNATURE_FIELD: "ab" * 32}, compat_hash="pool-a",
+                          prompt_token_ids=PROMPT)
     assert nan.value.code == "malformed"
 
 
@@ -128,7 +144,7 @@ def test_without_a_key_only_loopback_endpoints_are_accepted(endpoint: str, allow
     auth = HandoffAuth(key=None)
     params = _params(remote_endpoint=endpoint)
     if allowed:
-        auth.check_params(params, compat_hash="pool-a")
+        auth.check_params(params, compat_hash="pool-a", prompt_token_ids=PROMPT)
         auth.check_endpoint(endpoint)
     else:
         assert _refusal(auth, params) == "endpoint_not_allowed"
@@ -136,6 +152,60 @@ def test_without_a_key_only_loopback_endpoints_are_accepted(endpoint: str, allow
             auth.check_endpoint(endpoint)
     assert _refusal(auth, _params(remote_endpoint="127.0.0.1:1", compat_hash="x")) == "compat_mismatch"
     assert auth.sign(params, lifetime_seconds=30) == params  # nothing to sign with
+
+
+# --------------------------------------------------------------------------- the prompt binding
+def _without(params: dict[str, Any], field: str) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != field}
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "loopback-no-key"])
+def test_params_are_accepted_only_with_the_prompt_they_were_computed_for(keyed: bool) -> None:
+    """Tampering with the prompt binding, with and without a key: every case is refused, and
+    without a key (where nothing is signed) each is a prompt_mismatch of its own."""
+    auth = HandoffAuth(key=KEY if keyed else None, clock=Clock())
+    base = _params(remote_endpoint="127.0.0.1:8100")
+
+    def sign(params: dict[str, Any]) -> dict[str, Any]:
+        return auth.sign(params, lifetime_seconds=30)
+
+    signed = sign(base)
+    auth.check_params(signed, compat_hash="pool-a", prompt_token_ids=PROMPT)  # the control
+    auth.check_params(signed, compat_hash="pool-a", prompt_token_ids=list(PROMPT))  # a list, as the server has
+    tampered = {  # after signing: the signature breaks with a key, the binding without one
+        "digest altered": {**signed, PROMPT_DIGEST_FIELD: prompt_digest(OTHER_PROMPT)},
+        "digest removed": _without(signed, PROMPT_DIGEST_FIELD),
+        "digest emptied": {**signed, PROMPT_DIGEST_FIELD: ""},
+        "length off by one": {**signed, "num_prompt_tokens": len(PROMPT) + 1},
+    }
+    for case, params in tampered.items():
+        assert _refusal(auth, params) == ("bad_signature" if keyed else "prompt_mismatch"), case
+    genuine = {  # signed as they are, by a pod holding the key: the binding alone refuses them
+        "another prompt's digest": sign({**base, PROMPT_DIGEST_FIELD: prompt_digest(OTHER_PROMPT)}),
+        "no digest at all": sign(_without(base, PROMPT_DIGEST_FIELD)),
+        "a shorter prompt's length and digest": sign({**base, "num_prompt_tokens": 20,
+                                                      PROMPT_DIGEST_FIELD: prompt_digest(PROMPT[:20])}),
+        "the length of another prompt": sign({**base, "num_prompt_tokens": 22}),
+        "a digest that is not a string": sign({**base, PROMPT_DIGEST_FIELD: 5}),
+    }
+    for case, params in genuine.items():
+        assert _refusal(auth, params) == "prompt_mismatch", case
+    # and the right parameters presented with the wrong prompt: same length, a prefix, longer
+    for prompt in (OTHER_PROMPT, PROMPT[:20], (*PROMPT, 1), tuple(reversed(PROMPT)), ()):
+        assert _refusal(auth, signed, prompt=prompt) == "prompt_mismatch", prompt
+
+
+def test_the_prompt_digest_names_every_token_in_order() -> None:
+    """The one definition in the contract: stable across processes (a fixed value), and
+    different for any change of a token, their order or their number, the partial last block
+    included (the prefix-cache block hashes cover only full blocks)."""
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3))
+    assert prompt_digest([1, 2, 3]) == "053d7dc294bd6816f7cd2f777f6ea0aff2da0c997b139b03e4a0e1e314194b04"
+    digests = {prompt_digest(p) for p in ([], [0], [0, 0], [1], [1, 2, 3], [3, 2, 1], [1, 2, 3, 0],
+                                          [2**40], [-1], list(range(33)), [*range(32), 99])}
+    assert len(digests) == 11 and all(len(d) == 64 and int(d, 16) >= 0 for d in digests)
+    with pytest.raises(ValueError, match="64-bit"):
+        prompt_digest([2**64])
 
 
 # --------------------------------------------------------------------------- the KV connection
@@ -276,3 +346,40 @@ def test_a_pod_whose_key_file_cannot_be_read_does_not_start(tiny_llama_dir: Path
         termination_log=tmp_path / "termination-log")
     assert code == 1, output
     assert "KV handoff key file" in message and str(missing) in message, message
+
+
+# ------------------------------------------------------------------ a named prefill pod's identity
+@pytest.mark.parametrize("named", ["10.0.0.7:8000", "[fd00::7]:8000", "[FD00:0::7]:08000"])
+def test_a_named_pod_proves_its_identity_only_for_its_own_address(named: str) -> None:
+    """The proof a decode pod asks of an address an endpoint picker named (``--prefill-headers``)
+    binds the nonce, the role and the pod's own address: a relay that passes a real pod's proof
+    on fails, and so do another key, another nonce and another role."""
+    own = "[fd00::7]:8000" if "fd00" in named.lower() else "10.0.0.7:8000"
+    nonce = HandoffAuth.new_nonce()
+    proof = HandoffAuth(key=KEY).identity_proof(nonce=nonce, role="prefill", endpoint=own)
+    decode = HandoffAuth(key=KEY)
+    decode.check_identity(endpoint=named, nonce=nonce, role="prefill", proof=proof)  # one address, any spelling
+    refused = [
+        dict(endpoint="10.0.0.8:8000", nonce=nonce, role="prefill", proof=proof),  # a relay's address
+        dict(endpoint=named, nonce=HandoffAuth.new_nonce(), role="prefill", proof=proof),  # replayed
+        dict(endpoint=named, nonce=nonce, role="decode", proof=proof),
+        dict(endpoint=named, nonce=nonce, role="prefill", proof=None),
+        dict(endpoint=named, nonce=nonce, role="prefill",
+             proof=HandoffAuth(key=OTHER_KEY).identity_proof(nonce=nonce, role="prefill", endpoint=own)),
+    ]
+    for case in refused:
+        with pytest.raises(HandoffRejected) as refusal:
+            decode.check_identity(**case)  # type: ignore[arg-type]
+        assert refusal.value.code == "unauthenticated"
+
+
+def test_without_a_key_a_named_pod_must_be_on_loopback_and_no_proof_is_given() -> None:
+    keyless = HandoffAuth(key=None)
+    assert keyless.identity_proof(nonce="abc", role="prefill", endpoint="127.0.0.1:8000") is None
+    keyless.check_identity(endpoint="127.0.0.5:8000", nonce="abc", role="prefill", proof=None)
+    with pytest.raises(HandoffRejected) as refusal:
+        keyless.check_identity(endpoint="10.0.0.7:8000", nonce="abc", role="prefill", proof=None)
+    assert refusal.value.code == "endpoint_not_allowed"
+    # a nonce no asker of ours sends gets no proof
+    assert HandoffAuth(key=KEY).identity_proof(nonce="x" * 65, role="prefill", endpoint="10.0.0.7:8000") is None
+    assert HandoffAuth(key=KEY).identity_proof(nonce="a\nb", role="prefill", endpoint="10.0.0.7:8000") is None

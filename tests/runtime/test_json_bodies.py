@@ -15,9 +15,13 @@ import pytest
 
 from splitserve_runtime.json_bodies import (
     MAX_CONTAINERS,
+    MAX_DEPTH,
     BodyDecoder,
     DecoderBusy,
     DecoderFailed,
+    InvalidJSON,
+    TooComplex,
+    decode_body,
     exceeds_containers,
 )
 
@@ -143,3 +147,41 @@ def _longest_loop_gap_while_decoding() -> float:
     finally:
         made.shutdown()
     return max(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+
+
+HOSTILE_JSON: dict[str, tuple[bytes, str]] = {
+    # found by a hostile review: json.loads raised RecursionError / ValueError, not
+    # JSONDecodeError, and each was a 500 with two tracebacks (2 KB bodies)
+    "arrays nested 1,000 deep": (b"[" * 1000 + b"]" * 1000, "nested deeper than 128"),
+    "objects nested 1,000 deep": (b'{"a":' * 1000 + b"1" + b"}" * 1000, "nested deeper than 128"),
+    "a 4,301-digit integer": (b'{"max_tokens": ' + b"7" * 4301 + b"}", "more than 4300 digits"),
+    "nested just past the bound": (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
+                                   "nested deeper than 128"),
+    "not UTF-8": (b'{"prompt": "\xff"}', "not UTF-8 text"),
+    "malformed": (b'{"prompt": ', "Expecting value"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_JSON))
+def test_every_way_json_fails_to_decode_is_invalid_json(name: str) -> None:
+    raw, message = HOSTILE_JSON[name]
+    with pytest.raises(InvalidJSON, match=message):
+        decode_body(raw)
+
+
+def test_the_bounds_are_exact() -> None:
+    assert decode_body(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
+    assert decode_body(b'{"n": ' + b"7" * 4300 + b"}")["n"] > 0
+    assert decode_body(b"[" + b"[]," * (MAX_CONTAINERS - 2) + b"[]]") is not None
+    with pytest.raises(TooComplex, match=f"more than {MAX_CONTAINERS}"):
+        decode_body(b"[" + b"[]," * (MAX_CONTAINERS - 1) + b"[]]")
+    assert decode_body(b'{"prompt": [1, 2, 3]}') == {"prompt": [1, 2, 3]}
+
+
+def test_a_deep_body_in_the_decoder_process_is_refused_there(decoder: BodyDecoder) -> None:
+    """A large body (past the inline size) decodes in the decoder process: the RecursionError
+    of 100,000 nested arrays used to cross back and escape as a 500; now the refusal does."""
+    raw = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(InvalidJSON, match="nested deeper"):
+        asyncio.run(decoder.run(decode_body, raw))
+    assert decoder.process_pid is not None  # it did run there

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the KV transfer against hostile peers (issue 12: malformed KV
 frames never corrupt the decode pod's cache, never crash it, never make it answer 5xx).
 
-Four layers, each with real sockets where there is a peer:
+Five layers, each with real sockets where there is a peer:
 
 1. the frame decoder the pods use (:meth:`~splitserve_runtime.transfer.wire.Channel.read_frame`,
    reading from a real socket) on arbitrary bytes and on mutated frames (bad magic, version,
@@ -19,7 +19,13 @@ Four layers, each with real sockets where there is a peer:
 4. the decode engine itself (:class:`~splitserve_runtime.engine.remote.HandoffEngine`, the
    tiny model on CPU) pulling from such a server: every request completes with exactly the
    tokens the aggregated engine produces (a poisoned block, in the reservation or the prefix
-   cache, would change them), and no block stays reserved or held afterwards.
+   cache, would change them), and no block stays reserved or held afterwards;
+5. the handoff parameters themselves (:meth:`~splitserve_runtime.transfer.HandoffAuth.check_params`)
+   with a key and without: genuine parameters with a field altered, dropped or retyped, and
+   presented with their own prompt or another one (same length, a prefix, one token changed,
+   any list). With a key only the untouched parameters with their own prompt pass; without
+   one, nothing passes with another prompt (the prefix-cache poisoning defect: parameters of
+   prompt A used for a prompt B of the same length).
 
 The number of generated cases is fixed per test (``max_examples``; ``derandomize`` keeps
 runs repeatable); ``SPLITSERVE_FUZZ_SCALE`` multiplies them for a longer run.
@@ -45,6 +51,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from splitserve_contract.block_hash import prompt_digest
 from splitserve_runtime.transfer import (
     ExportedKV,
     HandoffAuth,
@@ -557,7 +564,8 @@ def test_decode_engine_never_uses_a_bad_stream(rig: DecodeRig, data: st.DataObje
     rig.server.script = data.draw(_scripts(num_blocks=num_blocks))
     source = RemotePrefill.from_params(HandoffAuth(key=KEY).sign({
         "remote_endpoint": rig.endpoint, "remote_request_id": f"p{prompt_index}",
-        "num_prompt_tokens": len(prompt), "first_token_id": wanted[0], "compat_hash": "fuzz"},
+        "num_prompt_tokens": len(prompt), "first_token_id": wanted[0], "compat_hash": "fuzz",
+        "prompt_digest": prompt_digest(prompt)},
         lifetime_seconds=60))
     handoff = rig.handoff
 
@@ -585,3 +593,74 @@ def test_decode_engine_never_uses_a_bad_stream(rig: DecodeRig, data: st.DataObje
         lambda core: (core.block_manager.usage_ratio, len(core._reserved))))
     assert usage == 0.0 and reserved == 0  # nothing held: the reservation was freed
 
+
+
+# --------------------------------------------------------------------------- 5. the handoff parameters
+HANDOFF_FIELDS = ("remote_endpoint", "remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash",
+                  "prompt_digest", "expires_at", "signature")
+BINDING_FIELDS = frozenset({"num_prompt_tokens", "prompt_digest", "compat_hash", "remote_endpoint"})
+"""What is checked without a key (the endpoint: loopback only, so a loopback one still passes)."""
+
+
+@st.composite
+def _presented_prompt(draw: st.DrawFn, prompt: list[int]) -> list[int]:
+    """The prompt the parameters come with: their own, or another one close to it or not."""
+    kind = draw(st.sampled_from(["own", "own", "one_token", "prefix", "longer", "swapped", "any"]))
+    if kind == "own":
+        return list(prompt)
+    if kind == "one_token":
+        index = draw(st.integers(min_value=0, max_value=len(prompt) - 1))
+        token = draw(st.integers(min_value=0, max_value=2**31).filter(lambda t: t != prompt[index]))
+        return [*prompt[:index], token, *prompt[index + 1:]]
+    if kind == "prefix":
+        return prompt[:draw(st.integers(min_value=0, max_value=len(prompt) - 1))]
+    if kind == "longer":
+        return [*prompt, *draw(st.lists(st.integers(min_value=0, max_value=2**31), min_size=1, max_size=8))]
+    if kind == "swapped" and len(set(prompt)) > 1:
+        return [*prompt[1:], prompt[0]] if prompt[1:] + [prompt[0]] != prompt else list(reversed(prompt))
+    return draw(st.lists(st.integers(min_value=0, max_value=2**31), max_size=80))
+
+
+@_settings(600)
+@given(data=st.data(), keyed=st.booleans(),
+       prompt=st.lists(st.integers(min_value=0, max_value=2**31), min_size=1, max_size=80))
+def test_handoff_params_pass_only_untouched_and_with_their_own_prompt(
+        data: st.DataObject, keyed: bool, prompt: list[int]) -> None:
+    from splitserve_runtime.transfer import HandoffRejected
+
+    _count("handoff parameters")
+    auth = HandoffAuth(key=KEY if keyed else None)
+    genuine = auth.sign({"remote_endpoint": "127.0.0.1:8100", "remote_request_id": "cmpl-1",
+                         "num_prompt_tokens": len(prompt), "first_token_id": 3, "compat_hash": "fuzz",
+                         "prompt_digest": prompt_digest(prompt)}, lifetime_seconds=60)
+    params = dict(genuine)
+    field = data.draw(st.sampled_from([name for name in HANDOFF_FIELDS if name in genuine]))
+    tamper = data.draw(st.sampled_from(["none", "none", "alter", "drop", "retype"]))
+    if tamper == "alter":
+        value = data.draw(st.one_of(st.text(max_size=70), st.integers(min_value=-2**40, max_value=2**40)))
+        if isinstance(genuine[field], str) and data.draw(st.booleans()):  # a near miss: one character
+            text = genuine[field]
+            value = text[:-1] + ("0" if text[-1:] != "0" else "1")
+        params[field] = value
+    elif tamper == "drop":
+        del params[field]
+    elif tamper == "retype":
+        params[field] = data.draw(st.sampled_from([None, True, 1.5, [], {}, str(genuine[field])]))
+    presented = data.draw(_presented_prompt(prompt))
+    changed = params != genuine
+    try:
+        auth.check_params(params, compat_hash="fuzz", prompt_token_ids=presented)
+        accepted, code = True, ""
+    except HandoffRejected as exc:
+        accepted, code = False, exc.code
+    own_prompt = presented == prompt
+    if not changed and own_prompt:
+        assert accepted, code
+    if not own_prompt:  # whatever was done to the parameters: never for another prompt
+        assert not accepted
+        if not changed:
+            assert code == "prompt_mismatch"
+    if keyed and changed:  # nothing signed can be changed
+        assert not accepted
+    if not keyed and changed and field in BINDING_FIELDS and field != "remote_endpoint":
+        assert not accepted  # the binding holds without a key too

@@ -96,7 +96,7 @@ async def _export(prefill: HandoffEngine, prompt: list[int]) -> dict[str, Any]:
 async def _decode(decode: HandoffEngine, params: dict[str, Any], prompt: list[int]) -> list[int]:
     tokens: list[int] = []
     async for out in decode.generate_from_remote(request_id="d", prompt_token_ids=prompt, params=GREEDY,
-                                                 source=decode.accept_remote(params)):
+                                                 source=decode.accept_remote(params, prompt_token_ids=prompt)):
         tokens.extend(out.new_token_ids)
     return tokens
 

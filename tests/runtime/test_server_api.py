@@ -84,7 +84,8 @@ def test_probes_and_openapi(server: InProcessServer) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
     info = httpx.get(f"{server.base_url}{INFO_PATH}", timeout=10).json()
     assert info == {"role": "aggregated", "model": MODEL_NAME, "compat_hash": "",
-                    "kv_endpoint": "", "block_size": 16, "max_model_len": MAX_MODEL_LEN}
+                    "kv_endpoint": "", "block_size": 16, "max_model_len": MAX_MODEL_LEN,
+                    "identity_proof": None}  # asked with ?nonce=, a keyed prefill pod's proof
 
 
 def test_kv_handoff_to_an_aggregated_pod_is_a_client_mistake(server: InProcessServer) -> None:

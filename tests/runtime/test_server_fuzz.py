@@ -15,6 +15,7 @@ with tests/router/test_router_fuzz.py they pass 10,000 per run.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,6 +321,43 @@ def test_generated_raw_bodies_never_give_a_5xx(server: InProcessServer,
     one()
     assert_still_healthy(server)
     print(name, dict(sorted(COUNTED[name].items())))
+
+
+HOSTILE_JSON: dict[str, bytes] = {
+    # found by a hostile review: each was a 500 with two tracebacks, and the server reset the
+    # keep-alive connection (json.loads raised RecursionError or ValueError there)
+    "arrays nested 1,000 deep (2 KB)": b'{"model": "tiny-llama", "prompt": "hi", "user": '
+                                       + b"[" * 1000 + b"]" * 1000 + b"}",
+    "objects nested 1,000 deep": b'{"a":' * 1000 + b"1" + b"}" * 1000,
+    "nested 200 deep in a field": b'{"model": "tiny-llama", "prompt": "hi", "response_format": '
+                                  + b'{"a":' * 200 + b"1" + b"}" * 200 + b"}",
+    "a 4,301-digit integer": b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": '
+                             + b"1" * 4301 + b"}",
+    "nested 200,000 deep (decoded in the decoder process)": b"[" * 200_000 + b"]" * 200_000,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("name", list(HOSTILE_JSON))
+def test_hostile_json_is_a_400_on_a_connection_kept_open(
+        server: InProcessServer, caplog: pytest.LogCaptureFixture, path: str, name: str) -> None:
+    """400 ``invalid_json`` in the OpenAI shape, no traceback logged, and the same keep-alive
+    connection serves the next request."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        answer = client.post(path, content=HOSTILE_JSON[name],
+                             headers={"content-type": "application/json"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json"), error
+        assert answer.headers.get("connection") != "close"
+        connection = answer.extensions["network_stream"]
+        after = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi",
+                                                     "max_tokens": 1})
+        assert after.status_code == 200, after.text
+        assert after.extensions["network_stream"] is connection  # not a new connection
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_the_run_counted_its_cases() -> None:

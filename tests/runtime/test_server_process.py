@@ -149,7 +149,8 @@ class _Stream(threading.Thread):
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: Path) -> None:
     grace_s = 20.0
-    with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s) as srv:
+    # num_kv_blocks: the 300-token stream must fit the whole KV cache
+    with _Serving(model_dir=tiny_llama_dir, drain_timeout_seconds=grace_s, num_kv_blocks=32) as srv:
         # the listener is up before the model: /health said yes while /ready said no (one
         # probe may time out: importing torch's shared libraries holds the GIL for a moment)
         assert srv.alive_while_loading.count(True) >= 1

@@ -114,7 +114,8 @@ def test_disconnect_of_a_chat_stream_aborts(server: InProcessServer) -> None:
 
 
 def test_full_queue_is_429_with_retry_after(tiny_llama_dir: Path) -> None:
-    args = serve_args(model_dir=tiny_llama_dir, max_num_seqs=1, max_queue_len=1)
+    args = serve_args(model_dir=tiny_llama_dir, max_num_seqs=1, max_queue_len=1,
+                      num_kv_blocks=32)  # LONG tokens must fit the whole KV cache
     with start_server(args=args) as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
         release = threading.Event()
@@ -232,7 +233,8 @@ def test_health_but_not_ready_while_the_model_loads(tiny_llama_dir: Path) -> Non
 
 def test_engine_failure_fails_health_and_ends_streams_with_an_error(
         tiny_llama_dir: Path) -> None:
-    with start_server(args=serve_args(model_dir=tiny_llama_dir)) as srv:
+    # LONG tokens must fit the whole KV cache
+    with start_server(args=serve_args(model_dir=tiny_llama_dir, num_kv_blocks=32)) as srv:
         assert srv.engine is not None
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
         stream = client.completions.create(model=MODEL_NAME, prompt="doomed", max_tokens=LONG,

@@ -57,10 +57,17 @@ app.kubernetes.io/component: operator
 {{- default (printf "%s-router" (include "splitserve.fullname" .)) .Values.router.serviceAccountName -}}
 {{- end -}}
 
-{{/* splitserve.watchNamespace is the single watched namespace (namespace scope) or "". */}}
-{{- define "splitserve.watchNamespace" -}}
-{{- if eq .Values.rbac.scope "namespace" -}}
-{{- default .Release.Namespace .Values.watchNamespace -}}
+{{/* splitserve.watchNamespaces is a JSON list of the watched namespaces, each getting the
+operator's Role and RoleBinding: watchNamespace (default the release namespace) in namespace
+scope, watchNamespaces in namespaces scope, [] (every namespace, a ClusterRole) in cluster
+scope. */}}
+{{- define "splitserve.watchNamespaces" -}}
+{{- if eq .Values.rbac.scope "namespaces" -}}
+{{- .Values.watchNamespaces | uniq | toJson -}}
+{{- else if eq .Values.rbac.scope "namespace" -}}
+{{- list (default .Release.Namespace .Values.watchNamespace) | toJson -}}
+{{- else -}}
+{{- list | toJson -}}
 {{- end -}}
 {{- end -}}
 
@@ -68,8 +75,10 @@ app.kubernetes.io/component: operator
 {{- define "splitserve.routerNamespaces" -}}
 {{- if .Values.router.namespaces -}}
 {{- toJson .Values.router.namespaces -}}
+{{- else if ne .Values.rbac.scope "cluster" -}}
+{{- include "splitserve.watchNamespaces" . -}}
 {{- else -}}
-{{- list (default .Release.Namespace (include "splitserve.watchNamespace" .)) | toJson -}}
+{{- list .Release.Namespace | toJson -}}
 {{- end -}}
 {{- end -}}
 
@@ -84,6 +93,37 @@ app.kubernetes.io/component: operator
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
 {{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* splitserve.inferencePoolRules are the operator's extra RBAC rules for spec.router.mode
+InferencePool (inferencePool.enabled): the InferencePool and its endpoint picker's
+ServiceAccount, Role and RoleBinding. No escalate or bind: the picker's Role grants only reads
+the operator holds itself (pods, the InferencePool, and InferenceObjectives, read for that
+reason alone). Creating ServiceAccounts, Roles and RoleBindings lets the operator hand what it
+holds to any subject, hence off by default. Without it the operator still reads the three (its
+child watch lists them in every mode) but never writes one. */}}
+{{- define "splitserve.inferencePoolRules" -}}
+{{- if .Values.inferencePool.enabled -}}
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+{{- else -}}
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch"]
 {{- end -}}
 {{- end -}}
 
@@ -128,12 +168,14 @@ namespace(s): explicit verbs, no wildcards, and Secrets create-only (never read)
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
-# The KV handoff key Secret of each disaggregated InferenceService is created once; a create
-# that finds it already there is the answer. No get/list/watch: the operator never reads a
-# Secret (it references the others in pod specs, for the kubelet to read).
+# The KV handoff key Secret of each disaggregated InferenceService is created once. list and
+# watch, with the operator's label and metadata only (no Secret's data is ever requested):
+# a Secret of that name the InferenceService does not own is a NameConflict, and a deleted
+# one is created again at once. No get: the operator asks for no Secret's data (it references
+# the others in pod specs, for the kubelet to read).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
+  verbs: ["create", "list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -15,7 +15,9 @@ form a CRD needs:
 * an optional string with an ``enum`` also accepts ``""``, as the API server does (Go's
   ``omitempty``: ``Toleration.operator: ""`` means Equal, ``effect: ""`` means all effects);
 * descriptions keep their first sentence, enough for ``kubectl explain``: Affinity is large
-  and every pool embeds it, so full descriptions would double the CRD;
+  and every pool embeds it, so full descriptions would double the CRD; the fields of a
+  definition that appears again (LabelSelector, PodAffinityTerm) are described at its first
+  place only;
 * keys a CRD schema cannot carry (``x-kubernetes-patch-*`` of strategic merge patches) go.
 
 :func:`problems` checks a value against the same converted schema in Python, so
@@ -54,7 +56,13 @@ def _first_sentence(text: str) -> str:
     return _SENTENCE_END.split(paragraph, 1)[0]
 
 
-def _convert(node: Mapping[str, Any], *, required: bool = True) -> dict[str, Any]:
+def _convert(node: Mapping[str, Any], *, required: bool = True, seen: set[str] | None = None,
+             brief: bool = False) -> dict[str, Any]:
+    """``seen``: the definitions inlined so far. A definition inlined again (Affinity holds
+    LabelSelector eight times, in each of the three pools) is ``brief``: it keeps its own first
+    sentence but its fields' descriptions go (``kubectl explain`` shows them at the first place
+    the definition appears), which keeps the CRD within its size budget."""
+    seen = set() if seen is None else seen
     node = dict(node)
     ref = node.pop("$ref", None)
     all_of = node.pop("allOf", None)
@@ -63,10 +71,16 @@ def _convert(node: Mapping[str, Any], *, required: bool = True) -> dict[str, Any
             raise ValueError(f"unsupported allOf {all_of!r}")
         ref = all_of[0]["$ref"]
     if ref is not None:
-        target = dict(SNAPSHOT["schemas"][str(ref).removeprefix(_REF_PREFIX)])
+        name = str(ref).removeprefix(_REF_PREFIX)
+        target = dict(SNAPSHOT["schemas"][name])
         if "description" in node:
             target["description"] = node["description"]
-        return _convert(target, required=required)
+        again = name in seen
+        seen.add(name)
+        out_ref = _convert(target, required=required, seen=seen, brief=brief or again)
+        if again and "description" in target:
+            out_ref["description"] = _first_sentence(str(target["description"]))
+        return out_ref
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key not in _KEPT_KEYS:
@@ -75,9 +89,13 @@ def _convert(node: Mapping[str, Any], *, required: bool = True) -> dict[str, Any
             out[key] = _first_sentence(str(value))
         elif key == "properties":
             names = set(node.get("required", []))
-            out[key] = {name: _convert(sub, required=name in names) for name, sub in value.items()}
+            out[key] = {name: _convert(sub, required=name in names, seen=seen, brief=brief)
+                        for name, sub in value.items()}
+            if brief:
+                for sub in out[key].values():
+                    sub.pop("description", None)
         elif key in ("items", "additionalProperties") and isinstance(value, Mapping):
-            out[key] = _convert(value)
+            out[key] = _convert(value, seen=seen, brief=brief)
         else:
             out[key] = copy.deepcopy(value)
     if "enum" in out and out.get("type") == "string" and not required and "" not in out["enum"]:
@@ -130,6 +148,8 @@ def problems(value: Any, schema: Mapping[str, Any], path: str = "") -> list[str]
         allowed = ", ".join(f'"{v}"' for v in schema["enum"])
         out.append(f"{where}: Unsupported value: {value!r}: supported values: {allowed}")
     if isinstance(value, str):
+        if "minLength" in schema and len(value) < int(schema["minLength"]):
+            out.append(f"{where}: should be at least {schema['minLength']} chars long")
         if "maxLength" in schema and len(value) > int(schema["maxLength"]):
             out.append(f"{where}: may not be longer than {schema['maxLength']}")
         if "pattern" in schema and not re.search(str(schema["pattern"]), value):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Callable, Mapping
+from decimal import Decimal
 from typing import Annotated, Any, Final
 
 from pydantic import (
@@ -27,25 +28,52 @@ from splitserve_contract import (
 from splitserve_contract import capabilities as caps
 
 from . import corev1
-from .rules import TOLERATION_CEL_RULES, toleration_problems
+from .rules import (
+    MAX_LABEL_KEY_LENGTH,
+    SELECTOR_REQUIREMENT_CEL_RULES,
+    TOLERATION_CEL_RULES,
+    affinity_problems,
+    toleration_problems,
+)
 
 API_VERSION_STRING: Final = f"{API_GROUP}/{API_VERSION}"
 MAX_SCALING_HISTORY: Final = 20
 """status.scalingHistory keeps the most recent N scaling events."""
 
-DURATION_PATTERN: Final = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+DURATION_PATTERN: Final = r"^([0-9]{1,5}(\.[0-9]{1,9})?(ms|s|m|h))+$"
+"""A Go-style duration whose parts have at most 5 digits (and 9 after the point): with the
+fields' 32 characters that stays far below Go's (and CEL's) 290-year limit, past which the API
+server's rules fail with a type conversion error instead of saying what is wrong."""
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _DURATION_UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+
+def _segment(chars: str) -> str:
+    """A path segment of ``chars`` (a character class body without '.') that is not ``.`` or
+    ``..``: no path traversal, whatever the segment's neighbours. RE2- and Python-compatible."""
+    one = f"[{chars}]"
+    any_ = f"[{chars}.]"
+    return f"({one}{any_}*|[.]{one}{any_}*|[.][.]{any_}+)"
+
+
+_HF_SEGMENT: Final = _segment("-A-Za-z0-9_")
+_PATH_SEGMENT: Final = _segment("-A-Za-z0-9_~+@=,%:")
+"""A segment of a pvc:// or file:// path: printable ASCII without '/', '\\', spaces or
+quotes; never a control character."""
 MODEL_URI_PATTERN: Final = (
-    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/([A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+[.]gguf)?"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?"
-    r"|file:///[^\s]*)$"
+    rf"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(/({_HF_SEGMENT}/)*[A-Za-z0-9._-]+[.]gguf)?"
+    rf"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/{_PATH_SEGMENT})*/?"
+    rf"|file://((/{_PATH_SEGMENT})+/?|/))$"
 )
+"""hf://org/name[/path/file.gguf], pvc://claim[/path] or file:///path: no '.' or '..' segment
+(the path is joined under the claim's mount), no empty segment, no control character."""
 HUB_ENDPOINT_PATTERN: Final = (
-    r"^https?://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[^\s?#]*)?$"
+    r"^https?://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?"
+    r"(/[-A-Za-z0-9._~!$&'()*+,;=:@%/]*)?$"
 )
-"""A model hub base URL: http(s), a host name or [IPv6], an optional port and path; no query."""
+"""A model hub base URL: http(s), a host name or [IPv6], an optional port and path (RFC 3986
+path characters: no control character, space, backslash or non-ASCII); no user information,
+query or fragment. Which hosts are refused: :func:`.rules.hub_endpoint_problems`."""
 QUANTITY_PATTERN: Final = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
     r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -97,6 +125,58 @@ Quantity = Annotated[
 """A non-negative Kubernetes resource quantity (``2``, ``"500m"``, ``"16Gi"``): ``minimum``
 bounds the integer form, ``pattern`` the string form."""
 
+_QUANTITY_PART = re.compile(r"^\+?([0-9.]+)(([KMGTPE]i)|[numkMGTPE]|[eE][-+]?[0-9.]+)?$")
+_QUANTITY_SUFFIX: Final[dict[str, int | Decimal]] = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}
+
+
+def parse_quantity(value: str) -> Decimal:
+    """The value of a quantity that matches :data:`QUANTITY_PATTERN`, e.g. ``16Gi``, ``500m``, ``1e3``."""
+    match = _QUANTITY_PART.match(value)
+    if match is None:
+        raise ValueError(f"invalid quantity {value!r}")
+    number, suffix = Decimal(match.group(1)), match.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        return number * Decimal(10) ** Decimal(suffix[1:])
+    return number * Decimal(_QUANTITY_SUFFIX[suffix])
+
+
+def _quantity_bound(field: str, most: str) -> tuple[AfterValidator, WithJsonSchema]:
+    """The model's check and the CRD's schema of a :data:`Quantity` above 0 and at most
+    ``most`` (a CEL rule with the API server's quantity library)."""
+    message = f"resources.{field} must be above 0 and at most {most}"
+    rule = (f"quantity(string(self)).isGreaterThan(quantity('0')) && "
+            f"!quantity(string(self)).isGreaterThan(quantity('{most}'))")
+
+    def check(value: str) -> str:
+        if not 0 < parse_quantity(value) <= parse_quantity(most):
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check), WithJsonSchema({
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "minimum": 0,
+        "pattern": QUANTITY_PATTERN,
+        "x-kubernetes-int-or-string": True,
+        "x-kubernetes-validations": [{"rule": rule, "message": message}],
+    })
+
+
+MAX_CPU: Final = "1024"
+MAX_MEMORY: Final = "16Ti"
+_CPU_BOUND: Final = _quantity_bound("cpu", MAX_CPU)
+_MEMORY_BOUND: Final = _quantity_bound("memory", MAX_MEMORY)
+CpuQuantity = Annotated[str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64),
+                        _CPU_BOUND[0], _CPU_BOUND[1]]
+"""A CPU request: above 0 and at most :data:`MAX_CPU` (a pod no node can hold is Pending forever)."""
+MemoryQuantity = Annotated[str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64),
+                           _MEMORY_BOUND[0], _MEMORY_BOUND[1]]
+"""A memory request and limit: above 0 (a 0 limit kills the container at once) and at most
+:data:`MAX_MEMORY` (``1e30`` is a valid quantity no node has)."""
+
 FreeFormObject = Annotated[
     dict[str, Any],
     WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
@@ -118,15 +198,51 @@ def _core_v1_check(schema: Mapping[str, Any], *checks: Callable[[Mapping[str, An
     return AfterValidator(check)
 
 
-_TOLERATION_SCHEMA: Final = {
-    **corev1.crd_schema(corev1.TOLERATION),
-    "x-kubernetes-validations": [dict(rule) for rule in TOLERATION_CEL_RULES],
-}
-_AFFINITY_SCHEMA: Final = corev1.crd_schema(corev1.AFFINITY)
+def _toleration_schema() -> dict[str, Any]:
+    schema = corev1.crd_schema(corev1.TOLERATION)
+    # Bounds Kubernetes checks in Go (a label key, a label value), which also bound the size of
+    # the spec: kopf keeps the last handled spec in an annotation.
+    schema["properties"]["key"]["maxLength"] = MAX_LABEL_KEY_LENGTH
+    schema["properties"]["value"]["maxLength"] = 63
+    schema["x-kubernetes-validations"] = [dict(rule) for rule in TOLERATION_CEL_RULES]
+    return schema
+
+
+MAX_AFFINITY_LIST_ITEMS: Final = 32
+"""Most items of each list in a pool's affinity (terms, requirements, values, ...)."""
+
+
+def _affinity_schema() -> dict[str, Any]:
+    """Kubernetes' Affinity schema with the checks its Go code makes (:mod:`.rules`): each
+    selector requirement's values against its operator, a non-empty topologyKey."""
+    schema = corev1.crd_schema(corev1.AFFINITY)
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        props = node.get("properties", {})
+        if {"key", "operator", "values"} <= set(props):
+            node["x-kubernetes-validations"] = [dict(rule) for rule in SELECTOR_REQUIREMENT_CEL_RULES]
+        if "topologyKey" in props:
+            props["topologyKey"]["minLength"] = 1
+        if node.get("type") == "array":
+            # Bounds what the API server's CEL cost estimate multiplies the rules above by
+            # (unbounded nested lists put the CRD over its budget), and the spec's size.
+            node["maxItems"] = MAX_AFFINITY_LIST_ITEMS
+        for sub in (*props.values(), node.get("items"), node.get("additionalProperties")):
+            walk(sub)
+
+    walk(schema)
+    return schema
+
+
+_TOLERATION_SCHEMA: Final = _toleration_schema()
+_AFFINITY_SCHEMA: Final = _affinity_schema()
 Toleration = Annotated[dict[str, Any], _core_v1_check(_TOLERATION_SCHEMA, toleration_problems),
                        WithJsonSchema(_TOLERATION_SCHEMA)]
 """A core/v1 Toleration, validated as the API server validates a Pod's."""
-Affinity = Annotated[dict[str, Any], _core_v1_check(_AFFINITY_SCHEMA), WithJsonSchema(_AFFINITY_SCHEMA)]
+Affinity = Annotated[dict[str, Any], _core_v1_check(_AFFINITY_SCHEMA, affinity_problems),
+                     WithJsonSchema(_AFFINITY_SCHEMA)]
 """A core/v1 Affinity, validated with the API server's schema."""
 
 

@@ -20,6 +20,7 @@ from splitserve_contract import (
     KIND,
     Role,
 )
+from splitserve_contract.model_revision import REVISION_PATTERN, REVISION_RULE
 
 from ..naming import MAX_NAME_LENGTH, NAME_PATTERN
 from .fields import (
@@ -62,8 +63,11 @@ class InvalidSpecError(ValueError):
 
 
 _PATTERN_HINTS: Final = {
-    MODEL_URI_PATTERN: "must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path",
-    HUB_ENDPOINT_PATTERN: "must be an http:// or https:// URL: host[:port][/path], no query",
+    MODEL_URI_PATTERN: ("must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path "
+                        "(path segments of printable ASCII, none '.', '..' or empty)"),
+    HUB_ENDPOINT_PATTERN: ("must be an http:// or https:// URL: host[:port][/path] of printable ASCII, no user "
+                           "information, query or fragment"),
+    REVISION_PATTERN: f"must be a git branch, tag or commit: {REVISION_RULE}",
     DURATION_PATTERN: "must be a duration such as 15s, 1m30s or 500ms",
     QUANTITY_PATTERN: "must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi",
     LABEL_VALUE_PATTERN: "must be a label value: alphanumerics, '-', '_' or '.', starting and ending with an alphanumeric",

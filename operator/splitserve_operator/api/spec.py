@@ -8,6 +8,7 @@ import re
 from typing import Annotated, Final, Literal
 
 from pydantic import (
+    AfterValidator,
     Field,
     model_validator,
 )
@@ -16,9 +17,12 @@ from splitserve_contract import (
     RoutingPolicy,
     ServeArgs,
     defaults,
+    operator_owned,
 )
 from splitserve_contract import capabilities as caps
+from splitserve_contract.model_revision import MAX_REVISION_LENGTH, REVISION_PATTERN
 
+from . import hub_policy
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
@@ -26,13 +30,16 @@ from .fields import (
     IMAGE_PATTERN,
     K8S_NAME_PATTERN,
     LABEL_VALUE_PATTERN,
+    MAX_CPU,
+    MAX_MEMORY,
     MODEL_URI_PATTERN,
     Affinity,
     ApiModel,
     BlockSize,
+    CpuQuantity,
     DtypeName,
+    MemoryQuantity,
     PipelineParallelSize,
-    Quantity,
     QuantizationName,
     SpeculativeMethodName,
     TensorParallelSize,
@@ -44,26 +51,77 @@ from .fields import (
 )
 from .rules import (
     AGGREGATED_RULE_MESSAGE,
+    ARG_CONTROL_REGEX,
+    ARG_CONTROL_RULE_MESSAGE,
     CPU_PARALLELISM_RULE_MESSAGE,
     DISAGGREGATED_RULE_MESSAGE,
     DRAFT_METHOD_RULE_MESSAGE,
     DRAFT_MODEL_RULE_MESSAGE,
     DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
+    ENV_LIST_CEL_RULES,
+    ENV_TOTAL_RULE_MESSAGE,
+    ENV_VALUE_CONTROL_REGEX,
+    ENV_VALUE_CONTROL_RULE_MESSAGE,
+    EXTRA_ARG_CEL_RULES,
+    EXTRA_ARGS_LIST_CEL_RULES,
+    EXTRA_ARGS_TOTAL_RULE_MESSAGE,
     GPU_BUDGET_RULE_MESSAGE,
     GPUS_PER_NODE_RULE_MESSAGE,
     INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
     INTERVAL_RULE_MESSAGE,
     LABEL_KEY_PATTERN,
+    MAX_AUTOSCALING_INTERVAL_SECONDS,
+    MAX_ENV_VALUE_LENGTH,
+    MAX_ENV_VALUES_TOTAL,
+    MAX_ENV_VARS,
+    MAX_EXTRA_ARG_LENGTH,
+    MAX_EXTRA_ARGS,
+    MAX_EXTRA_ARGS_TOTAL,
     MAX_LABEL_KEY_LENGTH,
     MAX_REPLICA_GPUS,
     MIN_AUTOSCALING_INTERVAL_SECONDS,
     MULTI_NODE_PARALLELISM_RULE_MESSAGE,
     NODE_SELECTOR_RULE_MESSAGE,
     PARALLELISM_RULE_MESSAGE,
+    PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE,
     REPLICAS_RULE_MESSAGE,
+    ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE,
     SLO_TARGETS_RULE_MESSAGE,
     SPECULATING_POOLS,
+    hub_endpoint_problems,
+    router_builtin_settings_set,
 )
+
+
+def _hub_endpoint(value: str) -> str:
+    problems = hub_endpoint_problems(value) or hub_policy.problems(value)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return value
+
+
+def _env_name(value: str) -> str:
+    problem = operator_owned.env_name_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _extra_arg(value: str) -> str:
+    if re.search(ARG_CONTROL_REGEX, value):
+        raise ValueError(ARG_CONTROL_RULE_MESSAGE)
+    problem = operator_owned.extra_arg_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _env_value(value: str) -> str:
+    if re.search(ENV_VALUE_CONTROL_REGEX, value):
+        raise ValueError(ENV_VALUE_CONTROL_RULE_MESSAGE)
+    return value
+
+
 
 
 # =========================================================================== spec
@@ -104,9 +162,13 @@ class ModelSpec(ApiModel):
     )
     revision: str | None = Field(
         default=None,
-        max_length=255,
-        pattern=r"^[A-Za-z0-9._/-]+$",
-        description="Model revision (branch, tag or commit) for hf:// URIs. Empty: the default revision.",
+        max_length=MAX_REVISION_LENGTH,
+        pattern=REVISION_PATTERN,
+        description=(
+            "Model revision (branch, tag or commit) for hf:// URIs: '/'-separated parts of letters, "
+            "digits, '_', '-', '+' and single '.' between them (no '..', no leading '/'). Empty: the "
+            "default revision."
+        ),
     )
     served_name: str | None = Field(
         default=None,
@@ -143,14 +205,16 @@ class ModelSpec(ApiModel):
             "HTTP 401/403 and this Secret's name)."
         ),
     )
-    hub_endpoint: str | None = Field(
+    hub_endpoint: Annotated[str, Field(max_length=2048, pattern=HUB_ENDPOINT_PATTERN),
+                            AfterValidator(_hub_endpoint)] | None = Field(
         default=None,
-        max_length=2048,
-        pattern=HUB_ENDPOINT_PATTERN,
         description=(
             "Model hub that hf:// models are downloaded from, e.g. a private hub mirror such as "
             "https://hf-mirror.internal.example (anything that speaks the Hugging Face hub API); "
-            "passed to the runtime as HF_ENDPOINT. Empty: https://huggingface.co."
+            "passed to the runtime as HF_ENDPOINT, with the hub token. Loopback, link-local and "
+            "cluster-internal hosts are refused, and the operator serves only the hubs it is "
+            "configured to allow (--allowed-hub-endpoints; others are Stalled). Empty: "
+            "https://huggingface.co."
         ),
     )
 
@@ -167,8 +231,12 @@ class ApiKeySecretRef(ApiModel):
 class EnvVar(ApiModel):
     """A plain environment variable for the runtime container."""
 
-    name: str = Field(pattern=ENV_NAME_PATTERN, max_length=256, description="Variable name.")
-    value: str = Field(default="", max_length=32768, description="Variable value.")
+    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=256), AfterValidator(_env_name)] = Field(
+        description="Variable name (not one the operator sets: SPLITSERVE_*, LWS_*, HF_TOKEN, HF_ENDPOINT, POD_*).")
+    value: Annotated[str, AfterValidator(_env_value)] = Field(
+        default="", max_length=MAX_ENV_VALUE_LENGTH,
+        description=f"Variable value: at most {MAX_ENV_VALUE_LENGTH} characters, no control characters "
+                    "but tab, newline and carriage return.")
 
 
 class RuntimeSpec(ApiModel):
@@ -186,14 +254,24 @@ class RuntimeSpec(ApiModel):
     )
     env: list[EnvVar] = Field(
         default_factory=list,
-        max_length=64,
-        description="Extra environment variables for every runtime and router container.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        max_length=MAX_ENV_VARS,
+        description=(f"Extra environment variables for every runtime and router container: at most {MAX_ENV_VARS}, "
+                     f"values of at most {MAX_ENV_VALUES_TOTAL} characters together."),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+                           "x-kubernetes-validations": [dict(rule) for rule in ENV_LIST_CEL_RULES]},
     )
-    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+    extra_args: list[Annotated[str, Field(max_length=MAX_EXTRA_ARG_LENGTH, json_schema_extra={
+        "x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARG_CEL_RULES]}),
+        AfterValidator(_extra_arg)]] = Field(
         default_factory=list,
-        max_length=64,
-        description="Extra `splitserve serve` arguments appended after the rendered ones.",
+        max_length=MAX_EXTRA_ARGS,
+        json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARGS_LIST_CEL_RULES]},
+        description=(
+            "Extra `splitserve serve` arguments appended after the rendered ones; not a flag the "
+            "operator renders from another field (--role, --port, --model, ...). At most "
+            f"{MAX_EXTRA_ARGS} of at most {MAX_EXTRA_ARG_LENGTH} characters, {MAX_EXTRA_ARGS_TOTAL} together; no "
+            "control characters but tab, newline and carriage return."
+        ),
     )
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
@@ -201,6 +279,14 @@ class RuntimeSpec(ApiModel):
                     "them as an environment variable. The Secret is referenced in the pod spec, never "
                     "read by the operator. Empty: no API key is required.",
     )
+
+    @model_validator(mode="after")
+    def _totals(self) -> RuntimeSpec:
+        if sum(len(e.value) for e in self.env) > MAX_ENV_VALUES_TOTAL:
+            raise ValueError(ENV_TOTAL_RULE_MESSAGE)
+        if sum(len(a) for a in self.extra_args) > MAX_EXTRA_ARGS_TOTAL:
+            raise ValueError(EXTRA_ARGS_TOTAL_RULE_MESSAGE)
+        return self
 
 
 class ReplicasSpec(ApiModel):
@@ -235,8 +321,10 @@ class ResourcesSpec(ApiModel):
             "nodes (a LeaderWorkerSet). Fixed at creation."
         ),
     )
-    cpu: Quantity | None = Field(default=None, description="CPU request, e.g. 4 or \"500m\".")
-    memory: Quantity | None = Field(default=None, description="Memory request and limit, e.g. \"32Gi\".")
+    cpu: CpuQuantity | None = Field(
+        default=None, description=f"CPU request, e.g. 4 or \"500m\": above 0, at most {MAX_CPU}.")
+    memory: MemoryQuantity | None = Field(
+        default=None, description=f"Memory request and limit, e.g. \"32Gi\": above 0, at most {MAX_MEMORY}.")
 
     @model_validator(mode="after")
     def _gpus_per_node_fits(self) -> ResourcesSpec:
@@ -287,7 +375,8 @@ class PoolSpec(ApiModel):
     )
     affinity: Affinity | None = Field(
         default=None,
-        description="Pod affinity (a core/v1 Affinity object, validated with Kubernetes' schema).",
+        description="Pod affinity (a core/v1 Affinity object, validated with Kubernetes' schema; "
+                    "each of its lists holds at most 32 items).",
     )
     priority_class_name: str | None = Field(
         default=None,
@@ -417,6 +506,10 @@ class RouterSpec(ApiModel):
     def _inference_pool_only_in_its_mode(self) -> RouterSpec:
         if self.inference_pool is not None and self.mode is not RouterMode.INFERENCE_POOL:
             raise ValueError(INFERENCE_POOL_SETTINGS_RULE_MESSAGE)
+        if self.mode is RouterMode.INFERENCE_POOL:
+            changed = router_builtin_settings_set(self.dump())
+            if changed:
+                raise ValueError(f"{ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE} (set: {', '.join(changed)})")
         return self
 
     @property
@@ -586,14 +679,17 @@ class ScalingBehavior(ApiModel):
     scale_down: ScaleDownBehavior = _object(ScaleDownBehavior, "Scale-down limits.")
 
 
+_MAX_PRIOR: Final = defaults.SLO_MAX_COEFFICIENT_SECONDS
+
+
 class SloPriorSpec(ApiModel):
     """Step-model coefficients the online fit starts from, in seconds per unit (``splitserve plan --slo`` prints them)."""
 
-    step: float = Field(ge=0, allow_inf_nan=False, description="Per engine step.")
-    prefill_token: float = Field(ge=0, allow_inf_nan=False, description="Per uncached prompt token.")
-    prefill_pair: float = Field(ge=0, allow_inf_nan=False, description="Per causal pair of prefill attention.")
-    decode_row: float = Field(ge=0, allow_inf_nan=False, description="Per decoding sequence in a step.")
-    decode_context: float = Field(ge=0, allow_inf_nan=False, description="Per context token a decoding sequence reads.")
+    step: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per engine step.")
+    prefill_token: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per uncached prompt token.")
+    prefill_pair: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per causal pair of prefill attention.")
+    decode_row: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per decoding sequence in a step.")
+    decode_context: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per context token a decoding sequence reads.")
 
 
 class SloSpec(ApiModel):
@@ -636,7 +732,7 @@ class AutoscalingSpec(ApiModel):
         default=defaults.AUTOSCALING_INTERVAL,
         pattern=DURATION_PATTERN,
         max_length=32,
-        description="Time between decisions, e.g. 15s or 1m.",
+        description="Time between decisions, e.g. 15s or 1m: 1s to 24h.",
     )
     prefill: PrefillScalingSpec = _object(PrefillScalingSpec, "Targets for the prefill (and aggregated) pool.")
     decode: DecodeScalingSpec = _object(DecodeScalingSpec, "Targets for the decode pool.")
@@ -658,7 +754,7 @@ class AutoscalingSpec(ApiModel):
 
     @model_validator(mode="after")
     def _interval_is_long_enough(self) -> AutoscalingSpec:
-        if parse_duration_seconds(self.interval) < MIN_AUTOSCALING_INTERVAL_SECONDS:
+        if not MIN_AUTOSCALING_INTERVAL_SECONDS <= parse_duration_seconds(self.interval) <= MAX_AUTOSCALING_INTERVAL_SECONDS:
             raise ValueError(INTERVAL_RULE_MESSAGE)
         return self
 
@@ -675,7 +771,8 @@ class InferenceServiceSpec(ApiModel):
     runtime: RuntimeSpec = _object(RuntimeSpec, "The runtime container.")
     mode: Mode = Field(
         default=Mode.DISAGGREGATED,
-        description="Disaggregated: separate prefill and decode pools. Aggregated: one pool does both.",
+        description="Disaggregated: separate prefill and decode pools. Aggregated: one pool does both. "
+                    "Fixed at creation.",
     )
     prefill: PoolSpec | None = Field(
         default=None, description="Prefill pool (Disaggregated mode only; required there)."
@@ -702,11 +799,18 @@ class InferenceServiceSpec(ApiModel):
             self.aggregated is not None and self.prefill is None and self.decode is None
         ):
             raise ValueError(AGGREGATED_RULE_MESSAGE)
+        if self.mode is Mode.AGGREGATED and self.router.prefill_overflow_tokens != 0:
+            raise ValueError(PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE)
         budget = self.autoscaling.gpu_budget
         if budget is not None:
             floor = sum(p.replicas.min * p.resources.gpus for p in (self.prefill, self.decode, self.aggregated) if p)
             if budget < floor:
                 raise ValueError(f"{GPU_BUDGET_RULE_MESSAGE} (budget {budget}, minimum use {floor})")
+        if self.model.hub_endpoint is None:
+            downloads = hub_policy.default_endpoint_problems([self.model.uri, self.engine.speculative.draft_model or ""])
+            if downloads:
+                raise ValueError(f"model.hubEndpoint is empty, so hf:// models come from {hub_policy.DEFAULT_HUB_ENDPOINT}: "
+                                 + "; ".join(downloads))
         if self.engine.speculative.method == "draft":
             pools: dict[str, PoolSpec | None] = {name: getattr(self, name) for name in SPECULATING_POOLS}
             split = [f"{name}.parallelism.{axis} {size}" for name, pool in pools.items() if pool is not None

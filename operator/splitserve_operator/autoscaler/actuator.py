@@ -71,6 +71,29 @@ def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas:
     )
 
 
+def clamp_replicas(*, api: kube.Kube, namespace: str, name: str, min_replicas: int,
+                   max_replicas: int) -> tuple[int, int] | None:
+    """Bring ``spec.replicas`` of the pool workload ``name`` (Deployment, else LeaderWorkerSet)
+    into ``[min_replicas, max_replicas]`` as the autoscaler's field manager: the one write to
+    a pool's replicas while autoscaling is off (a count inside the bounds stays the user's,
+    ``kubectl scale`` included). Returns ``(before, after)`` when it wrote, None when the count
+    was within the bounds or there is no workload yet."""
+    kind = kube.DEPLOYMENT
+    workload = api.get(kind=kind, namespace=namespace, name=name)
+    if workload is None:
+        kind = kube.LEADER_WORKER_SET
+        workload = api.get(kind=kind, namespace=namespace, name=name)
+    if workload is None:
+        return None  # not created yet: the reconciler creates it with min replicas
+    raw = (workload.get("spec") or {}).get("replicas")
+    before = int(raw) if raw is not None else 1
+    after = max(min_replicas, min(max_replicas, before))
+    if after == before:
+        return None
+    apply_replicas(api=api, namespace=namespace, deployment=name, replicas=after, kind=kind)
+    return before, after
+
+
 def deletion_cost(*, requests_in_flight: float) -> int:
     """Cost annotation for a pod with this many requests running or waiting."""
     return max(0, min(MAX_DELETION_COST, round(requests_in_flight * COST_PER_REQUEST)))

@@ -162,7 +162,8 @@ class Decision:
         return self.result * self.gpus_per_replica
 
     def inputs(self) -> dict[str, float]:
-        """Flat observed values and targets, as ``status.<pool>.lastDecision.inputs``."""
+        """Flat observed values and targets, as ``status.<pool>.lastDecision.inputs``; a value
+        that is not a finite number (JSON, and so the API server, has none) is left out."""
         out: dict[str, float] = {
             "currentReplicas": float(self.current_replicas),
             "readyReplicas": float(self.ready_replicas),
@@ -173,7 +174,7 @@ class Decision:
             out[f"{name}Target"] = signal.target
         if self.ratio is not None:
             out["ratio"] = round(self.ratio, 4)
-        return out
+        return {name: value for name, value in out.items() if math.isfinite(value)}
 
 
 def _clamp(value: int, *, low: int, high: int) -> int:

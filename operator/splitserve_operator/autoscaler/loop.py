@@ -29,7 +29,8 @@ Every ``base_tick_seconds`` (default
 each known, non-paused object whose own ``spec.autoscaling.interval`` has passed, judged on the
 loop's injected monotonic ``clock``; rounds run as separate tasks (one slow
 Prometheus never delays another object), at most one at a time per object, and a failing
-round is logged and never stops the loop. kopf's Event poster (:func:`kopf.event`) works only
+round never stops the loop: it sets ``ScalingActive=False`` (``ApiError``, or ``RoundFailed``
+with what failed) and is logged once per distinct failure, not with a traceback every interval. kopf's Event poster (:func:`kopf.event`) works only
 in the context kopf gives its per-object tasks, so each round runs in a copy of the context of
 its object's latest ``on.event`` call: Events post just as they would from a handler.
 """
@@ -42,6 +43,7 @@ import copy
 import dataclasses
 import datetime
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -55,7 +57,7 @@ from urllib3.util.retry import Retry
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason, defaults
 
-from .. import events, kube, status
+from .. import events, kube, naming, status
 from ..api import (
     MAX_SCALING_HISTORY,
     InferenceService,
@@ -288,7 +290,12 @@ def _act(
 def _last_decision(decision: Decision, *, now_seconds: float, previous: Mapping[str, Any]) -> dict[str, Any]:
     """``status.<pool>.lastDecision``. Status is written as a merge patch, which merges the
     ``inputs`` map key by key: inputs of the ``previous`` decision that this one lacks are
-    sent as null (deleted), so the status never mixes two decisions' numbers."""
+    sent as null (deleted), so the status never mixes two decisions' numbers.
+
+    ``time`` is when the pool's decision last *changed*: a decision equal to ``previous`` in
+    everything but the time keeps ``previous``'s time, so a round that decides what the last
+    one did writes nothing at all (an idle service's object, and the resourceVersion every
+    GitOps watcher follows, stay as they are instead of changing every interval)."""
     inputs: dict[str, Any] = {key: None for key in (previous.get("inputs") or {})}
     inputs.update(decision.inputs())
     out: dict[str, Any] = {
@@ -301,7 +308,13 @@ def _last_decision(decision: Decision, *, now_seconds: float, previous: Mapping[
     if decision.model or previous.get("model"):
         # merged key by key like inputs: keys of the previous model this one lacks are deleted
         out["model"] = {key: None for key in (previous.get("model") or {})} | dict(decision.model or {})
+    if previous.get("time") and _without_time(status.merge_patch(dict(previous), out)) == _without_time(previous):
+        out["time"] = previous["time"]
     return out
+
+
+def _without_time(last_decision: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in last_decision.items() if key != "time"}
 
 
 async def run_once(
@@ -338,11 +351,14 @@ async def run_once(
         return datetime.datetime.fromtimestamp(now_seconds, datetime.UTC).replace(microsecond=0)
 
     if not auto.enabled:
+        fields = await asyncio.to_thread(
+            _clamp_unscaled, isvc=isvc, spec=spec, api=api, namespace=namespace, name=name, now_seconds=now_seconds)
         await asyncio.to_thread(
             status.patch_status, api=api, namespace=namespace, name=name, observed_generation=generation,
-            clock=clock, conditions=[status.ConditionUpdate(
+            clock=clock, fields=_finite(fields), conditions=[status.ConditionUpdate(
                 type=ConditionType.SCALING_ACTIVE.value, status="False", reason=Reason.SCALING_DISABLED,
-                message="spec.autoscaling.enabled is false: replicas stay where they are",
+                message="spec.autoscaling.enabled is false: each pool's replicas stay where they are, "
+                        "within its [min, max]",
             )],
         )
         return []
@@ -393,12 +409,70 @@ async def run_once(
     for failure in failures:
         events.warning(obj=isvc, reason=Reason.SCALE_FAILED, message=failure)
     await asyncio.to_thread(
-        status.patch_status, api=api, namespace=namespace, name=name, fields=fields,
+        status.patch_status, api=api, namespace=namespace, name=name, fields=_finite(fields),
         conditions=conditions, observed_generation=generation, clock=clock,
     )
     for decision in decisions:
         logger.info("autoscaler %s/%s %s: %s (%s)", namespace, name, decision.pool, decision.formula, decision.reason)
     return decisions
+
+
+def _finite(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields``, checked to be what the API server accepts: JSON has no NaN or Infinity
+    (Python's ``json`` writes them as bare words, and the API server refuses the whole patch,
+    round after round). The numbers are made finite where they are computed; this is the
+    ``allow_nan=False`` of the status write, raising ``ValueError`` with the field's path."""
+    bad = _non_finite_path(fields, "status")
+    if bad is not None:
+        raise ValueError(f"{bad} is not a finite number; the status is not written")
+    return fields
+
+
+def _non_finite_path(value: Any, path: str) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} ({value})"
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite_path(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _clamp_unscaled(
+    *, isvc: Mapping[str, Any], spec: InferenceServiceSpec, api: kube.Kube, namespace: str, name: str,
+    now_seconds: float,
+) -> dict[str, Any]:
+    """With autoscaling off, bring each pool's replica count into its ``[min, max]`` (the CRD
+    promises the pool runs at least ``min``; the count is otherwise left where it is, for
+    ``kubectl scale`` or nobody to change); returns the status fields of the changes, each
+    recorded like an autoscaler write (``desiredReplicas``, ``lastScaleTime``,
+    ``scalingHistory``, an Event)."""
+    live_status = isvc.get("status") or {}
+    history: list[dict[str, Any]] = [dict(e) for e in live_status.get("scalingHistory") or []]
+    fields: dict[str, Any] = {}
+    for pool in pool_names(spec):
+        bounds = pool_spec(spec, pool).replicas
+        changed = actuator.clamp_replicas(api=api, namespace=namespace, name=naming.child_name(name, pool),
+                                          min_replicas=bounds.min, max_replicas=bounds.max)
+        if changed is None:
+            continue
+        before, after = changed
+        reason = Reason.AT_MIN_REPLICAS if after > before else Reason.AT_MAX_REPLICAS
+        fields[pool] = {"desiredReplicas": after, "lastScaleTime": _timestamp(now_seconds)}
+        history.append({"time": _timestamp(now_seconds), "pool": pool, "from": before, "to": after,
+                        "reason": reason})
+        events.normal(obj=isvc, reason=Reason.SCALED_UP if after > before else Reason.SCALED_DOWN,
+                      message=f"{pool} {before} → {after}: autoscaling is off, replicas kept within "
+                              f"[{bounds.min}, {bounds.max}]")
+    if history != list(live_status.get("scalingHistory") or []):
+        fields["scalingHistory"] = history[-MAX_SCALING_HISTORY:]
+    return fields
 
 
 def _record(
@@ -613,8 +687,39 @@ class AutoscalerLoop:
                            slo_store=self.slo_store)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - one object's failure must not stop the others' rounds
-            logger.exception("Autoscaling round of %s/%s failed", key[0], key[1])
+        except Exception as exc:  # noqa: BLE001 - one object's failure must not stop the others' rounds
+            await self._report_failure(key=key, body=body, now_seconds=now_seconds, error=exc)
+        else:
+            if self.state.round_failures.pop(key, None) is not None:
+                logger.info("Autoscaling rounds of %s/%s succeed again", key[0], key[1])
+
+    async def _report_failure(self, *, key: ServiceKey, body: Mapping[str, Any], now_seconds: float,
+                              error: Exception) -> None:
+        """A failed round: ``ScalingActive=False`` with what failed, so the status does not go on
+        claiming an active autoscaler, and one log line per distinct failure (a round that fails
+        the same way every interval is logged once, its traceback at DEBUG)."""
+        if isinstance(error, ApiException):
+            reason, what = Reason.API_ERROR, kube.error_message(error)
+        else:
+            reason, what = Reason.ROUND_FAILED, f"{type(error).__name__}: {error}"
+        if self.state.round_failures.get(key) != what:
+            logger.error("Autoscaling round of %s/%s failed (logged again only when this changes): %s",
+                         key[0], key[1], what)
+        logger.debug("Autoscaling round of %s/%s failed", key[0], key[1], exc_info=error)
+        self.state.round_failures[key] = what
+
+        def clock() -> datetime.datetime:
+            return datetime.datetime.fromtimestamp(now_seconds, datetime.UTC).replace(microsecond=0)
+
+        try:
+            await asyncio.to_thread(
+                status.patch_status, api=self.api, namespace=key[0], name=key[1], clock=clock,
+                observed_generation=(body.get("metadata") or {}).get("generation"),
+                conditions=[status.ConditionUpdate(
+                    type=ConditionType.SCALING_ACTIVE.value, status="False", reason=reason,
+                    message=f"the autoscaling round failed: {what}"[:MAX_MESSAGE_LENGTH])])
+        except Exception as exc:  # noqa: BLE001 - the failure is logged already; the next round retries
+            logger.debug("Could not report the failed round of %s/%s: %s", key[0], key[1], exc)
 
 
 def register(

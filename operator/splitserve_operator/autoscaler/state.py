@@ -2,8 +2,8 @@
 
 Per (namespace, InferenceService, pool): the recommendation history the stabilization
 windows need and the last recommendation (so a dry run reports a change once, not every
-round). Per InferenceService: when it last ran and the last metrics-health reason (Events
-fire on transitions).
+round). Per InferenceService: when it last ran, the last metrics-health reason (Events
+fire on transitions) and what made its last round fail (logged on a change only).
 
 Lost on restart, deliberately: the status already records every decision for humans, and
 a fresh history is seeded with the current replica count
@@ -33,6 +33,8 @@ class AutoscalerState:
     """When the loop last started a round per service, on the loop's monotonic clock."""
     metrics_problem: dict[ServiceKey, str] = dataclasses.field(default_factory=dict)
     """Last MetricsUnavailable reason per service ("" while healthy)."""
+    round_failures: dict[ServiceKey, str] = dataclasses.field(default_factory=dict)
+    """Per service whose last round failed, what failed (logged once, not every interval)."""
 
     def history(self, *, namespace: str, name: str, pool: str, now_seconds: float,
                 current_replicas: int) -> RecommendationHistory:
@@ -56,3 +58,4 @@ class AutoscalerState:
                 del table[key]
         self.last_run_seconds.pop((namespace, name), None)
         self.metrics_problem.pop((namespace, name), None)
+        self.round_failures.pop((namespace, name), None)

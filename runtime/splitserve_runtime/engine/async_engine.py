@@ -18,6 +18,14 @@ Request lifecycle (:meth:`AsyncEngine.generate`, an async generator):
 
 A fatal error in ``step()`` marks the engine unhealthy, ends every stream with an
 ``error`` output and makes further ``generate`` calls raise :class:`~.errors.EngineDead`.
+
+So does a step that never returns: a tensor-parallel rank stopped (SIGSTOP) or stuck in a
+driver call leaves the other ranks waiting in a collective for gloo's 10-minute timeout, and
+an exception that never comes cannot mark anything. A watchdog thread therefore times each
+iteration of the engine loop (commands and step) while the engine has work; one running past
+``step_timeout_s`` (``--engine-step-timeout-seconds``) is declared wedged: one ERROR line,
+``is_healthy`` turns False (``/health`` answers 503, so the kubelet restarts the pod), and
+every open stream ends with an ``error`` output. Idle waits are not timed.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from splitserve_contract import ServeArgs
+from splitserve_contract import ServeArgs, defaults
 
 from .errors import DuplicateRequestId, EngineDead, QueueFull
 from .llm_engine import LLMEngine
@@ -77,9 +85,20 @@ class AsyncEngine:
     """Owns an :class:`LLMEngine` and the thread that steps it."""
 
     def __init__(self, *, engine: LLMEngine | None = None,
-                 engine_factory: Callable[[], LLMEngine] | None = None) -> None:
+                 engine_factory: Callable[[], LLMEngine] | None = None,
+                 step_timeout_s: float = defaults.ENGINE_STEP_TIMEOUT_SECONDS) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine or engine_factory")
+        if not step_timeout_s >= 0:
+            raise ValueError(f"the engine step timeout must be >= 0 seconds (0: none), got {step_timeout_s}")
+        self.step_timeout_s = step_timeout_s
+        """Longest one loop iteration may run before the engine is declared wedged (0: never)."""
+        self._busy_since_s: float | None = None
+        """When the iteration now running began (None: idle); read by the watchdog."""
+        self._steps_begun = 0
+        """Loop iterations begun (the watchdog's message names the stalled one)."""
+        self._watchdog: threading.Thread | None = None
+        self._watch_stop = threading.Event()
         self._engine = engine
         self._engine_factory = engine_factory
         self._cv = threading.Condition()
@@ -98,7 +117,8 @@ class AsyncEngine:
     @classmethod
     def from_args(cls, args: ServeArgs) -> AsyncEngine:
         """An engine that loads the model in :meth:`start` (off the event loop)."""
-        return cls(engine_factory=lambda: LLMEngine.from_args(args))
+        return cls(engine_factory=lambda: LLMEngine.from_args(args),
+                   step_timeout_s=args.engine_step_timeout_seconds)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -111,15 +131,27 @@ class AsyncEngine:
         self._healthy = True
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout_s > 0:
+            self._watchdog = threading.Thread(target=self._watch, name="splitserve-engine-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
     async def shutdown(self) -> None:
         """Stop the engine thread; open streams end with an ``abort`` output."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self._watch_stop.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        if self._engine is not None:
+            # a wedged step never returns; its daemon thread is left behind
+            await asyncio.to_thread(self._thread.join, None if self._healthy else 1.0)
+        if self._watchdog is not None:
+            await asyncio.to_thread(self._watchdog.join)
+        if self._thread is not None and self._thread.is_alive():
+            # still inside the wedged step, holding what close() needs (a tensor-parallel
+            # runner's control channel): leave the workers to the exit hooks, which kill them
+            log.warning("the engine thread is still inside its wedged step; not closing the engine")
+        elif self._engine is not None:
             self._engine.close()
         self._healthy = False
         for request_id, queue in list(self._queues.items()):
@@ -248,19 +280,67 @@ class AsyncEngine:
                            and (not engine.has_unfinished() or engine.stalled)):
                         self._publish_stats(engine, force=True)
                         self._cv.wait()
-                    if self._stopping:
+                    if self._stopping or self._fatal_error is not None:
                         return
                     commands, self._inbox = self._inbox, []
                     self._num_pending_adds = 0
+                    self._steps_begun += 1
+                    self._busy_since_s = time.monotonic()
                 outputs = self._apply(engine, commands)
                 if engine.has_unfinished():
                     outputs.extend(engine.step())
+                with self._cv:
+                    self._busy_since_s = None
+                    if self._fatal_error is not None:  # declared wedged while it ran: too late
+                        return
                 if outputs:
                     self._deliver(outputs)
                 self._publish_stats(engine, force=False)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step failed; the engine is now unhealthy")
             self._fatal(f"engine failure: {type(exc).__name__}: {exc}")
+
+    def _watch(self) -> None:
+        """The watchdog thread: declare the engine wedged when one iteration outlives the bound."""
+        timeout = self.step_timeout_s
+        poll = min(max(timeout / 10, 0.05), 1.0)
+        # sleeps on its own event: a wait on the engine's condition could swallow the single
+        # notify() meant for the engine thread
+        while not self._watch_stop.wait(poll):
+            with self._cv:
+                if self._stopping or self._fatal_error is not None:
+                    return
+                since = self._busy_since_s
+                iteration = self._steps_begun
+            now = time.monotonic()
+            if since is not None and now - since > timeout:
+                break
+        else:
+            return
+        message = (f"the engine is wedged: engine loop iteration {iteration} "
+                   f"({self._describe_work()}) has run for {now - since:.1f} s, over "
+                   f"--engine-step-timeout-seconds ({timeout:g} s){self._ranks_hint()}; "
+                   "failing /health so the pod is restarted")
+        log.error("%s", message)
+        self._fatal(message)
+
+    def _describe_work(self) -> str:
+        engine = self._engine
+        if engine is None:
+            return "no engine"
+        sched = engine.scheduler  # lengths only: read without the engine thread's cooperation
+        return f"{sched.num_running} requests running, {sched.num_waiting} waiting"
+
+    def _ranks_hint(self) -> str:
+        """Which ranks the stalled step waits on: every rank of a tensor/pipeline-parallel
+        engine runs each step in lockstep, so one stopped rank stalls them all."""
+        engine = self._engine
+        group: Any = getattr(getattr(engine, "runner", None), "group", None)
+        size = getattr(group, "size", None)
+        if isinstance(size, int) and size > 1:
+            return (f"; ranks 0-{size - 1} run each step in lockstep (tensor {group.tp_size} x "
+                    f"pipeline {group.num_stages}), so at least one of them is stopped or stuck")
+        return ""
 
     def _apply(self, engine: LLMEngine, commands: list[_Command]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -202,7 +202,9 @@ class BlockManager:
         Reuses cached blocks where the prefix cache has them and allocates the rest. Returns
         the number of leading tokens already cached (the importer writes K/V for the tokens
         after that into ``seq.block_table``, then calls :meth:`mark_computed`), or ``None``
-        if there are not enough free blocks (nothing changed).
+        if there are not enough free blocks (nothing changed). :meth:`mark_computed` indexes
+        the blocks under the hashes of ``seq``'s tokens: the importer must have verified that
+        the K/V it writes was computed for exactly those tokens (the handoff's prompt digest).
         """
         if num_tokens < 1 or num_tokens > seq.num_tokens:
             raise ValueError(f"num_tokens must be in [1, {seq.num_tokens}], got {num_tokens}")

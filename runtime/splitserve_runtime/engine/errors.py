@@ -2,7 +2,8 @@
 
 Everything here is raised *before* a request enters the scheduler: a request that fails
 admission never holds KV blocks. The server maps ``ValueError`` (bad sampling parameters)
-and :class:`ContextLengthExceeded` / :class:`PromptExceedsKVCapacity` to 400,
+and :class:`ContextLengthExceeded` / :class:`PromptExceedsKVCapacity` /
+:class:`RequestExceedsKVCapacity` to 400,
 :class:`QueueFull` to 429 with ``Retry-After`` and :class:`EngineDead` to 503.
 """
 
@@ -39,6 +40,28 @@ class PromptExceedsKVCapacity(EngineError, ValueError):
             f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks_needed} KV blocks "
             f"of {block_size} tokens, but this server's KV cache has only {num_blocks_total} "
             f"blocks ({num_blocks_total * block_size} tokens)"
+        )
+
+
+class RequestExceedsKVCapacity(EngineError, ValueError):
+    """The prompt fits, but ``prompt + max_tokens`` needs more KV blocks than the whole cache
+    holds: admitted, it could only be cut short (``length``) once the cache ran out. A request
+    of ``n`` tokens keeps ``n - 1`` of them in the cache (the last sampled token is never fed
+    back), so that is what is counted."""
+
+    def __init__(self, *, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int,
+                 num_blocks_total: int, block_size: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.num_blocks_needed = num_blocks_needed
+        self.num_blocks_total = num_blocks_total
+        capacity = num_blocks_total * block_size
+        super().__init__(
+            f"the request's {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion) need {num_blocks_needed} KV blocks of "
+            f"{block_size} tokens, which exceeds the KV cache capacity of this server: "
+            f"{num_blocks_total} blocks ({capacity} tokens); lower max_tokens to at most "
+            f"{max(capacity + 1 - num_prompt_tokens, 0)} or shorten the prompt"
         )
 
 

@@ -9,6 +9,11 @@ returns which blocks to fill (:class:`ImportReservation`); after the bytes are w
 ``cancel_imported_request`` frees the blocks if the transfer failed.
 
 Block bytes use :meth:`~.model_runner.ModelRunner.read_block`'s layout on both sides.
+
+Activation indexes the imported blocks in the prefix cache under the block hashes of the
+token ids the reservation was made for, so those token ids must be the ones the KV was
+computed for: the decode side reserves only a prompt whose digest matched the signed handoff
+parameters' (:class:`~.remote.HandoffEngine`), never a prompt it was merely told about.
 """
 
 from __future__ import annotations

@@ -43,12 +43,19 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graphs import decode_buckets
 from .draft import DraftModel
-from .errors import ContextLengthExceeded, DuplicateRequestId, PromptExceedsKVCapacity
+from .errors import (
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    PromptExceedsKVCapacity,
+    RequestExceedsKVCapacity,
+)
 from .handoff import ImportReservation, KeptKV
 from .kv_budget import KVCacheSpec
 from .model_runner import CausalLM, ModelRunner, measure_num_kv_blocks
 from .outputs import (
+    ERROR_NON_FINITE_LOGITS,
     FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     RequestOutput,
@@ -172,6 +179,16 @@ class LLMEngine:
         waits for KV blocks held elsewhere): until a request is added, aborted or released,
         stepping again changes nothing, so a driver may wait for one instead of spinning."""
         log.info("engine ready: %d KV blocks of %d tokens on %s", num_blocks, config.block_size, device)
+        if self.kv_capacity_tokens < config.max_model_len - 1:
+            # vLLM refuses to start here; this runtime serves on (requests that do not fit are
+            # refused at admission, RequestExceedsKVCapacity) but says what to change
+            log.warning(
+                "the KV cache holds %d tokens (%d blocks of %d), less than one sequence of "
+                "max_model_len %d tokens: requests whose prompt + max_tokens exceed the cache are "
+                "refused with a 400; lower --max-model-len to %d or give the cache more room "
+                "(--num-kv-blocks, --kv-memory-fraction, a larger device)",
+                self.kv_capacity_tokens, num_blocks, config.block_size, config.max_model_len,
+                self.kv_capacity_tokens + 1)
 
     @property
     def forward_busy_seconds(self) -> float | None:
@@ -212,6 +229,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds: a request of ``prompt + max_tokens`` tokens fits
+        when ``prompt + max_tokens - 1`` do (the last sampled token is never cached)."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     def check_request(self, *, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Admission checks that need no engine state (safe from any thread)."""
         if not isinstance(params, SamplingParams):
@@ -236,6 +259,12 @@ class LLMEngine:
         if needed > bm.num_blocks:
             raise PromptExceedsKVCapacity(num_prompt_tokens=num_prompt, num_blocks_needed=needed,
                                           num_blocks_total=bm.num_blocks, block_size=bm.block_size)
+        # the whole request must fit too, or it could only be cut short once the cache ran out
+        needed = bm.num_blocks_for(num_prompt + params.max_tokens - 1)
+        if needed > bm.num_blocks:
+            raise RequestExceedsKVCapacity(
+                num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
+                num_blocks_needed=needed, num_blocks_total=bm.num_blocks, block_size=bm.block_size)
 
     def add_request(self, *, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time_s: float | None = None,
@@ -329,6 +358,7 @@ class LLMEngine:
         if self.overlap_output_processing:
             outputs.extend(self._process_pending())  # runs while the device computes
         result = launched.pending.resolve()
+        failed = self._fail_non_finite(launched.sample_seqs, result.non_finite_rows)
         if proposed:
             emitted = self._verify(launched.sample_seqs, result.token_ids, result.logprobs)
         self.scheduler.on_step_done(sched)
@@ -350,6 +380,7 @@ class LLMEngine:
                                 outputs=None if self.overlap_output_processing else outputs)
         if not self.overlap_output_processing:
             outputs.extend(self._process_pending())
+        outputs.extend(failed)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -370,6 +401,7 @@ class LLMEngine:
         self._inflight = None if sched.is_empty else self._launch_async(sched, after=inflight)
         # then `inflight`'s tokens, while the next step runs
         result = inflight.resolve()
+        failed = self._fail_non_finite(inflight.sample_seqs, result.non_finite_rows)
         self._steps_total += 1
         self._finished_work.append(self._launched_work.popleft())
         bm = self.block_manager
@@ -382,6 +414,7 @@ class LLMEngine:
                         bm.commit(seq, num_tokens=num_tokens)
         self._append_tokens(inflight.sample_seqs, result.token_ids, result.logprobs,
                             now=time.monotonic(), outputs=outputs)
+        outputs.extend(failed)
         if self._inflight is not None and not self._requests:
             self._inflight.wait()  # only dropped rows of finished requests: nothing to wait for later
             self._inflight = None
@@ -543,6 +576,30 @@ class LLMEngine:
             outputs.append(self._output(
                 request, new_token_ids=[token_id], new_logprobs=None if logprob is None else [logprob],
                 finish_reason=reason, now=now, ttft=ttft, itl=itl, num_output_tokens=num_output))
+        return outputs
+
+    def _fail_non_finite(self, seqs: list[Sequence], rows: tuple[int, ...]) -> list[RequestOutput]:
+        """End the requests of ``rows`` (sampled rows whose logits were NaN or infinite,
+        :mod:`.sampler`) with an error output each, before their tokens are appended (which then
+        skips them); the other rows of the step go on as if they were alone."""
+        outputs: list[RequestOutput] = []
+        for row in rows:
+            request = cast(_Request, seqs[row])
+            if request.status is _FINISHED:  # aborted meanwhile, or a second row of its own
+                continue
+            log.warning("request %s: the model produced non-finite logits at output token %d; "
+                        "the request ends with an error", request.request_id,
+                        request.num_output_tokens + 1)
+            self._drop_pending(request.request_id)
+            request.keep_kv = False  # nothing valid to hand over
+            self._finish(request, reason=FINISH_ERROR)
+            out = self._output(request, new_token_ids=[], new_logprobs=None,
+                               finish_reason=FINISH_ERROR, now=time.monotonic(), ttft=None, itl=[])
+            out.error = ("the model produced non-finite logits (NaN or infinity) for this request "
+                         f"at output token {request.num_output_tokens + 1}: a numerical overflow "
+                         "of the model on this server, not a fault of the request")
+            out.error_code = ERROR_NON_FINITE_LOGITS
+            outputs.append(out)
         return outputs
 
     def _finish(self, seq: _Request, *, reason: str) -> None:

@@ -20,6 +20,10 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
+ERROR_NON_FINITE_LOGITS = "non_finite_logits"
+""":attr:`RequestOutput.error_code` of a request whose logits were NaN or infinite
+(:mod:`.sampler`): the model's numbers overflowed, a fault of the server, not of the request."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenLogprob:
@@ -39,7 +43,10 @@ class RequestOutput:
 
     ``finish_reason`` is ``"stop"`` (eos, stop token or stop string), ``"length"``
     (max_tokens or the KV cache cannot hold the sequence), ``"abort"`` or ``"error"``
-    (then ``error`` holds the message). ``ttft_seconds`` is set on the output that carries
+    (then ``error`` holds the message). ``error_code`` is set on an error the engine states
+    itself for this request (:data:`ERROR_NON_FINITE_LOGITS`), whose ``error`` holds no internals
+    and may be shown to the client; None on an internal failure, whose message is for the log
+    only. ``ttft_seconds`` is set on the output that carries
     the first token; ``itl_seconds`` holds one gap per new token after the first;
     ``e2e_seconds`` is set when finished. All are seconds since arrival / previous token.
     """
@@ -54,6 +61,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    error_code: str | None = None
     ttft_seconds: float | None = None
     itl_seconds: list[float] = field(default_factory=list)
     e2e_seconds: float | None = None
@@ -80,6 +88,7 @@ def new_output(request_id: str, new_token_ids: list[int], new_text: str,
     out.num_output_tokens = num_output_tokens
     out.num_cached_tokens = num_cached_tokens
     out.error = None
+    out.error_code = None
     out.ttft_seconds = ttft_seconds
     out.itl_seconds = itl_seconds
     out.e2e_seconds = e2e_seconds

@@ -21,8 +21,8 @@ corrupt block behind: the reservation is freed (never registered in the prefix c
 request is not lost then: the decode pod logs the failure (WARNING, with the transfer error
 code; the connector counts it in the transfer-failure metric) and computes the prompt plus the
 prefill pod's first token itself, as an ordinary queued request that continues after that
-token (streamed once, as after a pull). Only a handoff this pod cannot use at all (prompt
-length mismatch) raises :class:`~.errors.KVTransferFailed`.
+token (streamed once, as after a pull). Only a pull that delivers KV for another number of
+tokens than the prompt has raises :class:`~.errors.KVTransferFailed`.
 The same seeded request decodes the same tokens as on an aggregated pod: the decode side
 advances the request's generator past the draw the prefill pod made.
 
@@ -38,11 +38,17 @@ releases the export on the prefill pod's main endpoint (rank 0 unpins, and has i
 their snapshots). Two single-process pods keep the one-connection path.
 
 Authentication (:mod:`..transfer.auth`): the prefill role signs the handoff parameters it
-answers with; the decode role acts only on parameters that pass
-:meth:`HandoffEngine.accept_remote` (signed with the pool's key, not expired, this pod's
-compat hash; without a key, a loopback endpoint) and checks them again before it reserves or
+answers with, including the digest of the prompt tokens whose KV it kept; the decode role acts
+only on parameters that pass :meth:`HandoffEngine.accept_remote` (signed with the pool's key,
+not expired, this pod's compat hash; without a key, a loopback endpoint; with or without one,
+computed for exactly the prompt this pod tokenized) and checks them again before it reserves or
 connects anything, raising :class:`~.errors.HandoffRefused` (a client error) otherwise. The KV
 connection itself is authenticated both ways by the transport.
+
+Imported blocks are indexed in the prefix cache (at activation) under the block hashes of the
+token ids the reservation was made for; those are the very token ids the prompt digest was
+checked against (:class:`_VerifiedImport`), so KV computed for one prompt is never findable
+under another prompt's hashes.
 """
 
 from __future__ import annotations
@@ -54,9 +60,11 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from splitserve_contract.block_hash import prompt_digest
 
 from ..transfer import (
     ExportedKV,
@@ -107,6 +115,9 @@ class RemotePrefill:
     num_prompt_tokens: int
     first_token_id: int
     compat_hash: str = ""
+    prompt_digest: str = ""
+    """``splitserve_contract.block_hash.prompt_digest`` of the prompt the KV was computed for
+    ("": none, which the decode side refuses)."""
     expires_at: int = 0
     """Unix seconds after which the parameters are refused (with a handoff key; 0: none)."""
     signature: str = ""
@@ -128,6 +139,7 @@ class RemotePrefill:
                    num_prompt_tokens=field("num_prompt_tokens", int),
                    first_token_id=field("first_token_id", int),
                    compat_hash=field("compat_hash", str, ""),
+                   prompt_digest=field("prompt_digest", str, ""),
                    expires_at=field("expires_at", int, 0),
                    signature=field("signature", str, ""),
                    kv_layout=None if layout is None else KVRanks.from_json(layout))
@@ -139,6 +151,8 @@ class RemotePrefill:
             "remote_endpoint": self.remote_endpoint, "remote_request_id": self.remote_request_id,
             "num_prompt_tokens": self.num_prompt_tokens, "first_token_id": self.first_token_id,
             "compat_hash": self.compat_hash}
+        if self.prompt_digest:
+            params["prompt_digest"] = self.prompt_digest
         if self.kv_layout is not None:
             params["kv_layout"] = self.kv_layout.to_json()
         if self.signature:
@@ -304,15 +318,20 @@ class HandoffEngine(DelegatingEngine):
                         first = (out.new_token_ids or [-1])[-1]
                         exported = await asyncio.shield(engine.call(
                             lambda core: self._export(core, request_id=request_id)))
-                        if exported is None or first < 0:
-                            log.warning("request %s finished (%s) without kept KV to export",
-                                        request_id, out.finish_reason)
+                        num_prompt = len(prompt_token_ids)
+                        if (exported is None or first < 0
+                                or exported.token_ids[:num_prompt] != prompt_token_ids):
+                            log.warning("request %s finished (%s) without kept KV of its prompt to "
+                                        "export", request_id, out.finish_reason)
                             raise KVTransferFailed(code="export_failed",
                                                    message=f"no kept KV for request {request_id!r}")
+                        # the digest names the prompt tokens whose KV is kept: what was prefilled
                         on_export(RemotePrefill.from_params(self.auth.sign(RemotePrefill(
                             remote_endpoint=self.kv_endpoint, remote_request_id=request_id,
-                            num_prompt_tokens=len(prompt_token_ids), first_token_id=first,
-                            compat_hash=self.compat_hash, kv_layout=exported.layout).to_params(),
+                            num_prompt_tokens=num_prompt, first_token_id=first,
+                            compat_hash=self.compat_hash,
+                            prompt_digest=prompt_digest(exported.token_ids[:num_prompt]),
+                            kv_layout=exported.layout).to_params(),
                             lifetime_seconds=self._kv_ttl_seconds)))
                     yield out
         finally:
@@ -359,7 +378,7 @@ class HandoffEngine(DelegatingEngine):
         self.registry.add(ExportedKV(request_id=request_id, num_tokens=kept.num_tokens,
                                      num_blocks=len(block_ids), read_block=read_block,
                                      release=release))
-        return _Export(layout=layout)
+        return _Export(layout=layout, token_ids=kept.token_ids)  # never written again
 
     @staticmethod
     def _release_export(core: LLMEngine, *, request_id: str) -> None:
@@ -369,17 +388,21 @@ class HandoffEngine(DelegatingEngine):
             core.runner.drop_export(request_id)
 
     # ------------------------------------------------------------------ decode role
-    def accept_remote(self, params: dict[str, Any]) -> RemotePrefill:
-        """The handoff parameters of a request, if this pod may act on them. Raises
-        ValueError (malformed) or :class:`~.errors.HandoffRefused` (not from a prefill pod of
-        this pool; see :mod:`..transfer.auth`). Nothing is connected to before this passes."""
+    def accept_remote(self, params: dict[str, Any], *, prompt_token_ids: Sequence[int]) -> RemotePrefill:
+        """The handoff parameters of a request whose prompt this pod tokenized as
+        ``prompt_token_ids``, if this pod may act on them. Raises ValueError (malformed, or a
+        first token outside this pod's vocabulary) or :class:`~.errors.HandoffRefused` (not
+        from a prefill pod of this pool, or computed for another prompt; see
+        :mod:`..transfer.auth`). Nothing is connected to before this passes."""
         source = RemotePrefill.from_params(params)
-        self._authenticate(source)
+        self._authenticate(source, prompt_token_ids=prompt_token_ids)
+        self._check_first_token(source)
         return source
 
-    def _authenticate(self, source: RemotePrefill) -> None:
+    def _authenticate(self, source: RemotePrefill, *, prompt_token_ids: Sequence[int]) -> None:
         try:
-            self.auth.check_params(source.to_params(), compat_hash=self.compat_hash)
+            self.auth.check_params(source.to_params(), compat_hash=self.compat_hash,
+                                   prompt_token_ids=prompt_token_ids)
         except HandoffRejected as exc:
             log.warning("refused handoff parameters naming %r (code %s)", source.remote_endpoint[:100],
                         exc.code)
@@ -392,7 +415,9 @@ class HandoffEngine(DelegatingEngine):
         """Pull the prompt's KV from ``source`` and continue decoding here."""
         core = self._engine.engine
         started = time.monotonic()
-        first = self._check_remote(prompt_token_ids=prompt_token_ids, params=params, source=source)
+        verified = self._check_remote(prompt_token_ids=prompt_token_ids, params=params, source=source)
+        prompt_token_ids = list(verified.prompt_token_ids)  # from here on: the verified tokens only
+        first = verified.first_token_id
         num_prompt = len(prompt_token_ids)
         num_remote_blocks = math.ceil(num_prompt / core.block_manager.block_size)
         token_reason = StopChecker(params=params, eos_token_ids=core.eos_token_ids,
@@ -431,18 +456,17 @@ class HandoffEngine(DelegatingEngine):
                 yield out
 
     def _check_remote(self, *, prompt_token_ids: list[int], params: SamplingParams,
-                      source: RemotePrefill) -> int:
-        """Validate the request and the handoff against this pod; return the first token."""
-        core = self._engine.engine
-        self._authenticate(source)  # again: no path reaches the connector unchecked
-        core.check_request(prompt_token_ids=prompt_token_ids, params=params)
-        num_prompt = len(prompt_token_ids)
-        if source.num_prompt_tokens != num_prompt:
-            raise KVTransferFailed(code="prompt_mismatch", message=(
-                f"the prefill pod computed {source.num_prompt_tokens} prompt tokens, "
-                f"this pod tokenized {num_prompt}"))
+                      source: RemotePrefill) -> _VerifiedImport:
+        """Validate the request and the handoff against this pod (again: no path reaches the
+        connector or the prefix cache unchecked); return the verified prompt and first token."""
+        prompt = tuple(prompt_token_ids)  # a snapshot: what is checked is what is imported
+        self._authenticate(source, prompt_token_ids=prompt)
+        self._engine.engine.check_request(prompt_token_ids=list(prompt), params=params)
+        return _VerifiedImport(prompt_token_ids=prompt, first_token_id=self._check_first_token(source))
+
+    def _check_first_token(self, source: RemotePrefill) -> int:
         first = source.first_token_id
-        if not 0 <= first < core.vocab_size:
+        if not 0 <= first < self._engine.engine.vocab_size:
             raise ValueError(f"kv_transfer_params.first_token_id {first} is outside the vocabulary")
         return first
 
@@ -632,9 +656,21 @@ class HandoffEngine(DelegatingEngine):
 
 @dataclass(frozen=True)
 class _Export:
-    """A request's KV is exported; ``layout``: the ranks serving it (None: this endpoint alone)."""
+    """A request's KV is exported; ``layout``: the ranks serving it (None: this endpoint alone);
+    ``token_ids``: the tokens whose KV it is."""
 
     layout: KVRanks | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _VerifiedImport:
+    """A handoff checked against the prompt (:meth:`HandoffEngine._check_remote`): the prompt's
+    token ids as they were when their digest matched the signed one, and the first token. The
+    import reserves (and so, at activation, indexes in the prefix cache) exactly these tokens."""
+
+    prompt_token_ids: tuple[int, ...]
+    first_token_id: int
 
 
 async def _consume(stream: AsyncGenerator[RequestOutput, None]) -> None:

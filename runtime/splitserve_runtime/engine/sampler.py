@@ -27,6 +27,14 @@ kept some. Greedy tokens and logprobs are unchanged. ``bench/sampler.py`` times 
 
 Logprobs are of the model's distribution (log-softmax of the raw logits, not of the filtered
 or banned ones), as in vLLM's default, computed only for the rows that ask for them.
+
+**Non-finite logits.** A row whose logits hold a NaN or +inf, or are all -inf (fp16 or fp8
+overflow on a GPU), has no distribution to sample: its token was an arbitrary id (the argmax
+of NaNs) and its logprobs NaN, which is not JSON (a 500 with logprobs, empty text without).
+Each row's maximum is checked on the device with the rest of the step (one reduction, no extra
+sync); such a row gets token 0 in place (a valid id for the next step's input, which is
+dropped) and :attr:`SamplerOutput.non_finite_rows` names it, so the engine ends that request
+with an error. The other rows are sampled as if it were not there: every step above is per row.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ from .seed_stream import SeedStream, seeded_uniform
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    non_finite_rows: tuple[int, ...] = ()
+    """Rows whose logits were not finite (module docstring): their token and logprobs mean
+    nothing, and their requests must end with an error."""
 
 
 def to_device(data: list[int] | list[float], *, dtype: torch.dtype,
@@ -67,7 +78,8 @@ def to_device(data: list[int] | list[float], *, dtype: torch.dtype,
 class PendingSample:
     """Sampled ids (and logprob tensors) still on the device; :meth:`resolve` syncs.
 
-    The logprob tensors have one row per entry of ``logprob_rows`` (the rows that asked)."""
+    The logprob tensors have one row per entry of ``logprob_rows`` (the rows that asked);
+    ``finite`` (bool, one per row) says which rows' logits were finite (None: all)."""
 
     token_ids: torch.Tensor
     params: list[SamplingParams]
@@ -75,20 +87,28 @@ class PendingSample:
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
     logprob_rows: list[int] = field(default_factory=list)
+    finite: torch.Tensor | None = None
 
     def resolve(self) -> SamplerOutput:
         ids: list[int] = self.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(ids)
+        non_finite: tuple[int, ...] = ()
+        if self.finite is not None:
+            finite: list[bool] = self.finite.tolist()
+            if not all(finite):
+                non_finite = tuple(i for i, ok in enumerate(finite) if not ok)
         if self.chosen_logprobs is None:
-            return SamplerOutput(token_ids=ids, logprobs=logprobs)
+            return SamplerOutput(token_ids=ids, logprobs=logprobs, non_finite_rows=non_finite)
         chosen: list[float] = self.chosen_logprobs.tolist()
         top_vals: list[list[float]] = [] if self.top_values is None else self.top_values.tolist()
         top_ids: list[list[int]] = [] if self.top_indices is None else self.top_indices.tolist()
         for k, row in enumerate(self.logprob_rows):
+            if non_finite and row in non_finite:
+                continue  # NaN: not a number any answer may carry
             n = self.params[row].logprobs or 0
             top = list(zip(top_ids[k][:n], top_vals[k][:n], strict=True)) if n > 0 else []
             logprobs[row] = TokenLogprob(token_id=ids[row], logprob=chosen[k], top_logprobs=top)
-        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs, non_finite_rows=non_finite)
 
 
 class Sampler:
@@ -162,7 +182,9 @@ class Sampler:
             token_ids[sampled_index] = self._sample_rows(
                 logits.index_select(0, sampled_index), request_ids=[request_ids[i] for i in sampled],
                 params=[params[i] for i in sampled])
-        return _with_logprobs(raw_logits, token_ids=token_ids, params=params)
+        finite = torch.isfinite(raw_logits.amax(dim=-1))  # NaN and +inf propagate; all -inf too
+        token_ids = token_ids.masked_fill(~finite, 0)
+        return _with_logprobs(raw_logits, token_ids=token_ids, params=params, finite=finite)
 
     def _sample_rows(self, logits: torch.Tensor, *, request_ids: list[str],
                      params: list[SamplingParams]) -> torch.Tensor:
@@ -193,11 +215,11 @@ class Sampler:
 
 
 def _with_logprobs(raw_logits: torch.Tensor, *, token_ids: torch.Tensor,
-                   params: list[SamplingParams]) -> PendingSample:
+                   params: list[SamplingParams], finite: torch.Tensor) -> PendingSample:
     """The pending sample, with the log-probabilities of the rows that ask for them."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return PendingSample(token_ids=token_ids, params=params)
+        return PendingSample(token_ids=token_ids, params=params, finite=finite)
     if len(rows) < len(params):
         index = to_device(rows, dtype=torch.long, device=raw_logits.device)
         raw_logits, chosen_ids = raw_logits.index_select(0, index), token_ids[index]
@@ -208,10 +230,10 @@ def _with_logprobs(raw_logits: torch.Tensor, *, token_ids: torch.Tensor,
     max_n = min(max(params[i].logprobs or 0 for i in rows), log_probs.shape[1])
     if max_n == 0:
         return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
-                             logprob_rows=rows)
+                             logprob_rows=rows, finite=finite)
     values, indices = top_values(log_probs, max_n)
     return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
-                         top_values=values, top_indices=indices, logprob_rows=rows)
+                         top_values=values, top_indices=indices, logprob_rows=rows, finite=finite)
 
 
 def filter_weights(*, logits: torch.Tensor, weights: torch.Tensor, top_k: list[int],

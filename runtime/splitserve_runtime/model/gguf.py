@@ -166,16 +166,60 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
         reader = gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc.strerror or type(exc).__name__}") from exc
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        # The reader's own messages are numpy's ("cannot reshape array ...") or quote the
+        # file's keys: say what it means instead, and never repeat the file's content.
+        raise ModelLoadError(f"{CORRUPT} {path}: {_why_unreadable(path, exc)}") from exc
     if reader.byte_order != "I":
         raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
     return reader
 
 
+CORRUPT: Final = "truncated or corrupt GGUF file"
+"""How every message about a GGUF file that cannot be parsed begins."""
+_GGUF_MAGIC: Final = b"GGUF"
+_GGUF_HEADER_BYTES: Final = 24
+"""Magic, version, tensor count and metadata count."""
+_SHOWN_CHARACTERS: Final = 48
+
+
+def _why_unreadable(path: Path, exc: BaseException) -> str:
+    """What a reader failure means, from the file's size and first bytes (not the exception's
+    text, which is numpy's or quotes the file)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            head = handle.read(len(_GGUF_MAGIC))
+    except OSError:
+        return f"it cannot be parsed ({type(exc).__name__})"
+    if head != _GGUF_MAGIC:
+        return f"it does not start with the GGUF magic bytes ({size} bytes)"
+    if size < _GGUF_HEADER_BYTES:
+        return f"the file is {size} bytes, shorter than a GGUF header ({_GGUF_HEADER_BYTES} bytes)"
+    if isinstance(exc, KeyError):
+        return "its metadata holds a key twice"
+    return (f"its metadata, tensor index or tensor data do not fit in the file's {size} bytes "
+            "(an interrupted download or copy?)")
+
+
+def _quoted(value: object) -> str:
+    """A metadata value for a message: quoted, escaped and cut short."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARACTERS else text[:_SHOWN_CHARACTERS] + "..."
+
+
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError, OverflowError) as exc:  # e.g. a string that is not UTF-8
+        where = getattr(reader.data, "filename", None) or "(memory)"
+        raise ModelLoadError(f"{CORRUPT} {where}: metadata {key!r} cannot be decoded "
+                             f"({type(exc).__name__})") from exc
 
 
 def _architecture(reader: gguf.GGUFReader, source: str) -> str:
@@ -184,7 +228,7 @@ def _architecture(reader: gguf.GGUFReader, source: str) -> str:
         raise ModelLoadError(f"{source}: missing general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"{source}: unsupported GGUF architecture {_quoted(arch)}; supported: {', '.join(ARCHITECTURES)}"
         )
     experts = _field(reader, f"{arch}.expert_count", 0)
     if experts:
@@ -356,13 +400,13 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader, *, source: str) -> tuple[HFTok
     model_type = _field(reader, "tokenizer.ggml.model")
     if model_type != "gpt2":
         raise ModelLoadError(
-            f"{source}: GGUF tokenizer model {model_type!r} is not supported; supported: 'gpt2' "
+            f"{source}: GGUF tokenizer model {_quoted(model_type)} is not supported; supported: 'gpt2' "
             "(byte-level BPE)"
         )
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ModelLoadError(
-            f"{source}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{source}: GGUF pre-tokenizer {_quoted(pre)} is not supported; supported: "
             f"{', '.join(sorted(PRE_TOKENIZERS))}"
         )
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens") or []
@@ -380,7 +424,7 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader, *, source: str) -> tuple[HFTok
     for merge in merges_raw:
         left, sep, right = merge.partition(" ")
         if not sep:
-            raise ModelLoadError(f"{source}: malformed merge {merge!r}")
+            raise ModelLoadError(f"{source}: malformed merge {_quoted(merge)}")
         merges.append((left, right))
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     if pre in _NFC_PRE:
@@ -596,7 +640,7 @@ def lazy_gguf_tensors(
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne[0] (in) first
         want = expected.get(plan.hf_name)
         if want is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} ({plan.hf_name}) for {config.architecture}")
+            raise ModelLoadError(f"{path}: unexpected tensor {_quoted(tensor.name)} ({plan.hf_name}) for {config.architecture}")
         if shape != want:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} ({plan.hf_name}) has shape {shape}, expected {want} "
@@ -629,10 +673,14 @@ def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...],
         return weight
     try:
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        array = np.array(values, dtype=np.float32).reshape(shape)
     except NotImplementedError as exc:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
-    dense_tensor = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    except (ValueError, IndexError) as exc:
+        raise ModelLoadError(f"{CORRUPT} {path}: tensor {tensor.name!r} holds {np.asarray(tensor.data).nbytes} "
+                             f"bytes, which do not decode to shape {shape}") from exc
+    dense_tensor = torch.from_numpy(array)
     if plan.heads is not None:
         dense_tensor = dense_tensor[torch.from_numpy(_reverse_permutation(shape[0], plan.heads))]
     return dense_tensor.contiguous()
@@ -645,7 +693,7 @@ def _counts(counter: collections.Counter[str]) -> str:
 def _plan(name: str, is_q4: bool, *, arch: str, config: ModelConfig, path: Path) -> _Plan:
     hf_name = hf_tensor_name(name)
     if hf_name is None:
-        raise ModelLoadError(f"{path}: unexpected tensor {name!r} for GGUF architecture {arch!r}")
+        raise ModelLoadError(f"{path}: unexpected tensor {_quoted(name)} for GGUF architecture {arch!r}")
     heads: int | None = None
     if arch in _PERMUTED_ARCHITECTURES:
         if ".attn_q." in name:

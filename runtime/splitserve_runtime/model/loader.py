@@ -32,7 +32,7 @@ from splitserve_contract.model_config import ModelConfig, load_model_config
 
 from ..ops.interface import Ops
 from ..quant.formats import LinearWeight
-from .errors import ModelLoadError
+from .errors import ModelLoadError, parser_message
 from .gguf import gguf_source, lazy_gguf_tensors
 from .llama import LlamaForCausalLM
 from .pipeline import PipelineStage
@@ -43,6 +43,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Present in some older checkpoints; recomputed by us, so accepted and ignored.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,200}\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,12 @@ def weight_files(*, model_dir: Path) -> list[Path]:
             weight_map = index["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({type(exc).__name__})") from exc
+        if not all(isinstance(name, str) and _SHARD_NAME.fullmatch(name) for name in names):
+            # a shard is a file beside the index: never a path elsewhere (nor quoted: the index
+            # is a file's content)
+            raise ModelLoadError(f"{index_path}: its weight_map names a shard that is not a plain "
+                                 "*.safetensors file name in the model directory")
         files = [model_dir / name for name in names]
         for path in files:
             if not path.is_file():
@@ -152,7 +158,7 @@ def load_model(
                     for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                         offer(name, lambda n=name: handle.get_tensor(n), path)  # type: ignore[misc]
             except SafetensorError as exc:
-                raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+                raise ModelLoadError(f"cannot read {path}: {parser_message(exc)}") from exc
     filler.finish(model_dir=model_dir)
     return model
 

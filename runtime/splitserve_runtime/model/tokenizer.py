@@ -39,7 +39,7 @@ from tokenizers import pre_tokenizers
 
 from splitserve_contract.model_config import read_json_object
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, parser_message
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -196,7 +196,7 @@ class Tokenizer:
         try:
             tokenizer = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on parse errors
-            raise ModelLoadError(f"cannot load {path}: {exc}") from exc
+            raise ModelLoadError(f"cannot load {path}: {parser_message(exc)}") from exc
         tok_config = read_json_object(model_dir / TOKENIZER_CONFIG_FILE, required=False)
         special: dict[str, str] = {}
         for key in _SPECIAL_TOKEN_KEYS:
@@ -204,8 +204,9 @@ class Tokenizer:
             if text is not None:
                 # BOS/EOS must be real tokens; pad/unk texts are only template variables.
                 if key in ("bos_token", "eos_token") and tokenizer.token_to_id(text) is None:
+                    shown = text if len(text) <= 48 else text[:48] + "..."
                     raise ModelLoadError(
-                        f"{TOKENIZER_CONFIG_FILE}: {key} {text!r} is not in {TOKENIZER_FILE}"
+                        f"{TOKENIZER_CONFIG_FILE}: {key} {shown!r} is not in {TOKENIZER_FILE}"
                     )
                 special[key] = text
         eos: list[int] = []

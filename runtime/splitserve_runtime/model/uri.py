@@ -18,6 +18,11 @@ Weights arrive through a volume the operator mounts, a cache something else fill
   ``/models/<claim>`` (:data:`PVC_MOUNT_ROOT`), so this resolves to ``/models/<claim>/<path>``.
 - ``file:///abs/path`` and plain paths: used as they are.
 
+A revision (``@revision`` or ``--revision``) must pass the contract's rule
+(:func:`splitserve_contract.model_revision.revision_problem`: a plausible branch, tag or
+commit hash) before it names a file under ``refs/``, and a ref file must hold a commit hash
+before it names a snapshot directory; messages never quote a file's content.
+
 Every form must end at a directory holding ``config.json``, or (``pvc://``, ``file://``, plain
 paths) at a ``.gguf`` file, whose config and tokenizer are translated into a directory under
 the cache root (:func:`.gguf.materialize_gguf_dir`); otherwise a
@@ -32,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitserve_contract import ENV_HUB_OFFLINE, ENV_MODEL_CACHE
+from splitserve_contract.model_revision import revision_problem
 
 from .errors import ModelLoadError
 
@@ -92,7 +98,11 @@ def parse_hf_uri(uri: str, *, revision: str = "") -> tuple[str, str]:
         )
     if not _HF_NAME.match(name):
         raise ModelLoadError(f"model {uri!r}: expected hf://org/name[@revision]")
-    return name, uri_revision or revision
+    chosen = uri_revision or revision
+    problem = revision_problem(chosen)
+    if problem is not None:
+        raise ModelLoadError(f"model {uri!r}: {problem}")
+    return name, chosen
 
 
 def _snapshot(name: str, *, uri: str, revision: str, root: Path, also_looked: Path | None = None) -> Path | str:
@@ -107,12 +117,25 @@ def _snapshot(name: str, *, uri: str, revision: str, root: Path, also_looked: Pa
     if _COMMIT.match(ref):
         commit = ref
     elif (repo / "refs" / ref).is_file():
-        commit = (repo / "refs" / ref).read_text(encoding="utf-8").strip()
+        commit = _read_ref(repo / "refs" / ref, uri=uri)
     elif not revision and snapshots.is_dir() and len(list(snapshots.iterdir())) == 1:
         commit = next(snapshots.iterdir()).name
     else:
         return f"model {uri!r}: revision {ref!r} not found under {repo / 'refs'}"
     return snapshots / commit
+
+
+def _read_ref(path: Path, *, uri: str) -> str:
+    """The commit hash a ``refs/`` file holds. Anything else is refused without quoting it: the
+    content of a file is never put into a message (it could be any file's)."""
+    try:
+        data = path.read_bytes()[:128]
+    except OSError as exc:
+        raise ModelLoadError(f"model {uri!r}: cannot read {path} ({exc.strerror or type(exc).__name__})") from None
+    commit = data.decode("ascii", "replace").strip()
+    if _COMMIT.match(commit) is None:
+        raise ModelLoadError(f"model {uri!r}: {path} does not hold a 40-digit commit hash")
+    return commit
 
 
 def _cached_hf(name: str, *, uri: str, revision: str, root: Path) -> Path | str:
@@ -136,6 +159,8 @@ def split_hf_gguf(uri: str) -> tuple[str, str] | None:
     match = _HF_GGUF.match(body)
     if match is None:
         return None
+    if any(part in (".", "..") for part in match.group(2).split("/")):
+        raise ModelLoadError(f"model {uri!r}: the file path in the repository may not contain '.' or '..' segments")
     return f"hf://{match.group(1)}{at}{revision}", match.group(2)
 
 

@@ -40,7 +40,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve_contract import (
-    ENV_API_KEY,
     ENV_MODEL_CACHE,
     Role,
     RouterArgs,
@@ -49,9 +48,10 @@ from splitserve_contract import (
     router_args_from_namespace,
 )
 
-from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware
+from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware, api_key_from_env
 from ..body_limit import BodySizeLimit
 from ..json_bodies import BodyDecoder
+from ..read_timeouts import http_protocol
 from . import metrics
 from .aiohttp_transport import AiohttpTransport
 from .discovery import KubernetesDiscovery, parse_static
@@ -150,6 +150,7 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
                     served_model_name=args.served_model_name, block_size=args.block_size,
                     short_prompt_threshold=args.short_prompt_threshold, session_header=args.session_header,
                     request_timeout_seconds=args.request_timeout_seconds, model_label=model_label,
+                    prefill_timeout_seconds=args.prefill_timeout_seconds,
                     prefill_overflow_tokens=args.prefill_overflow_tokens,
                 ),
             )
@@ -244,10 +245,11 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
 
 
 def _add_layers(app: RouterApp, *, args: RouterArgs, api_key: str | None, counter: dict[str, int],
-                state: dict[str, Any]) -> None:
+                state: dict[str, Any], model_label: str) -> None:
     """The pure-ASGI layers, innermost first: body limit, in-flight count, API key (when one is
-    set), errors (outermost, so it covers the key check too). FastAPI adds them around its
-    stack, and the same layers wrap each proxied endpoint that RouterApp calls directly."""
+    set), errors (so it covers the key check too), the answer count (outermost, so it counts
+    the errors' 500s). FastAPI adds them around its stack, and the same layers wrap each
+    proxied endpoint that RouterApp calls directly."""
     layers: list[tuple[Any, dict[str, Any]]] = [
         (BodySizeLimit, {"max_bytes": args.max_request_body_bytes}),
         (metrics.InFlight, {"counter": counter}),
@@ -255,6 +257,7 @@ def _add_layers(app: RouterApp, *, args: RouterArgs, api_key: str | None, counte
     if api_key:  # the pods' own key check (splitserve_runtime.auth), with the router's open paths
         layers.append((APIKeyMiddleware, {"api_key": api_key, "open_paths": ROUTER_OPEN_PATHS}))
     layers.append((CatchAllErrors, {}))
+    layers.append((metrics.CountAnswers, {"model_label": model_label}))
     proxied: dict[str, ASGIApp] = {}
     for path in PROXIED_PATHS:
         endpoint: ASGIApp = ProxyEndpoint(path=path, state=state)
@@ -282,18 +285,19 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     gauges.register(metrics.InFlightCollector(pods=pods, counter=counter, model_label=model_label))
     _add_health_routes(app, pods=pods, gauges=gauges)
     _add_openai_routes(app, pods=pods, state=state)
-    _add_layers(app, args=args, api_key=api_key, counter=counter, state=state)
+    _add_layers(app, args=args, api_key=api_key, counter=counter, state=state, model_label=model_label)
     return app
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
+    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__,
+                                     allow_abbrev=False)  # only a flag's full spelling sets it
     add_router_arguments(parser)
     args = router_args_from_namespace(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build_app(args=args, api_key=os.environ.get(ENV_API_KEY) or None)
-    except ValueError as exc:
+        app = build_app(args=args, api_key=api_key_from_env())
+    except ValueError as exc:  # an unusable flag, or an API key set but empty (APIKeyConfigError)
         parser.error(str(exc))
     import uvicorn
 
@@ -302,7 +306,10 @@ def main(argv: list[str]) -> int:
     # dev machine) in the middle of some request.
     gc.collect()
     gc.freeze()
-    # loop and http "auto": uvloop and httptools where installed (the runtime extra has them)
+    # loop "auto": uvloop where installed; the HTTP parser is httptools', with the read
+    # deadlines of splitserve_runtime.read_timeouts
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=int(args.request_timeout_seconds))
+                timeout_graceful_shutdown=int(args.request_timeout_seconds),
+                http=http_protocol(header_timeout_seconds=args.header_timeout_seconds,
+                                   body_idle_timeout_seconds=args.body_idle_timeout_seconds))
     return 0

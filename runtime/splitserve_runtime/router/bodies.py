@@ -4,8 +4,10 @@ The router forwards a body it has decoded (it strips the client's ``kv_transfer_
 the prompt for affinity and adds the handoff), so it decodes every body. A large one is decoded
 in :class:`~splitserve_runtime.json_bodies.BodyDecoder`'s process (issue 12: 8 MiB of tiny
 arrays held the router's loop about 1 s), and :func:`decode_client_body` refuses there what the
-router must not forward: a body that is not a JSON object, one with more arrays and objects than
-any request needs, and one holding a lone UTF-16 surrogate (valid JSON, ``"\\ud800"``, but no
+router must not forward: a body that is not JSON (``invalid_json``, as the pods say: nested too
+deep or an over-long integer included, :func:`~splitserve_runtime.json_bodies.decode_body`) or
+not a JSON object, one with more arrays and objects than any request needs, and one holding a
+lone UTF-16 surrogate (valid JSON, ``"\\ud800"``, but no
 Unicode text: the router could not re-encode it, and the pods refuse it anyway). Refusals come
 back as data (:class:`BodyRefusal`) so the answer that crosses from the process stays small.
 """
@@ -17,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from splitserve_runtime.json_bodies import MAX_CONTAINERS, exceeds_containers
+from splitserve_runtime.json_bodies import InvalidJSON, TooComplex, decode_body
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -45,13 +47,13 @@ def _holds_lone_surrogate(raw: bytes, body: dict[str, Any]) -> bool:
 def decode_client_body(raw: bytes) -> dict[str, Any] | BodyRefusal:
     """The client's body as a JSON object, or why the router refuses it."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return BodyRefusal("request body is not valid JSON")
+        body = decode_body(raw)
+    except InvalidJSON as exc:
+        return BodyRefusal(f"request body is not valid JSON: {exc}", code="invalid_json")
+    except TooComplex as exc:
+        return BodyRefusal(f"request body {exc}")
     if not isinstance(body, dict):
         return BodyRefusal("request body must be a JSON object")
-    if exceeds_containers(body):
-        return BodyRefusal(f"request body holds more than {MAX_CONTAINERS} JSON arrays and objects")
     if _holds_lone_surrogate(raw, body):
         return BodyRefusal("request body is not valid Unicode text: it holds a lone UTF-16 surrogate",
                            code="invalid_text")

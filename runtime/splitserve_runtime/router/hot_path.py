@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..json_bodies import BodyDecoder, DecoderBusy, DecoderFailed
+from . import metrics
 from .bodies import BodyRefusal, decode_client_body
 from .proxy import Router, error_response
 
@@ -105,4 +106,5 @@ class ProxyEndpoint:
                     k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
                 }
                 answer = await router.handle(path=self._path, body=body, headers=headers, raw=raw)
+                scope[metrics.COUNTED_BY_ROUTER] = True  # the Router counts what it answers
         await answer(scope, receive, send)

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve_contract import Role
 
@@ -37,9 +37,16 @@ class _Bound:
 
 
 REQUESTS = _Bound(Counter(
-    "splitserve_router_requests_total", "Requests answered by the router, by outcome",
+    "splitserve_router_requests_total",
+    "Client requests (/v1/ routes) the router answered, by outcome: success, client_error, "
+    "upstream_error, unavailable, or internal_error (the router's own failure, a 500)",
     (*_LABELS, "outcome"), registry=REGISTRY,
 ))
+"""Every answer counts once: the :class:`~.proxy.Router` counts the requests it took (it knows
+outcomes the status does not show, as a stream a pod cut off); :class:`CountAnswers` counts
+every other answer (the router's refusals and its own 500s) by its status."""
+COUNTED_BY_ROUTER = "splitserve.router.counted"
+"""ASGI scope key the proxied endpoint sets once the Router has answered: it counted the answer."""
 ROUTES = _Bound(Counter(
     "splitserve_router_routes_total", "Requests by route: disaggregated (prefill then decode), direct (a short prompt), fallback (prefill failed) or overflow (the prefill pool is full)",
     (*_LABELS, "route"), registry=REGISTRY,
@@ -69,6 +76,48 @@ REQUEST_SECONDS = _Bound(Histogram(
     _LABELS, registry=REGISTRY,
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 ))
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of an answer the router made itself, from its status."""
+    if status < 400:
+        return "success"
+    if status < 500:
+        return "client_error"
+    if status == 500:
+        return "internal_error"
+    if status == 503:
+        return "unavailable"
+    return "upstream_error"
+
+
+class CountAnswers:
+    """Counts in :data:`REQUESTS` each answer to a client request (``/v1/`` routes) that the
+    Router did not count itself (:data:`COUNTED_BY_ROUTER`): body, key and JSON refusals, a busy
+    decoder, the model listing, and the 500 of an unexpected exception, which nothing counted
+    before. Outermost, so it sees the status of what the inner layers answer."""
+
+    def __init__(self, app: ASGIApp, *, model_label: str) -> None:
+        self._app = app
+        self._model = model_label
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1/"):
+            await self._app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self._app(scope, receive, tracking_send)
+        finally:
+            if status is not None and not scope.get(COUNTED_BY_ROUTER):
+                REQUESTS.labels(model=self._model, outcome=outcome_of(status)).inc()
 
 
 class InFlight:

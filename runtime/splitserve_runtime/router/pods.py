@@ -55,6 +55,8 @@ class Pod:
     role: Role
     compat_hash: str = ""
     kv_endpoint: str = ""
+    max_model_len: int | None = None
+    """The pod's context window (prompt + completion tokens), from its pod info; None: unknown."""
     healthy: bool = False
     consecutive_failures: int = 0
     load: PodLoad = field(default_factory=PodLoad)
@@ -193,6 +195,8 @@ class HealthPoller:
                 info = (await self._client.get(f"{pod.url}{INFO_PATH}", timeout=self._timeout_seconds)).json()
                 pod.compat_hash = str(info.get("compat_hash", ""))
                 pod.kv_endpoint = str(info.get("kv_endpoint", ""))
+                limit = info.get("max_model_len")
+                pod.max_model_len = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
             metrics = await self._client.get(f"{pod.url}/metrics", timeout=self._timeout_seconds)
             load = parse_load(metrics.text)
             load.in_flight = pod.load.in_flight

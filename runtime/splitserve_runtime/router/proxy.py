@@ -23,7 +23,13 @@ until the next health poll.
 
 A prefill pod that fails (connection error or 5xx) is retried on another pod, and when every
 attempt failed the decode pod computes the prompt itself (route "fallback"); a client error
-(4xx) is returned as is. Prompts shorter than `short_prompt_threshold` tokens skip prefill.
+(4xx) is returned as is. A decode pod that refuses the handoff parameters the router brought
+it (a 4xx with the error code `kv_transfer_params_rejected` or `invalid_kv_transfer_params`:
+parameters computed for another tokenization of the prompt, a first token outside its
+vocabulary, a signature it cannot check) is the prefill pod's problem, not the client's: the
+request goes on without them to a decode pod that computes the prompt itself (counted as route
+"fallback" as well as "disaggregated"). Prompts shorter than `short_prompt_threshold` tokens
+skip prefill.
 
 With `prefill_overflow_tokens` set, a request also skips prefill when every prefill pod has that
 many prompt tokens queued (the pod's `splitserve_prompt_tokens_waiting` as last polled, or the
@@ -40,18 +46,23 @@ an OpenAI-style error event, so a client never waits past the read timeout.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role, defaults
+from splitserve_contract.wire import (
+    KV_TRANSFER_PARAMS_INVALID_CODE,
+    KV_TRANSFER_PARAMS_REJECTED_CODE,
+)
 from splitserve_runtime.prefill_request import (
     FORWARDED_HEADERS,
     handoff_params,
@@ -72,6 +83,9 @@ RETRYABLE_STATUSES = frozenset({429, 503})
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 """What a request on a pooled connection the pod has just closed fails with (before any
 response byte); such a request is sent once more on a new connection."""
+HANDOFF_REFUSAL_STATUSES = frozenset({400, 403})
+HANDOFF_REFUSAL_CODES = frozenset({KV_TRANSFER_PARAMS_REJECTED_CODE, KV_TRANSFER_PARAMS_INVALID_CODE})
+"""A decode pod's answer to handoff parameters it will not use (see the module docstring)."""
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
@@ -106,6 +120,10 @@ class RouterConfig:
     session_header: str
     request_timeout_seconds: float
     model_label: str
+    prefill_timeout_seconds: float = defaults.PREFILL_TIMEOUT_SECONDS
+    """Total time the prefill stage of one request may take, every attempt together (a pod
+    that accepts and never answers, or drips its answer, included); then a decode pod computes
+    the prompt (route "fallback"). 0: only ``request_timeout_seconds`` per attempt."""
     prefill_overflow_tokens: int = 0
     """Conditional disaggregation: when every prefill pod has at least this many prompt tokens
     queued, a request prefills on a decode pod with fewer than this many in its own queue and in
@@ -210,6 +228,17 @@ class Router:
                 unavailable="no decode pod is healthy",
             )
 
+        if self._cannot_fit(body, num_prompt_tokens):
+            # The decode pods would refuse it after the prefill pod computed and pinned its KV:
+            # a decode pod answers it without a handoff (its own 400, or the answer when the
+            # router's count, an estimate without the pods' tokenizer, was too high).
+            metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
+            return await self._forward(
+                pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
+                path=path, content=content, headers=fwd_headers, started=started,
+                unavailable="no decode pod is healthy",
+            )
+
         overflow = self._overflow_exclusions(prefill_pods, num_prompt_tokens)
         if overflow is not None:
             metrics.ROUTES.labels(model=self._config.model_label, route="overflow").inc()
@@ -239,16 +268,41 @@ class Router:
             )
         prefill_pod, params = handoff
         metrics.ROUTES.labels(model=self._config.model_label, route="disaggregated").inc()
+
+        async def compute_on_decode(reason: str) -> Response:
+            log.warning("%s; a decode pod computes the prompt of request %s itself", reason, request_id)
+            metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
+            return await self._forward(
+                pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
+                path=path, content=content, headers=fwd_headers, started=started,
+                unavailable="no decode pod is healthy",
+            )
+
         return await self._forward(
             pick=lambda exclude: self._pick_decode(compat_hash=prefill_pod.compat_hash or None, exclude=exclude),
             path=path, content=encode_body({**body, KV_TRANSFER_PARAMS_FIELD: params}), headers=fwd_headers,
             started=started,
             unavailable=f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}",
+            on_refused_handoff=compute_on_decode,
         )
 
     def _record(self, pod: str, hashes: Sequence[bytes], matched_blocks: int) -> None:
         self._selector.record(pod=pod, hashes=hashes)
         metrics.PREFIX_MATCHED_BLOCKS.labels(model=self._config.model_label).inc(matched_blocks)
+
+    def _cannot_fit(self, body: dict[str, Any], num_prompt_tokens: int | None) -> bool:
+        """Whether the prompt plus the completion (``max_tokens``, else one token, as the pods'
+        own check) exceeds the context window of every healthy decode pod (as their pod info
+        says; False while any is unknown)."""
+        decode = self._pods.healthy(Role.DECODE)
+        limits = [p.max_model_len for p in decode]
+        if num_prompt_tokens is None or not decode or any(limit is None for limit in limits):
+            return False
+        requested = body.get("max_tokens")
+        if requested is None:
+            requested = body.get("max_completion_tokens")
+        completion = requested if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0 else 1
+        return num_prompt_tokens + completion > max(limit or 0 for limit in limits)
 
     def _overflow_exclusions(self, prefill_pods: Sequence[Pod], num_prompt_tokens: int | None) -> frozenset[str] | None:
         """For a request that overflows to the decode pool, the decode pods already at the limit
@@ -293,6 +347,8 @@ class Router:
         prefill_body = encode_body(prefill_request_body(body))
         tried: set[str] = set()
         last_error = "no prefill pod is healthy"
+        budget = self._config.prefill_timeout_seconds
+        deadline = asyncio.get_running_loop().time() + budget if budget > 0 else None
         for attempt in range(MAX_PREFILL_ATTEMPTS):
             choice = self._selector.choose(
                 candidates=[p.candidate() for p in self._pods.healthy(Role.PREFILL)],
@@ -310,8 +366,17 @@ class Router:
             uncached = max(0, prompt_tokens - choice.matched_blocks * self._config.block_size)
             _acquire(pod, uncached)
             try:
-                response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
-                                            headers=headers, stream=False)
+                async with asyncio.timeout_at(deadline):
+                    response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
+                                                headers=headers, stream=False)
+            except TimeoutError:
+                # Stalled or dripping: the budget is spent, whatever is left of the attempts.
+                last_error = f"prefill pod {pod.name} did not answer within the prefill budget of {budget:g} s"
+                log.warning("%s; a decode pod computes the prompt", last_error)
+                self._pods.mark_failed(pod.name)
+                self._selector.forget(pod.name)
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+                break
             except httpx.HTTPError as exc:
                 last_error = f"prefill pod {pod.name} failed: {type(exc).__name__}: {exc}"
                 log.warning("%s; retrying elsewhere", last_error)
@@ -349,12 +414,14 @@ class Router:
     async def _forward(
         self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, content: bytes,
         headers: dict[str, str], started: float, unavailable: str, prompt_tokens: int = 0,
+        on_refused_handoff: Callable[[str], Awaitable[Response]] | None = None,
     ) -> Response:
         """Send to the pod `pick` chooses; a pod that cannot be reached, or answers 503
         (draining) or 429 (its queue is full) before sending anything, is skipped for another
         one while one is left, so a scale-down or a full pod loses no request. `prompt_tokens`
         count in the pod's ``in_flight_prompt_tokens`` until the answer ends (an overflow
-        request's share of a decode pod)."""
+        request's share of a decode pod). `on_refused_handoff`: the answer (given the reason)
+        when the pod refuses the handoff parameters `content` carries (module docstring)."""
         tried: set[str] = set()
         last_error = unavailable
         for _attempt in range(MAX_FORWARD_ATTEMPTS):
@@ -372,6 +439,24 @@ class Router:
                 metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
                 last_error = f"{pod.role.value} pod {pod.name} failed: {type(exc).__name__}"
                 continue
+            if on_refused_handoff is not None and upstream.status_code in HANDOFF_REFUSAL_STATUSES:
+                try:
+                    answer = await upstream.aread()
+                except httpx.HTTPError as exc:
+                    self._pods.mark_failed(pod.name)
+                    metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
+                    return error_response(
+                        status=502, message=f"{pod.role.value} pod {pod.name} died mid-response: "
+                                            f"{type(exc).__name__}", type_="upstream_error", code="decode_failed")
+                finally:
+                    _release(pod, prompt_tokens)
+                    await upstream.aclose()
+                refusal = _handoff_refusal(answer)
+                if refusal is not None:
+                    return await on_refused_handoff(f"decode pod {pod.name} refused the handoff: {refusal}")
+                self._finish(upstream.status_code, started)
+                return Response(content=answer, status_code=upstream.status_code,
+                                media_type="application/json", headers=_passthrough_headers(upstream))
             if upstream.status_code in RETRYABLE_STATUSES and pick(frozenset(tried)) is not None:
                 _release(pod, prompt_tokens)
                 await upstream.aclose()
@@ -451,6 +536,18 @@ def _acquire(pod: Pod, prompt_tokens: int) -> None:
 def _release(pod: Pod, prompt_tokens: int) -> None:
     pod.load.in_flight -= 1
     pod.load.in_flight_prompt_tokens -= prompt_tokens
+
+
+def _handoff_refusal(answer: bytes) -> str | None:
+    """The message of a pod's error answer that refuses handoff parameters; None for any
+    other answer (an error of the client's, which goes back to the client as it is)."""
+    try:
+        error = json.loads(answer).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict) or error.get("code") not in HANDOFF_REFUSAL_CODES:
+        return None
+    return str(error.get("message", ""))[:300]
 
 
 def _passthrough_headers(response: PodResponse) -> dict[str, str]:

@@ -36,13 +36,15 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 import splitserve_contract as contract
+from splitserve_runtime.auth import APIKeyConfigError, api_key_from_env
 from splitserve_runtime.body_limit import BodySizeLimit
 from splitserve_runtime.engine.parallel.placement import PlacementError, pin, resolve_placement
+from splitserve_runtime.read_timeouts import http_protocol
 from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
 from splitserve_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from splitserve_runtime.server.prefiller import Prefiller
+from splitserve_runtime.server.prefiller import IdentityProver, Prefiller
 from splitserve_runtime.server.prompt_workers import PromptWorkers
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
@@ -56,7 +58,7 @@ from splitserve_runtime.server.request_bodies import RequestReader
 from splitserve_runtime.server.serving_chat import ChatService
 from splitserve_runtime.server.serving_completions import CompletionsService
 from splitserve_runtime.server.state import ServerState
-from splitserve_runtime.termination import write_termination_message
+from splitserve_runtime.termination import log_startup_failure, write_termination_message
 
 logger = logging.getLogger("splitserve.server")
 
@@ -71,7 +73,9 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
               compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
               max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
               prompt_workers: PromptWorkers | None = None,
-              request_reader: RequestReader | None = None, prefill_headers: bool = False) -> FastAPI:
+              request_reader: RequestReader | None = None, prefill_headers: bool = False,
+              http_endpoint: str = "",
+              prefill_timeout_seconds: float = contract.defaults.PREFILL_TIMEOUT_SECONDS) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
@@ -79,7 +83,9 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     large prompts off the event loop (default: :class:`PromptWorkers` with its defaults);
     `request_reader` decodes large bodies off it (default: :class:`RequestReader`).
     `prefill_headers` (decode pods behind a Gateway endpoint picker): honour the picker's
-    prefill headers (:mod:`.prefiller`); off, they are ignored like any unknown header."""
+    prefill headers (:mod:`.prefiller`); off, they are ignored like any unknown header.
+    `http_endpoint`: the host:port other pods reach this one at, which the pod-info route's
+    identity proof binds ("": no proof is given)."""
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
     state = ServerState(served_model_name=served_model_name, role=role, prefill_headers=prefill_headers)
@@ -87,7 +93,7 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
         state.engine_or_none.stats() if state.engine_or_none is not None else None))
     workers = prompt_workers if prompt_workers is not None else PromptWorkers()
     prompts = PromptReader(workers=workers, metrics=metrics)
-    prefiller = Prefiller(metrics=metrics)
+    prefiller = Prefiller(metrics=metrics, budget_seconds=prefill_timeout_seconds)
     completions = CompletionsService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
     chat = ChatService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
     reader = request_reader if request_reader is not None else RequestReader()
@@ -103,7 +109,8 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_health_routes(app, state=state, metrics=metrics)
     _add_info_route(app, state=state, role=role, served_model_name=served_model_name,
-                    compat_hash=compat_hash, kv_endpoint=kv_endpoint, block_size=block_size)
+                    compat_hash=compat_hash, kv_endpoint=kv_endpoint, block_size=block_size,
+                    http_endpoint=http_endpoint)
     _add_openai_routes(app, state=state, served_model_name=served_model_name,
                        completions=completions, chat=chat, reader=reader)
     return app
@@ -164,15 +171,21 @@ def _add_health_routes(app: FastAPI, *, state: ServerState, metrics: ServerMetri
 
 
 def _add_info_route(app: FastAPI, *, state: ServerState, role: str, served_model_name: str,
-                    compat_hash: str, kv_endpoint: str, block_size: int) -> None:
-    """contract.INFO_PATH: what the router needs to pair prefill and decode pods."""
+                    compat_hash: str, kv_endpoint: str, block_size: int, http_endpoint: str) -> None:
+    """contract.INFO_PATH: what the router needs to pair prefill and decode pods; asked with a
+    nonce, the proof a decode pod needs before it sends this pod a client's request
+    (:meth:`.prefiller.Prefiller.identity_problem`), bound to ``http_endpoint``."""
 
     @app.get(contract.INFO_PATH)
-    async def info() -> RuntimeInfo:
+    async def info(nonce: str | None = None) -> RuntimeInfo:
         running = state.engine_or_none
+        auth = getattr(running, "auth", None)  # the handoff engine's key policy (prefill, decode)
+        proof = auth.identity_proof(nonce=nonce, role=role, endpoint=http_endpoint) \
+            if nonce is not None and isinstance(auth, IdentityProver) else None
         return RuntimeInfo(role=role, model=served_model_name, compat_hash=compat_hash,
                            kv_endpoint=kv_endpoint, block_size=block_size,
-                           max_model_len=running.max_model_len if running is not None else None)
+                           max_model_len=running.max_model_len if running is not None else None,
+                           identity_proof=proof)
 
 
 def _add_openai_routes(app: FastAPI, *, state: ServerState, served_model_name: str,
@@ -206,8 +219,8 @@ async def _load(*, state: ServerState, loader: EngineLoader) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        state.load_error = f"{type(exc).__name__}: {exc}"
-        logger.exception("loading the model failed")
+        # an expected failure (bad model, revision, hub) is one ERROR line, no traceback
+        state.load_error = log_startup_failure(exc, log=logger, what="loading the model failed")
         return
     state.attach_engine(engine=engine)
     logger.info("ready: model %r loaded in %.1f s", state.served_model_name,
@@ -297,19 +310,23 @@ def _default_served_name(model: str) -> str:
     return os.path.basename(model.rstrip("/")) or model
 
 
+def _advertised_host(args: contract.ServeArgs) -> str:
+    """The host other pods reach this pod at: ``--host``, or the pod's own IP for a wildcard."""
+    if args.host in ("0.0.0.0", "::", ""):  # a wildcard is no address
+        return os.environ.get(contract.ENV_POD_IP) or "127.0.0.1"
+    return args.host
+
+
 def _kv_endpoint(args: contract.ServeArgs) -> str:
     """host:port other pods reach this pod's KV port at ("" when aggregated: no KV leaves)."""
     if args.role == contract.Role.AGGREGATED.value:
         return ""
-    host = args.host
-    if host in ("0.0.0.0", "::", ""):  # a wildcard is no address: use the pod's own IP
-        host = os.environ.get(contract.ENV_POD_IP) or "127.0.0.1"
-    return f"{host}:{args.kv_port}"
+    return f"{_advertised_host(args)}:{args.kv_port}"
 
 
 def parse_args(argv: list[str]) -> contract.ServeArgs:
     parser = argparse.ArgumentParser(
-        prog="splitserve serve",
+        prog="splitserve serve", allow_abbrev=False,  # --rol must not quietly mean --role
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)"
                     f"; the API key, if any, comes from ${contract.ENV_API_KEY}.")
     contract.add_serve_arguments(parser)
@@ -338,7 +355,12 @@ def main(argv: list[str]) -> int:
 
         return serve_worker_node(args, placement)
     served_name = args.served_model_name or _default_served_name(args.model)
-    api_key = os.environ.get(contract.ENV_API_KEY) or None
+    try:
+        api_key = api_key_from_env()
+    except APIKeyConfigError as exc:
+        logger.error("%s", exc)
+        write_termination_message(str(exc))
+        return 2
 
     async def load() -> EngineClient:
         # torch is imported off the event loop, after the listener is up: /health answers
@@ -357,9 +379,13 @@ def main(argv: list[str]) -> int:
                     role=args.role, api_key=api_key, compat_hash=args.compat_hash,
                     kv_endpoint=kv_endpoint, block_size=args.block_size,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    prefill_headers=args.prefill_headers)
+                    prefill_headers=args.prefill_headers,
+                    prefill_timeout_seconds=args.prefill_timeout_seconds,
+                    http_endpoint=f"{_advertised_host(args)}:{args.port}")
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                            log_level="info", lifespan="on", timeout_graceful_shutdown=1)
+                            log_level="info", lifespan="on", timeout_graceful_shutdown=1,
+                            http=http_protocol(header_timeout_seconds=args.header_timeout_seconds,
+                                               body_idle_timeout_seconds=args.body_idle_timeout_seconds))
     server = DrainingServer(config, state=app.state.server,
                             drain_timeout_seconds=args.drain_timeout_seconds)
     logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,

@@ -5,7 +5,9 @@ API, so the `openai` client raises its typed exceptions (BadRequestError, NotFou
 AuthenticationError, RateLimitError, ...). Client mistakes are 4xx: FastAPI's 422 for a body
 that fails validation becomes 400, malformed JSON is 400, the engine's admission errors map
 to 400 / 429 / 503. Only a bug in the server is a 500, and its message never carries
-internals (the traceback goes to the log).
+internals (the traceback goes to the log); so is a request whose logits the model computed as
+NaN or infinity (code ``non_finite_logits``, the engine's message: a numerical fault of the
+model on this server, which the client can do nothing about but retry elsewhere).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from splitserve_runtime.engine.errors import (
     KVTransferFailed,
     PromptExceedsKVCapacity,
     QueueFull,
+    RequestExceedsKVCapacity,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,6 +114,8 @@ def from_engine_error(exc: EngineError, *, prompt_param: str) -> APIError:
     """Map an engine admission error onto the HTTP answer (docs/architecture.md, "Reliability")."""
     if isinstance(exc, ContextLengthExceeded | PromptExceedsKVCapacity):
         return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, RequestExceedsKVCapacity):  # lowering max_tokens is the usual fix
+        return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, QueueFull):
         retry_after = max(1, math.ceil(exc.retry_after_seconds))
         return APIError(status_code=429, type=RATE_LIMIT, code="rate_limit_exceeded",

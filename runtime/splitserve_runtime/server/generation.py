@@ -3,7 +3,9 @@
 Both endpoints (completions and chat) drive the engine through :class:`Generation`, so the
 rules live in one place:
 - admission errors surface before any byte of the response is sent (the first output is
-  awaited before a stream starts), so a client gets a real 400 / 429 / 503 status;
+  awaited before a stream starts), so a client gets a real 400 / 429 / 503 status; so does a
+  request the engine fails at its first token (a 500: non-finite logits, :mod:`.errors`);
+  a later failure ends a stream with an error event;
 - whatever ends the request early (client hang-up, cancellation, an exception) goes through
   :meth:`Generation.close`, which aborts it in the engine so its KV blocks are freed;
 - each request is counted in flight until its last byte (SIGTERM drain waits on that) and
@@ -109,6 +111,9 @@ class Generation:
                 params=self._params)
             self._first = await self._iterator.__anext__()
             self._admitted = True
+            if self._first.finish_reason == FINISH_ERROR:  # failed at its first token: the
+                self._finished = True                      # answer's status can still say so
+                self._finish(self._first)
         except EngineError as exc:
             self._set_outcome("error" if isinstance(exc, EngineDead | KVTransferFailed)
                               else "rejected")
@@ -154,6 +159,9 @@ class Generation:
         if output.finish_reason == FINISH_ERROR:
             self._set_outcome("error")
             logger.warning("request %s failed in the engine: %s", self.request_id, output.error)
+            if output.error_code is not None:  # the engine's own words for this request
+                raise APIError(status_code=500, type=SERVER_ERROR, code=output.error_code,
+                               message=output.error or "generation failed inside the engine")
             if not self._engine.is_healthy:
                 raise unavailable("the inference engine failed", code="engine_dead")
             raise APIError(status_code=500, type=SERVER_ERROR, code="generation_error",

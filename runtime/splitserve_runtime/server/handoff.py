@@ -6,7 +6,9 @@ A completion or chat request may carry ``contract.KV_TRANSFER_PARAMS_FIELD``:
 - the prefill pod's handoff object on a decode pod: pull the KV and continue decoding, if the
   object is authenticated (signed with the InferenceService's handoff key, not expired, this
   pod's compat hash; without a key, naming a loopback endpoint: see
-  :mod:`splitserve_runtime.transfer.auth`), else 403 before anything is connected to;
+  :mod:`splitserve_runtime.transfer.auth`) and was computed for the very prompt this pod
+  tokenized (its ``prompt_digest``, key or no key), else 403 before anything is connected to;
+  an object this pod cannot use (a first token outside its vocabulary) is a 400;
 - anything else, or any handoff on a pod of another role, is refused with a typed error.
 A request without the field is computed locally on every role (the router sends short
 prompts straight to decode).
@@ -21,10 +23,14 @@ only when a handoff actually happens.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Role, ServeArgs
+from splitserve_contract.wire import (
+    KV_TRANSFER_PARAMS_INVALID_CODE,
+    KV_TRANSFER_PARAMS_REJECTED_CODE,
+)
 from splitserve_runtime.engine.delegate import DelegatingEngine
 from splitserve_runtime.engine.errors import HandoffRefused
 from splitserve_runtime.engine.outputs import RequestOutput
@@ -82,20 +88,21 @@ class RoutedEngine(DelegatingEngine):
 
 
 def _refuse(message: str) -> APIError:
-    return bad_request(message, param=KV_TRANSFER_PARAMS_FIELD, code="invalid_kv_transfer_params")
+    return bad_request(message, param=KV_TRANSFER_PARAMS_FIELD, code=KV_TRANSFER_PARAMS_INVALID_CODE)
 
 
 def _forbid(exc: HandoffRefused) -> APIError:
     """Handoff parameters that are not from a prefill pod of this pool: the caller's mistake
     (403, the OpenAI client's PermissionDeniedError), never the server's."""
     return APIError(status_code=403, type=INVALID_REQUEST, param=KV_TRANSFER_PARAMS_FIELD,
-                    code="kv_transfer_params_rejected", message=str(exc))
+                    code=KV_TRANSFER_PARAMS_REJECTED_CODE, message=str(exc))
 
 
 def route_handoff(*, engine: EngineClient, role: str, params: dict[str, Any] | None,
-                  stream: bool) -> RoutedEngine:
-    """The engine path for a request with these ``kv_transfer_params`` (see the module
-    docstring); raises APIError for a handoff this pod cannot take part in."""
+                  stream: bool, prompt_token_ids: Sequence[int]) -> RoutedEngine:
+    """The engine path for a request with these ``kv_transfer_params`` and this prompt (as
+    this pod tokenized it; see the module docstring); raises APIError for a handoff this pod
+    cannot take part in."""
     if params is None:
         return RoutedEngine(engine=engine)
     if role == Role.AGGREGATED.value:  # the client's mistake: no handoff on this pod
@@ -118,7 +125,7 @@ def route_handoff(*, engine: EngineClient, role: str, params: dict[str, Any] | N
         if role != Role.DECODE.value:
             raise _refuse(f"remote KV goes to a decode pod; this pod's role is {role}")
         try:
-            source = handoff.accept_remote(params)
+            source = handoff.accept_remote(params, prompt_token_ids=prompt_token_ids)
         except HandoffRefused as exc:
             raise _forbid(exc) from None
         except ValueError as exc:

@@ -19,7 +19,8 @@ What can go wrong, and what the client sees:
   any work (:func:`prefill_endpoints`);
 * a named pod that cannot be reached, answers with an error, answers without handoff
   parameters, or with parameters this pod refuses (another compat hash during a rollout, a bad
-  signature): the next endpoint is tried, and when none is left this pod computes the prompt
+  signature, computed for another prompt or tokenization, a first token outside this pod's
+  vocabulary): the next endpoint is tried, and when none is left this pod computes the prompt
   itself. Each such request is logged (WARNING, with the reasons) and counted in
   ``splitserve_kv_transfer_failures_total``: the client gets its answer, never a 5xx for what
   a picker sent.
@@ -29,25 +30,35 @@ has no KV to import; a picker that counts it as "both" may still name a prefill 
 
 The named pod is contacted on plain HTTP at the path of the request, with the client's API key
 (as the router forwards it), on a new connection each time (no pooled connection for a prefill
-pod to drop as idle under us). It is an address a caller chose: only a pod holding the
-InferenceService's handoff key can answer with parameters this pod accepts, and what the named
-address answers is never returned to the caller.
+pod to drop as idle under us). It is an address a caller chose (a client that reaches this pod
+can write the header itself), so the request and the key go to it only after it proved that it
+is a prefill pod holding the InferenceService's handoff key: one GET of its pod-info route with a
+fresh nonce, answered with HMAC(nonce, role) (:meth:`Prefiller.identity_problem`; without a key,
+loopback addresses only). Any other address gets that GET and nothing else; what it answers is
+never returned to the caller, and the request is computed here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 import httpx
 from starlette.datastructures import Headers
 
-from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role
+from splitserve_contract import (
+    HEADER_REQUEST_ID,
+    INFO_PATH,
+    KV_TRANSFER_PARAMS_FIELD,
+    Role,
+    defaults,
+)
 from splitserve_runtime.prefill_request import (
     FORWARDED_HEADERS,
     handoff_params,
@@ -65,8 +76,13 @@ PREFILL_ENDPOINTS_HEADER: Final = "x-gateway-prefill-endpoints"
 MAX_PREFILL_ENDPOINTS: Final = 8
 """More named endpoints than this is not a picker's choice: refused with 400."""
 CONNECT_TIMEOUT_SECONDS: Final = 3.0
-PREFILL_TIMEOUT_SECONDS: Final = 600.0
-"""A prefill pod may queue the request behind others: the router's bound for one upstream request."""
+IDENTITY_TIMEOUT: Final = httpx.Timeout(5.0, connect=CONNECT_TIMEOUT_SECONDS)
+"""The bound of the pod-info GET that checks a named pod before it gets the request."""
+PREFILL_TIMEOUT_SECONDS: Final = defaults.PREFILL_TIMEOUT_SECONDS
+"""The total budget of the prefill stage of one request, every named endpoint and its identity
+GET together (``--prefill-timeout-seconds``; why this default: the contract's
+``PREFILL_TIMEOUT_SECONDS``). A pod that accepts and never answers, or drips, costs a request
+this much, then the prompt is computed here."""
 MAX_ENDPOINT_CHARS: Final = 261
 """A DNS name (253) or a bracketed IPv6 address, a colon and a port."""
 
@@ -136,13 +152,36 @@ class Prefilled:
     endpoint: str = ""
 
 
+@runtime_checkable
+class IdentityChecker(Protocol):
+    """What :class:`Prefiller` needs of this pod's handoff policy
+    (:class:`~splitserve_runtime.transfer.auth.HandoffAuth`, the handoff engine's ``auth``)."""
+
+    @property
+    def keyed(self) -> bool: ...
+
+    def new_nonce(self) -> str: ...
+
+    def check_identity(self, *, endpoint: str, nonce: str, role: str, proof: object) -> None: ...
+
+
+@runtime_checkable
+class IdentityProver(Protocol):
+    """The pod-info route's side of the same policy: proof that this pod holds the key."""
+
+    def identity_proof(self, *, nonce: str, role: str, endpoint: str) -> str | None: ...
+
+
 class Prefiller:
     """Sends the prefill-only request to the named pods (one server's, shared by its requests)."""
 
-    def __init__(self, *, metrics: ServerMetrics,
+    def __init__(self, *, metrics: ServerMetrics, budget_seconds: float = PREFILL_TIMEOUT_SECONDS,
                  timeout: httpx.Timeout | None = None) -> None:
         self._metrics = metrics
-        self._timeout = timeout or httpx.Timeout(PREFILL_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
+        self._budget_seconds = budget_seconds
+        """Deadline of one request's whole prefill stage (0: none); httpx's timeouts bound only
+        the gaps between bytes, which a drip never exceeds."""
+        self._timeout = timeout or httpx.Timeout(budget_seconds or None, connect=CONNECT_TIMEOUT_SECONDS)
         self._client: httpx.AsyncClient | None = None
 
     def _http(self) -> httpx.AsyncClient:
@@ -157,36 +196,83 @@ class Prefiller:
             self._client = None
 
     async def prefill(self, *, path: str, body: Mapping[str, Any], endpoints: Sequence[str],
-                      headers: Headers, request_id: str) -> Prefilled:
+                      headers: Headers, request_id: str, auth: object) -> Prefilled:
         """Ask ``endpoints`` in turn to prefill the request ``body`` sent to ``path``; the first
-        answer with handoff parameters wins. None of them: logged, counted, computed here."""
+        answer with handoff parameters wins. None of them: logged, counted, computed here.
+        ``auth`` is this pod's handoff policy (:class:`IdentityChecker`): an endpoint gets the
+        request, and the client's credentials with it, only once it proved it is a prefill pod
+        of this InferenceService (:meth:`identity_problem`); no policy, no endpoint."""
+        problems: list[str] = []
+        budget = self._budget_seconds
+        try:
+            async with asyncio.timeout(budget if budget > 0 else None):
+                prefilled = await self._ask(path=path, body=body, endpoints=endpoints, headers=headers,
+                                            request_id=request_id, auth=auth, problems=problems)
+        except TimeoutError:
+            problems.append(f"no answer within the prefill budget of {budget:g} s")
+            prefilled = None
+        if prefilled is not None:
+            return prefilled
+        self.fall_back(request_id=request_id, reason="; ".join(problems))
+        return Prefilled(params=None)
+
+    async def _ask(self, *, path: str, body: Mapping[str, Any], endpoints: Sequence[str],
+                   headers: Headers, request_id: str, auth: object, problems: list[str]) -> Prefilled | None:
+        """:meth:`prefill` without its budget: the first endpoint's handoff, or None with each
+        endpoint's problem in ``problems``."""
         prefill_body = prefill_request_body(body)
         forwarded = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
         forwarded[HEADER_REQUEST_ID] = request_id
-        problems: list[str] = []
         for endpoint in endpoints:
+            problems.append(f"{endpoint}: no answer yet")  # replaced by what it answered
             started = time.perf_counter()
+            problem = await self.identity_problem(endpoint=endpoint, auth=auth)
+            if problem is not None:
+                problems[-1] = f"{endpoint}: {problem}"
+                continue
             try:
                 response = await self._http().post(f"http://{endpoint}{path}", json=prefill_body,
                                                    headers=forwarded)
             except httpx.HTTPError as exc:
-                problems.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+                problems[-1] = f"{endpoint}: {type(exc).__name__}: {exc}"
                 continue
             if response.status_code != 200:
-                problems.append(f"{endpoint}: answered {response.status_code}: {response.text[:200]}")
+                problems[-1] = f"{endpoint}: answered {response.status_code}: {response.text[:200]}"
                 continue
             try:
                 params = handoff_params(response.json())
             except ValueError:
                 params = None
             if params is None:
-                problems.append(f"{endpoint}: answered without {KV_TRANSFER_PARAMS_FIELD}")
+                problems[-1] = f"{endpoint}: answered without {KV_TRANSFER_PARAMS_FIELD}"
                 continue
             logger.debug("request %s prefilled by %s in %.3f s", request_id, endpoint,
                          time.perf_counter() - started)
             return Prefilled(params=params, endpoint=endpoint)
-        self.fall_back(request_id=request_id, reason="; ".join(problems))
-        return Prefilled(params=None)
+        return None
+
+    async def identity_problem(self, *, endpoint: str, auth: object) -> str | None:
+        """Why ``endpoint`` must not get the request (None: it proved it is a prefill pod of
+        this InferenceService). One GET of its pod-info route with a fresh nonce; without a
+        key, :meth:`IdentityChecker.check_identity` allows loopback addresses only."""
+        if not isinstance(auth, IdentityChecker):
+            return "this pod has no KV handoff policy to check a prefill pod with"
+        from splitserve_runtime.transfer.auth import HandoffRejected  # the engine has loaded it
+
+        nonce = auth.new_nonce()
+        proof: object = None
+        if auth.keyed:
+            try:
+                answer = await self._http().get(f"http://{endpoint}{INFO_PATH}",
+                                                params={"nonce": nonce}, timeout=IDENTITY_TIMEOUT)
+                proof = answer.json().get("identity_proof") if answer.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                return f"its pod info could not be read ({type(exc).__name__})"
+        try:
+            auth.check_identity(endpoint=endpoint, nonce=nonce, role=Role.PREFILL.value, proof=proof)
+        except HandoffRejected as exc:
+            return exc.message
+        return None
 
     def fall_back(self, *, request_id: str, reason: str) -> None:
         """Log and count a request whose named prefill pods could not hand it over."""
@@ -195,15 +281,18 @@ class Prefiller:
         self._metrics.record_kv_transfer(num_bytes=0, seconds=0.0, ok=False)
 
     def route(self, *, engine: EngineClient, role: str, prefilled: Prefilled, stream: bool,
-              request_id: str) -> RoutedEngine:
+              request_id: str, prompt_token_ids: Sequence[int]) -> RoutedEngine:
         """:func:`route_handoff` for parameters a named prefill pod gave: parameters this pod
-        refuses (another compat hash, a bad signature) are that pod's problem, not the
-        client's, so the prompt is computed here instead of answering 4xx."""
+        refuses (another compat hash, a bad signature, another prompt) or cannot use are that
+        pod's problem, not the client's, so the prompt is computed here instead of answering 4xx."""
         if prefilled.params is None:
-            return route_handoff(engine=engine, role=role, params=None, stream=stream)
+            return route_handoff(engine=engine, role=role, params=None, stream=stream,
+                                 prompt_token_ids=prompt_token_ids)
         try:
-            return route_handoff(engine=engine, role=role, params=prefilled.params, stream=stream)
+            return route_handoff(engine=engine, role=role, params=prefilled.params, stream=stream,
+                                 prompt_token_ids=prompt_token_ids)
         except APIError as exc:
             self.fall_back(request_id=request_id,
                            reason=f"{prefilled.endpoint}: its {KV_TRANSFER_PARAMS_FIELD} were refused: {exc}")
-            return route_handoff(engine=engine, role=role, params=None, stream=stream)
+            return route_handoff(engine=engine, role=role, params=None, stream=stream,
+                                 prompt_token_ids=prompt_token_ids)

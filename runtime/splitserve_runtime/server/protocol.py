@@ -354,6 +354,9 @@ class RuntimeInfo(BaseModel):
     kv_endpoint: str
     block_size: int
     max_model_len: int | None = None
+    identity_proof: str | None = None
+    """Asked with ``?nonce=``: HMAC(nonce, role) under the InferenceService's KV handoff key,
+    proof to a decode pod that this pod is one of its service's (None without a key)."""
 
 
 class ModelCard(BaseModel):

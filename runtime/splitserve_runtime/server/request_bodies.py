@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import email.message
 import functools
-import json
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -24,11 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from splitserve_runtime.json_bodies import (
-    MAX_CONTAINERS,
     BodyDecoder,
     DecoderBusy,
     DecoderFailed,
-    exceeds_containers,
+    InvalidJSON,
+    TooComplex,
+    decode_body,
 )
 from splitserve_runtime.server.errors import MAX_ERRORS_READ, RATE_LIMIT, APIError, unavailable
 
@@ -77,14 +77,11 @@ def parse_request(body: bytes, *, content_type: str | None, model: type[M]) -> M
     if not _is_json(content_type):
         return _one_error("model_attributes_type", "Input should be a valid JSON object")
     try:
-        value = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return _one_error("json_invalid", "JSON decode error", error=exc.msg)
-    except UnicodeDecodeError:
-        return _one_error("json_invalid", "JSON decode error", error="not UTF-8 text")
-    if exceeds_containers(value):
-        return _one_error("too_complex", f"the request body holds more than {MAX_CONTAINERS} "
-                                         "JSON arrays and objects")
+        value = decode_body(body)
+    except InvalidJSON as exc:  # the 400's code is invalid_json (errors.validation_error)
+        return _one_error("json_invalid", "JSON decode error", error=str(exc))
+    except TooComplex as exc:
+        return _one_error("too_complex", f"the request body {exc}")
     try:
         return model.model_validate(value)
     except ValidationError as exc:

@@ -76,7 +76,7 @@ class ChatService:
                 engine=engine, messages=template_messages(body),
                 requested_max_tokens=body.requested_max_tokens(), param="messages")
             picked = await prefill_if_named(prefiller=self._prefiller, request=request, body=body,
-                                            endpoints=endpoints)
+                                            endpoints=endpoints, engine=engine)
             routed, generation = start_generation(
                 state=self._state, metrics=self._metrics, engine=engine, body=body,
                 prompt_token_ids=prompt_token_ids,

@@ -49,19 +49,31 @@ def start_generation(*, state: ServerState, metrics: ServerMetrics, engine: Engi
         body=body, logprobs=logprobs,
         max_tokens=resolve_max_tokens(requested=requested_max_tokens,
                                       num_prompt_tokens=len(prompt_token_ids),
-                                      max_model_len=engine.max_model_len))
+                                      max_model_len=_room(engine)))
     if picked is None:
-        routed = route_handoff(engine=engine, role=state.role,
-                               params=body.kv_transfer_params, stream=bool(body.stream))
+        routed = route_handoff(engine=engine, role=state.role, params=body.kv_transfer_params,
+                               stream=bool(body.stream), prompt_token_ids=prompt_token_ids)
     else:
         prefiller, prefilled, request_id = picked
         routed = prefiller.route(engine=engine, role=state.role, prefilled=prefilled,
-                                 stream=bool(body.stream), request_id=request_id)
+                                 stream=bool(body.stream), request_id=request_id,
+                                 prompt_token_ids=prompt_token_ids)
     generation = Generation(
         state=state, metrics=metrics, engine=routed,
         request_id=new_request_id(prefix=id_prefix), prompt_token_ids=prompt_token_ids,
         params=params, prompt_param=prompt_param)
     return routed, generation
+
+
+def _room(engine: EngineClient) -> int:
+    """The longest request this engine can finish: ``max_model_len``, or less when the whole
+    KV cache is smaller (a request of ``n`` tokens caches ``n - 1``), so that an omitted
+    ``max_tokens`` fills the room there is instead of being refused for the cache's size."""
+    stats = engine.stats()
+    capacity = stats.kv_cache_blocks_total * stats.kv_cache_block_size
+    if capacity <= 0:  # an engine that reports no cache (nothing to bound by)
+        return engine.max_model_len
+    return min(engine.max_model_len, capacity + 1)
 
 
 def new_request_id(*, prefix: str) -> str:
@@ -81,14 +93,16 @@ def named_prefill_endpoints(*, state: ServerState, request: Request,
 
 
 async def prefill_if_named(*, prefiller: Prefiller, request: Request, body: SamplingFields,
-                           endpoints: Sequence[str]) -> PickedPrefill | None:
-    """Have the named prefill pods prefill this request (None when none is named)."""
+                           endpoints: Sequence[str], engine: EngineClient) -> PickedPrefill | None:
+    """Have the named prefill pods prefill this request (None when none is named); each must
+    first prove it is a prefill pod of this InferenceService (``engine``'s handoff key)."""
     if not endpoints:
         return None
     request_id = request.headers.get(HEADER_REQUEST_ID) or new_request_id(prefix="prefill")
     prefilled = await prefiller.prefill(
         path=request.url.path, body=body.model_dump(mode="json", exclude_unset=True),
-        endpoints=endpoints, headers=request.headers, request_id=request_id)
+        endpoints=endpoints, headers=request.headers, request_id=request_id,
+        auth=getattr(engine, "auth", None))
     return prefiller, prefilled, request_id
 
 

@@ -60,7 +60,7 @@ class CompletionsService:
                     engine=engine, token_ids=list(prompt), requested_max_tokens=body.max_tokens,
                     param="prompt")
             picked = await prefill_if_named(prefiller=self._prefiller, request=request, body=body,
-                                            endpoints=endpoints)
+                                            endpoints=endpoints, engine=engine)
             routed, generation = start_generation(
                 state=self._state, metrics=self._metrics, engine=engine, body=body,
                 prompt_token_ids=prompt_token_ids, logprobs=body.logprobs,

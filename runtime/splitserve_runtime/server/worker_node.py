@@ -24,7 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 import splitserve_contract as contract
-from splitserve_runtime.termination import write_termination_message
+from splitserve_runtime.termination import log_startup_failure, write_termination_message
 
 if TYPE_CHECKING:
     from splitserve_runtime.engine.parallel.node import NodeStatus
@@ -100,8 +100,7 @@ def serve_worker_node(args: contract.ServeArgs, placement: Placement) -> int:
         return run_worker_node(args, placement=placement, model_dir=model_dir, status=status)
     except Exception as exc:
         status.alive = False
-        message = f"{type(exc).__name__}: {exc}"
-        logger.exception("the worker pod failed")
+        message = log_startup_failure(exc, log=logger, what="the worker pod failed")
         write_termination_message(message)
         return 1
     finally:

@@ -4,15 +4,16 @@ Why: ``kv_transfer_params`` tell a decode pod which host:port to connect to and 
 write into its cache. Taken from a client as they were, they made the decode pod connect
 anywhere (a port scanner: open and closed ports answer differently) and let anyone who could
 answer on a port inject KV. So handoff parameters must come from our own prefill pods, and
-each KV connection must join two of our own pods (issue 12, defect 4).
+each KV connection must join two of our own pods.
 
 How, with a key (``--handoff-key-file``: the Secret
 ``<InferenceService>`` + ``contract.HANDOFF_KEY_SECRET_SUFFIX`` that the operator creates and
 mounts into the prefill and decode pods of one InferenceService):
 
 - the prefill pod signs the parameters it answers with: an HMAC-SHA256 over a canonical JSON
-  encoding of every field (endpoint, request id, prompt length, first token, compat hash) plus
-  an expiry (``expires_at``, Unix seconds: the KV lease), carried in ``signature``;
+  encoding of every field (endpoint, request id, prompt length, first token, compat hash, the
+  prompt's digest) plus an expiry (``expires_at``, Unix seconds: the KV lease), carried in
+  ``signature``;
 - the decode pod checks the signature (constant-time compare), the expiry (allowing
   :data:`CLOCK_SKEW_SECONDS` between nodes) and that the compat hash is its own *before* it
   opens any connection; so it connects only to an endpoint one of our prefill pods named for
@@ -23,7 +24,27 @@ mounts into the prefill and decode pods of one InferenceService):
   HMAC(request id, nonce, the layout header), which the decode pod checks before it accepts
   a single block, so a stranger answering on that address cannot feed it KV.
 
-Each MAC is domain-separated by its purpose (``params``, ``fetch``, ``layout``), so one can
+What is signed binds the prompt: ``prompt_digest`` (``splitserve_contract.block_hash.prompt_digest``
+of the token ids whose KV the prefill pod kept) and ``num_prompt_tokens``. The decode pod
+recomputes both from its own tokenization of the request it was sent and refuses
+(``prompt_mismatch``) parameters computed for any other prompt, before it reserves a block or
+opens a connection. Without that check, signed parameters of prompt A presented with a prompt B
+of the same length made the decode pod answer with A's continuation and index A's KV in its
+prefix cache under B's block hashes, serving every later request that starts with B the wrong
+KV (a cross-user cache poisoning). The digest is checked with or without a key: it is no
+secret, and it protects the cache, not the connection.
+
+A decode pod behind a Gateway endpoint picker (``--prefill-headers``) sends the client's
+request, with the client's API key, to the prefill pod a header names, and a client that reaches
+the decode pod can write that header itself. So before anything goes to a named address, the
+decode pod asks that address's pod-info route to prove it holds the key: a fresh nonce in,
+HMAC(nonce, role, the pod's own HTTP address) out (purpose ``identity``). Only a prefill pod of
+the same InferenceService, serving at the very address named, passes (a relay that passes the
+nonce on to a real pod gets that pod's address signed, not its own); any other address gets one
+GET carrying a random nonce and nothing else, and without a key only loopback addresses are
+contacted.
+
+Each MAC is domain-separated by its purpose (``params``, ``fetch``, ``layout``, ``identity``), so one can
 never be replayed as another. The BLOCK frames themselves are protected by their CRC (against
 corruption) and by this authenticated start of the connection, not by a MAC: an attacker on
 the path between two pods is out of scope here (that needs TLS), a stranger is not.
@@ -40,6 +61,7 @@ The key is never logged, echoed or shown in a ``repr``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -47,9 +69,12 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from splitserve_contract.block_hash import prompt_digest
+from splitserve_contract.wire import HANDOFF_PROMPT_DIGEST_FIELD
 
 MIN_KEY_BYTES = 16
 """A shorter key file is refused at start-up (the operator writes 32 random bytes)."""
@@ -60,6 +85,7 @@ EXPIRY_FIELD = "expires_at"
 NONCE_FIELD = "nonce"
 TOKEN_FIELD = "token"
 PROOF_FIELD = "proof"
+PROMPT_DIGEST_FIELD = HANDOFF_PROMPT_DIGEST_FIELD
 MAX_NONCE_CHARS = 64
 _DOMAIN = b"splitserve/kv-handoff/v1"
 _MAC_HEX_CHARS = 2 * hashlib.sha256().digest_size
@@ -67,8 +93,8 @@ _MAC_HEX_CHARS = 2 * hashlib.sha256().digest_size
 
 class HandoffRejected(Exception):
     """A handoff or KV connection this pod must not take part in. ``code`` is stable for logs
-    and errors: unsigned, bad_signature, expired, compat_mismatch, endpoint_not_allowed,
-    malformed, unauthorized (a puller), unauthenticated (a server)."""
+    and errors: unsigned, bad_signature, expired, compat_mismatch, prompt_mismatch,
+    endpoint_not_allowed, malformed, unauthorized (a puller), unauthenticated (a server)."""
 
     def __init__(self, *, code: str, message: str) -> None:
         super().__init__(f"KV handoff refused ({code}): {message}")
@@ -83,6 +109,51 @@ def canonical_json(body: Mapping[str, Any]) -> bytes:
                           allow_nan=False).encode("ascii")
     except (TypeError, ValueError, RecursionError) as exc:
         raise HandoffRejected(code="malformed", message=f"cannot be encoded: {exc}") from None
+
+
+def check_prompt(params: Mapping[str, Any], *, prompt_token_ids: Sequence[int]) -> None:
+    """Raise HandoffRejected (``prompt_mismatch``) unless ``params`` name this prompt: the
+    same number of tokens and the same :func:`~splitserve_contract.block_hash.prompt_digest`.
+    Part of :meth:`HandoffAuth.check_params`; needs no key."""
+    digest = params.get(PROMPT_DIGEST_FIELD)
+    if not isinstance(digest, str) or not digest:
+        raise HandoffRejected(code="prompt_mismatch", message=(
+            f"the handoff parameters carry no {PROMPT_DIGEST_FIELD}, so nothing says which prompt "
+            "their KV belongs to"))
+    num_prompt_tokens = params.get("num_prompt_tokens")
+    if num_prompt_tokens != len(prompt_token_ids):
+        raise HandoffRejected(code="prompt_mismatch", message=(
+            f"the handoff parameters are for a prompt of {num_prompt_tokens!r} tokens; this "
+            f"request's prompt has {len(prompt_token_ids)}"))
+    try:
+        expected = prompt_digest(prompt_token_ids)
+    except ValueError as exc:
+        raise HandoffRejected(code="prompt_mismatch", message=str(exc)) from None
+    if digest != expected:
+        raise HandoffRejected(code="prompt_mismatch", message=(
+            "the handoff parameters were computed for another prompt of the same length "
+            f"({PROMPT_DIGEST_FIELD} differs)"))
+
+
+def canonical_endpoint(endpoint: str) -> str:
+    """``host:port`` spelt one way: an IP literal normalised (IPv6 without brackets, lower
+    case, zeros compressed), a name lower-cased; "" when ``endpoint`` is not ``host:port``."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        return ""
+    host = host.strip("[]").lower()
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    return f"{host}:{int(port)}"
+
+
+def _identity_body(*, nonce: str, role: str, endpoint: str) -> dict[str, str]:
+    return {NONCE_FIELD: nonce, "role": role, "endpoint": canonical_endpoint(endpoint)}
+
+
+def _is_nonce(nonce: object) -> bool:
+    return isinstance(nonce, str) and 0 < len(nonce) <= MAX_NONCE_CHARS and nonce.isascii() \
+        and nonce.isalnum()
 
 
 def is_loopback_host(host: str) -> bool:
@@ -169,9 +240,11 @@ class HandoffAuth:
         body[SIGNATURE_FIELD] = self._key.mac("params", body)
         return body
 
-    def check_params(self, params: Mapping[str, Any], *, compat_hash: str) -> None:
+    def check_params(self, params: Mapping[str, Any], *, compat_hash: str,
+                     prompt_token_ids: Sequence[int]) -> None:
         """Decode side, before any connection: raise HandoffRejected unless ``params`` come
-        from a prefill pod of this pool (see the module docstring)."""
+        from a prefill pod of this pool and were computed for ``prompt_token_ids``, the
+        prompt this pod was given (see the module docstring)."""
         if self._key is None:
             endpoint = params.get("remote_endpoint")
             if not isinstance(endpoint, str) or not is_loopback_host(endpoint_host(endpoint)):
@@ -198,6 +271,32 @@ class HandoffAuth:
             raise HandoffRejected(code="compat_mismatch", message=(
                 f"the prefill pod's compat hash {params.get('compat_hash')!r} is not this "
                 f"pod's {compat_hash!r}"))
+        check_prompt(params, prompt_token_ids=prompt_token_ids)
+
+    # ------------------------------------------------------------------ a named prefill pod
+    def identity_proof(self, *, nonce: str, role: str, endpoint: str) -> str | None:
+        """Prefill side, at the pod-info route: proof that this pod holds the key, bound to the
+        asker's fresh ``nonce``, this pod's ``role`` and the HTTP ``endpoint`` it serves at (its
+        own address, never one the asker names: a relay that passes the nonce on to a real pod
+        gets a proof for that pod's address, not its own). None without a key, or for a nonce
+        no asker of ours sends."""
+        if self._key is None or not _is_nonce(nonce) or not endpoint:
+            return None
+        return self._key.mac("identity", _identity_body(nonce=nonce, role=role, endpoint=endpoint))
+
+    def check_identity(self, *, endpoint: str, nonce: str, role: str, proof: object) -> None:
+        """Decode side, before a request (and the client's credentials with it) goes to an
+        address an endpoint picker's header named: the pod at ``endpoint`` must prove it holds
+        this InferenceService's key for ``nonce``, as a pod of ``role`` serving at that very
+        address. Without a key, loopback only. Raises HandoffRejected."""
+        if self._key is None:
+            self.check_endpoint(endpoint)
+            return
+        if not self._key.verify("identity", _identity_body(nonce=nonce, role=role, endpoint=endpoint),
+                                proof):
+            raise HandoffRejected(code="unauthenticated", message=(
+                f"{endpoint!r} did not prove it is a {role} pod of this InferenceService serving "
+                "at that address (KV handoff key)"))
 
     # ------------------------------------------------------------------ the KV connection
     def check_endpoint(self, endpoint: str) -> None:

@@ -705,7 +705,8 @@ def _estimate_terms(plan: _Plan, estimate: LatencyEstimate, *, detail: bool = Tr
 
 
 def _model_fields(plan: _Plan, slo: SloTarget, result: int) -> dict[str, float]:
-    """``lastDecision.model``: the fit, the planned load and the estimates at ``result``."""
+    """``lastDecision.model``: the fit, the planned load and the estimates at ``result``; only
+    finite numbers (an unstable estimate is infinite, and JSON, so the status, has no Infinity)."""
     out: dict[str, float] = {}
     if plan.theta is not None:
         for name, value in zip(COEFFICIENT_NAMES, plan.theta.as_tuple(), strict=True):
@@ -736,8 +737,8 @@ def _model_fields(plan: _Plan, slo: SloTarget, result: int) -> dict[str, float]:
             values["prefillUtilization"] = at.prefill.utilization
         if at.decode is not None:
             values["decodeBatch"] = at.decode.batch
-        out.update({k: round(v, 6) for k, v in values.items() if math.isfinite(v)})
-    return out
+        out.update({k: round(v, 6) for k, v in values.items()})
+    return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 # ---------------------------------------------------------------------------- GPU budget

@@ -19,11 +19,21 @@ need to leave the pod; Prometheus counters are enough).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
+from typing import Final
+
+from splitserve_contract import defaults
 
 COEFFICIENT_NAMES: tuple[str, ...] = (
     "step", "prefill_token", "prefill_pair", "decode_row", "decode_context")
 """Order of :class:`StepCoefficients` fields and of :meth:`StepSample.features`."""
+MAX_COEFFICIENT_SECONDS: Final = defaults.SLO_MAX_COEFFICIENT_SECONDS
+"""The largest coefficient a prior is taken at (:meth:`StepCoefficients.bounded`), whatever the
+CRD admitted (see the contract's definition for why)."""
+MIN_COEFFICIENT_SECONDS: Final = 1e-20
+"""A prior coefficient below this is taken as 0 (:meth:`StepCoefficients.bounded`): it is 0 for
+every estimate, and the fit's floor ``0.01/θ0²`` overflows for coefficients below ~1e-154."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +57,17 @@ class StepCoefficients:
     @classmethod
     def from_tuple(cls, values: Sequence[float]) -> StepCoefficients:
         return cls(**dict(zip(COEFFICIENT_NAMES, values, strict=True)))
+
+    def bounded(self) -> StepCoefficients:
+        """These coefficients as a prior is used: each within :data:`MAX_COEFFICIENT_SECONDS`
+        (an infinite one too), one below :data:`MIN_COEFFICIENT_SECONDS` (or NaN, or negative)
+        as 0. What the CRD admits is not trusted to keep the fit finite."""
+        def bound(value: float) -> float:
+            if math.isnan(value) or value < MIN_COEFFICIENT_SECONDS:
+                return 0.0
+            return min(value, MAX_COEFFICIENT_SECONDS)
+
+        return StepCoefficients.from_tuple([bound(v) for v in self.as_tuple()])
 
     def scaled(self, factor: float) -> StepCoefficients:
         """Every coefficient times ``factor`` (a prior 2x too fast is ``true.scaled(0.5)``)."""
@@ -157,7 +178,12 @@ class SloTarget:
     utilisation rule, as the planner's ``--headroom``): the margin for bursts and model error."""
     prior: StepCoefficients | None = None
     """Starting point of the fit (``splitserve plan --slo`` writes the roofline's); None: no prior,
-    the fit starts with zero confidence and decisions rely on measured latency until it has data."""
+    the fit starts with zero confidence and decisions rely on measured latency until it has data.
+    Kept :meth:`~StepCoefficients.bounded`, whatever it was given."""
+
+    def __post_init__(self) -> None:
+        if self.prior is not None:
+            object.__setattr__(self, "prior", self.prior.bounded())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -134,7 +134,7 @@ class StepFit:
         points: int, last_seconds: float | None, half_life_seconds: float = HALF_LIFE_SECONDS,
         noise: float | None = None,
     ) -> None:
-        self.prior = prior
+        self.prior = prior.bounded() if prior is not None else None
         self._gram = gram
         self._moment = moment
         self._yy = yy
@@ -155,6 +155,7 @@ class StepFit:
     # ------------------------------------------------------------------ updating
     def set_prior(self, prior: StepCoefficients | None) -> None:
         """Replace the prior (the spec's changed) and keep the data."""
+        prior = prior.bounded() if prior is not None else None
         if prior != self.prior:
             self.prior = prior
             self._cache = None
@@ -173,6 +174,8 @@ class StepFit:
             # window's busy time, so each window counts as one relative-error equation.
             y = sample.seconds
             x = [v / y for v in sample.features()]
+            if not all(math.isfinite(v * v) for v in x):
+                continue  # counters no engine produces (a window of 10¹⁵⁵ steps): the sums would overflow
             for i in range(_N):
                 self._moment[i] += x[i]
                 for j in range(_N):
@@ -330,11 +333,13 @@ class StepFit:
               else 0.0 for j in range(_N)] for i in range(_N)]
         pull = [sum(precision[i][j] * theta0[j] for j in range(_N)) for i in range(_N)]
         b = [(self._moment[i] + pull[i]) / diag[i] if diag[i] > 0 else 0.0 for i in range(_N)]
-        z = solve_nonnegative(a, b, fixed=[0.0] * _N)
+        z = solve_nonnegative(a, b, fixed=[0.0] * _N) if all(map(math.isfinite, b)) else None
         if z is None:
             return self.prior
-        return StepCoefficients.from_tuple(
-            [z[j] / diag[j] if self._gram[j][j] > 0 and diag[j] > 0 else max(0.0, theta0[j]) for j in range(_N)])
+        theta = [z[j] / diag[j] if self._gram[j][j] > 0 and diag[j] > 0 else max(0.0, theta0[j]) for j in range(_N)]
+        if not all(math.isfinite(v) for v in theta):
+            return self.prior  # never a NaN or Infinity into the estimates, the status or the ConfigMap
+        return StepCoefficients.from_tuple(theta)
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, object]:

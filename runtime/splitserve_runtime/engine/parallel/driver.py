@@ -8,7 +8,9 @@ ranks. If rank 0 fails on the way, the workers are stopped with it.
 
 On the leader of a multi-pod group (:mod:`.placement`) rank 0 starts only its own pod's other
 ranks, hosts the group's store on the rendezvous port, waits for the other pods' ranks to join,
-and watches those pods' heartbeats (:mod:`.liveness`) for as long as it runs.
+and watches those pods' heartbeats (:mod:`.liveness`) for as long as it runs. Where the store
+listens and the key of the group's control messages are :mod:`.rendezvous`'s: a one-pod
+replica on loopback under a key drawn here, a group of pods under ``--rendezvous-key-file``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import functools
 import logging
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -27,11 +30,13 @@ from splitserve_contract.model_config import ModelConfig
 
 from ..config import EngineConfig
 from ..llm_engine import LLMEngine
+from . import rendezvous
 from .failure import GroupFailure
 from .group import INIT_TIMEOUT, ParallelGroup, init_group
 from .launcher import free_init_method, start_workers
 from .liveness import Heartbeat
 from .placement import Placement, PlacementError, pin, resolve_placement
+from .rendezvous import Rendezvous
 from .runner import ParallelRunner
 from .worker import load_rank, rank_device
 
@@ -55,15 +60,24 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
         raise PlacementError(f"node rank {placement.node_rank} of a {placement.nnodes}-pod group runs only its "
                              f"ranks (`splitserve serve` does that there), not an engine")
     args = pin(args, placement)
-    init_method = placement.init_method() if placement.is_multinode else free_init_method()
+    meeting = rendezvous.multinode(args, placement) if placement.is_multinode else rendezvous.one_pod()
+    if not placement.is_multinode:
+        init_method = free_init_method()
+    elif meeting.store_host is not None:  # a keyless group on one machine: the store listens there only
+        init_method = local_init_method(meeting.store_host, placement.rendezvous_port)
+    else:
+        init_method = placement.init_method()
     failure = GroupFailure()
-    workers = start_workers(args, model_dir=model_dir, init_method=init_method,
+    workers = start_workers(args, model_dir=model_dir, init_method=init_method, rendezvous=meeting,
                             ranks=placement.local_ranks[1:], on_death=failure.worker_died)
     failure.workers = workers
     try:
-        group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0))
+        group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0),
+                      meeting=meeting)
         if placement.is_multinode:
-            failure.heartbeat = Heartbeat(host="127.0.0.1", port=placement.rendezvous_port, node=0,
+            store_host = urlparse(init_method).hostname
+            assert store_host is not None
+            failure.heartbeat = Heartbeat(host=store_host, port=placement.rendezvous_port, node=0,
                                           peers=placement.remote_nodes(), describe=placement.describe_node,
                                           on_lost=failure, wait_for_first_beat=False).start()
         loaded = load_rank(args, model_dir=model_dir, group=group)
@@ -93,14 +107,21 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
     return engine
 
 
-def _join(placement: Placement, *, args: ServeArgs, init_method: str, device: torch.device) -> ParallelGroup:
+def local_init_method(host: str, port: int) -> str:
+    """``tcp://host:port``, an IPv6 literal in brackets."""
+    host = host.strip("[]")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _join(placement: Placement, *, args: ServeArgs, init_method: str, device: torch.device,
+          meeting: Rendezvous) -> ParallelGroup:
     """Rank 0 joins (and, as the store's host, waits for) every rank of the group."""
     if placement.is_multinode:
         log.info("waiting up to %.0f s for the group's %d ranks on %d pods to join at port %d",
                  INIT_TIMEOUT.total_seconds(), placement.world_size, placement.nnodes, placement.rendezvous_port)
     try:
         return init_group(rank=0, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                          init_method=init_method, device=device)
+                          init_method=init_method, device=device, rendezvous=meeting)
     except RuntimeError as exc:
         if not placement.is_multinode:
             raise

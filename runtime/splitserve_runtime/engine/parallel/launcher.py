@@ -24,6 +24,7 @@ from typing import NoReturn
 from splitserve_contract import ServeArgs
 
 from ...termination import write_termination_message
+from .rendezvous import Rendezvous
 from .worker import worker_argv
 
 log = logging.getLogger(__name__)
@@ -112,15 +113,18 @@ def exit_group(message: str) -> NoReturn:
     os._exit(WORKER_EXIT_STATUS)
 
 
-def start_workers(args: ServeArgs, *, model_dir: Path, init_method: str, ranks: Sequence[int] | None = None,
-                  on_death: Callable[[int, int], None] | None = None) -> Workers:
+def start_workers(args: ServeArgs, *, model_dir: Path, init_method: str, rendezvous: Rendezvous,
+                  ranks: Sequence[int] | None = None, on_death: Callable[[int, int], None] | None = None) -> Workers:
     """Start ``ranks`` (default 1..size-1 of ``args.tensor_parallel_size ×
-    args.pipeline_parallel_size``: a one-pod replica); they join at ``init_method``."""
+    args.pipeline_parallel_size``: a one-pod replica); they join at ``init_method`` and get the
+    group's key in their environment (:mod:`.rendezvous`)."""
     size = args.tensor_parallel_size * args.pipeline_parallel_size
     ranks = list(range(1, size)) if ranks is None else list(ranks)
+    env = {**os.environ, **rendezvous.worker_env()}
     processes = [
-        subprocess.Popen(worker_argv(args, model_dir=model_dir, rank=rank, init_method=init_method),
-                         stdin=subprocess.DEVNULL)
+        subprocess.Popen(worker_argv(args, model_dir=model_dir, rank=rank, init_method=init_method,
+                                     loopback=rendezvous.loopback),
+                         stdin=subprocess.DEVNULL, env=env)
         for rank in ranks
     ]
     log.info("started parallel worker rank(s) %s: pids %s", ranks, [p.pid for p in processes])

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from splitserve_contract import ServeArgs
 
+from . import rendezvous
 from .launcher import Workers, exit_group, start_workers
 from .liveness import LEADER_WAIT_SECONDS, Heartbeat, wait_for_leader
 from .placement import Placement, pin
@@ -87,8 +88,9 @@ def run_worker_node(args: ServeArgs, *, placement: Placement, model_dir: Path, s
             time.sleep(0.05)
         fail(f"{me}: {reason}")
 
+    meeting = rendezvous.multinode(args, placement)  # refuses a keyless group beyond loopback
     workers = start_workers(pin(args, placement), model_dir=model_dir, init_method=placement.init_method(),
-                            ranks=placement.local_ranks, on_death=on_death)
+                            rendezvous=meeting, ranks=placement.local_ranks, on_death=on_death)
     status.detail = f"waiting for the group's leader at {host}:{port}"
     log.info("%s of a %d-pod group: %s", me, placement.nnodes, status.detail)
     try:

@@ -73,7 +73,8 @@ class Placement:
 
     def init_method(self) -> str:
         """Where this pod's ranks meet the group's store (``--nnodes`` > 1): the leader's own
-        ranks over loopback (the store listens on all interfaces), the others at the leader."""
+        ranks over loopback (a keyed group's store listens on every interface; a keyless one's
+        only on its loopback leader address, :mod:`.rendezvous`), the others at the leader."""
         if not self.is_multinode:
             raise ValueError("a one-pod replica meets on a free loopback port, not the rendezvous port")
         host = "127.0.0.1" if self.is_leader else self.leader_address

@@ -36,6 +36,7 @@ from .kv_slices import PullReport
 from .liveness import LEADER_WAIT_SECONDS, mark_ready, wait_for_leader
 from .placement import resolve_placement
 from .rank_kv import RankKV, report_key
+from .rendezvous import ControlAuthError, Rendezvous, from_environment
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ DRIVER_GONE_STATUS = 69
 """A worker rank's exit status when the driver (rank 0) went away without a Stop (EX_UNAVAILABLE)."""
 
 
-def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> int:
+def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str, rendezvous: Rendezvous) -> int:
     """A worker rank's whole life: join, load, execute the driver's messages, leave. Returns
     the exit status: 0 when told to stop, :data:`DRIVER_GONE_STATUS` when the driver is gone."""
     from ..loading import resolve_device
@@ -126,7 +127,7 @@ def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: st
         # a little longer than the pod's agent, whose message says more when the leader never comes
         wait_for_leader(placement.leader_address, placement.rendezvous_port, timeout_s=LEADER_WAIT_SECONDS + 60)
     group = init_group(rank=rank, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                       init_method=init_method, device=device)
+                       init_method=init_method, device=device, rendezvous=rendezvous)
     loaded = load_rank(args, model_dir=model_dir, group=group)
     caches = allocate_kv_caches(spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size,
                                 device=group.device)
@@ -147,6 +148,9 @@ def _execute(group: ParallelGroup, *, loaded: RankModel, caches: KVCaches, rank_
     while True:
         try:
             message = control.receive(group)
+        except ControlAuthError as exc:  # not the group's driver: never decoded, never run
+            log.error("parallel rank %d: %s; exiting", group.rank, exc)
+            return DRIVER_GONE_STATUS
         except RuntimeError as exc:  # the driver is gone (its connection closed)
             log.warning("parallel rank %d: the driver is gone (%s); exiting", group.rank, exc)
             return DRIVER_GONE_STATUS
@@ -200,10 +204,12 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def worker_argv(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str) -> list[str]:
-    """The command line :func:`main` parses (the group's shape comes with ``args``)."""
+def worker_argv(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str, loopback: bool) -> list[str]:
+    """The command line :func:`main` parses (the group's shape comes with ``args``; its key
+    comes in the environment, :mod:`.rendezvous`)."""
     return [sys.executable, "-m", __name__, "--rank", str(rank),
             "--init-method", init_method, "--model-dir", str(model_dir),
+            *(["--loopback"] if loopback else []),
             "--serve-args", json.dumps(dataclasses.asdict(args))]
 
 
@@ -213,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--serve-args", required=True, help="ServeArgs as JSON")
+    parser.add_argument("--loopback", action="store_true",
+                        help="every rank of the group runs on this machine: listen on loopback only")
     ns = parser.parse_args(argv)
+    group_rendezvous = from_environment(loopback=ns.loopback)
     exit_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{ns.rank} %(levelname)s %(name)s: %(message)s")
     args = ServeArgs(**json.loads(ns.serve_args))
-    code = serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method)
+    code = serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method,
+                        rendezvous=group_rendezvous)
     # Exit now: the interpreter's teardown of torch's modules takes seconds on a loaded host,
     # and the server (or the pod's agent) waits for its stopped ranks.
     logging.shutdown()
