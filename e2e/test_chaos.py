@@ -6,16 +6,31 @@ to the router Service's endpoints as a client behind a Service would. While the 
 test in turn
 
 * SIGKILLs a prefill pod's container (its PID 1; the kubelet restarts the container),
+* stalls a prefill pod (SIGSTOP of every process in its container: it accepts connections and
+  answers nothing) for longer than the router's prefill budget, then lets it go on (SIGCONT),
 * SIGKILLs a decode pod's container,
+* wedges a decode pod the same way for ``WEDGE_SECONDS``, then lets it go on,
 * deletes a router pod (a rollout or node drain: graceful),
 * force-deletes the operator's leader pod,
 * restarts the kube-apiserver, then edits the spec and sees the edit applied,
 * restarts Prometheus, then sees the autoscaler's metrics healthy again,
 
 and prints a table of requests sent / ok / failed per phase with each failure's reason. The
-bar: no failed request except those that were running on the killed decode pod (their work
-is lost with the process); the client retries only a connect that never reached a router
-(what any HTTP client does with a refused connection).
+bar: no failed request except streams that had started on the killed or wedged decode pod
+(their work is lost with the process: the router cannot move a stream whose tokens the client
+already has); the client retries only a connect that never reached a router (what any HTTP
+client does with a refused connection).
+
+The stalled prefill pod costs the requests already sent to it the router's prefill budget
+(``--prefill-timeout-seconds``, contract ``defaults.PREFILL_TIMEOUT_SECONDS``; no
+InferenceService field sets it, so the stall outlasts the default), after which a decode pod
+computes their prompts (route "fallback", read from the routers' ``/metrics``); the routers'
+health polls take the pod out of rotation within a poll, so a request sent later is neither
+failed nor slowed by the budget. Both stops stay shorter than the kubelet's liveness window
+(``LIVENESS_WINDOW_SECONDS``): this pins the router's handling of a silent pod, not the
+kubelet's restart of it (the kill phases cover a restart). When a request failed unexpectedly
+or with a 500, the routers' log tails are printed with the table (taken at the end of the phase,
+before a later phase deletes a router pod and its log).
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import splitserve_contract as contract
 from splitserve_e2e.cluster import LocalCluster
@@ -43,6 +59,7 @@ from splitserve_e2e.demo import (
     router_endpoints,
     wait_ready,
 )
+from splitserve_e2e.procsignal import stopped
 from splitserve_e2e.stack import RELEASE, SERVED_NAME, ModelHub, isvc_manifest, operator_namespace
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +72,22 @@ STEADY_SECONDS = 5.0
 RECOVER_SECONDS = 180.0
 CONNECT_RETRY_SECONDS = 60.0
 KILL_DECODE = "kill decode"
+STALL_PREFILL = "stall prefill"
+WEDGE_DECODE = "wedge decode"
+DECODE_FAULTS = frozenset({KILL_DECODE, WEDGE_DECODE})
+PREFILL_BUDGET_SECONDS = contract.defaults.PREFILL_TIMEOUT_SECONDS
+LIVENESS_WINDOW_SECONDS = 50.0
+"""A stopped pod's /health fails the kubelet's liveness probe (every 10 s, 6 failures) no
+sooner than this after the stop: the stops end before it."""
+DETECT_SECONDS = 8.0
+"""How soon after a stop a router's health poll (every 2 s, 2 s timeout, out after one
+failure) or the pod's readiness has taken the pod out: requests started later must not wait
+on it."""
+SLACK_SECONDS = 5.0
+"""The longest a request on the healthy pods may take while one pod is stopped."""
+STALL_HOLD_SECONDS = 6.0
+"""How long the prefill pod stays stopped after the first fallback was counted."""
+WEDGE_SECONDS = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +97,9 @@ class Outcome:
     stream: bool
     reason: str = ""
     connect_retries: int = 0
+    started_at: float = 0.0  # time.monotonic() of the first send and of the end
+    ended_at: float = 0.0
+    streaming: bool = False  # a stream the router had answered 200 (tokens may have followed)
 
 
 @dataclasses.dataclass
@@ -89,6 +125,10 @@ class ChaosLoad:
         self._max_requests = max_requests
         self.phase = "steady"
         self.outcomes: list[Outcome] = []
+
+    def ok_count(self) -> int:
+        with self._lock:
+            return sum(o.ok for o in self.outcomes)
 
     def start(self) -> None:
         self._refresh()
@@ -138,7 +178,9 @@ class ChaosLoad:
                 "prompt": f"request {index} {uuid.uuid4().hex}: the router pairs prefill and decode pods "
                           "and the decode pod pulls the prompt's KV blocks before it answers."}
         retries = 0
-        deadline = time.monotonic() + CONNECT_RETRY_SECONDS
+        started = time.monotonic()
+        deadline = started + CONNECT_RETRY_SECONDS
+        streaming = False
         while True:
             endpoints = self._refresh() if retries else list(self._endpoints)
             endpoint = endpoints[(index + retries) % len(endpoints)] if endpoints else ""
@@ -153,7 +195,8 @@ class ChaosLoad:
                         if response.status_code != 200:
                             response.read()
                             return self._failed(stream, retries, f"HTTP {response.status_code}: "
-                                                f"{response.text[:160]}")
+                                                f"{response.text[:160]}", started=started)
+                        streaming = True
                         reason = _stream_problem(response.iter_lines())
                 else:
                     response = client.post(url, json=body)
@@ -169,11 +212,14 @@ class ChaosLoad:
             except httpx.HTTPError as error:
                 reason = f"{type(error).__name__}: {error}"[:200]
             if reason:
-                return self._failed(stream, retries, reason)
-            return Outcome(phase=self.phase, ok=True, stream=stream, connect_retries=retries)
+                return self._failed(stream, retries, reason, started=started, streaming=streaming)
+            return Outcome(phase=self.phase, ok=True, stream=stream, connect_retries=retries,
+                           started_at=started, ended_at=time.monotonic(), streaming=streaming)
 
-    def _failed(self, stream: bool, retries: int, reason: str) -> Outcome:
-        return Outcome(phase=self.phase, ok=False, stream=stream, reason=reason, connect_retries=retries)
+    def _failed(self, stream: bool, retries: int, reason: str, *, started: float,
+                streaming: bool = False) -> Outcome:
+        return Outcome(phase=self.phase, ok=False, stream=stream, reason=reason, connect_retries=retries,
+                       started_at=started, ended_at=time.monotonic(), streaming=streaming)
 
 
 def _stream_problem(lines: Iterator[str]) -> str:
@@ -226,6 +272,90 @@ def _kill_container(cluster: LocalCluster, namespace: str, role: str) -> str:
         return _restarts(current) > restarts and _ready(current)
     cluster.wait_for(back, timeout_seconds=RECOVER_SECONDS, what=f"{name} restarted and Ready")
     return str(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """One pod's processes stopped from ``stopped_at`` to ``continued_at`` (time.monotonic())."""
+    pod: str
+    stopped_at: float
+    continued_at: float
+
+
+def _stop_container(cluster: LocalCluster, namespace: str, role: str,
+                    hold: Callable[[float], None]) -> tuple[Stop, int]:
+    """SIGSTOP every process of one pod's container (it accepts connections and answers
+    nothing), call ``hold(stopped_at)``, SIGCONT them (also when ``hold`` raised), and wait until
+    the pool is Ready again. The stop and the pod's container restarts during it (0 when the
+    kubelet's liveness probe did not fire)."""
+    pod = _pods(cluster, namespace, role)[0]
+    name, restarts = str(pod.metadata.name), _restarts(pod)
+    pid = cluster.container_pid(namespace=namespace, pod=name)
+    assert pid is not None, f"{name} has no running container"
+    with stopped(pid) as pids:
+        assert len(pids) > 1, f"{name}: only tini ({pids}) found to stop; the server is its child"
+        stopped_at = time.monotonic()
+        hold(stopped_at)
+    continued_at = time.monotonic()
+    _wait_pool_ready(cluster, namespace, role, REPLICAS)
+    current = cluster.core().read_namespaced_pod(name, namespace)
+    return Stop(pod=name, stopped_at=stopped_at, continued_at=continued_at), _restarts(current) - restarts
+
+
+def _held_by(stop: Stop, outcomes: list[Outcome], *, budget: float | None = None
+             ) -> tuple[int, list[Outcome]]:
+    """The requests that started once the routers should have taken the stopped pod out
+    (``DETECT_SECONDS`` after the stop, and early enough to end before it went on), and those of
+    them that still waited for it: they ended only after it went on, or (``budget``) took at
+    least that long."""
+    window = [o for o in list(outcomes)
+              if stop.stopped_at + DETECT_SECONDS <= o.started_at <= stop.continued_at - SLACK_SECONDS]
+    return len(window), [o for o in window if o.ended_at >= stop.continued_at
+                         or (budget is not None and o.ended_at - o.started_at >= budget)]
+
+
+def _router_metric(cluster: LocalCluster, namespace: str, name: str, **labels: str) -> float:
+    """The sum of a router counter over the router pods now serving (each counts its own)."""
+    total = 0.0
+    for endpoint in router_endpoints(cluster=cluster, namespace=namespace, name=NAME):
+        text = httpx.get(f"http://{endpoint}/metrics", timeout=5.0).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+    return total
+
+
+def _fallbacks(cluster: LocalCluster, namespace: str) -> float:
+    return _router_metric(cluster, namespace, "splitserve_router_routes_total", route="fallback")
+
+
+def _router_logs(cluster: LocalCluster, namespace: str, *, lines: int = 80) -> str:
+    """The last ``lines`` of every router pod's log (the traceback of a 500 is there)."""
+    out = []
+    try:
+        names = [str(pod.metadata.name) for pod in _pods(cluster, namespace, "router")]
+    except Exception as error:  # noqa: BLE001 - logs we cannot read must not hide the table
+        return f"(router pods unavailable: {error!r})"
+    for name in names:
+        try:
+            log = cluster.pod_log(namespace=namespace, pod=name)
+        except Exception as error:  # noqa: BLE001
+            log = f"(log unavailable: {error!r})"
+        out.append(f"----- kubectl logs {name} -n {namespace} (last {lines} lines)\n"
+                   + "\n".join(log.splitlines()[-lines:]))
+    return "\n".join(out)
+
+
+def _expected_loss(outcome: Outcome) -> bool:
+    """A failure the bar allows: a stream the router had started answering (its tokens came
+    from the decode pod that was killed or wedged, and cannot move), in a decode fault phase."""
+    return not outcome.ok and outcome.phase in DECODE_FAULTS and outcome.stream and outcome.streaming
+
+
+def _suspicious(outcome: Outcome) -> bool:
+    """A failure outside the bar (an HTTP 500 always is one)."""
+    return not outcome.ok and not _expected_loss(outcome)
 
 
 def _wait_pool_ready(cluster: LocalCluster, namespace: str, role: str, replicas: int) -> None:
@@ -297,13 +427,62 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
     namespace = served
     load = ChaosLoad(lambda: router_endpoints(cluster=cluster, namespace=namespace, name=NAME))
     phases: list[Phase] = []
+    problems: list[str] = []  # what a phase saw wrong, asserted after the table is printed
+    router_logs: list[str] = []  # the routers' log tails after a phase with a suspicious failure
+    suspicious_seen = 0
 
     def run_phase(name: str, action: Callable[[], str]) -> None:
+        nonlocal suspicious_seen
         load.phase = name
         started = time.monotonic()
         detail = action()
         phases.append(Phase(name=name, seconds=time.monotonic() - started, detail=detail))
         time.sleep(STEADY_SECONDS)  # serve a while on the recovered system within the phase
+        suspicious = sum(_suspicious(o) for o in list(load.outcomes))
+        if suspicious > suspicious_seen:  # now, before a later phase deletes a router pod
+            suspicious_seen = suspicious
+            router_logs.append(f"===== router logs after phase {name!r}\n{_router_logs(cluster, namespace)}")
+
+    def stall_prefill() -> str:
+        before = _fallbacks(cluster, namespace)
+
+        def hold(stopped_at: float) -> None:
+            # until a request sent to the stalled pod spent its prefill budget and fell back
+            try:
+                cluster.wait_for(lambda: _fallbacks(cluster, namespace) > before, interval_seconds=0.5,
+                                 timeout_seconds=PREFILL_BUDGET_SECONDS + 6, what="a fallback route")
+            except TimeoutError as error:
+                problems.append(f"{STALL_PREFILL}: {error}")
+            time.sleep(max(0.0, min(STALL_HOLD_SECONDS,
+                                    stopped_at + LIVENESS_WINDOW_SECONDS - 5 - time.monotonic())))
+
+        stop, restarts = _stop_container(cluster, namespace, "prefill", hold)
+        fallbacks = _fallbacks(cluster, namespace) - before
+        window, held = _held_by(stop, load.outcomes, budget=PREFILL_BUDGET_SECONDS)
+        if held:
+            problems.append(f"{STALL_PREFILL}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
+                            f"after the stop still waited on {stop.pod}: {held[:3]}")
+        return (f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {fallbacks:g} fallback "
+                f"route(s); {window - len(held)}/{window} later requests not held; restarts {restarts}")
+
+    def wedge_decode() -> str:
+        served: list[int] = []
+
+        def hold(stopped_at: float) -> None:
+            time.sleep(DETECT_SECONDS)
+            before = load.ok_count()
+            time.sleep(max(0.0, stopped_at + WEDGE_SECONDS - time.monotonic()))
+            served.append(load.ok_count() - before)
+
+        stop, restarts = _stop_container(cluster, namespace, "decode", hold)
+        window, held = _held_by(stop, load.outcomes)
+        if held:
+            problems.append(f"{WEDGE_DECODE}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
+                            f"after the stop still waited on {stop.pod}: {held[:3]}")
+        if not served or not served[0]:
+            problems.append(f"{WEDGE_DECODE}: nothing served by the other decode pod while {stop.pod} was stopped")
+        return (f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {served[0] if served else 0} "
+                f"served meanwhile; {window - len(held)}/{window} later requests not held; restarts {restarts}")
 
     def delete_router() -> str:
         pod = str(_pods(cluster, namespace, "router")[0].metadata.name)
@@ -332,24 +511,33 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
     try:
         run_phase("steady", lambda: "")
         run_phase("kill prefill", lambda: _kill_container(cluster, namespace, "prefill"))
+        run_phase(STALL_PREFILL, stall_prefill)
         run_phase(KILL_DECODE, lambda: _kill_container(cluster, namespace, "decode"))
+        run_phase(WEDGE_DECODE, wedge_decode)
         run_phase("delete router pod", delete_router)
         run_phase("kill operator leader", lambda: "new leader " + _kill_operator_leader(cluster, namespace))
         run_phase("restart kube-apiserver", restart_apiserver_then_edit)
         run_phase("restart prometheus", restart_prometheus)
     finally:
+        # the table and the logs also when a phase raised (a pool that did not come back)
         load.stop()
-
-    table = _table(phases, load.outcomes)
-    with capsys.disabled():
-        print("\n" + table)
+        table = _table(phases, load.outcomes)
+        if any(_suspicious(o) for o in load.outcomes):
+            router_logs.append(f"===== router logs at the end\n{_router_logs(cluster, namespace)}")
+        with capsys.disabled():
+            print("\n" + table)
+            for logs in router_logs:
+                print(logs)
     assert len(load.outcomes) > 10 * len(phases), table
     for phase in phases:
         assert any(o.ok for o in load.outcomes if o.phase == phase.name), f"nothing served during {phase.name}\n{table}"
-    unexpected = [o for o in load.outcomes if not o.ok and o.phase != KILL_DECODE]
-    assert not unexpected, f"requests failed outside the decode kill:\n{table}"
-    lost_on_decode = [o for o in load.outcomes if not o.ok and o.phase == KILL_DECODE]
-    assert len(lost_on_decode) <= CONCURRENCY, f"more failures than requests in flight at the kill:\n{table}"
+    unexpected = [o for o in load.outcomes if _suspicious(o)]
+    assert not unexpected, (f"requests failed other than streams started on a killed or wedged decode pod "
+                            f"(router logs printed above):\n{table}")
+    for name in DECODE_FAULTS:
+        lost = [o for o in load.outcomes if not o.ok and o.phase == name]
+        assert len(lost) <= CONCURRENCY, f"more failures than requests in flight in {name}:\n{table}"
+    assert not problems, "\n".join(problems) + "\n" + table
 
 
 def _table(phases: list[Phase], outcomes: list[Outcome]) -> str:

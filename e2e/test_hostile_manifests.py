@@ -6,7 +6,8 @@ core/v1 schemas for the pod fields, CEL rules), or is admitted and then shows wh
 in its status conditions (kstatus ``Stalled=True`` with a reason): a child the API server
 refuses for good (``InvalidSpec``, not retried), pods that cannot be created
 (``FailedCreate``: a missing PriorityClass), GPUs the cluster does not have, pods that cannot
-be configured or keep crashing.
+be configured or keep crashing, pods the scheduler cannot place for another cause
+(``Unschedulable`` with the scheduler's words: memory, a nodeSelector, a missing claim).
 
 One operator release (namespace scope, a container on the kubelet node) serves the module;
 admission cases need only the CRD. Status cases run one at a time and delete what they made.
@@ -314,6 +315,10 @@ class StatusCase:
     reason: str
     message: tuple[str, ...]
     runtime: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    """Replaces spec.model when set."""
+    absent: tuple[str, ...] = ()
+    """Words the message must not hold."""
 
 
 STATUS_CASES = [
@@ -341,6 +346,18 @@ STATUS_CASES = [
     StatusCase("label-selector-bad-key",
                {"prefill": _kwok_pool(), "decode": _kwok_pool(affinity=_label_selector_with_bad_key())},
                Reason.INVALID_SPEC, ("Deployment/", "-decode", "bad key!")),
+    # hostile review: a pod the scheduler cannot place for another cause than GPUs is Stalled
+    # with the scheduler's words (not InsufficientGPUCapacity, not an endless rollout)
+    StatusCase("memory-beyond-the-nodes",  # the kwok nodes have 1024Gi each, and GPUs to spare
+               {"prefill": _kwok_pool(resources={"gpus": 1, "memory": "15Ti"}), "decode": _kwok_pool()},
+               Reason.UNSCHEDULABLE, ("pod ", "-prefill-", "Insufficient memory"), absent=("nvidia.com/gpu",)),
+    StatusCase("node-selector-matching-nothing",
+               {"prefill": _kwok_pool(),
+                "decode": _kwok_pool(nodeSelector={KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE, "no-such-label": "x"})},
+               Reason.UNSCHEDULABLE, ("-decode-", "didn't match Pod's node affinity/selector")),
+    StatusCase("model-claim-missing", {"prefill": _kwok_pool(), "decode": _kwok_pool()},
+               Reason.UNSCHEDULABLE, ('persistentvolumeclaim "no-such-claim" not found',),
+               model={"uri": "pvc://no-such-claim/model", "dtype": "float32", "maxModelLen": 1024}),
 ]
 
 
@@ -398,12 +415,17 @@ def test_admitted_but_hopeless_is_stalled_with_the_reason(cluster: LocalCluster,
                                                           case: StatusCase) -> None:
     name = f"h-{case.id[:24].strip('-')}-{uuid.uuid4().hex[:4]}"
     try:
-        _apply(cluster, _admitted(name, ns, model_hub, pools=case.pools, runtime=case.runtime))  # admitted
+        manifest = _admitted(name, ns, model_hub, pools=case.pools, runtime=case.runtime)
+        if case.model:
+            manifest["spec"]["model"] = case.model
+        _apply(cluster, manifest)  # admitted
         obj = _wait_stalled(cluster, ns, name, case.reason, case.message)
         stalled = condition(obj, ConditionType.STALLED) or {}
         assert stalled["status"] == "True"
         for words in case.message:
             assert words in stalled["message"], stalled
+        for words in case.absent:
+            assert words not in stalled["message"], stalled
         # kstatus: a stalled object is not also "reconciling" (Flux, kubectl wait, Argo CD).
         reconciling = condition(obj, ConditionType.RECONCILING) or {}
         assert reconciling.get("status") == "False", reconciling

@@ -36,6 +36,10 @@ class Reason:
     API_ERROR: Final = "ApiError"
     PAUSED: Final = "Paused"
     INSUFFICIENT_GPU_CAPACITY: Final = "InsufficientGPUCapacity"
+    UNSCHEDULABLE: Final = "Unschedulable"
+    """The scheduler cannot place a pod for another cause than GPUs (memory, CPU, a
+    nodeSelector or affinity no node matches, a missing PersistentVolumeClaim); the message is
+    the scheduler's."""
     MODEL_UNAVAILABLE: Final = "ModelUnavailable"
     """A runtime pod exited because its model could not be loaded (message from the pod)."""
     POD_START_FAILED: Final = "PodStartFailed"

@@ -7,15 +7,25 @@ allocatable ``nvidia.com/gpu`` of the schedulable nodes whose labels match the p
 nodeSelector and whose NoSchedule/NoExecute taints the pool tolerates. Other workloads'
 usage is the scheduler's business (their pods would show up as Pending, which
 :func:`unschedulable_gpu_pods` reports).
+
+A pool whose constraints match no node at all is not a GPU shortfall: the scheduler says what
+keeps its pods off the nodes (a nodeSelector or affinity no node matches, an untolerated taint),
+and :mod:`failures` relays those words. Likewise a Pending pod counts as short of GPUs only
+when the scheduler names ``nvidia.com/gpu`` as the only resource it lacks
+(:func:`lacks_only_gpus`): "1 Insufficient nvidia.com/gpu, 2 Insufficient memory" says a node
+without GPUs was passed over while the GPU nodes lack memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 GPU_RESOURCE = "nvidia.com/gpu"
+_INSUFFICIENT: Final = re.compile(r"Insufficient ([A-Za-z0-9][A-Za-z0-9./_-]*[A-Za-z0-9])")
+"""A scheduler's "N Insufficient <resource>" (NodeResourcesFit); the resource is group 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,20 +91,37 @@ def gpu_shortfall(
         _quantity_int(((n.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)) // gpus_per_pod
         for n in eligible
     )
-    if fitting >= pods:
+    if fitting >= pods or not eligible:
         return None
     return Shortfall(pool=pool, pods=pods, gpus_per_pod=gpus_per_pod, fitting_pods=fitting,
                      matching_nodes=len(eligible))
 
 
+def scheduling_failure(pod: Mapping[str, Any]) -> str | None:
+    """The scheduler's message for a Pending pod it could not place (``PodScheduled=False``,
+    reason ``Unschedulable``); None for any other pod."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Pending":
+        return None
+    for cond in status.get("conditions") or []:
+        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"):
+            return str(cond.get("message") or "")
+    return None
+
+
+def lacks_only_gpus(message: str) -> bool:
+    """Whether a scheduler's message names :data:`GPU_RESOURCE` as the only resource the nodes
+    lack (the part before its "preemption:" verdict, which repeats the counts)."""
+    placement = message.split("preemption:", 1)[0]
+    return set(_INSUFFICIENT.findall(placement)) == {GPU_RESOURCE}
+
+
 def unschedulable_gpu_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Names of Pending pods the scheduler could not place for lack of GPUs."""
+    """Names of Pending pods the scheduler could not place for lack of GPUs alone."""
     out = []
     for pod in pods:
-        if (pod.get("status") or {}).get("phase") != "Pending":
-            continue
-        for cond in (pod.get("status") or {}).get("conditions") or []:
-            if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
-                    and cond.get("reason") == "Unschedulable" and GPU_RESOURCE in str(cond.get("message", ""))):
-                out.append(str(pod["metadata"]["name"]))
+        message = scheduling_failure(pod)
+        if message is not None and lacks_only_gpus(message):
+            out.append(str(pod["metadata"]["name"]))
     return out

@@ -103,7 +103,14 @@ PRINTER_COLUMNS: Final[list[dict[str, Any]]] = [
         "name": "Router",
         "type": "string",
         "jsonPath": ".status.router.summary",
-        "description": "Router pods ready/desired.",
+        "description": "Router pods ready/desired (router.mode Builtin).",
+        "priority": 1,
+    },
+    {
+        "name": "Picker",
+        "type": "string",
+        "jsonPath": ".status.endpointPicker.summary",
+        "description": "Endpoint picker pods ready/desired (router.mode InferencePool).",
         "priority": 1,
     },
     # -o wide: is it healthy, and why did it last scale (the decision history is in

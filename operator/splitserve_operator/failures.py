@@ -14,7 +14,13 @@ reconciler already holds:
   the termination message does (``ModelUnavailable``), else ``PodStartFailed``;
 * pods whose container cannot be started at all (:func:`pod_waiting_failure`):
   ``ImagePullBackOff``, ``ErrImagePull``, ``CreateContainerConfigError`` and the like, with
-  the kubelet's message.
+  the kubelet's message;
+* pods the scheduler cannot place (:func:`pod_unschedulable`: ``PodScheduled=False``, reason
+  ``Unschedulable``), with the scheduler's message: ``InsufficientGPUCapacity`` only when it
+  names ``nvidia.com/gpu`` as the only resource lacking, else ``Unschedulable`` (memory or CPU
+  beyond every node, a nodeSelector or affinity no node matches, a missing
+  PersistentVolumeClaim). Without this, such a pool reads "in progress" until its Deployment's
+  progress deadline, and then only "ReplicaSet has timed out progressing".
 
 Pod evidence counts only for pools without a ready replica (:func:`pod_failures`): one
 failing replica beside serving ones is the rollout's business, and a rollout stuck for good
@@ -30,6 +36,8 @@ from typing import Any, Final
 
 import splitserve_contract as contract
 from splitserve_contract import Reason, Role
+
+from . import capacity
 
 MAX_MESSAGE_CHARS: Final = 1024
 """A child's message is trimmed to this in conditions and Events."""
@@ -115,7 +123,27 @@ class PodWaitingFailure:
         return f"{head}: {self.message}" if self.message else head
 
 
-PodFailure = PodStartFailure | PodWaitingFailure
+@dataclasses.dataclass(frozen=True)
+class PodUnschedulable:
+    """A Pending pod the scheduler cannot place."""
+
+    pod: str
+    role: str
+    message: str
+    """The scheduler's message ("0/3 nodes are available: 1 Insufficient memory, ...")."""
+
+    @property
+    def reason(self) -> str:
+        if capacity.lacks_only_gpus(self.message):
+            return Reason.INSUFFICIENT_GPU_CAPACITY
+        return Reason.UNSCHEDULABLE
+
+    def describe(self) -> str:
+        head = f"pod {self.pod} cannot be scheduled"
+        return f"{head}: {self.message}" if self.message else head
+
+
+PodFailure = PodStartFailure | PodWaitingFailure | PodUnschedulable
 
 
 def _relevant_text(message: str) -> tuple[bool, str]:
@@ -203,16 +231,29 @@ def pod_waiting_failure(pod: Mapping[str, Any]) -> PodWaitingFailure | None:
     return None
 
 
+def pod_unschedulable(pod: Mapping[str, Any]) -> PodUnschedulable | None:
+    """``pod`` with the scheduler's message when it is Pending and cannot be placed."""
+    identity = _identity(pod)
+    message = capacity.scheduling_failure(pod)
+    if identity is None or message is None:
+        return None
+    return PodUnschedulable(pod=identity[0], role=identity[1], message=_trim(message))
+
+
 def pod_failure(pod: Mapping[str, Any]) -> PodFailure | None:
-    """Why ``pod`` cannot run, if it cannot: a start failure, else a waiting failure."""
-    return pod_start_failure(pod) or pod_waiting_failure(pod)
+    """Why ``pod`` cannot run, if it cannot: a start failure, else a waiting failure, else the
+    scheduler's refusal."""
+    return pod_start_failure(pod) or pod_waiting_failure(pod) or pod_unschedulable(pod)
 
 
 def _rank(failure: PodFailure) -> tuple[int, str]:
-    """A model failure says the most, then any other start failure, then a waiting one."""
+    """A model failure says the most, then any other start failure, then a waiting one, then
+    the scheduler's."""
     if isinstance(failure, PodStartFailure):
         return (0 if failure.model_unavailable else 1, failure.pod)
-    return (2, failure.pod)
+    if isinstance(failure, PodWaitingFailure):
+        return (2, failure.pod)
+    return (3, failure.pod)
 
 
 def pod_failures(*, roles: Collection[Role], pods: Sequence[Mapping[str, Any]]) -> list[PodFailure]:

@@ -40,7 +40,8 @@ Triggers, all level-based (every reconcile recomputes everything):
   whenever the operator is down.
 
 kopf's own progress and diff-base annotations use the ``splitserve.dev`` prefix (settings in
-:mod:`main`).
+:mod:`main`); the diff-base is a digest of the last handled state, not the spec itself
+(:mod:`.diffbase`), so a spec of any size fits the annotations.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ CACHED_RESOURCES: Final = (*CHILD_RESOURCES, ("", "v1", "secrets"))
 def retry_delay(attempt: int) -> float:
     """1, 2, 4, ... seconds, capped at :data:`MAX_RETRY_DELAY_SECONDS`."""
     return float(min(MAX_RETRY_DELAY_SECONDS, 2 ** max(0, attempt)))
+
+
+def progress_message(text: str) -> str:
+    """``text`` bounded for kopf, which keeps a retried handler's error message in an
+    annotation (all annotations share 256 KiB; an API server's message may quote the spec)."""
+    return text if len(text) <= failures.MAX_MESSAGE_CHARS else text[:failures.MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def not_paused(body: Mapping[str, Any], **_: Any) -> bool:
@@ -346,10 +353,11 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
                     return
                 await in_lane(ctx.spec_lane, functools.partial(ctx.run_reconcile, obj))
         except reconcile.RetryableError as exc:
-            raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
+            raise kopf.TemporaryError(progress_message(str(exc)), delay=retry_delay(retry)) from exc
         except Exception as exc:  # noqa: BLE001 - problems are retried, never crash the operator
             logger.exception("Reconcile of %s/%s failed unexpectedly", key[0], key[1])
-            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=retry_delay(retry)) from exc
+            raise kopf.TemporaryError(progress_message(f"{type(exc).__name__}: {exc}"),
+                                      delay=retry_delay(retry)) from exc
 
     kopf.on.login(registry=registry)(kopf.login_via_client)
     kopf.on.resume(group, version, plural, registry=registry, when=not_paused,

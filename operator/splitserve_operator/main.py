@@ -34,7 +34,7 @@ from kubernetes import config as k8s_config
 
 import splitserve_contract as contract
 
-from . import api, handlers, health, kube, leader, metrics, operator_flags, reconcile
+from . import api, diffbase, handlers, health, kube, leader, metrics, operator_flags, reconcile
 from .autoscaler import loop as autoscaler_loop
 
 logger = logging.getLogger("splitserve_operator")
@@ -68,8 +68,11 @@ def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
     # then serves the given namespace and the resources present at start (what we want).
     settings.scanning.disabled = namespaced
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    # The last handled state as a digest, not the whole spec: all annotations share 256 KiB,
+    # and a spec of that size must not make kopf's bookkeeping patch fail forever (:mod:`diffbase`).
+    settings.persistence.diffbase_storage = diffbase.DigestDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration",
+        progress=settings.persistence.progress_storage)
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/kopf-finalizer"  # none is required today
     settings.posting.level = logging.WARNING  # kopf's own messages; ours use kopf.event directly
     settings.posting.reporting_component = contract.MANAGED_BY_VALUE

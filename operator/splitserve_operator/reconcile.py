@@ -673,7 +673,21 @@ def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report:
     return _Observed(pools=pools, shortfalls=shortfalls,
                      replica_failures=failures.replica_failures(report.deployments),
                      pod_failures=pod_failures(pools=pools, pods=pods),
-                     stuck_rollouts=failures.stuck_rollouts(report.deployments))
+                     stuck_rollouts=own_stuck_rollouts(
+                         failures.stuck_rollouts(report.deployments), pools=pools,
+                         builtin_router=not inference_pool.enabled(parsed.isvc.spec)))
+
+
+def own_stuck_rollouts(stuck: Sequence[failures.DeploymentFailure], *, pools: Mapping[Role, PoolObservation],
+                       builtin_router: bool) -> list[failures.DeploymentFailure]:
+    """``stuck`` less the bundled router's rollout while no decode or aggregated pod is ready:
+    the router is Ready only with a healthy pod to send to, so its deadline then passes because
+    of that pool (which reports its own failure), and "router: ReplicaSet has timed out" would
+    blame the router for a failed engine."""
+    serving = any(o.ready >= 1 for role, o in pools.items() if role in (Role.DECODE, Role.AGGREGATED))
+    if serving or not builtin_router:
+        return list(stuck)
+    return [f for f in stuck if f.role != Role.ROUTER.value]
 
 
 def _blocker(observed: _Observed) -> tuple[str, str] | None:
@@ -734,7 +748,13 @@ def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _O
         else endpoint_of(name=parsed.name, namespace=parsed.namespace),
         "compatHash": render.compat_hash_of(isvc=parsed.isvc, runtime_image=settings.runtime_image),
     }
+    picker = inference_pool.enabled(parsed.isvc.spec)
     for role, o in observed.pools.items():
+        if picker and role is Role.ROUTER:  # the picker stands where the router would: counted apart
+            fields["endpointPicker"] = {"replicas": o.replicas, "readyReplicas": o.ready,
+                                        "desiredReplicas": o.desired, "summary": f"{o.ready}/{o.desired}"}
+            fields["router"] = None  # counted here by an earlier version: the column must not show it
+            continue
         fields[_status_key(role)] = {"replicas": o.replicas, "readyReplicas": o.ready,
                                      "desiredReplicas": o.desired, "pendingReplicas": o.pending,
                                      "summary": f"{o.ready}/{o.desired}"}

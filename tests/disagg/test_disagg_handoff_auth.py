@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
-from disagg_harness import MODEL_NAME, Cluster, Proc, Reference
+from disagg_harness import MODEL_NAME, Cluster, Proc, Reference, wait_for
 
 from splitserve_contract import KV_TRANSFER_PARAMS_FIELD, Metric
 from splitserve_contract.block_hash import prompt_digest
@@ -119,10 +119,11 @@ def test_forged_handoff_params_are_refused_without_any_connection(cluster: Clust
                 assert error["param"] == KV_TRANSFER_PARAMS_FIELD
         assert listener.connections == 0
         # the control: the same endpoint, signed by the pool's key, is connected to (the pull
-        # fails on the closed connection and the decode pod computes the prompt itself)
+        # fails on the closed connection and the decode pod computes the prompt itself; then it
+        # connects once more, to RELEASE the export a cut-off pull leaves pinned there)
         response = _post(decode, _body(PROMPT, **{KV_TRANSFER_PARAMS_FIELD: cluster.sign(base)}))
         assert response.status_code == 200, response.text
-        assert listener.connections == 1
+        wait_for(lambda: listener.connections == 2, timeout_seconds=5, what="the pull, then the release")
     assert decode.ready()
 
 

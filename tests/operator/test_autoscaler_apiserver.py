@@ -3,7 +3,7 @@ with the in-memory Prometheus of :mod:`test_slo_loop`.
 
 Defects pinned here, where only a real API server shows them:
 
-* an SLO ``prior`` of 1e308 (finite, so admitted) made the status patch carry ``Infinity``,
+* an SLO ``prior`` of 1e308 (finite, so admitted then; bounded to 60 s per unit now) made the status patch carry ``Infinity``,
   which the API server refuses: every round failed and the status stayed frozen;
 * with autoscaling off, raising ``replicas.min`` left the pool's Deployment at its old count.
 """
@@ -117,11 +117,12 @@ def _replicas(api: kube.Kube, role: str) -> int:
 
 
 def test_a_huge_prior_does_not_wedge_the_status(apiserver: kube.Kube, service: dict[str, Any]) -> None:
-    """The body the round reads carries a prior of 1e308 (the CRD may or may not admit it: the
-    autoscaler must hold either way), and the API server takes its status patch."""
+    """The body the round reads carries the largest prior admission lets through (60 s per unit:
+    1e308 is refused now, and wedged the status before), and the API server takes its status
+    patch."""
     body = copy.deepcopy(service)
     for key in body["spec"]["autoscaling"]["slo"]["prior"]:
-        body["spec"]["autoscaling"]["slo"]["prior"][key] = 1e308
+        body["spec"]["autoscaling"]["slo"]["prior"][key] = contract.defaults.SLO_MAX_COEFFICIENT_SECONDS
     _round(apiserver, body)
     live = apiserver.get(kind=kube.INFERENCE_SERVICE, namespace=NS, name=NAME)
     assert live is not None and live["status"]["decode"]["lastDecision"]["model"]

@@ -192,3 +192,14 @@ def test_pod_events_for_image_pull_and_config_failures_trigger_a_reconcile() -> 
         assert handlers.pod_needs_reconcile(_waiting_pod("p", role="prefill", reason=reason))
     assert handlers.pod_needs_reconcile(_oom_pod("p", role="prefill"))
     assert not handlers.pod_needs_reconcile(_waiting_pod("p", role="prefill", reason="ContainerCreating"))
+
+
+def test_a_failed_engine_does_not_read_as_the_router_timing_out() -> None:
+    """The router is Ready only with a healthy decode or aggregated pod, so its own progress
+    deadline passes when the engine fails: the status names the engine, not the router."""
+    fake = FakeKube()
+    fake.deployment_conditions["tiny-engine"] = [DEADLINE]
+    fake.deployment_conditions["tiny-router"] = [DEADLINE]
+    result, conds = run(fake)
+    message = conds[ConditionType.STALLED]["message"]
+    assert _stalled(conds)[0] == "True" and "tiny-engine" in message and "tiny-router" not in message, message

@@ -158,7 +158,7 @@ def test_hostile_pod_fields_are_refused_with_the_field_path(pool: dict[str, Any]
         {"affinity": AFFINITY},
         {"nodeSelector": {"example.com/gpu-product": "H200", "zone": ""}},
         {"resources": {"cpu": "500m", "memory": "16Gi"}},
-        {"resources": {"cpu": 2, "memory": "0"}},
+        {"resources": {"cpu": 2, "memory": "1"}},  # "0" is refused: a pod needs some memory
     ],
 )
 def test_valid_pod_fields_pass_and_reach_the_pods_unchanged(pool: dict[str, Any]) -> None:

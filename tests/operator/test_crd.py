@@ -290,7 +290,7 @@ def test_printer_columns_and_names() -> None:
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Age"] == ".metadata.creationTimestamp"
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
-    assert wide == ["Reason", "Router", "Metrics", "Prefill-Scaling", "Decode-Scaling", "Engine-Scaling"]
+    assert wide == ["Reason", "Router", "Picker", "Metrics", "Prefill-Scaling", "Decode-Scaling", "Engine-Scaling"]
     for name, path in columns.items():
         if name in ("Ready", "Reason", "Metrics", "Age"):
             continue

@@ -51,6 +51,28 @@ def test_same_seed_same_tokens_regardless_of_batch() -> None:
     assert len(set(alone)) > 1  # it really samples
 
 
+def test_a_seed_draws_by_output_position_and_unwound_draws_are_drawn_again() -> None:
+    """A step with ``1 + k`` rows of one request (speculative verification) draws output
+    positions ``n .. n + k``; once the rows after the kept ones are given back, the next step
+    draws the same position with the same uniform as a request sampled one row a step."""
+    logits = _logits(1)
+    seeded = SamplingParams(temperature=4.0, seed=77)
+    one_a_step = _draw(Sampler(device=torch.device("cpu")), logits, ["x"], [seeded], steps=16)[0]
+    assert len(set(one_a_step)) > 1
+    sampler = Sampler(device=torch.device("cpu"))
+    got: list[int] = []
+    for rows, kept in ((4, 2), (3, 3), (1, 1), (5, 1), (4, 4), (2, 1)):
+        out = sampler.sample(logits=logits.expand(rows, VOCAB), request_ids=["x"] * rows,
+                             params=[seeded] * rows)
+        assert out.token_ids == one_a_step[len(got):len(got) + rows]  # position n + j, row j
+        got += out.token_ids[:kept]
+        sampler.unwind_draws("x", rows - kept)
+    assert got == one_a_step[:12]
+    sampler.unwind_draws("unseeded", 3)  # no stream, nothing to give back
+    with pytest.raises(ValueError, match="cannot unwind 20 of 12 draws"):
+        sampler.unwind_draws("x", 20)
+
+
 def test_sampling_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     sampler = Sampler(device=torch.device("cpu"))

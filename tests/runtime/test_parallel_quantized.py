@@ -2,8 +2,8 @@
 cut in its quantized layout, so a rank holds exactly the weights a single process would, and
 int4 W4A16 (no activation quantization) gives the single process's tokens at TP 2 and PP 2 —
 for a load-time quantization, a pre-quantized GPTQ checkpoint, and SmolLM2's GGUF file
-(Q4_1, served as int4). (W8A8 methods quantize activations per token: at TP 2 a row-parallel
-projection's token scale covers its input slice, so they are close to, not equal to, TP 1.)"""
+(Q4_1, served as int4). (W8A8 methods, whose row-parallel token scales are reduced over the
+ranks, and the checks that the shards are TP 1's weights: test_quantized_tensor_parallel.py.)"""
 
 from __future__ import annotations
 

@@ -84,6 +84,21 @@ class RecentDecision(_StatusModel):
     formula: str = Field(default="", max_length=1024, description="The formula, with values substituted.")
 
 
+class PickerStatus(_StatusModel):
+    """Observed state of the endpoint picker's Deployment: counts only, it is not autoscaled."""
+
+    replicas: int = Field(default=0, ge=0, description="Pods that exist.")
+    ready_replicas: int = Field(default=0, ge=0, description="Pods that are ready.")
+    desired_replicas: int | None = Field(default=None, ge=0, description="Replicas asked for.")
+    summary: str = Field(default="", max_length=32, description="readyReplicas/desiredReplicas. Derived.")
+
+    @model_validator(mode="after")
+    def _derive_summary(self) -> PickerStatus:
+        desired = self.desired_replicas if self.desired_replicas is not None else self.replicas
+        object.__setattr__(self, "summary", f"{self.ready_replicas}/{desired}")
+        return self
+
+
 class PoolStatus(_StatusModel):
     """Observed state of one pool's Deployment."""
 
@@ -151,7 +166,9 @@ class InferenceServiceStatus(_StatusModel):
     prefill: PoolStatus | None = Field(default=None, description="The prefill pool.")
     decode: PoolStatus | None = Field(default=None, description="The decode pool.")
     aggregated: PoolStatus | None = Field(default=None, description="The aggregated pool.")
-    router: PoolStatus | None = Field(default=None, description="The router.")
+    router: PoolStatus | None = Field(default=None, description="The bundled router (router.mode Builtin).")
+    endpoint_picker: PickerStatus | None = Field(
+        default=None, description="The endpoint picker (router.mode InferencePool), where the router would be.")
     scaling_history: list[ScalingEvent] = Field(
         default_factory=list,
         max_length=MAX_SCALING_HISTORY,

@@ -26,6 +26,10 @@ iteration of the engine loop (commands and step) while the engine has work; one 
 ``step_timeout_s`` (``--engine-step-timeout-seconds``) is declared wedged: one ERROR line,
 ``is_healthy`` turns False (``/health`` answers 503, so the kubelet restarts the pod), and
 every open stream ends with an ``error`` output. Idle waits are not timed.
+
+A parallel group that breaks (a rank killed) ends the process with ``os._exit``; the engine
+fails first (:mod:`.parallel.exit_hooks`), so every open stream gets its ``error`` output
+while the server can still send it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from splitserve_contract import ServeArgs, defaults
 from .errors import DuplicateRequestId, EngineDead, QueueFull
 from .llm_engine import LLMEngine
 from .outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from .parallel import exit_hooks
 from .sampling_params import SamplingParams
 from .stats import EngineStats
 
@@ -113,6 +118,7 @@ class AsyncEngine:
         self._stats: EngineStats | None = None
         self._stats_time_s = 0.0
         self._finish_times_s: collections.deque[float] = collections.deque(maxlen=4096)
+        self._remove_exit_hook: Callable[[], None] | None = None
 
     @classmethod
     def from_args(cls, args: ServeArgs) -> AsyncEngine:
@@ -131,6 +137,7 @@ class AsyncEngine:
         self._healthy = True
         self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
         self._thread.start()
+        self._remove_exit_hook = exit_hooks.add(self._fail_before_exit, stage="fail")
         if self.step_timeout_s > 0:
             self._watchdog = threading.Thread(target=self._watch, name="splitserve-engine-watchdog",
                                               daemon=True)
@@ -142,6 +149,8 @@ class AsyncEngine:
             self._stopping = True
             self._cv.notify()
         self._watch_stop.set()
+        if self._remove_exit_hook is not None:
+            self._remove_exit_hook()
         if self._thread is not None:
             # a wedged step never returns; its daemon thread is left behind
             await asyncio.to_thread(self._thread.join, None if self._healthy else 1.0)
@@ -403,6 +412,16 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._fail_all_streams, message)
+
+    def _fail_before_exit(self, reason: str) -> None:
+        """:mod:`.parallel.exit_hooks`: a broken group is ending the process (from another
+        thread, or this engine's own inside a step): fail now, unless already failed, so every
+        open stream ends with an ``error`` output rather than a cut connection."""
+        with self._cv:
+            if self._fatal_error is not None or self._stopping:
+                return
+        log.error("the engine fails: %s", reason)
+        self._fatal(f"engine failure: {reason}")
 
     def _fail_all_streams(self, message: str) -> None:
         for request_id, queue in list(self._queues.items()):

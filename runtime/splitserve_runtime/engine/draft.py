@@ -4,7 +4,8 @@ The draft is a smaller model with the target's vocabulary, loaded in the same pr
 its own paged KV cache laid over the *target's* blocks: the same block ids and slots, other
 tensors (so the scheduler's block tables, allocation and preemption serve both models). Its
 proposals are greedy, a deterministic function of the tokens so far, so the engine's
-verification rule stays exact (see :mod:`.speculative`).
+verification rule stays exact and a seeded request's tokens equal plain sampling's (see
+:mod:`.speculative`); sampled proposals would give both up.
 
 The draft's KV is filled lazily: :attr:`~.sequence.Sequence.num_draft_computed` counts the
 leading positions whose draft K/V is valid, and each proposal first runs the draft over the

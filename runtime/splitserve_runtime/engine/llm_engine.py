@@ -493,6 +493,8 @@ class LLMEngine:
             while accepted < len(drafts) and token_ids[row + accepted] == drafts[accepted]:
                 accepted += 1
             seq.num_spec_accepted = accepted
+            # rows past the first rejection drew positions the next step draws again
+            self.runner.sampler.unwind_draws(seq.request_id, len(drafts) - accepted)
             if self._draft is not None:
                 self._draft.after_verification(seq, num_proposed=len(drafts), num_accepted=accepted)
             self._spec_proposed_total += len(drafts)

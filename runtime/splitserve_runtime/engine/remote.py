@@ -102,6 +102,10 @@ IMPORT_RETRY_SECONDS = 0.02
 RANK_PULL_HISTORY = 256
 """Decode role: how many rank pull reports :attr:`HandoffEngine.rank_pulls` keeps."""
 
+NOTHING_TO_RELEASE_CODES = frozenset({"connect_failed", "unknown_request", "unauthorized"})
+"""Decode role: transfer error codes after which a RELEASE is pointless (the prefill pod cannot
+be reached, no longer holds the export, or does not accept this pod)."""
+
 TransferObserver = Callable[[int, float, bool], None]
 """(bytes, seconds, succeeded) after each transfer: the server's KV transfer metrics."""
 
@@ -412,10 +416,38 @@ class HandoffEngine(DelegatingEngine):
         self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         source: RemotePrefill,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Pull the prompt's KV from ``source`` and continue decoding here."""
+        """Pull the prompt's KV from ``source`` and continue decoding here. Parameters that fail
+        authentication are refused before anything is connected to; a request refused or failed
+        after they passed (a KV-capacity 400, no room in time, a failed pull, a client gone)
+        releases the export on the prefill pod at once rather than leave it pinned there for
+        the lease (``--kv-ttl-seconds``)."""
         core = self._engine.engine
         started = time.monotonic()
-        verified = self._check_remote(prompt_token_ids=prompt_token_ids, params=params, source=source)
+        export = _PinnedExport(source=source,
+                               first_block=math.ceil(len(prompt_token_ids) / core.block_manager.block_size))
+        try:
+            try:
+                verified = self._check_remote(prompt_token_ids=prompt_token_ids, params=params, source=source)
+            except HandoffRefused:  # not trusted: the endpoint they name is never connected to
+                export.settled = True
+                raise
+            async with contextlib.aclosing(self._import_remote(
+                    request_id=request_id, verified=verified, params=params, export=export,
+                    started=started)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            if not export.settled:  # refused or failed before the pull: unpin it there now
+                self._release_soon(export)
+
+    async def _import_remote(
+        self, *, request_id: str, verified: _VerifiedImport, params: SamplingParams,
+        export: _PinnedExport, started: float,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """:meth:`generate_from_remote` once the handoff is verified; settles ``export`` (pulls
+        or releases it) on every path that gets that far."""
+        core = self._engine.engine
+        source = export.source
         prompt_token_ids = list(verified.prompt_token_ids)  # from here on: the verified tokens only
         first = verified.first_token_id
         num_prompt = len(prompt_token_ids)
@@ -424,6 +456,7 @@ class HandoffEngine(DelegatingEngine):
                                    detokenizer=None).check_token(token_id=first, num_output_tokens=1)
         if token_reason is not None:  # the first token already ends it: nothing to decode
             await self._release_remote(source, first_block=num_remote_blocks)
+            export.settled = True
             text = "" if token_reason == "stop" else self.tokenizer.decode([first])
             yield self._first_output(request_id=request_id, first=first, text=text, finish_reason=token_reason,
                                      num_prompt=num_prompt, num_cached=0, started=started)
@@ -432,13 +465,14 @@ class HandoffEngine(DelegatingEngine):
                                                  params=params, first=first)
         if reservation == "stop":
             await self._release_remote(source, first_block=num_remote_blocks)
+            export.settled = True
             yield self._first_output(request_id=request_id, first=first, text="", finish_reason="stop",
                                      num_prompt=num_prompt, num_cached=0, started=started)
             return
         num_cached = reservation.num_cached_tokens
         text = reservation.imported_text
         try:
-            stream = await self._import_and_activate(request_id=request_id, params=params, source=source,
+            stream = await self._import_and_activate(request_id=request_id, params=params, export=export,
                                                      reservation=reservation, num_prompt=num_prompt,
                                                      num_remote_blocks=num_remote_blocks)
         except KVTransferFailed as exc:  # the reservation is freed; the prompt is still here
@@ -511,14 +545,14 @@ class HandoffEngine(DelegatingEngine):
         return reservation
 
     async def _import_and_activate(
-        self, *, request_id: str, params: SamplingParams, source: RemotePrefill,
+        self, *, request_id: str, params: SamplingParams, export: _PinnedExport,
         reservation: ImportReservation, num_prompt: int, num_remote_blocks: int,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Pull the KV into ``reservation`` and activate the request; return its stream. Any
         failure aborts the reservation, which frees its blocks (engine thread)."""
         activated = False
         try:
-            await self._pull_kv(source=source, reservation=reservation, num_prompt=num_prompt,
+            await self._pull_kv(export=export, reservation=reservation, num_prompt=num_prompt,
                                 num_remote_blocks=num_remote_blocks)
             stream = await self._activate_stream(request_id=request_id, params=params)
             activated = True
@@ -553,13 +587,15 @@ class HandoffEngine(DelegatingEngine):
             raise
         return stream, text
 
-    async def _pull_kv(self, *, source: RemotePrefill, reservation: ImportReservation,
+    async def _pull_kv(self, *, export: _PinnedExport, reservation: ImportReservation,
                        num_prompt: int, num_remote_blocks: int) -> None:
-        """Fetch the blocks this pod lacks from the prefill pod straight into the reservation."""
+        """Fetch the blocks this pod lacks from the prefill pod straight into the reservation;
+        the export is settled when this returns or raises KVTransferFailed."""
+        source = export.source
         block_ids = reservation.block_ids
         runner = self._engine.engine.runner
         if source.kv_layout is not None or isinstance(runner, ParallelRunner):
-            await self._pull_by_rank(source=source, reservation=reservation, num_prompt=num_prompt,
+            await self._pull_by_rank(export=export, reservation=reservation, num_prompt=num_prompt,
                                      num_remote_blocks=num_remote_blocks)
             return
 
@@ -574,7 +610,12 @@ class HandoffEngine(DelegatingEngine):
                 first_block=reservation.first_block_index, layout=self.layout, on_block=on_block,
                 timeout_seconds=self._fetch_timeout_seconds, expected_num_tokens=num_prompt)
         except TransferError as exc:
+            if exc.code in NOTHING_TO_RELEASE_CODES:
+                export.settled = True
+            else:  # cut off mid-pull: the prefill pod still pins it (in the background: it may be gone)
+                self._release_soon(export)
             raise KVTransferFailed(code=exc.code, message=exc.message) from None
+        export.settled = True  # a fetch that returns has sent RELEASE
         if (result.num_tokens != num_prompt
                 or result.num_blocks != num_remote_blocks - reservation.first_block_index):
             self._observe(0, 0.0, False)
@@ -582,10 +623,11 @@ class HandoffEngine(DelegatingEngine):
                 f"the prefill pod sent {result.num_blocks} blocks of {result.num_tokens} tokens, "
                 f"the prompt has {num_prompt}"))
 
-    async def _pull_by_rank(self, *, source: RemotePrefill, reservation: ImportReservation,
+    async def _pull_by_rank(self, *, export: _PinnedExport, reservation: ImportReservation,
                             num_prompt: int, num_remote_blocks: int) -> None:
         """Every rank of this pod pulls the slice it owns from the prefill ranks holding it;
         then the export is released on the prefill pod's main endpoint."""
+        source = export.source
         runner = self._engine.engine.runner
         first_block = reservation.first_block_index
         order = PullOrder(pull_id=uuid.uuid4().hex, request_id=source.remote_request_id,
@@ -603,9 +645,10 @@ class HandoffEngine(DelegatingEngine):
             self.rank_pulls.extend(reports)
             failed = next((report for report in reports if not report.ok), None)
             if failed is not None:  # free the prefill pod's blocks now (in the background: it may be gone)
-                self._spawn(self._release_remote(source, first_block=num_remote_blocks))
+                self._release_soon(export)
                 raise KVTransferFailed(code=failed.code, message=f"decode rank {failed.rank}: {failed.message}")
         await self._release_remote(source, first_block=num_remote_blocks)
+        export.settled = True
 
     async def _activate_stream(self, *, request_id: str,
                                params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
@@ -631,6 +674,12 @@ class HandoffEngine(DelegatingEngine):
         if params.seed is not None and params.temperature > 0:  # the prefill pod drew one
             # noise row for the first token; draw it here too so the seed's sequence lines up
             core.runner.sampler.skip_draw(request_id, seed=params.seed)
+
+    def _release_soon(self, export: _PinnedExport) -> None:
+        """Release ``export`` on the prefill pod in the background (the caller may be
+        cancelled, or in a generator's ``finally``); it is settled from here on."""
+        export.settled = True
+        self._spawn(self._release_remote(export.source, first_block=export.first_block))
 
     async def _release_remote(self, source: RemotePrefill, *, first_block: int) -> None:
         """Pull nothing, but tell the prefill pod to unpin now (else its lease does)."""
@@ -661,6 +710,19 @@ class _Export:
 
     layout: KVRanks | None
     token_ids: list[int]
+
+
+@dataclass(kw_only=True)
+class _PinnedExport:
+    """Decode role: the prefill pod's export of one import, pinned there until this pod pulls
+    it (the pull's RELEASE unpins it) or releases it; ``settled`` once either is done or under
+    way, or when there is nothing to release (parameters not trusted, a prefill pod that
+    cannot be reached or no longer holds it). ``first_block``: where a pull of nothing starts
+    (past the prompt's blocks), the release's FETCH."""
+
+    source: RemotePrefill
+    first_block: int
+    settled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,10 +14,13 @@ whole batch, none per row (top-p on the CPU repeats a few of them for the rows i
 3. one inverse-CDF draw per row from one uniform per row: a seeded request's from its
    :class:`~.seed_stream.SeedStream`, the others' from torch's global (CPU) generator.
 
-**Seeds.** Draw ``i`` of a seeded request is a pure function of ``(seed, i)``, and a request
-makes one draw per sampled row (each verification row of speculative decoding included), so
-the same seed gives the same tokens whatever else shares the batch. A disaggregated decode pod
-counts the draw the prefill pod made for the first token (:meth:`Sampler.skip_draw`).
+**Seeds.** The uniform for a seeded request's output position ``i`` is a pure function of
+``(seed, i)`` (:mod:`.seed_stream`): a step's rows of one request draw consecutive positions
+(the ``1 + k`` verification rows of speculative decoding: ``n .. n + k``), and the engine gives
+back the draws of rows whose tokens it did not keep (:meth:`Sampler.unwind_draws`). So the
+same seed gives the same tokens whatever else shares the batch, and with speculation on or
+off (:mod:`.speculative`). A disaggregated decode pod counts the draw the prefill pod made for
+the first token (:meth:`Sampler.skip_draw`).
 
 **Changed from the exponential-race sampler** (a ``torch.Generator`` per seeded request and an
 ``Exp(1)`` noise row per sampled row, ``argmax(p / noise)``, one generator call per seeded
@@ -130,6 +133,14 @@ class Sampler:
     def skip_draw(self, request_id: str, *, seed: int) -> None:
         """Count a draw made for this request elsewhere (the prefill pod's first token)."""
         self._stream(request_id, seed).skip()
+
+    def unwind_draws(self, request_id: str, count: int) -> None:
+        """Give back a request's last ``count`` draws, whose tokens were not kept (rejected
+        speculative rows): the next step draws those output positions again. Nothing for a
+        request without a seed."""
+        stream = self._generators.get(request_id)
+        if stream is not None and count:
+            stream.unwind(count)
 
     def _stream(self, request_id: str, seed: int) -> SeedStream:
         stream = self._generators.get(request_id)

@@ -1,4 +1,5 @@
-"""Seeded randomness as a counter: a request's i-th draw is a pure function of (seed, i).
+"""Seeded randomness keyed on the output position: the uniform that picks a seeded request's
+``i``-th output token is a pure function of (seed, i).
 
 The sampler needs one uniform number per sampled row (:mod:`.sampling_ops` draws by inverse
 CDF). A ``torch.Generator`` per request would cost a call per row, on a GPU a kernel per row,
@@ -8,6 +9,14 @@ a few integer operations on the host for any ``i``. So a batch's seeded uniforms
 microseconds whatever the batch holds, a request's draws never depend on its neighbours, and a
 disaggregated decode pod lines up with the prefill pod by counting the draw made there
 (:meth:`SeedStream.skip`). SplitMix64 passes BigCrush; 53 bits of each output make the float.
+
+Index ``i`` is the output position of the token drawn, not a count of rows drawn: a speculative
+step draws positions ``n .. n + k`` for a request with ``n`` output tokens and ``k``
+proposals, keeps the tokens of ``n .. n + a`` (``a`` accepted) and gives back the rest
+(:meth:`SeedStream.unwind`), so the next step draws position ``n + a + 1`` with the uniform
+plain decoding would use there. Were the rejected rows' draws spent, a request's tokens would
+depend on how many rows it verified, and so on whether speculation was on for it, which a step
+with more than ``--speculative-max-num-seqs`` decoding sequences switches off: on its load.
 
 Seeds are taken modulo 2**64, as ``torch.Generator.manual_seed`` takes them (a negative seed
 is the seed plus 2**64); the API refuses seeds outside ``[-2**63, 2**64)``.
@@ -43,7 +52,8 @@ def seeded_uniform(seed: int, index: int, attempt: int = 0) -> float:
 
 
 class SeedStream:
-    """One seeded request's draws: its seed and how many rows it has drawn so far."""
+    """One seeded request's draws: its seed and the output position of its next draw (the
+    number of output tokens drawn so far and kept)."""
 
     __slots__ = ("draws", "seed")
 
@@ -61,3 +71,11 @@ class SeedStream:
         if count < 0:
             raise ValueError(f"cannot skip {count} draws")
         self.draws += count
+
+    def unwind(self, count: int) -> None:
+        """Give back the last ``count`` draws, whose tokens were not kept (a speculative step's
+        rows after the first rejected proposal): their positions are drawn again, with the same
+        uniforms, by the next step."""
+        if not 0 <= count <= self.draws:
+            raise ValueError(f"cannot unwind {count} of {self.draws} draws")
+        self.draws -= count

@@ -13,15 +13,32 @@ verification simple and exact (below); an EAGLE-style head would fit the same wa
 **Verification** (in :class:`~.llm_engine.LLMEngine`): the sequence's last sampled token and
 its ``k`` proposals are run as one extend chunk; the sampler draws a token from the target's
 distribution at each of the ``k + 1`` rows, exactly as it would without speculation (the
-request's temperature, filters and seeded generator). Proposal ``i`` is accepted while the
+request's temperature, filters and seed). Proposal ``i`` is accepted while the
 target's token at row ``i`` equals it; the emitted tokens are the target's tokens of rows
 ``0..a`` (``a`` accepted proposals, plus the target's own token after them). For a
 deterministic proposal this *is* speculative sampling's rejection rule: the proposal ``d`` is
 kept with probability ``p(d)`` and, when rejected, the emitted token is a draw from ``p``
 conditioned on ``≠ d`` — the normalised residual ``max(0, p - q)`` for a one-hot ``q``. So
 greedy output is token for token the non-speculative one, and sampled output has exactly
-the target's distribution (reproducible for a seeded request, though not the same draws as
-without speculation: the generator is advanced once per verified row).
+the target's distribution.
+
+**Seeds** (coupled rejection sampling): a seeded request's uniform is keyed on the output
+position it samples (:mod:`.seed_stream`), not on a count of rows: row ``i`` of a sequence with
+``n`` output tokens draws with position ``n + i``'s uniform, and the draws of the rows after
+the first rejection are given back (:meth:`~.sampler.Sampler.unwind_draws`), to be drawn again
+at the next step. The acceptance test is that sampling draw itself, there is no second uniform:
+row ``i``'s context is the tokens so far and proposals ``0..i-1``, which, wherever row ``i``'s
+token is emitted, were accepted, i.e. are the tokens emitted before it; so every emitted token
+is the one plain sampling draws at its position, from the same context with the same uniform.
+A proposal decides how many positions a step computes, never which token a position gets: the
+same seeded request gives the same tokens with speculation on or off (so whatever the load
+that switches it off) and whatever shares its steps. This holds for n-gram and draft-model
+proposals alike, because a draft proposes its greedy token, a deterministic function of the
+tokens so far; a draft that sampled its proposals would need the general rule (accept with
+probability ``min(1, p/q)``, its own uniform, residual draws), whose tokens do not equal plain
+sampling's. The limit is arithmetic, as for greedy ties: verification rows are computed in an
+extend chunk and a batch's shape can change float summation order, so a uniform within
+rounding of a token's cumulative-probability boundary may pick its neighbour.
 
 **KV rollback**: the rejected proposals' K/V slots sit past ``num_computed_tokens`` and are
 overwritten by later steps; blocks allocated only for them are returned at once

@@ -11,6 +11,7 @@ thus holds at most the groups whose pieces are still arriving, never the whole c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from collections import Counter
@@ -34,11 +35,13 @@ from ..quant.quantize import int4_group_size, quantize_fp8, quantize_int4, quant
 from .checkpoint_quant import CheckpointQuantization, parse_quantization_config
 from .errors import ModelLoadError
 from .llama import LlamaForCausalLM
-from .tensor_parallel import TensorParallelLayout
+from .tensor_parallel import TensorParallelLayout, all_reduce_max
 
 log = logging.getLogger(__name__)
 
 LOAD_TIME_METHODS: Final = ("fp8", "int8", "int4")
+_ROW_PARALLEL: Final = ("o_proj", "down_proj")
+"""Fused projections whose input features are split over tensor-parallel ranks."""
 _MODULE: Final = re.compile(r"^model\.layers\.(\d+)\.((?:self_attn|mlp)\.[a-z_]+_proj)\.([a-z_]+)$")
 
 
@@ -92,7 +95,9 @@ class LinearAssembler:
         tensor-parallel ``layout`` each decoded projection is then cut to this rank's share
         (:meth:`~.tensor_parallel.TensorParallelLayout.projection_slice`) in its quantized
         layout, so a pre-quantized checkpoint serves at any split and a load-time
-        quantization gives every rank the very weights a single process would hold."""
+        quantization gives every rank the very weights a single process would hold (the same
+        int4 groups, the same scales). A row-parallel W8A8 share also gets the model's
+        collectives to take its per-token activation scale over the whole input row."""
         self._model = model
         self._layout = layout
         self._config = config
@@ -175,7 +180,8 @@ class LinearAssembler:
         if len({type(w) for w in weights}) > 1:
             log.warning("layer %d %s: mixed quantized and dense parts; the group is served dense", layer, fused)
             weights = [dequantize(w, dtype=self._dtype) for w in weights]
-        weight = _to_device(concat_out_features(weights), device=self._device, dtype=self._dtype)
+        weight = self._row_parallel_scales(fused, _to_device(concat_out_features(weights), device=self._device,
+                                                             dtype=self._dtype))
         self._model.decoder_layers()[layer].set_linear(fused, weight)
         self._kinds[_kind(weight)] += 1
         self._done.add(key)
@@ -183,8 +189,9 @@ class LinearAssembler:
     def _decode_share(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight],
                       in_features: int) -> LinearWeight:
         """The projection decoded (or quantized) whole, then this rank's share of it. An int4
-        slice that does not cut at group boundaries is refused for a stored int4 checkpoint;
-        a load-time int4 quantization then quantizes the rank's dense share instead."""
+        slice that does not cut at group boundaries is refused, stored or quantized at load
+        time alike: quantizing the rank's share with groups of its own would make the weights
+        depend on the tensor-parallel size, and the replica's answers with them."""
         weight = self._decode(layer=layer, part=part, tensors=tensors, in_features=in_features)
         if self._layout is None:
             return weight
@@ -192,15 +199,21 @@ class LinearAssembler:
         try:
             return narrow_features(weight, dim=dim, start=start, length=length)
         except ValueError as exc:
-            dense = tensors.get("weight")
-            if self._load_time is None or not isinstance(dense, torch.Tensor):
-                raise ModelLoadError(f"model.layers.{layer}.{part.module} cannot be split for tensor-parallel "
-                                     f"rank {self._layout.rank} of {self._layout.size}: {exc}") from None
-            share = narrow_features(dense, dim=dim, start=start, length=length)
-            assert isinstance(share, torch.Tensor)
-            rows, columns = share.shape
-            return self._decode(layer=layer, part=_Part(part.module, rows), tensors={"weight": share},
-                                in_features=columns)
+            raise ModelLoadError(f"model.layers.{layer}.{part.module} ({part.rows} x {in_features}) cannot be "
+                                 f"split for tensor-parallel rank {self._layout.rank} of {self._layout.size}: "
+                                 f"{exc}; serve it at a tensor-parallel size whose input slices are whole "
+                                 "groups") from None
+
+    def _row_parallel_scales(self, fused: str, weight: LinearWeight) -> LinearWeight:
+        """``weight`` with its activation amax reduced over the ranks, for a W8A8 row-parallel
+        share (a rank sees only its slice of the input row; the scale must be the row's)."""
+        collectives = self._model.collectives
+        if (fused not in _ROW_PARALLEL or self._layout is None or self._layout.size == 1 or collectives is None
+                or not isinstance(weight, Fp8Weight | Int8Weight)
+                or (isinstance(weight, Int8Weight) and not weight.act_quant)):
+            return weight
+        reduce = functools.partial(all_reduce_max, collectives, rank=self._layout.rank, size=self._layout.size)
+        return dataclasses.replace(weight, act_amax_reduce=reduce)
 
     def _decode(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight], in_features: int) -> LinearWeight:
         hf_module = f"model.layers.{layer}.{part.module}"

@@ -41,6 +41,18 @@ class Collectives(Protocol):
         ...
 
 
+def all_reduce_max(collectives: Collectives, tensor: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
+    """Element-wise max of ``tensor`` over the ``size`` ranks (a new tensor; every rank gets it).
+
+    Built on the group's one reduction, the sum: each rank writes its values into its own slot
+    of a zero buffer ``[size, *shape]``, so the sum holds every rank's values exactly (``x + 0``
+    is ``x`` in any summation order), and the max is taken locally. That moves ``size`` times
+    the tensor's bytes; it is meant for small tensors such as per-token activation amaxes."""
+    slots = tensor.new_zeros((size, *tensor.shape))
+    slots[rank] = tensor
+    return collectives.all_reduce(slots).amax(dim=0)
+
+
 class TensorParallelError(ValueError):
     """The model cannot be split over this many ranks (the message says why)."""
 

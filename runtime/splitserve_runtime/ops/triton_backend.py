@@ -17,10 +17,11 @@ from ..kernels.kv_cache_write import write_kv_cache
 from ..kernels.prefill_attention import prefill_attention
 from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ..kernels.rotary import rotary_embedding
-from ..kernels.scaled_gemm import w8a8_linear
+from ..kernels.scaled_gemm import scaled_gemm, w8a8_linear
 from ..kernels.w4a16_gemm import w4a16_linear
 from ..kernels.w8a16_gemm import w8a16_linear
 from ..quant.formats import Fp8Weight, Int4Weight, Int8Weight, LinearWeight
+from ..quant.reference import quantize_per_token_fp8, quantize_per_token_int8
 from .interface import AttentionMetadata
 
 
@@ -88,7 +89,18 @@ class TritonOps:
     def linear(
         self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Dense weights go to cuBLAS (``F.linear``); quantized layouts to their kernel."""
+        """Dense weights go to cuBLAS (``F.linear``); quantized layouts to their kernel.
+
+        A row-parallel W8A8 share (``act_amax_reduce`` set) quantizes its activation slice in
+        torch with the whole row's scale (a max over the ranks, which the fused per-token kernel
+        cannot take), then runs the same scaled GEMM: the torch quantizer is bit-identical to
+        the kernel's."""
+        if isinstance(weight, Fp8Weight | Int8Weight) and weight.act_amax_reduce is not None and (
+                isinstance(weight, Fp8Weight) or weight.act_quant):
+            quantize = quantize_per_token_fp8 if isinstance(weight, Fp8Weight) else quantize_per_token_int8
+            xq, x_scale = quantize(x, weight.act_amax_reduce)
+            return scaled_gemm(a=xq.contiguous(), a_scale=x_scale.reshape(-1).contiguous(), b=weight.qweight,
+                               b_scale=weight.weight_scale, bias=bias, out_dtype=x.dtype)
         if isinstance(weight, Fp8Weight) or (isinstance(weight, Int8Weight) and weight.act_quant):
             return w8a8_linear(x=x, qweight=weight.qweight, weight_scale=weight.weight_scale,
                                bias=bias)

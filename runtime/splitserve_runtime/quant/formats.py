@@ -23,6 +23,7 @@ into a dense ``[N, K]`` tensor (tests, the reference path, and the fused-project
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar, Final, TypeVar
 
 import torch
@@ -34,6 +35,10 @@ _T = TypeVar("_T")
 INT4_PACK: Final = 8
 """4-bit values per int32 word of :attr:`Int4Weight.qweight`."""
 
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Turns a tensor-parallel rank's per-token activation amax ``[M, 1]`` (fp32, over its slice
+of the input features) into the amax over the whole input row: a max over the ranks."""
+
 
 @dataclasses.dataclass(frozen=True)
 class _PerChannelWeight:
@@ -43,6 +48,10 @@ class _PerChannelWeight:
     STORED: ClassVar[torch.dtype]
     qweight: torch.Tensor
     weight_scale: torch.Tensor
+    act_amax_reduce: AmaxReduce | None = dataclasses.field(default=None, compare=False, repr=False, kw_only=True)
+    """Set on a tensor-parallel rank's share of a row-parallel W8A8 projection (its input
+    features split over the ranks): the per-token activation scale is then taken over the whole
+    input row, as a single process takes it, not over this rank's slice. None otherwise."""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__

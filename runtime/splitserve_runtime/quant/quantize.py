@@ -38,7 +38,8 @@ def quantize_int8(weight: torch.Tensor, *, act_quant: bool = True) -> Int8Weight
 
 def int4_group_size(in_features: int, *, preferred: int = INT4_GROUP_SIZE) -> int:
     """The largest of ``preferred``, 64, 32 that divides ``in_features`` (tiny test models
-    have narrow layers); ValueError when none does."""
+    have narrow layers); ValueError when none does. ``in_features`` is the whole projection's,
+    never a tensor-parallel share's: the groups must not depend on the split."""
     for size in (preferred, 64, 32):
         if size <= preferred and in_features % size == 0:
             return size

@@ -12,7 +12,10 @@ output features at a time (:data:`DEQUANT_CHUNK_ELEMENTS` fp32 values), so peak 
 stays a few tens of MB whatever the layer size - the point of quantizing is the memory.
 
 Per-token activation scales are ``max(amax(|x_row|), ACT_AMAX_FLOOR) / qmax``; the floor keeps
-an all-zero row finite (and matches :mod:`splitserve_runtime.kernels.act_quant`).
+an all-zero row finite (and matches :mod:`splitserve_runtime.kernels.act_quant`). On a
+tensor-parallel rank's share of a row-parallel projection, ``x_row`` is only the rank's slice of
+the input: the weight's ``act_amax_reduce`` then turns the slice's amax into the whole row's
+(a max over the ranks), so every rank quantizes its slice with the scale one process would use.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .formats import (
     FP8_MAX,
     INT4_PACK,
     INT8_MAX,
+    AmaxReduce,
     Fp8Weight,
     Int4Weight,
     Int8Weight,
@@ -56,24 +60,26 @@ def quant_linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | Non
     raise ValueError(f"unsupported linear weight type {type(weight).__name__}")
 
 
-def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` → (``float8_e4m3fn [M, K]``, fp32 scales ``[M, 1]``), ``x ≈ xq * scale``."""
+def quantize_per_token_fp8(x: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` → (``float8_e4m3fn [M, K]``, fp32 scales ``[M, 1]``), ``x ≈ xq * scale``;
+    ``amax_reduce``: the row amax is over the other ranks' slices too (module docstring)."""
     xf = x.float()
-    scale = _row_amax(xf) / FP8_MAX
+    scale = _row_amax(xf, amax_reduce) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` → (``int8 [M, K]``, fp32 scales ``[M, 1]``), symmetric, round half to even."""
+def quantize_per_token_int8(x: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` → (``int8 [M, K]``, fp32 scales ``[M, 1]``), symmetric, round half to even;
+    ``amax_reduce`` as for :func:`quantize_per_token_fp8`."""
     xf = x.float()
-    scale = _row_amax(xf) / INT8_MAX
+    scale = _row_amax(xf, amax_reduce) / INT8_MAX
     return torch.round((xf / scale).clamp(-INT8_MAX, INT8_MAX)).to(torch.int8), scale
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 FP8: ``(fp8(x / sx) @ qweight.T) * sx * weight_scale (+ bias)``."""
     _check_inputs(x, in_features=weight.in_features, out_features=weight.out_features, bias=bias)
-    xq, sx = quantize_per_token_fp8(x)
+    xq, sx = quantize_per_token_fp8(x, weight.act_amax_reduce)
     qweight = weight.qweight
     # fp8 x fp8 products are exact in fp32, so an fp32 matmul of the upcast operands is the
     # tensor core's computation up to summation order.
@@ -92,7 +98,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
         out = _matmul_by_chunks(x.float(), qweight.shape[0], qweight.shape[1],
                                 lambda lo, hi: qweight[lo:hi].float()) * scale
         return _add_bias(out, bias).to(x.dtype)
-    xq, sx = quantize_per_token_int8(x)
+    xq, sx = quantize_per_token_int8(x, weight.act_amax_reduce)
     return _epilogue(_int8_matmul(xq, qweight), sx, scale, bias, x.dtype)
 
 
@@ -126,10 +132,13 @@ def _unpack_int4_columns(words: torch.Tensor) -> torch.Tensor:
     return out.view(rows * INT4_PACK, cols)
 
 
-def _row_amax(xf: torch.Tensor) -> torch.Tensor:
+def _row_amax(xf: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> torch.Tensor:
     if xf.shape[1] == 0:
-        return xf.new_full((xf.shape[0], 1), ACT_AMAX_FLOOR)
-    return xf.abs().amax(dim=1, keepdim=True).clamp_min(ACT_AMAX_FLOOR)
+        amax = xf.new_full((xf.shape[0], 1), ACT_AMAX_FLOOR)
+    else:
+        amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(ACT_AMAX_FLOOR)
+    # max(floor, a) over the ranks is max(floor, max over the ranks of a): the floor commutes
+    return amax if amax_reduce is None else amax_reduce(amax)
 
 
 def _matmul_by_chunks(a: torch.Tensor, n: int, k: int,

@@ -11,7 +11,11 @@ request does blocks the event loop for long (a large body is decoded in a separa
 - SIGTERM / SIGINT flip ``/ready`` to 503 at once and make new generation requests 503,
   while in-flight requests run to completion for up to ``--drain-timeout-seconds``; then
   the process exits 0 (a second SIGINT forces the exit);
-- if the engine dies, or fails to load, the process exits 1 so Kubernetes restarts it.
+- if the engine dies, or fails to load, the process exits 1 so Kubernetes restarts it, once
+  the requests in flight have sent their error (each stream its ``engine_dead`` error event
+  and ``[DONE]``; at most :data:`FAILED_ENGINE_FLUSH_SECONDS`); a broken tensor/pipeline
+  group (a rank killed) ends the process itself, after the same wait
+  (:mod:`splitserve_runtime.engine.parallel.exit_hooks`).
 ``--role prefill|decode`` wraps the engine in :class:`~splitserve_runtime.engine.remote.HandoffEngine`
 (prefill: the KV server on ``--kv-port``; decode: the pulling connector); which path a request
 takes is decided per request in :mod:`.handoff`. A decode pod behind a Gateway drives the
@@ -26,6 +30,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
@@ -38,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 import splitserve_contract as contract
 from splitserve_runtime.auth import APIKeyConfigError, api_key_from_env
 from splitserve_runtime.body_limit import BodySizeLimit
+from splitserve_runtime.engine.parallel import exit_hooks
 from splitserve_runtime.engine.parallel.placement import PlacementError, pin, resolve_placement
 from splitserve_runtime.read_timeouts import http_protocol
 from splitserve_runtime.server.auth import APIKeyMiddleware
@@ -66,6 +72,14 @@ EngineLoader = Callable[[], Awaitable[EngineClient]]
 
 ABORT_FLUSH_SECONDS = 1.0
 """After the drain timeout: how long aborted streams get to send their last event."""
+FAILED_ENGINE_FLUSH_SECONDS = 3.0
+"""After the engine failed: how long the requests in flight get to send their error before the
+process exits."""
+LAST_FRAMES_SECONDS = 0.5
+"""A request stops counting in flight a few event-loop turns before its last bytes are written
+(a stream's ``[DONE]`` and the end of its chunked body; a whole answer's JSON error, built by
+the exception handler after the request closed): the margin a process that ends with
+``os._exit`` gives them, also when every request closed before the exit hook ran."""
 
 
 def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
@@ -126,6 +140,8 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading: asyncio.Task[None] | None = None
+        remove_exit_hook = exit_hooks.add(_flush_before_exit(state=state, loop=asyncio.get_running_loop()),
+                                          stage="flush")
         if engine is not None:
             await engine.start()
             state.attach_engine(engine=engine)
@@ -134,6 +150,7 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
         try:
             yield
         finally:
+            remove_exit_hook()
             if loading is not None and not loading.done():
                 loading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -146,6 +163,30 @@ def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
                 await running.shutdown()
 
     return lifespan
+
+
+def _flush_before_exit(*, state: ServerState, loop: asyncio.AbstractEventLoop) -> exit_hooks.Hook:
+    """The exit hook that holds a dying process (a broken parallel group; the engine has just
+    failed every stream) until the requests in flight have sent their error, at most
+    FAILED_ENGINE_FLUSH_SECONDS. Runs on the thread that found the break."""
+    loop_thread = threading.get_ident()
+
+    async def flush() -> None:
+        if state.num_in_flight:
+            logger.warning("the process is ending: %d request(s) in flight get up to %.0f s to "
+                           "send their error", state.num_in_flight, FAILED_ENGINE_FLUSH_SECONDS)
+            await state.wait_idle(timeout_seconds=FAILED_ENGINE_FLUSH_SECONDS)
+        await asyncio.sleep(LAST_FRAMES_SECONDS)
+
+    def hook(reason: str) -> None:
+        if threading.get_ident() == loop_thread or loop.is_closed():
+            return  # the loop cannot run while its own thread waits here
+        future = asyncio.run_coroutine_threadsafe(flush(), loop)
+        try:
+            future.result(timeout=FAILED_ENGINE_FLUSH_SECONDS + 2 * LAST_FRAMES_SECONDS)
+        except Exception:  # late, or the loop is closing: the exit goes ahead
+            future.cancel()
+    return hook
 
 
 def _add_health_routes(app: FastAPI, *, state: ServerState, metrics: ServerMetrics) -> None:
@@ -247,6 +288,7 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._drain_timeout_seconds = drain_timeout_seconds
         self._drain_started: float | None = None
+        self._engine_failed_at: float | None = None
         self.exit_code = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -264,9 +306,7 @@ class DrainingServer(uvicorn.Server):
             return True
         running = state.engine_or_none
         if running is not None and not running.is_healthy:
-            logger.error("the engine is no longer healthy; exiting")
-            self.exit_code = 1
-            return True
+            return await self._exit_after_failure(counter)
         if state.is_draining:
             now = time.monotonic()
             if self._drain_started is None:
@@ -282,6 +322,24 @@ class DrainingServer(uvicorn.Server):
             if now - self._drain_started >= self._drain_timeout_seconds:
                 await self._abort_in_flight()
                 return True
+        return await super().on_tick(counter)
+
+    async def _exit_after_failure(self, counter: int) -> bool:
+        """The engine failed (its streams are ending with an error): exit 1 once no request is
+        in flight, at most FAILED_ENGINE_FLUSH_SECONDS later (uvicorn's graceful shutdown then
+        writes what is left). A broken parallel group ends the process itself, with its own
+        status and termination message, after the same wait (exit hooks): leave it to that."""
+        now = time.monotonic()
+        if self._engine_failed_at is None:
+            self._engine_failed_at = now
+            logger.error("the engine is no longer healthy; exiting once the %d request(s) in flight "
+                         "have sent their error (at most %.0f s)", self._state.num_in_flight,
+                         FAILED_ENGINE_FLUSH_SECONDS)
+        waited = now - self._engine_failed_at
+        group_exit = exit_hooks.started() and waited < 2 * FAILED_ENGINE_FLUSH_SECONDS
+        if not group_exit and (self._state.num_in_flight == 0 or waited >= FAILED_ENGINE_FLUSH_SECONDS):
+            self.exit_code = 1
+            return True
         return await super().on_tick(counter)
 
     async def _abort_in_flight(self) -> None:

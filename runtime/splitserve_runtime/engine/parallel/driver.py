@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import torch
@@ -30,10 +31,10 @@ from splitserve_contract.model_config import ModelConfig
 
 from ..config import EngineConfig
 from ..llm_engine import LLMEngine
-from . import rendezvous
+from . import exit_hooks, rendezvous
 from .failure import GroupFailure
 from .group import INIT_TIMEOUT, ParallelGroup, init_group
-from .launcher import free_init_method, start_workers
+from .launcher import free_init_method, start_workers, worker_died_message
 from .liveness import Heartbeat
 from .placement import Placement, PlacementError, pin, resolve_placement
 from .rendezvous import Rendezvous
@@ -68,8 +69,19 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
     else:
         init_method = placement.init_method()
     failure = GroupFailure()
+
+    # The group's ways out run the exit hooks first (the engine fails its streams, the server
+    # lets them send their error event), so no request in flight ends with a cut connection.
+    def worker_died(rank: int, code: int) -> None:
+        exit_hooks.run(worker_died_message(rank, code))
+        failure.worker_died(rank, code)
+
+    def broken(symptom: str) -> NoReturn:
+        exit_hooks.run(f"the parallel group broke: {symptom}")
+        failure(symptom)
+
     workers = start_workers(args, model_dir=model_dir, init_method=init_method, rendezvous=meeting,
-                            ranks=placement.local_ranks[1:], on_death=failure.worker_died)
+                            ranks=placement.local_ranks[1:], on_death=worker_died)
     failure.workers = workers
     try:
         group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0),
@@ -79,7 +91,7 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
             assert store_host is not None
             failure.heartbeat = Heartbeat(host=store_host, port=placement.rendezvous_port, node=0,
                                           peers=placement.remote_nodes(), describe=placement.describe_node,
-                                          on_lost=failure, wait_for_first_beat=False).start()
+                                          on_lost=broken, wait_for_first_beat=False).start()
         loaded = load_rank(args, model_dir=model_dir, group=group)
         config = EngineConfig.from_serve_args(dataclasses.replace(args, num_kv_blocks=loaded.num_blocks),
                                               max_model_len=loaded.max_model_len)
@@ -87,7 +99,7 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
                            config=config, device=group.device,
                            **text_settings(args, model_dir=model_dir, model_config=model_config),
                            runner_factory=functools.partial(ParallelRunner, group=group, loaded=loaded,
-                                                            workers=workers, on_failure=failure,
+                                                            workers=workers, on_failure=broken,
                                                             exit_on_forward_error=placement.is_multinode))
     except BaseException:
         if failure.heartbeat is not None:

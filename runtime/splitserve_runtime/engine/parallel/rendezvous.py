@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -48,6 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitserve_contract import ServeArgs
+from splitserve_runtime.transfer.auth import is_loopback_host
 
 from .placement import Placement, PlacementError
 
@@ -74,18 +74,6 @@ class ControlAuthError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- keys
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP literal, bracketed or not, or ``localhost``) is loopback; a DNS
-    name is not (it may resolve anywhere)."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def read_secret(path: str | Path) -> bytes:
     """The file's bytes (less one trailing newline), at least :data:`MIN_SECRET_BYTES` of them.
     Raises :class:`PlacementError` naming the file, never its content."""
@@ -144,8 +132,8 @@ def multinode(args: ServeArgs, placement: Placement) -> Rendezvous:
         return Rendezvous(key=derive_group_key(read_secret(args.rendezvous_key_file), leader),
                           authenticated=True, loopback=False, store_host=None)
     # the leader may not know its own address (flags only): then where it listens, if loopback
-    host = leader or (args.host if is_loopback(args.host) else "127.0.0.1")
-    if not is_loopback(host):
+    host = leader or (args.host if is_loopback_host(args.host) else "127.0.0.1")
+    if not is_loopback_host(host):
         raise PlacementError(
             f"a group of {placement.nnodes} pods meets at {host}:{placement.rendezvous_port}, and its ranks "
             f"run what the leader sends them: pass --rendezvous-key-file (a secret every pod of the group "

@@ -36,7 +36,7 @@ import torch
 from ...transfer import KVConnector, KVSlice
 from ..kv_budget import KVCacheSpec
 from ..model_runner import CausalLM, ModelRunner, StepRows
-from . import control
+from . import control, exit_hooks
 from .group import ParallelGroup
 from .kv_slices import PullOrder, PullReport, pull_part, snapshot
 from .launcher import Workers, exit_group
@@ -50,7 +50,9 @@ PULL_REPORT_SECONDS = 30.0
 
 
 def _exit_process(symptom: str) -> NoReturn:
-    exit_group(f"the parallel group broke: {symptom}")
+    message = f"the parallel group broke: {symptom}"
+    exit_hooks.run(message)  # the streams in flight get their error event first
+    exit_group(message)
 
 
 class ParallelRunner(ModelRunner):
