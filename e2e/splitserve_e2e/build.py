@@ -14,7 +14,8 @@ is reused without invoking Go at all. Go builds print nothing for
 minutes, so a heartbeat line with the elapsed seconds is printed while one runs.
 
 Run ``python -m splitserve_e2e.build`` to build everything ahead of the tests (``--node`` adds
-the optional kubelet node's kubelet, kube-proxy, image binaries and its cluster DNS, CoreDNS).
+the optional kubelet node's kubelet, kube-proxy, image binaries, its cluster DNS, CoreDNS, and its
+NetworkPolicy enforcer, kube-router).
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ KWOK_MODULE = "sigs.k8s.io/kwok/cmd/kwok"
 COREDNS_VERSION = "v1.12.4"
 COREDNS_MODULE = "github.com/coredns/coredns"
 COREDNS_PLUGINS = ("bind", "ready", "health", "errors", "log", "cache", "template", "kubernetes")
+# The kubelet node's NetworkPolicy enforcer (splitserve_e2e.netpol): kube-router run with only
+# its network policy controller (iptables + ipset, in the FORWARD path of the bridged pod
+# traffic). The SIG Network agent sigs.k8s.io/kube-network-policies was the first choice, but
+# it queues packets with nftables' `queue` statement, which this kernel lacks
+# (CONFIG_NFT_QUEUE unset: `nft add rule ... queue num 100` answers "No such file or directory").
+KUBE_ROUTER_VERSION = "v2.1.0"
+KUBE_ROUTER_MODULE = "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
 
 
 GOBIN_MODULE_DIR = Path(__file__).resolve().parent.parent / "gobin"
@@ -105,6 +113,7 @@ class NodeBinaries:
     pause: Path  # static sandbox binary, packed into the pause image
     apiprobe: Path  # static in-cluster API client, packed into the test image
     coredns: Path  # the pods' cluster DNS, a host process (splitserve_e2e.coredns)
+    kube_router: Path  # NetworkPolicy enforcement, a host process (splitserve_e2e.netpol)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +271,16 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
             workdir=None,
             prepare=_coredns_source,
             inputs=tuple(f"plugin:{name}" for name in COREDNS_PLUGINS),
+        ),
+        _ToolGroup(
+            name="kube-router",
+            version=KUBE_ROUTER_VERSION,
+            binaries=("kube-router",),
+            go_args=("install", "-trimpath",
+                     "-ldflags=-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version."
+                     f"Version={KUBE_ROUTER_VERSION}",
+                     f"{KUBE_ROUTER_MODULE}@{KUBE_ROUTER_VERSION}"),
+            workdir=None,
         ),
     )
 
@@ -455,7 +474,8 @@ def ensure_node_binaries() -> NodeBinaries:
                         kube_proxy=directories["node"] / "kube-proxy",
                         pause=directories["node-images"] / "pause",
                         apiprobe=directories["node-images"] / "apiprobe",
-                        coredns=directories["coredns"] / "coredns")
+                        coredns=directories["coredns"] / "coredns",
+                        kube_router=directories["kube-router"] / "kube-router")
 
 
 def recorded_build_seconds() -> dict[str, float]:

@@ -68,6 +68,8 @@ class ClusterOptions:
     # only; one per machine): see kubeletnode.py
     with_kubelet_node: bool = True
     kubelet_node_gpus: int = 4
+    # NetworkPolicies enforced on the kubelet node (kube-router's policy controller: netpol.py)
+    kubelet_node_network_policies: bool = True
 
     def __post_init__(self) -> None:
         if self.num_gpu_nodes < 0 or self.gpus_per_node < 0 or self.kubelet_node_gpus < 0:
@@ -180,7 +182,8 @@ class LocalCluster:
             self.kubelet_node = KubeletNode(
                 directory=self.state_dir / "kn", pki=pki, api_client_factory=self.api_client,
                 log_dir=self.log_dir, pid_dir=self.pid_dir,
-                num_gpus=self.options.kubelet_node_gpus)
+                num_gpus=self.options.kubelet_node_gpus,
+                network_policies=self.options.kubelet_node_network_policies)
             self.kubelet_node.prepare()
             pod_reachable_address = self.pod_gateway = self.kubelet_node.network.gateway
         apiserver = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url,

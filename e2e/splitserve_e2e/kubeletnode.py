@@ -9,6 +9,8 @@ profile, OOM kills, restarts by the kubelet, ClusterIPs through kube-proxy's ipt
 and names through cluster DNS: CoreDNS (:mod:`splitserve_e2e.coredns`) on the bridge gateway,
 which the kubelet's ``clusterDNS`` names, so pods resolve Services and headless-Service pod
 hostnames (``<hostname>.<subdomain>.<ns>.svc.cluster.local``) as on any cluster.
+NetworkPolicies are enforced (:mod:`splitserve_e2e.netpol`: kube-router's policy controller),
+so a policy that admits too much or too little shows in the tests as on a real cluster.
 The node is ``splitserve-kubelet``; it advertises ``nvidia.com/gpu`` as an extended resource
 (patched into its status, as the Kubernetes docs describe) so GPU pods schedule onto it and run
 on CPU.
@@ -38,7 +40,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes import client as k8s
 
-from splitserve_e2e import cni, nodehost, ociimage
+from splitserve_e2e import cni, netpol, nodehost, ociimage
+from splitserve_e2e.apiserver import SERVICE_CIDR
 from splitserve_e2e.build import NodeBinaries, cache_root, ensure_node_binaries
 from splitserve_e2e.containerd import Containerd, ContainerdLayout, start_containerd, write_config
 from splitserve_e2e.coredns import CLUSTER_DOMAIN, ClusterDns, start_coredns
@@ -124,10 +127,12 @@ class KubeletNode:
                  api_client_factory: Callable[[], k8s.ApiClient], log_dir: Path, pid_dir: Path,
                  num_gpus: int = 4, network: cni.PodNetwork | None = None,
                  binaries: NodeBinaries | None = None,
-                 containerd_root: Path | None = None) -> None:
+                 containerd_root: Path | None = None,
+                 network_policies: bool = True) -> None:
         """``containerd_root``: containerd's content store and snapshots (default
         :func:`containerd_root_dir`, shared by every cluster on the machine so that pulled
-        images survive; the state, socket and mounts stay under ``directory``)."""
+        images survive; the state, socket and mounts stay under ``directory``).
+        ``network_policies``: run the NetworkPolicy enforcer (:mod:`splitserve_e2e.netpol`)."""
         self.directory = directory.resolve()
         self.containerd_root = (containerd_root or containerd_root_dir()).resolve()
         longest = self.directory / "kubelet" / "device-plugins" / "kubelet.sock"
@@ -143,6 +148,9 @@ class KubeletNode:
         so this is at least the node's own start)."""
         self.dns_wait_seconds = 0.0
         """What waiting for CoreDNS added to the node start (after the node was Ready)."""
+        self.network_policies = network_policies
+        self.network_policy_agent: netpol.NetworkPolicyAgent | None = None
+        """kube-router's policy controller once in force (None: not enforced)."""
         self._pki = pki
         self._api_client_factory = api_client_factory
         self._log_dir = log_dir
@@ -225,6 +233,8 @@ class KubeletNode:
         self.ready_seconds = node_ready_at - started
         self.dns_ready_seconds = dns.wait_ready(timeout_seconds=60)
         self.dns_wait_seconds = time.monotonic() - node_ready_at
+        if self.network_policies:  # after Ready: it reads the Node's InternalIP
+            self._start_network_policy_agent(binaries, server_url)
         self.advertise_gpus(core)
 
     def advertise_gpus(self, core: k8s.CoreV1Api) -> None:
@@ -245,6 +255,7 @@ class KubeletNode:
             process.stop(grace_seconds=5.0)
         self._processes.clear()
         self.dns = None
+        self.network_policy_agent = None
         if self._containerd is not None:
             with contextlib.suppress(Exception):
                 self._containerd.remove_all()
@@ -266,7 +277,8 @@ class KubeletNode:
             # removes the KUBE-* chains (only one kubelet node per machine: the lock)
             subprocess.run([str(binaries.kube_proxy), "--cleanup", "--v=0"],
                            capture_output=True, timeout=60, check=False)
-        nodehost.remove_iptables_chains("KUBE-")
+        nodehost.remove_iptables_chains("KUBE-")  # kube-router's chains too (KUBE-ROUTER-*)
+        netpol.remove_ipsets()  # once no rule uses them
         cni.remove_bridge(self.network)
         ipam = self.directory / "cni-ipam"
         if ipam.is_dir():
@@ -286,6 +298,19 @@ class KubeletNode:
             directory=self.directory / "coredns", log_dir=self._log_dir, pid_dir=self._pid_dir)
         self._processes.append(dns.process)
         return dns
+
+    def _start_network_policy_agent(self, binaries: NodeBinaries, server_url: str) -> None:
+        """kube-router's NetworkPolicy controller for this node, as the cluster admin (it lists
+        pods, namespaces and NetworkPolicies cluster-wide); stopped with the node's processes."""
+        admin = self._pki.admin
+        kubeconfig = write_cert_kubeconfig(
+            path=self.directory / "kube-router.kubeconfig", server=server_url,
+            ca_cert=self._pki.ca_cert, client_cert=admin.cert, client_key=admin.key,
+            user_name="kubernetes-admin")
+        agent = self.network_policy_agent = netpol.start_network_policy_agent(
+            binary=binaries.kube_router, kubeconfig=kubeconfig, node_name=NODE_NAME,
+            service_cidr=SERVICE_CIDR, log_dir=self._log_dir, pid_dir=self._pid_dir)
+        self._processes.append(agent.process)
 
     def _start_containerd(self, binaries: NodeBinaries) -> None:
         layout = ContainerdLayout(self.directory / "containerd",
