@@ -169,6 +169,9 @@ def pool(stack: Stack, picker_image: str) -> Pool:
                          what=f"InferenceService {namespace}/{ISVC_NAME} Ready")
         stack.figures["InferenceService (2 engines + picker) apply -> Ready"] = \
             f"{time.monotonic() - started:.1f}s"
+        status = get_isvc(cluster=cluster, namespace=namespace, name=ISVC_NAME)["status"]
+        # the picker is counted apart: the ROUTER column shows no router where none runs
+        assert status["endpointPicker"]["summary"] == "1/1" and "router" not in status, status
         found = _rendered(cluster, namespace, picker_image)
     found.figures = stack.figures
     log(f"InferencePool {namespace}/{found.name}: engines {found.pods}; picker "

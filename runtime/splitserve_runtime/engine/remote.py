@@ -229,6 +229,9 @@ class HandoffEngine(DelegatingEngine):
         self.auth = auth if auth is not None else HandoffAuth(key=None)
         self._server: TcpKVServer | None = None
         self._connector = TcpKVConnector(observer=self._observe, auth=self.auth)
+        self._release_connector = TcpKVConnector(auth=self.auth)
+        """Releases pull nothing: not transfers, so not observed (a release that fails after a
+        failed pull must not count that failure twice)."""
         self._layout: KVLayout | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -684,10 +687,11 @@ class HandoffEngine(DelegatingEngine):
     async def _release_remote(self, source: RemotePrefill, *, first_block: int) -> None:
         """Pull nothing, but tell the prefill pod to unpin now (else its lease does)."""
         try:
-            await self._connector.fetch(endpoint=source.remote_endpoint, request_id=source.remote_request_id,
-                                        first_block=first_block, layout=self.layout,
-                                        on_block=lambda _i, _d: None, timeout_seconds=self._fetch_timeout_seconds,
-                                        expected_num_tokens=source.num_prompt_tokens)
+            await self._release_connector.fetch(
+                endpoint=source.remote_endpoint, request_id=source.remote_request_id,
+                first_block=first_block, layout=self.layout,
+                on_block=lambda _i, _d: None, timeout_seconds=self._fetch_timeout_seconds,
+                expected_num_tokens=source.num_prompt_tokens)
         except TransferError as exc:
             log.warning("could not release KV of %s on %s: %s", source.remote_request_id,
                         source.remote_endpoint, exc)
