@@ -290,6 +290,14 @@ class Router:
         self._selector.record(pod=pod, hashes=hashes)
         metrics.PREFIX_MATCHED_BLOCKS.labels(model=self._config.model_label).inc(matched_blocks)
 
+    def _prefill_pod_failed(self, pod: Pod, problem: str, *, then: str) -> None:
+        """A prefill pod that could not be reached or answer: out of rotation until the health
+        poll readmits it, out of the affinity index, counted as an upstream error."""
+        log.warning("%s; %s", problem, then)
+        self._pods.mark_failed(pod.name)
+        self._selector.forget(pod.name)
+        metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+
     def _cannot_fit(self, body: dict[str, Any], num_prompt_tokens: int | None) -> bool:
         """Whether the prompt plus the completion (``max_tokens``, else one token, as the pods'
         own check) exceeds the context window of every healthy decode pod (as their pod info
@@ -372,17 +380,11 @@ class Router:
             except TimeoutError:
                 # Stalled or dripping: the budget is spent, whatever is left of the attempts.
                 last_error = f"prefill pod {pod.name} did not answer within the prefill budget of {budget:g} s"
-                log.warning("%s; a decode pod computes the prompt", last_error)
-                self._pods.mark_failed(pod.name)
-                self._selector.forget(pod.name)
-                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+                self._prefill_pod_failed(pod, last_error, then="a decode pod computes the prompt")
                 break
             except httpx.HTTPError as exc:
                 last_error = f"prefill pod {pod.name} failed: {type(exc).__name__}: {exc}"
-                log.warning("%s; retrying elsewhere", last_error)
-                self._pods.mark_failed(pod.name)
-                self._selector.forget(pod.name)
-                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream="prefill").inc()
+                self._prefill_pod_failed(pod, last_error, then="retrying elsewhere")
                 continue
             finally:
                 _release(pod, uncached)
