@@ -87,7 +87,7 @@ def _post(pod: Proc, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{pod.url}/v1/completions", timeout=60, json=body)
 
 
-def _body(prompt: str, **extra: Any) -> dict[str, Any]:
+def _body(prompt: str | list[int], **extra: Any) -> dict[str, Any]:
     return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
             "temperature": 0, **extra}
 

@@ -49,11 +49,12 @@ LOOP_LOGGER = "splitserve_operator.autoscaler.loop"
 
 @pytest.fixture(autouse=True)
 def _events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
-    return record_events(monkeypatch)
+    events: list[tuple[str, str, str]] = record_events(monkeypatch)
+    return events
 
 
 def _service(*, enabled: bool = True, min_replicas: int = 1, max_replicas: int = 8) -> dict[str, Any]:
-    obj = isvc(slo=False)
+    obj: dict[str, Any] = isvc(slo=False)
     obj["spec"]["autoscaling"]["enabled"] = enabled
     for role in ("prefill", "decode"):
         obj["spec"][role]["replicas"] = {"min": min_replicas, "max": max_replicas}
@@ -158,7 +159,7 @@ def test_an_idle_round_that_decides_what_the_last_one_did_writes_nothing() -> No
 
 
 # --------------------------------------------------------------------------- failing rounds
-class FailingKube(SelectingKube):
+class FailingKube(SelectingKube):  # type: ignore[misc]  # a test module's class: Any to mypy
     """Reads of the pools' Deployments fail while ``failure`` is set (the InferenceService's
     status stays writable, as when the API server refuses one request)."""
 
@@ -170,7 +171,8 @@ class FailingKube(SelectingKube):
     def get(self, *, kind: kube.Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         if self.failure is not None and kind is kube.DEPLOYMENT:
             raise self.failure
-        return super().get(kind=kind, namespace=namespace, name=name)
+        found: dict[str, Any] | None = super().get(kind=kind, namespace=namespace, name=name)
+        return found
 
 
 class Clock:

@@ -137,8 +137,8 @@ def test_mode_cannot_change(server: BareApiserver) -> None:
     # Defect: spec.mode changed on a live object, leaving the old mode's pools behind.
     assert _create(server, _obj("mode-change")) is None
     objects = k8s.CustomObjectsApi(server.api_client)
-    live = objects.get_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, NAMESPACE,
-                                                contract.PLURAL, "mode-change")
+    live: dict[str, Any] = objects.get_namespaced_custom_object(  # type: ignore[assignment]
+        contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, "mode-change")
     live["spec"]["mode"] = "Disaggregated"
     live["spec"].pop("aggregated")
     live["spec"]["prefill"] = live["spec"]["decode"] = {"resources": {"gpus": 1}}

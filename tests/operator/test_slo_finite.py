@@ -37,7 +37,7 @@ TINY = StepCoefficients(step=1e-300, prefill_token=1e-300, prefill_pair=1e-300, 
                         decode_context=1e-300)
 
 
-class StrictKube(SelectingKube):
+class StrictKube(SelectingKube):  # type: ignore[misc]  # a test module's class: Any to mypy
     """:class:`SelectingKube` whose writes are serialized as the API server reads them: a body
     with NaN or Infinity is refused (400), as kube-apiserver refuses ``Infinity``."""
 
@@ -57,8 +57,9 @@ class StrictKube(SelectingKube):
     def merge_patch(self, *, kind: kube.Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
                     subresource: str | None = None, field_manager: str | None = None) -> dict[str, Any]:
         self._check(patch)
-        return super().merge_patch(kind=kind, namespace=namespace, name=name, patch=patch,
-                                   subresource=subresource, field_manager=field_manager)
+        written: dict[str, Any] = super().merge_patch(kind=kind, namespace=namespace, name=name, patch=patch,
+                                                      subresource=subresource, field_manager=field_manager)
+        return written
 
     def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]:
         self._check(obj)
