@@ -216,6 +216,19 @@ class Coalescer:
     def lock(self, key: Key) -> _KeyLock:
         return _KeyLock(self, key)
 
+    def from_thread(self) -> Callable[[Key], None]:
+        """A ``request`` that other threads may call (the Secret watch's), bound to this
+        loop and to the calling task's context. Call it in a kopf handler: the reconcile it
+        starts then finds kopf's Event poster through that context; one started from the
+        thread's own context would only log its Events, and the next reconcile, which sees
+        the reason already in status, would not post them again."""
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+
+        def request(key: Key) -> None:
+            loop.call_soon_threadsafe(self.request, key, context=context.copy())
+        return request
+
     def request(self, key: Key) -> None:
         if key in self._tasks:
             self._again.add(key)
@@ -405,12 +418,12 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
 
     @kopf.on.startup(registry=registry, id="secret-watch-start")
     async def start_secret_watch(**_: Any) -> None:
-        loop = asyncio.get_running_loop()
+        request = coalescer.from_thread()
 
         def on_change(event_type: str | None, secret: Mapping[str, Any]) -> None:  # the watch's thread
             key = secret_event_target(event_type=event_type, secret=secret, children=ctx.children)
             if key is not None:
-                loop.call_soon_threadsafe(coalescer.request, key)
+                request(key)
 
         for namespace in ctx.namespaces or (None,):
             watch.append(secret_watch.SecretWatch(api=ctx.api, namespace=namespace, on_change=on_change))

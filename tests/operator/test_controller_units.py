@@ -219,6 +219,31 @@ async def test_coalescer_runs_once_per_burst_and_never_concurrently() -> None:
     assert not coalescer._locks and not coalescer._users  # nothing left behind per object
 
 
+async def test_a_request_from_another_thread_runs_in_the_kopf_context() -> None:
+    """The Secret watch requests reconciles from its own thread; the reconcile must still run
+    in kopf's context (its Event poster lives there), else the Warning Event of a blocker it
+    finds first is only logged and never posted (CI: no FailedCreate Event in 20 s)."""
+    import contextvars
+    import threading
+
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker")
+    seen: list[str | None] = []
+
+    async def run(key: handlers.Key) -> bool:
+        seen.append(marker.get(None))
+        return True
+
+    coalescer = handlers.Coalescer(run=run)
+    marker.set("kopf")  # as kopf sets its poster's variables before any handler runs
+    request = coalescer.from_thread()
+    thread = threading.Thread(target=request, args=(("n", "a"),))
+    thread.start()
+    thread.join()
+    while not seen or coalescer.pending():
+        await asyncio.sleep(0.01)
+    assert seen == ["kopf"]
+
+
 def test_kind_paths() -> None:
     assert kube.DEPLOYMENT.object_path(namespace="n", name="a") == "/apis/apps/v1/namespaces/n/deployments/a"
     assert kube.CONFIG_MAP.collection_path(namespace="n") == "/api/v1/namespaces/n/configmaps"
