@@ -136,7 +136,8 @@ def owner_key(obj: Mapping[str, Any]) -> Key | None:
 
 async def in_lane(lane: concurrent.futures.Executor, call: Callable[[], T]) -> T:
     """``call()`` on one of ``lane``'s threads, in this task's context (like
-    :func:`asyncio.to_thread`): kopf's Event poster is found through it."""
+    :func:`asyncio.to_thread`), so what the handler's context carries (kopf's logging
+    prefixes) carries on into the reconcile."""
     context = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(lane, context.run, call)
 
@@ -217,16 +218,13 @@ class Coalescer:
         return _KeyLock(self, key)
 
     def from_thread(self) -> Callable[[Key], None]:
-        """A ``request`` that other threads may call (the Secret watch's), bound to this
-        loop and to the calling task's context. Call it in a kopf handler: the reconcile it
-        starts then finds kopf's Event poster through that context; one started from the
-        thread's own context would only log its Events, and the next reconcile, which sees
-        the reason already in status, would not post them again."""
+        """A ``request`` that other threads may call (the Secret watch's), bound to this loop.
+        Call it on the loop. (Events do not depend on the context a reconcile runs in:
+        :mod:`.events` posts through its own poster.)"""
         loop = asyncio.get_running_loop()
-        context = contextvars.copy_context()
 
         def request(key: Key) -> None:
-            loop.call_soon_threadsafe(self.request, key, context=context.copy())
+            loop.call_soon_threadsafe(self.request, key)
         return request
 
     def request(self, key: Key) -> None:

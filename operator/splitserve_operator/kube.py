@@ -62,6 +62,8 @@ DEPLOYMENT: Final = Kind("apps/v1", "Deployment", "deployments")
 PDB: Final = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY: Final = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 LEASE: Final = Kind("coordination.k8s.io/v1", "Lease", "leases")
+EVENT: Final = Kind("v1", "Event", "events")
+"""Only ever created (:class:`splitserve_operator.events.EventPoster`)."""
 SERVICE_ACCOUNT: Final = Kind("v1", "ServiceAccount", "serviceaccounts")
 ROLE: Final = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING: Final = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")

@@ -34,7 +34,18 @@ from kubernetes import config as k8s_config
 
 import splitserve_contract as contract
 
-from . import api, diffbase, handlers, health, kube, leader, metrics, operator_flags, reconcile
+from . import (
+    api,
+    diffbase,
+    events,
+    handlers,
+    health,
+    kube,
+    leader,
+    metrics,
+    operator_flags,
+    reconcile,
+)
 from .autoscaler import loop as autoscaler_loop
 
 logger = logging.getLogger("splitserve_operator")
@@ -74,7 +85,7 @@ def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration",
         progress=settings.persistence.progress_storage)
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/kopf-finalizer"  # none is required today
-    settings.posting.level = logging.WARNING  # kopf's own messages; ours use kopf.event directly
+    settings.posting.level = logging.WARNING  # kopf's own messages; ours go through events.EventPoster
     settings.posting.reporting_component = contract.MANAGED_BY_VALUE
     settings.posting.reporting_instance = identity[:128]
     settings.posting.event_name_prefix = "splitserve-"
@@ -158,6 +169,9 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
         metrics=operator_metrics,
         namespaces=operator_flags.watched_namespaces(args),
     )
+    poster = events.EventPoster(api=api, component=contract.MANAGED_BY_VALUE, instance=identity)
+    poster.start()
+    events.install(poster)
     registry, coalescer = handlers.build_registry(ctx=ctx)
     # The autoscaler's own handlers (an event tracker and a startup/cleanup pair that runs one
     # operator-wide loop; no finalizer) join the same registry, so they too run only on the
@@ -208,6 +222,8 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
         for task in (hold_task, stop_task, ready_task):
             if task is not None:
                 task.cancel()
+        await asyncio.to_thread(poster.stop)  # what is queued is posted before the Lease goes
+        events.install(None)
         if elector is not None and exit_code != EXIT_LEADERSHIP_LOST:
             await elector.release()
     return exit_code

@@ -78,7 +78,7 @@ def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube.Kube]:
 
 @pytest.fixture(autouse=True)
 def _events(monkeypatch: pytest.MonkeyPatch) -> None:
-    record_events(monkeypatch)  # kopf's Event poster needs a handler's context
+    record_events(monkeypatch)
 
 
 @pytest.fixture

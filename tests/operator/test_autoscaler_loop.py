@@ -45,6 +45,7 @@ from splitserve_contract import (
     PLURAL,
     Metric,
 )
+from splitserve_operator import events as operator_events
 from splitserve_operator import kube, naming
 from splitserve_operator.autoscaler.loop import make_prometheus, register, run_once
 from splitserve_operator.autoscaler.metrics import AutoscalerMetrics
@@ -55,7 +56,7 @@ NS_KOPF = "kopf"
 CRD = kube.Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions", namespaced=False)
 NAMESPACE = kube.Kind("v1", "Namespace", "namespaces", namespaced=False)
 SERVICE_ACCOUNT = kube.Kind("v1", "ServiceAccount", "serviceaccounts")
-EVENT = kube.Kind("v1", "Event", "events")
+EVENT = kube.EVENT
 CLIENTS: list[k8s.ApiClient] = []  # the admin client of the module's API server
 NAME = "svc"
 
@@ -309,6 +310,9 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
                     clock=counting_clock)
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING
+    poster = operator_events.EventPoster(api=api, component="test", instance="test")  # as main does
+    poster.start()
+    operator_events.install(poster)
     stop = asyncio.Event()
     operator = asyncio.create_task(kopf.operator(
         registry=registry, settings=settings, standalone=True, namespaces=[NS_KOPF], stop_flag=stop))
@@ -381,4 +385,6 @@ async def test_registered_loop_runs_rounds_without_finalizer_and_pauses_without_
     finally:
         stop.set()
         await asyncio.wait_for(operator, timeout=30)
+        operator_events.install(None)
+        poster.stop()
     assert loop.ticker is None and not loop.rounds  # kopf's cleanup stopped the loop

@@ -1,6 +1,6 @@
 """The kopf handlers' reconciles run on their own threads (:data:`handlers.SPEC_WORKERS`), in the
-handler's context: kopf finds its Event poster there, so an Event posted from such a reconcile
-reaches the API server instead of only the log."""
+handler's context, as :func:`asyncio.to_thread` would run them (what kopf puts there, its
+per-object logging prefixes, carries on into the reconcile)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def round_(api: SelectingKube, prom: FakePrometheus, *, store: SloStore | None,
 
 @pytest.fixture(autouse=True)
 def _events(monkeypatch: pytest.MonkeyPatch) -> None:
-    record_events(monkeypatch)  # kopf's Event poster needs a handler's context
+    record_events(monkeypatch)
 
 
 def replicas(api: SelectingKube, role: str) -> int:

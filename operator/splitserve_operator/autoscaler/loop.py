@@ -30,15 +30,13 @@ each known, non-paused object whose own ``spec.autoscaling.interval`` has passed
 loop's injected monotonic ``clock``; rounds run as separate tasks (one slow
 Prometheus never delays another object), at most one at a time per object, and a failing
 round never stops the loop: it sets ``ScalingActive=False`` (``ApiError``, or ``RoundFailed``
-with what failed) and is logged once per distinct failure, not with a traceback every interval. kopf's Event poster (:func:`kopf.event`) works only
-in the context kopf gives its per-object tasks, so each round runs in a copy of the context of
-its object's latest ``on.event`` call: Events post just as they would from a handler.
+with what failed) and is logged once per distinct failure, not with a traceback every interval. Events go
+through :mod:`splitserve_operator.events`' own poster, which works from any task.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
 import dataclasses
 import datetime
@@ -604,8 +602,6 @@ class AutoscalerLoop:
     slo_store: SloStore = dataclasses.field(default_factory=SloStore)
     """The SLO controller's state of every service with ``spec.autoscaling.slo`` (:mod:`.slo_store`)."""
     bodies: dict[ServiceKey, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    contexts: dict[ServiceKey, contextvars.Context] = dataclasses.field(default_factory=dict)
-    """Per object, the context of its latest ``on.event`` call (kopf's Event poster lives there)."""
     rounds: dict[ServiceKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     ticker: asyncio.Task[None] | None = None
     clock: Callable[[], float] = time.monotonic
@@ -613,13 +609,11 @@ class AutoscalerLoop:
 
     def observe(self, *, event_type: str | None, body: Mapping[str, Any]) -> None:
         """Remember ``body`` (a copy: kopf's view is not ours to keep), or forget the object
-        and its state on deletion. Called from kopf's ``on.event`` handler, whose context
-        it keeps for the object's rounds."""
+        and its state on deletion. Called from kopf's ``on.event`` handler."""
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace")), str(meta.get("name")))
         if event_type == "DELETED":
             self.bodies.pop(key, None)
-            self.contexts.pop(key, None)
             running = self.rounds.pop(key, None)
             if running is not None:
                 running.cancel()  # the object is gone: its round has nothing left to write
@@ -628,7 +622,6 @@ class AutoscalerLoop:
             self.metrics.forget(namespace=key[0], name=key[1])
         else:
             self.bodies[key] = copy.deepcopy(dict(body))
-            self.contexts[key] = contextvars.copy_context()
 
     def start(self) -> None:
         if self.ticker is None or self.ticker.done():
@@ -672,10 +665,8 @@ class AutoscalerLoop:
                                   interval_seconds=interval_seconds - self.base_tick_seconds / 2):
                 continue
             self.state.mark_run(namespace=key[0], name=key[1], now_seconds=now)
-            context = self.contexts.get(key)
             self.rounds[key] = asyncio.create_task(
-                self._round(key=key, body=body, now_seconds=wall_now), name=f"autoscaler {key[0]}/{key[1]}",
-                context=context.copy() if context is not None else None)
+                self._round(key=key, body=body, now_seconds=wall_now), name=f"autoscaler {key[0]}/{key[1]}")
             started.append(key)
         return started
 
