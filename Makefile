@@ -7,7 +7,7 @@ ORDER ?= -p no:randomly
 SEED ?= $(shell date +%s)
 PACKAGES = contract/splitserve_contract operator/splitserve_operator runtime/splitserve_runtime planner/splitserve_planner cli/splitserve_cli e2e/splitserve_e2e
 
-.PHONY: help deps install test test-shuffled test-unit test-e2e demo lint crds crds-check cluster-up cluster-down binaries bench soak
+.PHONY: help deps install test test-shuffled test-unit test-e2e demo lint format crds crds-check cluster-up cluster-down binaries bench soak
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -15,8 +15,8 @@ help:
 deps: ## install Debian packages, the Python package (editable, all extras) and the control-plane binaries
 	PYTHON=$(PYTHON) bash .ci/deps
 
-install: ## install the package with all extras (editable)
-	$(PYTHON) -m pip install -q -e ".[operator,runtime,dev]"
+install: ## install the package with all extras and the e2e harness (e2e/pyproject.toml), both editable
+	$(PYTHON) -m pip install -q -e ".[operator,runtime,dev]" -e ./e2e
 
 binaries: ## build or reuse the pinned control-plane binaries (~/.cache/splitserve/bin)
 	$(PYTHON) -m splitserve_e2e.build
@@ -38,18 +38,22 @@ test-e2e: ## end-to-end tests only
 demo: deps ## local control plane + chart + Disaggregated InferenceService under a load burst + scaling report + a SmolLM2 chat answer
 	$(PYTHON) -m splitserve_e2e.demo $(DEMO_ARGS)
 
-lint: ## ruff, import layers (import-linter), mypy --strict on the packages, the tests and the benchmarks
+lint: ## ruff (lint and format), import layers (import-linter), mypy --strict on the packages, the tests and the benchmarks
 	$(PYTHON) -m ruff check contract operator runtime planner cli e2e tests bench
+	$(PYTHON) -m ruff format --check contract operator runtime planner cli e2e tests bench
 	lint-imports
 	$(PYTHON) -m mypy --strict $(PACKAGES)
 	$(PYTHON) -m mypy --strict tests
 	$(PYTHON) -m mypy --strict bench
 
-crds: ## regenerate crds/ and the chart's copy from the pydantic models
-	$(PYTHON) -m splitserve_operator.crdgen
+format: ## apply ruff's formatter (make lint and CI check it)
+	$(PYTHON) -m ruff format contract operator runtime planner cli e2e tests bench
 
-crds-check: ## fail when crds/ or the chart copy is stale
-	$(PYTHON) -m splitserve_operator.crdgen --check
+crds: ## regenerate crds/, the chart's copy and docs/operator.md's API reference from the pydantic models
+	$(PYTHON) operator/tools/crdgen.py
+
+crds-check: ## fail when crds/, the chart copy or docs/operator.md's API reference is stale
+	$(PYTHON) operator/tools/crdgen.py --check
 
 cluster-up: ## start the local control plane (detached); prints KUBECONFIG
 	$(PYTHON) -m splitserve_e2e up

@@ -101,8 +101,12 @@ def control_plane(workdir: Path) -> Iterator[tuple[kube.Kube, k8s.CoreV1Api, kop
             configuration.ssl_ca_cert = str(pki.ca_cert)
             configuration.cert_file = str(pki.admin.cert)
             configuration.key_file = str(pki.admin.key)
-            login = kopf.ConnectionInfo(server=server.url, ca_path=str(pki.ca_cert),
-                                        certificate_path=str(pki.admin.cert), private_key_path=str(pki.admin.key))
+            login = kopf.ConnectionInfo(
+                server=server.url,
+                ca_path=str(pki.ca_cert),
+                certificate_path=str(pki.admin.cert),
+                private_key_path=str(pki.admin.key),
+            )
             api_client = k8s.ApiClient(configuration)
             yield kube.Kube(api_client=api_client), k8s.CoreV1Api(api_client), login
         finally:
@@ -125,9 +129,14 @@ def prometheus(workdir: Path, exporters: list[PodExporter]) -> Iterator[str]:
     port = free_port()
     with (workdir / "prometheus.log").open("w") as log:
         proc = subprocess.Popen(
-            ["/usr/bin/prometheus", f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'prom-data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                "/usr/bin/prometheus",
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'prom-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             yield f"http://127.0.0.1:{port}"
@@ -137,45 +146,79 @@ def prometheus(workdir: Path, exporters: list[PodExporter]) -> Iterator[str]:
 
 
 def setup_objects(api: kube.Kube, *, interval: str, down_stabilization_seconds: int) -> None:
-    api.create(kind=CRD, namespace=None, obj={
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
-        "spec": {"group": API_GROUP, "scope": "Namespaced",
-                 "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower()},
-                 "versions": [{"name": API_VERSION, "served": True, "storage": True,
-                               "subresources": {"status": {}},
-                               "schema": {"openAPIV3Schema": {"type": "object",
-                                                              "x-kubernetes-preserve-unknown-fields": True}}}]},
-    })
+    api.create(
+        kind=CRD,
+        namespace=None,
+        obj={
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+            "spec": {
+                "group": API_GROUP,
+                "scope": "Namespaced",
+                "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower()},
+                "versions": [
+                    {
+                        "name": API_VERSION,
+                        "served": True,
+                        "storage": True,
+                        "subresources": {"status": {}},
+                        "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                    }
+                ],
+            },
+        },
+    )
     api.create(kind=NAMESPACE, namespace=None, obj={"metadata": {"name": NS}})
     api.create(kind=SERVICE_ACCOUNT, namespace=NS, obj={"metadata": {"name": "default"}})
     time.sleep(1.0)  # the CRD's REST endpoint appears asynchronously
-    api.create(kind=kube.INFERENCE_SERVICE, namespace=NS, obj={
-        "apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": NAME, "namespace": NS},
-        "spec": {
-            "model": {"uri": "hf://splitserve/tiny-llama"}, "mode": "Disaggregated",
-            "prefill": {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}},
-            "decode": {"replicas": {"min": 1, "max": MAX_PODS}, "resources": {"gpus": 1}},
-            "autoscaling": {"interval": interval, "decode": {"targetQueueDepth": 2},
-                            "behavior": {"scaleDown": {"stabilizationSeconds": down_stabilization_seconds}}},
+    api.create(
+        kind=kube.INFERENCE_SERVICE,
+        namespace=NS,
+        obj={
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "metadata": {"name": NAME, "namespace": NS},
+            "spec": {
+                "model": {"uri": "hf://splitserve/tiny-llama"},
+                "mode": "Disaggregated",
+                "prefill": {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}},
+                "decode": {"replicas": {"min": 1, "max": MAX_PODS}, "resources": {"gpus": 1}},
+                "autoscaling": {
+                    "interval": interval,
+                    "decode": {"targetQueueDepth": 2},
+                    "behavior": {"scaleDown": {"stabilizationSeconds": down_stabilization_seconds}},
+                },
+            },
         },
-    })
+    )
     labels = naming.labels(NAME, ROLE)
-    api.create(kind=kube.DEPLOYMENT, namespace=NS, obj={
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": naming.child_name(NAME, ROLE), "namespace": NS, "labels": labels},
-        "spec": {"replicas": 2, "selector": {"matchLabels": naming.selector_labels(NAME, ROLE)},
-                 "template": {"metadata": {"labels": labels},
-                              "spec": {"containers": [{"name": "runtime", "image": "splitserve:bench"}]}}},
-    })
+    api.create(
+        kind=kube.DEPLOYMENT,
+        namespace=NS,
+        obj={
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": naming.child_name(NAME, ROLE), "namespace": NS, "labels": labels},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": naming.selector_labels(NAME, ROLE)},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "runtime", "image": "splitserve:bench"}]},
+                },
+            },
+        },
+    )
 
 
 class ReplicaSetStandIn:
     """Creates Ready pods ``<isvc>-decode-<i>`` for ``spec.replicas`` (after a start delay),
     deletes the highest-numbered ones on scale-down, and spreads the load over Ready pods."""
 
-    def __init__(self, *, api: kube.Kube, core: k8s.CoreV1Api, exporters: list[PodExporter],
-                 pod_start_seconds: float) -> None:
+    def __init__(
+        self, *, api: kube.Kube, core: k8s.CoreV1Api, exporters: list[PodExporter], pod_start_seconds: float
+    ) -> None:
         self.api = api
         self.core = core
         self.exporters = exporters
@@ -190,16 +233,31 @@ class ReplicaSetStandIn:
         return int((obj or {}).get("spec", {}).get("replicas") or 0)
 
     def _create_pod(self, name: str) -> None:
-        self.api.create(kind=kube.POD, namespace=NS, obj={
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": naming.labels(NAME, ROLE)},
-            "spec": {"containers": [{"name": "runtime", "image": "splitserve:bench"}]},
-        })
+        self.api.create(
+            kind=kube.POD,
+            namespace=NS,
+            obj={
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": NS, "labels": naming.labels(NAME, ROLE)},
+                "spec": {"containers": [{"name": "runtime", "image": "splitserve:bench"}]},
+            },
+        )
 
     def _mark_ready(self, name: str) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.api.merge_patch(kind=kube.POD, namespace=NS, name=name, subresource="status", patch={"status": {
-            "phase": "Running", "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
+        self.api.merge_patch(
+            kind=kube.POD,
+            namespace=NS,
+            name=name,
+            subresource="status",
+            patch={
+                "status": {
+                    "phase": "Running",
+                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+                }
+            },
+        )
 
     def step(self, *, t_seconds: float) -> int:
         wanted = self.replicas()
@@ -221,7 +279,9 @@ class ReplicaSetStandIn:
                 del self.starting[name]
         for exporter in self.exporters:
             exporter.set_load(self.load / len(self.ready) if exporter.name in self.ready else 0.0)
-        self.timeline.append({"t": round(t_seconds, 2), "load": self.load, "replicas": wanted, "ready": len(self.ready)})
+        self.timeline.append(
+            {"t": round(t_seconds, 2), "load": self.load, "replicas": wanted, "ready": len(self.ready)}
+        )
         return wanted
 
 
@@ -232,19 +292,29 @@ def first(timeline: list[dict[str, float]], *, after: float, predicate: Any) -> 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING)
     exporters = [PodExporter(f"{NAME}-{ROLE}-{i}") for i in range(MAX_PODS)]
-    with tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp, \
-            control_plane(Path(tmp)) as (api, core, login), prometheus(Path(tmp), exporters) as prometheus_url:
+    with (
+        tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp,
+        control_plane(Path(tmp)) as (api, core, login),
+        prometheus(Path(tmp), exporters) as prometheus_url,
+    ):
         setup_objects(api, interval=args.interval, down_stabilization_seconds=args.down_stabilization_seconds)
         registry = kopf.OperatorRegistry()
         kopf.on.login(registry=registry)(lambda **_: login)
-        register(registry=registry, api=api, prometheus_url=prometheus_url, metrics_registry=CollectorRegistry(),
-                 base_tick_seconds=args.tick_seconds, scrape_interval_seconds=SCRAPE_SECONDS,
-                 window_seconds=args.window_seconds)
+        register(
+            registry=registry,
+            api=api,
+            prometheus_url=prometheus_url,
+            metrics_registry=CollectorRegistry(),
+            base_tick_seconds=args.tick_seconds,
+            scrape_interval_seconds=SCRAPE_SECONDS,
+            window_seconds=args.window_seconds,
+        )
         settings = kopf.OperatorSettings()
         settings.posting.enabled = False
         stop = asyncio.Event()
-        operator = asyncio.create_task(kopf.operator(registry=registry, settings=settings, standalone=True,
-                                                     namespaces=[NS], stop_flag=stop))
+        operator = asyncio.create_task(
+            kopf.operator(registry=registry, settings=settings, standalone=True, namespaces=[NS], stop_flag=stop)
+        )
         rs = ReplicaSetStandIn(api=api, core=core, exporters=exporters, pod_start_seconds=args.pod_start_seconds)
         started = time.monotonic()
         interval_seconds = parse_duration_seconds(args.interval)
@@ -268,15 +338,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 exporter.server.shutdown()
         timeline = rs.timeline
     return {
-        "config": {"interval": args.interval, "tick_seconds": args.tick_seconds, "window_seconds": args.window_seconds,
-                   "scrape_seconds": SCRAPE_SECONDS, "down_stabilization_seconds": args.down_stabilization_seconds,
-                   "pod_start_seconds": args.pod_start_seconds},
+        "config": {
+            "interval": args.interval,
+            "tick_seconds": args.tick_seconds,
+            "window_seconds": args.window_seconds,
+            "scrape_seconds": SCRAPE_SECONDS,
+            "down_stabilization_seconds": args.down_stabilization_seconds,
+            "pod_start_seconds": args.pod_start_seconds,
+        },
         "worst_case_reaction_seconds": SCRAPE_SECONDS + interval_seconds + args.tick_seconds,
         "scale_up_first_write_seconds": first(timeline, after=t_step, predicate=lambda p: p["replicas"] > 2),
         "scale_up_settled_seconds": first(timeline, after=t_step, predicate=lambda p: p["replicas"] >= 6),
         "scale_down_first_write_seconds": first(timeline, after=t_drop, predicate=lambda p: p["replicas"] < 6),
         "scale_down_settled_seconds": first(timeline, after=t_drop, predicate=lambda p: p["replicas"] == 1),
-        "replica_path": [p["replicas"] for i, p in enumerate(timeline) if i == 0 or timeline[i - 1]["replicas"] != p["replicas"]],
+        "replica_path": [
+            p["replicas"] for i, p in enumerate(timeline) if i == 0 or timeline[i - 1]["replicas"] != p["replicas"]
+        ],
         "timeline": timeline,
     }
 

@@ -57,20 +57,22 @@ NAMESPACE = "bench-reaction"
 NAME = "react"
 HUB_TOKEN = "hf_bench_token"
 POLL_SECONDS = 0.25
-HPA_NOTE = ("HPA-style CPU rule: not measured. It needs metrics-server (absent: nothing "
-            "aggregates the kubelet's resource metrics into the metrics API) and the "
-            "horizontal-pod-autoscaler controller (not enabled in the harness's "
-            "kube-controller-manager).")
+HPA_NOTE = (
+    "HPA-style CPU rule: not measured. It needs metrics-server (absent: nothing "
+    "aggregates the kubelet's resource metrics into the metrics API) and the "
+    "horizontal-pod-autoscaler controller (not enabled in the harness's "
+    "kube-controller-manager)."
+)
 
 
 def _replicas(cluster: LocalCluster) -> tuple[int, int]:
-    deployment: Any = cluster.apps().read_namespaced_deployment(
-        child_name(NAME, Role.AGGREGATED), NAMESPACE)
+    deployment: Any = cluster.apps().read_namespaced_deployment(child_name(NAME, Role.AGGREGATED), NAMESPACE)
     return int(deployment.spec.replicas or 0), int(deployment.status.ready_replicas or 0)
 
 
-async def _watch(cluster: LocalCluster, *, until: Any, timeout_seconds: float
-                 ) -> tuple[float | None, list[tuple[float, int, int]]]:
+async def _watch(
+    cluster: LocalCluster, *, until: Any, timeout_seconds: float
+) -> tuple[float | None, list[tuple[float, int, int]]]:
     """Poll replicas until ``until(desired, ready)``; (seconds it took or None, samples)."""
     started = time.monotonic()
     samples: list[tuple[float, int, int]] = []
@@ -84,10 +86,10 @@ async def _watch(cluster: LocalCluster, *, until: Any, timeout_seconds: float
     return None, samples
 
 
-async def _trial(cluster: LocalCluster, *, base_url: str, concurrency: int,
-                 down_timeout_seconds: float) -> dict[str, Any]:
-    baseline = LoadBurst(base_url=base_url, concurrency=2, duration_seconds=15,
-                         prompt_words=20, max_tokens=16)
+async def _trial(
+    cluster: LocalCluster, *, base_url: str, concurrency: int, down_timeout_seconds: float
+) -> dict[str, Any]:
+    baseline = LoadBurst(base_url=base_url, concurrency=2, duration_seconds=15, prompt_words=20, max_tokens=16)
     await baseline.run()
     start_desired, _ = await asyncio.to_thread(_replicas, cluster)
     step = LoadBurst(base_url=base_url, concurrency=concurrency, duration_seconds=180)
@@ -103,13 +105,17 @@ async def _trial(cluster: LocalCluster, *, base_url: str, concurrency: int,
     down, _ = await _watch(cluster, until=lambda d, r: d < peak, timeout_seconds=down_timeout_seconds)
     at_min = None
     if down is not None:
-        rest, _ = await _watch(cluster, until=lambda d, r: d == start_desired,
-                               timeout_seconds=down_timeout_seconds)
+        rest, _ = await _watch(cluster, until=lambda d, r: d == start_desired, timeout_seconds=down_timeout_seconds)
         at_min = None if rest is None else down + rest
-    return {"load_step_to_replicas_write_s": write, "load_step_to_new_pod_ready_s": ready,
-            "peak_replicas": peak, "load_drop_to_first_scale_down_s": down,
-            "load_drop_to_min_replicas_s": at_min, "requests_ok": step.ok + baseline.ok,
-            "requests_failed": step.failed + baseline.failed}
+    return {
+        "load_step_to_replicas_write_s": write,
+        "load_step_to_new_pod_ready_s": ready,
+        "peak_replicas": peak,
+        "load_drop_to_first_scale_down_s": down,
+        "load_drop_to_min_replicas_s": at_min,
+        "requests_ok": step.ok + baseline.ok,
+        "requests_failed": step.failed + baseline.failed,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,43 +127,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with LocalCluster(state_dir=Path(tmp) / "c", options=options) as cluster:
             assert cluster.prometheus_url is not None and cluster.pod_gateway is not None
             model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-            hub, _ = start_model_hub(model_dir=model_dir, root=Path(tmp) / "hub",
-                                     token=HUB_TOKEN, host=cluster.pod_gateway, port=0)
+            hub, _ = start_model_hub(
+                model_dir=model_dir, root=Path(tmp) / "hub", token=HUB_TOKEN, host=cluster.pod_gateway, port=0
+            )
             model_hub = ModelHub(endpoint=hub.endpoint, token=HUB_TOKEN)
             try:
-                with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                                        stem=NAMESPACE, unique=False) as namespace:
-                    apply(cluster=cluster, obj=isvc_manifest(
-                        name=NAME, namespace=namespace, mode="Aggregated", hub=model_hub,
-                        interval=args.interval, max_replicas=3,
-                        scale_down_stabilization_seconds=args.down_stabilization_seconds))
-                    wait_ready(cluster=cluster, namespace=namespace, name=NAME,
-                               timeout_seconds=300)
-                    endpoint = router_endpoints(cluster=cluster, namespace=namespace,
-                                                name=NAME)[0]
-                    down_timeout = (args.down_stabilization_seconds
-                                    + defaults.SIGNAL_WINDOW_SECONDS + 90)
-                    trials = [asyncio.run(_trial(cluster, base_url=f"http://{endpoint}/v1",
-                                                 concurrency=args.concurrency,
-                                                 down_timeout_seconds=down_timeout))
-                              for _ in range(args.trials)]
+                with operator_namespace(
+                    cluster=cluster, image=image, hub=model_hub, stem=NAMESPACE, unique=False
+                ) as namespace:
+                    apply(
+                        cluster=cluster,
+                        obj=isvc_manifest(
+                            name=NAME,
+                            namespace=namespace,
+                            mode="Aggregated",
+                            hub=model_hub,
+                            interval=args.interval,
+                            max_replicas=3,
+                            scale_down_stabilization_seconds=args.down_stabilization_seconds,
+                        ),
+                    )
+                    wait_ready(cluster=cluster, namespace=namespace, name=NAME, timeout_seconds=300)
+                    endpoint = router_endpoints(cluster=cluster, namespace=namespace, name=NAME)[0]
+                    down_timeout = args.down_stabilization_seconds + defaults.SIGNAL_WINDOW_SECONDS + 90
+                    trials = [
+                        asyncio.run(
+                            _trial(
+                                cluster,
+                                base_url=f"http://{endpoint}/v1",
+                                concurrency=args.concurrency,
+                                down_timeout_seconds=down_timeout,
+                            )
+                        )
+                        for _ in range(args.trials)
+                    ]
             finally:
                 hub.stop()
 
     def figure(key: str) -> dict[str, float | None]:
         values = [t[key] for t in trials if t[key] is not None]
         median = statistics.median(values) if values else None
-        return {"median_s": None if median is None else round(median, 2),
-                "multiple_of_scrape_plus_interval": None if median is None else round(median / unit, 2),
-                "observed": float(len(values)), "trials": float(len(trials))}
+        return {
+            "median_s": None if median is None else round(median, 2),
+            "multiple_of_scrape_plus_interval": None if median is None else round(median / unit, 2),
+            "observed": float(len(values)),
+            "trials": float(len(trials)),
+        }
 
     return {
-        "config": {"scrape_seconds": args.scrape_seconds, "interval_seconds": interval_seconds,
-                   "scrape_plus_interval_s": unit, "concurrency": args.concurrency,
-                   "down_stabilization_seconds": args.down_stabilization_seconds,
-                   "operator_base_tick_seconds": defaults.AUTOSCALER_BASE_TICK_SECONDS,
-                   "operator_smoothing_window_seconds": defaults.SIGNAL_WINDOW_SECONDS,
-                   "operator_assumed_scrape_seconds": defaults.SCRAPE_INTERVAL_SECONDS},
+        "config": {
+            "scrape_seconds": args.scrape_seconds,
+            "interval_seconds": interval_seconds,
+            "scrape_plus_interval_s": unit,
+            "concurrency": args.concurrency,
+            "down_stabilization_seconds": args.down_stabilization_seconds,
+            "operator_base_tick_seconds": defaults.AUTOSCALER_BASE_TICK_SECONDS,
+            "operator_smoothing_window_seconds": defaults.SIGNAL_WINDOW_SECONDS,
+            "operator_assumed_scrape_seconds": defaults.SCRAPE_INTERVAL_SECONDS,
+        },
         "reaction": figure("load_step_to_replicas_write_s"),
         "new_pod_ready": figure("load_step_to_new_pod_ready_s"),
         "first_scale_down": figure("load_drop_to_first_scale_down_s"),

@@ -17,8 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract/splitserve_contract", "operator/splitserve_operator", "runtime/splitserve_runtime",
-            "planner/splitserve_planner", "cli/splitserve_cli")
+PACKAGES = (
+    "contract/splitserve_contract",
+    "operator/splitserve_operator",
+    "runtime/splitserve_runtime",
+    "planner/splitserve_planner",
+    "cli/splitserve_cli",
+)
 LONG_FILE = 400
 LONG_FUNCTION = 60
 
@@ -37,8 +42,9 @@ def modules() -> dict[str, Path]:
 
 def _type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterator[str]:
@@ -114,8 +120,10 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> None:
     found = modules()
-    long_files = sorted(((len(p.read_text().splitlines()), m) for m, p in found.items()
-                         if len(p.read_text().splitlines()) > LONG_FILE), reverse=True)
+    long_files = sorted(
+        ((len(p.read_text().splitlines()), m) for m, p in found.items() if len(p.read_text().splitlines()) > LONG_FILE),
+        reverse=True,
+    )
     long_functions: list[tuple[int, str]] = []
     for module, path in found.items():
         for node in ast.walk(ast.parse(path.read_text())):

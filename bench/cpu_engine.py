@@ -40,13 +40,25 @@ from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.engine.sampling_params import SamplingParams
 
 
-def _decoding_engine(*, num_seqs: int, num_steps: int, prompt_len: int, vocab_size: int,
-                     async_scheduling: bool, forward_seconds: float = 0.0) -> LLMEngine:
+def _decoding_engine(
+    *,
+    num_seqs: int,
+    num_steps: int,
+    prompt_len: int,
+    vocab_size: int,
+    async_scheduling: bool,
+    forward_seconds: float = 0.0,
+) -> LLMEngine:
     """A null engine with ``num_seqs`` requests past their prefill, all decoding."""
     max_len = prompt_len + 2 * num_steps + 64
-    config = EngineConfig(max_model_len=max_len, block_size=16,
-                          num_kv_blocks=num_seqs * (max_len // 16 + 2), max_num_seqs=num_seqs,
-                          max_num_batched_tokens=max(8192, 2 * num_seqs), async_scheduling=async_scheduling)
+    config = EngineConfig(
+        max_model_len=max_len,
+        block_size=16,
+        num_kv_blocks=num_seqs * (max_len // 16 + 2),
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(8192, 2 * num_seqs),
+        async_scheduling=async_scheduling,
+    )
     engine = build_null_engine(config=config, vocab_size=vocab_size, forward_seconds=forward_seconds)
     params = SamplingParams(temperature=0, max_tokens=2 * num_steps + 32, ignore_eos=True)
     for i in range(num_seqs):
@@ -59,12 +71,14 @@ def _decoding_engine(*, num_seqs: int, num_steps: int, prompt_len: int, vocab_si
     return engine
 
 
-def bench_overhead(*, num_seqs: int, num_steps: int, prompt_len: int,
-                   vocab_size: int = 32000) -> dict[str, tuple[float, float]]:
+def bench_overhead(
+    *, num_seqs: int, num_steps: int, prompt_len: int, vocab_size: int = 32000
+) -> dict[str, tuple[float, float]]:
     """Median µs per step of each part in CPU time of this thread (what the work costs,
     whatever else the machine runs) and minimum in wall time (synchronous steps)."""
-    engine = _decoding_engine(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len,
-                              vocab_size=vocab_size, async_scheduling=False)
+    engine = _decoding_engine(
+        num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len, vocab_size=vocab_size, async_scheduling=False
+    )
     names = ("schedule", "prepare", "null forward", "sample", "postprocess", "step", "back to back")
     cpu: dict[str, list[float]] = {name: [] for name in names}
     wall: dict[str, list[float]] = {name: [] for name in names}
@@ -77,20 +91,26 @@ def bench_overhead(*, num_seqs: int, num_steps: int, prompt_len: int,
         inputs, seqs = runner.prepare(out)
         t2 = [clock() for clock in clocks]
         with torch.inference_mode():
-            hidden = runner.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                          kv_caches=runner.kv_caches, md=inputs.md)
+            hidden = runner.model.forward(
+                input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=runner.kv_caches, md=inputs.md
+            )
             logits = runner.model.compute_logits(hidden[inputs.logits_indices])
         t25 = [clock() for clock in clocks]
         result = runner.sample(logits, seqs).resolve()
         t3 = [clock() for clock in clocks]
         sched.on_step_done(out)
         outputs: list[RequestOutput] = []
-        engine._append_tokens(seqs, result.token_ids, result.logprobs, now=time.monotonic(), outputs=outputs)
+        engine._outputs.append(seqs, result.token_ids, result.logprobs, now=time.monotonic(), outputs=outputs)
         t4 = [clock() for clock in clocks]
         if len(out.decodes) != num_seqs or len(outputs) != num_seqs:
             raise RuntimeError(f"expected {num_seqs} decodes and outputs, got {len(out.decodes)}, {len(outputs)}")
-        for name, a, b in (("schedule", t0, t1), ("prepare", t1, t2), ("null forward", t2, t25),
-                           ("sample", t25, t3), ("postprocess", t3, t4)):
+        for name, a, b in (
+            ("schedule", t0, t1),
+            ("prepare", t1, t2),
+            ("null forward", t2, t25),
+            ("sample", t25, t3),
+            ("postprocess", t3, t4),
+        ):
             cpu[name].append(b[0] - a[0])
             wall[name].append(b[1] - a[1])
     for _ in range(num_steps // 2):  # whole step() as the engine runs it
@@ -106,8 +126,13 @@ def bench_overhead(*, num_seqs: int, num_steps: int, prompt_len: int,
         inputs, seqs = runner.prepare(out)
         sched.on_step_done(out)
         outputs = []
-        engine._append_tokens(seqs, [(seq.token_ids[-1] * 31 + 7) % vocab_size for seq in seqs], [None] * len(seqs),
-                              now=time.monotonic(), outputs=outputs)
+        engine._outputs.append(
+            seqs,
+            [(seq.token_ids[-1] * 31 + 7) % vocab_size for seq in seqs],
+            [None] * len(seqs),
+            now=time.monotonic(),
+            outputs=outputs,
+        )
         cpu["back to back"].append(time.thread_time() - t0[0])
         wall["back to back"].append(time.perf_counter() - t0[1])
         if len(outputs) != num_seqs:
@@ -152,8 +177,7 @@ def _async_sides(engine: LLMEngine, *, num_steps: int, num_seqs: int) -> tuple[f
 _OVERLAP_VOCAB = 1024
 
 
-def bench_overlap(*, num_seqs: int, num_steps: int, prompt_len: int,
-                  forward_ms: float) -> dict[str, float]:
+def bench_overlap(*, num_seqs: int, num_steps: int, prompt_len: int, forward_ms: float) -> dict[str, float]:
     """Median µs per step: host work alone (O), a forward alone (F), and both, synchronous
     and asynchronous; for the asynchronous steps also the two sides they overlap (see
     :func:`_async_sides`). Small vocabulary: the logits and the sampler stay small.
@@ -162,13 +186,18 @@ def bench_overlap(*, num_seqs: int, num_steps: int, prompt_len: int,
     null model's logits and the sampler: a device's work on a GPU), and H, the engine's
     bookkeeping (schedule, inputs, output processing). No step loop can beat max(F + D, H):
     step n+1's forward needs step n's sampled ids."""
-    def engine(*, async_scheduling: bool, forward_seconds: float) -> LLMEngine:
-        return _decoding_engine(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len,
-                                vocab_size=_OVERLAP_VOCAB, async_scheduling=async_scheduling,
-                                forward_seconds=forward_seconds)
 
-    parts = bench_overhead(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len,
-                           vocab_size=_OVERLAP_VOCAB)
+    def engine(*, async_scheduling: bool, forward_seconds: float) -> LLMEngine:
+        return _decoding_engine(
+            num_seqs=num_seqs,
+            num_steps=num_steps,
+            prompt_len=prompt_len,
+            vocab_size=_OVERLAP_VOCAB,
+            async_scheduling=async_scheduling,
+            forward_seconds=forward_seconds,
+        )
+
+    parts = bench_overhead(num_seqs=num_seqs, num_steps=num_steps, prompt_len=prompt_len, vocab_size=_OVERLAP_VOCAB)
     device = parts["null forward"][0] + parts["sample"][0]
     bookkeeping = sum(parts[k][0] for k in ("schedule", "prepare", "postprocess"))
 
@@ -177,16 +206,26 @@ def bench_overlap(*, num_seqs: int, num_steps: int, prompt_len: int,
         t0 = time.perf_counter()
         time.sleep(forward_ms / 1000)
         sleeps.append(time.perf_counter() - t0)
-    host = _median_step_us(engine(async_scheduling=False, forward_seconds=0.0), num_steps=num_steps,
-                           num_seqs=num_seqs)
-    sync = _median_step_us(engine(async_scheduling=False, forward_seconds=forward_ms / 1000),
-                           num_steps=num_steps, num_seqs=num_seqs)
+    host = _median_step_us(engine(async_scheduling=False, forward_seconds=0.0), num_steps=num_steps, num_seqs=num_seqs)
+    sync = _median_step_us(
+        engine(async_scheduling=False, forward_seconds=forward_ms / 1000), num_steps=num_steps, num_seqs=num_seqs
+    )
     overlapped, forward_side, host_side = _async_sides(
-        engine(async_scheduling=True, forward_seconds=forward_ms / 1000), num_steps=num_steps, num_seqs=num_seqs)
+        engine(async_scheduling=True, forward_seconds=forward_ms / 1000), num_steps=num_steps, num_seqs=num_seqs
+    )
     forward = statistics.median(sleeps) * 1e6
-    return {"O": host, "F": forward, "sync": sync, "async": overlapped, "bound": max(host, forward),
-            "forward side": forward_side, "host side": host_side, "D": device, "H": bookkeeping,
-            "attainable": max(forward + device, bookkeeping)}
+    return {
+        "O": host,
+        "F": forward,
+        "sync": sync,
+        "async": overlapped,
+        "bound": max(host, forward),
+        "forward side": forward_side,
+        "host side": host_side,
+        "D": device,
+        "H": bookkeeping,
+        "attainable": max(forward + device, bookkeeping),
+    }
 
 
 def _prompts(tokenizer: object, *, batch: int) -> list[list[int]]:
@@ -195,8 +234,7 @@ def _prompts(tokenizer: object, *, batch: int) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]  # type: ignore[attr-defined]
 
 
-def bench_tiny_e2e(*, batch: int, new_tokens: int, model_dir: Path,
-                   repeats: int) -> dict[str, float]:
+def bench_tiny_e2e(*, batch: int, new_tokens: int, model_dir: Path, repeats: int) -> dict[str, float]:
     args = ServeArgs(model=str(model_dir), device="cpu", num_kv_blocks=4096, max_model_len=1024)
     engine = LLMEngine.from_args(args)
     prompts = _prompts(engine.tokenizer, batch=batch)
@@ -225,8 +263,14 @@ def bench_tiny_e2e(*, batch: int, new_tokens: int, model_dir: Path,
     def run_hf() -> tuple[float, torch.Tensor]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            out = hf.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return time.perf_counter() - t0, out[:, width:]
 
     # Interleaved repeats, best of each: load from other processes hits both alike.
@@ -244,8 +288,13 @@ def bench_tiny_e2e(*, batch: int, new_tokens: int, model_dir: Path,
     tag = f"r{repeats}-"
     same = sum(ours_tokens[f"{tag}{i}"] == hf_out[i].tolist() for i in range(batch))
     total = batch * new_tokens
-    return {"ours_tok_s": total / ours_s, "hf_tok_s": total / hf_s,
-            "ratio": hf_s / ours_s, "same_greedy": same, "batch": batch}
+    return {
+        "ours_tok_s": total / ours_s,
+        "hf_tok_s": total / hf_s,
+        "ratio": hf_s / ours_s,
+        "same_greedy": same,
+        "batch": batch,
+    }
 
 
 def main() -> None:
@@ -259,8 +308,9 @@ def main() -> None:
     parser.add_argument("--overlap-seqs", type=int, default=256)
     parser.add_argument("--forward-ms", default="5,0.5", help="comma-separated fixed forward times for (c)")
     parser.add_argument("--skip-e2e", action="store_true", help="skip (b)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads for both engines (1: stable on shared CPUs)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads for both engines (1: stable on shared CPUs)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -275,40 +325,56 @@ def main() -> None:
             print(f"    {num_seqs:>5} {name:<13}{med:>16.0f}{med / num_seqs:>9.2f}{low:>14.0f}{low / num_seqs:>9.2f}")
         book_med = sum(over[k][0] for k in ("schedule", "prepare", "postprocess"))
         book_min = sum(over[k][1] for k in ("schedule", "prepare", "postprocess"))
-        print(f"    {num_seqs:>5} {'bookkeeping':<13}{book_med:>16.0f}{book_med / num_seqs:>9.2f}"
-              f"{book_min:>14.0f}{book_min / num_seqs:>9.2f}   (schedule + prepare + postprocess)")
+        print(
+            f"    {num_seqs:>5} {'bookkeeping':<13}{book_med:>16.0f}{book_med / num_seqs:>9.2f}"
+            f"{book_min:>14.0f}{book_min / num_seqs:>9.2f}   (schedule + prepare + postprocess)"
+        )
         med, low = over["back to back"]
-        print(f"    {num_seqs:>5} {'back to back':<13}{med:>16.0f}{med / num_seqs:>9.2f}{low:>14.0f}"
-              f"{low / num_seqs:>9.2f}   (the same bookkeeping, no CPU forward/sampler between steps)")
+        print(
+            f"    {num_seqs:>5} {'back to back':<13}{med:>16.0f}{med / num_seqs:>9.2f}{low:>14.0f}"
+            f"{low / num_seqs:>9.2f}   (the same bookkeeping, no CPU forward/sampler between steps)"
+        )
 
     if not args.skip_e2e:
         from splitserve_runtime.model.tiny import write_tiny_model
 
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = write_tiny_model(out_dir=Path(tmp), arch="llama", seed=0)
-            e2e = bench_tiny_e2e(batch=args.batch, new_tokens=args.new_tokens, model_dir=model_dir,
-                                 repeats=args.repeats)
+            e2e = bench_tiny_e2e(
+                batch=args.batch, new_tokens=args.new_tokens, model_dir=model_dir, repeats=args.repeats
+            )
         print(f"(b) tiny Llama, CPU fp32, batch {args.batch}, {args.new_tokens} new tokens, greedy")
         print(f"    ours           {e2e['ours_tok_s']:>10.0f} tok/s")
         print(f"    HF generate    {e2e['hf_tok_s']:>10.0f} tok/s")
-        print(f"    ratio ours/HF  {e2e['ratio']:>10.2f}x   identical greedy outputs: "
-              f"{e2e['same_greedy']:.0f}/{args.batch}")
+        print(
+            f"    ratio ours/HF  {e2e['ratio']:>10.2f}x   identical greedy outputs: "
+            f"{e2e['same_greedy']:.0f}/{args.batch}"
+        )
 
-    print(f"(c) overlap, {args.overlap_seqs} decodes, null model with a fixed-time forward F "
-          "(median µs/step; O = host work per step)")
-    print(f"    {'F':>7}{'O':>7}{'sync':>8}{'async':>8}{'max(F,O)':>10}{'async/max':>11}{'sync/(F+O)':>12}"
-          f"{'D':>6}{'H':>6}{'max(F+D,H)':>12}{'async/that':>12}{'fwd side':>10}{'host side':>11}")
+    print(
+        f"(c) overlap, {args.overlap_seqs} decodes, null model with a fixed-time forward F "
+        "(median µs/step; O = host work per step)"
+    )
+    print(
+        f"    {'F':>7}{'O':>7}{'sync':>8}{'async':>8}{'max(F,O)':>10}{'async/max':>11}{'sync/(F+O)':>12}"
+        f"{'D':>6}{'H':>6}{'max(F+D,H)':>12}{'async/that':>12}{'fwd side':>10}{'host side':>11}"
+    )
     for forward_ms in (float(f) for f in args.forward_ms.split(",")):
-        row = bench_overlap(num_seqs=args.overlap_seqs, num_steps=args.steps, prompt_len=args.prompt_len,
-                            forward_ms=forward_ms)
-        print(f"    {row['F']:>7.0f}{row['O']:>7.0f}{row['sync']:>8.0f}{row['async']:>8.0f}{row['bound']:>10.0f}"
-              f"{row['async'] / row['bound']:>11.2f}{row['sync'] / (row['F'] + row['O']):>12.2f}"
-              f"{row['D']:>6.0f}{row['H']:>6.0f}{row['attainable']:>12.0f}{row['async'] / row['attainable']:>12.2f}"
-              f"{row['forward side']:>10.0f}{row['host side']:>11.0f}")
-    print("    D = the null logits + the sampler (they must follow a forward before the next starts; a GPU's"
-          " work), H = bookkeeping (O ≈ D + H): max(F+D, H) is the best any step loop can do;\n"
-          "    fwd side = the forward thread's busy time per step (F, D, its waits for the GIL);"
-          " host side = the engine thread's CPU per step")
+        row = bench_overlap(
+            num_seqs=args.overlap_seqs, num_steps=args.steps, prompt_len=args.prompt_len, forward_ms=forward_ms
+        )
+        print(
+            f"    {row['F']:>7.0f}{row['O']:>7.0f}{row['sync']:>8.0f}{row['async']:>8.0f}{row['bound']:>10.0f}"
+            f"{row['async'] / row['bound']:>11.2f}{row['sync'] / (row['F'] + row['O']):>12.2f}"
+            f"{row['D']:>6.0f}{row['H']:>6.0f}{row['attainable']:>12.0f}{row['async'] / row['attainable']:>12.2f}"
+            f"{row['forward side']:>10.0f}{row['host side']:>11.0f}"
+        )
+    print(
+        "    D = the null logits + the sampler (they must follow a forward before the next starts; a GPU's"
+        " work), H = bookkeeping (O ≈ D + H): max(F+D, H) is the best any step loop can do;\n"
+        "    fwd side = the forward thread's busy time per step (F, D, its waits for the GIL);"
+        " host side = the engine thread's CPU per step"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The disaggregated demo burst without the cluster: 1 prefill pod, 1 decode pod and a router as
-real processes on loopback (the test harness, ``tests/disagg/disagg_harness.py``), the demo's
+real processes on loopback (the test harness, ``tests/runtime/disagg/disagg_harness.py``), the demo's
 own load generator (:class:`splitserve_e2e.demo.LoadBurst`: streaming completions of ~120-word
 prompts, 48 tokens each) and the demo's engine settings, with a KV pool small enough that
 exported (pinned) KV fills it under load.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "disagg"))  # the harness the disagg tests use
+sys.path.insert(0, str(REPO / "tests" / "runtime" / "disagg"))  # the harness the disagg tests use
 
 from disagg_harness import Cluster, Proc  # noqa: E402
 
@@ -46,21 +46,40 @@ def _pod_figures(pod: Proc) -> dict[str, float]:
     }
 
 
-def run(*, requests: int, concurrency: int, num_kv_blocks: int, max_tokens: int,
-        prompt_words: int, work_dir: Path, prefill_overflow_tokens: int = 0) -> dict[str, Any]:
+def run(
+    *,
+    requests: int,
+    concurrency: int,
+    num_kv_blocks: int,
+    max_tokens: int,
+    prompt_words: int,
+    work_dir: Path,
+    prefill_overflow_tokens: int = 0,
+) -> dict[str, Any]:
     from splitserve_runtime.model.tiny import write_tiny_model
 
     model_dir = write_tiny_model(out_dir=work_dir / "tiny-llama", arch="llama", seed=0)
-    engine = {"num_kv_blocks": num_kv_blocks, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-              "max_model_len": 1024}
-    with Cluster(model_dir=model_dir, log_dir=work_dir, num_prefill=1, num_decode=1,
-                 short_prompt_threshold=8, health_interval_seconds=2.0,
-                 prefill_overflow_tokens=prefill_overflow_tokens,
-                 prefill_overrides=engine, decode_overrides=engine) as cluster:
+    engine = {"num_kv_blocks": num_kv_blocks, "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
+    with Cluster(
+        model_dir=model_dir,
+        log_dir=work_dir,
+        num_prefill=1,
+        num_decode=1,
+        short_prompt_threshold=8,
+        health_interval_seconds=2.0,
+        prefill_overflow_tokens=prefill_overflow_tokens,
+        prefill_overrides=engine,
+        decode_overrides=engine,
+    ) as cluster:
         assert cluster.router is not None
-        burst = LoadBurst(base_url=cluster.router_url, concurrency=concurrency,
-                          duration_seconds=3600.0, prompt_words=prompt_words,
-                          max_tokens=max_tokens, max_requests=requests)
+        burst = LoadBurst(
+            base_url=cluster.router_url,
+            concurrency=concurrency,
+            duration_seconds=3600.0,
+            prompt_words=prompt_words,
+            max_tokens=max_tokens,
+            max_requests=requests,
+        )
         started = time.monotonic()
         asyncio.run(burst.run())
         seconds = time.monotonic() - started
@@ -72,16 +91,26 @@ def run(*, requests: int, concurrency: int, num_kv_blocks: int, max_tokens: int,
         for error in burst.errors():
             errors[error[:120]] = errors.get(error[:120], 0) + 1
         return {
-            "requests": len(burst.results), "ok": burst.ok, "failed": burst.failed,
-            "client_errors": errors, "seconds": round(seconds, 1),
-            "settings": {"concurrency": concurrency, "max_tokens": max_tokens,
-                         "prompt_words": prompt_words, "prefill_overflow_tokens": prefill_overflow_tokens,
-                         **engine},
+            "requests": len(burst.results),
+            "ok": burst.ok,
+            "failed": burst.failed,
+            "client_errors": errors,
+            "seconds": round(seconds, 1),
+            "settings": {
+                "concurrency": concurrency,
+                "max_tokens": max_tokens,
+                "prompt_words": prompt_words,
+                "prefill_overflow_tokens": prefill_overflow_tokens,
+                **engine,
+            },
             "ttft_ms": {f"p{q}": round(percentile(first_tokens, q / 100.0) * 1e3, 1) for q in (50, 90, 99)},
-            "routes": {route: router.metric("splitserve_router_routes_total", route=route)
-                       for route in ("disaggregated", "direct", "fallback", "overflow")},
-            "router_prefill_upstream_errors": router.metric("splitserve_router_upstream_errors_total",
-                                                            upstream="prefill"),
+            "routes": {
+                route: router.metric("splitserve_router_routes_total", route=route)
+                for route in ("disaggregated", "direct", "fallback", "overflow")
+            },
+            "router_prefill_upstream_errors": router.metric(
+                "splitserve_router_upstream_errors_total", upstream="prefill"
+            ),
             "router_lines_prefill_5xx": router_log.count("answered 502"),
             "prefill_log_export_failed": prefill_log.count("export_failed"),
             "prefill": _pod_figures(cluster.prefill[0]),
@@ -96,19 +125,31 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prompt-words", type=int, default=120)
-    parser.add_argument("--prefill-overflow-tokens", default="0",
-                        help="comma-separated: one run per value (the router's --prefill-overflow-tokens)")
-    parser.add_argument("--keep-logs", type=Path, default=None,
-                        help="write the pods' logs here instead of a temporary directory")
+    parser.add_argument(
+        "--prefill-overflow-tokens",
+        default="0",
+        help="comma-separated: one run per value (the router's --prefill-overflow-tokens)",
+    )
+    parser.add_argument(
+        "--keep-logs", type=Path, default=None, help="write the pods' logs here instead of a temporary directory"
+    )
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
     for limit in (int(v) for v in args.prefill_overflow_tokens.split(",") if v):
         with tempfile.TemporaryDirectory(prefix="disagg-burst-") as tmp:
             work_dir = (args.keep_logs / f"overflow-{limit}") if args.keep_logs else Path(tmp)
             work_dir.mkdir(parents=True, exist_ok=True)
-            runs.append(run(requests=args.requests, concurrency=args.concurrency,
-                            num_kv_blocks=args.num_kv_blocks, max_tokens=args.max_tokens,
-                            prompt_words=args.prompt_words, work_dir=work_dir, prefill_overflow_tokens=limit))
+            runs.append(
+                run(
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                    num_kv_blocks=args.num_kv_blocks,
+                    max_tokens=args.max_tokens,
+                    prompt_words=args.prompt_words,
+                    work_dir=work_dir,
+                    prefill_overflow_tokens=limit,
+                )
+            )
     figures: dict[str, Any] | list[dict[str, Any]] = runs[0] if len(runs) == 1 else runs
     text = json.dumps(figures, indent=2)
     print(text)

@@ -14,7 +14,7 @@ and output folder, with a time limit,
 4. ``bench/gpu_engine.py --tp 2`` when two or more GPUs are visible;
 5. ``bench/gpu_cuda_graphs.py``: decode tokens/s with CUDA graphs vs eager at batch 1 / 64 /
    256 on the same engine and requests, and the graphs' logits against eager ones (GPU only:
-   the smoke run leaves it out; ``tests/runtime/test_gpu_cuda_graphs_bench.py`` checks its
+   the smoke run leaves it out; ``tests/runtime/bench/test_gpu_cuda_graphs_bench.py`` checks its
    ``--smoke``);
 
 then writes ``$OUT/gpu_all.json``: each step's command, exit status, seconds and JSON, and a
@@ -23,7 +23,7 @@ step failed (its error is in the JSON; the other steps still run).
 
 ``--smoke`` runs the same steps on the CPU at tiny shapes (the kernels under
 ``TRITON_INTERPRET=1``, TP 2 as two gloo ranks): it checks the script, not the figures, and
-runs in CI (``tests/runtime/test_gpu_all_smoke.py``).
+runs in CI (``tests/runtime/bench/test_gpu_all_smoke.py``).
 
     bench/gpu_all.sh                 # on the GPU machine: about 6-9 minutes on an H200
     bench/gpu_all.sh --smoke         # CPU: checks the script (about a minute)
@@ -63,8 +63,7 @@ def plan(*, smoke: bool, gpus: int) -> list[Step]:
     """The steps of one run, with time limits that keep a GPU run under 10 minutes."""
     steps = _steps(smoke=smoke, gpus=gpus)
     if smoke:
-        steps = [dataclasses.replace(s, timeout_seconds=s.timeout_seconds * SMOKE_TIME_FACTOR)
-                 for s in steps]
+        steps = [dataclasses.replace(s, timeout_seconds=s.timeout_seconds * SMOKE_TIME_FACTOR) for s in steps]
     return steps
 
 
@@ -72,19 +71,31 @@ def _steps(*, smoke: bool, gpus: int) -> list[Step]:
     smoke_args = ("--smoke",) if smoke else ()
     steps = [
         Step("kernels", "gpu_kernels.py", smoke_args, "gpu_kernels.json", 240.0),
-        Step("engine", "gpu_engine.py", (*smoke_args, "--batches", "1,64,256"),
-             "gpu_engine.json", 150.0),
-        Step("engine_speculative", "gpu_engine.py",
-             (*smoke_args, "--batches", "1,16,64", "--speculative", "ngram",
-              "--num-speculative-tokens", "4"), "gpu_engine.json", 120.0),
+        Step("engine", "gpu_engine.py", (*smoke_args, "--batches", "1,64,256"), "gpu_engine.json", 150.0),
+        Step(
+            "engine_speculative",
+            "gpu_engine.py",
+            (*smoke_args, "--batches", "1,16,64", "--speculative", "ngram", "--num-speculative-tokens", "4"),
+            "gpu_engine.json",
+            120.0,
+        ),
     ]
     if smoke or gpus >= 2:
-        steps.append(Step("engine_tp2", "gpu_engine.py",
-                          (*smoke_args, "--batches", "1,64", "--tp", "2"),
-                          "gpu_engine.json", 150.0))
+        steps.append(
+            Step(
+                "engine_tp2", "gpu_engine.py", (*smoke_args, "--batches", "1,64", "--tp", "2"), "gpu_engine.json", 150.0
+            )
+        )
     if not smoke:
-        steps.append(Step("engine_cuda_graphs", "gpu_cuda_graphs.py",
-                          ("--batches", "1,64,256", "--new-tokens", "32"), "gpu_cuda_graphs.json", 90.0))
+        steps.append(
+            Step(
+                "engine_cuda_graphs",
+                "gpu_cuda_graphs.py",
+                ("--batches", "1,64,256", "--new-tokens", "32"),
+                "gpu_cuda_graphs.json",
+                90.0,
+            )
+        )
     return steps
 
 
@@ -93,14 +104,22 @@ def run_step(step: Step, *, out: Path) -> dict[str, Any]:
     folder = out / step.name
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(BENCH / step.script), *step.args]
-    record: dict[str, Any] = {"name": step.name, "command": " ".join(command[1:]),
-                              "timeout_seconds": step.timeout_seconds}
+    record: dict[str, Any] = {
+        "name": step.name,
+        "command": " ".join(command[1:]),
+        "timeout_seconds": step.timeout_seconds,
+    }
     started = time.monotonic()
     with (folder / f"{step.name}.log").open("w") as log:
         try:
-            proc = subprocess.run(command, env={**os.environ, "OUT": str(folder)}, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=step.timeout_seconds,
-                                  check=False)
+            proc = subprocess.run(
+                command,
+                env={**os.environ, "OUT": str(folder)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=step.timeout_seconds,
+                check=False,
+            )
             record["returncode"] = proc.returncode
         except subprocess.TimeoutExpired:
             record["returncode"] = None
@@ -128,33 +147,66 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     hbm = float(kernels.get("hbm_GBps_reference") or 0.0) or None
     summary: dict[str, Any] = {
         "decode_attention": [
-            {"batch": r.get("batch"), "context": r.get("context"), "GBps": r.get("GBps"),
-             "frac_of_copy_bandwidth": (r["GBps"] / hbm) if r.get("GBps") and hbm else None,
-             "vs_torch_sdpa": (r["base_ms"] / r["ms"]) if r.get("ms") and r.get("base_ms") else None}
-            for r in _rows(kernels, "decode")],
+            {
+                "batch": r.get("batch"),
+                "context": r.get("context"),
+                "GBps": r.get("GBps"),
+                "frac_of_copy_bandwidth": (r["GBps"] / hbm) if r.get("GBps") and hbm else None,
+                "vs_torch_sdpa": (r["base_ms"] / r["ms"]) if r.get("ms") and r.get("base_ms") else None,
+            }
+            for r in _rows(kernels, "decode")
+        ],
         "prefill_attention": [
-            {"case": r.get("case"), "TFLOPs": r.get("TFLOPs"), "frac_of_peak": r.get("MFU"),
-             "vs_torch_sdpa": r.get("vs_sdpa")} for r in _rows(kernels, "prefill")],
+            {
+                "case": r.get("case"),
+                "TFLOPs": r.get("TFLOPs"),
+                "frac_of_peak": r.get("MFU"),
+                "vs_torch_sdpa": r.get("vs_sdpa"),
+            }
+            for r in _rows(kernels, "prefill")
+        ],
         "quantized_gemm": [
-            {"case": r.get("case"),
-             **{f"{kind}_{what}": r.get(f"{kind}_{what}") for kind in ("fp8", "int8", "w8a16", "w4a16")
-                for what in ("TFLOPs", "frac_peak", "vs_bf16")},
-             "bf16_TFLOPs": r.get("bf16_TFLOPs")} for r in _rows(kernels, "gemm")],
+            {
+                "case": r.get("case"),
+                **{
+                    f"{kind}_{what}": r.get(f"{kind}_{what}")
+                    for kind in ("fp8", "int8", "w8a16", "w4a16")
+                    for what in ("TFLOPs", "frac_peak", "vs_bf16")
+                },
+                "bf16_TFLOPs": r.get("bf16_TFLOPs"),
+            }
+            for r in _rows(kernels, "gemm")
+        ],
         "correctness_failures": list(kernels.get("failures") or []),
     }
     for name in ("engine", "engine_tp2"):
         engine = by_name.get(name) or {}
         summary[f"{name}_decode"] = [
-            {"batch": r.get("batch"), "tokens_per_s": r.get("tokens_per_s"),
-             "wall_ms_per_step": r.get("wall_ms_per_step"),
-             "wall_vs_roofline": r.get("wall_vs_roofline")} for r in _rows(engine, "decode")]
+            {
+                "batch": r.get("batch"),
+                "tokens_per_s": r.get("tokens_per_s"),
+                "wall_ms_per_step": r.get("wall_ms_per_step"),
+                "wall_vs_roofline": r.get("wall_vs_roofline"),
+            }
+            for r in _rows(engine, "decode")
+        ]
     speculative = by_name.get("engine_speculative") or {}
     summary["engine_speculative"] = speculative.get("speculative") or _rows(speculative, "decode")
     graphs = by_name.get("engine_cuda_graphs") or {}
     summary["engine_cuda_graphs_decode"] = [
-        {key: r.get(key) for key in ("batch", "eager_tokens_per_s", "graphs_tokens_per_s", "speedup",
-                                     "logits_max_abs_diff_rel", "argmax_agreement")}
-        for r in _rows(graphs, "decode")]
+        {
+            key: r.get(key)
+            for key in (
+                "batch",
+                "eager_tokens_per_s",
+                "graphs_tokens_per_s",
+                "speedup",
+                "logits_max_abs_diff_rel",
+                "argmax_agreement",
+            )
+        }
+        for r in _rows(graphs, "decode")
+    ]
     return summary
 
 
@@ -174,35 +226,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpus = _gpu_count()
     if not args.smoke and gpus == 0:
-        print("gpu_all: no CUDA device visible; use --smoke to check the script on a CPU",
-              file=sys.stderr)
+        print("gpu_all: no CUDA device visible; use --smoke to check the script on a CPU", file=sys.stderr)
         return 2
     steps = plan(smoke=args.smoke, gpus=gpus)
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {s.name for s in steps}
         if unknown:
-            print(f"gpu_all: unknown step(s) {sorted(unknown)}; steps: "
-                  f"{[s.name for s in steps]}", file=sys.stderr)
+            print(f"gpu_all: unknown step(s) {sorted(unknown)}; steps: {[s.name for s in steps]}", file=sys.stderr)
             return 2
         steps = [s for s in steps if s.name in wanted]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     records = []
     for step in steps:
-        print(f"[gpu_all] {step.name}: {step.script} {' '.join(step.args)} "
-              f"(limit {step.timeout_seconds:.0f} s)", flush=True)
+        print(
+            f"[gpu_all] {step.name}: {step.script} {' '.join(step.args)} (limit {step.timeout_seconds:.0f} s)",
+            flush=True,
+        )
         record = run_step(step, out=args.out)
         records.append(record)
-        print(f"[gpu_all] {step.name}: {record.get('error') or 'ok'} in {record['seconds']} s",
-              flush=True)
-    report = {"smoke": args.smoke, "gpus": gpus, "seconds": round(time.monotonic() - started, 1),
-              "failed": [r["name"] for r in records if "error" in r],
-              "summary": summarize(records), "steps": records}
+        print(f"[gpu_all] {step.name}: {record.get('error') or 'ok'} in {record['seconds']} s", flush=True)
+    report = {
+        "smoke": args.smoke,
+        "gpus": gpus,
+        "seconds": round(time.monotonic() - started, 1),
+        "failed": [r["name"] for r in records if "error" in r],
+        "summary": summarize(records),
+        "steps": records,
+    }
     path = args.out / "gpu_all.json"
     path.write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps({"summary": report["summary"], "failed": report["failed"],
-                      "seconds": report["seconds"]}, indent=1, default=str))
+    print(
+        json.dumps(
+            {"summary": report["summary"], "failed": report["failed"], "seconds": report["seconds"]},
+            indent=1,
+            default=str,
+        )
+    )
     print(f"[gpu_all] wrote {path}")
     return 1 if report["failed"] else 0
 

@@ -43,13 +43,11 @@ from gpu_engine import (  # noqa: E402
 
 from splitserve_runtime.engine.cuda_graphs import DecodeGraphs, EagerReplay, decode_buckets
 from splitserve_runtime.engine.llm_engine import LLMEngine
-from splitserve_runtime.engine.model_runner import StepRows
 from splitserve_runtime.engine.sampling_params import SamplingParams
+from splitserve_runtime.engine.step_inputs import StepRows
 
 
-def capture(
-    engine: LLMEngine, *, max_batch: int, smoke: bool
-) -> tuple[DecodeGraphs, dict[str, Any]]:
+def capture(engine: LLMEngine, *, max_batch: int, smoke: bool) -> tuple[DecodeGraphs, dict[str, Any]]:
     """Capture the engine's decode graphs; seconds, graph memory and buckets."""
     cuda = engine.device.type == "cuda"
     if cuda:
@@ -82,13 +80,9 @@ def logits_check(engine: LLMEngine, graphs: DecodeGraphs, *, batch: int) -> dict
     for i in range(batch):
         prompt = torch.randint(0, engine.vocab_size, (PROMPT_TOKENS,), generator=gen).tolist()
         engine.add_request(request_id=f"check{batch}-{i}", prompt_token_ids=prompt, params=params)
-    while engine.scheduler.waiting or any(
-        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
-    ):
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()  # prefill: every request then has its first token and one decode to do
-    rows = StepRows(
-        prefills=[], decodes=runner.decode_rows(list(engine.scheduler.running)), sample_prefill=[]
-    )
+    rows = StepRows(prefills=[], decodes=runner.decode_rows(list(engine.scheduler.running)), sample_prefill=[])
     with torch.inference_mode():
         runner.decode_graphs = None
         eager = runner.forward_logits(rows)
@@ -104,21 +98,15 @@ def logits_check(engine: LLMEngine, graphs: DecodeGraphs, *, batch: int) -> dict
     }
 
 
-def compare(
-    engine: LLMEngine, graphs: DecodeGraphs, *, batches: list[int], new_tokens: int
-) -> list[dict[str, Any]]:
+def compare(engine: LLMEngine, graphs: DecodeGraphs, *, batches: list[int], new_tokens: int) -> list[dict[str, Any]]:
     timer = StepTimer(engine)
     runner = engine.runner
     rows = []
     for batch in batches:
         runner.decode_graphs = None
-        eager = run_batch(
-            engine=engine, timer=timer, batch=batch, new_tokens=new_tokens, tag=f"eager{batch}"
-        )
+        eager = run_batch(engine=engine, timer=timer, batch=batch, new_tokens=new_tokens, tag=f"eager{batch}")
         runner.decode_graphs = graphs
-        graphed = run_batch(
-            engine=engine, timer=timer, batch=batch, new_tokens=new_tokens, tag=f"graphs{batch}"
-        )
+        graphed = run_batch(engine=engine, timer=timer, batch=batch, new_tokens=new_tokens, tag=f"graphs{batch}")
         row: dict[str, Any] = {
             "batch": batch,
             "eager_tokens_per_s": eager["tokens_per_s"],
@@ -137,9 +125,7 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="CPU, tiny shape, eager-replay backend"
-    )
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, eager-replay backend")
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -148,9 +134,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = build_model(
-        raw_config=TINY if args.smoke else LLAMA_8B, device=device, dtype=dtype, backend="auto"
-    )
+    model = build_model(raw_config=TINY if args.smoke else LLAMA_8B, device=device, dtype=dtype, backend="auto")
     per_seq_blocks = (PROMPT_TOKENS + args.new_tokens + 32) // 16 + 1
     engine, _ = build_engine(
         model=model,
@@ -159,9 +143,7 @@ def main() -> None:
         max_num_seqs=max(batches),
         num_kv_blocks=max(batches) * per_seq_blocks + 64,
     )
-    run_batch(
-        engine=engine, timer=StepTimer(engine), batch=min(batches), new_tokens=4, tag="warmup"
-    )
+    run_batch(engine=engine, timer=StepTimer(engine), batch=min(batches), new_tokens=4, tag="warmup")
     graphs, report = capture(engine, max_batch=max(batches), smoke=args.smoke)
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -85,8 +85,15 @@ class Shape:
         if self.block_nbytes % (per_token_layer * 16):
             raise argparse.ArgumentTypeError(f"block bytes must be a multiple of {per_token_layer * 16}")
         num_layers = self.block_nbytes // (per_token_layer * 16)
-        return KVLayout(num_layers=num_layers, block_size=16, num_kv_heads=8, head_dim=128,
-                        dtype="bfloat16", dtype_bytes=2, compat_hash="bench")
+        return KVLayout(
+            num_layers=num_layers,
+            block_size=16,
+            num_kv_heads=8,
+            head_dim=128,
+            dtype="bfloat16",
+            dtype_bytes=2,
+            compat_hash="bench",
+        )
 
     @property
     def num_bytes(self) -> int:
@@ -98,8 +105,9 @@ class Shape:
         return KVSlice(0, layout.num_layers, 0, layout.num_kv_heads // 2)
 
     def __str__(self) -> str:
-        size = (f"{self.block_nbytes >> 20} MiB" if self.block_nbytes % (1 << 20) == 0
-                else f"{self.block_nbytes >> 10} KiB")
+        size = (
+            f"{self.block_nbytes >> 20} MiB" if self.block_nbytes % (1 << 20) == 0 else f"{self.block_nbytes >> 10} KiB"
+        )
         return f"{self.num_blocks} x {size}"
 
 
@@ -126,9 +134,15 @@ async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.C
     blocks = [os.urandom(shape.block_nbytes) for _ in range(shape.num_blocks)]
     registry = KVExportRegistry(ttl_seconds=600)
     for number in range(requests):
-        registry.add(ExportedKV(
-            request_id=f"bench-{number}", num_tokens=shape.num_blocks * layout.block_size,
-            num_blocks=shape.num_blocks, read_block=lambda i: memoryview(blocks[i]), release=lambda: None))
+        registry.add(
+            ExportedKV(
+                request_id=f"bench-{number}",
+                num_tokens=shape.num_blocks * layout.block_size,
+                num_blocks=shape.num_blocks,
+                read_block=lambda i: memoryview(blocks[i]),
+                release=lambda: None,
+            )
+        )
     server = TcpKVServer(registry=registry, layout=layout, host="127.0.0.1", port=0)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -154,8 +168,9 @@ async def _serve(shape: Shape, requests: int, pipe: multiprocessing.connection.C
     raw.close()
 
 
-def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connection.Connection,
-                     crc: bool = True) -> None:
+def _prefill_process(
+    shape: Shape, requests: int, pipe: multiprocessing.connection.Connection, crc: bool = True
+) -> None:
     with contextlib.nullcontext() if crc else _without_crc():
         asyncio.run(_serve(shape, requests, pipe))
 
@@ -163,8 +178,13 @@ def _prefill_process(shape: Shape, requests: int, pipe: multiprocessing.connecti
 def _cpu_seconds(pid: int) -> float | None:
     """CPU seconds used so far by every thread of process ``pid`` (Linux), else None."""
     try:
-        return sum(int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
-                   for task in os.listdir(f"/proc/{pid}/task")) / 1e9
+        return (
+            sum(
+                int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+                for task in os.listdir(f"/proc/{pid}/task")
+            )
+            / 1e9
+        )
     except (OSError, ValueError, IndexError):
         return None
 
@@ -179,7 +199,7 @@ class Cache:
         self.memory = memoryview(bytearray(b"\x01") * shape.num_bytes)
 
     def block(self, index: int) -> memoryview:
-        return self.memory[index * self.block_nbytes:(index + 1) * self.block_nbytes]
+        return self.memory[index * self.block_nbytes : (index + 1) * self.block_nbytes]
 
 
 class Destination:
@@ -200,15 +220,21 @@ class HalfDestination(Destination):
     """Half a block per slot (the ``half`` leg's slices)."""
 
     def buffers(self, index: int) -> Sequence[memoryview]:
-        return [self.cache.block(index)[:self.cache.block_nbytes // 2]]
+        return [self.cache.block(index)[: self.cache.block_nbytes // 2]]
 
 
 async def _half(shape: Shape, cache: Cache, *, port: int, request_id: str) -> float:
     destination = HalfDestination(cache)
     started = time.perf_counter()
     await TcpKVConnector().fetch(
-        endpoint=f"127.0.0.1:{port}", request_id=request_id, first_block=0, layout=shape.layout(),
-        on_block=destination, timeout_seconds=60, slice=shape.half())
+        endpoint=f"127.0.0.1:{port}",
+        request_id=request_id,
+        first_block=0,
+        layout=shape.layout(),
+        on_block=destination,
+        timeout_seconds=60,
+        slice=shape.half(),
+    )
     elapsed = time.perf_counter() - started
     assert destination.count == shape.num_blocks
     return elapsed
@@ -223,8 +249,13 @@ async def _ours(shape: Shape, cache: Cache, *, port: int, request_id: str, copy:
 
     started = time.perf_counter()
     await TcpKVConnector().fetch(
-        endpoint=f"127.0.0.1:{port}", request_id=request_id, first_block=0, layout=shape.layout(),
-        on_block=on_block if copy else destination, timeout_seconds=60)
+        endpoint=f"127.0.0.1:{port}",
+        request_id=request_id,
+        first_block=0,
+        layout=shape.layout(),
+        on_block=on_block if copy else destination,
+        timeout_seconds=60,
+    )
     elapsed = time.perf_counter() - started
     assert destination.count == shape.num_blocks
     return elapsed
@@ -286,7 +317,8 @@ class _Prefill:
     def start(cls, shape: Shape, requests: int, *, crc: bool) -> _Prefill:
         parent, child = multiprocessing.Pipe()
         process = multiprocessing.get_context("spawn").Process(
-            target=_prefill_process, args=(shape, requests, child, crc), daemon=True)
+            target=_prefill_process, args=(shape, requests, child, crc), daemon=True
+        )
         process.start()
         return cls(process=process, pipe=parent)
 
@@ -322,11 +354,14 @@ async def _measure(shape: Shape, *, repeat: int, legs: Sequence[str]) -> dict[st
                     cpu[leg].append(time.process_time() - cpu_started)
                     if prefill_started is not None and prefill_ended is not None:
                         prefill_cpu[leg].append(prefill_ended - prefill_started)
-        return {leg: Figures(
-            gb_per_s=shape.num_bytes / (2 if leg == "half" else 1) / statistics.median(times[leg]) / 1e9,
-            decode_cpu_seconds=statistics.median(cpu[leg]),
-            prefill_cpu_seconds=statistics.median(prefill_cpu[leg]) if prefill_cpu[leg] else None,
-        ) for leg in legs}
+        return {
+            leg: Figures(
+                gb_per_s=shape.num_bytes / (2 if leg == "half" else 1) / statistics.median(times[leg]) / 1e9,
+                decode_cpu_seconds=statistics.median(cpu[leg]),
+                prefill_cpu_seconds=statistics.median(prefill_cpu[leg]) if prefill_cpu[leg] else None,
+            )
+            for leg in legs
+        }
     finally:
         for side in prefill.values():
             side.stop()
@@ -336,8 +371,12 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
-    parser.add_argument("--shape", type=Shape.parse, action="append",
-                        help=f"BLOCKSxBYTES, repeatable (default: {' and '.join(DEFAULT_SHAPES)})")
+    parser.add_argument(
+        "--shape",
+        type=Shape.parse,
+        action="append",
+        help=f"BLOCKSxBYTES, repeatable (default: {' and '.join(DEFAULT_SHAPES)})",
+    )
     args = parser.parse_args()
     shapes: list[Shape] = args.shape or [Shape.parse(text) for text in DEFAULT_SHAPES]
     legs = [leg for leg in LEGS if leg in args.legs.split(",")]
@@ -345,20 +384,24 @@ async def main() -> None:
         parser.error(f"--legs takes a comma-separated choice of {', '.join(LEGS)}")
     crc = getattr(framing, "CRC32_IMPLEMENTATION", "zlib")
     print(f"KV transfer on loopback, CRC-32 by {crc}, median of {args.repeat} (GB/s = 1e9 bytes/s)")
-    print(f"{'shape':<16}{'leg':<13}{'GB/s':>7}{'x raw':>7}{'decode CPU ms':>15}{'x raw':>7}"
-          f"{'prefill CPU ms':>16}{'x raw':>7}")
+    print(
+        f"{'shape':<16}{'leg':<13}{'GB/s':>7}{'x raw':>7}{'decode CPU ms':>15}{'x raw':>7}"
+        f"{'prefill CPU ms':>16}{'x raw':>7}"
+    )
     for shape in shapes:
         figures = await _measure(shape, repeat=args.repeat, legs=legs)
         raw = figures.get("raw")
         for number, leg in enumerate(legs):
             leg_figures = figures[leg]
             prefill_cpu = leg_figures.prefill_cpu_seconds
-            print(f"{str(shape) if number == 0 else '':<16}{leg:<13}{leg_figures.gb_per_s:>7.2f}"
-                  f"{_ratio(leg_figures.gb_per_s, raw.gb_per_s if raw else None)}"
-                  f"{leg_figures.decode_cpu_seconds * 1e3:>15.1f}"
-                  f"{_ratio(leg_figures.decode_cpu_seconds, raw.decode_cpu_seconds if raw else None)}"
-                  f"{'-' if prefill_cpu is None else f'{prefill_cpu * 1e3:.1f}':>16}"
-                  f"{_ratio(prefill_cpu, raw.prefill_cpu_seconds if raw else None)}")
+            print(
+                f"{str(shape) if number == 0 else '':<16}{leg:<13}{leg_figures.gb_per_s:>7.2f}"
+                f"{_ratio(leg_figures.gb_per_s, raw.gb_per_s if raw else None)}"
+                f"{leg_figures.decode_cpu_seconds * 1e3:>15.1f}"
+                f"{_ratio(leg_figures.decode_cpu_seconds, raw.decode_cpu_seconds if raw else None)}"
+                f"{'-' if prefill_cpu is None else f'{prefill_cpu * 1e3:.1f}':>16}"
+                f"{_ratio(prefill_cpu, raw.prefill_cpu_seconds if raw else None)}"
+            )
 
 
 def _ratio(value: float | None, base: float | None) -> str:

@@ -84,7 +84,8 @@ METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v
 def manifest(name: str) -> dict[str, Any]:
     kwok = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
     return {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": contract.KIND,
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": contract.KIND,
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "model": {"uri": "hf://bench/model"},
@@ -99,8 +100,12 @@ def manifest(name: str) -> dict[str, Any]:
 
 def _raw_get(api: k8s.ApiClient, path: str, *, query: list[tuple[str, str]], accept: str) -> bytes:
     method, url, headers, _body, _post = api.param_serialize(
-        method="GET", resource_path=path, query_params=query, header_params={"Accept": accept},
-        auth_settings=["BearerToken"])
+        method="GET",
+        resource_path=path,
+        query_params=query,
+        header_params={"Accept": accept},
+        auth_settings=["BearerToken"],
+    )
     response = api.call_api(method, url, header_params=headers, _request_timeout=10)
     data: bytes = response.read()
     if response.status != 200:
@@ -111,8 +116,10 @@ def _raw_get(api: k8s.ApiClient, path: str, *, query: list[tuple[str, str]], acc
 def count_children(api: k8s.ApiClient, name: str) -> int:
     """Children of ``name`` that exist, from metadata-only lists (cheap to send and to read)."""
     query = [("labelSelector", f"{contract.LABEL_INSTANCE}={name}")]
-    return sum(len(json.loads(_raw_get(api, path, query=query, accept=METADATA_ONLY)).get("items") or [])
-               for path in CHILD_COLLECTIONS)
+    return sum(
+        len(json.loads(_raw_get(api, path, query=query, accept=METADATA_ONLY)).get("items") or [])
+        for path in CHILD_COLLECTIONS
+    )
 
 
 def time_operator(api: k8s.ApiClient, name: str, *, timeout_seconds: float = 900.0) -> float:
@@ -127,8 +134,9 @@ def time_operator(api: k8s.ApiClient, name: str, *, timeout_seconds: float = 900
 
 
 def time_kubectl(cluster: LocalCluster, name: str) -> float:
-    isvc = InferenceService.parse({**manifest(name), "metadata": {"name": name, "namespace": NAMESPACE,
-                                                                  "uid": "bench", "generation": 1}})
+    isvc = InferenceService.parse(
+        {**manifest(name), "metadata": {"name": name, "namespace": NAMESPACE, "uid": "bench", "generation": 1}}
+    )
     children = render_children(isvc=isvc, runtime_image="img:1", router_service_account="", include_replicas=True)
     body = json.dumps({"apiVersion": "v1", "kind": "List", "items": children})
     started = time.monotonic()
@@ -164,8 +172,12 @@ def kopf_patches(api: k8s.ApiClient) -> float:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if (sample.name == "apiserver_request_total" and labels.get("resource") == PLURAL
-                    and labels.get("verb") == "PATCH" and not labels.get("subresource")):
+            if (
+                sample.name == "apiserver_request_total"
+                and labels.get("resource") == PLURAL
+                and labels.get("verb") == "PATCH"
+                and not labels.get("subresource")
+            ):
                 total += sample.value
     return total
 
@@ -187,7 +199,8 @@ def requests_of(before: dict[str, float], after: dict[str, float], *, services: 
     total = sum(by_call.values())
     reconciles = after["reconciles"] - before["reconciles"]
     return {
-        "total": total, "reconciles": reconciles,
+        "total": total,
+        "reconciles": reconciles,
         "per_service": round(total / services, 1),
         "reconciles_per_service": round(reconciles / services, 2),
         "per_reconcile": round(total / reconciles, 1) if reconciles else None,
@@ -207,7 +220,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def compare(op: Callable[[int], float], kubectl: Callable[[int], float], *, runs: int, gap_seconds: float) -> dict[str, Any]:
+def compare(
+    op: Callable[[int], float], kubectl: Callable[[int], float], *, runs: int, gap_seconds: float
+) -> dict[str, Any]:
     """``runs`` of each, in turn, ``gap_seconds`` apart; medians, p99s and their ratios."""
     op_times: list[float] = []
     kubectl_times: list[float] = []
@@ -234,8 +249,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--services", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=0, help="kwok GPU nodes (default: enough for all pools)")
-    parser.add_argument("--gap-seconds", type=float, default=2.0,
-                        help="pause after each timed create, so the next one starts on a quiet machine")
+    parser.add_argument(
+        "--gap-seconds",
+        type=float,
+        default=2.0,
+        help="pause after each timed create, so the next one starts on a quiet machine",
+    )
     args = parser.parse_args()
     if args.services < args.runs + 2:
         parser.error("--services must be at least --runs + 2 (the first timed objects count)")
@@ -251,8 +270,11 @@ def main() -> int:
 
         def established() -> bool:
             got = cluster.kubectl("get", "crd", "inferenceservices.splitserve.dev", "-o", "json", check=False)
-            conditions = (json.loads(got.stdout).get("status") or {}).get("conditions") or [] if got.returncode == 0 else []
+            conditions = (
+                (json.loads(got.stdout).get("status") or {}).get("conditions") or [] if got.returncode == 0 else []
+            )
             return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
         cluster.wait_for(established, timeout_seconds=60, what="CRD Established")
         cluster.kubectl("create", "namespace", NAMESPACE)
         # The router has no placement fields: without the kwok taint its pods run on the kwok
@@ -263,9 +285,23 @@ def main() -> int:
         log = (state / "operator.log").open("w")
         port = free_port()
         operator = subprocess.Popen(
-            ["splitserve", "operator", "--namespace", NAMESPACE, "--no-leader-election",
-             "--metrics-port", str(port), "--health-port", str(free_port()), "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                "splitserve",
+                "operator",
+                "--namespace",
+                NAMESPACE,
+                "--no-leader-election",
+                "--metrics-port",
+                str(port),
+                "--health-port",
+                str(free_port()),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         custom = k8s.CustomObjectsApi(api)
         try:
             time.sleep(3.0)  # import + initial listing
@@ -275,13 +311,17 @@ def main() -> int:
             settle(port)
 
             before, patches = operator_counters(port), kopf_patches(api)
-            result["at_start"] = compare(lambda i: time_operator(api, f"op-{i}"),
-                                         lambda i: time_kubectl(cluster, f"kc-{i}"),
-                                         runs=args.runs, gap_seconds=args.gap_seconds)
+            result["at_start"] = compare(
+                lambda i: time_operator(api, f"op-{i}"),
+                lambda i: time_kubectl(cluster, f"kc-{i}"),
+                runs=args.runs,
+                gap_seconds=args.gap_seconds,
+            )
             settle(port)
             result["requests_at_start"] = requests_of(before, operator_counters(port), services=args.runs)
             result["requests_at_start"]["kopf_patches_per_service"] = round(
-                (kopf_patches(api) - patches) / args.runs, 2)
+                (kopf_patches(api) - patches) / args.runs, 2
+            )
             print(json.dumps(result), flush=True)
 
             existing = args.runs + 1
@@ -295,8 +335,13 @@ def main() -> int:
                 items: list[dict[str, Any]] = listing["items"]
                 done = [i for i in items if (i.get("status") or {}).get("observedGeneration")]
                 return bool(len(done) >= existing + len(names))
-            cluster.wait_for(all_reconciled, timeout_seconds=3600, interval_seconds=2.0,
-                             what=f"{existing + len(names)} InferenceServices reconciled")
+
+            cluster.wait_for(
+                all_reconciled,
+                timeout_seconds=3600,
+                interval_seconds=2.0,
+                what=f"{existing + len(names)} InferenceServices reconciled",
+            )
             result["reconcile_all_s"] = round(time.monotonic() - started, 1)
             result["rss_all_reconciled_mib"] = round(rss_mib(operator.pid), 1)
             print(json.dumps(result), flush=True)
@@ -304,9 +349,12 @@ def main() -> int:
             result["rss_at_scale_mib"] = round(rss_mib(operator.pid), 1)
 
             before = operator_counters(port)
-            result["at_scale"] = compare(lambda i: time_operator(api, f"op-n-{i}"),
-                                         lambda i: time_kubectl(cluster, f"kc-n-{i}"),
-                                         runs=args.runs, gap_seconds=args.gap_seconds)
+            result["at_scale"] = compare(
+                lambda i: time_operator(api, f"op-n-{i}"),
+                lambda i: time_kubectl(cluster, f"kc-n-{i}"),
+                runs=args.runs,
+                gap_seconds=args.gap_seconds,
+            )
             settle(port)
             result["requests_at_scale"] = requests_of(before, operator_counters(port), services=args.runs)
             result["rss_after_mib"] = round(rss_mib(operator.pid), 1)

@@ -68,10 +68,14 @@ class Shape:
     prefix_groups: int = 8
 
     def requests(self, *, rate: float, seconds: float = SECONDS, seed: int = 0) -> list[Request]:
-        return WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse(self.prompt),
-                            output_tokens=LengthDist.parse(self.output), prefix_share=self.prefix_share,
-                            prefix_tokens=self.prefix_tokens, prefix_groups=self.prefix_groups
-                            ).generate(duration_seconds=seconds, seed=seed)
+        return WorkloadSpec(
+            arrivals=Arrivals(rate_per_second=rate),
+            prompt_tokens=LengthDist.parse(self.prompt),
+            output_tokens=LengthDist.parse(self.output),
+            prefix_share=self.prefix_share,
+            prefix_tokens=self.prefix_tokens,
+            prefix_groups=self.prefix_groups,
+        ).generate(duration_seconds=seconds, seed=seed)
 
 
 def _perf() -> RooflineModel:
@@ -84,14 +88,17 @@ def _meets(result: SimResult, slo: Slo) -> bool:
 
 
 def _sim(perf: RooflineModel, fleet: FleetConfig, requests: list[Request]) -> SimResult:
-    return simulate(fleet=fleet, perf=perf, requests=requests,
-                    options=SimOptions(warmup_seconds=10, sample_interval_seconds=0))
+    return simulate(
+        fleet=fleet, perf=perf, requests=requests, options=SimOptions(warmup_seconds=10, sample_interval_seconds=0)
+    )
 
 
 def _meets_at(perf: RooflineModel, fleet: FleetConfig, shape: Shape, slo: Slo) -> Callable[[float], bool]:
     """Whether ``fleet`` meets ``slo`` on ``shape`` at a request rate (the bisection's test)."""
+
     def ok(rate: float) -> bool:
         return _meets(_sim(perf, fleet, shape.requests(rate=rate)), slo)
+
     return ok
 
 
@@ -119,14 +126,18 @@ def _capacity(perf: RooflineModel, shape: Shape, *, engine: EngineSettings, slo:
 
 
 def claim_disaggregation(perf: RooflineModel, *, slo: Slo, shapes: list[Shape]) -> list[str]:
-    rows = ["| workload | SLO (p99 TTFT / ITL) | aggregated: max req/s (budget) | disaggregated: max req/s (P+D) | gain |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| workload | SLO (p99 TTFT / ITL) | aggregated: max req/s (budget) | disaggregated: max req/s (P+D) | gain |",
+        "|---|---|---|---|---|",
+    ]
     for shape in shapes:
         try:
             check_feasible(PlanInputs(perf=perf, requests=shape.requests(rate=20.0), slo=slo))
         except PlanError as exc:
-            rows.append(f"| {shape.label} | {slo.ttft_p99_seconds * 1e3:.0f} ms / {slo.itl_p99_seconds * 1e3:.0f} ms | "
-                        f"infeasible: {str(exc).split(';')[0]} | | |")
+            rows.append(
+                f"| {shape.label} | {slo.ttft_p99_seconds * 1e3:.0f} ms / {slo.itl_p99_seconds * 1e3:.0f} ms | "
+                f"infeasible: {str(exc).split(';')[0]} | | |"
+            )
             continue
         best_agg: tuple[float, int] = (0.0, 0)
         for budget in AGGREGATED_BUDGETS:
@@ -136,34 +147,41 @@ def claim_disaggregation(perf: RooflineModel, *, slo: Slo, shapes: list[Shape]) 
                 continue
             estimate = GPUS / (demand.mean_prompt_tokens / cap_p + demand.mean_output_tokens / cap_d)
             fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=GPUS, engine=engine)
-            rate = _max_rate(_meets_at(perf, fleet, shape, slo),
-                             low=0.3 * estimate, high=1.2 * estimate)
+            rate = _max_rate(_meets_at(perf, fleet, shape, slo), low=0.3 * estimate, high=1.2 * estimate)
             best_agg = max(best_agg, (rate, budget))
         cap_p, cap_d, demand = _capacity(perf, shape, engine=EngineSettings(), slo=slo)
-        estimates = {p: min(p * cap_p / demand.mean_prompt_tokens, (GPUS - p) * cap_d / demand.mean_output_tokens)
-                     for p in range(1, GPUS)}
+        estimates = {
+            p: min(p * cap_p / demand.mean_prompt_tokens, (GPUS - p) * cap_d / demand.mean_output_tokens)
+            for p in range(1, GPUS)
+        }
         best_dis: tuple[float, str] = (0.0, "")
         for prefill in sorted(estimates, key=lambda p: -estimates[p])[:3]:  # the 3 analytically best splits
             fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=prefill, decode_replicas=GPUS - prefill)
-            rate = _max_rate(_meets_at(perf, fleet, shape, slo),
-                             low=0.3 * estimates[prefill], high=1.2 * estimates[prefill])
+            rate = _max_rate(
+                _meets_at(perf, fleet, shape, slo), low=0.3 * estimates[prefill], high=1.2 * estimates[prefill]
+            )
             best_dis = max(best_dis, (rate, f"{prefill}+{GPUS - prefill}"))
         gain = best_dis[0] / best_agg[0] - 1 if best_agg[0] else float("inf")
-        rows.append(f"| {shape.label} | {slo.ttft_p99_seconds * 1e3:.0f} ms / {slo.itl_p99_seconds * 1e3:.0f} ms | "
-                    f"{best_agg[0]:.1f} ({best_agg[1]}) | {best_dis[0]:.1f} ({best_dis[1]}) | {gain:+.0%} |")
+        rows.append(
+            f"| {shape.label} | {slo.ttft_p99_seconds * 1e3:.0f} ms / {slo.itl_p99_seconds * 1e3:.0f} ms | "
+            f"{best_agg[0]:.1f} ({best_agg[1]}) | {best_dis[0]:.1f} ({best_dis[1]}) | {gain:+.0%} |"
+        )
     return rows
 
 
 def claim_prefix_caching(perf: RooflineModel, *, slo: Slo, shapes: list[Shape], rate: float) -> list[str]:
-    rows = ["| workload | prefill tokens saved | prefill GPU-time saved | fleet GPUs without → with cache (planner) | fleet saving |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| workload | prefill tokens saved | prefill GPU-time saved | fleet GPUs without → with cache (planner) | fleet saving |",
+        "|---|---|---|---|---|",
+    ]
     for shape in shapes:
         requests = shape.requests(rate=rate)
         busy: dict[bool, float] = {}
         computed: dict[bool, int] = {}
         for caching in (False, True):
-            fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=4, decode_replicas=4,
-                                engine=EngineSettings(prefix_caching=caching))
+            fleet = FleetConfig(
+                mode=DISAGGREGATED, prefill_replicas=4, decode_replicas=4, engine=EngineSettings(prefix_caching=caching)
+            )
             pool = _sim(perf, fleet, requests).pools["prefill"]
             busy[caching] = pool.busy_fraction
             computed[caching] = pool.prefill_tokens_computed
@@ -172,22 +190,31 @@ def claim_prefix_caching(perf: RooflineModel, *, slo: Slo, shapes: list[Shape], 
             inputs = PlanInputs(perf=perf, requests=requests, slo=slo, engine=EngineSettings(prefix_caching=caching))
             plans = [p for p in (plan_disaggregated(inputs), plan_aggregated(inputs)) if p is not None]
             gpus[caching] = min(p.num_gpus for p in plans)
-        rows.append(f"| {shape.label} | {1 - computed[True] / computed[False]:.0%} | {1 - busy[True] / busy[False]:.0%} | "
-                    f"{gpus[False]} → {gpus[True]} | {1 - gpus[True] / gpus[False]:.0%} |")
+        rows.append(
+            f"| {shape.label} | {1 - computed[True] / computed[False]:.0%} | {1 - busy[True] / busy[False]:.0%} | "
+            f"{gpus[False]} → {gpus[True]} | {1 - gpus[True] / gpus[False]:.0%} |"
+        )
     return rows
 
 
 def claim_continuous_batching(perf: RooflineModel, *, shapes: list[Shape], rate: float) -> list[str]:
-    rows = ["| workload (outputs) | static: slot occupancy, output tok/s | continuous: slot occupancy, output tok/s | throughput gain |",
-            "|---|---|---|---|"]
+    rows = [
+        "| workload (outputs) | static: slot occupancy, output tok/s | continuous: slot occupancy, output tok/s | throughput gain |",
+        "|---|---|---|---|",
+    ]
     for shape in shapes:
         requests = shape.requests(rate=rate, seconds=120)
         figures = {}
         for batching in ("static", "continuous"):
-            fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1,
-                                engine=EngineSettings(max_num_seqs=64, batching=batching))
-            r = simulate(fleet=fleet, perf=perf, requests=requests,
-                         options=SimOptions(sample_interval_seconds=0, drain_limit_seconds=0))
+            fleet = FleetConfig(
+                mode=AGGREGATED, aggregated_replicas=1, engine=EngineSettings(max_num_seqs=64, batching=batching)
+            )
+            r = simulate(
+                fleet=fleet,
+                perf=perf,
+                requests=requests,
+                options=SimOptions(sample_interval_seconds=0, drain_limit_seconds=0),
+            )
             pool = r.pools[AGGREGATED]
             figures[batching] = (pool.batch_occupancy, pool.decode_tokens / r.sim_seconds)
         (so, st), (co, ct) = figures["static"], figures["continuous"]
@@ -204,24 +231,45 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     slo = Slo(ttft_p99_seconds=1.0, itl_p99_seconds=0.05)
     strict = Slo(ttft_p99_seconds=0.3, itl_p99_seconds=0.015)
-    disagg_shapes = [Shape("chat: prompt ~1k, output ~256", "lognormal:1024:0.8", "lognormal:256:0.8"),
-                     Shape("RAG/summarize: prompt ~4k, output ~128", "lognormal:4096:0.6", "lognormal:128:0.8"),
-                     Shape("generation: prompt ~256, output ~1k", "lognormal:256:0.8", "lognormal:1024:0.8")]
-    prefix_shapes = [Shape("support bot: 90% share 1 system prompt of 2k + ~200 own", "lognormal:200:0.8",
-                           "lognormal:200:0.8", 0.9, 2048, 1),
-                     Shape("code assistant: 50% share 16 contexts of 4k + ~500 own", "lognormal:500:0.8",
-                           "lognormal:150:0.8", 0.5, 4096, 16),
-                     Shape("mixed: 20% share 8 prompts of 512 + ~1k own", "lognormal:1024:0.8",
-                           "lognormal:256:0.8", 0.2, 512, 8)]
-    batch_shapes = [Shape("prompt 512, outputs exponential mean 256", "512", "exponential:256"),
-                    Shape("prompt 512, outputs lognormal mean 256 sigma 1", "512", "lognormal:256:1.0"),
-                    Shape("prompt 512, outputs fixed 256", "512", "256")]
+    disagg_shapes = [
+        Shape("chat: prompt ~1k, output ~256", "lognormal:1024:0.8", "lognormal:256:0.8"),
+        Shape("RAG/summarize: prompt ~4k, output ~128", "lognormal:4096:0.6", "lognormal:128:0.8"),
+        Shape("generation: prompt ~256, output ~1k", "lognormal:256:0.8", "lognormal:1024:0.8"),
+    ]
+    prefix_shapes = [
+        Shape(
+            "support bot: 90% share 1 system prompt of 2k + ~200 own",
+            "lognormal:200:0.8",
+            "lognormal:200:0.8",
+            0.9,
+            2048,
+            1,
+        ),
+        Shape(
+            "code assistant: 50% share 16 contexts of 4k + ~500 own",
+            "lognormal:500:0.8",
+            "lognormal:150:0.8",
+            0.5,
+            4096,
+            16,
+        ),
+        Shape("mixed: 20% share 8 prompts of 512 + ~1k own", "lognormal:1024:0.8", "lognormal:256:0.8", 0.2, 512, 8),
+    ]
+    batch_shapes = [
+        Shape("prompt 512, outputs exponential mean 256", "512", "exponential:256"),
+        Shape("prompt 512, outputs lognormal mean 256 sigma 1", "512", "lognormal:256:1.0"),
+        Shape("prompt 512, outputs fixed 256", "512", "256"),
+    ]
     if args.quick:
         disagg_shapes, prefix_shapes, batch_shapes = disagg_shapes[:1], prefix_shapes[:1], batch_shapes[:1]
-    lines = [f"Llama-3.1-8B bf16 on H100-SXM (TP=1, roofline: compute eff {perf.gpu.compute_efficiency}, "
-             f"bandwidth eff {perf.gpu.bandwidth_efficiency}, step overhead {perf.gpu.step_overhead_seconds * 1e3:g} ms); "
-             f"Poisson arrivals, {SECONDS:.0f} s simulated per point, seed 0.", "",
-             f"#### 1. Disaggregation: the highest rate {GPUS} GPUs sustain within the SLOs", ""]
+    lines = [
+        f"Llama-3.1-8B bf16 on H100-SXM (TP=1, roofline: compute eff {perf.gpu.compute_efficiency}, "
+        f"bandwidth eff {perf.gpu.bandwidth_efficiency}, step overhead {perf.gpu.step_overhead_seconds * 1e3:g} ms); "
+        f"Poisson arrivals, {SECONDS:.0f} s simulated per point, seed 0.",
+        "",
+        f"#### 1. Disaggregation: the highest rate {GPUS} GPUs sustain within the SLOs",
+        "",
+    ]
     lines += claim_disaggregation(perf, slo=slo, shapes=disagg_shapes)
     lines += claim_disaggregation(perf, slo=strict, shapes=disagg_shapes)[2:]
     lines += ["", "#### 2. Prefix caching at 20 req/s (compute columns: 4 prefill GPUs, disaggregated)", ""]

@@ -66,8 +66,9 @@ from splitserve_contract import ServeArgs
 from splitserve_e2e.quant_checkpoints import MAKERS
 from splitserve_runtime.engine.kv_budget import KVCacheSpec
 from splitserve_runtime.engine.llm_engine import LLMEngine
-from splitserve_runtime.engine.model_runner import PrefillRow, allocate_kv_caches, build_step_inputs
+from splitserve_runtime.engine.model_runner import allocate_kv_caches
 from splitserve_runtime.engine.sampling_params import SamplingParams
+from splitserve_runtime.engine.step_inputs import PrefillRow, build_step_inputs
 from splitserve_runtime.model.llama import LlamaForCausalLM
 
 TEXT = Path("/usr/share/common-licenses/Apache-2.0")
@@ -129,11 +130,18 @@ class Result:
 # ---------------------------------------------------------------- rows: how each is loaded
 
 
-def _serve(ctx: Context, model: Path, *, quantization: str = "none",
-           kv_cache_dtype: str = "auto") -> LLMEngine:
-    args = ServeArgs(model=str(model), device="cpu", dtype=ctx.dtype, block_size=ctx.block_size,
-                     num_kv_blocks=256, max_model_len=2048, max_num_seqs=len(PROMPTS),
-                     quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+def _serve(ctx: Context, model: Path, *, quantization: str = "none", kv_cache_dtype: str = "auto") -> LLMEngine:
+    args = ServeArgs(
+        model=str(model),
+        device="cpu",
+        dtype=ctx.dtype,
+        block_size=ctx.block_size,
+        num_kv_blocks=256,
+        max_model_len=2048,
+        max_num_seqs=len(PROMPTS),
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     return LLMEngine.from_args(args)
 
 
@@ -159,14 +167,10 @@ def _prequantized(kind: str, what: str) -> Method:
 
 METHODS: tuple[Method, ...] = (
     Method("fp32", "dense HF dir (the GGUF dequantized)", lambda ctx: _serve(ctx, ctx.dense_dir)),
-    Method("fp32-kv-fp8", "dense, --kv-cache-dtype fp8",
-           lambda ctx: _serve(ctx, ctx.dense_dir, kv_cache_dtype="fp8")),
-    Method("load-fp8", "--quantization fp8 (W8A8)",
-           lambda ctx: _serve(ctx, ctx.dense_dir, quantization="fp8")),
-    Method("load-int8", "--quantization int8 (W8A8)",
-           lambda ctx: _serve(ctx, ctx.dense_dir, quantization="int8")),
-    Method("load-int4", "--quantization int4 (W4A16)",
-           lambda ctx: _serve(ctx, ctx.dense_dir, quantization="int4")),
+    Method("fp32-kv-fp8", "dense, --kv-cache-dtype fp8", lambda ctx: _serve(ctx, ctx.dense_dir, kv_cache_dtype="fp8")),
+    Method("load-fp8", "--quantization fp8 (W8A8)", lambda ctx: _serve(ctx, ctx.dense_dir, quantization="fp8")),
+    Method("load-int8", "--quantization int8 (W8A8)", lambda ctx: _serve(ctx, ctx.dense_dir, quantization="int8")),
+    Method("load-int4", "--quantization int4 (W4A16)", lambda ctx: _serve(ctx, ctx.dense_dir, quantization="int4")),
     _prequantized("ct-fp8", "compressed-tensors FP8_DYNAMIC"),
     _prequantized("ct-int8", "compressed-tensors W8A8 int8"),
     _prequantized("ct-w8a16", "compressed-tensors W8A16 int8"),
@@ -188,18 +192,26 @@ def _logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     (its own KV cache, in the engine's cache layout and dtype)."""
     runner = engine.runner
     num_blocks = math.ceil(len(token_ids) / runner.block_size)
-    caches = allocate_kv_caches(spec=runner.spec, num_blocks=num_blocks,
-                                block_size=runner.block_size, device=engine.device)
+    caches = allocate_kv_caches(
+        spec=runner.spec, num_blocks=num_blocks, block_size=runner.block_size, device=engine.device
+    )
     inputs = build_step_inputs(
         prefills=[PrefillRow(token_ids=token_ids, start_position=0, block_table=list(range(num_blocks)))],
-        decodes=[], sample_prefill=[False], block_size=runner.block_size, device=engine.device)
-    hidden = runner.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                  kv_caches=caches, md=inputs.md)
+        decodes=[],
+        sample_prefill=[False],
+        block_size=runner.block_size,
+        device=engine.device,
+    )
+    hidden = runner.model.forward(
+        input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches, md=inputs.md
+    )
     return runner.model.compute_logits(hidden).float()
 
 
-def _perplexity(windows: list[list[int]], logits_of: Callable[[list[int]], torch.Tensor],
-                ) -> tuple[float, torch.Tensor]:
+def _perplexity(
+    windows: list[list[int]],
+    logits_of: Callable[[list[int]], torch.Tensor],
+) -> tuple[float, torch.Tensor]:
     """Perplexity over the windows, and the first window's logits."""
     nll, count = 0.0, 0
     first = torch.empty(0)
@@ -213,13 +225,12 @@ def _perplexity(windows: list[list[int]], logits_of: Callable[[list[int]], torch
     return math.exp(nll / count), first
 
 
-def _top1(prompts: list[list[int]], reference: Reference,
-          logits_of: Callable[[list[int]], torch.Tensor]) -> float:
+def _top1(prompts: list[list[int]], reference: Reference, logits_of: Callable[[list[int]], torch.Tensor]) -> float:
     """Teacher-forced: fraction of positions where the argmax is the reference's token (EOS
     excluded, as the generation that made the reference banned it)."""
     hits = total = 0
     for prompt, continuation in zip(prompts, reference.continuations, strict=True):
-        logits = logits_of(prompt + continuation[:-1])[len(prompt) - 1:]
+        logits = logits_of(prompt + continuation[:-1])[len(prompt) - 1 :]
         banned = torch.tensor(sorted(reference.banned_token_ids), dtype=torch.int64)
         predicted = logits.index_fill(1, banned, -math.inf).argmax(dim=-1)
         hits += int((predicted == torch.tensor(continuation)).sum())
@@ -227,8 +238,9 @@ def _top1(prompts: list[list[int]], reference: Reference,
     return hits / total
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], *, new_tokens: int,
-              repeats: int) -> tuple[float, list[list[int]]]:
+def _generate(
+    engine: LLMEngine, prompts: list[list[int]], *, new_tokens: int, repeats: int
+) -> tuple[float, list[list[int]]]:
     """Greedy continuations (min_tokens = max_tokens: no early EOS) and the best tokens/s."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
     best = math.inf
@@ -259,14 +271,20 @@ class Reference:
     """EOS: generating exactly ``--new-tokens`` tokens bans it (``min_tokens``)."""
 
 
-def _kv_blocks(budget_bytes: int, weight_bytes: int, spec: KVCacheSpec, block_size: int,
-               dtype: torch.dtype) -> int:
+def _kv_blocks(budget_bytes: int, weight_bytes: int, spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
     per_block = dataclasses.replace(spec, dtype=dtype).bytes_per_block(block_size=block_size)
     return max(0, (budget_bytes - weight_bytes) // per_block)
 
 
-def measure_row(method: Method, ctx: Context, *, windows: list[list[int]], prompts: list[list[int]],
-                reference: Reference | None, opts: argparse.Namespace) -> tuple[Result, Reference]:
+def measure_row(
+    method: Method,
+    ctx: Context,
+    *,
+    windows: list[list[int]],
+    prompts: list[list[int]],
+    reference: Reference | None,
+    opts: argparse.Namespace,
+) -> tuple[Result, Reference]:
     """One row's numbers, compared with ``reference`` (fp32's outputs; None: this row is fp32,
     compared with itself, which checks that the engine's decode agrees with the full forward).
     Returns the result and this row's own outputs."""
@@ -277,15 +295,13 @@ def measure_row(method: Method, ctx: Context, *, windows: list[list[int]], promp
     budget = opts.budget_mib * 2**20
     spec = engine.runner.spec
     result.kv_blocks_16bit = _kv_blocks(budget, result.weight_bytes, spec, ctx.block_size, torch.bfloat16)
-    result.kv_blocks_fp8 = _kv_blocks(budget, result.weight_bytes, spec, ctx.block_size,
-                                      torch.float8_e4m3fn)
+    result.kv_blocks_fp8 = _kv_blocks(budget, result.weight_bytes, spec, ctx.block_size, torch.float8_e4m3fn)
 
     def logits_of(ids: list[int]) -> torch.Tensor:
         return _logits(engine, ids)
 
     result.ppl, first = _perplexity(windows, logits_of)
-    result.tokens_per_s, continuations = _generate(engine, prompts, new_tokens=opts.new_tokens,
-                                                   repeats=opts.repeats)
+    result.tokens_per_s, continuations = _generate(engine, prompts, new_tokens=opts.new_tokens, repeats=opts.repeats)
     own = Reference(first, continuations, engine.eos_token_ids)
     against = reference or own
     result.max_logit_diff = float((first - against.first_logits).abs().max())
@@ -294,8 +310,14 @@ def measure_row(method: Method, ctx: Context, *, windows: list[list[int]], promp
     return result, own
 
 
-def measure_oracle(dense_dir: Path, *, windows: list[list[int]], prompts: list[list[int]],
-                   reference: Reference | None, opts: argparse.Namespace) -> Result:
+def measure_oracle(
+    dense_dir: Path,
+    *,
+    windows: list[list[int]],
+    prompts: list[list[int]],
+    reference: Reference | None,
+    opts: argparse.Namespace,
+) -> Result:
     """transformers in fp32: the numbers our fp32 row should reproduce."""
     from transformers import AutoModelForCausalLM
 
@@ -316,9 +338,14 @@ def measure_oracle(dense_dir: Path, *, windows: list[list[int]], prompts: list[l
     for rep in range(opts.repeats + 1):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            generated = hf.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                    max_new_tokens=opts.new_tokens, min_new_tokens=opts.new_tokens,
-                                    pad_token_id=0)[:, width:]
+            generated = hf.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=opts.new_tokens,
+                min_new_tokens=opts.new_tokens,
+                pad_token_id=0,
+            )[:, width:]
         if rep > 0 or opts.repeats == 0:
             best = min(best, time.perf_counter() - t0)
     result.tokens_per_s = len(prompts) * opts.new_tokens / best
@@ -338,8 +365,10 @@ def _fmt(value: float | int | None, spec: str) -> str:
 
 def print_table(results: list[Result], *, opts: argparse.Namespace, num_prompts: int) -> None:
     base = next((r.ppl for r in results if r.name == "fp32" and r.ppl is not None), None)
-    print(f"{'method':<15}{'what':<37}{'weight MiB':>11}{'KV blk 16b':>11}{'KV blk fp8':>11}"
-          f"{'PPL':>9}{'dPPL %':>8}{'top-1 %':>8}{'same':>6}{'max|dlogit|':>12}{'tok/s':>8}")
+    print(
+        f"{'method':<15}{'what':<37}{'weight MiB':>11}{'KV blk 16b':>11}{'KV blk fp8':>11}"
+        f"{'PPL':>9}{'dPPL %':>8}{'top-1 %':>8}{'same':>6}{'max|dlogit|':>12}{'tok/s':>8}"
+    )
     for r in results:
         if r.error is not None:
             print(f"{r.name:<15}{r.what:<37}FAILED: {r.error}")
@@ -348,38 +377,46 @@ def print_table(results: list[Result], *, opts: argparse.Namespace, num_prompts:
         same = "-" if r.same_greedy is None else f"{r.same_greedy}/{num_prompts}"
         mib = None if r.weight_bytes is None else r.weight_bytes / 2**20
         top1 = None if r.top1_agreement is None else 100 * r.top1_agreement
-        print(f"{r.name:<15}{r.what:<37}{_fmt(mib, '.1f'):>11}{_fmt(r.kv_blocks_16bit, 'd'):>11}"
-              f"{_fmt(r.kv_blocks_fp8, 'd'):>11}{_fmt(r.ppl, '.3f'):>9}{_fmt(dppl, '+.2f'):>8}"
-              f"{_fmt(top1, '.1f'):>8}{same:>6}{_fmt(r.max_logit_diff, '.2e'):>12}"
-              f"{_fmt(r.tokens_per_s, '.0f'):>8}")
+        print(
+            f"{r.name:<15}{r.what:<37}{_fmt(mib, '.1f'):>11}{_fmt(r.kv_blocks_16bit, 'd'):>11}"
+            f"{_fmt(r.kv_blocks_fp8, 'd'):>11}{_fmt(r.ppl, '.3f'):>9}{_fmt(dppl, '+.2f'):>8}"
+            f"{_fmt(top1, '.1f'):>8}{same:>6}{_fmt(r.max_logit_diff, '.2e'):>12}"
+            f"{_fmt(r.tokens_per_s, '.0f'):>8}"
+        )
     gguf = next((r for r in results if r.name == "gguf" and r.max_logit_diff is not None), None)
     if gguf is not None:
-        print(f"GGUF direct vs its dequantized HF dir (fp32): max |logit diff| = "
-              f"{gguf.max_logit_diff:.3e} over the first {opts.window}-token window")
+        print(
+            f"GGUF direct vs its dequantized HF dir (fp32): max |logit diff| = "
+            f"{gguf.max_logit_diff:.3e} over the first {opts.window}-token window"
+        )
 
 
 def _windows(token_ids: list[int], *, total: int, window: int) -> list[list[int]]:
     ids = token_ids[:total]
     if len(ids) < total:
         raise RuntimeError(f"{TEXT} has only {len(ids)} tokens, --ppl-tokens asks {total}")
-    return [ids[i:i + window] for i in range(0, total, window) if len(ids[i:i + window]) > 1]
+    return [ids[i : i + window] for i in range(0, total, window) if len(ids[i : i + window]) > 1]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [m.name for m in METHODS] + [ORACLE]
-    parser.add_argument("--rows", default=None,
-                        help=f"comma-separated rows (fp32 always runs first; default: all but gguf "
-                             f"with --smoke): {', '.join(names)}")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny random model, few tokens: checks the script, not the methods")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated rows (fp32 always runs first; default: all but gguf with --smoke): {', '.join(names)}",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny random model, few tokens: checks the script, not the methods"
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--budget-mib", type=int, default=1024,
-                        help="memory for weights + KV cache in the KV-blocks columns")
+    parser.add_argument(
+        "--budget-mib", type=int, default=1024, help="memory for weights + KV cache in the KV-blocks columns"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where quantized checkpoints are kept")
@@ -410,18 +447,30 @@ def main(argv: list[str] | None = None) -> int:
             from splitserve_e2e.smollm2 import gguf_path, hf_dir
 
             dense_dir, gguf, cache = hf_dir(), gguf_path(), opts.cache
-        ctx = Context(dense_dir=dense_dir, gguf=gguf, cache=cache, dtype=opts.dtype,
-                      block_size=opts.block_size, rebuild=opts.rebuild)
+        ctx = Context(
+            dense_dir=dense_dir,
+            gguf=gguf,
+            cache=cache,
+            dtype=opts.dtype,
+            block_size=opts.block_size,
+            rebuild=opts.rebuild,
+        )
         results = run(ctx, opts)
-    print(f"model {dense_dir.name}, dtype {opts.dtype}, {opts.threads} thread(s); PPL over "
-          f"{opts.ppl_tokens} tokens of {TEXT.name} in {opts.window}-token windows; "
-          f"{len(PROMPTS)} prompts x {opts.new_tokens} greedy tokens; KV blocks of "
-          f"{opts.block_size} tokens in {opts.budget_mib} MiB minus the weights")
+    print(
+        f"model {dense_dir.name}, dtype {opts.dtype}, {opts.threads} thread(s); PPL over "
+        f"{opts.ppl_tokens} tokens of {TEXT.name} in {opts.window}-token windows; "
+        f"{len(PROMPTS)} prompts x {opts.new_tokens} greedy tokens; KV blocks of "
+        f"{opts.block_size} tokens in {opts.budget_mib} MiB minus the weights"
+    )
     print_table(results, opts=opts, num_prompts=len(PROMPTS))
     failures = [{"row": r.name, "error": r.error} for r in results if r.error is not None]
-    report = {"model": dense_dir.name, "smoke": opts.smoke, "settings": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
-        "rows": [dataclasses.asdict(r) for r in results], "failures": failures}
+    report = {
+        "model": dense_dir.name,
+        "smoke": opts.smoke,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
+        "rows": [dataclasses.asdict(r) for r in results],
+        "failures": failures,
+    }
     for path in [opts.json] + ([Path(os.environ["OUT"], "quantization.json")] if os.environ.get("OUT") else []):
         if path is not None:
             path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -442,8 +491,7 @@ def run(ctx: Context, opts: argparse.Namespace) -> list[Result]:
         try:
             if method.name != "fp32" and reference is None:
                 raise RuntimeError("no fp32 reference to compare with (the fp32 row failed)")
-            result, own = measure_row(method, ctx, windows=windows, prompts=prompts,
-                                      reference=reference, opts=opts)
+            result, own = measure_row(method, ctx, windows=windows, prompts=prompts, reference=reference, opts=opts)
             gc.collect()  # the row's engine and model are garbage now
             if method.name == "fp32":
                 reference = own
@@ -454,8 +502,9 @@ def run(ctx: Context, opts: argparse.Namespace) -> list[Result]:
         print(f"  {method.name}: {'FAILED' if result.error else 'done'}", file=sys.stderr, flush=True)
     if ORACLE in wanted:
         try:
-            results.insert(0, measure_oracle(ctx.dense_dir, windows=windows, prompts=prompts,
-                                             reference=reference, opts=opts))
+            results.insert(
+                0, measure_oracle(ctx.dense_dir, windows=windows, prompts=prompts, reference=reference, opts=opts)
+            )
         except Exception as exc:
             traceback.print_exc()
             results.insert(0, Result(ORACLE, "transformers fp32 (oracle)", error=_error(exc)))

@@ -21,13 +21,29 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "disagg"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime" / "disagg"))
 from disagg_harness import MODEL_NAME, Cluster, Proc  # noqa: E402
 
 from splitserve_contract import Metric  # noqa: E402
 
-WORDS = ("river", "stone", "lamp", "market", "winter", "signal", "garden", "ledger", "copper",
-         "harbor", "violet", "engine", "meadow", "thunder", "canvas", "orbit")
+WORDS = (
+    "river",
+    "stone",
+    "lamp",
+    "market",
+    "winter",
+    "signal",
+    "garden",
+    "ledger",
+    "copper",
+    "harbor",
+    "violet",
+    "engine",
+    "meadow",
+    "thunder",
+    "canvas",
+    "orbit",
+)
 
 
 def _system_prompt(rng: random.Random) -> str:
@@ -38,8 +54,9 @@ def _sum(pods: list[Proc], name: str) -> float:
     return float(sum(p.metric(name) for p in pods))
 
 
-def _phase(*, cluster: Cluster, router: Proc, groups: list[str], num_requests: int,
-           rng: random.Random) -> dict[str, float]:
+def _phase(
+    *, cluster: Cluster, router: Proc, groups: list[str], num_requests: int, rng: random.Random
+) -> dict[str, float]:
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
     hit0 = _sum(cluster.prefill, Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL)
     queried0 = _sum(cluster.prefill, Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL)
@@ -48,15 +65,18 @@ def _phase(*, cluster: Cluster, router: Proc, groups: list[str], num_requests: i
     started = time.perf_counter()
     for i in range(num_requests):
         question = f" Question {i}: what about the {rng.choice(WORDS)} and the {rng.choice(WORDS)}?"
-        client.completions.create(model=MODEL_NAME, prompt=rng.choice(groups) + question,
-                                  max_tokens=2, temperature=0)
+        client.completions.create(model=MODEL_NAME, prompt=rng.choice(groups) + question, max_tokens=2, temperature=0)
     seconds = time.perf_counter() - started
     hit = _sum(cluster.prefill, Metric.PREFIX_CACHE_HIT_TOKENS_TOTAL) - hit0
     queried = _sum(cluster.prefill, Metric.PREFIX_CACHE_QUERIED_TOKENS_TOTAL) - queried0
-    return {"hit_rate": hit / queried if queried else 0.0, "hit_tokens": hit, "queried_tokens": queried,
-            "router_matched": router.metric("splitserve_router_prefix_matched_blocks_total") - matched0,
-            "router_queried": router.metric("splitserve_router_prefix_queried_blocks_total") - queried_blocks0,
-            "seconds": seconds}
+    return {
+        "hit_rate": hit / queried if queried else 0.0,
+        "hit_tokens": hit,
+        "queried_tokens": queried,
+        "router_matched": router.metric("splitserve_router_prefix_matched_blocks_total") - matched0,
+        "router_queried": router.metric("splitserve_router_prefix_queried_blocks_total") - queried_blocks0,
+        "seconds": seconds,
+    }
 
 
 def main() -> int:
@@ -69,8 +89,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(out_dir=Path(tmp) / "model", arch="llama", seed=0)
-        with Cluster(model_dir=model_dir, log_dir=Path(tmp), num_prefill=2, num_decode=1,
-                     policy="RoundRobin") as cluster:
+        with Cluster(
+            model_dir=model_dir, log_dir=Path(tmp), num_prefill=2, num_decode=1, policy="RoundRobin"
+        ) as cluster:
             assert cluster.router is not None
             affinity = cluster.router_proc(policy="PrefixAffinity", octet=30)
             cluster.start_router(affinity)
@@ -78,14 +99,21 @@ def main() -> int:
             results = {}
             for name, router in (("RoundRobin", cluster.router), ("PrefixAffinity", affinity)):
                 groups = [_system_prompt(rng) for _ in range(args.groups)]
-                results[name] = _phase(cluster=cluster, router=router, groups=groups,
-                                       num_requests=args.requests, rng=rng)
-    print(f"workload: {args.requests} requests in {args.groups} shared-system-prompt groups, "
-          "2 prefill pods x 64 KV blocks of 16 tokens, 1 decode pod, tiny model on CPU")
-    print(f"{'policy':<16}{'prefill hit rate':>18}{'hit/queried tokens':>22}{'router matched/queried blocks':>32}{'s':>7}")
+                results[name] = _phase(
+                    cluster=cluster, router=router, groups=groups, num_requests=args.requests, rng=rng
+                )
+    print(
+        f"workload: {args.requests} requests in {args.groups} shared-system-prompt groups, "
+        "2 prefill pods x 64 KV blocks of 16 tokens, 1 decode pod, tiny model on CPU"
+    )
+    print(
+        f"{'policy':<16}{'prefill hit rate':>18}{'hit/queried tokens':>22}{'router matched/queried blocks':>32}{'s':>7}"
+    )
     for name, r in results.items():
-        print(f"{name:<16}{r['hit_rate']:>18.3f}{int(r['hit_tokens']):>11}/{int(r['queried_tokens']):<10}"
-              f"{int(r['router_matched']):>20}/{int(r['router_queried']):<11}{r['seconds']:>7.1f}")
+        print(
+            f"{name:<16}{r['hit_rate']:>18.3f}{int(r['hit_tokens']):>11}/{int(r['queried_tokens']):<10}"
+            f"{int(r['router_matched']):>20}/{int(r['router_queried']):<11}{r['seconds']:>7.1f}"
+        )
     rr, pa = results["RoundRobin"]["hit_rate"], results["PrefixAffinity"]["hit_rate"]
     print(f"affinity / round-robin hit rate: {pa / rr if rr else float('inf'):.2f}x")
     return 0

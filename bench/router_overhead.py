@@ -79,16 +79,29 @@ NGINX_NOT_INSTALLED = "not installed"
 
 
 # ---------------------------------------------------------------------------- stand-in upstream
-_COMPLETION = json.dumps({
-    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "text": " hello from the stand-in pod", "logprobs": None,
-                 "finish_reason": "length"}],
-    "usage": {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14},
-}).encode()
-_EVENT = b"data: " + json.dumps({
-    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None}],
-}).encode() + b"\n\n"
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " hello from the stand-in pod", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14},
+    }
+).encode()
+_EVENT = (
+    b"data: "
+    + json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None}],
+        }
+    ).encode()
+    + b"\n\n"
+)
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -97,23 +110,22 @@ def _chunk(data: bytes) -> bytes:
 
 
 def _fixed_response(status: str, content_type: str, body: bytes) -> bytes:
-    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode() + body
+    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
 
 
 _GET_ANSWERS = {
     b"/ready": _fixed_response("200 OK", "application/json", b'{"status":"ready"}'),
     b"/health": _fixed_response("200 OK", "application/json", b'{"status":"ok"}'),
-    b"/v1/splitserve/info": _fixed_response(
-        "200 OK", "application/json", b'{"compat_hash":"bench","kv_endpoint":""}'),
+    b"/v1/splitserve/info": _fixed_response("200 OK", "application/json", b'{"compat_hash":"bench","kv_endpoint":""}'),
     b"/metrics": _fixed_response("200 OK", "text/plain; version=0.0.4", b""),
     b"/v1/models": _fixed_response(
-        "200 OK", "application/json",
-        json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()),
+        "200 OK",
+        "application/json",
+        json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode(),
+    ),
 }
 _NOT_FOUND = _fixed_response("404 Not Found", "application/json", b'{"error":"not found"}')
-_STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                b"transfer-encoding: chunked\r\n\r\n")
+_STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 class StandInPod(asyncio.Protocol):
@@ -146,8 +158,8 @@ class StandInPod(asyncio.Protocol):
                     length = int(value)
             if len(self._buffer) < end + 4 + length:
                 return
-            body = self._buffer[end + 4:end + 4 + length]
-            self._buffer = self._buffer[end + 4 + length:]
+            body = self._buffer[end + 4 : end + 4 + length]
+            self._buffer = self._buffer[end + 4 + length :]
             method, target, _version = head[0].split(b" ", 2)
             self._answer(method, target, body)
 
@@ -240,7 +252,7 @@ class Connection:
             pending += data
             while (cut := pending.find(b"\n\n")) >= 0:
                 events.append(now)
-                pending = pending[cut + 2:]
+                pending = pending[cut + 2 :]
 
         if b"content-length" in headers:
             feed(await self._reader.readexactly(int(headers[b"content-length"])))
@@ -256,8 +268,13 @@ class Connection:
             self.reusable = False
         if headers.get(b"connection") == b"close":
             self.reusable = False
-        return Reply(status=status, started=started, first_event=events[0] if events else None,
-                     ended=time.perf_counter(), event_times=events)
+        return Reply(
+            status=status,
+            started=started,
+            first_event=events[0] if events else None,
+            ended=time.perf_counter(),
+            event_times=events,
+        )
 
 
 class Pool:
@@ -299,8 +316,10 @@ class Pool:
 
 def _request(port: int, body: dict[str, Any]) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n").encode() + data
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+    ).encode() + data
 
 
 # ---------------------------------------------------------------------------- processes
@@ -343,8 +362,9 @@ class Proc:
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            self.popen = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            )
 
     @property
     def pids(self) -> list[int]:
@@ -392,23 +412,29 @@ async def _wait_ready(proc: Proc, port: int) -> None:
 
 def nginx_binary() -> str | None:
     return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None)
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
 
 
 def install_nginx() -> str | None:
     """``apt-get install nginx-light`` when root and nginx is missing; the binary or None."""
     if nginx_binary() is None and os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "nginx-light"],
-                       env=env, check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "nginx-light"],
+            env=env,
+            check=False,
+            stdout=subprocess.DEVNULL,
+        )
     return nginx_binary()
 
 
 def nginx_conf(*, work: Path, listen_port: int, upstream_port: int) -> str:
     """A plain reverse proxy: keep-alive HTTP/1.1 to the pod, no response buffering."""
     user = "user root;\n" if os.geteuid() == 0 else ""
-    temp = "\n".join(f"  {kind}_temp_path {work}/{kind};"
-                     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"  {kind}_temp_path {work}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     return f"""{user}worker_processes 1;
 daemon off;
 pid {work}/nginx.pid;
@@ -444,9 +470,24 @@ class Path_:
 
 
 def _router_proc(*, work: Path, name: str, port: int, upstream_port: int, src: Path | None) -> Proc:
-    argv = [sys.executable, "-m", "splitserve_cli", "router", "--host", HOST, "--port", str(port),
-            "--discovery", "static", "--aggregated-endpoints", f"{HOST}:{upstream_port}",
-            "--served-model-name", MODEL, "--health-interval-seconds", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "splitserve_cli",
+        "router",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--discovery",
+        "static",
+        "--aggregated-endpoints",
+        f"{HOST}:{upstream_port}",
+        "--served-model-name",
+        MODEL,
+        "--health-interval-seconds",
+        "1",
+    ]
     env = {}
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))
@@ -465,13 +506,21 @@ class Workload:
 
 def stand_in_workload() -> Workload:
     base = {"model": MODEL, "prompt": "Say hello to the router benchmark.", "temperature": 0}
-    return Workload(upstream="stand-in", plain_body={**base, "max_tokens": 6},
-                    stream_body={**base, "max_tokens": STREAM_EVENTS, "stream": True})
+    return Workload(
+        upstream="stand-in",
+        plain_body={**base, "max_tokens": 6},
+        stream_body={**base, "max_tokens": STREAM_EVENTS, "stream": True},
+    )
 
 
 def runtime_workload() -> Workload:
-    base = {"model": MODEL, "prompt": "Say hello to the router benchmark.", "temperature": 0,
-            "max_tokens": 4, "ignore_eos": True}
+    base = {
+        "model": MODEL,
+        "prompt": "Say hello to the router benchmark.",
+        "temperature": 0,
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
     return Workload(upstream="runtime", plain_body=base, stream_body={**base, "stream": True})
 
 
@@ -485,8 +534,9 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-async def run_phase(paths: Sequence[Path_], *, rate: float, seconds: float,
-                    body: dict[str, Any], stream: bool) -> dict[str, dict[str, Any]]:
+async def run_phase(
+    paths: Sequence[Path_], *, rate: float, seconds: float, body: dict[str, Any], stream: bool
+) -> dict[str, dict[str, Any]]:
     """``rate`` requests/s to each path for ``seconds``, open loop, evenly interleaved."""
     per_path = max(1, round(rate * seconds))
     total = per_path * len(paths)
@@ -522,17 +572,24 @@ async def run_phase(paths: Sequence[Path_], *, rate: float, seconds: float,
                 replies.append(reply)
         after, before = path.cpu(), cpu_before[path.name]
         row: dict[str, Any] = {
-            "requests": len(replies), "errors": sum(errors.values()), "error_kinds": dict(errors),
-            "cpu_ms_per_request": (None if after is None or before is None or not replies
-                                   else round((after - before) * 1000 / len(replies), 3)),
+            "requests": len(replies),
+            "errors": sum(errors.values()),
+            "error_kinds": dict(errors),
+            "cpu_ms_per_request": (
+                None
+                if after is None or before is None or not replies
+                else round((after - before) * 1000 / len(replies), 3)
+            ),
         }
         if replies:
             total_s = [r.ended - r.started for r in replies]
             row |= {"p50_ms": _ms(percentile(total_s, 50)), "p99_ms": _ms(percentile(total_s, 99))}
             if stream:
                 first = [r.first_event - r.started for r in replies if r.first_event is not None]
-                row |= {"first_event_p50_ms": _ms(percentile(first, 50)),
-                        "first_event_p99_ms": _ms(percentile(first, 99))}
+                row |= {
+                    "first_event_p50_ms": _ms(percentile(first, 50)),
+                    "first_event_p99_ms": _ms(percentile(first, 99)),
+                }
         results[path.name] = row
     direct = results.get("direct", {})
     for row in results.values():
@@ -542,18 +599,21 @@ async def run_phase(paths: Sequence[Path_], *, rate: float, seconds: float,
     return results
 
 
-async def with_open_streams(paths: Sequence[Path_], *, count: int, rate: float, seconds: float,
-                            body: dict[str, Any], settle_s: float) -> dict[str, dict[str, Any]]:
+async def with_open_streams(
+    paths: Sequence[Path_], *, count: int, rate: float, seconds: float, body: dict[str, Any], settle_s: float
+) -> dict[str, dict[str, Any]]:
     """:func:`run_phase` (plain) while ``count`` slow streams are open through each path."""
-    slow = {**stand_in_workload().stream_body, "max_tokens": 1_000_000,
-            "bench_chunk_interval_ms": OPEN_STREAM_INTERVAL_MS}
+    slow = {
+        **stand_in_workload().stream_body,
+        "max_tokens": 1_000_000,
+        "bench_chunk_interval_ms": OPEN_STREAM_INTERVAL_MS,
+    }
     held: list[tuple[str, asyncio.Task[Reply]]] = []
     loop = asyncio.get_running_loop()
     for path in paths:
         for _ in range(count):
             pool = Pool(path.pool.port)
-            held.append((path.name, loop.create_task(
-                pool.exchange(_request(pool.port, slow), timeout=None))))
+            held.append((path.name, loop.create_task(pool.exchange(_request(pool.port, slow), timeout=None))))
     await asyncio.sleep(settle_s)  # every stream connected through its proxy
     try:
         results = await run_phase(paths, rate=rate, seconds=seconds, body=body, stream=False)
@@ -568,8 +628,11 @@ async def with_open_streams(paths: Sequence[Path_], *, count: int, rate: float, 
 
 async def pass_through(paths: Sequence[Path_]) -> dict[str, dict[str, Any]]:
     """Streams of events ``PASS_THROUGH_INTERVAL_MS`` apart, one path at a time."""
-    body = {**stand_in_workload().stream_body, "max_tokens": PASS_THROUGH_EVENTS,
-            "bench_chunk_interval_ms": PASS_THROUGH_INTERVAL_MS}
+    body = {
+        **stand_in_workload().stream_body,
+        "max_tokens": PASS_THROUGH_EVENTS,
+        "bench_chunk_interval_ms": PASS_THROUGH_INTERVAL_MS,
+    }
     out: dict[str, dict[str, Any]] = {}
     for path in paths:
         gaps: list[float] = []
@@ -589,7 +652,8 @@ async def pass_through(paths: Sequence[Path_]) -> dict[str, dict[str, Any]]:
             # a proxy that held the stream back delivers the first event only then
             incremental &= times[0] - reply.started < (times[-1] - reply.started) / 2
         out[path.name] = {
-            "events_per_stream": events, "incremental": incremental,
+            "events_per_stream": events,
+            "incremental": incremental,
             "first_event_p50_ms": _ms(percentile(firsts, 50)) if firsts else None,
             "gap_p50_ms": _ms(percentile(gaps, 50)) if gaps else None,
             "gap_min_ms": _ms(min(gaps)) if gaps else None,
@@ -623,18 +687,34 @@ def _processes(procs: list[Proc]) -> Iterator[None]:
 
 def _upstream_proc(kind: str, *, work: Path, port: int) -> Proc:
     if kind == "stand-in":
-        return Proc(name="stand-in-pod", log_path=work / "stand-in-pod.log",
-                    argv=[sys.executable, str(Path(__file__).resolve()), "--serve-stand-in", str(port)])
+        return Proc(
+            name="stand-in-pod",
+            log_path=work / "stand-in-pod.log",
+            argv=[sys.executable, str(Path(__file__).resolve()), "--serve-stand-in", str(port)],
+        )
     from splitserve_contract import ServeArgs, serve_argv
     from splitserve_runtime.model.tiny import write_tiny_model
 
     model_dir = write_tiny_model(out_dir=work / "tiny-llama", arch="llama", seed=0)
-    args = ServeArgs(model=str(model_dir), served_model_name=MODEL, host=HOST, port=port,
-                     device="cpu", attention_backend="torch", dtype="float32", max_model_len=128,
-                     num_kv_blocks=256, block_size=16, max_num_seqs=32,
-                     max_num_batched_tokens=512)
-    return Proc(name="runtime-pod", log_path=work / "runtime-pod.log",
-                argv=[sys.executable, "-m", "splitserve_cli", "serve", *serve_argv(args)])
+    args = ServeArgs(
+        model=str(model_dir),
+        served_model_name=MODEL,
+        host=HOST,
+        port=port,
+        device="cpu",
+        attention_backend="torch",
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+    )
+    return Proc(
+        name="runtime-pod",
+        log_path=work / "runtime-pod.log",
+        argv=[sys.executable, "-m", "splitserve_cli", "serve", *serve_argv(args)],
+    )
 
 
 async def measure_upstream(kind: str, options: Options, *, nginx: str | None) -> dict[str, Any]:
@@ -649,18 +729,20 @@ async def measure_upstream(kind: str, options: Options, *, nginx: str | None) ->
             procs: list[tuple[Proc, int]] = []
             if nginx is not None:
                 port = free_port()
-                (work / "nginx.conf").write_text(
-                    nginx_conf(work=work, listen_port=port, upstream_port=upstream_port))
-                proc = Proc(name="nginx", log_path=work / "nginx.log",
-                            argv=[nginx, "-p", str(work), "-e", str(work / "error.log"),
-                                  "-c", str(work / "nginx.conf")])
+                (work / "nginx.conf").write_text(nginx_conf(work=work, listen_port=port, upstream_port=upstream_port))
+                proc = Proc(
+                    name="nginx",
+                    log_path=work / "nginx.log",
+                    argv=[nginx, "-p", str(work), "-e", str(work / "error.log"), "-c", str(work / "nginx.conf")],
+                )
                 procs.append((proc, port))
             sources: list[tuple[str, Path | None]] = [("router", None)]
             sources += [(f"router@{name}", src) for name, src in options.variants.items()]
             for name, src in sources:
                 port = free_port()
-                procs.append((_router_proc(work=work, name=name, port=port,
-                                           upstream_port=upstream_port, src=src), port))
+                procs.append(
+                    (_router_proc(work=work, name=name, port=port, upstream_port=upstream_port, src=src), port)
+                )
             with _processes([p for p, _ in procs]):
                 for proc, port in procs:
                     await _wait_ready(proc, port)
@@ -672,20 +754,22 @@ async def _measure_paths(kind: str, paths: list[Path_], options: Options) -> dic
     workload = stand_in_workload() if kind == "stand-in" else runtime_workload()
     rates = options.rates if kind == "stand-in" else options.runtime_rates
     for stream, body in ((False, workload.plain_body), (True, workload.stream_body)):
-        await run_phase(paths, rate=min(rates), seconds=options.warmup_seconds, body=body,
-                        stream=stream)
+        await run_phase(paths, rate=min(rates), seconds=options.warmup_seconds, body=body, stream=stream)
     phases = []
     for rate in rates:
         for stream, body in ((False, workload.plain_body), (True, workload.stream_body)):
-            results = await run_phase(paths, rate=rate, seconds=options.seconds, body=body,
-                                      stream=stream)
+            results = await run_phase(paths, rate=rate, seconds=options.seconds, body=body, stream=stream)
             phases.append({"rate": rate, "stream": stream, "open_streams": 0, "paths": results})
     if kind == "stand-in" and options.open_streams:
-        results = await with_open_streams(paths, count=options.open_streams, rate=min(rates),
-                                          seconds=options.seconds, body=workload.plain_body,
-                                          settle_s=options.open_streams_settle_s)
-        phases.append({"rate": min(rates), "stream": False, "open_streams": options.open_streams,
-                       "paths": results})
+        results = await with_open_streams(
+            paths,
+            count=options.open_streams,
+            rate=min(rates),
+            seconds=options.seconds,
+            body=workload.plain_body,
+            settle_s=options.open_streams_settle_s,
+        )
+        phases.append({"rate": min(rates), "stream": False, "open_streams": options.open_streams, "paths": results})
     out: dict[str, Any] = {"phases": phases}
     if kind == "stand-in":
         out["pass_through"] = await pass_through(paths)
@@ -706,8 +790,10 @@ async def run(options: Options) -> dict[str, Any]:
     _raise_open_files_limit()
     nginx = install_nginx() if options.install_nginx else nginx_binary()
     report: dict[str, Any] = {
-        "rates": options.rates, "runtime_rates": options.runtime_rates,
-        "seconds_per_phase": options.seconds, "open_streams": options.open_streams,
+        "rates": options.rates,
+        "runtime_rates": options.runtime_rates,
+        "seconds_per_phase": options.seconds,
+        "open_streams": options.open_streams,
         "nginx": nginx or NGINX_NOT_INSTALLED,
         "upstreams": {},
     }
@@ -736,11 +822,15 @@ def format_report(report: dict[str, Any]) -> str:
     """One table: per phase and path p50/p99 (and first event), added vs direct, CPU/request;
     then router÷nginx ratios of added latency and CPU."""
     lines = [f"nginx: {report['nginx']}"]
-    width = max([16] + [len(name) for data in report["upstreams"].values()
-                        for phase in data["phases"] for name in phase["paths"]])
-    header = (f"{'upstream':9} {'rate':>5} {'mode':15} {'path':{width}} {'ok':>5} {'err':>3} "
-              f"{'p50':>7} {'p99':>7} {'+p50':>7} {'+p99':>7} {'1st50':>7} {'+1st50':>7} "
-              f"{'cpu/req':>7} {'r/n+50':>6} {'r/n cpu':>7}")
+    width = max(
+        [16]
+        + [len(name) for data in report["upstreams"].values() for phase in data["phases"] for name in phase["paths"]]
+    )
+    header = (
+        f"{'upstream':9} {'rate':>5} {'mode':15} {'path':{width}} {'ok':>5} {'err':>3} "
+        f"{'p50':>7} {'p99':>7} {'+p50':>7} {'+p99':>7} {'1st50':>7} {'+1st50':>7} "
+        f"{'cpu/req':>7} {'r/n+50':>6} {'r/n cpu':>7}"
+    )
     lines += [header + "   (ms; +: added vs direct; r/n: router ÷ nginx)", "-" * len(header)]
     for kind, data in report["upstreams"].items():
         for phase in data["phases"]:
@@ -752,8 +842,10 @@ def format_report(report: dict[str, Any]) -> str:
             for name, row in paths.items():
                 ratios = ("", "")
                 if name.startswith("router") and nginx:
-                    ratios = (_ratio(row.get("added_p50_ms"), nginx.get("added_p50_ms")),
-                              _ratio(row.get("cpu_ms_per_request"), nginx.get("cpu_ms_per_request")))
+                    ratios = (
+                        _ratio(row.get("added_p50_ms"), nginx.get("added_p50_ms")),
+                        _ratio(row.get("cpu_ms_per_request"), nginx.get("cpu_ms_per_request")),
+                    )
                 lines.append(
                     f"{kind:9} {phase['rate']:5g} {mode:15} "
                     f"{name:{width}} {row['requests']:5d} {row['errors']:3d} "
@@ -762,13 +854,15 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{_fmt(row.get('first_event_p50_ms'))} {_fmt(row.get('added_first_event_p50_ms'))} "
                     f"{_fmt(row.get('cpu_ms_per_request'))} {ratios[0]:>6} {ratios[1]:>7}"
                     + (f"  ({row['open_streams']} still open)" if "open_streams" in row else "")
-                    + (f"  errors: {row['error_kinds']}" if row["errors"] else ""))
+                    + (f"  errors: {row['error_kinds']}" if row["errors"] else "")
+                )
         for name, check in data.get("pass_through", {}).items():
             lines.append(
                 f"{kind:9} pass-through {name:{width}} events={check['events_per_stream']} "
                 f"incremental={check['incremental']} first={check['first_event_p50_ms']} ms "
                 f"gap p50={check['gap_p50_ms']} ms min={check['gap_min_ms']} ms "
-                f"(pod: {PASS_THROUGH_INTERVAL_MS:g} ms)")
+                f"(pod: {PASS_THROUGH_INTERVAL_MS:g} ms)"
+            )
     return "\n".join(lines)
 
 
@@ -780,24 +874,43 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="short phases (1 s, 0.5 s warm-up), stand-in upstream only, "
-                             "at most 20 open streams")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short phases (1 s, 0.5 s warm-up), stand-in upstream only, at most 20 open streams",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--rates", type=_floats, default=[50.0, 200.0],
-                        help="requests/s per path against the stand-in pod (default 50,200)")
-    parser.add_argument("--runtime-rates", type=_floats, default=[10.0, 30.0],
-                        help="requests/s per path against the runtime pod (default 10,30)")
+    parser.add_argument(
+        "--rates",
+        type=_floats,
+        default=[50.0, 200.0],
+        help="requests/s per path against the stand-in pod (default 50,200)",
+    )
+    parser.add_argument(
+        "--runtime-rates",
+        type=_floats,
+        default=[10.0, 30.0],
+        help="requests/s per path against the runtime pod (default 10,30)",
+    )
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each phase")
-    parser.add_argument("--open-streams", type=int, default=200,
-                        help="slow streams held open through each path in one more phase (0: none)")
+    parser.add_argument(
+        "--open-streams",
+        type=int,
+        default=200,
+        help="slow streams held open through each path in one more phase (0: none)",
+    )
     parser.add_argument("--upstream", choices=("stand-in", "runtime", "both"), default="both")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
-                        help="add a router path run with DIR first on PYTHONPATH (repeatable)")
-    parser.add_argument("--install-nginx", action="store_true",
-                        help="apt-get install nginx-light when missing (root only)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="add a router path run with DIR first on PYTHONPATH (repeatable)",
+    )
+    parser.add_argument(
+        "--install-nginx", action="store_true", help="apt-get install nginx-light when missing (root only)"
+    )
     parser.add_argument("--serve-stand-in", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_stand_in:
@@ -815,13 +928,15 @@ def main(argv: list[str]) -> int:
         variants[name] = Path(directory).resolve()
     quick = args.quick
     options = Options(
-        rates=args.rates, runtime_rates=args.runtime_rates,
-        seconds=1.0 if quick else args.seconds, warmup_seconds=0.5 if quick else 1.0,
-        upstreams=(["stand-in"] if quick else
-                   ["stand-in", "runtime"] if args.upstream == "both" else [args.upstream]),
+        rates=args.rates,
+        runtime_rates=args.runtime_rates,
+        seconds=1.0 if quick else args.seconds,
+        warmup_seconds=0.5 if quick else 1.0,
+        upstreams=(["stand-in"] if quick else ["stand-in", "runtime"] if args.upstream == "both" else [args.upstream]),
         open_streams=min(args.open_streams, 20) if quick else args.open_streams,
         open_streams_settle_s=1.0 if quick else 2.0,
-        variants=variants, install_nginx=args.install_nginx,
+        variants=variants,
+        install_nginx=args.install_nginx,
     )
     report = asyncio.run(run(options))
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -42,8 +42,7 @@ def _mix(num_seqs: int, pick: Callable[[int], SamplingParams]) -> list[SamplingP
 def cases(num_seqs: int) -> dict[str, list[SamplingParams]]:
     """Each case's per-row sampling params (row i of a mix is chosen by i modulo 4)."""
     seeded = dataclasses.replace(NUCLEUS, seed=1234)
-    with_logprobs = {0: dataclasses.replace(GREEDY, logprobs=5),
-                     1: dataclasses.replace(NUCLEUS, logprobs=5)}
+    with_logprobs = {0: dataclasses.replace(GREEDY, logprobs=5), 1: dataclasses.replace(NUCLEUS, logprobs=5)}
     return {
         "greedy": _mix(num_seqs, lambda i: GREEDY),
         "sampled T0.8 top-p0.9": _mix(num_seqs, lambda i: NUCLEUS),
@@ -53,8 +52,7 @@ def cases(num_seqs: int) -> dict[str, list[SamplingParams]]:
         "temperature only T1": _mix(num_seqs, lambda i: SamplingParams(temperature=1.0)),
         "top-k 50": _mix(num_seqs, lambda i: SamplingParams(temperature=0.8, top_k=50)),
         "min-p 0.05": _mix(num_seqs, lambda i: SamplingParams(temperature=0.8, min_p=0.05)),
-        "top-k 50 + top-p 0.9": _mix(num_seqs, lambda i: SamplingParams(temperature=0.8, top_k=50,
-                                                                        top_p=0.9)),
+        "top-k 50 + top-p 0.9": _mix(num_seqs, lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.9)),
         "mixed 50/50 + logprobs 5": _mix(num_seqs, lambda i: with_logprobs[i % 2]),
     }
 
@@ -90,8 +88,9 @@ def bench(logits: torch.Tensor, *, steps: int) -> dict[str, tuple[float, float]]
     return {name: (statistics.median(v) * 1e6, min(v) * 1e6) for name, v in times.items()}
 
 
-def _stepper(sampler: Sampler, logits: torch.Tensor, request_ids: list[str],
-             params: list[SamplingParams]) -> Callable[[], object]:
+def _stepper(
+    sampler: Sampler, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+) -> Callable[[], object]:
     return lambda: sampler.sample(logits=logits, request_ids=request_ids, params=params)
 
 
@@ -101,15 +100,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--logits", choices=("null", "lm", "both"), default="both")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: stable on shared CPUs)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on shared CPUs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kinds = ("null", "lm") if args.logits == "both" else (args.logits,)
-    results = {kind: bench(make_logits(kind, num_seqs=args.seqs, vocab=args.vocab), steps=args.steps)
-               for kind in kinds}
-    print(f"sampler, {args.seqs} rows x {args.vocab} vocab, CPU, {args.threads} thread(s), "
-          f"µs per step (median / min of {args.steps} rounds); x argmax = min / argmax's min")
+    results = {kind: bench(make_logits(kind, num_seqs=args.seqs, vocab=args.vocab), steps=args.steps) for kind in kinds}
+    print(
+        f"sampler, {args.seqs} rows x {args.vocab} vocab, CPU, {args.threads} thread(s), "
+        f"µs per step (median / min of {args.steps} rounds); x argmax = min / argmax's min"
+    )
     header = "".join(f"{kind + ' median':>14}{'min':>10}{'x argmax':>10}" for kind in kinds)
     print(f"    {'case':<28}{header}")
     for name in results[kinds[0]]:

@@ -66,9 +66,14 @@ def run_ours(*, num_seqs: int, prompt_len: int, num_steps: int) -> dict[str, flo
 
     torch.set_num_threads(1)
     max_len = prompt_len + num_steps + 64
-    config = EngineConfig(max_model_len=max_len, block_size=BLOCK_SIZE,
-                          num_kv_blocks=num_seqs * (max_len // BLOCK_SIZE + 2), max_num_seqs=num_seqs,
-                          max_num_batched_tokens=MAX_BATCHED_TOKENS, async_scheduling=False)
+    config = EngineConfig(
+        max_model_len=max_len,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_seqs * (max_len // BLOCK_SIZE + 2),
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        async_scheduling=False,
+    )
     engine = build_null_engine(config=config, vocab_size=VOCAB)
     params = SamplingParams(temperature=0, max_tokens=num_steps + 32, ignore_eos=True)
     for i in range(num_seqs):
@@ -87,7 +92,7 @@ def run_ours(*, num_seqs: int, prompt_len: int, num_steps: int) -> dict[str, flo
         sched.on_step_done(out)
         outputs: list[RequestOutput] = []
         tokens = [_next_token(seq.token_ids[-1]) for seq in seqs]
-        engine._append_tokens(seqs, tokens, [None] * len(seqs), now=time.monotonic(), outputs=outputs)
+        engine._outputs.append(seqs, tokens, [None] * len(seqs), now=time.monotonic(), outputs=outputs)
         t3, w3 = time.thread_time(), time.perf_counter()
         if len(out.decodes) == num_seqs:  # a pure decode step
             decoding += 1
@@ -121,23 +126,46 @@ def run_vllm(*, num_seqs: int, prompt_len: int, num_steps: int, model_dir: str) 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=max_len)
     vllm_config = VllmConfig(
         model_config=model_config,
-        scheduler_config=SchedulerConfig(max_model_len=max_len, is_encoder_decoder=False, max_num_seqs=num_seqs,
-                                         max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_chunked_prefill=True,
-                                         async_scheduling=False),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True))
+        scheduler_config=SchedulerConfig(
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            enable_chunked_prefill=True,
+            async_scheduling=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8,
-                                                      dtype=torch.float32))])
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=BLOCK_SIZE, log_stats=False)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
+            )
+        ],
+    )
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     params = SamplingParams(temperature=0, max_tokens=num_steps + 32, ignore_eos=True)
     for i in range(num_seqs):
-        scheduler.add_request(Request(request_id=f"r{i}", prompt_token_ids=_prompt(i, prompt_len),
-                                      sampling_params=params, pooling_params=None, block_hasher=hasher))
+        scheduler.add_request(
+            Request(
+                request_id=f"r{i}",
+                prompt_token_ids=_prompt(i, prompt_len),
+                sampling_params=params,
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+        )
     cpu: dict[str, list[float]] = {"schedule": [], "update": []}
     wall: list[float] = []
     decoding = 0
@@ -153,8 +181,9 @@ def run_vllm(*, num_seqs: int, prompt_len: int, num_steps: int, model_dir: str) 
             # every token is computed samples its next one (a prefill chunk before the end does not)
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([_next_token(request.all_token_ids[-1])] if done else [])
-        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                          sampled_token_ids=sampled)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
+        )
         t2 = time.thread_time()
         engine_outputs = scheduler.update_from_output(out, runner_output)
         t3, w3 = time.thread_time(), time.perf_counter()
@@ -171,28 +200,51 @@ def run_vllm(*, num_seqs: int, prompt_len: int, num_steps: int, model_dir: str) 
 
 
 def _vllm_child(args: argparse.Namespace) -> None:
-    results = {n: run_vllm(num_seqs=n, prompt_len=args.prompt_len, num_steps=args.steps, model_dir=args.model_dir)
-               for n in _sizes(args.seqs)}
+    results = {
+        n: run_vllm(num_seqs=n, prompt_len=args.prompt_len, num_steps=args.steps, model_dir=args.model_dir)
+        for n in _sizes(args.seqs)
+    }
     print("RESULT " + json.dumps(results))
 
 
 def _run_vllm_subprocess(args: argparse.Namespace, model_dir: Path) -> tuple[dict[int, dict[str, float]] | None, str]:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR", TORCH_CPP_LOG_LEVEL="ERROR",
-               HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_LOGGING_LEVEL="ERROR",
+        TORCH_CPP_LOG_LEVEL="ERROR",
+        HF_HUB_OFFLINE="1",
+    )
     env.pop("PYTHONPATH", None)
-    cmd = [args.vllm_python, str(Path(__file__).resolve()), "--vllm-child", "--seqs", args.seqs,
-           "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--model-dir", str(model_dir)]
+    cmd = [
+        args.vllm_python,
+        str(Path(__file__).resolve()),
+        "--vllm-child",
+        "--seqs",
+        args.seqs,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--steps",
+        str(args.steps),
+        "--model-dir",
+        str(model_dir),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            raw: dict[str, dict[str, float]] = json.loads(line[len("RESULT "):])
+            raw: dict[str, dict[str, float]] = json.loads(line[len("RESULT ") :])
             return {int(k): v for k, v in raw.items()}, ""
     return None, (proc.stderr or proc.stdout).strip()[-2000:]
 
 
 def _vllm_version(python: str) -> str:
-    proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return proc.stdout.strip() or "?"
 
 
@@ -213,8 +265,10 @@ def main() -> None:
         _vllm_child(args)
         return
     if not Path(args.vllm_python).exists():
-        print(f"scheduler side by side: skipped, no vLLM environment at {args.vllm_python} "
-              "(python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm)")
+        print(
+            f"scheduler side by side: skipped, no vLLM environment at {args.vllm_python} "
+            "(python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm)"
+        )
         return
 
     from splitserve_runtime.model.tiny import write_tiny_model
@@ -223,10 +277,14 @@ def main() -> None:
         model_dir = write_tiny_model(out_dir=Path(tmp), arch="llama", seed=0)
         theirs, error = _run_vllm_subprocess(args, model_dir)
     ours = {n: run_ours(num_seqs=n, prompt_len=args.prompt_len, num_steps=args.steps) for n in _sizes(args.seqs)}
-    print(f"scheduler side by side: {args.steps} decode steps after {args.prompt_len}-token prompts, no model, "
-          f"block {BLOCK_SIZE}, prefix caching on; median µs per decode step (CPU time of the thread; wall in brackets)")
-    print(f"    {'seqs':>5}  {'ours schedule':>14}{'+ update':>10}{'= total':>9}{'inputs':>8}   "
-          f"{'vLLM ' + _vllm_version(args.vllm_python) + ' schedule':>22}{'+ update':>10}{'= total':>9}{'vLLM/ours':>11}")
+    print(
+        f"scheduler side by side: {args.steps} decode steps after {args.prompt_len}-token prompts, no model, "
+        f"block {BLOCK_SIZE}, prefix caching on; median µs per decode step (CPU time of the thread; wall in brackets)"
+    )
+    print(
+        f"    {'seqs':>5}  {'ours schedule':>14}{'+ update':>10}{'= total':>9}{'inputs':>8}   "
+        f"{'vLLM ' + _vllm_version(args.vllm_python) + ' schedule':>22}{'+ update':>10}{'= total':>9}{'vLLM/ours':>11}"
+    )
     for n in _sizes(args.seqs):
         o = ours[n]
         total = o["schedule"] + o["update"]
@@ -237,8 +295,12 @@ def main() -> None:
             t = theirs[n]
             their_total = t["schedule"] + t["update"]
             line += f"{t['schedule']:>22.0f}{t['update']:>10.0f}{their_total:>9.0f}{their_total / total:>10.1f}x"
-        print(line + f"   [wall ours {o['wall']:.0f} incl. inputs"
-              + ("" if theirs is None else f", vLLM {theirs[n]['wall']:.0f}") + "]")
+        print(
+            line
+            + f"   [wall ours {o['wall']:.0f} incl. inputs"
+            + ("" if theirs is None else f", vLLM {theirs[n]['wall']:.0f}")
+            + "]"
+        )
     if theirs is None:
         print("    vLLM could not be driven:\n" + "\n".join("      " + line for line in error.splitlines()))
 

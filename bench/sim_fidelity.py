@@ -78,16 +78,30 @@ class EngineSetup:
     prefix_caching: bool = True
 
     def serve_args(self, model_dir: Path) -> ServeArgs:
-        return ServeArgs(model=str(model_dir), device="cpu", block_size=self.block_size,
-                         num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
-                         max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                         prefix_caching=self.prefix_caching, chunked_prefill=True)
+        return ServeArgs(
+            model=str(model_dir),
+            device="cpu",
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            prefix_caching=self.prefix_caching,
+            chunked_prefill=True,
+        )
 
     def fleet(self) -> FleetConfig:
-        return FleetConfig(mode=AGGREGATED, aggregated_replicas=1, router_policy="least-load",
-                           engine=EngineSettings(max_num_seqs=self.max_num_seqs,
-                                                 max_batched_tokens=self.max_num_batched_tokens,
-                                                 block_size=self.block_size, prefix_caching=self.prefix_caching))
+        return FleetConfig(
+            mode=AGGREGATED,
+            aggregated_replicas=1,
+            router_policy="least-load",
+            engine=EngineSettings(
+                max_num_seqs=self.max_num_seqs,
+                max_batched_tokens=self.max_num_batched_tokens,
+                block_size=self.block_size,
+                prefix_caching=self.prefix_caching,
+            ),
+        )
 
 
 # ------------------------------------------------------------------ counters → step samples
@@ -97,14 +111,17 @@ def counter_sample(before: EngineStats, after: EngineStats) -> StepSample:
         steps=after.engine_steps_total - before.engine_steps_total,
         seconds=after.engine_step_seconds_total - before.engine_step_seconds_total,
         prefill_tokens=after.engine_prefill_tokens_total - before.engine_prefill_tokens_total,
-        prefill_attention_pairs=(after.engine_prefill_attention_pairs_total
-                                 - before.engine_prefill_attention_pairs_total),
+        prefill_attention_pairs=(
+            after.engine_prefill_attention_pairs_total - before.engine_prefill_attention_pairs_total
+        ),
         decode_rows=after.engine_decode_rows_total - before.engine_decode_rows_total,
-        decode_context_tokens=after.engine_decode_context_tokens_total - before.engine_decode_context_tokens_total)
+        decode_context_tokens=after.engine_decode_context_tokens_total - before.engine_decode_context_tokens_total,
+    )
 
 
-def window_samples(before: EngineStats, after: EngineStats, *, seconds: float | None = None,
-                   decode_only_seconds: float = 0.0) -> list[StepSample]:
+def window_samples(
+    before: EngineStats, after: EngineStats, *, seconds: float | None = None, decode_only_seconds: float = 0.0
+) -> list[StepSample]:
     """The window as the operator's fit takes it: the decode-only part and the rest
     (``StepSample.split``). ``seconds`` / ``decode_only_seconds``: the busy times in a virtual
     clock (:class:`StepTimer`) instead of the engine's wall-time counters."""
@@ -116,8 +133,10 @@ def window_samples(before: EngineStats, after: EngineStats, *, seconds: float | 
         decode_only_steps=after.engine_decode_only_steps_total - before.engine_decode_only_steps_total,
         decode_only_seconds=decode_only,
         decode_only_rows=after.engine_decode_only_rows_total - before.engine_decode_only_rows_total,
-        decode_only_context_tokens=(after.engine_decode_only_context_tokens_total
-                                    - before.engine_decode_only_context_tokens_total))
+        decode_only_context_tokens=(
+            after.engine_decode_only_context_tokens_total - before.engine_decode_only_context_tokens_total
+        ),
+    )
 
 
 def predicted_seconds(theta: StepCoefficients, sample: StepSample) -> float:
@@ -126,8 +145,9 @@ def predicted_seconds(theta: StepCoefficients, sample: StepSample) -> float:
 
 # ------------------------------------------------------------------ clocks
 CLOCKS = ("wall", "cpu", "model")
-MODEL_CLOCK_COEFFICIENTS = StepCoefficients(step=1.0e-3, prefill_token=1.5e-5, prefill_pair=3.0e-8,
-                                            decode_row=5.0e-5, decode_context=3.0e-7)
+MODEL_CLOCK_COEFFICIENTS = StepCoefficients(
+    step=1.0e-3, prefill_token=1.5e-5, prefill_pair=3.0e-8, decode_row=5.0e-5, decode_context=3.0e-7
+)
 """``clock="model"``: each step lasts what these say for its counted work (about the tiny Llama
 on one of this machine's cores), times seeded noise (lognormal, :data:`MODEL_CLOCK_NOISE`)."""
 MODEL_CLOCK_NOISE = 0.1
@@ -163,8 +183,12 @@ class StepTimer:
         work = counter_sample(self._stats, stats)
         self._stats = stats
         if self.clock == "model":
-            seconds = 0.0 if not work.steps else predicted_seconds(MODEL_CLOCK_COEFFICIENTS, work) * float(
-                self.rng.lognormal(-MODEL_CLOCK_NOISE**2 / 2, MODEL_CLOCK_NOISE))
+            seconds = (
+                0.0
+                if not work.steps
+                else predicted_seconds(MODEL_CLOCK_COEFFICIENTS, work)
+                * float(self.rng.lognormal(-(MODEL_CLOCK_NOISE**2) / 2, MODEL_CLOCK_NOISE))
+            )
         return outputs, seconds, bool(work.steps) and not work.prefill_tokens
 
     def resync(self) -> None:
@@ -182,8 +206,14 @@ class LoadLevel:
     output_tokens: int
 
 
-CALIBRATION_LEVELS = (LoadLevel(1, 32, 96), LoadLevel(8, 128, 32), LoadLevel(32, 32, 128),
-                      LoadLevel(4, 768, 4), LoadLevel(16, 384, 16), LoadLevel(2, 1536, 2))
+CALIBRATION_LEVELS = (
+    LoadLevel(1, 32, 96),
+    LoadLevel(8, 128, 32),
+    LoadLevel(32, 32, 128),
+    LoadLevel(4, 768, 4),
+    LoadLevel(16, 384, 16),
+    LoadLevel(2, 1536, 2),
+)
 """One long decode, a medium mix, 32 decodes, long prompts, a heavy mix, very long prompts."""
 
 
@@ -211,8 +241,9 @@ class ClosedLoopTraffic:
             _, spent, decode_only = timer.step()
             busy += spent
             busy_decode_only += spent if decode_only else 0.0
-        return window_samples(before, engine.stats(), seconds=None if clock == "wall" else busy,
-                              decode_only_seconds=busy_decode_only)
+        return window_samples(
+            before, engine.stats(), seconds=None if clock == "wall" else busy, decode_only_seconds=busy_decode_only
+        )
 
     def stop(self) -> None:
         for rid in [f"cal-{i}" for i in range(1, self.count + 1)]:
@@ -225,11 +256,13 @@ class ClosedLoopTraffic:
         self.engine.add_request(
             request_id=f"cal-{self.count}",
             prompt_token_ids=[int(t) for t in self.rng.integers(3, self.vocab_size, prompt)],
-            params=SamplingParams(temperature=0, max_tokens=output, ignore_eos=True))
+            params=SamplingParams(temperature=0, max_tokens=output, ignore_eos=True),
+        )
 
 
-def calibrate(engine: LLMEngine, *, rounds: int, window_seconds: float, seed: int = 0,
-              clock: str = "wall") -> tuple[StepCoefficients, list[StepSample]]:
+def calibrate(
+    engine: LLMEngine, *, rounds: int, window_seconds: float, seed: int = 0, clock: str = "wall"
+) -> tuple[StepCoefficients, list[StepSample]]:
     """The controller's fit (no prior) over ``rounds`` × :data:`CALIBRATION_LEVELS` windows."""
     traffic = ClosedLoopTraffic(engine, seed=seed)
     traffic.window(CALIBRATION_LEVELS[1], seconds=0.2)  # warm-up, not measured
@@ -268,15 +301,20 @@ class RealRun:
 ONLINE_WINDOW_SECONDS = 0.5
 
 
-def workload(*, rate: float, seconds: float, seed: int, prompt: str = "uniform:32:512",
-             output: str = "uniform:8:64") -> list[Request]:
-    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse(prompt),
-                        output_tokens=LengthDist.parse(output))
+def workload(
+    *, rate: float, seconds: float, seed: int, prompt: str = "uniform:32:512", output: str = "uniform:8:64"
+) -> list[Request]:
+    spec = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=rate),
+        prompt_tokens=LengthDist.parse(prompt),
+        output_tokens=LengthDist.parse(output),
+    )
     return spec.generate(duration_seconds=seconds, seed=seed)
 
 
-def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_size: int = 500,
-          clock: str = "wall") -> RealRun:
+def serve(
+    engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_size: int = 500, clock: str = "wall"
+) -> RealRun:
     """Open loop: add each request at its arrival (between steps), step until all finish.
 
     ``clock="wall"``: real time; latencies as the engine measures them, windows' busy time from
@@ -298,8 +336,14 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
     def close_window() -> None:
         after = engine.stats()
         if after.engine_steps_total > window_start.engine_steps_total:
-            windows.append(window_samples(window_start, after, seconds=window_cpu if virtual else None,
-                                          decode_only_seconds=window_cpu_decode_only))
+            windows.append(
+                window_samples(
+                    window_start,
+                    after,
+                    seconds=window_cpu if virtual else None,
+                    decode_only_seconds=window_cpu_decode_only,
+                )
+            )
 
     start = time.monotonic()
     now_v = 0.0
@@ -311,9 +355,12 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
             r = requests[index]
             rid = f"run-{seed}-{r.request_id}"
             arrival[rid] = r.arrival_seconds
-            engine.add_request(request_id=rid, prompt_token_ids=prompts[index],
-                               params=SamplingParams(temperature=0, max_tokens=r.num_output_tokens, ignore_eos=True),
-                               arrival_time_s=start + r.arrival_seconds)
+            engine.add_request(
+                request_id=rid,
+                prompt_token_ids=prompts[index],
+                params=SamplingParams(temperature=0, max_tokens=r.num_output_tokens, ignore_eos=True),
+                arrival_time_s=start + r.arrival_seconds,
+            )
             index += 1
         timer.resync()
         if now >= next_window:
@@ -351,8 +398,14 @@ def serve(engine: LLMEngine, requests: Sequence[Request], *, seed: int, vocab_si
     counters = counter_sample(first, engine.stats())
     if virtual:
         counters = dataclasses.replace(counters, seconds=sum(s.seconds for w in windows for s in w))
-    return RealRun(ttft_seconds=ttft, itl_seconds=itl, wall_seconds=wall, counters=counters, windows=windows,
-                   span_seconds=now_v if virtual else wall)
+    return RealRun(
+        ttft_seconds=ttft,
+        itl_seconds=itl,
+        wall_seconds=wall,
+        counters=counters,
+        windows=windows,
+        span_seconds=now_v if virtual else wall,
+    )
 
 
 def online_fit(windows: Sequence[Sequence[StepSample]], *, prior: StepCoefficients | None) -> StepCoefficients | None:
@@ -363,10 +416,14 @@ def online_fit(windows: Sequence[Sequence[StepSample]], *, prior: StepCoefficien
     return fit.coefficients
 
 
-def simulate_run(theta: StepCoefficients, requests: list[Request], *, setup: EngineSetup,
-                 kv_bytes_per_token: int) -> SimResult:
-    perf = CalibratedStepCost(coefficients=theta, kv_capacity_tokens=setup.num_kv_blocks * setup.block_size,
-                              kv_bytes_per_token=kv_bytes_per_token)
+def simulate_run(
+    theta: StepCoefficients, requests: list[Request], *, setup: EngineSetup, kv_bytes_per_token: int
+) -> SimResult:
+    perf = CalibratedStepCost(
+        coefficients=theta,
+        kv_capacity_tokens=setup.num_kv_blocks * setup.block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
     return simulate(fleet=setup.fleet(), perf=perf, requests=requests)
 
 
@@ -374,15 +431,21 @@ FIGURES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
 def real_figures(run: RealRun) -> dict[str, float]:
-    return {"ttft_p50": float(np.percentile(run.ttft_seconds, 50)),
-            "ttft_p99": float(np.percentile(run.ttft_seconds, 99)),
-            "itl_p50": float(np.percentile(run.itl_seconds, 50)),
-            "itl_p99": float(np.percentile(run.itl_seconds, 99))}
+    return {
+        "ttft_p50": float(np.percentile(run.ttft_seconds, 50)),
+        "ttft_p99": float(np.percentile(run.ttft_seconds, 99)),
+        "itl_p50": float(np.percentile(run.itl_seconds, 50)),
+        "itl_p99": float(np.percentile(run.itl_seconds, 99)),
+    }
 
 
 def sim_figures(result: SimResult) -> dict[str, float]:
-    return {"ttft_p50": result.ttft_percentile(50), "ttft_p99": result.ttft_percentile(99),
-            "itl_p50": result.itl_percentile(50), "itl_p99": result.itl_percentile(99)}
+    return {
+        "ttft_p50": result.ttft_percentile(50),
+        "ttft_p99": result.ttft_percentile(99),
+        "itl_p50": result.itl_percentile(50),
+        "itl_p99": result.itl_percentile(99),
+    }
 
 
 def percentage_errors(sim: dict[str, float], real: dict[str, float]) -> dict[str, float]:
@@ -417,8 +480,15 @@ class Calibration:
     closed_loop_samples: list[StepSample]
 
 
-def calibrate_on_workload(engine: LLMEngine, *, rates: Sequence[float], seconds: float, seed: int,
-                          clock: str = "wall", extra: Sequence[StepSample] = ()) -> tuple[StepCoefficients, list[StepSample]]:
+def calibrate_on_workload(
+    engine: LLMEngine,
+    *,
+    rates: Sequence[float],
+    seconds: float,
+    seed: int,
+    clock: str = "wall",
+    extra: Sequence[StepSample] = (),
+) -> tuple[StepCoefficients, list[StepSample]]:
     """The controller's fit (no prior) over the windows of one run per rate (requests of ``seed``)
     and the ``extra`` windows (the closed-loop levels, which tell prefill from decode work apart:
     one Poisson run's windows grow all features together)."""
@@ -453,8 +523,17 @@ class LevelResult:
     online: StepCoefficients
 
 
-def run_level(engine: LLMEngine, calibration: Calibration, *, rate: float, seconds: float, seed: int,
-              setup: EngineSetup, kv_bytes_per_token: int, clock: str = "wall") -> LevelResult:
+def run_level(
+    engine: LLMEngine,
+    calibration: Calibration,
+    *,
+    rate: float,
+    seconds: float,
+    seed: int,
+    setup: EngineSetup,
+    kv_bytes_per_token: int,
+    clock: str = "wall",
+) -> LevelResult:
     theta = calibration.theta
     requests = workload(rate=rate, seconds=seconds, seed=seed)
     real = serve(engine, requests, seed=seed, clock=clock)
@@ -463,20 +542,35 @@ def run_level(engine: LLMEngine, calibration: Calibration, *, rate: float, secon
     online = online_fit(real.windows, prior=theta) or theta
     counters = real.counters
     speed = counters.seconds / predicted_seconds(theta, counters)
-    models = {"calibrated": theta, "speed-tracked": theta.scaled(speed), "closed-loop": calibration.closed_loop,
-              "online": online, "2x fast": theta.scaled(0.5), "2x slow": theta.scaled(2.0)}
+    models = {
+        "calibrated": theta,
+        "speed-tracked": theta.scaled(speed),
+        "closed-loop": calibration.closed_loop,
+        "online": online,
+        "2x fast": theta.scaled(0.5),
+        "2x slow": theta.scaled(2.0),
+    }
     real_fig = real_figures(real)
-    sims = {name: simulate_run(model, requests, setup=setup, kv_bytes_per_token=kv_bytes_per_token)
-            for name, model in models.items()}
+    sims = {
+        name: simulate_run(model, requests, setup=setup, kv_bytes_per_token=kv_bytes_per_token)
+        for name, model in models.items()
+    }
     for result in sims.values():
         if result.num_unfinished:
             raise RuntimeError(f"the simulator left {result.num_unfinished} requests unfinished")
     figures = {name: sim_figures(result) for name, result in sims.items()}
     return LevelResult(
-        rate=rate, requests=len(requests), real=real_fig, sim=figures,
+        rate=rate,
+        requests=len(requests),
+        real=real_fig,
+        sim=figures,
         errors={name: percentage_errors(fig, real_fig) for name, fig in figures.items()},
-        real_wall_seconds=real.wall_seconds, sim_wall_seconds=sims["calibrated"].wall_seconds,
-        busy_fraction=counters.seconds / real.span_seconds, busy_error=speed - 1.0, online=online)
+        real_wall_seconds=real.wall_seconds,
+        sim_wall_seconds=sims["calibrated"].wall_seconds,
+        busy_fraction=counters.seconds / real.span_seconds,
+        busy_error=speed - 1.0,
+        online=online,
+    )
 
 
 def mape(levels: Sequence[LevelResult], variant: str = "calibrated") -> float:
@@ -495,21 +589,44 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return int(2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4)
 
 
-def measure(*, model_dir: Path, rates: Sequence[float], seconds: float, calibration_seconds: float,
-            calibration_rounds: int = 2, calibration_window_seconds: float = 0.3,
-            setup: EngineSetup | None = None, seed: int = 1, clock: str = "wall") -> tuple[Calibration, list[LevelResult]]:
+def measure(
+    *,
+    model_dir: Path,
+    rates: Sequence[float],
+    seconds: float,
+    calibration_seconds: float,
+    calibration_rounds: int = 2,
+    calibration_window_seconds: float = 0.3,
+    setup: EngineSetup | None = None,
+    seed: int = 1,
+    clock: str = "wall",
+) -> tuple[Calibration, list[LevelResult]]:
     """Calibrate (closed loop, then the same kind of traffic at every rate), then one level per rate."""
     setup = setup or EngineSetup()
     engine = build_engine(model_dir, setup)
-    closed_loop, closed_loop_samples = calibrate(engine, rounds=calibration_rounds,
-                                                 window_seconds=calibration_window_seconds, clock=clock)
-    theta, samples = calibrate_on_workload(engine, rates=rates, seconds=calibration_seconds, seed=seed + 1000,
-                                           clock=clock, extra=closed_loop_samples)
-    calibration = Calibration(theta=theta, samples=samples, closed_loop=closed_loop,
-                              closed_loop_samples=closed_loop_samples)
+    closed_loop, closed_loop_samples = calibrate(
+        engine, rounds=calibration_rounds, window_seconds=calibration_window_seconds, clock=clock
+    )
+    theta, samples = calibrate_on_workload(
+        engine, rates=rates, seconds=calibration_seconds, seed=seed + 1000, clock=clock, extra=closed_loop_samples
+    )
+    calibration = Calibration(
+        theta=theta, samples=samples, closed_loop=closed_loop, closed_loop_samples=closed_loop_samples
+    )
     kv_bytes = kv_bytes_per_token(engine)
-    levels = [run_level(engine, calibration, rate=rate, seconds=seconds, seed=seed + i, setup=setup,
-                        kv_bytes_per_token=kv_bytes, clock=clock) for i, rate in enumerate(rates)]
+    levels = [
+        run_level(
+            engine,
+            calibration,
+            rate=rate,
+            seconds=seconds,
+            seed=seed + i,
+            setup=setup,
+            kv_bytes_per_token=kv_bytes,
+            clock=clock,
+        )
+        for i, rate in enumerate(rates)
+    ]
     engine.close()
     return calibration, levels
 
@@ -519,24 +636,32 @@ def _coefficients(theta: StepCoefficients) -> str:
 
 
 def report(calibration: Calibration, levels: Sequence[LevelResult]) -> str:
-    lines = [f"calibrated step model ({len(calibration.samples)} counter windows, "
-             f"{sum(s.seconds for s in calibration.samples):.1f} s busy): {_coefficients(calibration.theta)}",
-             f"closed-loop fit ({len(calibration.closed_loop_samples)} windows): {_coefficients(calibration.closed_loop)}",
-             f"{'rate':>5} {'reqs':>5} {'busy':>5} {'figure':>9} {'real ms':>9} {'sim ms':>9} {'err':>6} "
-             + " ".join(f"{v:>13}" for v in VARIANTS[1:]),
-             f"{'':>33}(sim ms and err: {VARIANTS[0]}; the other columns: err of each variant)"]
+    lines = [
+        f"calibrated step model ({len(calibration.samples)} counter windows, "
+        f"{sum(s.seconds for s in calibration.samples):.1f} s busy): {_coefficients(calibration.theta)}",
+        f"closed-loop fit ({len(calibration.closed_loop_samples)} windows): {_coefficients(calibration.closed_loop)}",
+        f"{'rate':>5} {'reqs':>5} {'busy':>5} {'figure':>9} {'real ms':>9} {'sim ms':>9} {'err':>6} "
+        + " ".join(f"{v:>13}" for v in VARIANTS[1:]),
+        f"{'':>33}(sim ms and err: {VARIANTS[0]}; the other columns: err of each variant)",
+    ]
     for level in levels:
         for name in FIGURES:
-            lines.append(f"{level.rate:5.0f} {level.requests:5d} {level.busy_fraction:5.0%} {name:>9} "
-                         f"{1000 * level.real[name]:9.2f} {1000 * level.sim[VARIANTS[0]][name]:9.2f} "
-                         f"{level.errors[VARIANTS[0]][name]:6.1%} "
-                         + " ".join(f"{level.errors[v][name]:13.1%}" for v in VARIANTS[1:]))
-        lines.append(f"      real run {level.real_wall_seconds:.2f} s wall, simulator "
-                     f"{level.sim_wall_seconds * 1000:.1f} ms wall "
-                     f"({level.real_wall_seconds / max(level.sim_wall_seconds, 1e-9):.0f}x faster); the run's busy "
-                     f"time vs the calibrated model's {level.busy_error:+.1%}; online fit: {_coefficients(level.online)}")
-    lines.append(f"MAPE (median over {len(FIGURES)} figures x {len(levels)} levels, target <= 10%): "
-                 + ", ".join(f"{v} {mape(levels, v):.1%}" for v in VARIANTS))
+            lines.append(
+                f"{level.rate:5.0f} {level.requests:5d} {level.busy_fraction:5.0%} {name:>9} "
+                f"{1000 * level.real[name]:9.2f} {1000 * level.sim[VARIANTS[0]][name]:9.2f} "
+                f"{level.errors[VARIANTS[0]][name]:6.1%} "
+                + " ".join(f"{level.errors[v][name]:13.1%}" for v in VARIANTS[1:])
+            )
+        lines.append(
+            f"      real run {level.real_wall_seconds:.2f} s wall, simulator "
+            f"{level.sim_wall_seconds * 1000:.1f} ms wall "
+            f"({level.real_wall_seconds / max(level.sim_wall_seconds, 1e-9):.0f}x faster); the run's busy "
+            f"time vs the calibrated model's {level.busy_error:+.1%}; online fit: {_coefficients(level.online)}"
+        )
+    lines.append(
+        f"MAPE (median over {len(FIGURES)} figures x {len(levels)} levels, target <= 10%): "
+        + ", ".join(f"{v} {mape(levels, v):.1%}" for v in VARIANTS)
+    )
     return "\n".join(lines)
 
 
@@ -544,13 +669,18 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="arrival span of each load level")
     parser.add_argument("--rates", default="8,20,40", help="requests per second, one level each")
-    parser.add_argument("--calibration-seconds", type=float, default=6.0,
-                        help="arrival span of the calibration run at each rate")
+    parser.add_argument(
+        "--calibration-seconds", type=float, default=6.0, help="arrival span of the calibration run at each rate"
+    )
     parser.add_argument("--closed-loop-rounds", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None, help="default: a fresh tiny Llama")
-    parser.add_argument("--clock", choices=CLOCKS, default="wall",
-                        help="cpu: a virtual clock of the engine thread's CPU time (other tenants mostly excluded); "
-                             "model: steps last what a fixed step model says for their counted work (no machine noise)")
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="cpu: a virtual clock of the engine thread's CPU time (other tenants mostly excluded); "
+        "model: steps last what a fixed step model says for their counted work (no machine noise)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -561,17 +691,30 @@ def main(argv: list[str]) -> int:
             from splitserve_runtime.model.tiny import write_tiny_model
 
             model_dir = write_tiny_model(out_dir=Path(tmp) / "tiny-llama", arch="llama", seed=0)
-        calibration, levels = measure(model_dir=model_dir, rates=rates, seconds=args.seconds,
-                                      calibration_seconds=args.calibration_seconds,
-                                      calibration_rounds=args.closed_loop_rounds, clock=args.clock)
+        calibration, levels = measure(
+            model_dir=model_dir,
+            rates=rates,
+            seconds=args.seconds,
+            calibration_seconds=args.calibration_seconds,
+            calibration_rounds=args.closed_loop_rounds,
+            clock=args.clock,
+        )
     print(report(calibration, levels))
     if args.json is not None:
-        args.json.write_text(json.dumps({
-            "coefficients": dataclasses.asdict(calibration.theta),
-            "closedLoopCoefficients": dataclasses.asdict(calibration.closed_loop),
-            "levels": [dataclasses.asdict(level) for level in levels],
-            "clock": args.clock, "mape": {v: mape(levels, v) for v in VARIANTS}}, indent=2) + "\n",
-            encoding="utf-8")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "coefficients": dataclasses.asdict(calibration.theta),
+                    "closedLoopCoefficients": dataclasses.asdict(calibration.closed_loop),
+                    "levels": [dataclasses.asdict(level) for level in levels],
+                    "clock": args.clock,
+                    "mape": {v: mape(levels, v) for v in VARIANTS},
+                },
+                indent=2,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
     return 0
 
 

@@ -34,21 +34,28 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     name, config = load_model(name_or_path="llama-3.1-8b")
     perf = roofline_model(name=name, config=config, gpu=get_gpu("H200"), tensor_parallel=1, dtype="bfloat16")
-    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=args.rate),
-                        prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
-                        output_tokens=LengthDist.parse("lognormal:256:0.8"),
-                        prefix_share=0.5, prefix_tokens=512)
+    spec = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=args.rate),
+        prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
+        output_tokens=LengthDist.parse("lognormal:256:0.8"),
+        prefix_share=0.5,
+        prefix_tokens=512,
+    )
     t0 = time.perf_counter()
     requests = spec.generate(duration_seconds=args.seconds, seed=0)
     print(f"workload: {len(requests)} requests over {args.seconds:.0f} s generated in {time.perf_counter() - t0:.2f} s")
     options = SimOptions(warmup_seconds=60, macro_steps=not args.no_macro_steps)
-    for fleet in (FleetConfig(mode=DISAGGREGATED, prefill_replicas=3, decode_replicas=6),
-                  FleetConfig(mode=AGGREGATED, aggregated_replicas=8)):
+    for fleet in (
+        FleetConfig(mode=DISAGGREGATED, prefill_replicas=3, decode_replicas=6),
+        FleetConfig(mode=AGGREGATED, aggregated_replicas=8),
+    ):
         result = simulate(fleet=fleet, perf=perf, requests=requests, options=options)
         s = result.summary()
-        print(f"{fleet.mode:>14}: {result.sim_seconds:.0f} sim-s in {result.wall_seconds:.1f} wall-s = "
-              f"{result.sim_seconds / result.wall_seconds:.0f} sim-s/wall-s, {result.num_events / result.wall_seconds:,.0f} events/s "
-              f"({result.num_events:,} events); TTFT p99 {s['ttft_p99_ms']:.0f} ms, ITL p99 {s['itl_p99_ms']:.1f} ms")
+        print(
+            f"{fleet.mode:>14}: {result.sim_seconds:.0f} sim-s in {result.wall_seconds:.1f} wall-s = "
+            f"{result.sim_seconds / result.wall_seconds:.0f} sim-s/wall-s, {result.num_events / result.wall_seconds:,.0f} events/s "
+            f"({result.num_events:,} events); TTFT p99 {s['ttft_p99_ms']:.0f} ms, ITL p99 {s['itl_p99_ms']:.1f} ms"
+        )
     return 0
 
 

@@ -1,6 +1,6 @@
 """SLO autoscaling vs target tracking, in the fleet simulator: attainment and GPU-hours per trace.
 
-Three seeded traces (:mod:`splitserve_planner.slo_traces`: steady Poisson, a diurnal ramp, a
+Three seeded traces (:mod:`splitserve_bench.slo_traces`: steady Poisson, a diurnal ramp, a
 bursty 2-state MMPP whose prompts double mid-trace) run through the simulator under
 
 (a) target tracking with the spec's default targets,
@@ -48,7 +48,7 @@ import argparse
 import time
 from dataclasses import replace
 
-from splitserve_planner.slo_compare import (
+from splitserve_bench.slo_compare import (
     CI_SCENARIO,
     POLICIES,
     TUNING_FLOORS,
@@ -66,20 +66,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ci", action="store_true", help="CI size: 900 s traces (about a minute on one core)")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--headrooms", default="",
-                        help="comma-separated headrooms in (0, 1]: adds the SLO controller at each (slo@H)")
+    parser.add_argument(
+        "--headrooms", default="", help="comma-separated headrooms in (0, 1]: adds the SLO controller at each (slo@H)"
+    )
     parser.add_argument("--traces", default=None, help="comma-separated subset of steady,diurnal,bursty-shift")
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--seeds", default="",
-                        help="comma-separated seeds: the table of each, then a summary over them")
-    parser.add_argument("--prefill-overflow-tokens", type=int, default=0,
-                        help="the router's prefillOverflowTokens for every policy (default 0: no overflow)")
-    parser.add_argument("--observation-lag", type=float, default=0.0,
-                        help="seconds: the SLO rounds read the load of the window ending this long ago "
-                             "(the operator's Prometheus view is staler than the simulator's; default 0)")
-    parser.add_argument("--tune-seed", type=int, default=None,
-                        help="search the tuned settings on this seed's trace and score them on --seed's "
-                             "(default: on the scored trace itself, with hindsight)")
+    parser.add_argument(
+        "--seeds", default="", help="comma-separated seeds: the table of each, then a summary over them"
+    )
+    parser.add_argument(
+        "--prefill-overflow-tokens",
+        type=int,
+        default=0,
+        help="the router's prefillOverflowTokens for every policy (default 0: no overflow)",
+    )
+    parser.add_argument(
+        "--observation-lag",
+        type=float,
+        default=0.0,
+        help="seconds: the SLO rounds read the load of the window ending this long ago "
+        "(the operator's Prometheus view is staler than the simulator's; default 0)",
+    )
+    parser.add_argument(
+        "--tune-seed",
+        type=int,
+        default=None,
+        help="search the tuned settings on this seed's trace and score them on --seed's "
+        "(default: on the scored trace itself, with hindsight)",
+    )
     args = parser.parse_args()
     scenario = CI_SCENARIO if args.ci else Scenario()
     if args.traces:
@@ -102,12 +116,16 @@ def main() -> None:
         by_seed[seed] = compare(at_seed, policies=tuple(policies))
         print(format_table(by_seed[seed], scenario=at_seed) + "\n")
     if len(seeds) > 1:
-        print(f"Over seeds {', '.join(map(str, seeds))}: GPU-hours where the policy meets "
-              f"{scenario.slo.attainment:.0%}, else attainment and GPU-hours\n")
+        print(
+            f"Over seeds {', '.join(map(str, seeds))}: GPU-hours where the policy meets "
+            f"{scenario.slo.attainment:.0%}, else attainment and GPU-hours\n"
+        )
         print(format_seed_summary(by_seed, scenario=scenario))
-    print(f"\n(b) tuned: best of {len(TUNING_GRID)} target settings per trace, tuned-floor: of "
-          f"{len(TUNING_GRID) * len(TUNING_FLOORS)} (x min replicas {TUNING_FLOORS}); "
-          f"{time.perf_counter() - started:.0f} s wall")
+    print(
+        f"\n(b) tuned: best of {len(TUNING_GRID)} target settings per trace, tuned-floor: of "
+        f"{len(TUNING_GRID) * len(TUNING_FLOORS)} (x min replicas {TUNING_FLOORS}); "
+        f"{time.perf_counter() - started:.0f} s wall"
+    )
 
 
 if __name__ == "__main__":

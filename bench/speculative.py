@@ -88,8 +88,7 @@ REPETITIVE = (
     '"env": {"MODE": "production", "LOG_LEVEL": "info"}}',
     "Rename the variable x to count in this code and return the whole code:\n\n"
     "x = 0\nfor line in open('data.txt'):\n    if line.strip():\n        x += 1\nprint(x)",
-    "Sort these names alphabetically, one per line: Zoe, Adam, Maria, Chen, Olivia, Ben, "
-    "Fatima, Liam, Grace, Noah",
+    "Sort these names alphabetically, one per line: Zoe, Adam, Maria, Chen, Olivia, Ben, Fatima, Liam, Grace, Noah",
     "Correct the spelling mistakes and return the full sentence: Teh quick brown fox jumpd over "
     "the lazy dog becuase it was in a hury to get home befor dark.",
     "Add a docstring to this function and return the whole function:\n\n"
@@ -174,15 +173,20 @@ class Run:
         forwards = sum(self.forwards)
         decode_tokens = sum(max(len(t) - 1, 0) for t in self.tokens)
         return {
-            "requests": len(self.tokens), "decode_tokens": self.decode_tokens,
-            "decode_seconds": self.decode_seconds, "cpu_seconds": self.cpu_seconds,
+            "requests": len(self.tokens),
+            "decode_tokens": self.decode_tokens,
+            "decode_seconds": self.decode_seconds,
+            "cpu_seconds": self.cpu_seconds,
             "tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
             "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else 0.0,
-            "itl_p50_ms": 1e3 * _percentile(gaps, 50), "itl_p90_ms": 1e3 * _percentile(gaps, 90),
+            "itl_p50_ms": 1e3 * _percentile(gaps, 50),
+            "itl_p90_ms": 1e3 * _percentile(gaps, 90),
             "itl_p99_ms": 1e3 * _percentile(gaps, 99),
             "tokens_per_forward": decode_tokens / forwards if forwards else 0.0,
-            "forwards": forwards, "verifications": self.verifications,
-            "proposed": self.proposed, "accepted": self.accepted,
+            "forwards": forwards,
+            "verifications": self.verifications,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "proposed_by_position": self.proposed_by_position,
             "accepted_by_position": self.accepted_by_position,
@@ -197,6 +201,7 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
 
 def fit_acceptance(tokens_per_forward: float, num_tokens: int) -> float:
     """The ``a`` in [0, 1] with ``(1 - a^(k+1)) / (1 - a) = tokens_per_forward`` (bisection)."""
+
     def expected(a: float) -> float:
         return float(num_tokens + 1) if a >= 1.0 else (1 - a ** (num_tokens + 1)) / (1 - a)
 
@@ -212,7 +217,7 @@ def fit_acceptance(tokens_per_forward: float, num_tokens: int) -> float:
 
 
 class VerifyCounter:
-    """Counts every verification the engine makes (its ``_verify``, wrapped): the stats expose
+    """Counts every verification the engine makes (its ``speculation.verify``, wrapped): the stats expose
     accepted tokens by position but not how many verifications proposed that many."""
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -220,10 +225,9 @@ class VerifyCounter:
         self.verifications = 0
         self.proposed_by_position = [0] * k
         self.accepted_by_position = [0] * k
-        original = engine._verify
+        original = engine.speculation.verify
 
-        def verify(sample_seqs: list[EngineSequence], token_ids: list[int],
-                   logprobs: list[Any]) -> list[Any]:
+        def verify(sample_seqs: list[EngineSequence], token_ids: list[int], logprobs: list[Any]) -> list[Any]:
             proposals: list[tuple[EngineSequence, int]] = []
             row = 0
             while row < len(sample_seqs):  # rows: 1 + len(proposals) per sequence
@@ -240,15 +244,14 @@ class VerifyCounter:
                         self.accepted_by_position[i] += 1
             return emitted
 
-        engine._verify = verify  # type: ignore[method-assign]
+        engine.speculation.verify = verify  # type: ignore[method-assign]
 
 
 @contextmanager
 def _counting(engine: LLMEngine, counter: VerifyCounter | None, run: Run) -> Iterator[None]:
     before = engine.stats()
     if counter is not None:
-        v0, p0, a0 = (counter.verifications, list(counter.proposed_by_position),
-                      list(counter.accepted_by_position))
+        v0, p0, a0 = (counter.verifications, list(counter.proposed_by_position), list(counter.accepted_by_position))
     yield
     after = engine.stats()
     run.proposed += after.spec_decode_proposed_tokens_total - before.spec_decode_proposed_tokens_total
@@ -261,8 +264,9 @@ def _counting(engine: LLMEngine, counter: VerifyCounter | None, run: Run) -> Ite
         run.accepted_by_position = [x + y for x, y in zip(run.accepted_by_position or [0] * len(a), a, strict=True)]
 
 
-def run_group(engine: LLMEngine, prompts: list[list[int]], *, new_tokens: int, tag: str,
-              run: Run, counter: VerifyCounter | None) -> None:
+def run_group(
+    engine: LLMEngine, prompts: list[list[int]], *, new_tokens: int, tag: str, run: Run, counter: VerifyCounter | None
+) -> None:
     """``prompts`` as concurrent requests; the decode phase (after every first token) is timed."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -298,14 +302,15 @@ def groups_for(prompts: list[list[int]], *, batch: int, batch1_prompts: int) -> 
         return [[p] for p in prompts[:batch1_prompts]]
     if batch > len(prompts):
         return [[prompts[i % len(prompts)] for i in range(batch)]]
-    return [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    return [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
 
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
     """``text`` as a user turn in the model's chat template (plain text without a template)."""
     if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         return [int(t) for t in tokenizer.encode(rendered, add_special_tokens=False)]
     return [int(t) for t in tokenizer.encode(text)]
 
@@ -323,13 +328,23 @@ def applies(setting: Setting, batch: int) -> bool:
     return setting.max_num_seqs == DEFAULT_LIMIT or setting.max_num_seqs == batch
 
 
-def build_engine(model: Path, setting: Setting, *, max_batch: int, max_tokens_per_seq: int,
-                 block_size: int = 16) -> LLMEngine:
+def build_engine(
+    model: Path, setting: Setting, *, max_batch: int, max_tokens_per_seq: int, block_size: int = 16
+) -> LLMEngine:
     blocks = max_batch * (max_tokens_per_seq // block_size + 2) + 16
-    args = ServeArgs(model=str(model), device="cpu", dtype="float32", attention_backend="torch",
-                     block_size=block_size, num_kv_blocks=blocks, max_model_len=max_tokens_per_seq + 64,
-                     max_num_seqs=max(max_batch, 1), speculative_method=setting.method,
-                     num_speculative_tokens=setting.num_tokens, speculative_max_num_seqs=setting.max_num_seqs)
+    args = ServeArgs(
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        block_size=block_size,
+        num_kv_blocks=blocks,
+        max_model_len=max_tokens_per_seq + 64,
+        max_num_seqs=max(max_batch, 1),
+        speculative_method=setting.method,
+        num_speculative_tokens=setting.num_tokens,
+        speculative_max_num_seqs=setting.max_num_seqs,
+    )
     return LLMEngine.from_args(args)
 
 
@@ -346,8 +361,10 @@ class Bench:
     def run(self) -> dict[str, Any]:
         settings = settings_for(ks=self.ks, batches=self.batches)
         probe = build_engine(self.model, settings[0], max_batch=1, max_tokens_per_seq=64)
-        prompt_sets = {name: [chat_prompt(probe.tokenizer, t) for t in texts[:self.prompts_per_set]]
-                       for name, texts in PROMPT_SETS.items()}
+        prompt_sets = {
+            name: [chat_prompt(probe.tokenizer, t) for t in texts[: self.prompts_per_set]]
+            for name, texts in PROMPT_SETS.items()
+        }
         del probe
         longest = max(len(p) for ps in prompt_sets.values() for p in ps)
         per_seq = longest + self.new_tokens + max(self.ks) + 16
@@ -356,8 +373,7 @@ class Bench:
             engine = build_engine(self.model, s, max_batch=max(self.batches), max_tokens_per_seq=per_seq)
             engines[s] = (engine, VerifyCounter(engine) if s.enabled else None)
             warm = Run()  # first calls allocate; keep them out of the measurement
-            run_group(engine, prompt_sets["open-ended"][:2], new_tokens=8, tag="warmup", run=warm,
-                      counter=None)
+            run_group(engine, prompt_sets["open-ended"][:2], new_tokens=8, tag="warmup", run=warm, counter=None)
         runs: list[dict[str, Any]] = []
         mismatches: list[str] = []
         for set_name, prompts in prompt_sets.items():
@@ -370,11 +386,23 @@ class Bench:
                     engine, counter = engines[s]
                     run = Run()
                     for g, group in enumerate(groups):
-                        run_group(engine, group, new_tokens=self.new_tokens,
-                                  tag=f"{set_name}-b{batch}-g{g}", run=run, counter=counter)
-                    row = {"set": set_name, "batch": batch, "setting": s.label, "method": s.method,
-                           "num_tokens": s.num_tokens if s.enabled else 0,
-                           "max_num_seqs": s.max_num_seqs, **run.summary()}
+                        run_group(
+                            engine,
+                            group,
+                            new_tokens=self.new_tokens,
+                            tag=f"{set_name}-b{batch}-g{g}",
+                            run=run,
+                            counter=counter,
+                        )
+                    row = {
+                        "set": set_name,
+                        "batch": batch,
+                        "setting": s.label,
+                        "method": s.method,
+                        "num_tokens": s.num_tokens if s.enabled else 0,
+                        "max_num_seqs": s.max_num_seqs,
+                        **run.summary(),
+                    }
                     if reference is None:
                         reference = run
                     else:
@@ -382,46 +410,66 @@ class Bench:
                         row["identical"] = sum(same)
                         for i, ok in enumerate(same):
                             if not ok:
-                                mismatches.append(_describe_mismatch(set_name, batch, s.label, i,
-                                                                     run.tokens[i], reference.tokens[i]))
+                                mismatches.append(
+                                    _describe_mismatch(set_name, batch, s.label, i, run.tokens[i], reference.tokens[i])
+                                )
                     runs.append(row)
                     self.log(_row_line(row))
-        return {"runs": runs, "mismatches": mismatches,
-                "acceptance": acceptance_rows(runs, ks=self.ks, batches=self.batches,
-                                              set_sizes={k: len(v) for k, v in prompt_sets.items()}),
-                "prompt_tokens": {k: [len(p) for p in v] for k, v in prompt_sets.items()}}
+        return {
+            "runs": runs,
+            "mismatches": mismatches,
+            "acceptance": acceptance_rows(
+                runs, ks=self.ks, batches=self.batches, set_sizes={k: len(v) for k, v in prompt_sets.items()}
+            ),
+            "prompt_tokens": {k: [len(p) for p in v] for k, v in prompt_sets.items()},
+        }
 
 
-def _describe_mismatch(set_name: str, batch: int, label: str, index: int, got: list[int],
-                       want: list[int]) -> str:
+def _describe_mismatch(set_name: str, batch: int, label: str, index: int, got: list[int], want: list[int]) -> str:
     first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    return (f"{set_name} batch {batch} {label}: request {index} differs from off at output token {first} "
-            f"({got[first:first + 4]} vs {want[first:first + 4]}; lengths {len(got)} vs {len(want)})")
+    return (
+        f"{set_name} batch {batch} {label}: request {index} differs from off at output token {first} "
+        f"({got[first : first + 4]} vs {want[first : first + 4]}; lengths {len(got)} vs {len(want)})"
+    )
 
 
 def _row_line(row: dict[str, Any]) -> str:
-    return (f"  {row['set']:<11} b={row['batch']:<3} {row['setting']:<17} "
-            f"{row['tokens_per_s']:7.1f} tok/s  ITL mean {row['itl_mean_ms']:6.1f} ms  "
-            f"accept {row['acceptance_rate']:.2f}  tok/fwd {row['tokens_per_forward']:.2f}")
+    return (
+        f"  {row['set']:<11} b={row['batch']:<3} {row['setting']:<17} "
+        f"{row['tokens_per_s']:7.1f} tok/s  ITL mean {row['itl_mean_ms']:6.1f} ms  "
+        f"accept {row['acceptance_rate']:.2f}  tok/fwd {row['tokens_per_forward']:.2f}"
+    )
 
 
-def acceptance_rows(runs: list[dict[str, Any]], *, ks: list[int], batches: list[int],
-                    set_sizes: dict[str, int]) -> list[dict[str, Any]]:
+def acceptance_rows(
+    runs: list[dict[str, Any]], *, ks: list[int], batches: list[int], set_sizes: dict[str, int]
+) -> list[dict[str, Any]]:
     """Per set and k: the run at the largest batch <= the default limit covering every prompt."""
     rows: list[dict[str, Any]] = []
     for set_name, size in set_sizes.items():
         eligible = [b for b in batches if b <= min(DEFAULT_LIMIT, size) and b > 1] or [min(batches)]
         batch = max(eligible)
         for k in ks:
-            run = next(r for r in runs if r["set"] == set_name and r["batch"] == batch
-                       and r["setting"] == f"ngram k={k}")
+            run = next(
+                r for r in runs if r["set"] == set_name and r["batch"] == batch and r["setting"] == f"ngram k={k}"
+            )
             verifications = run["verifications"]
-            by_position = [a / p if p else 0.0
-                           for a, p in zip(run["accepted_by_position"], run["proposed_by_position"], strict=True)]
-            rows.append({"set": set_name, "k": k, "batch": batch, "acceptance_rate": run["acceptance_rate"],
-                         "accepted_by_position": by_position, "tokens_per_forward": run["tokens_per_forward"],
-                         "forwards_with_proposals": verifications / run["forwards"] if run["forwards"] else 0.0,
-                         "a_fit": fit_acceptance(run["tokens_per_forward"], k)})
+            by_position = [
+                a / p if p else 0.0
+                for a, p in zip(run["accepted_by_position"], run["proposed_by_position"], strict=True)
+            ]
+            rows.append(
+                {
+                    "set": set_name,
+                    "k": k,
+                    "batch": batch,
+                    "acceptance_rate": run["acceptance_rate"],
+                    "accepted_by_position": by_position,
+                    "tokens_per_forward": run["tokens_per_forward"],
+                    "forwards_with_proposals": verifications / run["forwards"] if run["forwards"] else 0.0,
+                    "a_fit": fit_acceptance(run["tokens_per_forward"], k),
+                }
+            )
     return rows
 
 
@@ -432,10 +480,17 @@ def ratio_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if row["method"] == "none":
             continue
         off = next(r for r in runs if r["set"] == row["set"] and r["batch"] == row["batch"] and r["method"] == "none")
-        out.append({**row, "off_tokens_per_s": off["tokens_per_s"], "off_itl_mean_ms": off["itl_mean_ms"],
-                    "off_itl_p50_ms": off["itl_p50_ms"], "off_itl_p90_ms": off["itl_p90_ms"],
-                    "speedup": row["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0.0,
-                    "cpu_speedup": off["cpu_seconds"] / row["cpu_seconds"] if row["cpu_seconds"] else 0.0})
+        out.append(
+            {
+                **row,
+                "off_tokens_per_s": off["tokens_per_s"],
+                "off_itl_mean_ms": off["itl_mean_ms"],
+                "off_itl_p50_ms": off["itl_p50_ms"],
+                "off_itl_p90_ms": off["itl_p90_ms"],
+                "speedup": row["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0.0,
+                "cpu_speedup": off["cpu_seconds"] / row["cpu_seconds"] if row["cpu_seconds"] else 0.0,
+            }
+        )
     return out
 
 
@@ -458,26 +513,34 @@ def crossover(ratios: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_tables(report: dict[str, Any]) -> None:
     print("\nacceptance (greedy; tokens/forward = decode tokens per target forward per sequence)")
-    head = (f"{'set':<11} {'k':>2} {'batch':>5} {'accepted/proposed':>18} {'by position':<28} "
-            f"{'tok/forward':>11} {'fwd w/ proposals':>16} {'a_fit':>6}")
+    head = (
+        f"{'set':<11} {'k':>2} {'batch':>5} {'accepted/proposed':>18} {'by position':<28} "
+        f"{'tok/forward':>11} {'fwd w/ proposals':>16} {'a_fit':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in report["acceptance"]:
         positions = " ".join(f"{p:.2f}" for p in r["accepted_by_position"])
-        print(f"{r['set']:<11} {r['k']:>2} {r['batch']:>5} {r['acceptance_rate']:>18.2f} {positions:<28} "
-              f"{r['tokens_per_forward']:>11.2f} {r['forwards_with_proposals']:>16.0%} {r['a_fit']:>6.2f}")
+        print(
+            f"{r['set']:<11} {r['k']:>2} {r['batch']:>5} {r['acceptance_rate']:>18.2f} {positions:<28} "
+            f"{r['tokens_per_forward']:>11.2f} {r['forwards_with_proposals']:>16.0%} {r['a_fit']:>6.2f}"
+        )
     print("\nlatency (decode phase; ITL = per-token gap, ms; ratio = spec tok/s / off tok/s)")
-    head = (f"{'set':<11} {'batch':>5} {'setting':<17} {'off mean/p50/p90':>18} {'spec mean/p50/p90':>18} "
-            f"{'off tok/s':>9} {'spec tok/s':>10} {'ratio':>6} {'CPU ratio':>9} {'same':>6}")
+    head = (
+        f"{'set':<11} {'batch':>5} {'setting':<17} {'off mean/p50/p90':>18} {'spec mean/p50/p90':>18} "
+        f"{'off tok/s':>9} {'spec tok/s':>10} {'ratio':>6} {'CPU ratio':>9} {'same':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in report["ratios"]:
         off = f"{r['off_itl_mean_ms']:.0f}/{r['off_itl_p50_ms']:.0f}/{r['off_itl_p90_ms']:.0f}"
         spec = f"{r['itl_mean_ms']:.0f}/{r['itl_p50_ms']:.0f}/{r['itl_p90_ms']:.0f}"
         same = f"{r.get('identical', 0)}/{r['requests']}"
-        print(f"{r['set']:<11} {r['batch']:>5} {r['setting']:<17} {off:>18} {spec:>18} "
-              f"{r['off_tokens_per_s']:>9.1f} {r['tokens_per_s']:>10.1f} {r['speedup']:>6.2f} "
-              f"{r['cpu_speedup']:>9.2f} {same:>6}")
+        print(
+            f"{r['set']:<11} {r['batch']:>5} {r['setting']:<17} {off:>18} {spec:>18} "
+            f"{r['off_tokens_per_s']:>9.1f} {r['tokens_per_s']:>10.1f} {r['speedup']:>6.2f} "
+            f"{r['cpu_speedup']:>9.2f} {same:>6}"
+        )
     print("\ncrossover (speculating in every step vs off, decode tokens/s):")
     for key, entry in report["crossover"].items():
         wins = f"wins up to batch {entry['wins_up_to']}" if entry["wins_up_to"] else "never wins"
@@ -492,8 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="4,2", help="--num-speculative-tokens values")
     parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 96; smoke 12)")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts run alone at batch 1")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: one core, steady while others load the machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: one core, steady while others load the machine)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="default out/speculative.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -514,18 +581,34 @@ def main(argv: list[str] | None = None) -> int:
 
             model = hf_dir()
             model_name = "SmolLM2-135M-Instruct fp32 (HF dir from the Q4_1 GGUF)"
-        print(f"{model_name}, torch backend, {args.threads} threads, batches {batches}, k {ks}, "
-              f"{new_tokens} new tokens, greedy")
-        bench = Bench(model=model, batches=batches, ks=ks, new_tokens=new_tokens,
-                      batch1_prompts=args.batch1_prompts, prompts_per_set=4 if args.smoke else 16)
+        print(
+            f"{model_name}, torch backend, {args.threads} threads, batches {batches}, k {ks}, "
+            f"{new_tokens} new tokens, greedy"
+        )
+        bench = Bench(
+            model=model,
+            batches=batches,
+            ks=ks,
+            new_tokens=new_tokens,
+            batch1_prompts=args.batch1_prompts,
+            prompts_per_set=4 if args.smoke else 16,
+        )
         report = bench.run()
     report["ratios"] = ratio_rows(report["runs"])
     report["crossover"] = crossover(report["ratios"])
-    report["config"] = {"model": model_name, "threads": args.threads, "batches": batches, "ks": ks,
-                        "new_tokens": new_tokens, "batch1_prompts": args.batch1_prompts,
-                        "default_max_num_seqs": DEFAULT_LIMIT, "smoke": args.smoke,
-                        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                        "seconds": time.perf_counter() - started}
+    report["config"] = {
+        "model": model_name,
+        "threads": args.threads,
+        "batches": batches,
+        "ks": ks,
+        "new_tokens": new_tokens,
+        "batch1_prompts": args.batch1_prompts,
+        "default_max_num_seqs": DEFAULT_LIMIT,
+        "smoke": args.smoke,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "seconds": time.perf_counter() - started,
+    }
     print_tables(report)
     print(f"\n{report['config']['seconds']:.0f} s; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,9 +72,9 @@ import torch.distributed as dist
 from splitserve_contract import ServeArgs
 from splitserve_contract.model_config import load_model_config
 from splitserve_runtime.engine.llm_engine import LLMEngine
-from splitserve_runtime.engine.model_runner import DecodeRow, PrefillRow, StepRows
 from splitserve_runtime.engine.parallel.pipeline import MICRO_BATCHES_PER_STAGE, split_rows
 from splitserve_runtime.engine.sampling_params import SamplingParams
+from splitserve_runtime.engine.step_inputs import DecodeRow, PrefillRow, StepRows
 
 TP_SIZES = (1, 2)
 """The tensor-parallel sizes the collective micro-benchmark is about."""
@@ -150,10 +150,19 @@ def layout_key(tp: int, pp: int) -> str:
 def serve_args(model_dir: Path, *, plan: Plan, tp: int, pp: int = 1) -> ServeArgs:
     max_len = max(plan.prefill_tokens, plan.decode_prompt + plan.decode_tokens) + 16
     per_seq = -(-max_len // 16) + 1
-    return ServeArgs(model=str(model_dir), device="cpu", dtype="float32", block_size=16,
-                     num_kv_blocks=(plan.decode_seqs + 1) * per_seq + 8, max_model_len=max_len,
-                     max_num_seqs=max(plan.decode_seqs, 1), max_num_batched_tokens=max_len,
-                     prefix_caching=False, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    return ServeArgs(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=(plan.decode_seqs + 1) * per_seq + 8,
+        max_model_len=max_len,
+        max_num_seqs=max(plan.decode_seqs, 1),
+        max_num_batched_tokens=max_len,
+        prefix_caching=False,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    )
 
 
 def time_engines(runs: list[EngineRun], *, plan: Plan, seed: int) -> None:
@@ -161,10 +170,13 @@ def time_engines(runs: list[EngineRun], *, plan: Plan, seed: int) -> None:
     shared machine falls on all alike; every engine gets the same prompts."""
     gen = torch.Generator().manual_seed(seed)
     vocab = runs[0].engine.vocab_size
-    decode_prompts = [torch.randint(0, vocab, (plan.decode_prompt,), generator=gen).tolist()
-                      for _ in range(plan.decode_seqs)]
-    prefill_prompts = [torch.randint(0, vocab, (plan.prefill_tokens,), generator=gen).tolist()
-                       for _ in range(1 + plan.rounds * plan.prefill_reps)]
+    decode_prompts = [
+        torch.randint(0, vocab, (plan.decode_prompt,), generator=gen).tolist() for _ in range(plan.decode_seqs)
+    ]
+    prefill_prompts = [
+        torch.randint(0, vocab, (plan.prefill_tokens,), generator=gen).tolist()
+        for _ in range(1 + plan.rounds * plan.prefill_reps)
+    ]
     params = SamplingParams(temperature=0, max_tokens=plan.decode_tokens, ignore_eos=True)
     for run in runs:
         run.use_threads()
@@ -207,8 +219,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _collective_rank(rank: int, port: int, shapes: dict[str, tuple[str, list[int]]], iters: int,
-                     out_path: str) -> None:
+def _collective_rank(rank: int, port: int, shapes: dict[str, tuple[str, list[int]]], iters: int, out_path: str) -> None:
     """One of two processes: seconds of each call of each ``(op, shape)``; rank 0 writes them."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -223,6 +234,7 @@ def _collective_rank(rank: int, port: int, shapes: dict[str, tuple[str, list[int
                     dist.all_reduce(tensor)
                 else:
                     dist.all_gather(parts, tensor)
+
             for _ in range(max(3, iters // 10)):
                 call()
             dist.barrier()
@@ -244,8 +256,10 @@ def time_collectives(shapes: dict[str, tuple[str, list[int]]], *, iters: int) ->
         out_path = Path(tmp) / "collectives.json"
         context = multiprocessing.get_context("spawn")
         port = _free_port()
-        ranks = [context.Process(target=_collective_rank, args=(rank, port, shapes, iters, str(out_path)))
-                 for rank in range(2)]
+        ranks = [
+            context.Process(target=_collective_rank, args=(rank, port, shapes, iters, str(out_path)))
+            for rank in range(2)
+        ]
         for process in ranks:
             process.start()
         for process in ranks:
@@ -260,7 +274,7 @@ def time_collectives(shapes: dict[str, tuple[str, list[int]]], *, iters: int) ->
 def best_mean(calls: list[float], rounds: int) -> float:
     """The lowest mean over ``rounds`` consecutive runs of calls: the steps' "best round"."""
     size = max(1, len(calls) // rounds)
-    return min(statistics.mean(calls[i:i + size]) for i in range(0, len(calls) - size + 1, size))
+    return min(statistics.mean(calls[i : i + size]) for i in range(0, len(calls) - size + 1, size))
 
 
 def collective_costs(model_dir: Path, *, plan: Plan) -> dict[str, dict[str, Any]]:
@@ -279,11 +293,16 @@ def collective_costs(model_dir: Path, *, plan: Plan) -> dict[str, dict[str, Any]
         reduces, gathers = seconds[f"{kind}.all_reduce"], seconds[f"{kind}.all_gather"]
         reduce_s, gather_s = best_mean(reduces, plan.rounds), best_mean(gathers, plan.rounds)
         num_reduces = 2 * layers + 1
-        costs[kind] = {"all_reduce_shape": [tokens, hidden], "all_reduces": num_reduces,
-                       "all_reduce_us": reduce_s * 1e6, "all_reduce_median_us": statistics.median(reduces) * 1e6,
-                       "all_gather_shape": [sampled, vocab_rows], "all_gather_us": gather_s * 1e6,
-                       "all_gather_median_us": statistics.median(gathers) * 1e6,
-                       "total_s": num_reduces * reduce_s + gather_s}
+        costs[kind] = {
+            "all_reduce_shape": [tokens, hidden],
+            "all_reduces": num_reduces,
+            "all_reduce_us": reduce_s * 1e6,
+            "all_reduce_median_us": statistics.median(reduces) * 1e6,
+            "all_gather_shape": [sampled, vocab_rows],
+            "all_gather_us": gather_s * 1e6,
+            "all_gather_median_us": statistics.median(gathers) * 1e6,
+            "total_s": num_reduces * reduce_s + gather_s,
+        }
     return costs
 
 
@@ -294,11 +313,18 @@ def pipeline_costs(model_dir: Path, *, plan: Plan, tp: int, stages: int) -> dict
     config = load_model_config(model_dir=model_dir)
     hidden, vocab = config.hidden_size, config.vocab_size
     steps = {
-        "decode": StepRows(prefills=[], sample_prefill=[],
-                           decodes=[DecodeRow(token_id=0, position=plan.decode_prompt, block_table=[0])
-                                    for _ in range(plan.decode_seqs)]),
-        "prefill": StepRows(prefills=[PrefillRow(token_ids=[0] * plan.prefill_tokens, start_position=0,
-                                                 block_table=[0])], sample_prefill=[1], decodes=[]),
+        "decode": StepRows(
+            prefills=[],
+            sample_prefill=[],
+            decodes=[
+                DecodeRow(token_id=0, position=plan.decode_prompt, block_table=[0]) for _ in range(plan.decode_seqs)
+            ],
+        ),
+        "prefill": StepRows(
+            prefills=[PrefillRow(token_ids=[0] * plan.prefill_tokens, start_position=0, block_table=[0])],
+            sample_prefill=[1],
+            decodes=[],
+        ),
     }
     costs: dict[str, dict[str, Any]] = {}
     for kind, rows in steps.items():
@@ -307,9 +333,15 @@ def pipeline_costs(model_dir: Path, *, plan: Plan, tp: int, stages: int) -> dict
         sampled = sum(rows.sample_prefill) + len(rows.decodes)
         per_link = 2 * tokens * hidden * 4  # [2 (hidden, residual), tokens, hidden] fp32
         links = (stages - 1) * tp  # each tensor rank of a stage sends to its peer in the next
-        costs[kind] = {"stages": stages, "micro_batches": micro, "bubble": (stages - 1) / (micro + stages - 1),
-                       "activation_bytes_per_link": per_link, "links": links,
-                       "activation_bytes": per_link * links, "logits_bytes_to_rank0": sampled * vocab * 4}
+        costs[kind] = {
+            "stages": stages,
+            "micro_batches": micro,
+            "bubble": (stages - 1) / (micro + stages - 1),
+            "activation_bytes_per_link": per_link,
+            "links": links,
+            "activation_bytes": per_link * links,
+            "logits_bytes_to_rank0": sampled * vocab * 4,
+        }
     return costs
 
 
@@ -345,46 +377,73 @@ def bench_model(name: str, model_dir: Path, *, plan: Plan) -> dict[str, Any]:
             run.engine.close()
     costs = collective_costs(model_dir, plan=plan)
     by_key = {layout_key(run.tp, run.pp): run for run in runs}
-    pipelines = {key: pipeline_costs(model_dir, plan=plan, tp=run.tp, stages=run.pp)
-                 for key, run in by_key.items() if run.pp > 1}
+    pipelines = {
+        key: pipeline_costs(model_dir, plan=plan, tp=run.tp, stages=run.pp) for key, run in by_key.items() if run.pp > 1
+    }
     base, split = by_key["tp1"], by_key["tp2"]
     decodes = [f"d{i}" for i in range(plan.decode_seqs)]
     same = {key: sum(base.greedy[r] == run.greedy[r] for r in decodes) for key, run in by_key.items() if key != "tp1"}
     rows: dict[str, Any] = {}
     for kind, tokens in (("decode", plan.decode_seqs), ("prefill", plan.prefill_tokens)):
         s1, s2 = base.best(kind), split.best(kind)
-        row: dict[str, Any] = {"tokens_per_step": tokens, "tp1_ms": s1 * 1e3, "tp2_ms": s2 * 1e3,
-                               "tp1_tok_s": tokens / s1, "tp2_tok_s": tokens / s2, "tp2_over_tp1": s2 / s1,
-                               "collective_ms": costs[kind]["total_s"] * 1e3,
-                               "collective_share_of_tp2_step": costs[kind]["total_s"] / s2,
-                               "tp1_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(base, kind)],
-                               "tp2_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(split, kind)],
-                               "collectives": costs[kind]}
+        row: dict[str, Any] = {
+            "tokens_per_step": tokens,
+            "tp1_ms": s1 * 1e3,
+            "tp2_ms": s2 * 1e3,
+            "tp1_tok_s": tokens / s1,
+            "tp2_tok_s": tokens / s2,
+            "tp2_over_tp1": s2 / s1,
+            "collective_ms": costs[kind]["total_s"] * 1e3,
+            "collective_share_of_tp2_step": costs[kind]["total_s"] / s2,
+            "tp1_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(base, kind)],
+            "tp2_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(split, kind)],
+            "collectives": costs[kind],
+        }
         for key, run in by_key.items():
             if run.pp > 1:
                 sp = run.best(kind)
-                row.update({f"{key}_ms": sp * 1e3, f"{key}_tok_s": tokens / sp, f"{key}_over_tp1": sp / s1,
-                            f"{key}_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(run, kind)],
-                            f"{key}_pipeline": pipelines[key][kind]})
+                row.update(
+                    {
+                        f"{key}_ms": sp * 1e3,
+                        f"{key}_tok_s": tokens / sp,
+                        f"{key}_over_tp1": sp / s1,
+                        f"{key}_round_means_ms": [statistics.mean(r) * 1e3 for r in getattr(run, kind)],
+                        f"{key}_pipeline": pipelines[key][kind],
+                    }
+                )
         rows[kind] = row
-    return {"model": name, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-            "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
-            "vocab_size": config.vocab_size, "layouts": list(by_key), "same_greedy": same["tp2"],
-            "same_greedy_vs_tp1": same, "decode_seqs": plan.decode_seqs, "steps": rows}
+    return {
+        "model": name,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "vocab_size": config.vocab_size,
+        "layouts": list(by_key),
+        "same_greedy": same["tp2"],
+        "same_greedy_vs_tp1": same,
+        "decode_seqs": plan.decode_seqs,
+        "steps": rows,
+    }
 
 
 def print_report(results: list[dict[str, Any]], *, plan: Plan) -> None:
     cores = os.cpu_count() or 1
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     keys = [key for key, _, _ in LAYOUTS]
-    print(f"\nCPU, fp32, {cores} cores (load average {load} at the end): TP1 one process x {cores} threads; "
-          f"TP2, PP2 two ranks x {max(1, cores // 2)} thread(s); TP2xPP2 four ranks x {max(1, cores // 4)}; gloo")
-    print(f"decode = {plan.decode_seqs} seqs x 1 token; prefill = one {plan.prefill_tokens}-token prompt; "
-          f"ms = mean step time, best of {plan.rounds} interleaved rounds (TP1, TP2, PP2[, TP2xPP2], TP1, ...) "
-          f"of {plan.decode_steps} decode / {plan.prefill_reps} prefill steps")
+    print(
+        f"\nCPU, fp32, {cores} cores (load average {load} at the end): TP1 one process x {cores} threads; "
+        f"TP2, PP2 two ranks x {max(1, cores // 2)} thread(s); TP2xPP2 four ranks x {max(1, cores // 4)}; gloo"
+    )
+    print(
+        f"decode = {plan.decode_seqs} seqs x 1 token; prefill = one {plan.prefill_tokens}-token prompt; "
+        f"ms = mean step time, best of {plan.rounds} interleaved rounds (TP1, TP2, PP2[, TP2xPP2], TP1, ...) "
+        f"of {plan.decode_steps} decode / {plan.prefill_reps} prefill steps"
+    )
     print(f"TP2xPP2 (4 processes on {cores} cores) is run for the tiny model only: it is slow; '-' = not run")
     header = "".join(f"{LAYOUT_LABELS[k] + ' ms':>12}" for k in keys) + "".join(
-        f"{LAYOUT_LABELS[k] + ' tok/s':>15}" for k in keys)
+        f"{LAYOUT_LABELS[k] + ' tok/s':>15}" for k in keys
+    )
     print(f"{'model':<9}{'step':<9}{header}")
     for result in results:
         for kind, row in result["steps"].items():
@@ -392,39 +451,50 @@ def print_report(results: list[dict[str, Any]], *, plan: Plan) -> None:
             cells += "".join(f"{row[k + '_tok_s']:>15.0f}" if k + "_tok_s" in row else f"{'-':>15}" for k in keys)
             print(f"{result['model']:<9}{kind:<9}{cells}")
     print("\nwhat each split adds (TP2: collectives; PP2: pipeline, analytic):")
-    print(f"{'model':<9}{'step':<9}{'TP2/TP1':>9}{'coll. ms':>10}{'coll. %TP2':>12}{'PP2/TP1':>9}"
-          f"{'micro-b.':>10}{'bubble':>8}{'act. KiB':>10}{'TP2xPP2/TP1':>13}")
+    print(
+        f"{'model':<9}{'step':<9}{'TP2/TP1':>9}{'coll. ms':>10}{'coll. %TP2':>12}{'PP2/TP1':>9}"
+        f"{'micro-b.':>10}{'bubble':>8}{'act. KiB':>10}{'TP2xPP2/TP1':>13}"
+    )
     for result in results:
         for kind, row in result["steps"].items():
             pipe = row["pp2_pipeline"]
             four = f"{row['tp2pp2_over_tp1']:>13.2f}" if "tp2pp2_over_tp1" in row else f"{'-':>13}"
-            print(f"{result['model']:<9}{kind:<9}{row['tp2_over_tp1']:>9.2f}{row['collective_ms']:>10.2f}"
-                  f"{100 * row['collective_share_of_tp2_step']:>11.1f}%{row['pp2_over_tp1']:>9.2f}"
-                  f"{pipe['micro_batches']:>10}{100 * pipe['bubble']:>7.0f}%"
-                  f"{pipe['activation_bytes'] / 1024:>10.1f}{four}")
+            print(
+                f"{result['model']:<9}{kind:<9}{row['tp2_over_tp1']:>9.2f}{row['collective_ms']:>10.2f}"
+                f"{100 * row['collective_share_of_tp2_step']:>11.1f}%{row['pp2_over_tp1']:>9.2f}"
+                f"{pipe['micro_batches']:>10}{100 * pipe['bubble']:>7.0f}%"
+                f"{pipe['activation_bytes'] / 1024:>10.1f}{four}"
+            )
     print("coll. = collectives of one TP=2 step, NOT measured in the engine: a standalone 2-process gloo")
     print("        micro-benchmark times each call on the step's exact shapes, then")
     print("        coll. ms = (2 x layers + 1) x all_reduce[tokens, hidden] + 1 x all_gather[sampled, vocab/2];")
     print("        coll. %TP2 = coll. ms / measured TP2 step ms (excludes waiting for the slower rank and")
-    print("        the broadcast of the step's rows); per call: mean of the best of "
-          f"{plan.rounds} runs of {plan.collective_iters // plan.rounds} calls (median of all):")
+    print(
+        "        the broadcast of the step's rows); per call: mean of the best of "
+        f"{plan.rounds} runs of {plan.collective_iters // plan.rounds} calls (median of all):"
+    )
     for result in results:
         parts = []
         for kind, row in result["steps"].items():
             c = row["collectives"]
-            parts.append(f"{kind} {c['all_reduces']} x all_reduce{c['all_reduce_shape']} "
-                         f"{c['all_reduce_us']:.0f} ({c['all_reduce_median_us']:.0f}) µs + "
-                         f"all_gather{c['all_gather_shape']} {c['all_gather_us']:.0f} "
-                         f"({c['all_gather_median_us']:.0f}) µs")
+            parts.append(
+                f"{kind} {c['all_reduces']} x all_reduce{c['all_reduce_shape']} "
+                f"{c['all_reduce_us']:.0f} ({c['all_reduce_median_us']:.0f}) µs + "
+                f"all_gather{c['all_gather_shape']} {c['all_gather_us']:.0f} "
+                f"({c['all_gather_median_us']:.0f}) µs"
+            )
         print(f"  {result['model']}: {'; '.join(parts)}")
     print("PP2 columns are ANALYTIC, nothing is timed: micro-b. = M, the micro-batches the runtime cuts the step")
-    print(f"        into (its split_rows, at most {MICRO_BATCHES_PER_STAGE} per stage); bubble = (S - 1) / (M + S - 1), "
-          "S = 2 stages;")
+    print(
+        f"        into (its split_rows, at most {MICRO_BATCHES_PER_STAGE} per stage); bubble = (S - 1) / (M + S - 1), "
+        "S = 2 stages;"
+    )
     print("        act. KiB = bytes sent stage 0 -> 1 per step = 2 x tokens x hidden x 4 (hidden + residual, fp32);")
     print("        TP2xPP2 sends that over each of its 2 links; the logits sent to rank 0 are not counted (JSON)")
     for result in results:
-        same = ", ".join(f"{LAYOUT_LABELS[k]} {n}/{result['decode_seqs']}"
-                         for k, n in result["same_greedy_vs_tp1"].items())
+        same = ", ".join(
+            f"{LAYOUT_LABELS[k]} {n}/{result['decode_seqs']}" for k, n in result["same_greedy_vs_tp1"].items()
+        )
         print(f"  {result['model']}: sequences with greedy decode tokens identical to TP1's: {same}")
 
 
@@ -442,10 +512,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     names = ["tiny"] if args.smoke else [n.strip() for n in args.models.split(",") if n.strip()]
-    plan = Plan(decode_seqs=args.decode_seqs, decode_prompt=args.decode_prompt,
-                decode_steps=3 if args.smoke else args.decode_steps, prefill_tokens=args.prefill_tokens,
-                prefill_reps=1 if args.smoke else args.prefill_reps, rounds=2 if args.smoke else args.rounds,
-                collective_iters=60 if args.smoke else args.collective_iters)
+    plan = Plan(
+        decode_seqs=args.decode_seqs,
+        decode_prompt=args.decode_prompt,
+        decode_steps=3 if args.smoke else args.decode_steps,
+        prefill_tokens=args.prefill_tokens,
+        prefill_reps=1 if args.smoke else args.prefill_reps,
+        rounds=2 if args.smoke else args.rounds,
+        collective_iters=60 if args.smoke else args.collective_iters,
+    )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         dirs = model_dirs(names, Path(tmp))
@@ -456,12 +531,20 @@ def main() -> int:
     for path in [args.json, Path(os.environ["OUT"]) / "tensor_parallel.json" if os.environ.get("OUT") else None]:
         if path is not None:
             path.write_text(json.dumps(report, indent=2))
-    failures = [f"{r['model']} {kind}: non-positive time" for r in results for kind, row in r["steps"].items()
-                if not (all(row[f"{key}_ms"] > 0 for key in r["layouts"]) and row["collective_ms"] > 0)]
+    failures = [
+        f"{r['model']} {kind}: non-positive time"
+        for r in results
+        for kind, row in r["steps"].items()
+        if not (all(row[f"{key}_ms"] > 0 for key in r["layouts"]) and row["collective_ms"] > 0)
+    ]
     if args.smoke:  # the tiny model's greedy tokens do not depend on the split
-        failures += [f"{r['model']}: {LAYOUT_LABELS[key]} greedy tokens differ from TP1's on "
-                     f"{r['decode_seqs'] - same} sequence(s)"
-                     for r in results for key, same in r["same_greedy_vs_tp1"].items() if same != r["decode_seqs"]]
+        failures += [
+            f"{r['model']}: {LAYOUT_LABELS[key]} greedy tokens differ from TP1's on "
+            f"{r['decode_seqs'] - same} sequence(s)"
+            for r in results
+            for key, same in r["same_greedy_vs_tp1"].items()
+            if same != r["decode_seqs"]
+        ]
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

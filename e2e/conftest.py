@@ -57,10 +57,14 @@ _USE_UP_CLUSTER = "__up__"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--existing-cluster", nargs="?", const=_USE_UP_CLUSTER, default=None,
+        "--existing-cluster",
+        nargs="?",
+        const=_USE_UP_CLUSTER,
+        default=None,
         metavar="KUBECONFIG",
         help="run e2e tests against a running cluster: the given kubeconfig, else "
-             f"${ENV_EXISTING_KUBECONFIG}, else the one `python -m splitserve_e2e up` started")
+        f"${ENV_EXISTING_KUBECONFIG}, else the one `python -m splitserve_e2e up` started",
+    )
 
 
 def _existing(config: pytest.Config) -> LocalCluster | None:
@@ -84,15 +88,17 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     # not pytest's tmp_path: other pytest sessions on the machine prune those while we run
     missing = kubeletnode.missing_prerequisites()
     if missing:
-        pytest.fail(f"the e2e cluster's kubelet node needs {', '.join(missing)} "
-                    "(`make deps` installs the packages; run as root)", pytrace=False)
+        pytest.fail(
+            f"the e2e cluster's kubelet node needs {', '.join(missing)} "
+            "(`make deps` installs the packages; run as root)",
+            pytrace=False,
+        )
     runs = cache_root() / "e2e-runs"
     runs.mkdir(parents=True, exist_ok=True)
     _prune_kept_runs(runs)
     # short: the kubelet's unix sockets live below it
     state_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%m%d%H%M%S-"), dir=runs))
-    local = LocalCluster(state_dir=state_dir,
-                         options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
+    local = LocalCluster(state_dir=state_dir, options=ClusterOptions(num_gpu_nodes=2, scrape_interval_seconds=1.0))
     failures_before = request.session.testsfailed
     try:
         local.start()
@@ -130,8 +136,9 @@ def local_hub(cluster: LocalCluster) -> Iterator[LocalHub]:
     kubelet node's bridge gateway); its request log says what was downloaded."""
     model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
     root = Path(tempfile.mkdtemp(prefix="e2e-hub-", dir=cache_root()))
-    hub, _ = start_model_hub(model_dir=model_dir, root=root, token=HUB_TOKEN,
-                             host=cluster.pod_gateway or LOOPBACK, port=0)
+    hub, _ = start_model_hub(
+        model_dir=model_dir, root=root, token=HUB_TOKEN, host=cluster.pod_gateway or LOOPBACK, port=0
+    )
     try:
         yield hub
     finally:
@@ -149,8 +156,11 @@ def model_hub(local_hub: LocalHub) -> ModelHub:
 def _prune_kept_runs(runs: Path, *, keep: int = 5) -> None:
     """State dirs of failed sessions are kept for their logs; keep only the newest few that
     are not running (a running cluster has cluster.json)."""
-    stopped = sorted((d for d in runs.iterdir() if d.is_dir() and not (d / "cluster.json").exists()),
-                     key=lambda d: d.stat().st_mtime, reverse=True)
+    stopped = sorted(
+        (d for d in runs.iterdir() if d.is_dir() and not (d / "cluster.json").exists()),
+        key=lambda d: d.stat().st_mtime,
+        reverse=True,
+    )
     for old in stopped[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 

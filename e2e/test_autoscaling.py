@@ -68,8 +68,7 @@ class Timeline:
 
 
 def _parse_time(text: str) -> float:
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(
-        tzinfo=datetime.UTC).timestamp()
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
 def _history(isvc: dict[str, Any], *, pool: str) -> list[dict[str, Any]]:
@@ -88,8 +87,7 @@ def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The module's namespace with the operator installed by Helm, reading Prometheus."""
     if not cluster.prometheus_url:
         pytest.fail("the autoscaling e2e tests need the cluster's Prometheus")
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="e2e-autoscaling") as name:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="e2e-autoscaling") as name:
         yield name
 
 
@@ -117,8 +115,9 @@ async def _run_burst(cluster: LocalCluster, ns: str, name: str, endpoint: str) -
     await task
     timeline.high_window = (start, time.time())
     # A trickle the minimum pool handles: the autoscaler scales down while it runs.
-    low = timeline.low = LoadBurst(base_url=base_url, concurrency=2, duration_seconds=180,
-                                   prompt_words=20, max_tokens=16)
+    low = timeline.low = LoadBurst(
+        base_url=base_url, concurrency=2, duration_seconds=180, prompt_words=20, max_tokens=16
+    )
     low_start = time.time()
     task = asyncio.create_task(low.run())
     while time.time() - low_start < 180 and not task.done():
@@ -138,10 +137,18 @@ async def _run_burst(cluster: LocalCluster, ns: str, name: str, endpoint: str) -
 def burst(cluster: LocalCluster, ns: str, model_hub: ModelHub) -> Iterator[Timeline]:
     """An Aggregated InferenceService under a burst then a trickle (see the module doc)."""
     name = "burst"
-    apply(cluster=cluster, obj=isvc_manifest(
-        name=name, namespace=ns, mode="Aggregated", hub=model_hub,
-        interval=f"{INTERVAL_SECONDS}s", max_replicas=3,
-        scale_down_stabilization_seconds=DOWN_STABILIZATION_SECONDS))
+    apply(
+        cluster=cluster,
+        obj=isvc_manifest(
+            name=name,
+            namespace=ns,
+            mode="Aggregated",
+            hub=model_hub,
+            interval=f"{INTERVAL_SECONDS}s",
+            max_replicas=3,
+            scale_down_stabilization_seconds=DOWN_STABILIZATION_SECONDS,
+        ),
+    )
     wait_ready(cluster=cluster, namespace=ns, name=name, timeout_seconds=240)
     endpoint = router_endpoints(cluster=cluster, namespace=ns, name=name)[0]
     timeline = asyncio.run(_run_burst(cluster, ns, name, endpoint))
@@ -180,36 +187,47 @@ def test_burst_end_scales_down_after_the_stabilization_window(burst: Timeline) -
 def test_scale_down_during_load_loses_no_request(burst: Timeline) -> None:
     assert burst.low is not None
     low_start, low_end = burst.low_window
-    downs = [e for e in _history(burst.isvc, pool=AGG) if e["reason"] == "ScaledDown"
-             and low_start - 1 <= _parse_time(e["time"]) <= low_end]
+    downs = [
+        e
+        for e in _history(burst.isvc, pool=AGG)
+        if e["reason"] == "ScaledDown" and low_start - 1 <= _parse_time(e["time"]) <= low_end
+    ]
     assert downs, f"no scale-down while the trickle ran: {_history(burst.isvc, pool=AGG)}"
     assert burst.low.ok >= 5, f"too few requests to mean anything: {burst.low.ok}"
     assert burst.low.failed == 0, burst.low.errors()[:5]
 
 
 # --------------------------------------------------------------------------- prefill
-def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str,
-                                          model_hub: ModelHub) -> None:
+def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str, model_hub: ModelHub) -> None:
     name = "prefill"
-    manifest = isvc_manifest(name=name, namespace=ns, mode="Disaggregated", hub=model_hub,
-                             interval=f"{INTERVAL_SECONDS}s", max_replicas=2,
-                             prefill_target_queue_depth=1.0, decode_target_queue_depth=1000.0,
-                             decode_target_kv=1.0)
+    manifest = isvc_manifest(
+        name=name,
+        namespace=ns,
+        mode="Disaggregated",
+        hub=model_hub,
+        interval=f"{INTERVAL_SECONDS}s",
+        max_replicas=2,
+        prefill_target_queue_depth=1.0,
+        decode_target_queue_depth=1000.0,
+        decode_target_kv=1.0,
+    )
     manifest["spec"]["decode"]["replicas"] = {"min": 1, "max": 2}
     apply(cluster=cluster, obj=manifest)
     try:
         wait_ready(cluster=cluster, namespace=ns, name=name, timeout_seconds=240)
         endpoint = router_endpoints(cluster=cluster, namespace=ns, name=name)[0]
         # long prompts (~400 tokens of the 1024 context), one token each: the work is prefill
-        load = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=16, duration_seconds=60,
-                         prompt_words=150, max_tokens=1)
+        load = LoadBurst(
+            base_url=f"http://{endpoint}/v1", concurrency=16, duration_seconds=60, prompt_words=150, max_tokens=1
+        )
 
         async def drive() -> dict[str, PoolSample]:
             task = asyncio.create_task(load.run())
             pools: dict[str, PoolSample] = {}
             while not task.done():
-                pools = await asyncio.to_thread(sample_pools, cluster=cluster, namespace=ns,
-                                                name=name, roles=(PREFILL, DECODE))
+                pools = await asyncio.to_thread(
+                    sample_pools, cluster=cluster, namespace=ns, name=name, roles=(PREFILL, DECODE)
+                )
                 if pools[PREFILL].desired > 1:
                     break
                 await asyncio.sleep(2)
@@ -227,30 +245,52 @@ def test_prefill_scales_on_its_own_signal(cluster: LocalCluster, ns: str,
         # are waiting"), which is the runtime's to fix and test, not the autoscaler's
         assert load.ok > 0, load.errors()[:5]
     finally:
-        cluster.kubectl("delete", f"{contract.PLURAL}.{contract.API_GROUP}", name, "-n", ns,
-                        "--timeout=60s", check=False, timeout_seconds=90)
+        cluster.kubectl(
+            "delete",
+            f"{contract.PLURAL}.{contract.API_GROUP}",
+            name,
+            "-n",
+            ns,
+            "--timeout=60s",
+            check=False,
+            timeout_seconds=90,
+        )
 
 
 # --------------------------------------------------------------------------- outage (last)
 def _set_prometheus_url(cluster: LocalCluster, ns: str, url: str) -> None:
-    cluster.helm("upgrade", RELEASE, str(CHART),
-                 "-n", ns, "--reuse-values", "--skip-crds", "--set-string", f"prometheus.url={url}")
+    cluster.helm(
+        "upgrade",
+        RELEASE,
+        str(CHART),
+        "-n",
+        ns,
+        "--reuse-values",
+        "--skip-crds",
+        "--set-string",
+        f"prometheus.url={url}",
+    )
 
     def rolled() -> bool:
-        pods: list[Any] = cluster.core().list_namespaced_pod(
-            ns, label_selector="app.kubernetes.io/component=operator").items
+        pods: list[Any] = (
+            cluster.core().list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=operator").items
+        )
         running = [p for p in pods if not p.metadata.deletion_timestamp]
-        return bool(pods) and len(pods) == len(running) == 1 and any(
-            f"--prometheus-url={url}" in (p.spec.containers[0].args or []) for p in running) and all(
-            any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-            for p in running)
+        return (
+            bool(pods)
+            and len(pods) == len(running) == 1
+            and any(f"--prometheus-url={url}" in (p.spec.containers[0].args or []) for p in running)
+            and all(any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []) for p in running)
+        )
 
-    cluster.wait_for(rolled, timeout_seconds=120, interval_seconds=1.0,
-                     what=f"the operator restarted with --prometheus-url={url}")
+    cluster.wait_for(
+        rolled, timeout_seconds=120, interval_seconds=1.0, what=f"the operator restarted with --prometheus-url={url}"
+    )
 
 
 def test_metrics_outage_sets_metrics_unhealthy_and_holds_replicas(
-        cluster: LocalCluster, ns: str, burst: Timeline) -> None:
+    cluster: LocalCluster, ns: str, burst: Timeline
+) -> None:
     name = "burst"
     assert cluster.prometheus_url
     deployment = child_name(name, AGG)
@@ -258,22 +298,27 @@ def test_metrics_outage_sets_metrics_unhealthy_and_holds_replicas(
     before, generation_before = current.spec.replicas, current.metadata.generation
     _set_prometheus_url(cluster, ns, DEAD_PROMETHEUS)
     try:
+
         def unhealthy() -> dict[str, Any] | None:
             found = condition(get_isvc(cluster=cluster, namespace=ns, name=name), "MetricsHealthy")
             return found if found and found["status"] == "False" else None
 
-        metrics_healthy = cluster.wait_for(unhealthy, timeout_seconds=90, interval_seconds=1.0,
-                                           what="MetricsHealthy=False")
+        metrics_healthy = cluster.wait_for(
+            unhealthy, timeout_seconds=90, interval_seconds=1.0, what="MetricsHealthy=False"
+        )
         assert metrics_healthy["reason"] == "QueryFailed", metrics_healthy
         # load that would scale the pool up, while the autoscaler is blind
         endpoint = router_endpoints(cluster=cluster, namespace=ns, name=name)[0]
-        load = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=24,
-                         duration_seconds=4 * INTERVAL_SECONDS)
+        load = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=24, duration_seconds=4 * INTERVAL_SECONDS)
         asyncio.run(load.run())
         # the load was real: Prometheus saw the queue the operator could not read
-        waiting = prometheus_query(url=cluster.prometheus_url, promql=(
-            f'max_over_time(sum({contract.Metric.REQUESTS_WAITING}{{namespace="{ns}",'
-            f'inferenceservice="{name}"}})[1m:])'))
+        waiting = prometheus_query(
+            url=cluster.prometheus_url,
+            promql=(
+                f'max_over_time(sum({contract.Metric.REQUESTS_WAITING}{{namespace="{ns}",'
+                f'inferenceservice="{name}"}})[1m:])'
+            ),
+        )
         assert waiting and float(waiting[0]["value"][1]) > 2, waiting
         after: Any = cluster.apps().read_namespaced_deployment(deployment, ns)
         assert after.spec.replicas == before, (before, after.spec.replicas)
@@ -289,5 +334,6 @@ def test_metrics_outage_sets_metrics_unhealthy_and_holds_replicas(
         found = condition(get_isvc(cluster=cluster, namespace=ns, name=name), "MetricsHealthy")
         return bool(found and found["status"] == "True")
 
-    cluster.wait_for(healthy, timeout_seconds=90, interval_seconds=1.0,
-                     what="MetricsHealthy=True again after Prometheus is back")
+    cluster.wait_for(
+        healthy, timeout_seconds=90, interval_seconds=1.0, what="MetricsHealthy=True again after Prometheus is back"
+    )

@@ -132,8 +132,9 @@ class ChaosLoad:
 
     def start(self) -> None:
         self._refresh()
-        self._threads = [threading.Thread(target=self._worker, name=f"chaos-load-{i}", daemon=True)
-                         for i in range(CONCURRENCY)]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"chaos-load-{i}", daemon=True) for i in range(CONCURRENCY)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -173,10 +174,15 @@ class ChaosLoad:
         stream = index % 2 == 0
         # ignore_eos: the tiny model's greedy answer to some prompts is its end-of-text token
         # at once, an empty completion the stream check would count as broken
-        body = {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": stream,
-                "ignore_eos": True,
-                "prompt": f"request {index} {uuid.uuid4().hex}: the router pairs prefill and decode pods "
-                          "and the decode pod pulls the prompt's KV blocks before it answers."}
+        body = {
+            "model": SERVED_NAME,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": stream,
+            "ignore_eos": True,
+            "prompt": f"request {index} {uuid.uuid4().hex}: the router pairs prefill and decode pods "
+            "and the decode pod pulls the prompt's KV blocks before it answers.",
+        }
         retries = 0
         started = time.monotonic()
         deadline = started + CONNECT_RETRY_SECONDS
@@ -194,15 +200,19 @@ class ChaosLoad:
                         responded = True
                         if response.status_code != 200:
                             response.read()
-                            return self._failed(stream, retries, f"HTTP {response.status_code}: "
-                                                f"{response.text[:160]}", started=started)
+                            return self._failed(
+                                stream, retries, f"HTTP {response.status_code}: {response.text[:160]}", started=started
+                            )
                         streaming = True
                         reason = _stream_problem(response.iter_lines())
                 else:
                     response = client.post(url, json=body)
                     responded = True
-                    reason = "" if response.status_code == 200 and response.json().get("choices") else (
-                        f"HTTP {response.status_code}: {response.text[:160]}")
+                    reason = (
+                        ""
+                        if response.status_code == 200 and response.json().get("choices")
+                        else (f"HTTP {response.status_code}: {response.text[:160]}")
+                    )
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as error:
                 if not responded and time.monotonic() < deadline:
                     retries += 1
@@ -213,23 +223,37 @@ class ChaosLoad:
                 reason = f"{type(error).__name__}: {error}"[:200]
             if reason:
                 return self._failed(stream, retries, reason, started=started, streaming=streaming)
-            return Outcome(phase=self.phase, ok=True, stream=stream, connect_retries=retries,
-                           started_at=started, ended_at=time.monotonic(), streaming=streaming)
+            return Outcome(
+                phase=self.phase,
+                ok=True,
+                stream=stream,
+                connect_retries=retries,
+                started_at=started,
+                ended_at=time.monotonic(),
+                streaming=streaming,
+            )
 
-    def _failed(self, stream: bool, retries: int, reason: str, *, started: float,
-                streaming: bool = False) -> Outcome:
-        return Outcome(phase=self.phase, ok=False, stream=stream, reason=reason, connect_retries=retries,
-                       started_at=started, ended_at=time.monotonic(), streaming=streaming)
+    def _failed(self, stream: bool, retries: int, reason: str, *, started: float, streaming: bool = False) -> Outcome:
+        return Outcome(
+            phase=self.phase,
+            ok=False,
+            stream=stream,
+            reason=reason,
+            connect_retries=retries,
+            started_at=started,
+            ended_at=time.monotonic(),
+            streaming=streaming,
+        )
 
 
 def _stream_problem(lines: Iterator[str]) -> str:
-    """"" when the SSE stream carried at least one token and ended with [DONE]; else why not."""
+    """ "" when the SSE stream carried at least one token and ended with [DONE]; else why not."""
     tokens = 0
     seen: list[str] = []  # the last events, for the failure's reason
     for line in lines:
         if not line.startswith("data: "):
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         seen = [*seen[-2:], data[:300]]
         if data == "[DONE]":
             return "" if tokens else f"stream ended without a token; last events: {' | '.join(seen)}"
@@ -244,8 +268,11 @@ def _stream_problem(lines: Iterator[str]) -> str:
 def _pods(cluster: LocalCluster, namespace: str, role: str) -> list[Any]:
     selector = f"{contract.LABEL_INSTANCE}={NAME},{contract.LABEL_ROLE}={role}"
     core: Any = cluster.core()
-    return [p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
-            if not p.metadata.deletion_timestamp]
+    return [
+        p
+        for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+        if not p.metadata.deletion_timestamp
+    ]
 
 
 def _restarts(pod: Any) -> int:
@@ -270,6 +297,7 @@ def _kill_container(cluster: LocalCluster, namespace: str, role: str) -> str:
     def back() -> bool:
         current = cluster.core().read_namespaced_pod(name, namespace)
         return _restarts(current) > restarts and _ready(current)
+
     cluster.wait_for(back, timeout_seconds=RECOVER_SECONDS, what=f"{name} restarted and Ready")
     return str(name)
 
@@ -277,13 +305,15 @@ def _kill_container(cluster: LocalCluster, namespace: str, role: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Stop:
     """One pod's processes stopped from ``stopped_at`` to ``continued_at`` (time.monotonic())."""
+
     pod: str
     stopped_at: float
     continued_at: float
 
 
-def _stop_container(cluster: LocalCluster, namespace: str, role: str,
-                    hold: Callable[[float], None]) -> tuple[Stop, int]:
+def _stop_container(
+    cluster: LocalCluster, namespace: str, role: str, hold: Callable[[float], None]
+) -> tuple[Stop, int]:
     """SIGSTOP every process of one pod's container (it accepts connections and answers
     nothing), call ``hold(stopped_at)``, SIGCONT them (also when ``hold`` raised), and wait until
     the pool is Ready again. The stop and the pod's container restarts during it (0 when the
@@ -302,16 +332,21 @@ def _stop_container(cluster: LocalCluster, namespace: str, role: str,
     return Stop(pod=name, stopped_at=stopped_at, continued_at=continued_at), _restarts(current) - restarts
 
 
-def _held_by(stop: Stop, outcomes: list[Outcome], *, budget: float | None = None
-             ) -> tuple[int, list[Outcome]]:
+def _held_by(stop: Stop, outcomes: list[Outcome], *, budget: float | None = None) -> tuple[int, list[Outcome]]:
     """The requests that started once the routers should have taken the stopped pod out
     (``DETECT_SECONDS`` after the stop, and early enough to end before it went on), and those of
     them that still waited for it: they ended only after it went on, or (``budget``) took at
     least that long."""
-    window = [o for o in list(outcomes)
-              if stop.stopped_at + DETECT_SECONDS <= o.started_at <= stop.continued_at - SLACK_SECONDS]
-    return len(window), [o for o in window if o.ended_at >= stop.continued_at
-                         or (budget is not None and o.ended_at - o.started_at >= budget)]
+    window = [
+        o
+        for o in list(outcomes)
+        if stop.stopped_at + DETECT_SECONDS <= o.started_at <= stop.continued_at - SLACK_SECONDS
+    ]
+    return len(window), [
+        o
+        for o in window
+        if o.ended_at >= stop.continued_at or (budget is not None and o.ended_at - o.started_at >= budget)
+    ]
 
 
 def _router_metric(cluster: LocalCluster, namespace: str, name: str, **labels: str) -> float:
@@ -342,8 +377,9 @@ def _router_logs(cluster: LocalCluster, namespace: str, *, lines: int = 80) -> s
             log = cluster.pod_log(namespace=namespace, pod=name)
         except Exception as error:  # noqa: BLE001
             log = f"(log unavailable: {error!r})"
-        out.append(f"----- kubectl logs {name} -n {namespace} (last {lines} lines)\n"
-                   + "\n".join(log.splitlines()[-lines:]))
+        out.append(
+            f"----- kubectl logs {name} -n {namespace} (last {lines} lines)\n" + "\n".join(log.splitlines()[-lines:])
+        )
     return "\n".join(out)
 
 
@@ -362,6 +398,7 @@ def _wait_pool_ready(cluster: LocalCluster, namespace: str, role: str, replicas:
     def ready() -> bool:
         pods = _pods(cluster, namespace, role)
         return len(pods) == replicas and all(_ready(p) for p in pods)
+
     try:
         cluster.wait_for(ready, timeout_seconds=RECOVER_SECONDS, what=f"{role} pool {replicas} Ready")
     except TimeoutError as error:
@@ -369,16 +406,27 @@ def _wait_pool_ready(cluster: LocalCluster, namespace: str, role: str, replicas:
 
 
 def _lease_holder(cluster: LocalCluster, namespace: str) -> str:
-    result = cluster.kubectl("get", "lease", f"{RELEASE}-splitserve" if "splitserve" not in RELEASE else RELEASE,
-                             "-n", namespace, "-o", "jsonpath={.spec.holderIdentity}", check=False)
+    result = cluster.kubectl(
+        "get",
+        "lease",
+        f"{RELEASE}-splitserve" if "splitserve" not in RELEASE else RELEASE,
+        "-n",
+        namespace,
+        "-o",
+        "jsonpath={.spec.holderIdentity}",
+        check=False,
+    )
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def _operator_pods(cluster: LocalCluster, namespace: str) -> list[str]:
     selector = "app.kubernetes.io/component=operator"
     core: Any = cluster.core()
-    return [str(p.metadata.name) for p in core.list_namespaced_pod(namespace, label_selector=selector).items
-            if not p.metadata.deletion_timestamp and p.status.phase == "Running"]
+    return [
+        str(p.metadata.name)
+        for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+        if not p.metadata.deletion_timestamp and p.status.phase == "Running"
+    ]
 
 
 def _kill_operator_leader(cluster: LocalCluster, namespace: str) -> str:
@@ -388,8 +436,8 @@ def _kill_operator_leader(cluster: LocalCluster, namespace: str) -> str:
 
     def new_leader() -> str:
         held = _lease_holder(cluster, namespace)
-        return next((p for p in _operator_pods(cluster, namespace)
-                     if p != leader and held.startswith(f"{p}_")), "")
+        return next((p for p in _operator_pods(cluster, namespace) if p != leader and held.startswith(f"{p}_")), "")
+
     return str(cluster.wait_for(new_leader, timeout_seconds=RECOVER_SECONDS, what="a new operator leader"))
 
 
@@ -399,8 +447,10 @@ def _router_replicas(cluster: LocalCluster, namespace: str) -> int:
 
 
 def _metrics_healthy(cluster: LocalCluster, namespace: str) -> bool:
-    healthy = condition(get_isvc(cluster=cluster, namespace=namespace, name=NAME),
-                        contract.ConditionType.METRICS_HEALTHY) or {}
+    healthy = (
+        condition(get_isvc(cluster=cluster, namespace=namespace, name=NAME), contract.ConditionType.METRICS_HEALTHY)
+        or {}
+    )
     return healthy.get("status") == "True"
 
 
@@ -408,10 +458,10 @@ def _metrics_healthy(cluster: LocalCluster, namespace: str) -> bool:
 @pytest.fixture(scope="module")
 def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The namespace of a Ready Disaggregated InferenceService with every pool at two pods."""
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="chaos") as namespace:
-        manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated",
-                                 hub=model_hub, max_replicas=REPLICAS)
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="chaos") as namespace:
+        manifest = isvc_manifest(
+            name=NAME, namespace=namespace, mode="Disaggregated", hub=model_hub, max_replicas=REPLICAS
+        )
         for role in ("prefill", "decode"):
             manifest["spec"][role]["replicas"] = {"min": REPLICAS, "max": REPLICAS}
         manifest["spec"]["router"]["replicas"] = REPLICAS
@@ -423,7 +473,8 @@ def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[s
 
 
 def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
-        cluster: LocalCluster, served: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster: LocalCluster, served: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     namespace = served
     load = ChaosLoad(lambda: router_endpoints(cluster=cluster, namespace=namespace, name=NAME))
     phases: list[Phase] = []
@@ -449,21 +500,28 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
         def hold(stopped_at: float) -> None:
             # until a request sent to the stalled pod spent its prefill budget and fell back
             try:
-                cluster.wait_for(lambda: _fallbacks(cluster, namespace) > before, interval_seconds=0.5,
-                                 timeout_seconds=PREFILL_BUDGET_SECONDS + 6, what="a fallback route")
+                cluster.wait_for(
+                    lambda: _fallbacks(cluster, namespace) > before,
+                    interval_seconds=0.5,
+                    timeout_seconds=PREFILL_BUDGET_SECONDS + 6,
+                    what="a fallback route",
+                )
             except TimeoutError as error:
                 problems.append(f"{STALL_PREFILL}: {error}")
-            time.sleep(max(0.0, min(STALL_HOLD_SECONDS,
-                                    stopped_at + LIVENESS_WINDOW_SECONDS - 5 - time.monotonic())))
+            time.sleep(max(0.0, min(STALL_HOLD_SECONDS, stopped_at + LIVENESS_WINDOW_SECONDS - 5 - time.monotonic())))
 
         stop, restarts = _stop_container(cluster, namespace, "prefill", hold)
         fallbacks = _fallbacks(cluster, namespace) - before
         window, held = _held_by(stop, load.outcomes, budget=PREFILL_BUDGET_SECONDS)
         if held:
-            problems.append(f"{STALL_PREFILL}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
-                            f"after the stop still waited on {stop.pod}: {held[:3]}")
-        return (f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {fallbacks:g} fallback "
-                f"route(s); {window - len(held)}/{window} later requests not held; restarts {restarts}")
+            problems.append(
+                f"{STALL_PREFILL}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
+                f"after the stop still waited on {stop.pod}: {held[:3]}"
+            )
+        return (
+            f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {fallbacks:g} fallback "
+            f"route(s); {window - len(held)}/{window} later requests not held; restarts {restarts}"
+        )
 
     def wedge_decode() -> str:
         served: list[int] = []
@@ -477,34 +535,55 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
         stop, restarts = _stop_container(cluster, namespace, "decode", hold)
         window, held = _held_by(stop, load.outcomes)
         if held:
-            problems.append(f"{WEDGE_DECODE}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
-                            f"after the stop still waited on {stop.pod}: {held[:3]}")
+            problems.append(
+                f"{WEDGE_DECODE}: {len(held)} of {window} request(s) started {DETECT_SECONDS:g} s "
+                f"after the stop still waited on {stop.pod}: {held[:3]}"
+            )
         if not served or not served[0]:
             problems.append(f"{WEDGE_DECODE}: nothing served by the other decode pod while {stop.pod} was stopped")
-        return (f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {served[0] if served else 0} "
-                f"served meanwhile; {window - len(held)}/{window} later requests not held; restarts {restarts}")
+        return (
+            f"{stop.pod} stopped {stop.continued_at - stop.stopped_at:.1f}s; {served[0] if served else 0} "
+            f"served meanwhile; {window - len(held)}/{window} later requests not held; restarts {restarts}"
+        )
 
     def delete_router() -> str:
         pod = str(_pods(cluster, namespace, "router")[0].metadata.name)
         cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=false")
-        cluster.wait_for(lambda: pod not in [p.metadata.name for p in _pods(cluster, namespace, "router")],
-                         timeout_seconds=RECOVER_SECONDS, what=f"{pod} gone")
+        cluster.wait_for(
+            lambda: pod not in [p.metadata.name for p in _pods(cluster, namespace, "router")],
+            timeout_seconds=RECOVER_SECONDS,
+            what=f"{pod} gone",
+        )
         _wait_pool_ready(cluster, namespace, "router", REPLICAS)
         return pod
 
     def restart_apiserver_then_edit() -> str:
         away = cluster.restart_component("kube-apiserver")
-        cluster.kubectl("patch", contract.PLURAL, NAME, "-n", namespace, "--type=merge",
-                        "-p", json.dumps({"spec": {"router": {"replicas": REPLICAS + 1}}}))
-        cluster.wait_for(lambda: _router_replicas(cluster, namespace) == REPLICAS + 1,
-                         timeout_seconds=RECOVER_SECONDS, what="the spec edit applied after the restart")
+        cluster.kubectl(
+            "patch",
+            contract.PLURAL,
+            NAME,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"router": {"replicas": REPLICAS + 1}}}),
+        )
+        cluster.wait_for(
+            lambda: _router_replicas(cluster, namespace) == REPLICAS + 1,
+            timeout_seconds=RECOVER_SECONDS,
+            what="the spec edit applied after the restart",
+        )
         _wait_pool_ready(cluster, namespace, "router", REPLICAS + 1)
         return f"API server back after {away:.1f}s; router replicas {REPLICAS} -> {REPLICAS + 1} applied"
 
     def restart_prometheus() -> str:
         away = cluster.restart_component("prometheus")
-        cluster.wait_for(lambda: _metrics_healthy(cluster, namespace), timeout_seconds=RECOVER_SECONDS,
-                         what="MetricsHealthy=True after the Prometheus restart")
+        cluster.wait_for(
+            lambda: _metrics_healthy(cluster, namespace),
+            timeout_seconds=RECOVER_SECONDS,
+            what="MetricsHealthy=True after the Prometheus restart",
+        )
         return f"Prometheus back after {away:.1f}s; MetricsHealthy=True"
 
     load.start()
@@ -532,8 +611,10 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
     for phase in phases:
         assert any(o.ok for o in load.outcomes if o.phase == phase.name), f"nothing served during {phase.name}\n{table}"
     unexpected = [o for o in load.outcomes if _suspicious(o)]
-    assert not unexpected, (f"requests failed other than streams started on a killed or wedged decode pod "
-                            f"(router logs printed above):\n{table}")
+    assert not unexpected, (
+        f"requests failed other than streams started on a killed or wedged decode pod "
+        f"(router logs printed above):\n{table}"
+    )
     for name in DECODE_FAULTS:
         lost = [o for o in load.outcomes if not o.ok and o.phase == name]
         assert len(lost) <= CONCURRENCY, f"more failures than requests in flight in {name}:\n{table}"
@@ -541,13 +622,14 @@ def test_chaos_under_load_loses_only_streams_on_a_killed_decode_pod(
 
 
 def _table(phases: list[Phase], outcomes: list[Outcome]) -> str:
-    lines = [f"{'phase':<24} {'sent':>5} {'ok':>5} {'failed':>6} {'retried':>7} {'seconds':>7}  detail",
-             "-" * 100]
+    lines = [f"{'phase':<24} {'sent':>5} {'ok':>5} {'failed':>6} {'retried':>7} {'seconds':>7}  detail", "-" * 100]
     for phase in phases:
         mine = [o for o in outcomes if o.phase == phase.name]
-        lines.append(f"{phase.name:<24} {len(mine):>5} {sum(o.ok for o in mine):>5} "
-                     f"{sum(not o.ok for o in mine):>6} {sum(o.connect_retries > 0 for o in mine):>7} "
-                     f"{phase.seconds:>7.1f}  {phase.detail}")
+        lines.append(
+            f"{phase.name:<24} {len(mine):>5} {sum(o.ok for o in mine):>5} "
+            f"{sum(not o.ok for o in mine):>6} {sum(o.connect_retries > 0 for o in mine):>7} "
+            f"{phase.seconds:>7.1f}  {phase.detail}"
+        )
     failures = [o for o in outcomes if not o.ok]
     lines.append(f"{'total':<24} {len(outcomes):>5} {sum(o.ok for o in outcomes):>5} {len(failures):>6}")
     for failure in failures:

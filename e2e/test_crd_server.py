@@ -11,12 +11,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import crdgen
 import pytest
 import yaml
 
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.stack import apply_crds
-from splitserve_operator import api, crdgen
+from splitserve_operator import api
 from splitserve_operator.api import rules
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +33,9 @@ def crd(cluster: LocalCluster) -> str:
     return crdgen.CRD_NAME
 
 
-def _apply(cluster: LocalCluster, namespace: str, obj: dict[str, Any], *, dry_run: bool = True) -> subprocess.CompletedProcess[str]:
+def _apply(
+    cluster: LocalCluster, namespace: str, obj: dict[str, Any], *, dry_run: bool = True
+) -> subprocess.CompletedProcess[str]:
     args = ["apply", "-n", namespace, "-f", "-"]
     if dry_run:
         args.append("--dry-run=server")
@@ -58,16 +61,28 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
         ({"spec": {"mode": "Aggregated"}}, rules.AGGREGATED_RULE_MESSAGE),
         # parallelism: a pod's GPUs hold tensor x pipeline ranks; a CPU pod has one rank; a draft
         # model is not served with parallelism yet
-        ({"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}},
-         rules.PARALLELISM_RULE_MESSAGE),
-        ({"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}},
-         rules.CPU_PARALLELISM_RULE_MESSAGE),
+        (
+            {"spec": {"prefill": {"resources": {"gpus": 2}, "parallelism": {"tensor": 4}}}},
+            rules.PARALLELISM_RULE_MESSAGE,
+        ),
+        (
+            {"spec": {"decode": {"resources": {"gpus": 0}, "parallelism": {"tensor": 2}}}},
+            rules.CPU_PARALLELISM_RULE_MESSAGE,
+        ),
         ({"spec": {"decode": {"parallelism": {"pipeline": 2}}}}, rules.PARALLELISM_RULE_MESSAGE),
-        ({"spec": {"decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
-                   "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}}},
-         rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE),
-        ({"spec": {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
-         rules.DRAFT_MODEL_RULE_MESSAGE),
+        (
+            {
+                "spec": {
+                    "decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
+                    "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}},
+                }
+            },
+            rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
+        ),
+        (
+            {"spec": {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
+            rules.DRAFT_MODEL_RULE_MESSAGE,
+        ),
         ({"spec": {"engine": {"speculative": {"method": "draft"}}}}, rules.DRAFT_METHOD_RULE_MESSAGE),
         ({"spec": {"engine": {"speculative": {"numTokens": 17}}}}, "numTokens"),
         ({"spec": {"kvCache": {"dtype": "int8"}}}, "dtype"),
@@ -81,8 +96,9 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
         ({"spec": {"autoscaling": {"interval": "0s"}}}, rules.INTERVAL_RULE_MESSAGE),
     ],
 )
-def test_invalid_objects_are_rejected_with_a_message(cluster: LocalCluster, crd: str, namespace: str,
-                                                    patch: dict[str, Any], message: str | tuple[str, ...]) -> None:
+def test_invalid_objects_are_rejected_with_a_message(
+    cluster: LocalCluster, crd: str, namespace: str, patch: dict[str, Any], message: str | tuple[str, ...]
+) -> None:
     obj = _merge(_minimal(), patch)
     result = _apply(cluster, namespace, obj)
     assert result.returncode != 0, f"accepted: {obj}"
@@ -110,47 +126,77 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
     status = api.InferenceServiceStatus(
         observed_generation=live["metadata"]["generation"],
         endpoint="http://demo-router.x.svc:8000",
-        conditions=[api.Condition(type="Ready", status=api.ConditionStatus.TRUE, reason=api.Reason.RECONCILED,
-                                  last_transition_time=api.utc_now(), observed_generation=1),
-                    api.Condition(type="MetricsHealthy", status=api.ConditionStatus.TRUE, reason="MetricsAvailable",
-                                  last_transition_time=api.utc_now(), observed_generation=1)],
-        prefill=api.PoolStatus(replicas=1, ready_replicas=1, desired_replicas=2,
-                               last_decision=api.ScalingDecision(time=api.utc_now(), result=2, reason="ScaledUp")),
+        conditions=[
+            api.Condition(
+                type="Ready",
+                status=api.ConditionStatus.TRUE,
+                reason=api.Reason.RECONCILED,
+                last_transition_time=api.utc_now(),
+                observed_generation=1,
+            ),
+            api.Condition(
+                type="MetricsHealthy",
+                status=api.ConditionStatus.TRUE,
+                reason="MetricsAvailable",
+                last_transition_time=api.utc_now(),
+                observed_generation=1,
+            ),
+        ],
+        prefill=api.PoolStatus(
+            replicas=1,
+            ready_replicas=1,
+            desired_replicas=2,
+            last_decision=api.ScalingDecision(time=api.utc_now(), result=2, reason="ScaledUp"),
+        ),
         decode=api.PoolStatus(replicas=1, ready_replicas=1, desired_replicas=1),
     )
-    cluster.kubectl("patch", "sis", "demo", "-n", namespace, "--subresource=status", "--type=merge",
-                    "-p", json.dumps({"status": status.dump()}))
+    cluster.kubectl(
+        "patch",
+        "sis",
+        "demo",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status.dump()}),
+    )
     table = cluster.kubectl("get", "sis", "-n", namespace).stdout.splitlines()
     assert table[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "ENGINE", "READY", "ENDPOINT", "AGE"]
     assert table[1].split()[:6] == ["demo", "Disaggregated", "1/2", "1/1", "True", "http://demo-router.x.svc:8000"]
     wide = cluster.kubectl("get", "sis", "-n", namespace, "-o", "wide").stdout.splitlines()
     columns = wide[0].split()
-    assert columns[columns.index("METRICS"):columns.index("METRICS") + 4] == [
-        "METRICS", "PREFILL-SCALING", "DECODE-SCALING", "ENGINE-SCALING"], wide
+    assert columns[columns.index("METRICS") : columns.index("METRICS") + 4] == [
+        "METRICS",
+        "PREFILL-SCALING",
+        "DECODE-SCALING",
+        "ENGINE-SCALING",
+    ], wide
     starts = [wide[0].index(f"{name} ") if name != columns[-1] else wide[0].rindex(name) for name in columns]
-    row = {name: wide[1][start:end].strip() for name, start, end in zip(columns, starts, [*starts[1:], None],
-                                                                          strict=True)}
-    assert (row["METRICS"], row["PREFILL-SCALING"], row["DECODE-SCALING"]) == ("MetricsAvailable", "ScaledUp",
-                                                                               ""), wide
+    row = {
+        name: wide[1][start:end].strip() for name, start, end in zip(columns, starts, [*starts[1:], None], strict=True)
+    }
+    assert (row["METRICS"], row["PREFILL-SCALING"], row["DECODE-SCALING"]) == ("MetricsAvailable", "ScaledUp", ""), wide
     again = json.loads(cluster.kubectl("get", "sis", "demo", "-n", namespace, "-o", "json").stdout)
     assert api.InferenceService.parse(again).status.prefill == status.prefill
 
 
 @pytest.mark.parametrize("scope", ["cluster", "namespace"])
 def test_chart_manifests_pass_server_validation(cluster: LocalCluster, crd: str, namespace: str, scope: str) -> None:
-    rendered = cluster.helm("template", "e2e", str(CHART), "--namespace", namespace,
-                            "--set", f"rbac.scope={scope}").stdout
+    rendered = cluster.helm(
+        "template", "e2e", str(CHART), "--namespace", namespace, "--set", f"rbac.scope={scope}"
+    ).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     if scope == "namespace":
         assert not [d for d in docs if d["kind"].startswith("Cluster")]
-    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
-                             input_text=rendered, check=False)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input_text=rendered, check=False)
     assert result.returncode == 0, result.stderr
 
 
 def _minimal() -> dict[str, Any]:
     return {
-        "apiVersion": api.API_VERSION_STRING, "kind": "InferenceService",
+        "apiVersion": api.API_VERSION_STRING,
+        "kind": "InferenceService",
         "metadata": {"name": "demo"},
         "spec": {"model": {"uri": "hf://org/model"}, "prefill": {}, "decode": {}},
     }
@@ -166,13 +212,23 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_namespace_scope_rbac_grants_exactly_what_the_operator_needs(cluster: LocalCluster, crd: str,
-                                                                     namespace: str) -> None:
+def test_namespace_scope_rbac_grants_exactly_what_the_operator_needs(
+    cluster: LocalCluster, crd: str, namespace: str
+) -> None:
     watched = f"{namespace}-w"[:63]
     cluster.kubectl("create", "namespace", watched)
     try:
-        rendered = cluster.helm("template", "rel", str(CHART), "--namespace", namespace,
-                                "--set", "rbac.scope=namespace", "--set", f"watchNamespace={watched}").stdout
+        rendered = cluster.helm(
+            "template",
+            "rel",
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--set",
+            "rbac.scope=namespace",
+            "--set",
+            f"watchNamespace={watched}",
+        ).stdout
         cluster.kubectl("apply", "-f", "-", input_text=rendered)
         operator = f"system:serviceaccount:{namespace}:rel-splitserve"
         router = f"system:serviceaccount:{watched}:rel-splitserve-router"

@@ -15,7 +15,7 @@ InferenceService (one pod per pool, autoscaling on, so the operator's decision a
 series exist) and a :class:`~splitserve_e2e.demo.LoadBurst` through its router. The table of
 panel → pool → series → peak value is printed (``-s``).
 
-(Named ``test_dashboard_promql`` because ``tests/operator/test_dashboard.py``, the dashboard's
+(Named ``test_dashboard_promql`` because ``tests/operator/chart/test_dashboard.py``, the dashboard's
 unit tests, has the plain name: pytest needs distinct basenames across the two trees.)
 """
 
@@ -44,7 +44,8 @@ pytestmark = pytest.mark.e2e
 
 REPO: Final = Path(__file__).resolve().parents[1]
 DASHBOARD: Final[dict[str, Any]] = json.loads(
-    (REPO / "helm" / "splitserve" / "dashboards" / "splitserve.json").read_text())
+    (REPO / "helm" / "splitserve" / "dashboards" / "splitserve.json").read_text()
+)
 NAME: Final = "dash"
 POOLS: Final = (contract.Role.PREFILL.value, contract.Role.DECODE.value)
 ALL_POOLS: Final = f"({'|'.join(POOLS)})"
@@ -52,10 +53,17 @@ ALL_POOLS: Final = f"({'|'.join(POOLS)})"
 LOAD_SECONDS: Final = 20.0
 RATE_INTERVAL: Final = "10s"
 STEP_SECONDS: Final = 2.0
-MEASURES_THE_LOAD: Final = frozenset({
-    "Replicas", "Autoscaler decisions", "Requests / s by outcome", "Tokens / s",
-    "Time to first token", "End-to-end request latency", "KV transfer bytes / s",
-})
+MEASURES_THE_LOAD: Final = frozenset(
+    {
+        "Replicas",
+        "Autoscaler decisions",
+        "Requests / s by outcome",
+        "Tokens / s",
+        "Time to first token",
+        "End-to-end request latency",
+        "KV transfer bytes / s",
+    }
+)
 """Panels whose every line must rise above zero in every pool this load goes through."""
 
 
@@ -96,12 +104,18 @@ def _substitute(text: str, values: Mapping[str, str]) -> str:
         if name not in values:
             raise KeyError(f"no value for ${name} in {text!r}")
         return values[name]
+
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", one, text)
 
 
 def _values(namespace: str, pool: str) -> dict[str, str]:
-    return {"namespace": namespace, "inferenceservice": NAME, "pool": pool,
-            "__rate_interval": RATE_INTERVAL, "__interval": f"{STEP_SECONDS:g}s"}
+    return {
+        "namespace": namespace,
+        "inferenceservice": NAME,
+        "pool": pool,
+        "__rate_interval": RATE_INTERVAL,
+        "__interval": f"{STEP_SECONDS:g}s",
+    }
 
 
 # --------------------------------------------------------------------------- Prometheus's part
@@ -126,12 +140,19 @@ def loaded(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[L
         pytest.fail("the dashboard e2e test needs the cluster's Prometheus")
     with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="e2e-dashboard") as ns:
         # one pod per pool (min = max): the autoscaler decides every interval, scales nothing
-        apply_object(cluster=cluster, obj=isvc_manifest(name=NAME, namespace=ns, mode="Disaggregated",
-                                                         hub=model_hub, max_replicas=1))
+        apply_object(
+            cluster=cluster,
+            obj=isvc_manifest(name=NAME, namespace=ns, mode="Disaggregated", hub=model_hub, max_replicas=1),
+        )
         wait_ready(cluster=cluster, namespace=ns, name=NAME, timeout_seconds=300)
         endpoint = router_endpoints(cluster=cluster, namespace=ns, name=NAME)[0]
-        load = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=4,
-                         duration_seconds=LOAD_SECONDS, prompt_words=60, max_tokens=16)
+        load = LoadBurst(
+            base_url=f"http://{endpoint}/v1",
+            concurrency=4,
+            duration_seconds=LOAD_SECONDS,
+            prompt_words=60,
+            max_tokens=16,
+        )
         start = time.time()
         asyncio.run(load.run())
         end = time.time()
@@ -139,12 +160,17 @@ def loaded(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[L
         selector = f'namespace="{ns}", inferenceservice="{NAME}"'
 
         def scraped_past_the_load() -> bool:
-            newest = _api(url, "/api/v1/query", {
-                "query": f"min(timestamp({contract.Metric.REQUESTS_TOTAL}{{{selector}}}))"})["result"]
+            newest = _api(
+                url, "/api/v1/query", {"query": f"min(timestamp({contract.Metric.REQUESTS_TOTAL}{{{selector}}}))"}
+            )["result"]
             return bool(newest) and float(newest[0]["value"][1]) >= end + 2 * interval
 
-        cluster.wait_for(scraped_past_the_load, timeout_seconds=60, interval_seconds=0.5,
-                         what="two scrapes of every runtime pod after the load")
+        cluster.wait_for(
+            scraped_past_the_load,
+            timeout_seconds=60,
+            interval_seconds=0.5,
+            what="two scrapes of every runtime pod after the load",
+        )
         yield Loaded(namespace=ns, start=start, end=end + 2 * interval, load=load)
 
 
@@ -160,12 +186,14 @@ def test_variables_list_the_service_and_both_pools(cluster: LocalCluster, loaded
     queries = {v["name"]: v["query"] for v in DASHBOARD["templating"]["list"] if v["type"] == "query"}
     assert set(queries) == set(expected)
     for name, query in queries.items():
-        text = _substitute(query["query"] if isinstance(query, dict) else query,
-                           _values(loaded.namespace, ALL_POOLS))
+        text = _substitute(query["query"] if isinstance(query, dict) else query, _values(loaded.namespace, ALL_POOLS))
         match = re.fullmatch(r"label_values\((.+), (\w+)\)", text)
         assert match, text
-        values = _api(cluster.prometheus_url, f"/api/v1/label/{match.group(2)}/values",
-                      {"match[]": match.group(1), "start": loaded.start, "end": loaded.end})
+        values = _api(
+            cluster.prometheus_url,
+            f"/api/v1/label/{match.group(2)}/values",
+            {"match[]": match.group(1), "start": loaded.start, "end": loaded.end},
+        )
         assert expected[name] <= set(values), (name, text, values)
 
 
@@ -179,17 +207,28 @@ def test_every_panel_query_returns_data_over_the_load(cluster: LocalCluster, loa
             for pool in pools:
                 expr = _substitute(target["expr"], _values(loaded.namespace, pool))
                 try:
-                    result = _api(url, "/api/v1/query_range", {
-                        "query": expr, "start": loaded.start, "end": loaded.end,
-                        "step": STEP_SECONDS})["result"]
+                    result = _api(
+                        url,
+                        "/api/v1/query_range",
+                        {"query": expr, "start": loaded.start, "end": loaded.end, "step": STEP_SECONDS},
+                    )["result"]
                 except PrometheusQueryError as error:
                     errors.append(str(error))
                     continue
-                answers.append(Answer(panel=panel["title"], legend=target.get("legendFormat", ""),
-                                      pool=pool, series=len(result), peak=_peak(result)))
-    labelled = _api(url, "/api/v1/series", {
-        "match[]": contract.OperatorMetric.AUTOSCALER_DESIRED_REPLICAS, "start": loaded.start,
-        "end": loaded.end})
+                answers.append(
+                    Answer(
+                        panel=panel["title"],
+                        legend=target.get("legendFormat", ""),
+                        pool=pool,
+                        series=len(result),
+                        peak=_peak(result),
+                    )
+                )
+    labelled = _api(
+        url,
+        "/api/v1/series",
+        {"match[]": contract.OperatorMetric.AUTOSCALER_DESIRED_REPLICAS, "start": loaded.start, "end": loaded.end},
+    )
     print(f"\noperator series as scraped: {labelled[:1]}")
     print(f"{'panel':<28} {'line':<24} {'pool':<18} {'series':>6} {'peak':>12}")
     for a in answers:

@@ -49,10 +49,8 @@ def _counter(text: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[tuple[str, str]]:
     """(namespace, router URL) of a Ready Disaggregated InferenceService."""
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="disagg") as namespace:
-        manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated",
-                                 hub=model_hub)
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="disagg") as namespace:
+        manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Disaggregated", hub=model_hub)
         manifest["spec"]["autoscaling"]["enabled"] = False
         apply_object(cluster=cluster, obj=manifest)
         wait_ready(cluster=cluster, namespace=namespace, name=NAME, timeout_seconds=300)
@@ -62,13 +60,21 @@ def served(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[t
 
 def test_status_reports_both_pools_ready(served: tuple[str, str], cluster: LocalCluster) -> None:
     namespace, _ = served
-    out = cluster.kubectl("get", f"{contract.PLURAL}.{contract.API_GROUP}", NAME, "-n", namespace,
-                          "-o", "jsonpath={.status.prefill.readyReplicas}/{.status.decode.readyReplicas}")
+    out = cluster.kubectl(
+        "get",
+        f"{contract.PLURAL}.{contract.API_GROUP}",
+        NAME,
+        "-n",
+        namespace,
+        "-o",
+        "jsonpath={.status.prefill.readyReplicas}/{.status.decode.readyReplicas}",
+    )
     assert out.stdout.strip() == "1/1"
 
 
 def test_request_through_router_is_prefilled_transferred_and_decoded(
-    served: tuple[str, str], cluster: LocalCluster,
+    served: tuple[str, str],
+    cluster: LocalCluster,
 ) -> None:
     namespace, router_url = served
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", timeout=60, max_retries=0)
@@ -76,8 +82,11 @@ def test_request_through_router_is_prefilled_transferred_and_decoded(
 
     completion = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
     stream = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
-        temperature=0, stream=True,
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
@@ -85,10 +94,10 @@ def test_request_through_router_is_prefilled_transferred_and_decoded(
     routed = "splitserve_router_routes_total"
     assert _counter(after, routed, route="disaggregated") - _counter(before, routed, route="disaggregated") == 2
 
-    decode_pods = cluster.endpoints_of(namespace=namespace, service=f"{NAME}-decode",
-                                       port_name=contract.HTTP_PORT_NAME)
-    prefill_pods = cluster.endpoints_of(namespace=namespace, service=f"{NAME}-prefill",
-                                        port_name=contract.HTTP_PORT_NAME)
+    decode_pods = cluster.endpoints_of(namespace=namespace, service=f"{NAME}-decode", port_name=contract.HTTP_PORT_NAME)
+    prefill_pods = cluster.endpoints_of(
+        namespace=namespace, service=f"{NAME}-prefill", port_name=contract.HTTP_PORT_NAME
+    )
     decode_metrics = httpx.get(f"{_url(decode_pods[0])}/metrics", timeout=5).text
     assert _counter(decode_metrics, contract.Metric.KV_TRANSFER_BYTES_TOTAL) > 0
     prefill_metrics = httpx.get(f"{_url(prefill_pods[0])}/metrics", timeout=5).text
@@ -99,7 +108,10 @@ def test_request_through_router_is_prefilled_transferred_and_decoded(
     local = direct.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
     assert completion.choices[0].text == local.choices[0].text
     local_chat = direct.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0,
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
     )
     assert streamed == local_chat.choices[0].message.content
     assert completion.usage is not None and completion.usage.completion_tokens >= 1

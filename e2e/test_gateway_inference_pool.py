@@ -68,9 +68,11 @@ LOAD_MAX_TOKENS = 900  # the example's maxModelLen is 1024
 POOL_AVERAGE_TIMEOUT_SECONDS = 60.0
 """The picker flushes its pool averages every 5 s; the load is held until a flush shows it."""
 CEL_CASES = 5  # test/cel/inferencepool_test.go of v1.2.0
-_SCRAPED = re.compile(r"Address:(?P<ip>[\d.]+) Port:\d+ .*?Metrics: \{.*?"
-                      r"WaitingQueueSize:(?P<queue>\d+) KVCacheUsagePercent:(?P<kv>[\d.e+-]+) "
-                      r".*?CacheBlockSize:(?P<block>\d+) CacheNumGPUBlocks:(?P<blocks>\d+)")
+_SCRAPED = re.compile(
+    r"Address:(?P<ip>[\d.]+) Port:\d+ .*?Metrics: \{.*?"
+    r"WaitingQueueSize:(?P<queue>\d+) KVCacheUsagePercent:(?P<kv>[\d.e+-]+) "
+    r".*?CacheBlockSize:(?P<block>\d+) CacheNumGPUBlocks:(?P<blocks>\d+)"
+)
 
 
 @dataclass
@@ -102,8 +104,7 @@ def tools() -> gie.GieBinaries:
     builds them ahead)."""
     started = time.monotonic()
     binaries = gie.ensure_gie_binaries()
-    log(f"GIE binaries ready in {time.monotonic() - started:.1f}s; recorded build times "
-        f"{gie.recorded_build_seconds()}")
+    log(f"GIE binaries ready in {time.monotonic() - started:.1f}s; recorded build times {gie.recorded_build_seconds()}")
     return binaries
 
 
@@ -123,11 +124,9 @@ def gie_crds(cluster: LocalCluster) -> Iterator[list[Path]]:
     for manifest in manifests:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifest))
     names = [_crd_name(manifest) for manifest in manifests]
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    *(f"crd/{name}" for name in names))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{name}" for name in names))
     yield manifests
-    cluster.kubectl("delete", "crd", "--ignore-not-found", "--timeout=60s", *names,
-                    check=False, timeout_seconds=90)
+    cluster.kubectl("delete", "crd", "--ignore-not-found", "--timeout=60s", *names, check=False, timeout_seconds=90)
 
 
 def _crd_name(manifest: Path) -> str:
@@ -137,12 +136,19 @@ def _crd_name(manifest: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub,
-          gie_crds: list[Path]) -> Iterator[Stack]:
+def stack(
+    cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub, gie_crds: list[Path]
+) -> Iterator[Stack]:
     # inference_pool: the chart's inferencePool.enabled (off by default), which grants the
     # operator what it needs to create the picker's ServiceAccount, Role and RoleBinding
-    with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
-                         workloads=[f"inference-gie-{uuid.uuid4().hex[:4]}"], inference_pool=True) as result:
+    with real_node_stack(
+        cluster=cluster,
+        image=image,
+        hub=local_hub,
+        model_hub=model_hub,
+        workloads=[f"inference-gie-{uuid.uuid4().hex[:4]}"],
+        inference_pool=True,
+    ) as result:
         yield result
 
 
@@ -156,8 +162,7 @@ def pool(stack: Stack, picker_image: str) -> Pool:
     spec = manifest["spec"]
     spec["aggregated"]["replicas"] = {"min": ENGINES, "max": ENGINES}
     spec["engine"] = {**spec.get("engine", {}), "maxNumSeqs": 1}
-    spec["router"] = {"mode": "InferencePool",
-                      "inferencePool": {"picker": {"image": picker_image}}}
+    spec["router"] = {"mode": "InferencePool", "inferencePool": {"picker": {"image": picker_image}}}
     with explained(cluster, stack.namespaces):
         started = time.monotonic()
         apply_object(cluster=cluster, obj=manifest)
@@ -165,17 +170,23 @@ def pool(stack: Stack, picker_image: str) -> Pool:
         def ready() -> bool:
             obj = get_isvc(cluster=cluster, namespace=namespace, name=ISVC_NAME)
             return (condition(obj, "Ready") or {}).get("status") == "True"
-        cluster.wait_for(ready, timeout_seconds=READY_TIMEOUT_SECONDS, interval_seconds=2.0,
-                         what=f"InferenceService {namespace}/{ISVC_NAME} Ready")
-        stack.figures["InferenceService (2 engines + picker) apply -> Ready"] = \
-            f"{time.monotonic() - started:.1f}s"
+
+        cluster.wait_for(
+            ready,
+            timeout_seconds=READY_TIMEOUT_SECONDS,
+            interval_seconds=2.0,
+            what=f"InferenceService {namespace}/{ISVC_NAME} Ready",
+        )
+        stack.figures["InferenceService (2 engines + picker) apply -> Ready"] = f"{time.monotonic() - started:.1f}s"
         status = get_isvc(cluster=cluster, namespace=namespace, name=ISVC_NAME)["status"]
         # the picker is counted apart: the ROUTER column shows no router where none runs
         assert status["endpointPicker"]["summary"] == "1/1" and "router" not in status, status
         found = _rendered(cluster, namespace, picker_image)
     found.figures = stack.figures
-    log(f"InferencePool {namespace}/{found.name}: engines {found.pods}; picker "
-        f"{found.picker_ip} {found.picker_ports} as {found.picker_account}")
+    log(
+        f"InferencePool {namespace}/{found.name}: engines {found.pods}; picker "
+        f"{found.picker_ip} {found.picker_ports} as {found.picker_account}"
+    )
     return found
 
 
@@ -192,29 +203,39 @@ def _rendered(cluster: LocalCluster, namespace: str, picker_image: str) -> Pool:
     spec = pools[0]["spec"]
     selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
     core: Any = cluster.core()
-    pods = {p.status.pod_ip: p.metadata.name
-            for p in core.list_namespaced_pod(namespace, label_selector=selector).items
-            if p.status.pod_ip and p.metadata.deletion_timestamp is None}
+    pods = {
+        p.status.pod_ip: p.metadata.name
+        for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+        if p.status.pod_ip and p.metadata.deletion_timestamp is None
+    }
     assert len(pods) == ENGINES, pods
     service = _get(cluster, "service", spec["endpointPickerRef"]["name"], "-n", namespace)
-    assert any(port["port"] == spec["endpointPickerRef"]["port"]["number"]
-               for port in service["spec"]["ports"]), (service["spec"], spec)
+    assert any(port["port"] == spec["endpointPickerRef"]["port"]["number"] for port in service["spec"]["ports"]), (
+        service["spec"],
+        spec,
+    )
     picker_selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
     deployments = _get(cluster, "deployment", "-n", namespace, "-l", picker_selector)["items"]
     assert len(deployments) == 1, [d["metadata"]["name"] for d in deployments]
     template = deployments[0]["spec"]["template"]["spec"]
     container = template["containers"][0]
     assert container["image"] == picker_image, container["image"]
-    pickers = [p for p in core.list_namespaced_pod(namespace, label_selector=picker_selector).items
-               if p.status.pod_ip and all(s.ready for s in p.status.container_statuses or [])]
+    pickers = [
+        p
+        for p in core.list_namespaced_pod(namespace, label_selector=picker_selector).items
+        if p.status.pod_ip and all(s.ready for s in p.status.container_statuses or [])
+    ]
     assert len(pickers) == 1, [p.metadata.name for p in pickers]
-    return Pool(name=ISVC_NAME, namespace=namespace, pods=pods,
-                port=int(spec["targetPorts"][0]["number"]),
-                picker_args=[*container.get("command", [])[1:], *container.get("args", [])],
-                picker_account=str(template.get("serviceAccountName", "default")),
-                picker_ip=pickers[0].status.pod_ip,
-                picker_ports={port["name"]: int(port["containerPort"])
-                              for port in container["ports"]})
+    return Pool(
+        name=ISVC_NAME,
+        namespace=namespace,
+        pods=pods,
+        port=int(spec["targetPorts"][0]["number"]),
+        picker_args=[*container.get("command", [])[1:], *container.get("args", [])],
+        picker_account=str(template.get("serviceAccountName", "default")),
+        picker_ip=pickers[0].status.pod_ip,
+        picker_ports={port["name"]: int(port["containerPort"]) for port in container["ports"]},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -223,28 +244,28 @@ def picker(pool: Pool, stack: Stack) -> gie.EndpointPicker:
     engine pod (``inference_pool_ready_pods`` counts pods with fresh metrics)."""
     running = gie.EndpointPicker(
         grpc_address=f"{pool.picker_ip}:{pool.picker_ports['grpc']}",
-        metrics_url=f"http://{pool.picker_ip}:{pool.picker_ports['metrics']}/metrics")
+        metrics_url=f"http://{pool.picker_ip}:{pool.picker_ports['metrics']}/metrics",
+    )
     with explained(stack.cluster, stack.namespaces):
         stack.cluster.wait_for(
             lambda: _gauge(running, "inference_pool_ready_pods", pool.name) == ENGINES,
-            timeout_seconds=60, interval_seconds=0.5,
-            what=f"the picker to report {ENGINES} pods with fresh metrics")
+            timeout_seconds=60,
+            interval_seconds=0.5,
+            what=f"the picker to report {ENGINES} pods with fresh metrics",
+        )
     return running
 
 
 @pytest.fixture
-def debug_picker(pool: Pool, tools: gie.GieBinaries, stack: Stack
-                 ) -> Iterator[gie.EndpointPicker]:
+def debug_picker(pool: Pool, tools: gie.GieBinaries, stack: Stack) -> Iterator[gie.EndpointPicker]:
     """The same picker on the host, with the rendered flags (its ports excepted) at log level
     7, whose debug dump lists what it scraped from each pod; authenticated as the picker's
     ServiceAccount, so the rendered Role is all it has."""
     cluster = stack.cluster
-    kubeconfig = cluster.service_account_kubeconfig(namespace=pool.namespace,
-                                                    service_account=pool.picker_account)
+    kubeconfig = cluster.service_account_kubeconfig(namespace=pool.namespace, service_account=pool.picker_account)
     log_path = cluster.log_dir / f"epp-host-{pool.namespace}.log"
     args = gie.without_flags(pool.picker_args, (*gie.PORT_FLAGS, "-v"))
-    running = gie.start_epp(binary=tools.epp, kubeconfig=kubeconfig, args=args,
-                            log_path=log_path, verbosity=7)
+    running = gie.start_epp(binary=tools.epp, kubeconfig=kubeconfig, args=args, log_path=log_path, verbosity=7)
     try:
         yield running
     finally:
@@ -276,6 +297,7 @@ def _pod_gauges(endpoint: str) -> dict[str, Any]:
     """The pod's own model-server gauges (what the picker should have read)."""
     text = httpx.get(f"http://{endpoint}{contract.METRICS_PATH}", timeout=5.0).text
     from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -287,23 +309,32 @@ def _pod_gauges(endpoint: str) -> dict[str, Any]:
 def _scraped(log_path: Path) -> dict[str, dict[str, float]]:
     """pod IP -> the metrics the picker's last debug dump shows for it (queue, KV use, KV block
     size and count)."""
-    dumps = [line for line in log_path.read_text(errors="replace").splitlines()
-             if "Current Pods and metrics gathered" in line]
+    dumps = [
+        line
+        for line in log_path.read_text(errors="replace").splitlines()
+        if "Current Pods and metrics gathered" in line
+    ]
     if not dumps:
         return {}
-    return {m["ip"]: {"queue": float(m["queue"]), "kv": float(m["kv"]),
-                      "block_size": float(m["block"]), "num_gpu_blocks": float(m["blocks"])}
-            for m in _SCRAPED.finditer(dumps[-1])}
+    return {
+        m["ip"]: {
+            "queue": float(m["queue"]),
+            "kv": float(m["kv"]),
+            "block_size": float(m["block"]),
+            "num_gpu_blocks": float(m["blocks"]),
+        }
+        for m in _SCRAPED.finditer(dumps[-1])
+    }
 
 
 def _completion_body(prompt: str, *, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
 
 
 # --------------------------------------------------------------------------- tests
-def test_picker_reads_the_runtime_gauges(picker: gie.EndpointPicker,
-                                         debug_picker: gie.EndpointPicker, pool: Pool) -> None:
+def test_picker_reads_the_runtime_gauges(
+    picker: gie.EndpointPicker, debug_picker: gie.EndpointPicker, pool: Pool
+) -> None:
     """Both engine pods are in the picker's pool with fresh metrics, at queue 0; and what the
     picker scraped from each (its debug dump, every 5 s, from the host run with the rendered
     flags) equals the pod's own ``vllm:`` gauges: queue, KV use, KV block size and count."""
@@ -321,10 +352,12 @@ def test_picker_reads_the_runtime_gauges(picker: gie.EndpointPicker,
         for ip, values in seen.items():
             own = _pod_gauges(pool.endpoint(ip))
             info = own["vllm:cache_config_info"]
-            expected = {"queue": own["vllm:num_requests_waiting"],
-                        "kv": own["vllm:kv_cache_usage_perc"],
-                        "block_size": float(info["block_size"]),
-                        "num_gpu_blocks": float(info["num_gpu_blocks"])}
+            expected = {
+                "queue": own["vllm:num_requests_waiting"],
+                "kv": own["vllm:kv_cache_usage_perc"],
+                "block_size": float(info["block_size"]),
+                "num_gpu_blocks": float(info["num_gpu_blocks"]),
+            }
             if values != pytest.approx(expected, abs=1e-9):
                 mismatch.append(f"{pool.pods.get(ip, ip)}: picker {values}, pod {expected}")
     assert not mismatch, mismatch
@@ -334,8 +367,7 @@ def test_picker_reads_the_runtime_gauges(picker: gie.EndpointPicker,
     pool.figures["picker's view at idle"] = json.dumps(seen)
 
 
-def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.EndpointPicker,
-                                                             pool: Pool) -> None:
+def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.EndpointPicker, pool: Pool) -> None:
     """Five clients sending completions of about 3 s each, one after another, straight to one
     engine (one sequence per step: one runs, four wait) show in the picker's per-pod queue (read
     at each scrape of the picker) and, held until its next 5 s flush, in its pool averages; they
@@ -343,8 +375,11 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
     (busy_ip, busy), (idle_ip, idle) = sorted(pool.pods.items())
     results: list[int] = []
     started = time.monotonic()
-    warm = httpx.post(f"http://{pool.endpoint(busy_ip)}/v1/completions", timeout=120.0,
-                      json=_completion_body("warm up", max_tokens=32, ignore_eos=True))
+    warm = httpx.post(
+        f"http://{pool.endpoint(busy_ip)}/v1/completions",
+        timeout=120.0,
+        json=_completion_body("warm up", max_tokens=32, ignore_eos=True),
+    )
     assert warm.status_code == 200, warm.text
     per_token = (time.monotonic() - started) / 32
     tokens = max(32, min(LOAD_MAX_TOKENS, int(LOAD_REQUEST_SECONDS / per_token)))
@@ -353,25 +388,25 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
 
     def load(index: int) -> None:
         while not shown.is_set():
-            body = _completion_body(f"load {index} {uuid.uuid4().hex}", max_tokens=tokens,
-                                    ignore_eos=True)
-            response = httpx.post(f"http://{pool.endpoint(busy_ip)}/v1/completions", json=body,
-                                  timeout=300.0)
+            body = _completion_body(f"load {index} {uuid.uuid4().hex}", max_tokens=tokens, ignore_eos=True)
+            response = httpx.post(f"http://{pool.endpoint(busy_ip)}/v1/completions", json=body, timeout=300.0)
             results.append(response.status_code)
+
     threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(LOAD_REQUESTS)]
     for thread in threads:
         thread.start()
-    peak: dict[str, float] = {"busy queue": 0.0, "idle queue": 0.0, "pool average queue": 0.0,
-                              "pool average kv": 0.0}
+    peak: dict[str, float] = {"busy queue": 0.0, "idle queue": 0.0, "pool average queue": 0.0, "pool average kv": 0.0}
 
     def observe() -> None:
         queues = _per_pod_queue(picker, pool)
         peak["busy queue"] = max(peak["busy queue"], queues.get(busy, 0.0))
         peak["idle queue"] = max(peak["idle queue"], queues.get(idle, 0.0))
-        peak["pool average queue"] = max(peak["pool average queue"], _gauge(
-            picker, "inference_pool_average_queue_size", pool.name) or 0.0)
-        peak["pool average kv"] = max(peak["pool average kv"], _gauge(
-            picker, "inference_pool_average_kv_cache_utilization", pool.name) or 0.0)
+        peak["pool average queue"] = max(
+            peak["pool average queue"], _gauge(picker, "inference_pool_average_queue_size", pool.name) or 0.0
+        )
+        peak["pool average kv"] = max(
+            peak["pool average kv"], _gauge(picker, "inference_pool_average_kv_cache_utilization", pool.name) or 0.0
+        )
 
     def queued() -> bool:
         observe()
@@ -380,18 +415,26 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
     def averaged() -> bool:
         observe()
         return peak["pool average queue"] >= 1 and peak["pool average kv"] > 0
+
     picks: list[gie.Pick] = []
     try:
-        LocalCluster.wait_for(queued, timeout_seconds=60, interval_seconds=0.1,
-                              what=f"the picker to see a queue on {busy}")
+        LocalCluster.wait_for(
+            queued, timeout_seconds=60, interval_seconds=0.1, what=f"the picker to see a queue on {busy}"
+        )
         client = gie.ensure_gie_client()
         for index in range(3):
-            picks.append(gie.pick(client, address=picker.grpc_address,
-                                  body=_completion_body(f"fresh {index} {uuid.uuid4().hex}")))
+            picks.append(
+                gie.pick(
+                    client, address=picker.grpc_address, body=_completion_body(f"fresh {index} {uuid.uuid4().hex}")
+                )
+            )
         with contextlib.suppress(TimeoutError):  # the assertions below say what was missing
-            LocalCluster.wait_for(averaged, timeout_seconds=POOL_AVERAGE_TIMEOUT_SECONDS,
-                                  interval_seconds=0.2,
-                                  what="the picker's pool averages to show the queue")
+            LocalCluster.wait_for(
+                averaged,
+                timeout_seconds=POOL_AVERAGE_TIMEOUT_SECONDS,
+                interval_seconds=0.2,
+                what="the picker's pool averages to show the queue",
+            )
     finally:
         shown.set()
     while any(thread.is_alive() for thread in threads):
@@ -400,16 +443,18 @@ def test_queue_on_one_pod_moves_the_pickers_view_and_choice(picker: gie.Endpoint
     for thread in threads:
         thread.join(timeout=1)
     assert results and results == [200] * len(results), results
-    log(f"under load on {busy} ({len(results)} requests): peaks {peak}; "
-        f"picks {[p.endpoint for p in picks]}")
+    log(f"under load on {busy} ({len(results)} requests): peaks {peak}; picks {[p.endpoint for p in picks]}")
     pool.figures["picker's view under load (peaks)"] = json.dumps(peak)
     assert [p.endpoint for p in picks] == [pool.endpoint(idle_ip)] * 3, (picks, busy, idle)
     assert peak["idle queue"] == 0, peak
     assert peak["pool average queue"] >= 1, peak  # (busy + idle) // 2 (integer division)
     assert peak["pool average kv"] > 0, peak
-    LocalCluster.wait_for(lambda: _per_pod_queue(picker, pool).get(busy) == 0,
-                          timeout_seconds=30, interval_seconds=0.2,
-                          what=f"the picker to see {busy}'s queue drained")
+    LocalCluster.wait_for(
+        lambda: _per_pod_queue(picker, pool).get(busy) == 0,
+        timeout_seconds=30,
+        interval_seconds=0.2,
+        what=f"the picker to see {busy}'s queue drained",
+    )
 
 
 def test_picked_endpoint_serves_the_request(picker: gie.EndpointPicker, pool: Pool) -> None:
@@ -424,35 +469,38 @@ def test_picked_endpoint_serves_the_request(picker: gie.EndpointPicker, pool: Po
     assert chosen.endpoint in {pool.endpoint(ip) for ip in pool.pods}, chosen
     assert chosen.metadata_endpoint == chosen.endpoint, chosen
     assert chosen.body["model"] == SERVED_NAME, chosen
-    response = httpx.post(f"http://{chosen.endpoint}/v1/completions", json=chosen.body,
-                          timeout=60.0)
+    response = httpx.post(f"http://{chosen.endpoint}/v1/completions", json=chosen.body, timeout=60.0)
     assert response.status_code == 200, response.text
     completion = response.json()
     assert completion["model"] == SERVED_NAME and completion["usage"]["completion_tokens"] > 0
     assert isinstance(completion["choices"][0]["text"], str)
-    log(f"picked {chosen.endpoint} ({pool.pods[chosen.endpoint.split(':')[0]]}) in "
-        f"{chosen.seconds * 1000:.0f} ms; served: {completion['choices'][0]['text']!r}")
+    log(
+        f"picked {chosen.endpoint} ({pool.pods[chosen.endpoint.split(':')[0]]}) in "
+        f"{chosen.seconds * 1000:.0f} ms; served: {completion['choices'][0]['text']!r}"
+    )
     pool.figures["picked endpoint"] = chosen.endpoint
 
     for ip in pool.pods:
-        hinted = gie.pick(client, address=picker.grpc_address, body=body,
-                          subset=[pool.endpoint(ip)])
+        hinted = gie.pick(client, address=picker.grpc_address, body=body, subset=[pool.endpoint(ip)])
         assert hinted.endpoint == pool.endpoint(ip), hinted
-    outside = gie.pick(client, address=picker.grpc_address, body=body,
-                       subset=["10.213.0.254:8000"])
+    outside = gie.pick(client, address=picker.grpc_address, body=body, subset=["10.213.0.254:8000"])
     assert outside.immediate_status == 503 and outside.endpoint == "", outside
     assert "candidate pods" in outside.immediate_body, outside
 
 
-def test_upstream_inferencepool_cel_validation(tools: gie.GieBinaries, stack: Stack,
-                                               gie_crds: list[Path]) -> None:
+def test_upstream_inferencepool_cel_validation(tools: gie.GieBinaries, stack: Stack, gie_crds: list[Path]) -> None:
     """Upstream's InferencePool validation tests (``test/cel`` of the module: CEL rules of the
     v1 CRD) pass against this cluster's API server."""
     cluster = stack.cluster
     try:
-        result = subprocess.run([str(tools.cel_test), "-test.v", "-test.count=1"],
-                                env={"KUBECONFIG": str(cluster.kubeconfig), "PATH": "/usr/bin:/bin"},
-                                capture_output=True, text=True, timeout=120, check=False)
+        result = subprocess.run(
+            [str(tools.cel_test), "-test.v", "-test.count=1"],
+            env={"KUBECONFIG": str(cluster.kubeconfig), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
             cluster.kubectl("delete", POOL_API, "-n", "default", "--all", check=False)

@@ -58,17 +58,19 @@ def bundle(reference: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tmp_path_factory.mktemp("image-model") / "tiny"
-    subprocess.run(["splitserve", "make-tiny-model", str(model)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(["splitserve", "make-tiny-model", str(model)], check=True, capture_output=True, timeout=300)
     for path in model.iterdir():  # safetensors writes 0600: make it readable by the pod's user
         path.chmod(0o644)
     return model
 
 
 def _tmpfs(destination: str, *, mode: str, owner: int = 0) -> dict[str, Any]:
-    return {"destination": destination, "type": "tmpfs", "source": "tmpfs",
-            "options": ["nosuid", "nodev", f"mode={mode}", f"uid={owner}", f"gid={owner}",
-                        "size=1g"]}
+    return {
+        "destination": destination,
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "nodev", f"mode={mode}", f"uid={owner}", f"gid={owner}", "size=1g"],
+    }
 
 
 class Container:
@@ -76,8 +78,15 @@ class Container:
     image's user, host network; /tmp and the image's VOLUMEs as tmpfs (as emptyDirs would be,
     owned by the pod's fsGroup), the model bind-mounted read-only."""
 
-    def __init__(self, *, bundle: Path, config: dict[str, Any], workdir: Path,
-                 args: list[str] | None = None, model: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        bundle: Path,
+        config: dict[str, Any],
+        workdir: Path,
+        args: list[str] | None = None,
+        model: Path | None = None,
+    ) -> None:
         spec = copy.deepcopy(json.loads((bundle / "config.json").read_text()))
         spec["root"] = {"path": str(bundle / "rootfs"), "readonly": True}
         process = spec["process"]
@@ -85,17 +94,23 @@ class Container:
             process["args"] = [*config["Entrypoint"], *args]
         process["terminal"] = False
         process["noNewPrivileges"] = True
-        process["capabilities"] = {kind: [] for kind in
-                                   ("bounding", "effective", "inheritable", "permitted",
-                                    "ambient")}
+        process["capabilities"] = {
+            kind: [] for kind in ("bounding", "effective", "inheritable", "permitted", "ambient")
+        }
         linux = spec["linux"]
         linux["namespaces"] = [ns for ns in linux["namespaces"] if ns["type"] != "network"]
         mounts = [_tmpfs("/tmp", mode="1777")]
         mounts += [_tmpfs(volume, mode="0775", owner=RUN_AS) for volume in config["Volumes"]]
         if model is not None:
             mounts.append(_tmpfs("/mnt", mode="0755"))
-            mounts.append({"destination": MODEL_MOUNT, "type": "bind", "source": str(model),
-                           "options": ["rbind", "ro", "nosuid", "nodev"]})
+            mounts.append(
+                {
+                    "destination": MODEL_MOUNT,
+                    "type": "bind",
+                    "source": str(model),
+                    "options": ["rbind", "ro", "nosuid", "nodev"],
+                }
+            )
         spec["mounts"] = [*spec["mounts"], *mounts]
         self.spec = spec
         self.workdir = workdir
@@ -106,9 +121,12 @@ class Container:
 
     def start(self) -> Container:
         with self.log_path.open("wb") as log:
-            self._popen = subprocess.Popen(["runc", "run", "--bundle", str(self.workdir), self.id],
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL)
+            self._popen = subprocess.Popen(
+                ["runc", "run", "--bundle", str(self.workdir), self.id],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         return self
 
     def run(self, *, timeout: float = 300.0) -> tuple[int, str]:
@@ -123,15 +141,13 @@ class Container:
         return self._popen is not None and self._popen.poll() is None
 
     def kill(self, signal_name: str) -> None:
-        subprocess.run(["runc", "kill", self.id, signal_name], check=True, capture_output=True,
-                       timeout=30)
+        subprocess.run(["runc", "kill", self.id, signal_name], check=True, capture_output=True, timeout=30)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def close(self) -> None:
-        subprocess.run(["runc", "delete", "--force", self.id], capture_output=True, check=False,
-                       timeout=60)
+        subprocess.run(["runc", "delete", "--force", self.id], capture_output=True, check=False, timeout=60)
         if self._popen is not None and self._popen.poll() is None:
             self._popen.kill()
             self._popen.wait(timeout=30)
@@ -156,8 +172,12 @@ def test_image_config_has_labels_numeric_user_and_tini(config: dict[str, Any], t
     assert labels["org.opencontainers.image.version"] == version == image.package_version()
     assert labels["org.opencontainers.image.revision"] == revision
     commit = revision.split("-")[0]  # a commit of this repository (HEAD when it was built)
-    assert subprocess.run(["git", "-C", str(image.REPO_ROOT), "cat-file", "-e",
-                           f"{commit}^{{commit}}"], check=False).returncode == 0, revision
+    assert (
+        subprocess.run(
+            ["git", "-C", str(image.REPO_ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], check=False
+        ).returncode
+        == 0
+    ), revision
     assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     assert labels["org.opencontainers.image.source"].startswith("https://")
     assert labels["org.opencontainers.image.base.name"].startswith(image.BASE_REPOSITORY)
@@ -217,8 +237,7 @@ print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "home": os.environ["HO
 """
 
 
-def test_default_command_is_help(bundle: Path, config: dict[str, Any],
-                                 container_dir: Path) -> None:
+def test_default_command_is_help(bundle: Path, config: dict[str, Any], container_dir: Path) -> None:
     container = Container(bundle=bundle, config=config, workdir=container_dir)
     try:
         code, output = container.run()
@@ -230,10 +249,8 @@ def test_default_command_is_help(bundle: Path, config: dict[str, Any],
         assert command in output, output
 
 
-def test_runs_as_non_root_on_a_read_only_root(bundle: Path, config: dict[str, Any],
-                                             container_dir: Path) -> None:
-    container = Container(bundle=bundle, config=config, workdir=container_dir,
-                          args=["python3", "-c", _PROBE])
+def test_runs_as_non_root_on_a_read_only_root(bundle: Path, config: dict[str, Any], container_dir: Path) -> None:
+    container = Container(bundle=bundle, config=config, workdir=container_dir, args=["python3", "-c", _PROBE])
     try:
         code, output = container.run()
     finally:
@@ -243,8 +260,14 @@ def test_runs_as_non_root_on_a_read_only_root(bundle: Path, config: dict[str, An
     assert probe["uid"] == RUN_AS and probe["gid"] == RUN_AS
     assert probe["home"] == "/tmp" and probe["triton_cache"] == TRITON_CACHE
     assert probe["torch"].startswith("2.11.0") and probe["triton"] == "3.6.0"
-    assert probe["writable"] == {"/": False, "/opt/splitserve": False, "/etc": False,
-                                 "/tmp": True, TRITON_CACHE: True, MODEL_CACHE: True}
+    assert probe["writable"] == {
+        "/": False,
+        "/opt/splitserve": False,
+        "/etc": False,
+        "/tmp": True,
+        TRITON_CACHE: True,
+        MODEL_CACHE: True,
+    }
 
 
 def _wait_for(url: str, *, container: Container, timeout: float) -> None:
@@ -272,11 +295,18 @@ class _Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": self.max_tokens,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "a long answer",
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
-            with httpx.Client(timeout=120) as http, http.stream(
-                    "POST", f"{self.base}/v1/completions", json=body) as response:
+            with (
+                httpx.Client(timeout=120) as http,
+                http.stream("POST", f"{self.base}/v1/completions", json=body) as response,
+            ):
                 response.raise_for_status()
                 for line in response.iter_lines():
                     if line.startswith("data: "):
@@ -288,28 +318,61 @@ class _Stream(threading.Thread):
             self.first.set()
 
 
-def test_serve_answers_and_drains_on_sigterm(bundle: Path, config: dict[str, Any],
-                                             container_dir: Path, tiny_model: Path) -> None:
+def test_serve_answers_and_drains_on_sigterm(
+    bundle: Path, config: dict[str, Any], container_dir: Path, tiny_model: Path
+) -> None:
     port, kv_port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
     container = Container(
-        bundle=bundle, config=config, workdir=container_dir, model=tiny_model,
-        args=["splitserve", "serve", "--model", f"file://{MODEL_MOUNT}",
-              "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-              "--kv-port", str(kv_port), "--device", "cpu", "--attention-backend", "torch",
-              "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "32",
-              "--block-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-              "--drain-timeout-seconds", "60"])
+        bundle=bundle,
+        config=config,
+        workdir=container_dir,
+        model=tiny_model,
+        args=[
+            "splitserve",
+            "serve",
+            "--model",
+            f"file://{MODEL_MOUNT}",
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-port",
+            str(kv_port),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--num-kv-blocks",
+            "32",
+            "--block-size",
+            "16",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--drain-timeout-seconds",
+            "60",
+        ],
+    )
     try:
         container.start()
         _wait_for(f"{base}/health", container=container, timeout=300)
         _wait_for(f"{base}/ready", container=container, timeout=300)
-        answer = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+        answer = httpx.post(
+            f"{base}/v1/completions",
+            timeout=60,
+            json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "ignore_eos": True},
+        )
         assert answer.status_code == 200, answer.text
         body = answer.json()
-        assert body["usage"]["completion_tokens"] == 8 and isinstance(
-            body["choices"][0]["text"], str)
+        assert body["usage"]["completion_tokens"] == 8 and isinstance(body["choices"][0]["text"], str)
 
         stream = _Stream(base=base, max_tokens=300)
         stream.start()

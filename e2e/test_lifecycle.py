@@ -28,20 +28,26 @@ pytestmark = pytest.mark.e2e
 
 def _cli(state_dir: Path, *args: str, timeout_seconds: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-    return subprocess.run([sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir),
-                           *args], capture_output=True, text=True, timeout=timeout_seconds,
-                          env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_seconds,
+        env=env,
+        check=False,
+    )
 
 
 def _recorded_pids(state_dir: Path) -> dict[str, int]:
-    return {path.stem: int(json.loads(path.read_text())["pid"])
-            for path in (state_dir / "pids").glob("*.pid")}
+    return {path.stem: int(json.loads(path.read_text())["pid"]) for path in (state_dir / "pids").glob("*.pid")}
 
 
 def _wait_dead(pids: dict[str, int], *, timeout_seconds: float) -> list[str]:
     """Wait (bounded) until none of ``pids`` is alive; returns the names still alive."""
+
     def alive() -> list[str]:
         return [name for name, pid in pids.items() if is_alive(pid)]
+
     with contextlib.suppress(TimeoutError):
         wait_until(lambda: not alive(), timeout_seconds=timeout_seconds, what="recorded processes gone")
     return alive()
@@ -64,8 +70,7 @@ def test_up_status_down_and_killed_daemon_leave_no_process(state_dir: Path) -> N
     assert status.returncode == 0, status.stdout + status.stderr
     assert "kwok-gpu-0" in status.stdout
     pids = _recorded_pids(state_dir)
-    assert {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-            "kwok"} <= set(pids)
+    assert {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"} <= set(pids)
 
     down = _cli(state_dir, "down")
     assert down.returncode == 0, down.stderr

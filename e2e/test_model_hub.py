@@ -51,16 +51,26 @@ TIMEOUT_SECONDS = 300.0
 
 def _secret(cluster: LocalCluster, namespace: str, name: str, token: str) -> None:
     core: Any = cluster.core()
-    core.create_namespaced_secret(namespace, {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-        "data": {"HF_TOKEN": base64.b64encode(token.encode()).decode()}})
+    core.create_namespaced_secret(
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name},
+            "data": {"HF_TOKEN": base64.b64encode(token.encode()).decode()},
+        },
+    )
 
 
 def _manifest(*, name: str, namespace: str, hub: LocalHub, secret: str) -> dict[str, object]:
     """The tiny Aggregated service with the operator's default model cache (an emptyDir per
     pod), its model ``hf://org/tiny`` from ``hub`` with the token in Secret ``secret``."""
-    manifest = isvc_manifest(name=name, namespace=namespace, mode="Aggregated",
-                             hub=ModelHub(endpoint=hub.endpoint, token="", token_secret=secret))
+    manifest = isvc_manifest(
+        name=name,
+        namespace=namespace,
+        mode="Aggregated",
+        hub=ModelHub(endpoint=hub.endpoint, token="", token_secret=secret),
+    )
     spec = manifest["spec"]
     spec["model"]["uri"] = f"hf://{REPO}"
     spec["autoscaling"]["enabled"] = False
@@ -70,21 +80,18 @@ def _manifest(*, name: str, namespace: str, hub: LocalHub, secret: str) -> dict[
 @pytest.fixture(scope="module")
 def hub(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
     model = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-    with LocalHub(tmp_path_factory.mktemp("hub"), token=TOKEN,
-                  host=cluster.pod_gateway or LOOPBACK) as running:
+    with LocalHub(tmp_path_factory.mktemp("hub"), token=TOKEN, host=cluster.pod_gateway or LOOPBACK) as running:
         running.publish(REPO, model, extra_files={"pytorch_model.bin": b"\0" * 4096})
         yield running
 
 
 @pytest.fixture(scope="module")
-def namespace(cluster: LocalCluster, image: str, model_hub: ModelHub, hub: LocalHub
-              ) -> Iterator[str]:
+def namespace(cluster: LocalCluster, image: str, model_hub: ModelHub, hub: LocalHub) -> Iterator[str]:
     with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="hub") as name:
         _secret(cluster, name, "hf-token", TOKEN)
         _secret(cluster, name, "hf-wrong", "hf_not_the_token")
         for isvc, secret in ((GOOD, "hf-token"), (BAD, "hf-wrong")):
-            apply_object(cluster=cluster, obj=_manifest(name=isvc, namespace=name, hub=hub,
-                                                        secret=secret))
+            apply_object(cluster=cluster, obj=_manifest(name=isvc, namespace=name, hub=hub, secret=secret))
         yield name
 
 
@@ -94,8 +101,11 @@ def test_model_is_downloaded_from_the_hub_and_served(namespace: str, cluster: Lo
     print(f"\n{GOOD} Ready {time.monotonic() - started:.1f}s after the namespace was set up")
     router = router_endpoints(cluster=cluster, namespace=namespace, name=GOOD)[0]
     url = router if router.startswith("http") else f"http://{router}"
-    response = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": SERVED_NAME, "prompt": "The operator watches", "max_tokens": 4, "temperature": 0})
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": SERVED_NAME, "prompt": "The operator watches", "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
     fetched = hub.downloaded(REPO)
@@ -112,8 +122,10 @@ def test_a_refused_token_is_reported_as_model_unavailable(namespace: str, cluste
             break
         time.sleep(1.0)
     else:
-        pytest.fail(f"no {Reason.MODEL_UNAVAILABLE} within {TIMEOUT_SECONDS:.0f}s; Ready={seen}\n"
-                    f"{pod_summary(cluster=cluster, namespace=namespace)}")
+        pytest.fail(
+            f"no {Reason.MODEL_UNAVAILABLE} within {TIMEOUT_SECONDS:.0f}s; Ready={seen}\n"
+            f"{pod_summary(cluster=cluster, namespace=namespace)}"
+        )
     message = str(seen["message"])
     print(f"\n{BAD} Ready condition: {message}")
     assert seen["status"] == "False"

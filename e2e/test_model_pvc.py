@@ -60,8 +60,7 @@ def _world_readable_copy(source: Path, target: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def claim_namespace(cluster: LocalCluster, image: str, model_hub: ModelHub
-                    ) -> Iterator[str]:
+def claim_namespace(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """A restricted namespace with the operator and a Bound claim ``models`` holding
     ``splitserve/tiny-llama`` and ``smol/<SmolLM2 GGUF file>`` (a hostPath PersistentVolume on
     the kubelet node)."""
@@ -73,33 +72,52 @@ def claim_namespace(cluster: LocalCluster, image: str, model_hub: ModelHub
     shutil.copyfile(smollm2.gguf_path(), smol / GGUF_FILE)
     os.chmod(smol / GGUF_FILE, 0o644)
     core: Any = cluster.core()
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="pvc") as namespace:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="pvc") as namespace:
         volume = f"{namespace}-models"
-        core.create_persistent_volume({
-            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                     "hostPath": {"path": str(volume_dir), "type": "Directory"},
-                     "claimRef": {"namespace": namespace, "name": CLAIM}}})
+        core.create_persistent_volume(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": "",
+                    "hostPath": {"path": str(volume_dir), "type": "Directory"},
+                    "claimRef": {"namespace": namespace, "name": CLAIM},
+                },
+            }
+        )
         try:
-            core.create_namespaced_persistent_volume_claim(namespace, {
-                "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                "metadata": {"name": CLAIM},
-                "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                         "volumeName": volume, "resources": {"requests": {"storage": "1Gi"}}}})
-            cluster.wait_for(lambda: core.read_namespaced_persistent_volume_claim(
-                CLAIM, namespace).status.phase == "Bound", timeout_seconds=60,
-                what=f"claim {CLAIM} Bound (the controller manager's binder)")
+            core.create_namespaced_persistent_volume_claim(
+                namespace,
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": CLAIM},
+                    "spec": {
+                        "accessModes": ["ReadOnlyMany"],
+                        "storageClassName": "",
+                        "volumeName": volume,
+                        "resources": {"requests": {"storage": "1Gi"}},
+                    },
+                },
+            )
+            cluster.wait_for(
+                lambda: core.read_namespaced_persistent_volume_claim(CLAIM, namespace).status.phase == "Bound",
+                timeout_seconds=60,
+                what=f"claim {CLAIM} Bound (the controller manager's binder)",
+            )
             yield namespace
         finally:
             core.delete_persistent_volume(volume)
             shutil.rmtree(volume_dir, ignore_errors=True)
 
 
-def test_model_from_a_claim_is_mounted_read_only_and_served(cluster: LocalCluster,
-                                                           claim_namespace: str,
-                                                           model_hub: ModelHub) -> None:
+def test_model_from_a_claim_is_mounted_read_only_and_served(
+    cluster: LocalCluster, claim_namespace: str, model_hub: ModelHub
+) -> None:
     namespace = claim_namespace
     manifest = isvc_manifest(name=NAME, namespace=namespace, mode="Aggregated", hub=model_hub)
     model = manifest["spec"]["model"]
@@ -118,24 +136,27 @@ def test_model_from_a_claim_is_mounted_read_only_and_served(cluster: LocalCluste
     assert roles == [contract.Role.AGGREGATED.value, "router"], roles
     for pod in pods:  # the engine loads the weights, the router the tokenizer: both mount it
         claims = [v for v in pod.spec.volumes if v.persistent_volume_claim is not None]
-        assert [(v.persistent_volume_claim.claim_name, v.persistent_volume_claim.read_only)
-                for v in claims] == [(CLAIM, True)], pod.metadata.name
-        mounts = [m for c in pod.spec.containers for m in c.volume_mounts or []
-                  if m.name == claims[0].name]
+        assert [(v.persistent_volume_claim.claim_name, v.persistent_volume_claim.read_only) for v in claims] == [
+            (CLAIM, True)
+        ], pod.metadata.name
+        mounts = [m for c in pod.spec.containers for m in c.volume_mounts or [] if m.name == claims[0].name]
         assert mounts and all(m.read_only for m in mounts), mounts
         log = cluster.pod_log(namespace=namespace, pod=pod.metadata.name)
         assert "downloaded " not in log, log[-2000:]
 
     router = router_endpoints(cluster=cluster, namespace=namespace, name=NAME)[0]
-    response = httpx.post(f"http://{router}/v1/completions", timeout=60, json={
-        "model": SERVED_NAME, "prompt": "A claim holds the weights", "max_tokens": 4,
-        "temperature": 0})
+    response = httpx.post(
+        f"http://{router}/v1/completions",
+        timeout=60,
+        json={"model": SERVED_NAME, "prompt": "A claim holds the weights", "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_gguf_file_on_a_claim_serves_with_int4_weights_and_an_fp8_kv_cache(
-        cluster: LocalCluster, claim_namespace: str, model_hub: ModelHub) -> None:
+    cluster: LocalCluster, claim_namespace: str, model_hub: ModelHub
+) -> None:
     """A real GGUF checkpoint (SmolLM2-135M-Instruct, Q4_1) named by ``pvc://`` and served with
     ``kvCache.dtype: fp8``: the engine reads the config and tokenizer from the file's metadata
     (a sidecar in its model cache; the claim is read-only), keeps the Q4_1 projections as int4,
@@ -160,8 +181,15 @@ def test_a_gguf_file_on_a_claim_serves_with_int4_weights_and_an_fp8_kv_cache(
     log = cluster.pod_log(namespace=namespace, pod=engine.metadata.name)
     assert "kept as int4 (group 32): 210 Q4_1" in log, log[-3000:]
     router = router_endpoints(cluster=cluster, namespace=namespace, name=GGUF_NAME)[0]
-    response = httpx.post(f"http://{router}/v1/chat/completions", timeout=120, json={
-        "model": SERVED_NAME, "max_tokens": 8, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
+    response = httpx.post(
+        f"http://{router}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": SERVED_NAME,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        },
+    )
     assert response.status_code == 200, response.text
     assert "Paris" in response.json()["choices"][0]["message"]["content"], response.json()

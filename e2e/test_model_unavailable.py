@@ -31,8 +31,7 @@ POLL_SECONDS = 1.0
 
 @pytest.fixture(scope="module")
 def namespace(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="nomodel") as name:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="nomodel") as name:
         manifest = isvc_manifest(name=NAME, namespace=name, mode="Aggregated", hub=model_hub)
         manifest["spec"]["model"]["uri"] = MISSING_MODEL
         # Cache only: the pods would otherwise try to download it.
@@ -52,8 +51,10 @@ def test_missing_model_is_reported_as_model_unavailable(namespace: str, cluster:
             break
         time.sleep(POLL_SECONDS)
     else:
-        pytest.fail(f"no {Reason.MODEL_UNAVAILABLE} within {TIMEOUT_SECONDS:.0f}s; Ready={seen}\n"
-                    f"{pod_summary(cluster=cluster, namespace=namespace)}")
+        pytest.fail(
+            f"no {Reason.MODEL_UNAVAILABLE} within {TIMEOUT_SECONDS:.0f}s; Ready={seen}\n"
+            f"{pod_summary(cluster=cluster, namespace=namespace)}"
+        )
     assert seen["status"] == "False"
     assert "not in the local cache" in str(seen["message"]), seen
     assert MISSING_MODEL in str(seen["message"]), seen
@@ -61,6 +62,13 @@ def test_missing_model_is_reported_as_model_unavailable(namespace: str, cluster:
     stalled = condition(obj, ConditionType.STALLED) or {}
     assert (stalled.get("status"), stalled.get("reason")) == ("True", Reason.MODEL_UNAVAILABLE), stalled
     warnings = cluster.kubectl(
-        "get", "events", "-n", namespace, "-o", "jsonpath={range .items[*]}{.reason}/{.type}{'\\n'}{end}",
-        "--field-selector", f"involvedObject.kind={contract.KIND},involvedObject.name={NAME}")
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "-o",
+        "jsonpath={range .items[*]}{.reason}/{.type}{'\\n'}{end}",
+        "--field-selector",
+        f"involvedObject.kind={contract.KIND},involvedObject.name={NAME}",
+    )
     assert f"{Reason.MODEL_UNAVAILABLE}/Warning" in warnings.stdout.split(), warnings.stdout

@@ -58,8 +58,9 @@ IN_FLIGHT_GRACE_SECONDS = 2.0
 
 
 # --------------------------------------------------------------------------- fixtures
-def _install_operator(cluster: LocalCluster, image: str, hub: ModelHub, *, prefix: str,
-                      release: str, replicas: int) -> str:
+def _install_operator(
+    cluster: LocalCluster, image: str, hub: ModelHub, *, prefix: str, release: str, replicas: int
+) -> str:
     """A fresh restricted namespace with the CRDs applied (like a platform team would: Helm
     installs crds/ only once, never upgrades), the hub's token Secret, and the operator
     installed there by Helm (namespace scope, no Prometheus: no autoscaling decisions);
@@ -67,8 +68,9 @@ def _install_operator(cluster: LocalCluster, image: str, hub: ModelHub, *, prefi
     name = f"{prefix}-{uuid.uuid4().hex[:5]}"
     create_namespace(cluster, name, restricted=True)
     create_hub_token_secret(cluster=cluster, namespace=name, hub=hub)
-    install_operator(cluster=cluster, namespace=name, image=image, release=release,
-                     replicas=replicas, with_prometheus=False)
+    install_operator(
+        cluster=cluster, namespace=name, image=image, release=release, replicas=replicas, with_prometheus=False
+    )
     _wait_leader(cluster, name, release=release)
     return name
 
@@ -81,8 +83,7 @@ def _uninstall_operator(cluster: LocalCluster, ns: str, *, release: str) -> None
 @pytest.fixture(scope="module")
 def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """The module's namespace with one operator replica installed by Helm (namespace scope)."""
-    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator", release=RELEASE,
-                             replicas=1)
+    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator", release=RELEASE, replicas=1)
     yield name
     _uninstall_operator(cluster, name, release=RELEASE)
 
@@ -90,8 +91,7 @@ def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
 @pytest.fixture
 def ha_ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """A namespace of its own with a two-replica operator release (leader election)."""
-    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator-ha",
-                             release=HA_RELEASE, replicas=2)
+    name = _install_operator(cluster, image, model_hub, prefix="e2e-operator-ha", release=HA_RELEASE, replicas=2)
     yield name
     _uninstall_operator(cluster, name, release=HA_RELEASE)
 
@@ -123,12 +123,19 @@ def isvc(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> Iterator[Isvc]
 def _delete_isvc(cluster: LocalCluster, ns: str, name: str) -> None:
     """Delete and wait (bounded, best effort) for its pods to go, so GPUs and the kubelet node's
     CPUs are free for the next test."""
-    cluster.kubectl("delete", "inferenceservices.splitserve.dev", name, "-n", ns, "--ignore-not-found",
-                    "--wait=false")
+    cluster.kubectl("delete", "inferenceservices.splitserve.dev", name, "-n", ns, "--ignore-not-found", "--wait=false")
     with contextlib.suppress(TimeoutError):
-        cluster.wait_for(lambda: not json.loads(cluster.kubectl(
-            "get", "pods", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json").stdout)["items"],
-            timeout_seconds=60, what=f"pods of {name} gone")
+        cluster.wait_for(
+            lambda: (
+                not json.loads(
+                    cluster.kubectl(
+                        "get", "pods", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json"
+                    ).stdout
+                )["items"]
+            ),
+            timeout_seconds=60,
+            what=f"pods of {name} gone",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +145,29 @@ def tiny_model(model_hub: ModelHub) -> ModelHub:
     return model_hub
 
 
-def _manifest(name: str, namespace: str, *, model: ModelHub, prefill_min: int = 2, decode_min: int = 1,
-              decode_gpus: int = 2, **spec: Any) -> dict[str, Any]:
+def _manifest(
+    name: str,
+    namespace: str,
+    *,
+    model: ModelHub,
+    prefill_min: int = 2,
+    decode_min: int = 1,
+    decode_gpus: int = 2,
+    **spec: Any,
+) -> dict[str, Any]:
     """Parallelism stays at its default (tensor 1, pipeline 1)."""
     kwok = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
     body: dict[str, Any] = {
-        "apiVersion": isvc_api.API_VERSION_STRING, "kind": contract.KIND,
+        "apiVersion": isvc_api.API_VERSION_STRING,
+        "kind": contract.KIND,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32",
-                      "hubEndpoint": model.endpoint,
-                      "hubTokenSecretRef": {"name": model.token_secret}},
+            "model": {
+                "uri": f"hf://{MODEL_NAME}",
+                "dtype": "float32",
+                "hubEndpoint": model.endpoint,
+                "hubTokenSecretRef": {"name": model.token_secret},
+            },
             "mode": "Disaggregated",
             "prefill": {"replicas": {"min": prefill_min, "max": 4}, "resources": {"gpus": 1}, **kwok},
             "decode": {"replicas": {"min": decode_min, "max": 4}, "resources": {"gpus": decode_gpus}, **kwok},
@@ -179,14 +198,31 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def _children(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
-    result = cluster.kubectl("get", ",".join(CHILD_KINDS), "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}",
-                             "-o", "json", "--show-managed-fields")
+    result = cluster.kubectl(
+        "get",
+        ",".join(CHILD_KINDS),
+        "-n",
+        ns,
+        "-l",
+        f"{contract.LABEL_INSTANCE}={name}",
+        "-o",
+        "json",
+        "--show-managed-fields",
+    )
     return list(json.loads(result.stdout)["items"])
 
 
 def _events(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
-    result = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
-                             f"involvedObject.name={name},involvedObject.kind={contract.KIND}", "-o", "json")
+    result = cluster.kubectl(
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        f"involvedObject.name={name},involvedObject.kind={contract.KIND}",
+        "-o",
+        "json",
+    )
     return list(json.loads(result.stdout)["items"])
 
 
@@ -208,11 +244,16 @@ def _operator_pods(cluster: LocalCluster, ns: str, *, release: str = RELEASE) ->
 def _wait_leader(cluster: LocalCluster, ns: str, *, release: str = RELEASE) -> str:
     """The name of the live operator pod that holds the Lease (a Lease still naming a killed
     or replaced pod does not count)."""
+
     def leader() -> str:
         held = _lease_holder(cluster, ns, release=release)
-        running = [p["metadata"]["name"] for p in _operator_pods(cluster, ns, release=release)
-                   if (p.get("status") or {}).get("phase") == "Running"]
+        running = [
+            p["metadata"]["name"]
+            for p in _operator_pods(cluster, ns, release=release)
+            if (p.get("status") or {}).get("phase") == "Running"
+        ]
         return next((p for p in running if held.startswith(f"{p}_")), "")
+
     return cluster.wait_for(leader, timeout_seconds=LEASE_DURATION_SECONDS + 60, what=f"{release} leader")
 
 
@@ -223,8 +264,9 @@ def _hold_still(seconds: float, why: str) -> None:
     time.sleep(seconds)
 
 
-def _until(cluster: LocalCluster, predicate: Callable[[], dict[str, Any] | None], *, timeout_seconds: float,
-           what: str) -> dict[str, Any]:
+def _until(
+    cluster: LocalCluster, predicate: Callable[[], dict[str, Any] | None], *, timeout_seconds: float, what: str
+) -> dict[str, Any]:
     result = cluster.wait_for(predicate, timeout_seconds=timeout_seconds, what=what)
     assert result is not None
     return result
@@ -248,24 +290,30 @@ def _rolled_out(cluster: LocalCluster, ns: str, deployment: str, replicas: int) 
     if d is None:
         return False
     st = d.get("status") or {}
-    return (d["spec"].get("replicas") == replicas
-            and st.get("observedGeneration", 0) >= d["metadata"]["generation"]
-            and st.get("replicas") == st.get("updatedReplicas") == st.get("readyReplicas") == replicas)
+    return (
+        d["spec"].get("replicas") == replicas
+        and st.get("observedGeneration", 0) >= d["metadata"]["generation"]
+        and st.get("replicas") == st.get("updatedReplicas") == st.get("readyReplicas") == replicas
+    )
 
 
 def _wait_pools(cluster: LocalCluster, ns: str, name: str, *, prefill: int, decode: int) -> dict[str, Any]:
     """Both pool Deployments rolled out at the given sizes (their own status: a surge pod
     during a rollout does not count), then the InferenceService observed at its generation."""
+
     def ok() -> dict[str, Any] | None:
-        if not (_rolled_out(cluster, ns, f"{name}-prefill", prefill)
-                and _rolled_out(cluster, ns, f"{name}-decode", decode)):
+        if not (
+            _rolled_out(cluster, ns, f"{name}-prefill", prefill) and _rolled_out(cluster, ns, f"{name}-decode", decode)
+        ):
             return None
         obj = _isvc(cluster, ns, name)
         st = obj.get("status") or {}
         return obj if st.get("observedGeneration") == obj["metadata"]["generation"] else None
+
     try:
-        return _until(cluster, ok, timeout_seconds=CONVERGE_SECONDS,
-                      what=f"{name}: prefill {prefill} / decode {decode} ready")
+        return _until(
+            cluster, ok, timeout_seconds=CONVERGE_SECONDS, what=f"{name}: prefill {prefill} / decode {decode} ready"
+        )
     except TimeoutError as error:
         raise TimeoutError(f"{error}\n{_diagnosis(cluster, ns, name)}") from None
 
@@ -280,9 +328,20 @@ def _diagnosis(cluster: LocalCluster, ns: str, name: str) -> str:
         lines.append(f"generation={obj['metadata'].get('generation')} status={json.dumps(obj.get('status'))}")
         for role in ("prefill", "decode", "router"):
             d = _get(cluster, ns, "deployment", f"{name}-{role}")
-            lines.append(f"deployment {role}: " + (json.dumps({"spec.replicas": d["spec"].get("replicas"),
-                                                               "generation": d["metadata"].get("generation"),
-                                                               "status": d.get("status")}) if d else "absent"))
+            lines.append(
+                f"deployment {role}: "
+                + (
+                    json.dumps(
+                        {
+                            "spec.replicas": d["spec"].get("replicas"),
+                            "generation": d["metadata"].get("generation"),
+                            "status": d.get("status"),
+                        }
+                    )
+                    if d
+                    else "absent"
+                )
+            )
         lines.append(f"lease holder: {_lease_holder(cluster, ns)!r}")
         for pod in _operator_pods(cluster, ns):
             pod_name = pod["metadata"]["name"]
@@ -303,14 +362,27 @@ def test_children_created_with_expected_fields(cluster: LocalCluster, isvc: Isvc
     assert not obj["metadata"].get("finalizers"), obj["metadata"]["finalizers"]
     children = _children(cluster, ns, name)
     names = sorted((c["kind"], c["metadata"]["name"]) for c in children)
-    expected = sorted([("ConfigMap", isvc.child("config")), ("NetworkPolicy", isvc.child("netpol"))] + [
-        (kind, isvc.child(role)) for role in ("prefill", "decode", "router")
-        for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy")])
+    expected = sorted(
+        [("ConfigMap", isvc.child("config")), ("NetworkPolicy", isvc.child("netpol"))]
+        + [
+            (kind, isvc.child(role))
+            for role in ("prefill", "decode", "router")
+            for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy")
+        ]
+    )
     assert names == expected
     for child in children:
         refs = child["metadata"]["ownerReferences"]
-        assert refs == [{"apiVersion": isvc_api.API_VERSION_STRING, "kind": contract.KIND, "name": name,
-                         "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+        assert refs == [
+            {
+                "apiVersion": isvc_api.API_VERSION_STRING,
+                "kind": contract.KIND,
+                "name": name,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
     assert deployments[isvc.child("prefill")]["spec"]["replicas"] == 2
     assert deployments[isvc.child("decode")]["spec"]["replicas"] == 1
@@ -322,9 +394,18 @@ def test_children_created_with_expected_fields(cluster: LocalCluster, isvc: Isvc
     assert "f:replicas" in managers[contract.FIELD_MANAGER_AUTOSCALER]["fieldsV1"]["f:spec"]
     assert "f:replicas" not in managers[contract.FIELD_MANAGER_RECONCILER]["fieldsV1"]["f:spec"]
     # Pool pods landed on kwok GPU nodes.
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-l",
-                                      f"{contract.LABEL_INSTANCE}={name},{contract.LABEL_ROLE} in (prefill,decode)",
-                                      "-o", "json").stdout)["items"]
+    pods = json.loads(
+        cluster.kubectl(
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            f"{contract.LABEL_INSTANCE}={name},{contract.LABEL_ROLE} in (prefill,decode)",
+            "-o",
+            "json",
+        ).stdout
+    )["items"]
     assert len(pods) == 3
     for pod in pods:
         node = json.loads(cluster.kubectl("get", "node", pod["spec"]["nodeName"], "-o", "json").stdout)
@@ -333,8 +414,11 @@ def test_children_created_with_expected_fields(cluster: LocalCluster, isvc: Isvc
     assert st["endpoint"] == f"http://{isvc.child('router')}.{ns}.svc:8000"
     assert st["prefill"]["desiredReplicas"] == 2 and st["decode"]["desiredReplicas"] == 1
     assert st["compatHash"] == deployments[isvc.child("prefill")]["metadata"]["labels"][contract.LABEL_COMPAT_HASH]
-    cluster.wait_for(lambda: "ChildrenCreated" in {e["reason"] for e in _events(cluster, ns, name)},
-                     timeout_seconds=20, what="ChildrenCreated Event")
+    cluster.wait_for(
+        lambda: "ChildrenCreated" in {e["reason"] for e in _events(cluster, ns, name)},
+        timeout_seconds=20,
+        what="ChildrenCreated Event",
+    )
 
 
 def test_ready_condition_tracks_router(cluster: LocalCluster, isvc: Isvc) -> None:
@@ -359,13 +443,18 @@ def test_reconciler_and_autoscaler_conditions_coexist(cluster: LocalCluster, isv
     def with_metrics_condition() -> dict[str, Any] | None:
         current = _isvc(cluster, ns, name)
         return current if _condition(current, "MetricsHealthy") else None
+
     # The autoscaler writes MetricsHealthy on its first round that finds a Ready pool pod: rounds
     # run every spec.autoscaling.interval (15 s), so a healthy operator needs at most two of
     # them after the pools are ready; the bound is the module's, for a loaded 2-core CI machine.
     started = time.monotonic()
     try:
-        obj = _until(cluster, with_metrics_condition, timeout_seconds=CONVERGE_SECONDS,
-                     what="autoscaler's MetricsHealthy condition")
+        obj = _until(
+            cluster,
+            with_metrics_condition,
+            timeout_seconds=CONVERGE_SECONDS,
+            what="autoscaler's MetricsHealthy condition",
+        )
     except TimeoutError as error:
         raise TimeoutError(f"{error}\n{_diagnosis(cluster, ns, name)}") from None
     print(f"MetricsHealthy written {time.monotonic() - started:.1f}s after the pools were ready")
@@ -382,6 +471,7 @@ def test_reconciler_and_autoscaler_conditions_coexist(cluster: LocalCluster, isv
         current = _isvc(cluster, ns, name)
         ready = _condition(current, "Ready") or {}
         return current if ready.get("observedGeneration") == generation else None
+
     after = _until(cluster, reconciled, timeout_seconds=CONVERGE_SECONDS, what="Ready at the new generation")
     types = {c["type"] for c in after["status"]["conditions"]}
     assert {"Ready", "Reconciling", "Stalled", "MetricsHealthy"} <= types, types
@@ -405,6 +495,7 @@ def test_spec_edit_rolls_pods(cluster: LocalCluster, isvc: Isvc, tiny_model: Mod
     def rolled() -> dict[str, Any] | None:
         dep = _get(cluster, ns, "deployment", prefill)
         return dep if dep and _config_hash(dep) != _config_hash(before) else None
+
     after = _until(cluster, rolled, timeout_seconds=CONVERGE_SECONDS, what="new pod template")
     assert "32" in after["spec"]["template"]["spec"]["containers"][0]["args"]
     assert after["spec"]["replicas"] == before["spec"]["replicas"]
@@ -420,6 +511,7 @@ def test_deleted_child_is_recreated(cluster: LocalCluster, isvc: Isvc) -> None:
     def recreated() -> dict[str, Any] | None:
         svc = _get(cluster, ns, "service", decode)
         return svc if svc and svc["metadata"]["uid"] != old["metadata"]["uid"] else None
+
     new = _until(cluster, recreated, timeout_seconds=30, what=f"Service {decode} recreated")
     assert new["spec"]["ports"] == old["spec"]["ports"]
 
@@ -435,6 +527,7 @@ def test_drift_is_reverted_but_foreign_replicas_are_kept(cluster: LocalCluster, 
     def reverted() -> dict[str, Any] | None:
         d = _get(cluster, ns, "deployment", prefill)
         return d if d and d["spec"]["template"]["spec"]["containers"][0]["image"] == image else None
+
     cluster.wait_for(reverted, timeout_seconds=30, what="image drift reverted")
     # More reconciles, triggered by the Deployment's status events, must not touch replicas
     # either: wait until the operator has reported the third pod ready (a reconcile that saw
@@ -447,16 +540,22 @@ def test_drift_is_reverted_but_foreign_replicas_are_kept(cluster: LocalCluster, 
 
 def test_name_conflict_leaves_foreign_object_untouched(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
     name = f"beta-{uuid.uuid4().hex[:5]}"
-    foreign = {"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": f"{name}-config", "namespace": ns}, "data": {"owner": "someone else"}}
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config", "namespace": ns},
+        "data": {"owner": "someone else"},
+    }
     cluster.kubectl("create", "-f", "-", input_text=json.dumps(foreign))
     before = _get(cluster, ns, "configmap", f"{name}-config")
     assert before is not None
     _apply(cluster, _manifest(name, ns, model=tiny_model, prefill_min=1))
     try:
+
         def stalled() -> dict[str, Any] | None:
             cond = _condition(_isvc(cluster, ns, name), "Stalled")
             return cond if cond and cond["reason"] == "NameConflict" and cond["status"] == "True" else None
+
         cond = _until(cluster, stalled, timeout_seconds=CONVERGE_SECONDS, what="NameConflict condition")
         assert f"ConfigMap {name}-config" in cond["message"]
         ready = _condition(_isvc(cluster, ns, name), "Ready")
@@ -465,9 +564,11 @@ def test_name_conflict_leaves_foreign_object_untouched(cluster: LocalCluster, ns
         assert after is not None
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
         assert "ownerReferences" not in after["metadata"] and after["data"] == {"owner": "someone else"}
-        cluster.wait_for(lambda: any(e["reason"] == "NameConflict" and e["type"] == "Warning"
-                                     for e in _events(cluster, ns, name)),
-                         timeout_seconds=20, what="NameConflict Event")
+        cluster.wait_for(
+            lambda: any(e["reason"] == "NameConflict" and e["type"] == "Warning" for e in _events(cluster, ns, name)),
+            timeout_seconds=20,
+            what="NameConflict Event",
+        )
     finally:
         _delete_isvc(cluster, ns, name)
 
@@ -478,18 +579,29 @@ def _our_writes(cluster: LocalCluster, ns: str, name: str) -> dict[str, str]:
     field managers' entries (controllers keep bumping children's resourceVersion with status)."""
     out: dict[str, str] = {}
     for child in _children(cluster, ns, name):
-        ours = [e for e in child["metadata"].get("managedFields") or []
-                if e["manager"] in (contract.FIELD_MANAGER_RECONCILER, contract.FIELD_MANAGER_AUTOSCALER)]
+        ours = [
+            e
+            for e in child["metadata"].get("managedFields") or []
+            if e["manager"] in (contract.FIELD_MANAGER_RECONCILER, contract.FIELD_MANAGER_AUTOSCALER)
+        ]
         out[f"{child['kind']}/{child['metadata']['name']}"] = json.dumps(
-            [child["metadata"].get("generation"), ours], sort_keys=True)
+            [child["metadata"].get("generation"), ours], sort_keys=True
+        )
     out["isvc"] = _isvc(cluster, ns, name)["metadata"]["resourceVersion"]
     return out
 
 
 def test_paused_object_gets_zero_writes(cluster: LocalCluster, isvc: Isvc, tiny_model: ModelHub) -> None:
     ns, name, prefill, router = isvc.ns, isvc.name, isvc.child("prefill"), isvc.child("router")
-    annotated = cluster.kubectl("annotate", f"inferenceservices.splitserve.dev/{name}", "-n", ns,
-                                f"{contract.ANNOTATION_PAUSED}=true", "-o", "jsonpath={.metadata.resourceVersion}")
+    annotated = cluster.kubectl(
+        "annotate",
+        f"inferenceservices.splitserve.dev/{name}",
+        "-n",
+        ns,
+        f"{contract.ANNOTATION_PAUSED}=true",
+        "-o",
+        "jsonpath={.metadata.resourceVersion}",
+    )
     # A write the operator started before it saw the annotation may still land (CI saw one,
     # under load, right after the fixture's rollout); after that grace nothing writes: no kopf
     # bookkeeping either (with a timer, kopf removed its finalizer here).
@@ -510,10 +622,14 @@ def test_paused_object_gets_zero_writes(cluster: LocalCluster, isvc: Isvc, tiny_
     assert now == paused_versions, "a paused InferenceService or its children were written to"
     assert _config_hash(_get(cluster, ns, "deployment", prefill) or {}) == hash_before
     cluster.kubectl("annotate", f"inferenceservices.splitserve.dev/{name}", "-n", ns, f"{contract.ANNOTATION_PAUSED}-")
-    cluster.wait_for(lambda: _get(cluster, ns, "service", router), timeout_seconds=30,
-                     what="router Service back after unpause")
-    cluster.wait_for(lambda: _config_hash(_get(cluster, ns, "deployment", prefill) or {}) != hash_before,
-                     timeout_seconds=30, what="rollout after unpause")
+    cluster.wait_for(
+        lambda: _get(cluster, ns, "service", router), timeout_seconds=30, what="router Service back after unpause"
+    )
+    cluster.wait_for(
+        lambda: _config_hash(_get(cluster, ns, "deployment", prefill) or {}) != hash_before,
+        timeout_seconds=30,
+        what="rollout after unpause",
+    )
 
 
 def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_model: ModelHub) -> None:
@@ -521,13 +637,20 @@ def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_m
     name = f"gamma-{uuid.uuid4().hex[:5]}"
     _apply(cluster, _manifest(name, ns, model=tiny_model, prefill_min=1, decode_min=3, decode_gpus=8))
     try:
+
         def stalled() -> dict[str, Any] | None:
             cond = _condition(_isvc(cluster, ns, name), "Stalled")
             return cond if cond and cond["reason"] == "InsufficientGPUCapacity" and cond["status"] == "True" else None
+
         cond = _until(cluster, stalled, timeout_seconds=CONVERGE_SECONDS, what="InsufficientGPUCapacity condition")
         assert "nvidia.com/gpu" in cond["message"]
-        cluster.wait_for(lambda: any(e["reason"] == "InsufficientGPUCapacity" and e["type"] == "Warning"
-                                     for e in _events(cluster, ns, name)), timeout_seconds=20, what="capacity Event")
+        cluster.wait_for(
+            lambda: any(
+                e["reason"] == "InsufficientGPUCapacity" and e["type"] == "Warning" for e in _events(cluster, ns, name)
+            ),
+            timeout_seconds=20,
+            what="capacity Event",
+        )
         assert _get(cluster, ns, "deployment", f"{name}-decode") is not None  # applied anyway
     finally:
         _delete_isvc(cluster, ns, name)
@@ -536,17 +659,30 @@ def test_missing_gpu_capacity_is_reported(cluster: LocalCluster, ns: str, tiny_m
 INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
     ("min>max", {"prefill": {"replicas": {"min": 3, "max": 2}}}, rules.REPLICAS_RULE_MESSAGE),
     ("no decode", {"decode": None}, rules.DISAGGREGATED_RULE_MESSAGE),
-    ("aggregated with prefill", {"mode": "Aggregated", "aggregated": {"resources": {"gpus": 1}}},
-     rules.AGGREGATED_RULE_MESSAGE),
+    (
+        "aggregated with prefill",
+        {"mode": "Aggregated", "aggregated": {"resources": {"gpus": 1}}},
+        rules.AGGREGATED_RULE_MESSAGE,
+    ),
     # Parallelism: a pod's GPUs hold tensor x pipeline ranks; draft speculation is not served with it yet.
-    ("tensor parallel 2 on 1 GPU", {"decode": {"resources": {"gpus": 1}, "parallelism": {"tensor": 2}}},
-     rules.PARALLELISM_RULE_MESSAGE),
-    ("pipeline parallel 2 with a draft model",
-     {"decode": {"resources": {"gpus": 2}, "parallelism": {"pipeline": 2}},
-      "engine": {"speculative": {"method": "draft", "draftModel": "hf://a/d"}}},
-     rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE),
-    ("draft model without draft", {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
-     rules.DRAFT_MODEL_RULE_MESSAGE),
+    (
+        "tensor parallel 2 on 1 GPU",
+        {"decode": {"resources": {"gpus": 1}, "parallelism": {"tensor": 2}}},
+        rules.PARALLELISM_RULE_MESSAGE,
+    ),
+    (
+        "pipeline parallel 2 with a draft model",
+        {
+            "decode": {"resources": {"gpus": 2}, "parallelism": {"pipeline": 2}},
+            "engine": {"speculative": {"method": "draft", "draftModel": "hf://a/d"}},
+        },
+        rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
+    ),
+    (
+        "draft model without draft",
+        {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
+        rules.DRAFT_MODEL_RULE_MESSAGE,
+    ),
     ("gpu budget", {"autoscaling": {"gpuBudget": 1}}, rules.GPU_BUDGET_RULE_MESSAGE),
     ("bad uri", {"model": {"uri": "s3://bucket/model"}}, "spec.model.uri"),
     ("bad mode", {"mode": "Hybrid"}, 'Unsupported value: "Hybrid"'),
@@ -556,8 +692,11 @@ INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
     ("bad policy", {"router": {"policy": "Random"}}, 'Unsupported value: "Random"'),
     ("unknown field", {"prefil": {"replicas": {"min": 1}}}, "prefil"),
     ("negative gpus", {"prefill": {"resources": {"gpus": -1}}}, "spec.prefill.resources.gpus"),
-    ("picker settings without a picker", {"router": {"inferencePool": {"failureMode": "FailOpen"}}},
-     rules.INFERENCE_POOL_SETTINGS_RULE_MESSAGE),
+    (
+        "picker settings without a picker",
+        {"router": {"inferencePool": {"failureMode": "FailOpen"}}},
+        rules.INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
+    ),
 ]
 
 
@@ -604,21 +743,24 @@ def test_rendered_children_and_chart_validate_against_the_api(cluster: LocalClus
     # API Inference Extension module) must be there for the dry run
     for manifest in gie.ensure_gie_crds():
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifest))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferencepools.inference.networking.k8s.io")
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/inferencepools.inference.networking.k8s.io"
+    )
     for example in sorted((REPO / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(example.read_text()):
             if not doc or doc.get("kind") != contract.KIND:
                 continue
             doc["metadata"]["namespace"] = ns
-            result = cluster.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-",
-                                     input_text=json.dumps(doc), check=False)
+            result = cluster.kubectl(
+                "apply", "--dry-run=server", "--server-side", "-f", "-", input_text=json.dumps(doc), check=False
+            )
             assert result.returncode == 0, f"{example.name}: {result.stderr}"
             isvc = InferenceService.parse({**doc, "metadata": {**doc["metadata"], "uid": "x", "generation": 1}})
             children = render_children(isvc=isvc, runtime_image="img:1", router_service_account="default")
             listing = {"apiVersion": "v1", "kind": "List", "items": children}
-            result = cluster.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-",
-                                     input_text=json.dumps(listing), check=False)
+            result = cluster.kubectl(
+                "apply", "--dry-run=server", "--server-side", "-f", "-", input_text=json.dumps(listing), check=False
+            )
             assert result.returncode == 0, f"children of {example.name}: {result.stderr}"
     template = cluster.helm("template", "dry", str(CHART), "-n", ns, "--set", "rbac.scope=namespace")
     result = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input_text=template.stdout, check=False)
@@ -632,15 +774,25 @@ def test_operator_killed_mid_reconcile_converges(cluster: LocalCluster, ns: str,
     _apply(cluster, _manifest(name, ns, model=tiny_model))
     try:
         # Mid reconcile: the operator has started writing children (not necessarily all).
-        cluster.wait_for(lambda: _children(cluster, ns, name), timeout_seconds=30, interval_seconds=0.05,
-                         what=f"first child of {name}")
+        cluster.wait_for(
+            lambda: _children(cluster, ns, name),
+            timeout_seconds=30,
+            interval_seconds=0.05,
+            what=f"first child of {name}",
+        )
         _kill_pod(cluster, ns, leader)
         _wait_pools(cluster, ns, name, prefill=2, decode=1)
-        kinds = [(c["kind"], c["metadata"]["labels"].get(contract.LABEL_ROLE))
-                 for c in _children(cluster, ns, name) if c["kind"] == "Deployment"]
+        kinds = [
+            (c["kind"], c["metadata"]["labels"].get(contract.LABEL_ROLE))
+            for c in _children(cluster, ns, name)
+            if c["kind"] == "Deployment"
+        ]
         assert sorted(kinds) == [("Deployment", "decode"), ("Deployment", "prefill"), ("Deployment", "router")]
-        rs = json.loads(cluster.kubectl("get", "replicasets", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}",
-                                        "-o", "json").stdout)["items"]
+        rs = json.loads(
+            cluster.kubectl(
+                "get", "replicasets", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json"
+            ).stdout
+        )["items"]
         assert len(rs) == 3, "a pod template changed across the restart (operator upgrade/restart must not roll pods)"
         assert _wait_leader(cluster, ns) != leader
     finally:
@@ -651,15 +803,25 @@ def test_delete_garbage_collects_children(cluster: LocalCluster, isvc: Isvc) -> 
     ns, name = isvc.ns, isvc.name
     assert _children(cluster, ns, name)
     cluster.kubectl("delete", "inferenceservices.splitserve.dev", name, "-n", ns, "--wait=true", "--timeout=30s")
-    cluster.wait_for(lambda: not _children(cluster, ns, name), timeout_seconds=60,
-                     what=f"children of {name} collected")
+    cluster.wait_for(lambda: not _children(cluster, ns, name), timeout_seconds=60, what=f"children of {name} collected")
 
 
 def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str, tiny_model: ModelHub) -> None:
     ns = ha_ns
-    cluster.wait_for(lambda: len([p for p in _operator_pods(cluster, ns, release=HA_RELEASE)
-                                  if p.get("status", {}).get("phase") == "Running"]) == 2,
-                     timeout_seconds=60, what="two operator pods running")
+    cluster.wait_for(
+        lambda: (
+            len(
+                [
+                    p
+                    for p in _operator_pods(cluster, ns, release=HA_RELEASE)
+                    if p.get("status", {}).get("phase") == "Running"
+                ]
+            )
+            == 2
+        ),
+        timeout_seconds=60,
+        what="two operator pods running",
+    )
     pods = [p["metadata"]["name"] for p in _operator_pods(cluster, ns, release=HA_RELEASE)]
     leader = _wait_leader(cluster, ns, release=HA_RELEASE)
     holder = _lease_holder(cluster, ns, release=HA_RELEASE)
@@ -681,6 +843,7 @@ def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str,
             last_renew[:] = [str(spec["renewTime"])]
             return None
         return spec if spec.get("holderIdentity") else None
+
     new_spec = _until(cluster, changed_holder, timeout_seconds=LEASE_DURATION_SECONDS + 20, what="new Lease holder")
     new_holder = str(new_spec["holderIdentity"])
     takeover_seconds = time.monotonic() - killed_at
@@ -688,8 +851,10 @@ def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str,
     # that within one retry period. (The kill itself lands when the node agent notices the
     # force-deleted pod, so time-from-kill includes that delay too.)
     gap_seconds = (_parse_time(str(new_spec["acquireTime"])) - _parse_time(last_renew[0])).total_seconds()
-    print(f"\nleader failover: {gap_seconds:.1f}s from the last renewal, {takeover_seconds:.1f}s from the kill "
-          f"(lease duration {LEASE_DURATION_SECONDS:.0f}s)")
+    print(
+        f"\nleader failover: {gap_seconds:.1f}s from the last renewal, {takeover_seconds:.1f}s from the kill "
+        f"(lease duration {LEASE_DURATION_SECONDS:.0f}s)"
+    )
     assert gap_seconds <= LEASE_DURATION_SECONDS + 2 * RETRY_PERIOD_SECONDS
     assert new_spec["leaseTransitions"] >= 1
     # The standby usually wins; the ReplicaSet's replacement for the killed pod may win the
@@ -699,5 +864,8 @@ def test_two_replicas_one_writer_and_failover(cluster: LocalCluster, ha_ns: str,
     assert any(new_holder.startswith(f"{p}_") for p in live | {standby}), (new_holder, live)
     # The new leader reconciles: a deleted child comes back.
     cluster.kubectl("delete", "configmap", "eps-config", "-n", ns)
-    cluster.wait_for(lambda: _get(cluster, ns, "configmap", "eps-config"), timeout_seconds=30,
-                     what="eps-config recreated by the new leader")
+    cluster.wait_for(
+        lambda: _get(cluster, ns, "configmap", "eps-config"),
+        timeout_seconds=30,
+        what="eps-config recreated by the new leader",
+    )

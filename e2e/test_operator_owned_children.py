@@ -82,18 +82,34 @@ def ns(cluster: LocalCluster, image: str, model_hub: ModelHub, gie_crds: None) -
 
 
 def _kwok_pool() -> dict[str, Any]:
-    return {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}, "tolerations": [kwok_toleration()],
-            "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
+    return {
+        "replicas": {"min": 1, "max": 1},
+        "resources": {"gpus": 1},
+        "tolerations": [kwok_toleration()],
+        "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE},
+    }
 
 
 def _manifest(name: str, ns: str, hub: ModelHub, *, mode: str, router: dict[str, Any] | None = None) -> dict[str, Any]:
     pools = {"aggregated": _kwok_pool()} if mode == "Aggregated" else {"prefill": _kwok_pool(), "decode": _kwok_pool()}
     return {
-        "apiVersion": api.API_VERSION_STRING, "kind": contract.KIND, "metadata": {"name": name, "namespace": ns},
-        "spec": {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32", "maxModelLen": 1024,
-                           "hubEndpoint": hub.endpoint, "hubTokenSecretRef": {"name": hub.token_secret}},
-                 "runtime": {"extraArgs": ["--device", "cpu", "--num-kv-blocks", "64"]},
-                 "mode": mode, **pools, "autoscaling": {"enabled": False}, **({"router": router} if router else {})},
+        "apiVersion": api.API_VERSION_STRING,
+        "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "model": {
+                "uri": f"hf://{MODEL_NAME}",
+                "dtype": "float32",
+                "maxModelLen": 1024,
+                "hubEndpoint": hub.endpoint,
+                "hubTokenSecretRef": {"name": hub.token_secret},
+            },
+            "runtime": {"extraArgs": ["--device", "cpu", "--num-kv-blocks", "64"]},
+            "mode": mode,
+            **pools,
+            "autoscaling": {"enabled": False},
+            **({"router": router} if router else {}),
+        },
     }
 
 
@@ -109,21 +125,34 @@ def _get(cluster: LocalCluster, ns: str, kind: str, name: str) -> dict[str, Any]
 def _delete(cluster: LocalCluster, ns: str, name: str) -> None:
     cluster.kubectl("delete", ISVC_PLURAL, name, "-n", ns, "--ignore-not-found", "--wait=false")
     with contextlib.suppress(TimeoutError):
-        cluster.wait_for(lambda: not json.loads(cluster.kubectl(
-            "get", "pods", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json").stdout)["items"],
-            timeout_seconds=60, what=f"pods of {name} gone")
+        cluster.wait_for(
+            lambda: (
+                not json.loads(
+                    cluster.kubectl(
+                        "get", "pods", "-n", ns, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "json"
+                    ).stdout
+                )["items"]
+            ),
+            timeout_seconds=60,
+            what=f"pods of {name} gone",
+        )
 
 
 def _stalled(cluster: LocalCluster, ns: str, name: str, reason: str, words: tuple[str, ...]) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         obj = get_isvc(cluster=cluster, namespace=ns, name=name)
         cond = condition(obj, ConditionType.STALLED) or {}
-        ok = cond.get("status") == "True" and cond.get("reason") == reason and all(
-            w in str(cond.get("message", "")) for w in words)
+        ok = (
+            cond.get("status") == "True"
+            and cond.get("reason") == reason
+            and all(w in str(cond.get("message", "")) for w in words)
+        )
         return obj if ok else None
+
     try:
-        return cluster.wait_for(check, timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0,
-                                what=f"{name}: Stalled/{reason}")
+        return cluster.wait_for(
+            check, timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0, what=f"{name}: Stalled/{reason}"
+        )
     except TimeoutError as error:
         status = (get_isvc(cluster=cluster, namespace=ns, name=name).get("status") or {}).get("conditions")
         raise TimeoutError(f"{error}\nconditions: {json.dumps(status)}") from None
@@ -133,38 +162,61 @@ def _settled(cluster: LocalCluster, ns: str, name: str) -> None:
     """Once the pools' pods are ready (kwok) and the generation is observed, and then a quiet
     while: nothing is left to trigger a reconcile (the router on the kubelet node cannot
     become ready without pools that serve, and its unreadiness triggers none)."""
+
     def check() -> bool:
         obj = get_isvc(cluster=cluster, namespace=ns, name=name)
         st = obj.get("status") or {}
         return st.get("observedGeneration") == obj["metadata"]["generation"] and all(
-            (st.get(role) or {}).get("readyReplicas", 0) >= 1 for role in ("prefill", "decode"))
+            (st.get(role) or {}).get("readyReplicas", 0) >= 1 for role in ("prefill", "decode")
+        )
+
     try:
-        cluster.wait_for(check, timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0,
-                         what=f"{name}: pools ready")
+        cluster.wait_for(
+            check, timeout_seconds=STATUS_TIMEOUT_SECONDS, interval_seconds=1.0, what=f"{name}: pools ready"
+        )
     except TimeoutError as error:
         raise TimeoutError(f"{error}\npods: {pod_summary(cluster=cluster, namespace=ns)}") from None
     time.sleep(QUIET_SECONDS)
 
 
 def _warned(cluster: LocalCluster, ns: str, name: str, reason: str, words: str) -> bool:
-    result = cluster.kubectl("get", "events", "-n", ns, "-o", "json", "--field-selector",
-                             f"involvedObject.kind={contract.KIND},involvedObject.name={name},reason={reason}")
+    result = cluster.kubectl(
+        "get",
+        "events",
+        "-n",
+        ns,
+        "-o",
+        "json",
+        "--field-selector",
+        f"involvedObject.kind={contract.KIND},involvedObject.name={name},reason={reason}",
+    )
     return any(e.get("type") == "Warning" and words in e.get("message", "") for e in json.loads(result.stdout)["items"])
 
 
-def test_planted_picker_account_and_role_are_neither_bound_nor_run_as(cluster: LocalCluster, ns: str,
-                                                                      model_hub: ModelHub) -> None:
+def test_planted_picker_account_and_role_are_neither_bound_nor_run_as(
+    cluster: LocalCluster, ns: str, model_hub: ModelHub
+) -> None:
     name = f"o-epp-{uuid.uuid4().hex[:4]}"
     picker = f"{name}-epp"
     cluster.kubectl("create", "serviceaccount", picker, "-n", ns)
     # what the operator itself holds, so the API server's escalation check would not stop a binding
-    cluster.kubectl("create", "role", picker, "-n", ns, "--verb=get,list,create,patch", "--resource=deployments,configmaps")
+    cluster.kubectl(
+        "create", "role", picker, "-n", ns, "--verb=get,list,create,patch", "--resource=deployments,configmaps"
+    )
     try:
         _apply(cluster, _manifest(name, ns, model_hub, mode="Aggregated", router={"mode": "InferencePool"}))
-        _stalled(cluster, ns, name, Reason.NAME_CONFLICT,
-                 (f"ServiceAccount {picker}", f"Role {picker}", f"Deployment/{picker}", "not applied"))
-        cluster.wait_for(lambda: _warned(cluster, ns, name, Reason.NAME_CONFLICT, picker), timeout_seconds=20,
-                         what="a NameConflict Warning Event")
+        _stalled(
+            cluster,
+            ns,
+            name,
+            Reason.NAME_CONFLICT,
+            (f"ServiceAccount {picker}", f"Role {picker}", f"Deployment/{picker}", "not applied"),
+        )
+        cluster.wait_for(
+            lambda: _warned(cluster, ns, name, Reason.NAME_CONFLICT, picker),
+            timeout_seconds=20,
+            what="a NameConflict Warning Event",
+        )
         time.sleep(QUIET_SECONDS)  # the behaviour under test is "nothing is made", whatever events come
         assert _get(cluster, ns, "rolebinding", picker) is None
         assert _get(cluster, ns, "deployment", picker) is None
@@ -180,21 +232,37 @@ def test_planted_picker_account_and_role_are_neither_bound_nor_run_as(cluster: L
         cluster.kubectl("delete", "serviceaccount,role", picker, "-n", ns, "--ignore-not-found", check=False)
 
 
-def test_planted_handoff_key_is_a_name_conflict_and_no_pool_mounts_it(cluster: LocalCluster, ns: str,
-                                                                      model_hub: ModelHub) -> None:
+def test_planted_handoff_key_is_a_name_conflict_and_no_pool_mounts_it(
+    cluster: LocalCluster, ns: str, model_hub: ModelHub
+) -> None:
     name = f"o-key-{uuid.uuid4().hex[:4]}"
     secret = f"{name}{contract.HANDOFF_KEY_SECRET_SUFFIX}"
-    cluster.kubectl("create", "secret", "generic", secret, "-n", ns,
-                    f"--from-literal={contract.HANDOFF_KEY_SECRET_KEY}=chosen-by-whoever-creates-secrets")
+    cluster.kubectl(
+        "create",
+        "secret",
+        "generic",
+        secret,
+        "-n",
+        ns,
+        f"--from-literal={contract.HANDOFF_KEY_SECRET_KEY}=chosen-by-whoever-creates-secrets",
+    )
     planted = _get(cluster, ns, "secret", secret)
     assert planted is not None
     try:
         _apply(cluster, _manifest(name, ns, model_hub, mode="Disaggregated"))
-        obj = _stalled(cluster, ns, name, Reason.NAME_CONFLICT,
-                       (f"Secret {secret}", f"Deployment/{name}-prefill", f"Deployment/{name}-decode"))
+        obj = _stalled(
+            cluster,
+            ns,
+            name,
+            Reason.NAME_CONFLICT,
+            (f"Secret {secret}", f"Deployment/{name}-prefill", f"Deployment/{name}-decode"),
+        )
         assert "chosen-by" not in json.dumps(obj.get("status"))
-        cluster.wait_for(lambda: _warned(cluster, ns, name, Reason.NAME_CONFLICT, secret), timeout_seconds=20,
-                         what="a NameConflict Warning Event")
+        cluster.wait_for(
+            lambda: _warned(cluster, ns, name, Reason.NAME_CONFLICT, secret),
+            timeout_seconds=20,
+            what="a NameConflict Warning Event",
+        )
         time.sleep(QUIET_SECONDS)
         for role in ("prefill", "decode"):
             assert _get(cluster, ns, "deployment", f"{name}-{role}") is None, role
@@ -207,8 +275,9 @@ def test_planted_handoff_key_is_a_name_conflict_and_no_pool_mounts_it(cluster: L
         cluster.kubectl("delete", "secret", secret, "-n", ns, "--ignore-not-found", check=False)
 
 
-def test_deleted_handoff_key_is_created_again_at_once_and_owned(cluster: LocalCluster, ns: str,
-                                                                model_hub: ModelHub) -> None:
+def test_deleted_handoff_key_is_created_again_at_once_and_owned(
+    cluster: LocalCluster, ns: str, model_hub: ModelHub
+) -> None:
     name = f"o-del-{uuid.uuid4().hex[:4]}"
     secret = f"{name}{contract.HANDOFF_KEY_SECRET_SUFFIX}"
     try:
@@ -219,23 +288,34 @@ def test_deleted_handoff_key_is_created_again_at_once_and_owned(cluster: LocalCl
         assert first is not None and [r["uid"] for r in first["metadata"]["ownerReferences"]] == [uid]
         cluster.kubectl("delete", "secret", secret, "-n", ns)
         again = cluster.wait_for(
-            lambda: (s := _get(cluster, ns, "secret", secret)) and s["metadata"]["uid"] != first["metadata"]["uid"]
-            and s, timeout_seconds=AT_ONCE_SECONDS, what=f"Secret {secret} created again")
+            lambda: (
+                (s := _get(cluster, ns, "secret", secret)) and s["metadata"]["uid"] != first["metadata"]["uid"] and s
+            ),
+            timeout_seconds=AT_ONCE_SECONDS,
+            what=f"Secret {secret} created again",
+        )
         assert [(r["uid"], r.get("controller")) for r in again["metadata"]["ownerReferences"]] == [(uid, True)]
         # garbage-collected with the service
         _delete(cluster, ns, name)
-        cluster.wait_for(lambda: _get(cluster, ns, "secret", secret) is None, timeout_seconds=60,
-                         what=f"Secret {secret} collected with its InferenceService")
-        can = {verb: cluster.kubectl("auth", "can-i", verb, "secrets", "-n", ns,
-                                     f"--as=system:serviceaccount:{ns}:splitserve", check=False).stdout.strip()
-               for verb in ("create", "get", "list", "watch", "update", "delete")}
+        cluster.wait_for(
+            lambda: _get(cluster, ns, "secret", secret) is None,
+            timeout_seconds=60,
+            what=f"Secret {secret} collected with its InferenceService",
+        )
+        can = {
+            verb: cluster.kubectl(
+                "auth", "can-i", verb, "secrets", "-n", ns, f"--as=system:serviceaccount:{ns}:splitserve", check=False
+            ).stdout.strip()
+            for verb in ("create", "get", "list", "watch", "update", "delete")
+        }
         assert can == {"create": "yes", "get": "no", "list": "yes", "watch": "yes", "update": "no", "delete": "no"}
     finally:
         _delete(cluster, ns, name)
 
 
-def test_unpausing_puts_back_what_changed_during_the_pause_at_once(cluster: LocalCluster, ns: str,
-                                                                  model_hub: ModelHub) -> None:
+def test_unpausing_puts_back_what_changed_during_the_pause_at_once(
+    cluster: LocalCluster, ns: str, model_hub: ModelHub
+) -> None:
     name = f"o-pause-{uuid.uuid4().hex[:4]}"
     service = f"{name}-router"
     try:
@@ -246,7 +326,10 @@ def test_unpausing_puts_back_what_changed_during_the_pause_at_once(cluster: Loca
         time.sleep(QUIET_SECONDS)  # paused: nothing is put back
         assert _get(cluster, ns, "service", service) is None
         cluster.kubectl("annotate", ISVC_PLURAL, name, "-n", ns, f"{contract.ANNOTATION_PAUSED}-")
-        cluster.wait_for(lambda: _get(cluster, ns, "service", service), timeout_seconds=AT_ONCE_SECONDS,
-                         what=f"Service {service} put back after the unpause")
+        cluster.wait_for(
+            lambda: _get(cluster, ns, "service", service),
+            timeout_seconds=AT_ONCE_SECONDS,
+            what=f"Service {service} put back after the unpause",
+        )
     finally:
         _delete(cluster, ns, name)

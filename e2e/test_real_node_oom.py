@@ -65,17 +65,20 @@ STALLED_TIMEOUT_SECONDS = 180.0
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub
-          ) -> Iterator[Stack]:
-    with real_node_stack(cluster=cluster, image=image, hub=local_hub, model_hub=model_hub,
-                         workloads=[f"inference-oom-{uuid.uuid4().hex[:4]}"]) as result:
+def stack(cluster: LocalCluster, image: str, local_hub: LocalHub, model_hub: ModelHub) -> Iterator[Stack]:
+    with real_node_stack(
+        cluster=cluster,
+        image=image,
+        hub=local_hub,
+        model_hub=model_hub,
+        workloads=[f"inference-oom-{uuid.uuid4().hex[:4]}"],
+    ) as result:
         yield result
 
 
 def _runtime_pods(stack: Stack) -> list[Any]:
     core: Any = stack.cluster.core()
-    selector = (f"{contract.LABEL_INSTANCE}={ISVC_NAME},"
-                f"{contract.LABEL_COMPONENT}={contract.Role.AGGREGATED.value}")
+    selector = f"{contract.LABEL_INSTANCE}={ISVC_NAME},{contract.LABEL_COMPONENT}={contract.Role.AGGREGATED.value}"
     return list(core.list_namespaced_pod(stack.namespace, label_selector=selector).items)
 
 
@@ -97,14 +100,15 @@ def _conditions(stack: Stack, name: str = ISVC_NAME) -> dict[str, dict[str, Any]
 
 
 def _describe(conditions: dict[str, dict[str, Any]]) -> str:
-    return "\n".join(f"  {type_}={c.get('status')} reason={c.get('reason')}: {c.get('message')}"
-                     for type_, c in sorted(conditions.items()))
+    return "\n".join(
+        f"  {type_}={c.get('status')} reason={c.get('reason')}: {c.get('message')}"
+        for type_, c in sorted(conditions.items())
+    )
 
 
 def test_pool_over_its_memory_limit_is_oom_killed_and_the_status_says_so(stack: Stack) -> None:
     cluster = stack.cluster
-    manifest = isvc_for_node(stack, namespace=stack.namespace, mode="Aggregated", cpu="500m",
-                             memory=MEMORY_LIMIT)
+    manifest = isvc_for_node(stack, namespace=stack.namespace, mode="Aggregated", cpu="500m", memory=MEMORY_LIMIT)
     assert manifest["spec"]["aggregated"]["resources"]["memory"] == MEMORY_LIMIT
     try:
         with explained(cluster, stack.namespaces):
@@ -112,36 +116,46 @@ def test_pool_over_its_memory_limit_is_oom_killed_and_the_status_says_so(stack: 
             apply_object(cluster=cluster, obj=manifest)  # admission accepts the small limit
 
             # the kubelet OOM-kills the runtime under its limit
-            pod, terminated = wait(cluster, lambda: _oom_killed(stack), timeout=OOM_TIMEOUT_SECONDS,
-                                   what=f"the runtime container OOMKilled under {MEMORY_LIMIT}",
-                                   interval=1.0)
+            pod, terminated = wait(
+                cluster,
+                lambda: _oom_killed(stack),
+                timeout=OOM_TIMEOUT_SECONDS,
+                what=f"the runtime container OOMKilled under {MEMORY_LIMIT}",
+                interval=1.0,
+            )
             killed = time.monotonic() - started
             container = pod.spec.containers[0]
             assert pod.spec.node_name == NODE_NAME
             assert container.name == "runtime"
             assert container.resources.limits["memory"] == MEMORY_LIMIT, container.resources
             assert terminated.exit_code == 137, terminated  # SIGKILL by the OOM killer
-            log(f"{pod.metadata.name}: runtime OOMKilled (exit {terminated.exit_code}) "
-                f"{killed:.1f}s after apply")
+            log(f"{pod.metadata.name}: runtime OOMKilled (exit {terminated.exit_code}) {killed:.1f}s after apply")
 
             # the InferenceService says so, in every condition kstatus and kubectl wait read
             def stalled_oom() -> dict[str, dict[str, Any]] | None:
                 found = _conditions(stack)
                 stalled = found.get(ConditionType.STALLED) or {}
-                return found if (stalled.get("status"), stalled.get("reason")) == (
-                    "True", Reason.OOM_KILLED) else None
+                return found if (stalled.get("status"), stalled.get("reason")) == ("True", Reason.OOM_KILLED) else None
+
             try:
-                conditions = wait(cluster, stalled_oom, timeout=STALLED_TIMEOUT_SECONDS,
-                                  what="Stalled=True reason OOMKilled on the InferenceService",
-                                  interval=1.0)
+                conditions = wait(
+                    cluster,
+                    stalled_oom,
+                    timeout=STALLED_TIMEOUT_SECONDS,
+                    what="Stalled=True reason OOMKilled on the InferenceService",
+                    interval=1.0,
+                )
             except BaseException:
                 print(f"conditions at the timeout:\n{_describe(_conditions(stack))}")
                 raise
             reported = time.monotonic() - started
             print(f"\nconditions of {stack.namespace}/{ISVC_NAME}:\n{_describe(conditions)}")
             failing = {p.metadata.name for p in _runtime_pods(stack)}
-            for type_, status in ((ConditionType.STALLED, "True"), (ConditionType.READY, "False"),
-                                  (ConditionType.RECONCILING, "False")):
+            for type_, status in (
+                (ConditionType.STALLED, "True"),
+                (ConditionType.READY, "False"),
+                (ConditionType.RECONCILING, "False"),
+            ):
                 found = conditions[type_]
                 message = str(found.get("message", ""))
                 assert (found["status"], found["reason"]) == (status, Reason.OOM_KILLED), found
@@ -149,19 +163,34 @@ def test_pool_over_its_memory_limit_is_oom_killed_and_the_status_says_so(stack: 
                 # limit of 96Mi (exit code 137)", then the container's log tail
                 head = message.split(": ", 1)[0]
                 assert head.startswith("pod ") and head.split()[1] in failing, (head, failing)
-                assert (f"(pool {contract.Role.AGGREGATED.value}, container runtime) was OOMKilled "
-                        f"at its memory limit of {MEMORY_LIMIT} (exit code 137)") in head, message
+                assert (
+                    f"(pool {contract.Role.AGGREGATED.value}, container runtime) was OOMKilled "
+                    f"at its memory limit of {MEMORY_LIMIT} (exit code 137)"
+                ) in head, message
             stack.figures["InferenceService apply -> runtime OOMKilled (kubelet)"] = f"{killed:.1f}s"
             stack.figures["InferenceService apply -> Stalled=True/OOMKilled"] = f"{reported:.1f}s"
-            log(f"Stalled=True/OOMKilled {reported:.1f}s after apply "
-                f"({reported - killed:.1f}s after the first kill was seen)")
+            log(
+                f"Stalled=True/OOMKilled {reported:.1f}s after apply "
+                f"({reported - killed:.1f}s after the first kill was seen)"
+            )
     finally:  # the cluster goes with the module; the crash loop stops now
         try:
-            deleted = cluster.kubectl("delete", "inferenceservice", ISVC_NAME, "-n",
-                                      stack.namespace, "--ignore-not-found", "--wait=true",
-                                      "--timeout=120s", check=False, timeout_seconds=150)
-            log(f"kubectl delete inferenceservice {ISVC_NAME}: rc {deleted.returncode} "
-                f"{(deleted.stdout + deleted.stderr).strip()}")
+            deleted = cluster.kubectl(
+                "delete",
+                "inferenceservice",
+                ISVC_NAME,
+                "-n",
+                stack.namespace,
+                "--ignore-not-found",
+                "--wait=true",
+                "--timeout=120s",
+                check=False,
+                timeout_seconds=150,
+            )
+            log(
+                f"kubectl delete inferenceservice {ISVC_NAME}: rc {deleted.returncode} "
+                f"{(deleted.stdout + deleted.stderr).strip()}"
+            )
         except Exception as error:  # cleanup must not hide the test's outcome
             log(f"deleting the InferenceService failed: {error!r}")
 
@@ -189,10 +218,15 @@ def test_image_the_registry_lacks_is_reported_with_the_pull_error(stack: Stack) 
             def stalled_on_pull() -> dict[str, Any] | None:
                 found = _conditions(stack, "unpulled")
                 stalled = found.get(ConditionType.STALLED) or {}
-                return found if stalled.get("status") == "True" and \
-                    stalled.get("reason") in pull_reasons else None
-            conditions = wait(cluster, stalled_on_pull, timeout=PULL_FAILED_TIMEOUT_SECONDS,
-                              what="Stalled=True with the image pull error", interval=1.0)
+                return found if stalled.get("status") == "True" and stalled.get("reason") in pull_reasons else None
+
+            conditions = wait(
+                cluster,
+                stalled_on_pull,
+                timeout=PULL_FAILED_TIMEOUT_SECONDS,
+                what="Stalled=True with the image pull error",
+                interval=1.0,
+            )
             reported = time.monotonic() - started
             print(f"\nconditions of {stack.namespace}/unpulled:\n{_describe(conditions)}")
             ready = conditions[ConditionType.READY]
@@ -202,6 +236,15 @@ def test_image_the_registry_lacks_is_reported_with_the_pull_error(stack: Stack) 
             stack.figures["InferenceService apply -> Stalled=True/image pull error"] = f"{reported:.1f}s"
             log(f"Stalled=True/{conditions[ConditionType.STALLED]['reason']} {reported:.1f}s after apply")
     finally:
-        cluster.kubectl("delete", "inferenceservice", "unpulled", "-n", stack.namespace,
-                        "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
-                        timeout_seconds=150)
+        cluster.kubectl(
+            "delete",
+            "inferenceservice",
+            "unpulled",
+            "-n",
+            stack.namespace,
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=120s",
+            check=False,
+            timeout_seconds=150,
+        )

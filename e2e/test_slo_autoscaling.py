@@ -55,7 +55,8 @@ from splitserve_e2e.demo import (
 )
 from splitserve_e2e.demo import apply_object as apply
 from splitserve_e2e.stack import ModelHub, isvc_manifest, operator_namespace
-from splitserve_operator.autoscaler.signals import latency_quantile_promql, pool_selector
+from splitserve_operator.autoscaler.signals import pool_selector
+from splitserve_operator.autoscaler.slo.measure import latency_quantile_promql
 
 pytestmark = pytest.mark.e2e
 
@@ -146,8 +147,9 @@ class Scenario:
         that: the next phase starts within a second or two, and its first scale-up must not
         count as this one's)."""
         start, end = self.phases[phase].window
-        return [e for e in _history(self.isvc, pool=pool)
-                if math.floor(start) <= _parse_time(e["time"]) <= math.floor(end)]
+        return [
+            e for e in _history(self.isvc, pool=pool) if math.floor(start) <= _parse_time(e["time"]) <= math.floor(end)
+        ]
 
 
 def _parse_time(text: str) -> float:
@@ -164,8 +166,9 @@ def _quantile(cluster: LocalCluster, *, ns: str, metric: str, window_seconds: fl
     values: list[float] = []
     for role in ROLES:
         selector = pool_selector(namespace=ns, inferenceservice=NAME, role=role)
-        result = cluster.query(latency_quantile_promql(metric=metric, selector=selector, quantile=0.99,
-                                                       window_seconds=window_seconds))
+        result = cluster.query(
+            latency_quantile_promql(metric=metric, selector=selector, quantile=0.99, window_seconds=window_seconds)
+        )
         values += [float(r["value"][1]) for r in result]
     return max((v for v in values if math.isfinite(v)), default=math.nan)
 
@@ -188,8 +191,9 @@ def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
         yield name
 
 
-async def _run_phase(cluster: LocalCluster, ns: str, out: Scenario, name: str, load: LoadBurst, *,
-                     scales: str | None) -> None:
+async def _run_phase(
+    cluster: LocalCluster, ns: str, out: Scenario, name: str, load: LoadBurst, *, scales: str | None
+) -> None:
     """Run ``load`` until the ``scales`` pool has had a second Ready pod for a few rounds (the
     other pool must not follow), or, with ``scales`` None, until both pools are at ``min``."""
     phase = out.phases[name] = Phase(load=load)
@@ -200,12 +204,13 @@ async def _run_phase(cluster: LocalCluster, ns: str, out: Scenario, name: str, l
         pools = await asyncio.to_thread(sample_pools, cluster=cluster, namespace=ns, name=NAME, roles=ROLES)
         now = time.time()
         out.samples.append((now, pools))
-        for metric, attr in ((contract.Metric.TIME_TO_FIRST_TOKEN_SECONDS, "peak_ttft"),
-                             (contract.Metric.INTER_TOKEN_LATENCY_SECONDS, "peak_itl")):
+        for metric, attr in (
+            (contract.Metric.TIME_TO_FIRST_TOKEN_SECONDS, "peak_ttft"),
+            (contract.Metric.INTER_TOKEN_LATENCY_SECONDS, "peak_itl"),
+        ):
             value = await asyncio.to_thread(_quantile, cluster, ns=ns, metric=metric, window_seconds=30)
             if math.isfinite(value):
-                setattr(phase, attr, max(value, getattr(phase, attr)) if math.isfinite(getattr(phase, attr))
-                        else value)
+                setattr(phase, attr, max(value, getattr(phase, attr)) if math.isfinite(getattr(phase, attr)) else value)
         if scales is None:
             if all(pools[r].desired == 1 and pools[r].ready == 1 for r in ROLES):
                 break
@@ -236,18 +241,45 @@ async def _run_phase(cluster: LocalCluster, ns: str, out: Scenario, name: str, l
 async def _drive(cluster: LocalCluster, ns: str, endpoint: str, out: Scenario) -> None:
     base_url = f"http://{endpoint}/v1"
     # TTFT: many concurrent long prompts, one output token: prompts queue on the prefill pod
-    await _run_phase(cluster, ns, out, TTFT, LoadBurst(
-        base_url=base_url, concurrency=TTFT_CONCURRENCY, duration_seconds=PHASE_SECONDS,
-        prompt_words=PROMPT_WORDS, max_tokens=1), scales=PREFILL)
+    await _run_phase(
+        cluster,
+        ns,
+        out,
+        TTFT,
+        LoadBurst(
+            base_url=base_url,
+            concurrency=TTFT_CONCURRENCY,
+            duration_seconds=PHASE_SECONDS,
+            prompt_words=PROMPT_WORDS,
+            max_tokens=1,
+        ),
+        scales=PREFILL,
+    )
     # ITL: as many streams as a decode pod batches (more would queue for a slot and show up
     # as TTFT), prompts short but above the router's straight-to-decode threshold, long outputs
-    await _run_phase(cluster, ns, out, ITL, LoadBurst(
-        base_url=base_url, concurrency=ITL_CONCURRENCY, duration_seconds=PHASE_SECONDS, prompt_words=8,
-        max_tokens=96), scales=DECODE)
+    await _run_phase(
+        cluster,
+        ns,
+        out,
+        ITL,
+        LoadBurst(
+            base_url=base_url,
+            concurrency=ITL_CONCURRENCY,
+            duration_seconds=PHASE_SECONDS,
+            prompt_words=8,
+            max_tokens=96,
+        ),
+        scales=DECODE,
+    )
     # a trickle one pod of each pool serves well within the SLO
-    await _run_phase(cluster, ns, out, TRICKLE, LoadBurst(
-        base_url=base_url, concurrency=1, duration_seconds=TRICKLE_SECONDS, prompt_words=20, max_tokens=8),
-        scales=None)
+    await _run_phase(
+        cluster,
+        ns,
+        out,
+        TRICKLE,
+        LoadBurst(base_url=base_url, concurrency=1, duration_seconds=TRICKLE_SECONDS, prompt_words=20, max_tokens=8),
+        scales=None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -255,29 +287,46 @@ def scenario(cluster: LocalCluster, ns: str, model_hub: ModelHub) -> Scenario:
     out = Scenario()
     began = time.time()
     # target tracking out of reach: its floors stay at min, the SLO alone scales
-    manifest = isvc_manifest(name=NAME, namespace=ns, mode="Disaggregated", hub=model_hub,
-                             interval=f"{INTERVAL_SECONDS}s", max_replicas=MAX_REPLICAS,
-                             scale_down_stabilization_seconds=DOWN_STABILIZATION_SECONDS,
-                             prefill_target_queue_depth=1000.0, decode_target_queue_depth=1000.0,
-                             decode_target_kv=1.0)
+    manifest = isvc_manifest(
+        name=NAME,
+        namespace=ns,
+        mode="Disaggregated",
+        hub=model_hub,
+        interval=f"{INTERVAL_SECONDS}s",
+        max_replicas=MAX_REPLICAS,
+        scale_down_stabilization_seconds=DOWN_STABILIZATION_SECONDS,
+        prefill_target_queue_depth=1000.0,
+        decode_target_queue_depth=1000.0,
+        decode_target_kv=1.0,
+    )
     apply(cluster=cluster, obj=_with_slo(manifest, LOOSE_SLO))
     wait_ready(cluster=cluster, namespace=ns, name=NAME, timeout_seconds=240)
     out.seconds["ready"] = time.time() - began
     endpoint = router_endpoints(cluster=cluster, namespace=ns, name=NAME)[0]
 
     # measure: one stream at a time, the load step's prompts, a few output tokens for ITL
-    quiet = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=1, duration_seconds=QUIET_SECONDS,
-                      prompt_words=PROMPT_WORDS, max_tokens=16)
+    quiet = LoadBurst(
+        base_url=f"http://{endpoint}/v1",
+        concurrency=1,
+        duration_seconds=QUIET_SECONDS,
+        prompt_words=PROMPT_WORDS,
+        max_tokens=16,
+    )
     asyncio.run(quiet.run())
     time.sleep(3)  # one more scrape
     assert quiet.failed == 0 and quiet.ok >= 5, (quiet.ok, quiet.errors()[:3])
-    out.quiet_ttft = _quantile(cluster, ns=ns, metric=contract.Metric.TIME_TO_FIRST_TOKEN_SECONDS,
-                               window_seconds=QUIET_SECONDS)
-    out.quiet_itl = _quantile(cluster, ns=ns, metric=contract.Metric.INTER_TOKEN_LATENCY_SECONDS,
-                              window_seconds=QUIET_SECONDS)
+    out.quiet_ttft = _quantile(
+        cluster, ns=ns, metric=contract.Metric.TIME_TO_FIRST_TOKEN_SECONDS, window_seconds=QUIET_SECONDS
+    )
+    out.quiet_itl = _quantile(
+        cluster, ns=ns, metric=contract.Metric.INTER_TOKEN_LATENCY_SECONDS, window_seconds=QUIET_SECONDS
+    )
     assert math.isfinite(out.quiet_ttft) and math.isfinite(out.quiet_itl), (out.quiet_ttft, out.quiet_itl)
-    out.slo = {**LOOSE_SLO, "ttftP99": _duration(TTFT_SLO_FACTOR * out.quiet_ttft),
-               "itlP99": _duration(ITL_SLO_FACTOR * out.quiet_itl)}
+    out.slo = {
+        **LOOSE_SLO,
+        "ttftP99": _duration(TTFT_SLO_FACTOR * out.quiet_ttft),
+        "itlP99": _duration(ITL_SLO_FACTOR * out.quiet_itl),
+    }
     apply(cluster=cluster, obj=_with_slo(manifest, out.slo))
     out.seconds["measure"] = time.time() - began - out.seconds["ready"]
 
@@ -291,11 +340,15 @@ def scenario(cluster: LocalCluster, ns: str, model_hub: ModelHub) -> Scenario:
 
 
 def _report(out: Scenario) -> None:
-    print(f"\nSLO e2e: quiet p99 TTFT {out.quiet_ttft:.4f}s ITL {out.quiet_itl:.4f}s -> slo {out.slo}; "
-          f"seconds {json.dumps({k: round(v) for k, v in out.seconds.items()})}")
+    print(
+        f"\nSLO e2e: quiet p99 TTFT {out.quiet_ttft:.4f}s ITL {out.quiet_itl:.4f}s -> slo {out.slo}; "
+        f"seconds {json.dumps({k: round(v) for k, v in out.seconds.items()})}"
+    )
     for name, phase in out.phases.items():
-        print(f"  {name}: ok/failed {phase.load.ok}/{phase.load.failed}, peak p99 TTFT {phase.peak_ttft:.3f}s "
-              f"ITL {phase.peak_itl:.4f}s, scaled after {phase.scaled_after:.0f}s")
+        print(
+            f"  {name}: ok/failed {phase.load.ok}/{phase.load.failed}, peak p99 TTFT {phase.peak_ttft:.3f}s "
+            f"ITL {phase.peak_itl:.4f}s, scaled after {phase.scaled_after:.0f}s"
+        )
         for pool in ROLES:
             decision = ((phase.isvc.get("status") or {}).get(pool) or {}).get("lastDecision") or {}
             print(f"    {pool}: {decision.get('reason')} {decision.get('inputs')} model {decision.get('model')}")
@@ -303,8 +356,7 @@ def _report(out: Scenario) -> None:
             print(f"    decode at scale-up: {entry.get('reason')} {entry.get('formula')}")
     print(f"  scalingHistory: {(out.isvc.get('status') or {}).get('scalingHistory')}")
     for pool, fit in out.slo_state.get("fits", {}).items():
-        print(f"  fit {pool}: points {fit.get('points')} confidence {fit.get('confidence')} "
-              f"{fit.get('coefficients')}")
+        print(f"  fit {pool}: points {fit.get('points')} confidence {fit.get('confidence')} {fit.get('coefficients')}")
 
 
 # --------------------------------------------------------------------------- the tests
@@ -317,8 +369,10 @@ LIMIT_REASONS = {Reason.SCALED_DOWN, Reason.STABILIZING, Reason.AT_MIN_REPLICAS,
 def test_ttft_violation_scales_prefill_and_not_decode(scenario: Scenario) -> None:
     phase = scenario.phases[TTFT]
     assert max(scenario.desired(PREFILL, TTFT)) > 1, (phase.peak_ttft, scenario.slo, scenario.samples)
-    decode_decisions = [((isvc.get("status") or {}).get(DECODE) or {}).get("recentDecisions")
-                        for isvc in (phase.isvc_at_scale, phase.isvc)]
+    decode_decisions = [
+        ((isvc.get("status") or {}).get(DECODE) or {}).get("recentDecisions")
+        for isvc in (phase.isvc_at_scale, phase.isvc)
+    ]
     assert set(scenario.desired(DECODE, TTFT)) == {1}, (decode_decisions, scenario.samples)
     assert not [e for e in scenario.history(DECODE, TTFT) if e["to"] > e["from"]], scenario.isvc["status"]
     assert phase.peak_ttft > scenario.target("ttftP99"), (phase.peak_ttft, scenario.slo)
@@ -341,8 +395,7 @@ def test_itl_violation_scales_decode_and_prefill_only_on_its_own_metric(scenario
 
 
 @pytest.mark.parametrize(("pool", "name", "metric"), [(PREFILL, TTFT, "ttftP99"), (DECODE, ITL, "itlP99")])
-def test_scale_ups_are_slo_decisions_explained_in_status(scenario: Scenario, pool: str, name: str,
-                                                         metric: str) -> None:
+def test_scale_ups_are_slo_decisions_explained_in_status(scenario: Scenario, pool: str, name: str, metric: str) -> None:
     ups = [e for e in scenario.history(pool, name) if e["to"] > e["from"]]
     assert ups, scenario.isvc["status"].get("scalingHistory")
     assert all(e["reason"] in ALLOWED_UP_REASONS for e in ups), ups
@@ -400,7 +453,9 @@ def test_after_the_load_every_decision_is_an_explained_slo_decision(scenario: Sc
 def test_both_pools_return_to_min_after_the_load(scenario: Scenario) -> None:
     final = scenario.samples[-1][1]
     assert all(final[r].desired == 1 and final[r].ready == 1 for r in ROLES), (
-        final, {p: scenario.isvc["status"][p]["lastDecision"]["formula"] for p in ROLES})
+        final,
+        {p: scenario.isvc["status"][p]["lastDecision"]["formula"] for p in ROLES},
+    )
     for pool in ROLES:
         downs = [e for e in scenario.history(pool, TRICKLE) if e["to"] < e["from"]]
         assert downs and all(e["reason"] == Reason.SCALED_DOWN for e in downs), _history(scenario.isvc, pool=pool)

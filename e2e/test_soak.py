@@ -69,7 +69,7 @@ class Process:
 
     def _stat(self) -> list[str]:
         text = Path(f"/proc/{self.pid}/stat").read_text()
-        return text[text.rindex(")") + 2:].split()
+        return text[text.rindex(")") + 2 :].split()
 
     def is_running(self) -> bool:
         try:
@@ -90,16 +90,22 @@ class Process:
 
 def _running_operator_pods(cluster: LocalCluster, namespace: str) -> list[Any]:
     core: Any = cluster.core()
-    return [p for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
-            if p.status.phase == "Running" and p.status.pod_ip and not p.metadata.deletion_timestamp]
+    return [
+        p
+        for p in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=operator").items
+        if p.status.phase == "Running" and p.status.pod_ip and not p.metadata.deletion_timestamp
+    ]
 
 
 def _operator_pod(cluster: LocalCluster, namespace: str) -> Any:
     """The one running operator pod. The install returns once the operator holds its Lease;
     the kubelet's status update (phase Running, pod IP) can reach the API server seconds
     later on a loaded machine, so this waits for it rather than reading once."""
-    pods = cluster.wait_for(functools.partial(_running_operator_pods, cluster, namespace),
-                            timeout_seconds=60, what=f"the operator pod in {namespace} reported Running")
+    pods = cluster.wait_for(
+        functools.partial(_running_operator_pods, cluster, namespace),
+        timeout_seconds=60,
+        what=f"the operator pod in {namespace} reported Running",
+    )
     assert len(pods) == 1, [p.metadata.name for p in pods]
     return pods[0]
 
@@ -113,7 +119,7 @@ def _operator_process(cluster: LocalCluster, namespace: str) -> Process:
     assert len(children) == 1, children
     pid = int(children[0])
     text = Path(f"/proc/{pid}/stat").read_text()
-    return Process(pid=pid, start_ticks=int(text[text.rindex(")") + 2:].split()[19]))
+    return Process(pid=pid, start_ticks=int(text[text.rindex(")") + 2 :].split()[19]))
 
 
 def _api_requests(cluster: LocalCluster) -> float:
@@ -132,18 +138,23 @@ def _api_requests(cluster: LocalCluster) -> float:
 def _reconciles(metrics_url: str) -> float:
     """Reconciles the operator has run so far (its own /metrics)."""
     text = httpx.get(metrics_url, timeout=10.0).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == f"{contract.OperatorMetric.RECONCILE_SECONDS}_count")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"{contract.OperatorMetric.RECONCILE_SECONDS}_count"
+    )
 
 
 def _idle(cluster: LocalCluster, process: Process, metrics_url: str) -> Idle:
     requests, cpu, reconciles = _api_requests(cluster), process.cpu_seconds(), _reconciles(metrics_url)
     time.sleep(IDLE_SECONDS)
     # the closing scrape itself is one request: not subtracted, the same in both windows
-    return Idle(api_requests_per_second=(_api_requests(cluster) - requests) / IDLE_SECONDS,
-                operator_cpu_percent=100.0 * (process.cpu_seconds() - cpu) / IDLE_SECONDS,
-                reconciles_per_second=(_reconciles(metrics_url) - reconciles) / IDLE_SECONDS)
+    return Idle(
+        api_requests_per_second=(_api_requests(cluster) - requests) / IDLE_SECONDS,
+        operator_cpu_percent=100.0 * (process.cpu_seconds() - cpu) / IDLE_SECONDS,
+        reconciles_per_second=(_reconciles(metrics_url) - reconciles) / IDLE_SECONDS,
+    )
 
 
 def _operator_metrics_url(cluster: LocalCluster, namespace: str) -> str:
@@ -153,8 +164,16 @@ def _operator_metrics_url(cluster: LocalCluster, namespace: str) -> str:
 
 
 def _managed_children(cluster: LocalCluster, namespace: str) -> list[str]:
-    result = cluster.kubectl("get", CHILD_KINDS, "-n", namespace, "-o", "name",
-                             "-l", f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}")
+    result = cluster.kubectl(
+        "get",
+        CHILD_KINDS,
+        "-n",
+        namespace,
+        "-o",
+        "name",
+        "-l",
+        f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}",
+    )
     return result.stdout.split()
 
 
@@ -162,15 +181,15 @@ def _applied(cluster: LocalCluster, namespace: str, names: frozenset[str]) -> bo
     """Every InferenceService of ``names`` has its Deployments (the last kind applied)."""
     apps: Any = cluster.apps()
     deployments = apps.list_namespaced_deployment(
-        namespace, label_selector=f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}").items
+        namespace, label_selector=f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_VALUE}"
+    ).items
     return names <= {str((d.metadata.labels or {}).get(contract.LABEL_INSTANCE)) for d in deployments}
 
 
 @pytest.fixture(scope="module")
 def soak_ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
     """A namespace with the operator installed, and no node that would start a pod."""
-    with operator_namespace(cluster=cluster, image=image, hub=model_hub,
-                            stem="soak") as namespace:
+    with operator_namespace(cluster=cluster, image=image, hub=model_hub, stem="soak") as namespace:
         # After the operator pod runs: with the kubelet node cordoned (the kwok GPU nodes are
         # tainted and the pools do not tolerate it), the InferenceServices' pods stay Pending
         # and start no container. (A ResourceQuota would be the usual tool, but this control
@@ -183,8 +202,8 @@ def soak_ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[
 
 
 def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
-        cluster: LocalCluster, soak_ns: str, model_hub: ModelHub,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    cluster: LocalCluster, soak_ns: str, model_hub: ModelHub, capsys: pytest.CaptureFixture[str]
+) -> None:
     namespace = soak_ns
     custom: Any = cluster.custom()
     process = _operator_process(cluster, namespace)
@@ -197,34 +216,48 @@ def test_create_delete_soak_keeps_the_operator_flat_and_leaves_nothing(
         names = [f"soak-{done + i}" for i in range(min(BATCH, SOAK_CYCLES - done))]
         for name in names:
             body = isvc_manifest(name=name, namespace=namespace, mode="Disaggregated", hub=model_hub)
-            custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
-                                                   contract.PLURAL, body)
+            custom.create_namespaced_custom_object(
+                contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, body
+            )
 
         batch = frozenset(names)
-        cluster.wait_for(functools.partial(_applied, cluster, namespace, batch), timeout_seconds=120, what=f"children of {names[0]}..{names[-1]}")
+        cluster.wait_for(
+            functools.partial(_applied, cluster, namespace, batch),
+            timeout_seconds=120,
+            what=f"children of {names[0]}..{names[-1]}",
+        )
         for name in names:
-            custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace,
-                                                   contract.PLURAL, name)
-        cluster.wait_for(lambda: not _managed_children(cluster, namespace), timeout_seconds=120,
-                         what=f"children of {names[0]}..{names[-1]} collected")
+            custom.delete_namespaced_custom_object(
+                contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, name
+            )
+        cluster.wait_for(
+            lambda: not _managed_children(cluster, namespace),
+            timeout_seconds=120,
+            what=f"children of {names[0]}..{names[-1]} collected",
+        )
         done += len(names)
         curve.append((done, process.rss_bytes(), time.monotonic() - started))
     after = _idle(cluster, process, metrics_url)
 
     warm = next((rss for cycles, rss, _ in curve if cycles >= WARMUP_CYCLES), curve[0][1])
     final = curve[-1][1]
-    lines = [f"soak: {done} create/delete cycles in {curve[-1][2]:.0f}s ({done / curve[-1][2]:.1f}/s), "
-             f"batches of {BATCH}",
-             "  cycles  operator RSS (MiB)"]
+    lines = [
+        f"soak: {done} create/delete cycles in {curve[-1][2]:.0f}s ({done / curve[-1][2]:.1f}/s), batches of {BATCH}",
+        "  cycles  operator RSS (MiB)",
+    ]
     step = max(1, len(curve) // 10)
     lines += [f"  {cycles:>6}  {rss / 2**20:8.1f}" for cycles, rss, _ in curve[::step] + curve[-1:]]
     half = curve[len(curve) // 2]
     per_cycle = (final - half[1]) / max(1, done - half[0])
-    lines.append(f"  RSS growth after {WARMUP_CYCLES} cycles: {(final - warm) / 2**20:+.1f} MiB "
-                 f"(bound {RSS_GROWTH_BOUND / 2**20:.0f} MiB); second half {per_cycle / 1024:+.1f} KiB/cycle")
+    lines.append(
+        f"  RSS growth after {WARMUP_CYCLES} cycles: {(final - warm) / 2**20:+.1f} MiB "
+        f"(bound {RSS_GROWTH_BOUND / 2**20:.0f} MiB); second half {per_cycle / 1024:+.1f} KiB/cycle"
+    )
     for label, idle in (("idle before", before), ("idle after ", after)):
-        lines.append(f"  {label}: operator {idle.reconciles_per_second:.2f} reconciles/s, CPU "
-                     f"{idle.operator_cpu_percent:.1f}%; API server {idle.api_requests_per_second:.1f} req/s (all clients)")
+        lines.append(
+            f"  {label}: operator {idle.reconciles_per_second:.2f} reconciles/s, CPU "
+            f"{idle.operator_cpu_percent:.1f}%; API server {idle.api_requests_per_second:.1f} req/s (all clients)"
+        )
     report = "\n".join(lines)
     with capsys.disabled():
         print("\n" + report)

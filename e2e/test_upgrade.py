@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import crdgen
 import pytest
 
 import splitserve_contract as contract
@@ -62,7 +63,6 @@ from splitserve_e2e.kwok import (
 )
 from splitserve_e2e.net import free_port
 from splitserve_e2e.stack import MODEL_NAME
-from splitserve_operator import crdgen
 from splitserve_operator.api import rules
 
 pytestmark = pytest.mark.e2e
@@ -77,22 +77,26 @@ TEAM = "team-a"
 CRD_NAME = f"{contract.PLURAL}.{contract.API_GROUP}"
 WAIT_SECONDS = 90.0  # kwok pools converge in seconds; the bound absorbs a loaded 2-core machine
 KWOK = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
-NEW_DEFAULTS = {("kvCache", "dtype"): "auto",
-                ("engine", "speculative"): {"method": "none", "numTokens": 4, "maxNumSeqs": 16}}
+NEW_DEFAULTS = {
+    ("kvCache", "dtype"): "auto",
+    ("engine", "speculative"): {"method": "none", "numTokens": 4, "maxNumSeqs": 16},
+}
 """Fields today's CRD adds with defaults, and those defaults."""
 
 
 # --------------------------------------------------------------------------- the docs' commands
 def documented_commands(marker: str) -> list[list[str]]:
     """The commands of the ``<!-- BEGIN {marker} ... -->`` block of docs/operator.md."""
-    match = re.search(rf"<!-- BEGIN {marker} .*?-->\n```sh\n(.*?)```\n<!-- END {marker} -->",
-                      DOC.read_text(), flags=re.S)
+    match = re.search(
+        rf"<!-- BEGIN {marker} .*?-->\n```sh\n(.*?)```\n<!-- END {marker} -->", DOC.read_text(), flags=re.S
+    )
     assert match is not None, f"docs/operator.md has no {marker} block"
     return [shlex.split(line) for line in match.group(1).splitlines() if line and not line.startswith("#")]
 
 
-def run_documented(cluster: LocalCluster, marker: str, *, charts: Mapping[str, Path],
-                   after: Callable[[list[str]], None]) -> list[str]:
+def run_documented(
+    cluster: LocalCluster, marker: str, *, charts: Mapping[str, Path], after: Callable[[list[str]], None]
+) -> list[str]:
     """Run the block's commands in order (chart paths in ``charts`` replaced by local ones),
     calling ``after(command)`` after each; returns their outputs."""
     outputs = []
@@ -109,7 +113,7 @@ def run_documented(cluster: LocalCluster, marker: str, *, charts: Mapping[str, P
 def _local_path(arg: str, charts: Mapping[str, Path]) -> str:
     for documented, local in charts.items():
         if arg == documented or arg.startswith(documented + "/"):
-            return str(local) + arg[len(documented):]
+            return str(local) + arg[len(documented) :]
     return arg
 
 
@@ -134,12 +138,20 @@ class HostOperator:
         lease = next(a.split("=", 1)[1] for a in args if a.startswith("--lease-name="))
         account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
         kubeconfig = cluster.service_account_kubeconfig(namespace=OPERATOR_NS, service_account=account)
-        env = dict(os.environ, KUBECONFIG=str(kubeconfig), **{
-            contract.ENV_POD_NAME: pod_name, contract.ENV_POD_NAMESPACE: OPERATOR_NS, contract.ENV_POD_IP: "127.0.0.1"})
+        env = dict(
+            os.environ,
+            KUBECONFIG=str(kubeconfig),
+            **{
+                contract.ENV_POD_NAME: pod_name,
+                contract.ENV_POD_NAMESPACE: OPERATOR_NS,
+                contract.ENV_POD_IP: "127.0.0.1",
+            },
+        )
         log = log_dir / f"{pod_name}.log"
         with log.open("wb") as out:
-            process = subprocess.Popen([sys.executable, "-m", "splitserve_cli", *args[1:]], env=env,
-                                       stdout=out, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "splitserve_cli", *args[1:]], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
         return cls(process=process, pod_name=pod_name, lease=lease, log=log)
 
     def wait_leader(self, cluster: LocalCluster) -> float:
@@ -190,13 +202,21 @@ def _manifest(name: str, mode: str, *, interval: str = "2s", **extra: Any) -> di
     interval, no hub token (the previous CRD refuses hubTokenSecretRef)."""
     pool = {"replicas": {"min": 1, "max": 3}, "resources": {"gpus": 1}, **copy.deepcopy(KWOK)}
     pools = {"aggregated": pool} if mode == "Aggregated" else {"prefill": pool, "decode": copy.deepcopy(pool)}
-    spec: dict[str, Any] = {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32"},
-                            "mode": mode, **pools, "autoscaling": {"interval": interval}}
+    spec: dict[str, Any] = {
+        "model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32"},
+        "mode": mode,
+        **pools,
+        "autoscaling": {"interval": interval},
+    }
     if mode == "Disaggregated":
         spec["autoscaling"]["gpuBudget"] = 6
     spec.update(extra)
-    return {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
-            "metadata": {"name": name, "namespace": TEAM}, "spec": spec}
+    return {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
+        "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": TEAM},
+        "spec": spec,
+    }
 
 
 def _apply(cluster: LocalCluster, obj: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
@@ -205,8 +225,9 @@ def _apply(cluster: LocalCluster, obj: Mapping[str, Any]) -> subprocess.Complete
 
 
 def _patch(cluster: LocalCluster, name: str, patch: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
-    return cluster.kubectl("patch", contract.PLURAL, name, "-n", TEAM, "--type=merge", "-p", json.dumps(patch),
-                           check=False)
+    return cluster.kubectl(
+        "patch", contract.PLURAL, name, "-n", TEAM, "--type=merge", "-p", json.dumps(patch), check=False
+    )
 
 
 def _ready(cluster: LocalCluster, name: str, *, generation: int | None = None) -> dict[str, Any] | None:
@@ -246,8 +267,9 @@ def own_cluster() -> Iterator[LocalCluster]:
     runs = cache_root() / "e2e-runs"
     runs.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix=time.strftime("%m%d%H%M%S-upgrade-"), dir=runs))
-    local = LocalCluster(state_dir=state, options=ClusterOptions(
-        num_gpu_nodes=1, with_prometheus=False, with_kubelet_node=False))
+    local = LocalCluster(
+        state_dir=state, options=ClusterOptions(num_gpu_nodes=1, with_prometheus=False, with_kubelet_node=False)
+    )
     passed = False
     try:
         local.start()
@@ -287,25 +309,40 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
         # ---- the previous version, installed and serving
         with timings.measure("install previous chart"):
             cluster.kubectl("create", "namespace", TEAM)
-            result = cluster.helm("install", RELEASE, str(previous_chart), "-n", OPERATOR_NS, "--create-namespace",
-                                  "--set", f"router.namespaces={{{TEAM}}}", check=False)
+            result = cluster.helm(
+                "install",
+                RELEASE,
+                str(previous_chart),
+                "-n",
+                OPERATOR_NS,
+                "--create-namespace",
+                "--set",
+                f"router.namespaces={{{TEAM}}}",
+                check=False,
+            )
             assert result.returncode == 0, result.stderr
             crd = _get(cluster, "", "crd", CRD_NAME)
             assert "speculative" not in json.dumps(crd["spec"]), "the previous CRD is not the one installed"
         old = HostOperator.start(cluster, pod_name="operator-previous", log_dir=tmp_path)
         operators.append(old)
         timings.marks["previous operator leading"] = round(old.wait_leader(cluster), 1)
-        manifests = {"agg": _manifest("agg", "Aggregated"), "disagg": _manifest("disagg", "Disaggregated"),
-                     # valid under the previous CRD, refused by today's (interval >= 1s)
-                     "legacy": _manifest("legacy", "Aggregated", interval="500ms")}
+        manifests = {
+            "agg": _manifest("agg", "Aggregated"),
+            "disagg": _manifest("disagg", "Disaggregated"),
+            # valid under the previous CRD, refused by today's (interval >= 1s)
+            "legacy": _manifest("legacy", "Aggregated", interval="500ms"),
+        }
         for obj in manifests.values():
             result = _apply(cluster, obj)
             assert result.returncode == 0, result.stderr
         with timings.measure("previous operator converged"):
             for name in ("agg", "disagg"):
                 _wait_ready(cluster, name)
-            cluster.wait_for(lambda: _condition(_isvc(cluster, "legacy"), "Stalled").get("reason") == "InvalidSpec",
-                             timeout_seconds=WAIT_SECONDS, what="legacy Stalled (InvalidSpec)")
+            cluster.wait_for(
+                lambda: _condition(_isvc(cluster, "legacy"), "Stalled").get("reason") == "InvalidSpec",
+                timeout_seconds=WAIT_SECONDS,
+                what="legacy Stalled (InvalidSpec)",
+            )
 
         # Helm installed the CRD, so its fields are Helm's: the docs' --force-conflicts is needed
         refused = cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"), check=False)
@@ -327,10 +364,15 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
             elif command[:2] == ["kubectl", "apply"]:
                 # the API server swaps in a CRD's new schema asynchronously: a read right after
                 # the apply may still default by the old one (it did once, on a loaded machine)
-                cluster.wait_for(lambda: all(_isvc(cluster, name)["spec"][group][field] == default
-                                             for name in manifests
-                                             for (group, field), default in NEW_DEFAULTS.items()),
-                                 timeout_seconds=WAIT_SECONDS, what="the new CRD's defaults on read")
+                cluster.wait_for(
+                    lambda: all(
+                        _isvc(cluster, name)["spec"][group][field] == default
+                        for name in manifests
+                        for (group, field), default in NEW_DEFAULTS.items()
+                    ),
+                    timeout_seconds=WAIT_SECONDS,
+                    what="the new CRD's defaults on read",
+                )
                 snapshot("crd upgraded")
             elif command[:2] == ["helm", "upgrade"]:  # the Deployment starts a pod again: ours
                 operators.append(HostOperator.start(cluster, pod_name="operator-upgraded", log_dir=tmp_path))
@@ -359,16 +401,29 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
             result = _patch(cluster, "agg", {"spec": {"engine": {"maxNumSeqs": 32}}})
             assert result.returncode == 0 and not result.stderr.strip(), result.stderr
             generation = _isvc(cluster, "agg")["metadata"]["generation"]
-            cluster.wait_for(lambda: _ready(cluster, "agg", generation=generation), timeout_seconds=WAIT_SECONDS,
-                             what="agg reconciled at its new generation")
+            cluster.wait_for(
+                lambda: _ready(cluster, "agg", generation=generation),
+                timeout_seconds=WAIT_SECONDS,
+                what="agg reconciled at its new generation",
+            )
             engine = _get(cluster, TEAM, "deployment", "agg-engine")
             args = " ".join(engine["spec"]["template"]["spec"]["containers"][0]["args"])
             assert re.search(r"--max-num-seqs[= ]32\b", args), args
 
         # ratcheting: the legacy object breaks a rule that did not exist when it was created
-        for update in (["label", contract.PLURAL, "legacy", "-n", TEAM, "team=ml"],
-                       ["patch", contract.PLURAL, "legacy", "-n", TEAM, "--type=merge",
-                        "-p", json.dumps({"spec": {"aggregated": {"replicas": {"max": 4}}}})]):
+        for update in (
+            ["label", contract.PLURAL, "legacy", "-n", TEAM, "team=ml"],
+            [
+                "patch",
+                contract.PLURAL,
+                "legacy",
+                "-n",
+                TEAM,
+                "--type=merge",
+                "-p",
+                json.dumps({"spec": {"aggregated": {"replicas": {"max": 4}}}}),
+            ],
+        ):
             result = cluster.kubectl(*update, check=False)
             assert result.returncode == 0, result.stderr
             assert rules.INTERVAL_RULE_MESSAGE in result.stderr, f"no ratcheting warning: {result.stderr}"
@@ -382,8 +437,11 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
             result = _patch(cluster, "legacy", {"spec": {"autoscaling": {"interval": "2s", "gpuBudget": 4}}})
             assert result.returncode == 0 and rules.INTERVAL_RULE_MESSAGE not in result.stderr, result.stderr
             generation = _isvc(cluster, "legacy")["metadata"]["generation"]
-            cluster.wait_for(lambda: _ready(cluster, "legacy", generation=generation), timeout_seconds=WAIT_SECONDS,
-                             what="legacy Ready once fixed")
+            cluster.wait_for(
+                lambda: _ready(cluster, "legacy", generation=generation),
+                timeout_seconds=WAIT_SECONDS,
+                what="legacy Ready once fixed",
+            )
 
         # new objects: today's rules and fields
         fresh = _manifest("fresh", "Aggregated", interval="500ms")
@@ -393,8 +451,9 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
         result = _apply(cluster, newer)
         assert result.returncode == 0, result.stderr
         _wait_ready(cluster, "newer")
-        args = " ".join(_get(cluster, TEAM, "deployment", "newer-engine")["spec"]["template"]["spec"]
-                        ["containers"][0]["args"])
+        args = " ".join(
+            _get(cluster, TEAM, "deployment", "newer-engine")["spec"]["template"]["spec"]["containers"][0]["args"]
+        )
         assert re.search(r"--speculative-method[= ]ngram\b", args), args
 
         # kubectl get sis -o wide: today's columns, on objects created before the upgrade
@@ -432,7 +491,9 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
         crd = _get(cluster, "", "crd", CRD_NAME)
         assert "speculative" not in json.dumps(crd["spec"])
         rolled = _isvc(cluster, "newer")
-        assert "speculative" not in rolled["spec"]["engine"] and "dtype" not in rolled["spec"]["kvCache"], rolled["spec"]
+        assert "speculative" not in rolled["spec"]["engine"] and "dtype" not in rolled["spec"]["kvCache"], rolled[
+            "spec"
+        ]
         for name in manifests:
             assert _isvc(cluster, name)["metadata"]["uid"] == snapshots["stopped"][name]["metadata"]["uid"], name
         history = cluster.helm("history", RELEASE, "-n", OPERATOR_NS, "-o", "json").stdout
@@ -441,4 +502,3 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
         for operator in operators:
             operator.stop()
         print(f"\nupgrade timings (s): {timings.marks}")
-

@@ -56,23 +56,31 @@ class Install:
 @pytest.fixture(scope="module")
 def install(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[Install]:
     suffix = uuid.uuid4().hex[:5]
-    found = Install(operator=f"e2e-scoped-ops-{suffix}", watched=(f"e2e-scoped-a-{suffix}", f"e2e-scoped-b-{suffix}"),
-                    unlisted=f"e2e-scoped-c-{suffix}")
+    found = Install(
+        operator=f"e2e-scoped-ops-{suffix}",
+        watched=(f"e2e-scoped-a-{suffix}", f"e2e-scoped-b-{suffix}"),
+        unlisted=f"e2e-scoped-c-{suffix}",
+    )
     namespaces = [found.operator, *found.watched, found.unlisted]
     try:
         for name in namespaces:
             create_namespace(cluster, name, restricted=True)
         for name in [*found.watched, found.unlisted]:
             create_hub_token_secret(cluster=cluster, namespace=name, hub=model_hub)
-        install_operator(cluster=cluster, namespace=found.operator, image=image, release=RELEASE,
-                         with_prometheus=False,
-                         extra_args=("--set", "rbac.scope=namespaces",
-                                     "--set", f"watchNamespaces={{{','.join(found.watched)}}}"))
+        install_operator(
+            cluster=cluster,
+            namespace=found.operator,
+            image=image,
+            release=RELEASE,
+            with_prometheus=False,
+            extra_args=("--set", "rbac.scope=namespaces", "--set", f"watchNamespaces={{{','.join(found.watched)}}}"),
+        )
         yield found
     finally:
         for name in [*found.watched, found.unlisted]:
-            cluster.kubectl("delete", ISVC_PLURAL, "--all", "-n", name, "--timeout=60s",
-                            check=False, timeout_seconds=90)
+            cluster.kubectl(
+                "delete", ISVC_PLURAL, "--all", "-n", name, "--timeout=60s", check=False, timeout_seconds=90
+            )
         cluster.helm("uninstall", RELEASE, "-n", found.operator, check=False)
         for name in namespaces:
             cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -81,13 +89,20 @@ def install(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[
 def _manifest(name: str, namespace: str, hub: ModelHub, **router: Any) -> dict[str, Any]:
     kwok = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE}}
     return {
-        "apiVersion": isvc_api.API_VERSION_STRING, "kind": contract.KIND,
+        "apiVersion": isvc_api.API_VERSION_STRING,
+        "kind": contract.KIND,
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"uri": f"hf://{MODEL_NAME}", "dtype": "float32", "hubEndpoint": hub.endpoint,
-                           "hubTokenSecretRef": {"name": hub.token_secret}},
-                 "mode": "Aggregated",
-                 "aggregated": {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}, **kwok},
-                 **({"router": router} if router else {})},
+        "spec": {
+            "model": {
+                "uri": f"hf://{MODEL_NAME}",
+                "dtype": "float32",
+                "hubEndpoint": hub.endpoint,
+                "hubTokenSecretRef": {"name": hub.token_secret},
+            },
+            "mode": "Aggregated",
+            "aggregated": {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 1}, **kwok},
+            **({"router": router} if router else {}),
+        },
     }
 
 
@@ -100,8 +115,16 @@ def _isvc(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
 
 
 def _children(cluster: LocalCluster, namespace: str, name: str) -> list[str]:
-    result = cluster.kubectl("get", "deployments,services,configmaps,networkpolicies,serviceaccounts,roles",
-                             "-n", namespace, "-l", f"{contract.LABEL_INSTANCE}={name}", "-o", "name")
+    result = cluster.kubectl(
+        "get",
+        "deployments,services,configmaps,networkpolicies,serviceaccounts,roles",
+        "-n",
+        namespace,
+        "-l",
+        f"{contract.LABEL_INSTANCE}={name}",
+        "-o",
+        "name",
+    )
     return result.stdout.split()
 
 
@@ -110,15 +133,25 @@ def _stalled(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _can(cluster: LocalCluster, install: Install, verb: str, resource: str, namespace: str) -> bool:
-    result = cluster.kubectl("auth", "can-i", verb, resource, "-n", namespace,
-                             f"--as=system:serviceaccount:{install.operator}:{FULLNAME}", check=False)
+    result = cluster.kubectl(
+        "auth",
+        "can-i",
+        verb,
+        resource,
+        "-n",
+        namespace,
+        f"--as=system:serviceaccount:{install.operator}:{FULLNAME}",
+        check=False,
+    )
     return result.stdout.strip() == "yes"
 
 
-def test_operator_watches_exactly_the_listed_namespaces(cluster: LocalCluster, install: Install,
-                                                        model_hub: ModelHub) -> None:
-    cluster_objects = cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l",
-                                      f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.split()
+def test_operator_watches_exactly_the_listed_namespaces(
+    cluster: LocalCluster, install: Install, model_hub: ModelHub
+) -> None:
+    cluster_objects = cluster.kubectl(
+        "get", "clusterroles,clusterrolebindings", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name"
+    ).stdout.split()
     assert cluster_objects == []
     name = f"scoped-{uuid.uuid4().hex[:5]}"
     for namespace in (*install.watched, install.unlisted):
@@ -126,12 +159,17 @@ def test_operator_watches_exactly_the_listed_namespaces(cluster: LocalCluster, i
 
     def reconciled(namespace: str) -> bool:
         # status written (the reconciler's conditions) and the pool's Deployment created
-        return bool(_stalled(_isvc(cluster, namespace, name))) and \
-            f"deployment.apps/{name}-engine" in _children(cluster, namespace, name)
+        return bool(_stalled(_isvc(cluster, namespace, name))) and f"deployment.apps/{name}-engine" in _children(
+            cluster, namespace, name
+        )
 
     for namespace in install.watched:
-        cluster.wait_for(functools.partial(reconciled, namespace), timeout_seconds=CONVERGE_SECONDS,
-                         interval_seconds=1.0, what=f"{namespace}/{name} reconciled")
+        cluster.wait_for(
+            functools.partial(reconciled, namespace),
+            timeout_seconds=CONVERGE_SECONDS,
+            interval_seconds=1.0,
+            what=f"{namespace}/{name} reconciled",
+        )
     time.sleep(QUIET_SECONDS)  # the behaviour under test is that nothing happens in the unlisted one
     ignored = _isvc(cluster, install.unlisted, name)
     assert "status" not in ignored or not ignored["status"], ignored.get("status")
@@ -141,17 +179,23 @@ def test_operator_watches_exactly_the_listed_namespaces(cluster: LocalCluster, i
     assert _can(cluster, install, "create", "deployments", install.watched[1])
 
 
-def test_inference_pool_mode_is_stalled_without_the_chart_toggle(cluster: LocalCluster, install: Install,
-                                                                 model_hub: ModelHub) -> None:
+def test_inference_pool_mode_is_stalled_without_the_chart_toggle(
+    cluster: LocalCluster, install: Install, model_hub: ModelHub
+) -> None:
     namespace = install.watched[0]
     name = f"pool-{uuid.uuid4().hex[:5]}"
     _apply(cluster, _manifest(name, namespace, model_hub, mode="InferencePool"))
+
     def disabled() -> dict[str, Any] | None:
         stalled = _stalled(_isvc(cluster, namespace, name))
         return stalled if stalled.get("reason") == Reason.INFERENCE_POOL_DISABLED else None
 
-    stalled = cluster.wait_for(disabled, timeout_seconds=CONVERGE_SECONDS, interval_seconds=1.0,
-                               what=f"{namespace}/{name} Stalled/{Reason.INFERENCE_POOL_DISABLED}")
+    stalled = cluster.wait_for(
+        disabled,
+        timeout_seconds=CONVERGE_SECONDS,
+        interval_seconds=1.0,
+        what=f"{namespace}/{name} Stalled/{Reason.INFERENCE_POOL_DISABLED}",
+    )
     assert stalled["status"] == "True" and "inferencePool.enabled=true" in stalled["message"]
     assert _children(cluster, namespace, name) == []
     for resource in ("serviceaccounts", "roles", "rolebindings"):

@@ -27,17 +27,15 @@ class Subcommand:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "serve": Subcommand("splitserve_runtime.server.app",
-                        "run the inference runtime (OpenAI API, prefill/decode/aggregated)",
-                        "runtime"),
-    "router": Subcommand("splitserve_runtime.router.app",
-                         "run the prefill/decode-aware router", "runtime"),
+    "serve": Subcommand(
+        "splitserve_runtime.server.app", "run the inference runtime (OpenAI API, prefill/decode/aggregated)", "runtime"
+    ),
+    "router": Subcommand("splitserve_runtime.router.app", "run the prefill/decode-aware router", "runtime"),
     "operator": Subcommand("splitserve_operator.main", "run the Kubernetes operator", "operator"),
-    "make-tiny-model": Subcommand("splitserve_runtime.model.tiny",
-                                  "write a tiny random checkpoint for tests and demos",
-                                  "runtime"),
-    "plan": Subcommand("splitserve_planner.cli",
-                       "size prefill/decode pools for a workload", "operator"),
+    "make-tiny-model": Subcommand(
+        "splitserve_runtime.model.tiny", "write a tiny random checkpoint for tests and demos", "runtime"
+    ),
+    "plan": Subcommand("splitserve_planner.cli", "size prefill/decode pools for a workload", "operator"),
 }
 
 
@@ -51,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve",
         description="Disaggregated (prefill/decode) LLM serving on Kubernetes.",
-        epilog="Run `splitserve <command> --help` for the options of a command.")
+        epilog="Run `splitserve <command> --help` for the options of a command.",
+    )
     parser.add_argument("--version", action="version", version=f"splitserve {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     for name, sub in SUBCOMMANDS.items():
@@ -66,16 +65,20 @@ def _load(name: str, sub: Subcommand) -> Callable[[list[str]], int] | None:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if sub.module == missing or sub.module.startswith(missing + "."):
-            print(f"splitserve: `{name}` is not available in this install "
-                  f"(module {sub.module} is missing)", file=sys.stderr)
+            print(
+                f"splitserve: `{name}` is not available in this install (module {sub.module} is missing)",
+                file=sys.stderr,
+            )
         else:
-            print(f"splitserve: `{name}` is not available in this install: it needs the "
-                  f"package {missing!r} (pip install 'splitserve[{sub.extra}]')", file=sys.stderr)
+            print(
+                f"splitserve: `{name}` is not available in this install: it needs the "
+                f"package {missing!r} (pip install 'splitserve[{sub.extra}]')",
+                file=sys.stderr,
+            )
         return None
     entry = getattr(module, "main", None)
     if not callable(entry):
-        print(f"splitserve: `{name}` is not available in this install "
-              f"({sub.module} has no main())", file=sys.stderr)
+        print(f"splitserve: `{name}` is not available in this install ({sub.module} has no main())", file=sys.stderr)
         return None
     return entry  # type: ignore[no-any-return]
 
@@ -93,8 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     sub = SUBCOMMANDS.get(name)
     if sub is None:
-        _parser().error(f"unknown command {name!r} (choose from "
-                        f"{', '.join([*SUBCOMMANDS, 'version'])})")
+        _parser().error(f"unknown command {name!r} (choose from {', '.join([*SUBCOMMANDS, 'version'])})")
     entry = _load(name, sub)
     if entry is None:
         return EXIT_UNAVAILABLE

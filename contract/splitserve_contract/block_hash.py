@@ -10,7 +10,7 @@ use it without the engine.
 
 The same module holds :func:`prompt_digest`, which names a whole prompt (every token, the
 partial last block included) for the prefill → decode handoff: the prefill pod signs it into
-the handoff parameters (``wire.HANDOFF_PROMPT_DIGEST_FIELD``) and the decode pod recomputes it
+the handoff parameters (``handoff.PROMPT_DIGEST``) and the decode pod recomputes it
 from the prompt it was given, so parameters computed for one prompt can never import their KV
 (and index it in the prefix cache) under another prompt's block hashes.
 """
@@ -38,8 +38,9 @@ def hash_block(*, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_hash + payload, digest_size=HASH_DIGEST_BYTES).digest()
 
 
-def hash_token_blocks(*, token_ids: Sequence[int], block_size: int, salt: bytes = b"",
-                      max_blocks: int | None = None) -> list[bytes]:
+def hash_token_blocks(
+    *, token_ids: Sequence[int], block_size: int, salt: bytes = b"", max_blocks: int | None = None
+) -> list[bytes]:
     """Hashes of the full leading blocks of ``token_ids`` (at most ``max_blocks``)."""
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
@@ -48,7 +49,7 @@ def hash_token_blocks(*, token_ids: Sequence[int], block_size: int, salt: bytes 
     parent = root_block_hash(salt=salt)
     for index in range(num_full):
         start = index * block_size
-        parent = hash_block(parent_hash=parent, token_ids=token_ids[start:start + block_size])
+        parent = hash_block(parent_hash=parent, token_ids=token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 

@@ -42,8 +42,7 @@ class Capability:
 
     def unsupported_message(self, value: str | int) -> str:
         """The one sentence every side uses to refuse ``value``."""
-        return (f"{self.name} {value!s} {SUPPORT_NOTE} "
-                f"(supported: {', '.join(str(v) for v in self.supported)})")
+        return f"{self.name} {value!s} {SUPPORT_NOTE} (supported: {', '.join(str(v) for v in self.supported)})"
 
     def check(self, value: str | int) -> None:
         """Raise :class:`UnsupportedError` unless ``value`` is supported."""
@@ -56,42 +55,63 @@ class UnsupportedError(ValueError):
 
 
 QUANTIZATION: Final = Capability(
-    name="quantization", api_field="quantization",
-    known=("none", "fp8", "int8", "int4"), supported=("none", "fp8", "int8", "int4"))
+    name="quantization",
+    api_field="quantization",
+    known=("none", "fp8", "int8", "int4"),
+    supported=("none", "fp8", "int8", "int4"),
+)
 TENSOR_PARALLEL_SIZE: Final = Capability(
-    name="parallelism.tensor", api_field="tensor",
-    known=(1, 2, 4, 8), supported=(1, 2, 4, 8))
+    name="parallelism.tensor", api_field="tensor", known=(1, 2, 4, 8), supported=(1, 2, 4, 8)
+)
 PIPELINE_PARALLEL_SIZE: Final = Capability(
-    name="parallelism.pipeline", api_field="pipeline",
-    known=(1, 2, 3, 4, 5, 6, 7, 8), supported=(1, 2, 3, 4, 5, 6, 7, 8))
+    name="parallelism.pipeline",
+    api_field="pipeline",
+    known=(1, 2, 3, 4, 5, 6, 7, 8),
+    supported=(1, 2, 3, 4, 5, 6, 7, 8),
+)
 SPECULATIVE_METHOD: Final = Capability(
-    name="speculative decoding method", api_field="method",
-    known=("none", "ngram", "draft"), supported=("none", "ngram", "draft"))
+    name="speculative decoding method",
+    api_field="method",
+    known=("none", "ngram", "draft"),
+    supported=("none", "ngram", "draft"),
+)
 """ngram: prompt-lookup proposals (no extra model); draft: a smaller draft model with the same
 vocabulary (``engine.speculative.draftModel`` names it)."""
 MODEL_URI_SCHEME: Final = Capability(
-    name="model URI scheme", known=("hf", "file", "pvc"), supported=("hf", "file", "pvc"))
+    name="model URI scheme", known=("hf", "file", "pvc"), supported=("hf", "file", "pvc")
+)
 ARCHITECTURE: Final = Capability(
     name="model architecture",
     known=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-    supported=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+    supported=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+)
 DTYPE: Final = Capability(
-    name="dtype", api_field="dtype",
+    name="dtype",
+    api_field="dtype",
     known=("auto", "bfloat16", "float16", "float32"),
-    supported=("auto", "bfloat16", "float16", "float32"))
+    supported=("auto", "bfloat16", "float16", "float32"),
+)
 KV_CACHE_DTYPE: Final = Capability(
-    name="kvCache.dtype", api_field="dtype",
-    known=("auto", "fp8"), supported=("auto", "fp8"))
+    name="kvCache.dtype", api_field="dtype", known=("auto", "fp8"), supported=("auto", "fp8")
+)
 """auto: the activation dtype; fp8: e4m3 with per-tensor scales (half the bytes of bf16)."""
 REPLICA_LAYOUT: Final = Capability(
-    name="replica layout", known=("single-node", "multi-node"), supported=("single-node", "multi-node"))
+    name="replica layout", known=("single-node", "multi-node"), supported=("single-node", "multi-node")
+)
 """single-node: one pod holds all ranks of a replica; multi-node: a replica is a group of
 ``resources.gpus / resources.gpusPerNode`` pods (a LeaderWorkerSet), each holding its share of
 the tensor x pipeline ranks (``--nnodes``)."""
 
 ALL: Final[tuple[Capability, ...]] = (
-    QUANTIZATION, TENSOR_PARALLEL_SIZE, PIPELINE_PARALLEL_SIZE, SPECULATIVE_METHOD,
-    MODEL_URI_SCHEME, ARCHITECTURE, DTYPE, KV_CACHE_DTYPE, REPLICA_LAYOUT,
+    QUANTIZATION,
+    TENSOR_PARALLEL_SIZE,
+    PIPELINE_PARALLEL_SIZE,
+    SPECULATIVE_METHOD,
+    MODEL_URI_SCHEME,
+    ARCHITECTURE,
+    DTYPE,
+    KV_CACHE_DTYPE,
+    REPLICA_LAYOUT,
 )
 
 

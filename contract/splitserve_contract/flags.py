@@ -85,12 +85,19 @@ def _str_choices(capability: caps.Capability) -> tuple[str, ...]:
 
 
 _READ_TIMEOUT_FLAGS: tuple[Flag, ...] = (
-    Flag("header-timeout-seconds", "header_timeout_seconds",
-         "time a client has to send a request's line and headers, from its first byte or the "
-         "connection's start (then 408 and closed; 0: no bound)", type=float),
-    Flag("body-idle-timeout-seconds", "body_idle_timeout_seconds",
-         "longest pause between the bytes of a request body (then 408 and closed; 0: no bound)",
-         type=float),
+    Flag(
+        "header-timeout-seconds",
+        "header_timeout_seconds",
+        "time a client has to send a request's line and headers, from its first byte or the "
+        "connection's start (then 408 and closed; 0: no bound)",
+        type=float,
+    ),
+    Flag(
+        "body-idle-timeout-seconds",
+        "body_idle_timeout_seconds",
+        "longest pause between the bytes of a request body (then 408 and closed; 0: no bound)",
+        type=float,
+    ),
 )
 """Both HTTP servers' bounds on reading a request (the runtime's ``read_timeouts``)."""
 
@@ -111,75 +118,135 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("block-size", "block_size", "tokens per KV cache block", type=int),
     Flag("kv-memory-fraction", "kv_memory_fraction", "fraction of free device memory for the KV cache", type=float),
     Flag("num-kv-blocks", "num_kv_blocks", "fixed number of KV blocks (0: measure at start-up)", type=int),
-    Flag("kv-cache-dtype", "kv_cache_dtype",
-         "KV cache dtype: auto (the activation dtype) or fp8 (e4m3, per-tensor scales; twice the "
-         "blocks of bf16 in the same memory)", choices=_str_choices(caps.KV_CACHE_DTYPE)),
+    Flag(
+        "kv-cache-dtype",
+        "kv_cache_dtype",
+        "KV cache dtype: auto (the activation dtype) or fp8 (e4m3, per-tensor scales; twice the "
+        "blocks of bf16 in the same memory)",
+        choices=_str_choices(caps.KV_CACHE_DTYPE),
+    ),
     Flag("prefix-caching", "prefix_caching", "reuse KV blocks of identical prompt prefixes", is_bool=True),
     Flag("max-num-seqs", "max_num_seqs", "maximum running sequences per step", type=int),
     Flag("max-num-batched-tokens", "max_num_batched_tokens", "token budget per engine step", type=int),
     Flag("chunked-prefill", "chunked_prefill", "split long prompts across steps", is_bool=True),
-    Flag("cuda-graphs", "cuda_graphs",
-         "replay pure-decode steps of up to --max-num-seqs (at most 512) rows from CUDA graphs, one per "
-         "batch-size bucket (1, 2, 4, then multiples of 8); CUDA and the triton backend only, not with "
-         "tensor or pipeline parallelism", is_bool=True),
+    Flag(
+        "cuda-graphs",
+        "cuda_graphs",
+        "replay pure-decode steps of up to --max-num-seqs (at most 512) rows from CUDA graphs, one per "
+        "batch-size bucket (1, 2, 4, then multiples of 8); CUDA and the triton backend only, not with "
+        "tensor or pipeline parallelism",
+        is_bool=True,
+    ),
     Flag("max-queue-len", "max_queue_len", "waiting requests before answering 429", type=int),
-    Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
+    Flag(
+        "max-request-body-bytes",
+        "max_request_body_bytes",
+        "largest request body read (413 above; 0: no limit)",
+        type=int,
+    ),
     *_READ_TIMEOUT_FLAGS,
     Flag("tensor-parallel-size", "tensor_parallel_size", "GPUs per tensor-parallel group", type=int),
     Flag("pipeline-parallel-size", "pipeline_parallel_size", "pipeline stages", type=int),
-    Flag("nnodes", "nnodes",
-         "pods holding one replica's tensor x pipeline ranks (a LeaderWorkerSet group); each pod holds "
-         "tensor x pipeline / nnodes consecutive ranks", type=int),
-    Flag("node-rank", "node_rank",
-         "this pod's index in the group: 0 serves the API (the leader), others run only their ranks "
-         "(-1: from $LWS_WORKER_INDEX, else 0)", type=int),
-    Flag("leader-address", "leader_address",
-         "host of the group's leader pod, where the other pods join (empty: from $LWS_LEADER_ADDRESS; "
-         "required on pods other than the leader)"),
-    Flag("rendezvous-port", "rendezvous_port",
-         "port the leader listens on (all interfaces) for the group's ranks to join (--nnodes > 1)", type=int),
+    Flag(
+        "nnodes",
+        "nnodes",
+        "pods holding one replica's tensor x pipeline ranks (a LeaderWorkerSet group); each pod holds "
+        "tensor x pipeline / nnodes consecutive ranks",
+        type=int,
+    ),
+    Flag(
+        "node-rank",
+        "node_rank",
+        "this pod's index in the group: 0 serves the API (the leader), others run only their ranks "
+        "(-1: from $LWS_WORKER_INDEX, else 0)",
+        type=int,
+    ),
+    Flag(
+        "leader-address",
+        "leader_address",
+        "host of the group's leader pod, where the other pods join (empty: from $LWS_LEADER_ADDRESS; "
+        "required on pods other than the leader)",
+    ),
+    Flag(
+        "rendezvous-port",
+        "rendezvous_port",
+        "port the leader listens on (all interfaces) for the group's ranks to join (--nnodes > 1)",
+        type=int,
+    ),
     Flag("drain-timeout-seconds", "drain_timeout_seconds", "grace for in-flight requests on SIGTERM", type=float),
-    Flag("engine-step-timeout-seconds", "engine_step_timeout_seconds",
-         "an engine step running longer than this (a wedged rank) fails /health and the in-flight "
-         "requests (0: no watchdog)", type=float),
+    Flag(
+        "engine-step-timeout-seconds",
+        "engine_step_timeout_seconds",
+        "an engine step running longer than this (a wedged rank) fails /health and the in-flight "
+        "requests (0: no watchdog)",
+        type=float,
+    ),
     Flag("kv-ttl-seconds", "kv_ttl_seconds", "prefill role: free unclaimed KV after this", type=float),
     Flag("seed", "seed", "default sampling seed", type=int),
-    Flag("speculative-method", "speculative_method",
-         "speculative decoding: none, ngram (prompt lookup) or draft (a smaller model)",
-         choices=_str_choices(caps.SPECULATIVE_METHOD)),
+    Flag(
+        "speculative-method",
+        "speculative_method",
+        "speculative decoding: none, ngram (prompt lookup) or draft (a smaller model)",
+        choices=_str_choices(caps.SPECULATIVE_METHOD),
+    ),
     Flag("num-speculative-tokens", "num_speculative_tokens", "proposals verified per sequence and step", type=int),
-    Flag("speculative-max-num-seqs", "speculative_max_num_seqs",
-         "speculate only in steps with at most this many decoding sequences", type=int),
-    Flag("speculative-draft-model", "speculative_draft_model",
-         "draft model URI for --speculative-method draft (same vocabulary as the model)"),
-    Flag("compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"),
-    Flag("prefill-headers", "prefill_headers",
-         "decode role: prefill where an endpoint picker's x-prefiller-host-port / x-gateway-prefill-endpoints "
-         "header says (only behind a Gateway that sets them: spec.router.mode InferencePool)", is_bool=True),
-    Flag("prefill-timeout-seconds", "prefill_timeout_seconds",
-         "decode role: total time a prefill pod named in a picker header has to answer (then "
-         "this pod computes the prompt)", type=float),
-    Flag("handoff-key-file", "handoff_key_file",
-         "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
-         "decode accepts only params signed with it"),
-    Flag("rendezvous-key-file", "rendezvous_key_file",
-         "--nnodes > 1: file holding a secret every pod of the group holds; the group's control messages "
-         "are authenticated with a key derived from it and the leader's address (without it, a group "
-         "of several pods may only meet on loopback addresses)"),
+    Flag(
+        "speculative-max-num-seqs",
+        "speculative_max_num_seqs",
+        "speculate only in steps with at most this many decoding sequences",
+        type=int,
+    ),
+    Flag(
+        "speculative-draft-model",
+        "speculative_draft_model",
+        "draft model URI for --speculative-method draft (same vocabulary as the model)",
+    ),
+    Flag(
+        "compat-hash", "compat_hash", "KV compatibility hash (image + model + KV layout); the router pairs equal hashes"
+    ),
+    Flag(
+        "prefill-headers",
+        "prefill_headers",
+        "decode role: prefill where an endpoint picker's x-prefiller-host-port / x-gateway-prefill-endpoints "
+        "header says (only behind a Gateway that sets them: spec.router.mode InferencePool)",
+        is_bool=True,
+    ),
+    Flag(
+        "prefill-timeout-seconds",
+        "prefill_timeout_seconds",
+        "decode role: total time a prefill pod named in a picker header has to answer (then "
+        "this pod computes the prompt)",
+        type=float,
+    ),
+    Flag(
+        "handoff-key-file",
+        "handoff_key_file",
+        "file holding the InferenceService's KV handoff key: prefill signs kv_transfer_params with it, "
+        "decode accepts only params signed with it",
+    ),
+    Flag(
+        "rendezvous-key-file",
+        "rendezvous_key_file",
+        "--nnodes > 1: file holding a secret every pod of the group holds; the group's control messages "
+        "are authenticated with a key derived from it and the leader's address (without it, a group "
+        "of several pods may only meet on loopback addresses)",
+    ),
 )
 
 
 def unsupported_serve_settings(args: ServeArgs) -> list[str]:
     """Messages for every setting in ``args`` that this version does not serve (the runtime
     refuses to start with them; the operator's CRD refuses them at admission)."""
-    return caps.unsupported([
-        (caps.QUANTIZATION, args.quantization),
-        (caps.SPECULATIVE_METHOD, args.speculative_method),
-        (caps.TENSOR_PARALLEL_SIZE, args.tensor_parallel_size),
-        (caps.PIPELINE_PARALLEL_SIZE, args.pipeline_parallel_size),
-        (caps.DTYPE, args.dtype),
-        (caps.KV_CACHE_DTYPE, args.kv_cache_dtype),
-    ])
+    return caps.unsupported(
+        [
+            (caps.QUANTIZATION, args.quantization),
+            (caps.SPECULATIVE_METHOD, args.speculative_method),
+            (caps.TENSOR_PARALLEL_SIZE, args.tensor_parallel_size),
+            (caps.PIPELINE_PARALLEL_SIZE, args.pipeline_parallel_size),
+            (caps.DTYPE, args.dtype),
+            (caps.KV_CACHE_DTYPE, args.kv_cache_dtype),
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +290,32 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
     Flag("model", "model", "model URI (tokenizer for prefix hashing)"),
     Flag("served-model-name", "served_model_name", "name clients use in the `model` field"),
     Flag("block-size", "block_size", "tokens per KV block (prefix hash granularity)", type=int),
-    Flag("short-prompt-threshold", "short_prompt_threshold", "send prompts shorter than this straight to decode (0: never)", type=int),
-    Flag("prefill-overflow-tokens", "prefill_overflow_tokens", "prefill on a decode pod when every prefill pod has this many prompt tokens queued (0: never)", type=int),
+    Flag(
+        "short-prompt-threshold",
+        "short_prompt_threshold",
+        "send prompts shorter than this straight to decode (0: never)",
+        type=int,
+    ),
+    Flag(
+        "prefill-overflow-tokens",
+        "prefill_overflow_tokens",
+        "prefill on a decode pod when every prefill pod has this many prompt tokens queued (0: never)",
+        type=int,
+    ),
     Flag("health-interval-seconds", "health_interval_seconds", "pod health-check period", type=float),
     Flag("request-timeout-seconds", "request_timeout_seconds", "upper bound for one upstream request", type=float),
-    Flag("prefill-timeout-seconds", "prefill_timeout_seconds",
-         "total time a disaggregated request's prefill may take (then a decode pod computes the prompt)",
-         type=float),
-    Flag("max-request-body-bytes", "max_request_body_bytes", "largest request body read (413 above; 0: no limit)", type=int),
+    Flag(
+        "prefill-timeout-seconds",
+        "prefill_timeout_seconds",
+        "total time a disaggregated request's prefill may take (then a decode pod computes the prompt)",
+        type=float,
+    ),
+    Flag(
+        "max-request-body-bytes",
+        "max_request_body_bytes",
+        "largest request body read (413 above; 0: no limit)",
+        type=int,
+    ),
     *_READ_TIMEOUT_FLAGS,
 )
 
@@ -241,13 +326,20 @@ def add_arguments(parser: argparse.ArgumentParser, flags: Sequence[Flag], defaul
         default = getattr(defaults_obj, flag.dest)
         if flag.is_bool:
             parser.add_argument(
-                f"--{flag.name}", dest=flag.dest, default=default,
-                action=argparse.BooleanOptionalAction, help=flag.help,
+                f"--{flag.name}",
+                dest=flag.dest,
+                default=default,
+                action=argparse.BooleanOptionalAction,
+                help=flag.help,
             )
         else:
             parser.add_argument(
-                f"--{flag.name}", dest=flag.dest, default=default, type=flag.type,
-                choices=flag.choices, help=f"{flag.help} (default: {default!r})",
+                f"--{flag.name}",
+                dest=flag.dest,
+                default=default,
+                type=flag.type,
+                choices=flag.choices,
+                help=f"{flag.help} (default: {default!r})",
             )
 
 

@@ -25,9 +25,11 @@ class Metric:
     SPEC_DECODE_PROPOSED_TOKENS_TOTAL: Final = "splitserve_spec_decode_proposed_tokens_total"
     SPEC_DECODE_ACCEPTED_TOKENS_TOTAL: Final = "splitserve_spec_decode_accepted_tokens_total"
     SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL: Final = (
-        "splitserve_spec_decode_accepted_tokens_by_position_total")  # label: position ("0".."k-1")
+        "splitserve_spec_decode_accepted_tokens_by_position_total"  # label: position ("0".."k-1")
+    )
     SPEC_DECODE_PROPOSED_TOKENS_BY_POSITION_TOTAL: Final = (
-        "splitserve_spec_decode_proposed_tokens_by_position_total")  # label: position ("0".."k-1")
+        "splitserve_spec_decode_proposed_tokens_by_position_total"  # label: position ("0".."k-1")
+    )
     REQUESTS_TOTAL: Final = "splitserve_requests_total"  # label: outcome
     KV_TRANSFER_BYTES_TOTAL: Final = "splitserve_kv_transfer_bytes_total"
     KV_TRANSFER_FAILURES_TOTAL: Final = "splitserve_kv_transfer_failures_total"

@@ -98,14 +98,15 @@ class ModelConfig:
         if requested_tokens == 0:
             return limit
         if requested_tokens > limit:
-            raise ModelLoadError(
-                f"max_model_len={requested_tokens} exceeds the model's limit {limit} ({reason})"
-            )
+            raise ModelLoadError(f"max_model_len={requested_tokens} exceeds the model's limit {limit} ({reason})")
         return requested_tokens
 
     @classmethod
     def from_dict(
-        cls, raw: dict[str, Any], *, generation_config: dict[str, Any] | None = None,
+        cls,
+        raw: dict[str, Any],
+        *,
+        generation_config: dict[str, Any] | None = None,
         source: str = CONFIG_FILE,
     ) -> ModelConfig:
         """Parse a ``config.json`` dict (plus optional ``generation_config.json`` for EOS ids)."""
@@ -179,8 +180,7 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
-            f"{source}: unsupported rope_scaling type {rope_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
@@ -190,15 +190,18 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     low = _float(scaling, "low_freq_factor", f"{source} rope_scaling", 1.0)
     high = _float(scaling, "high_freq_factor", f"{source} rope_scaling", 4.0)
     if high <= low:
-        raise ModelLoadError(
-            f"{source}: rope_scaling high_freq_factor ({high}) must exceed low_freq_factor ({low})"
-        )
+        raise ModelLoadError(f"{source}: rope_scaling high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     original = _int(
-        scaling, "original_max_position_embeddings", f"{source} rope_scaling",
+        scaling,
+        "original_max_position_embeddings",
+        f"{source} rope_scaling",
         default=raw.get("max_position_embeddings"),
     )
     return theta, RopeScaling(
-        rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
         original_max_position_embeddings=original,
     )
 
@@ -210,8 +213,7 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any], source: str) -> Mode
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: unsupported architecture {architecture!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     quantization_config = raw.get("quantization_config")
     if quantization_config is not None and not isinstance(quantization_config, dict):
@@ -226,8 +228,7 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any], source: str) -> Mode
     num_kv_heads = _int(raw, "num_key_value_heads", source, default=num_heads)
     if num_heads % num_kv_heads != 0:
         raise ModelLoadError(
-            f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
-            f"num_key_value_heads ({num_kv_heads})"
+            f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
         )
     head_dim_raw = raw.get("head_dim")
     if head_dim_raw is None:

@@ -33,8 +33,7 @@ _PART: Final = r"[A-Za-z0-9_][A-Za-z0-9_+-]*(?:\.[A-Za-z0-9_+-]+)*"
 REVISION_PATTERN: Final = rf"^{_PART}(?:/{_PART})*$"
 """A non-empty revision (see the module docstring); RE2-compatible for the CRD's ``pattern``."""
 _REVISION: Final = re.compile(REVISION_PATTERN)
-_ALLOWED_CHARACTERS: Final = frozenset(
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-./")
+_ALLOWED_CHARACTERS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-./")
 
 REVISION_RULE: Final = (
     "a revision is a git branch, tag or commit hash: '/'-separated parts of ASCII letters, "
@@ -92,5 +91,4 @@ def _first_problem(revision: str) -> str | None:
     return None
 
 
-__all__ = ["MAX_REVISION_LENGTH", "REVISION_PATTERN", "REVISION_RULE", "is_valid_revision",
-           "revision_problem"]
+__all__ = ["MAX_REVISION_LENGTH", "REVISION_PATTERN", "REVISION_RULE", "is_valid_revision", "revision_problem"]

@@ -135,7 +135,8 @@ def _forms(names: Mapping[str, str] | frozenset[str]) -> dict[str, str]:
 RESERVED_FLAG_FORMS: Final[Mapping[str, str]] = _forms(OPERATOR_SERVE_FLAGS)
 """``--role``, ``--prefix-caching``, ``--no-prefix-caching``, ...: each mapped to its flag."""
 OPEN_FLAG_FORMS: Final[frozenset[str]] = frozenset(
-    _forms(frozenset(f.name for f in SERVE_FLAGS) - OPERATOR_SERVE_FLAGS.keys()))
+    _forms(frozenset(f.name for f in SERVE_FLAGS) - OPERATOR_SERVE_FLAGS.keys())
+)
 """The full spellings of the serve flags an InferenceService may pass in ``extraArgs``."""
 
 
@@ -161,12 +162,22 @@ def extra_arg_problem(arg: str) -> str | None:
     flag = reserved_flag_of(arg)
     if flag is None:
         return None
-    return (f"runtime.extraArgs must not set --{flag}, which the operator renders "
-            f"(the last value would win): {_instead(OPERATOR_SERVE_FLAGS[flag])}")
+    return (
+        f"runtime.extraArgs must not set --{flag}, which the operator renders "
+        f"(the last value would win): {_instead(OPERATOR_SERVE_FLAGS[flag])}"
+    )
 
 
 __all__ = [
-    "OPEN_FLAG_FORMS", "OPERATOR_SERVE_FLAGS", "RESERVED_ENV_NAMES", "RESERVED_ENV_PREFIXES",
-    "RESERVED_FLAG_FORMS", "env_name_owner", "env_name_problem", "extra_arg_option",
-    "extra_arg_problem", "owners_in_words", "reserved_flag_of",
+    "OPEN_FLAG_FORMS",
+    "OPERATOR_SERVE_FLAGS",
+    "RESERVED_ENV_NAMES",
+    "RESERVED_ENV_PREFIXES",
+    "RESERVED_FLAG_FORMS",
+    "env_name_owner",
+    "env_name_problem",
+    "extra_arg_option",
+    "extra_arg_problem",
+    "owners_in_words",
+    "reserved_flag_of",
 ]

@@ -52,17 +52,11 @@ INFO_PATH: Final = "/v1/splitserve/info"
 """GET: {role, model, compat_hash, kv_endpoint, block_size, max_model_len} of a runtime pod."""
 KV_TRANSFER_PARAMS_FIELD: Final = "kv_transfer_params"
 """Extension field of completion/chat requests and responses that carries the P->D handoff:
-request to prefill: {"do_remote_decode": true}; prefill's response: {"remote_endpoint",
-"remote_request_id", "num_prompt_tokens", "first_token_id", "compat_hash", "prompt_digest"} plus,
-when the pods have a handoff key, "expires_at" and "signature" (HMAC-SHA256 over the rest);
-request to decode: that response object, which makes decode pull the KV instead of computing it
+request to prefill: :class:`.handoff.PrefillRequest`; prefill's response, and request to
+decode: :class:`.handoff.HandoffParams` (its fields, JSON form, signed field set and signed
+bytes are defined there, once), which makes decode pull the KV instead of computing it
 (decode refuses unsigned, forged or expired params, and params computed for another prompt, with
 403 KV_TRANSFER_PARAMS_REJECTED_CODE; the router never forwards a client's)."""
-HANDOFF_PROMPT_DIGEST_FIELD: Final = "prompt_digest"
-"""The handoff parameters' name of the prompt whose KV they hand over:
-``block_hash.prompt_digest`` of the token ids the prefill pod computed. A decode pod recomputes
-it from its own tokenization of the request and refuses parameters whose digest (or
-``num_prompt_tokens``) differs, with or without a handoff key, before it connects anywhere."""
 KV_TRANSFER_PARAMS_REJECTED_CODE: Final = "kv_transfer_params_rejected"
 """OpenAI error ``code`` of a decode pod's 403 for handoff parameters it must not act on
 (unsigned, forged, expired, another pool's, another prompt's)."""

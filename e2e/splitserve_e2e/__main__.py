@@ -29,29 +29,39 @@ def _options_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-nodes", type=int, default=2, help="kwok GPU nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default="NVIDIA-H200")
-    parser.add_argument("--node-gpus", type=int, default=4,
-                        help="nvidia.com/gpu the kubelet node advertises (pods run on CPU)")
+    parser.add_argument(
+        "--node-gpus", type=int, default=4, help="nvidia.com/gpu the kubelet node advertises (pods run on CPU)"
+    )
     parser.add_argument("--no-prometheus", action="store_true")
-    parser.add_argument("--no-kubelet-node", action="store_true",
-                        help="control plane and kwok nodes only (no root needed)")
+    parser.add_argument(
+        "--no-kubelet-node", action="store_true", help="control plane and kwok nodes only (no root needed)"
+    )
     parser.add_argument("--scrape-interval-seconds", type=float, default=2.0)
 
 
 def _options_argv(args: argparse.Namespace) -> list[str]:
     """The cluster options of ``up`` rendered back as flags for the daemon."""
-    argv = [f"--num-gpu-nodes={args.num_gpu_nodes}", f"--gpus-per-node={args.gpus_per_node}",
-            f"--gpu-product={args.gpu_product}", f"--node-gpus={args.node_gpus}",
-            f"--scrape-interval-seconds={args.scrape_interval_seconds}"]
+    argv = [
+        f"--num-gpu-nodes={args.num_gpu_nodes}",
+        f"--gpus-per-node={args.gpus_per_node}",
+        f"--gpu-product={args.gpu_product}",
+        f"--node-gpus={args.node_gpus}",
+        f"--scrape-interval-seconds={args.scrape_interval_seconds}",
+    ]
     argv += ["--no-prometheus"] if args.no_prometheus else []
     return argv + (["--no-kubelet-node"] if args.no_kubelet_node else [])
 
 
 def _options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(
-        num_gpu_nodes=args.num_gpu_nodes, gpus_per_node=args.gpus_per_node,
-        gpu_product=args.gpu_product, kubelet_node_gpus=args.node_gpus,
-        with_prometheus=not args.no_prometheus, with_kubelet_node=not args.no_kubelet_node,
-        scrape_interval_seconds=args.scrape_interval_seconds)
+        num_gpu_nodes=args.num_gpu_nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_product=args.gpu_product,
+        kubelet_node_gpus=args.node_gpus,
+        with_prometheus=not args.no_prometheus,
+        with_kubelet_node=not args.no_kubelet_node,
+        scrape_interval_seconds=args.scrape_interval_seconds,
+    )
 
 
 def _daemon_running(state_dir: Path) -> int | None:
@@ -71,15 +81,16 @@ def _up(args: argparse.Namespace) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "cluster.json").unlink(missing_ok=True)
     log_path = state_dir / "daemon.log"
-    argv = [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "_serve",
-            *_options_argv(args)]
+    argv = [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "_serve", *_options_argv(args)]
     started = time.monotonic()
     with log_path.open("ab") as log_file:
-        daemon = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        daemon = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
     (state_dir / DAEMON_PID_DIR).mkdir(exist_ok=True)
-    (state_dir / DAEMON_PID_DIR / "daemon.pid").write_text(json.dumps(
-        {"pid": daemon.pid, "start_ticks": process_start_ticks(daemon.pid), "name": "daemon"}))
+    (state_dir / DAEMON_PID_DIR / "daemon.pid").write_text(
+        json.dumps({"pid": daemon.pid, "start_ticks": process_start_ticks(daemon.pid), "name": "daemon"})
+    )
     print(f"starting the local cluster (log {log_path}) ...", flush=True)
     while daemon.poll() is None:
         try:
@@ -89,13 +100,15 @@ def _up(args: argparse.Namespace) -> int:
             pass
         if time.monotonic() - started > READY_TIMEOUT_SECONDS:
             _down_dir(state_dir)
-            print(f"cluster not ready after {READY_TIMEOUT_SECONDS:.0f}s; see {log_path}",
-                  file=sys.stderr)
+            print(f"cluster not ready after {READY_TIMEOUT_SECONDS:.0f}s; see {log_path}", file=sys.stderr)
             return 1
         time.sleep(0.5)
     else:
-        print(f"the cluster daemon exited with code {daemon.returncode}; last log lines:\n"
-              + log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+        print(
+            f"the cluster daemon exited with code {daemon.returncode}; last log lines:\n"
+            + log_path.read_text(errors="replace")[-3000:],
+            file=sys.stderr,
+        )
         return 1
     print(f"cluster ready in {time.monotonic() - started:.1f}s")
     print(f"kubeconfig:     {info['kubeconfig']}")
@@ -155,10 +168,12 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitserve_e2e",
-                                     description="local Kubernetes control plane for splitserve")
-    parser.add_argument("--state-dir", type=Path, default=default_state_dir(),
-                        help="where logs, pid files, certificates and data live")
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve_e2e", description="local Kubernetes control plane for splitserve"
+    )
+    parser.add_argument(
+        "--state-dir", type=Path, default=default_state_dir(), help="where logs, pid files, certificates and data live"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     _options_parser(commands.add_parser("up", help="start a detached cluster"))
     commands.add_parser("down", help="stop it and everything it started")

@@ -35,9 +35,16 @@ def readyz_ok(*, url: str, pki: ClusterPki) -> bool:
     return response.status_code == 200 and response.text.strip() == "ok"
 
 
-def start_apiserver(*, binary: Path, etcd_url: str, pki: ClusterPki, log_dir: Path,
-                    pid_dir: Path, timeout_seconds: float = 120.0,
-                    pod_reachable_address: str | None = None) -> ApiServer:
+def start_apiserver(
+    *,
+    binary: Path,
+    etcd_url: str,
+    pki: ClusterPki,
+    log_dir: Path,
+    pid_dir: Path,
+    timeout_seconds: float = 120.0,
+    pod_reachable_address: str | None = None,
+) -> ApiServer:
     """Start kube-apiserver against ``etcd_url`` and wait for ``/readyz``.
 
     ``pod_reachable_address`` (the kubelet node's bridge gateway) makes pods able to reach it:
@@ -80,8 +87,12 @@ def start_apiserver(*, binary: Path, etcd_url: str, pki: ClusterPki, log_dir: Pa
         }
         argv = [arg for arg in argv if arg.split("=", 1)[0] not in overrides]
         argv += [f"{flag}={value}" for flag, value in overrides.items()]
-    process = start_process(name="kube-apiserver", argv=argv,
-                            log_path=log_dir / "kube-apiserver.log", pid_dir=pid_dir)
-    wait_until(lambda: readyz_ok(url=url, pki=pki), timeout_seconds=timeout_seconds,
-               what="kube-apiserver /readyz", alive=process, interval_seconds=0.5)
+    process = start_process(name="kube-apiserver", argv=argv, log_path=log_dir / "kube-apiserver.log", pid_dir=pid_dir)
+    wait_until(
+        lambda: readyz_ok(url=url, pki=pki),
+        timeout_seconds=timeout_seconds,
+        what="kube-apiserver /readyz",
+        alive=process,
+        interval_seconds=0.5,
+    )
     return ApiServer(process=process, url=url)

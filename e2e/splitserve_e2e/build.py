@@ -76,11 +76,18 @@ def _kubernetes_ldflags() -> str:
     """Stamp the version into the binaries as Kubernetes' own build does (hack/lib/version.sh);
     without it they report v0.0.0-master and version checks (helm's kubeVersion) fail."""
     major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
-    values = {"gitVersion": KUBERNETES_VERSION, "gitMajor": major, "gitMinor": minor,
-              "gitTreeState": "clean", "gitCommit": "splitserve-gobin"}
-    pairs = [f"-X {package}.{key}={value}"
-             for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
-             for key, value in values.items()]
+    values = {
+        "gitVersion": KUBERNETES_VERSION,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "gitCommit": "splitserve-gobin",
+    }
+    pairs = [
+        f"-X {package}.{key}={value}"
+        for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for key, value in values.items()
+    ]
     return "-ldflags=-s -w " + " ".join(pairs)
 
 
@@ -160,8 +167,13 @@ _KWOK_STAGE_FILES = (
 
 def _write_kwok_stages(directory: Path, env: dict[str, str]) -> None:
     """Concatenate kwok's own stage files from the pinned module (same version as the binary)."""
-    result = subprocess.run(["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"],
-                            env=env, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
         raise BuildError(f"go mod download sigs.k8s.io/kwok@{KWOK_VERSION} failed: {result.stderr}")
     module_dir = Path(json.loads(result.stdout)["Dir"])
@@ -185,8 +197,16 @@ def _groups() -> tuple[_ToolGroup, ...]:
             name="k8s",
             version=KUBERNETES_VERSION,
             binaries=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
-            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/",
-                     k8s + "kube-apiserver", k8s + "kube-controller-manager", k8s + "kube-scheduler"),
+            go_args=(
+                "build",
+                "-trimpath",
+                _kubernetes_ldflags(),
+                "-o",
+                "{out}/",
+                k8s + "kube-apiserver",
+                k8s + "kube-controller-manager",
+                k8s + "kube-scheduler",
+            ),
             workdir=GOBIN_MODULE_DIR,
         ),
         _ToolGroup(
@@ -210,8 +230,12 @@ def _groups() -> tuple[_ToolGroup, ...]:
             name="prometheus",
             version=PROMETHEUS_VERSION,
             binaries=("prometheus",),
-            go_args=("install", *_GO_BUILD_FLAGS, "-tags=remove_all_sd,enable_kubernetes_sd",
-                     f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION}"),
+            go_args=(
+                "install",
+                *_GO_BUILD_FLAGS,
+                "-tags=remove_all_sd,enable_kubernetes_sd",
+                f"{PROMETHEUS_MODULE}@{PROMETHEUS_VERSION}",
+            ),
             workdir=None,
         ),
         _ToolGroup(  # checks and unit-tests the chart's alerting rules; the Prometheus group's
@@ -219,17 +243,24 @@ def _groups() -> tuple[_ToolGroup, ...]:
             name="promtool",
             version=PROMETHEUS_VERSION,
             binaries=("promtool",),
-            go_args=("install", *_GO_BUILD_FLAGS, "-tags=remove_all_sd,enable_kubernetes_sd",
-                     f"{PROMTOOL_MODULE}@{PROMETHEUS_VERSION}"),
+            go_args=(
+                "install",
+                *_GO_BUILD_FLAGS,
+                "-tags=remove_all_sd,enable_kubernetes_sd",
+                f"{PROMTOOL_MODULE}@{PROMETHEUS_VERSION}",
+            ),
             workdir=None,
         ),
         _ToolGroup(
             name="helm",
             version=HELM_VERSION,
             binaries=("helm",),
-            go_args=("install", "-trimpath",
-                     f"-ldflags=-s -w -X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
-                     f"{HELM_MODULE}@{HELM_VERSION}"),
+            go_args=(
+                "install",
+                "-trimpath",
+                f"-ldflags=-s -w -X helm.sh/helm/v4/internal/version.version={HELM_VERSION}",
+                f"{HELM_MODULE}@{HELM_VERSION}",
+            ),
             workdir=None,
         ),
     )
@@ -246,8 +277,7 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
             name="node",
             version=KUBERNETES_VERSION,
             binaries=("kubelet", "kube-proxy"),
-            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/",
-                     k8s + "kubelet", k8s + "kube-proxy"),
+            go_args=("build", "-trimpath", _kubernetes_ldflags(), "-o", "{out}/", k8s + "kubelet", k8s + "kube-proxy"),
             workdir=GOBIN_MODULE_DIR,
             scratch_imports=(k8s + "kubelet", k8s + "kube-proxy"),
         ),
@@ -256,8 +286,7 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
             version="splitserve-1",
             binaries=("pause", "apiprobe"),
             # stdlib only; netgo/osusergo keep cgo out, so both link statically (for images)
-            go_args=("build", *_GO_BUILD_FLAGS, "-tags=netgo,osusergo", "-o", "{out}/",
-                     "./pause", "./apiprobe"),
+            go_args=("build", *_GO_BUILD_FLAGS, "-tags=netgo,osusergo", "-o", "{out}/", "./pause", "./apiprobe"),
             workdir=GOBIN_MODULE_DIR,
         ),
         _ToolGroup(
@@ -265,9 +294,15 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
             version=COREDNS_VERSION,
             binaries=("coredns",),
             # netgo/osusergo: no cgo, a static binary as upstream's release (CGO_ENABLED=0)
-            go_args=("build", "-trimpath", "-tags=netgo,osusergo",
-                     f"-ldflags=-s -w -X {COREDNS_MODULE}/coremain.GitCommit=splitserve",
-                     "-o", "{out}/coredns", "."),
+            go_args=(
+                "build",
+                "-trimpath",
+                "-tags=netgo,osusergo",
+                f"-ldflags=-s -w -X {COREDNS_MODULE}/coremain.GitCommit=splitserve",
+                "-o",
+                "{out}/coredns",
+                ".",
+            ),
             workdir=None,
             prepare=_coredns_source,
             inputs=tuple(f"plugin:{name}" for name in COREDNS_PLUGINS),
@@ -276,10 +311,13 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
             name="kube-router",
             version=KUBE_ROUTER_VERSION,
             binaries=("kube-router",),
-            go_args=("install", "-trimpath",
-                     "-ldflags=-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version."
-                     f"Version={KUBE_ROUTER_VERSION}",
-                     f"{KUBE_ROUTER_MODULE}@{KUBE_ROUTER_VERSION}"),
+            go_args=(
+                "install",
+                "-trimpath",
+                "-ldflags=-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version."
+                f"Version={KUBE_ROUTER_VERSION}",
+                f"{KUBE_ROUTER_MODULE}@{KUBE_ROUTER_VERSION}",
+            ),
             workdir=None,
         ),
     )
@@ -287,13 +325,16 @@ def _node_groups() -> tuple[_ToolGroup, ...]:
 
 def download_module(module: str, version: str, env: dict[str, str] | None = None) -> Path:
     """``go mod download`` one exact module version; its (read-only) directory."""
-    result = subprocess.run(["go", "mod", "download", "-json", f"{module}@{version}"],
-                            env=env, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"], env=env, capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
-        goproxy = subprocess.run(["go", "env", "GOPROXY"], env=env, capture_output=True,
-                                 text=True, check=False).stdout.strip()
-        raise BuildError(f"go mod download {module}@{version} failed (GOPROXY={goproxy}): "
-                         f"{result.stderr or result.stdout}")
+        goproxy = subprocess.run(
+            ["go", "env", "GOPROXY"], env=env, capture_output=True, text=True, check=False
+        ).stdout.strip()
+        raise BuildError(
+            f"go mod download {module}@{version} failed (GOPROXY={goproxy}): {result.stderr or result.stdout}"
+        )
     return Path(json.loads(result.stdout)["Dir"])
 
 
@@ -323,15 +364,18 @@ def _coredns_source(env: dict[str, str]) -> Path:
     for path in (scratch, *scratch.rglob("*")):
         path.chmod(path.stat().st_mode | 0o200)
     config = scratch / "plugin.cfg"
-    lines = [line for line in config.read_text().splitlines()
-             if line and not line.startswith("#") and line.split(":", 1)[0] in COREDNS_PLUGINS]
+    lines = [
+        line
+        for line in config.read_text().splitlines()
+        if line and not line.startswith("#") and line.split(":", 1)[0] in COREDNS_PLUGINS
+    ]
     found = {line.split(":", 1)[0] for line in lines}
     if found != set(COREDNS_PLUGINS):
-        raise BuildError(f"CoreDNS {COREDNS_VERSION}'s plugin.cfg lacks "
-                         f"{sorted(set(COREDNS_PLUGINS) - found)}")
+        raise BuildError(f"CoreDNS {COREDNS_VERSION}'s plugin.cfg lacks {sorted(set(COREDNS_PLUGINS) - found)}")
     config.write_text("\n".join(lines) + "\n")
-    _run_go(args=["run", "directives_generate.go"], workdir=scratch, env=env,
-            label=f"coredns-{COREDNS_VERSION}-generate")
+    _run_go(
+        args=["run", "directives_generate.go"], workdir=scratch, env=env, label=f"coredns-{COREDNS_VERSION}-generate"
+    )
     return scratch
 
 
@@ -366,8 +410,9 @@ def _is_complete(group: _ToolGroup, directory: Path) -> bool:
         return False
     if recorded.get("version") != group.version or recorded.get("recipe") != _recipe(group):
         return False  # a changed version or build recipe (flags) means rebuild
-    return (all(os.access(directory / binary, os.X_OK) for binary in group.binaries)
-            and all((directory / name).is_file() for name in group.extra_files))
+    return all(os.access(directory / binary, os.X_OK) for binary in group.binaries) and all(
+        (directory / name).is_file() for name in group.extra_files
+    )
 
 
 def _recipe(group: _ToolGroup) -> list[str]:
@@ -383,9 +428,7 @@ def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], l
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(
-            [go, *args], cwd=workdir, env=env, stdout=log_file, stderr=subprocess.STDOUT
-        )
+        process = subprocess.Popen([go, *args], cwd=workdir, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         while True:
             try:
                 return_code = process.wait(timeout=HEARTBEAT_SECONDS)
@@ -394,8 +437,7 @@ def _run_go(*, args: Sequence[str], workdir: Path | None, env: dict[str, str], l
                 _log(f"  {label}: still building, {time.monotonic() - started:.0f}s elapsed")
     if return_code != 0:
         tail = log_path.read_text()[-4000:]
-        raise BuildError(f"`go {' '.join(args)}` failed with exit code {return_code} "
-                         f"(log {log_path}):\n{tail}")
+        raise BuildError(f"`go {' '.join(args)}` failed with exit code {return_code} (log {log_path}):\n{tail}")
 
 
 def _scratch_module(*, source: Path, imports: Sequence[str], name: str) -> Path:
@@ -404,8 +446,7 @@ def _scratch_module(*, source: Path, imports: Sequence[str], name: str) -> Path:
     for file_name in ("go.mod", "go.sum"):
         shutil.copyfile(source / file_name, scratch / file_name)
     lines = "\n".join(f'\t_ "{package}"' for package in imports)
-    (scratch / "tools.go").write_text(
-        f"//go:build tools\n\npackage gobin\n\nimport (\n{lines}\n)\n")
+    (scratch / "tools.go").write_text(f"//go:build tools\n\npackage gobin\n\nimport (\n{lines}\n)\n")
     return scratch
 
 
@@ -418,8 +459,10 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         if _is_complete(group, directory):  # another process finished it while we waited
             return directory, 0.0
         directory.mkdir(parents=True, exist_ok=True)
-        _log(f"building {group.name} {group.version} into {directory} (Go builds are quiet; "
-             "a cold Kubernetes build takes many minutes on 2 cores)")
+        _log(
+            f"building {group.name} {group.version} into {directory} (Go builds are quiet; "
+            "a cold Kubernetes build takes many minutes on 2 cores)"
+        )
         env = dict(os.environ)
         env["GOBIN"] = str(directory)
         env.setdefault("GOFLAGS", "-buildvcs=false")
@@ -442,10 +485,17 @@ def _ensure_group(group: _ToolGroup) -> tuple[Path, float]:
         missing += [name for name in group.extra_files if not (directory / name).is_file()]
         if missing:
             raise BuildError(f"go finished but {missing} are missing in {directory}")
-        (directory / STAMP_NAME).write_text(json.dumps(
-            {"version": group.version, "recipe": _recipe(group),
-             "binaries": list(group.binaries),
-             "build_seconds": round(elapsed, 1), "built_at": time.time()}))
+        (directory / STAMP_NAME).write_text(
+            json.dumps(
+                {
+                    "version": group.version,
+                    "recipe": _recipe(group),
+                    "binaries": list(group.binaries),
+                    "build_seconds": round(elapsed, 1),
+                    "built_at": time.time(),
+                }
+            )
+        )
         _log(f"built {group.name} {group.version} in {elapsed:.0f}s")
         return directory, elapsed
 
@@ -470,12 +520,14 @@ def ensure_binaries() -> Binaries:
 def ensure_node_binaries() -> NodeBinaries:
     """Build (idempotent) and return the kubelet node's binaries."""
     directories = {group.name: _ensure_group(group)[0] for group in _node_groups()}
-    return NodeBinaries(kubelet=directories["node"] / "kubelet",
-                        kube_proxy=directories["node"] / "kube-proxy",
-                        pause=directories["node-images"] / "pause",
-                        apiprobe=directories["node-images"] / "apiprobe",
-                        coredns=directories["coredns"] / "coredns",
-                        kube_router=directories["kube-router"] / "kube-router")
+    return NodeBinaries(
+        kubelet=directories["node"] / "kubelet",
+        kube_proxy=directories["node"] / "kube-proxy",
+        pause=directories["node-images"] / "pause",
+        apiprobe=directories["node-images"] / "apiprobe",
+        coredns=directories["coredns"] / "coredns",
+        kube_router=directories["kube-router"] / "kube-router",
+    )
 
 
 def recorded_build_seconds() -> dict[str, float]:
@@ -484,8 +536,7 @@ def recorded_build_seconds() -> dict[str, float]:
     for group in (*_groups(), *_node_groups()):
         stamp = _group_dir(group) / STAMP_NAME
         if stamp.is_file():
-            seconds[f"{group.name}-{group.version}"] = float(
-                json.loads(stamp.read_text()).get("build_seconds", 0.0))
+            seconds[f"{group.name}-{group.version}"] = float(json.loads(stamp.read_text()).get("build_seconds", 0.0))
     return seconds
 
 

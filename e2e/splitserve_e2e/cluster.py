@@ -85,8 +85,13 @@ def default_state_dir() -> Path:
 class LocalCluster:
     """A local control plane (``start()``/``stop()``, or a context manager)."""
 
-    def __init__(self, *, state_dir: Path | None = None, options: ClusterOptions | None = None,
-                 existing_kubeconfig: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        state_dir: Path | None = None,
+        options: ClusterOptions | None = None,
+        existing_kubeconfig: Path | None = None,
+    ) -> None:
         self.options = options or ClusterOptions()
         self.managed = existing_kubeconfig is None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -125,13 +130,12 @@ class LocalCluster:
         """Wrap the cluster that ``python -m splitserve_e2e up`` runs in ``state_dir``."""
         directory = (state_dir or default_state_dir()).resolve()
         info = read_info(state_dir=directory)
-        cluster = cls.from_existing(kubeconfig=Path(info["kubeconfig"]),
-                                    prometheus_url=info.get("prometheus_url"))
+        cluster = cls.from_existing(kubeconfig=Path(info["kubeconfig"]), prometheus_url=info.get("prometheus_url"))
         cluster.pod_gateway = info.get("pod_gateway")
         if info.get("containerd_directory"):  # container pids through the node's containerd
             cluster._attached_containerd = attached_containerd(
-                directory=Path(info["containerd_directory"]),
-                root=Path(info["containerd_root"]))
+                directory=Path(info["containerd_directory"]), root=Path(info["containerd_root"])
+            )
         return cluster
 
     @property
@@ -174,64 +178,100 @@ class LocalCluster:
         if binaries is None:
             raise RuntimeError("binaries missing")
         pki = self._pki = ensure_pki(directory=self.state_dir / "pki")
-        etcd = start_etcd(binary=binaries.etcd, data_dir=self.state_dir / "etcd-data",
-                          log_dir=self.log_dir, pid_dir=self.pid_dir)
+        etcd = start_etcd(
+            binary=binaries.etcd, data_dir=self.state_dir / "etcd-data", log_dir=self.log_dir, pid_dir=self.pid_dir
+        )
         self._processes.append(etcd.process)
         pod_reachable_address = None
         if self.options.with_kubelet_node:  # its bridge first: the API server advertises it
             self.kubelet_node = KubeletNode(
-                directory=self.state_dir / "kn", pki=pki, api_client_factory=self.api_client,
-                log_dir=self.log_dir, pid_dir=self.pid_dir,
+                directory=self.state_dir / "kn",
+                pki=pki,
+                api_client_factory=self.api_client,
+                log_dir=self.log_dir,
+                pid_dir=self.pid_dir,
                 num_gpus=self.options.kubelet_node_gpus,
-                network_policies=self.options.kubelet_node_network_policies)
+                network_policies=self.options.kubelet_node_network_policies,
+            )
             self.kubelet_node.prepare()
             pod_reachable_address = self.pod_gateway = self.kubelet_node.network.gateway
-        apiserver = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url,
-                                    pki=pki, log_dir=self.log_dir, pid_dir=self.pid_dir,
-                                    pod_reachable_address=pod_reachable_address)
+        apiserver = start_apiserver(
+            binary=binaries.kube_apiserver,
+            etcd_url=etcd.client_url,
+            pki=pki,
+            log_dir=self.log_dir,
+            pid_dir=self.pid_dir,
+            pod_reachable_address=pod_reachable_address,
+        )
         self._processes.append(apiserver.process)
         self.api_server_url = apiserver.url
 
         def write(name: str, pair: Any, user: str) -> Path:
             return kubeconfigs.write_cert_kubeconfig(
-                path=self.state_dir / f"{name}.kubeconfig", server=apiserver.url,
-                ca_cert=pki.ca_cert, client_cert=pair.cert, client_key=pair.key, user_name=user)
+                path=self.state_dir / f"{name}.kubeconfig",
+                server=apiserver.url,
+                ca_cert=pki.ca_cert,
+                client_cert=pair.cert,
+                client_key=pair.key,
+                user_name=user,
+            )
 
         write("admin", pki.admin, "kubernetes-admin")
-        kcm_config = write("controller-manager", pki.controller_manager,
-                           "system:kube-controller-manager")
+        kcm_config = write("controller-manager", pki.controller_manager, "system:kube-controller-manager")
         scheduler_config = write("scheduler", pki.scheduler, "system:kube-scheduler")
-        self._processes.append(start_controller_manager(
-            binary=binaries.kube_controller_manager, kubeconfig=kcm_config, pki=pki,
-            log_dir=self.log_dir, pid_dir=self.pid_dir))
-        self._processes.append(start_scheduler(
-            binary=binaries.kube_scheduler, kubeconfig=scheduler_config, log_dir=self.log_dir,
-            pid_dir=self.pid_dir))
+        self._processes.append(
+            start_controller_manager(
+                binary=binaries.kube_controller_manager,
+                kubeconfig=kcm_config,
+                pki=pki,
+                log_dir=self.log_dir,
+                pid_dir=self.pid_dir,
+            )
+        )
+        self._processes.append(
+            start_scheduler(
+                binary=binaries.kube_scheduler, kubeconfig=scheduler_config, log_dir=self.log_dir, pid_dir=self.pid_dir
+            )
+        )
         core = self.core()
-        wait_until(lambda: core.read_namespaced_service_account("default", "default") is not None,
-                   timeout_seconds=90, what="kube-controller-manager (default ServiceAccount)",
-                   alive=self._processes[-2])
+        wait_until(
+            lambda: core.read_namespaced_service_account("default", "default") is not None,
+            timeout_seconds=90,
+            what="kube-controller-manager (default ServiceAccount)",
+            alive=self._processes[-2],
+        )
         if self.options.num_gpu_nodes:
-            kwok = start_kwok(binary=binaries.kwok, stages=binaries.kwok_stages,
-                              kubeconfig=self.kubeconfig, log_dir=self.log_dir,
-                              pid_dir=self.pid_dir)
+            kwok = start_kwok(
+                binary=binaries.kwok,
+                stages=binaries.kwok_stages,
+                kubeconfig=self.kubeconfig,
+                log_dir=self.log_dir,
+                pid_dir=self.pid_dir,
+            )
             self._processes.append(kwok.process)
-            shape = GpuNodeShape(gpus_per_node=self.options.gpus_per_node,
-                                 gpu_product=self.options.gpu_product)
-            self.gpu_node_names = create_gpu_nodes(core=core, count=self.options.num_gpu_nodes,
-                                                   shape=shape)
-            wait_until(lambda: all(node_ready(core.read_node(n)) for n in self.gpu_node_names),
-                       timeout_seconds=60, what="kwok GPU nodes Ready", alive=kwok.process)
+            shape = GpuNodeShape(gpus_per_node=self.options.gpus_per_node, gpu_product=self.options.gpu_product)
+            self.gpu_node_names = create_gpu_nodes(core=core, count=self.options.num_gpu_nodes, shape=shape)
+            wait_until(
+                lambda: all(node_ready(core.read_node(n)) for n in self.gpu_node_names),
+                timeout_seconds=60,
+                what="kwok GPU nodes Ready",
+                alive=kwok.process,
+            )
         if self.kubelet_node is not None:
             self.kubelet_node.start(server_url=apiserver.url)
         if self.options.with_prometheus:
             prometheus = start_prometheus(
-                binary=binaries.prometheus, api_server_url=apiserver.url, pki=pki,
-                state_dir=self.state_dir, log_dir=self.log_dir, pid_dir=self.pid_dir,
+                binary=binaries.prometheus,
+                api_server_url=apiserver.url,
+                pki=pki,
+                state_dir=self.state_dir,
+                log_dir=self.log_dir,
+                pid_dir=self.pid_dir,
                 interval_seconds=self.options.scrape_interval_seconds,
                 # with a kubelet node, on its bridge gateway: pods (the operator) reach it
                 # there, the host too
-                listen_host=pod_reachable_address or LOOPBACK)
+                listen_host=pod_reachable_address or LOOPBACK,
+            )
             self._processes.append(prometheus.process)
             self.prometheus_url = prometheus.url
 
@@ -253,44 +293,53 @@ class LocalCluster:
         same address and wait until it answers again; returns the seconds it was away."""
         index = next((i for i, p in enumerate(self._processes) if p.name == name), None)
         if index is None:
-            raise ValueError(f"no managed component {name!r} "
-                             f"(have: {[p.name for p in self._processes]})")
+            raise ValueError(f"no managed component {name!r} (have: {[p.name for p in self._processes]})")
         started = time.monotonic()
         process = self._processes[index] = self._processes[index].restart()
         pki = self._pki
         if name == "kube-apiserver" and pki is not None:
-            wait_until(lambda: readyz_ok(url=self.api_server_url, pki=pki),
-                       timeout_seconds=timeout_seconds, what="kube-apiserver /readyz after restart",
-                       alive=process, interval_seconds=0.5)
+            wait_until(
+                lambda: readyz_ok(url=self.api_server_url, pki=pki),
+                timeout_seconds=timeout_seconds,
+                what="kube-apiserver /readyz after restart",
+                alive=process,
+                interval_seconds=0.5,
+            )
         elif name == "prometheus" and self.prometheus_url:
             url = self.prometheus_url
-            wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1.0).status_code == 200,
-                       timeout_seconds=timeout_seconds, what="prometheus /-/ready after restart",
-                       alive=process)
+            wait_until(
+                lambda: httpx.get(f"{url}/-/ready", timeout=1.0).status_code == 200,
+                timeout_seconds=timeout_seconds,
+                what="prometheus /-/ready after restart",
+                alive=process,
+            )
         return time.monotonic() - started
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
 
     def _write_info(self) -> None:
-        info = {"kubeconfig": str(self.kubeconfig), "api_server_url": self.api_server_url,
-                "prometheus_url": self.prometheus_url, "gpu_nodes": self.gpu_node_names,
-                "kubelet_node": self.kubelet_node.name if self.kubelet_node else None,
-                "pod_network": str(self.kubelet_node.network.subnet) if self.kubelet_node else None,
-                "pod_gateway": self.pod_gateway,
-                "cluster_dns": (self.kubelet_node.dns.address
-                                if self.kubelet_node and self.kubelet_node.dns else None),
-                "containerd_directory": (str(self.kubelet_node.containerd.layout.directory)
-                                         if self.kubelet_node else None),
-                "containerd_root": (str(self.kubelet_node.containerd.layout.root)
-                                    if self.kubelet_node else None),
-                "start_seconds": round(self.start_seconds, 1), "pid": os.getpid()}
+        info = {
+            "kubeconfig": str(self.kubeconfig),
+            "api_server_url": self.api_server_url,
+            "prometheus_url": self.prometheus_url,
+            "gpu_nodes": self.gpu_node_names,
+            "kubelet_node": self.kubelet_node.name if self.kubelet_node else None,
+            "pod_network": str(self.kubelet_node.network.subnet) if self.kubelet_node else None,
+            "pod_gateway": self.pod_gateway,
+            "cluster_dns": (self.kubelet_node.dns.address if self.kubelet_node and self.kubelet_node.dns else None),
+            "containerd_directory": (str(self.kubelet_node.containerd.layout.directory) if self.kubelet_node else None),
+            "containerd_root": (str(self.kubelet_node.containerd.layout.root) if self.kubelet_node else None),
+            "start_seconds": round(self.start_seconds, 1),
+            "pid": os.getpid(),
+        }
         # atomically: `up` polls for this file and reads it as soon as it exists (a plain
         # write_text let it read an empty file and fail with a JSONDecodeError)
         staging = self.state_dir / f".{INFO_FILE}.tmp"
@@ -324,38 +373,49 @@ class LocalCluster:
             self._binaries = ensure_binaries()
         return Path(getattr(self._binaries, name))
 
-    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True,
-                timeout_seconds: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input_text: str | None = None, check: bool = True, timeout_seconds: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
         """Run the pinned kubectl against this cluster."""
         return self._run_tool("kubectl", list(args), input_text, check, timeout_seconds)
 
-    def helm(self, *args: str, input_text: str | None = None, check: bool = True,
-             timeout_seconds: float = 120.0) -> subprocess.CompletedProcess[str]:
+    def helm(
+        self, *args: str, input_text: str | None = None, check: bool = True, timeout_seconds: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
         """Run the pinned helm against this cluster (its caches live in the state dir)."""
         return self._run_tool("helm", list(args), input_text, check, timeout_seconds)
 
-    def _run_tool(self, tool: str, args: list[str], input_text: str | None, check: bool,
-                  timeout_seconds: float) -> subprocess.CompletedProcess[str]:
+    def _run_tool(
+        self, tool: str, args: list[str], input_text: str | None, check: bool, timeout_seconds: float
+    ) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
         if tool == "helm":
-            for variable, sub in (("HELM_CACHE_HOME", "cache"), ("HELM_CONFIG_HOME", "config"),
-                                  ("HELM_DATA_HOME", "data")):
+            for variable, sub in (
+                ("HELM_CACHE_HOME", "cache"),
+                ("HELM_CONFIG_HOME", "config"),
+                ("HELM_DATA_HOME", "data"),
+            ):
                 env[variable] = str(self.state_dir / "helm" / sub)
-        result = subprocess.run([str(self._binary(tool)), *args], input=input_text, env=env,
-                                capture_output=True, text=True, timeout=timeout_seconds,
-                                check=False)
+        result = subprocess.run(
+            [str(self._binary(tool)), *args],
+            input=input_text,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_seconds,
+            check=False,
+        )
         if check and result.returncode != 0:
-            raise subprocess.CalledProcessError(result.returncode, [tool, *args],
-                                                result.stdout, result.stderr)
+            raise subprocess.CalledProcessError(result.returncode, [tool, *args], result.stdout, result.stderr)
         return result
 
-    def service_account_kubeconfig(self, *, namespace: str, service_account: str,
-                                   expiration_seconds: int = 3600) -> Path:
+    def service_account_kubeconfig(
+        self, *, namespace: str, service_account: str, expiration_seconds: int = 3600
+    ) -> Path:
         """A kubeconfig authenticating as ``namespace/service_account`` (TokenRequest token),
         so that exactly that ServiceAccount's RBAC applies to its user."""
         request: Any = {"spec": {"audiences": [], "expirationSeconds": expiration_seconds}}
-        token: Any = self.core().create_namespaced_service_account_token(
-            service_account, namespace, request)
+        token: Any = self.core().create_namespaced_service_account_token(service_account, namespace, request)
         if self._pki is not None:
             ca = self._pki.ca_cert
         else:  # the client library materialises inline CA data into a file for us
@@ -365,12 +425,15 @@ class LocalCluster:
             ca = Path(ca_file)
         return kubeconfigs.write_token_kubeconfig(
             path=self.state_dir / "sa-kubeconfigs" / f"{namespace}.{service_account}.kubeconfig",
-            server=self.api_server_url, ca_cert=ca, token=token.status.token,
-            user_name=f"system:serviceaccount:{namespace}:{service_account}", namespace=namespace)
+            server=self.api_server_url,
+            ca_cert=ca,
+            token=token.status.token,
+            user_name=f"system:serviceaccount:{namespace}:{service_account}",
+            namespace=namespace,
+        )
 
     # ------------------------------------------------------------------ pods
-    def pod_log(self, *, namespace: str, pod: str, container: str | None = None,
-                previous: bool = False) -> str:
+    def pod_log(self, *, namespace: str, pod: str, container: str | None = None, previous: bool = False) -> str:
         """A pod's container log, through the API server (the kubelet serves it)."""
         core: Any = self.core()
         kwargs: dict[str, Any] = {"previous": previous}
@@ -383,18 +446,20 @@ class LocalCluster:
                 return ""
             raise
 
-    def container_pid(self, *, namespace: str, pod: str, container: str | None = None
-                      ) -> int | None:
+    def container_pid(self, *, namespace: str, pod: str, container: str | None = None) -> int | None:
         """Host pid of the main process (tini, PID 1 in the container) of a running
         container of ``pod`` (its first container by default), or None when it does not run.
         SIGKILL to it ends the container as an OOM kill or a crash would."""
-        containerd: CtrClient | None = (self.kubelet_node.containerd
-                                        if self.kubelet_node is not None
-                                        else self._attached_containerd)
+        containerd: CtrClient | None = (
+            self.kubelet_node.containerd if self.kubelet_node is not None else self._attached_containerd
+        )
         if containerd is None:
-            why = ("this is an existing cluster not started by this harness (use "
-                   "LocalCluster.attach() for one started with `python -m splitserve_e2e up`)"
-                   if not self.managed else "it was started with with_kubelet_node=False")
+            why = (
+                "this is an existing cluster not started by this harness (use "
+                "LocalCluster.attach() for one started with `python -m splitserve_e2e up`)"
+                if not self.managed
+                else "it was started with with_kubelet_node=False"
+            )
             raise NodeUnavailable(f"the kubelet node's containerd is not available: {why}")
         core: Any = self.core()
         try:
@@ -404,23 +469,26 @@ class LocalCluster:
                 return None
             raise
         for found in status.container_statuses or []:
-            if (container is None or found.name == container) and found.container_id \
-                    and found.state is not None and found.state.running is not None:
+            if (
+                (container is None or found.name == container)
+                and found.container_id
+                and found.state is not None
+                and found.state.running is not None
+            ):
                 return containerd.tasks().get(found.container_id.removeprefix("containerd://"))
         return None
 
     # ------------------------------------------------------------------ helpers
-    def endpoints_of(self, *, namespace: str, service: str, port_name: str | None = None
-                     ) -> list[str]:
+    def endpoints_of(self, *, namespace: str, service: str, port_name: str | None = None) -> list[str]:
         """``ip:port`` of the ready endpoints of a Service, from its EndpointSlices (pod IPs
         on the kubelet node's bridge answer from the host)."""
         discovery: Any = k8s.DiscoveryV1Api(self.api_client())
         slices = discovery.list_namespaced_endpoint_slice(
-            namespace, label_selector=f"kubernetes.io/service-name={service}")
+            namespace, label_selector=f"kubernetes.io/service-name={service}"
+        )
         out: set[str] = set()
         for endpoint_slice in slices.items:
-            ports = [p for p in endpoint_slice.ports or []
-                     if port_name is None or p.name == port_name]
+            ports = [p for p in endpoint_slice.ports or [] if port_name is None or p.name == port_name]
             for endpoint in endpoint_slice.endpoints or []:
                 if endpoint.conditions is not None and endpoint.conditions.ready is False:
                     continue
@@ -434,8 +502,13 @@ class LocalCluster:
         return prometheus_query(url=self.prometheus_url, promql=promql)
 
     @staticmethod
-    def wait_for(predicate: Callable[[], T | None], *, timeout_seconds: float,
-                 interval_seconds: float = 0.25, what: str = "condition") -> T:
+    def wait_for(
+        predicate: Callable[[], T | None],
+        *,
+        timeout_seconds: float,
+        interval_seconds: float = 0.25,
+        what: str = "condition",
+    ) -> T:
         """Poll until ``predicate()`` returns a truthy value and return it. API errors,
         connection errors (also httpx's) and missing keys count as "not yet"; the last error
         is in the TimeoutError."""
@@ -457,8 +530,9 @@ class LocalCluster:
 def read_info(*, state_dir: Path) -> dict[str, Any]:
     path = state_dir / INFO_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no running cluster in {state_dir} (no {INFO_FILE}); "
-                                "start one with `python -m splitserve_e2e up`")
+        raise FileNotFoundError(
+            f"no running cluster in {state_dir} (no {INFO_FILE}); start one with `python -m splitserve_e2e up`"
+        )
     return dict(json.loads(path.read_text()))
 
 

@@ -58,12 +58,20 @@ def write_conflist(*, network: PodNetwork, conf_dir: Path, ipam_dir: Path) -> Pa
         "cniVersion": "1.0.0",
         "name": NETWORK_NAME,
         "plugins": [
-            {"type": "bridge", "bridge": network.bridge, "isGateway": True, "ipMasq": False,
-             "hairpinMode": True,
-             "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
-                      "ranges": [[{"subnet": network.subnet, "gateway": network.gateway}]],
-                      # service ClusterIPs are not on the bridge: route them via the host
-                      "routes": [{"dst": "0.0.0.0/0"}]}},
+            {
+                "type": "bridge",
+                "bridge": network.bridge,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": str(ipam_dir),
+                    "ranges": [[{"subnet": network.subnet, "gateway": network.gateway}]],
+                    # service ClusterIPs are not on the bridge: route them via the host
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            },
             {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
@@ -84,8 +92,23 @@ def ensure_bridge(network: PodNetwork) -> None:
     if _run("iptables", "-w", "-n", "-L", GUARD_CHAIN, check=False).returncode != 0:
         _run("iptables", "-w", "-N", GUARD_CHAIN)
     _run("iptables", "-w", "-F", GUARD_CHAIN)
-    _run("iptables", "-w", "-A", GUARD_CHAIN, "-s", network.subnet, "!", "-o", network.bridge,
-         "-j", "DROP", "-m", "comment", "--comment", "splitserve pods stay on this machine")
+    _run(
+        "iptables",
+        "-w",
+        "-A",
+        GUARD_CHAIN,
+        "-s",
+        network.subnet,
+        "!",
+        "-o",
+        network.bridge,
+        "-j",
+        "DROP",
+        "-m",
+        "comment",
+        "--comment",
+        "splitserve pods stay on this machine",
+    )
     jump = ("FORWARD", "-j", GUARD_CHAIN)
     if _run("iptables", "-w", "-C", *jump, check=False).returncode != 0:
         _run("iptables", "-w", "-I", *jump)

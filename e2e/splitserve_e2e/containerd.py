@@ -71,29 +71,35 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
-def write_config(*, layout: ContainerdLayout, sandbox_image: str, cni_bin_dir: Path,
-                 cni_conf_dir: Path, runc: Path) -> Path:
+def write_config(
+    *, layout: ContainerdLayout, sandbox_image: str, cni_bin_dir: Path, cni_conf_dir: Path, runc: Path
+) -> Path:
     """containerd 1.6 config (version 2) with the CRI plugin, runc v2 and cgroupfs."""
     values = {
-        "root": layout.root, "state": layout.state, "socket": layout.socket,
+        "root": layout.root,
+        "state": layout.state,
+        "socket": layout.socket,
         "ttrpc": layout.directory / "containerd.sock.ttrpc",
-        "opt": layout.directory / "opt", "cni_bin": cni_bin_dir, "cni_conf": cni_conf_dir,
-        "runc_root": layout.directory / "runc", "runc": runc,
+        "opt": layout.directory / "opt",
+        "cni_bin": cni_bin_dir,
+        "cni_conf": cni_conf_dir,
+        "runc_root": layout.directory / "runc",
+        "runc": runc,
     }
     q = {key: _toml_string(str(value)) for key, value in values.items()}
     text = f"""version = 2
-root = {q['root']}
-state = {q['state']}
+root = {q["root"]}
+state = {q["state"]}
 oom_score = 0
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 
 [grpc]
-  address = {q['socket']}
+  address = {q["socket"]}
 
 [ttrpc]
-  address = {q['ttrpc']}
+  address = {q["ttrpc"]}
 
 [debug]
   level = "warn"
@@ -102,7 +108,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   address = ""
 
 [plugins."io.containerd.internal.v1.opt"]
-  path = {q['opt']}
+  path = {q["opt"]}
 
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = {_toml_string(sandbox_image)}
@@ -118,8 +124,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   stream_server_port = "0"
 
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = {q['cni_bin']}
-    conf_dir = {q['cni_conf']}
+    bin_dir = {q["cni_bin"]}
+    conf_dir = {q["cni_conf"]}
     max_conf_num = 1
 
   [plugins."io.containerd.grpc.v1.cri".containerd]
@@ -131,8 +137,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = {q['runc']}
-        Root = {q['runc_root']}
+        BinaryName = {q["runc"]}
+        Root = {q["runc_root"]}
 """
     layout.directory.mkdir(parents=True, exist_ok=True)
     layout.config.write_text(text)
@@ -146,16 +152,17 @@ class CtrClient:
     layout: ContainerdLayout
     ctr_binary: Path
 
-    def ctr(self, *args: str, timeout_seconds: float = 60.0, check: bool = True
-            ) -> subprocess.CompletedProcess[str]:
+    def ctr(self, *args: str, timeout_seconds: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """``ctr --address <our socket> --namespace k8s.io ARGS``."""
         result = subprocess.run(
-            [str(self.ctr_binary), "--address", str(self.layout.socket),
-             "--namespace", CRI_NAMESPACE, *args],
-            capture_output=True, text=True, timeout=timeout_seconds, check=False)
+            [str(self.ctr_binary), "--address", str(self.layout.socket), "--namespace", CRI_NAMESPACE, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_seconds,
+            check=False,
+        )
         if check and result.returncode != 0:
-            raise RuntimeError(f"ctr {' '.join(args)} failed ({result.returncode}): "
-                               f"{result.stderr.strip()}")
+            raise RuntimeError(f"ctr {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
 
     def import_image(self, archive: Path) -> None:
@@ -187,8 +194,9 @@ class CtrClient:
         keeps every image ever pulled otherwise; each new build adds its changed layers)."""
         images = self.images()
         kept_digest = images.get(keep)
-        doomed_digests = {digest for ref, digest in images.items()
-                          if ref.startswith(prefix) and ref != keep and digest != kept_digest}
+        doomed_digests = {
+            digest for ref, digest in images.items() if ref.startswith(prefix) and ref != keep and digest != kept_digest
+        }
         doomed = [ref for ref, digest in images.items() if digest in doomed_digests]
         if doomed:
             self.ctr("images", "rm", "--sync", *doomed, timeout_seconds=300.0)
@@ -205,11 +213,9 @@ class CtrClient:
     def remove_all(self) -> None:
         """Kill and delete every task and container (ends their shims cleanly)."""
         for container_id in self.tasks():
-            self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", container_id,
-                     check=False, timeout_seconds=10.0)
+            self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", container_id, check=False, timeout_seconds=10.0)
         for container_id in self.tasks():
-            self.ctr("tasks", "delete", "--force", container_id, check=False,
-                     timeout_seconds=10.0)
+            self.ctr("tasks", "delete", "--force", container_id, check=False, timeout_seconds=10.0)
         listing = self.ctr("containers", "ls", "--quiet", check=False).stdout.split()
         if listing:
             self.ctr("containers", "delete", *listing, check=False, timeout_seconds=30.0)
@@ -228,12 +234,12 @@ def attached_containerd(*, directory: Path, root: Path) -> CtrClient:
     ctr_binary = shutil.which("ctr")
     if ctr_binary is None:
         raise RuntimeError("ctr not found (Debian package `containerd`)")
-    return CtrClient(layout=ContainerdLayout(directory, root_directory=root),
-                     ctr_binary=Path(ctr_binary))
+    return CtrClient(layout=ContainerdLayout(directory, root_directory=root), ctr_binary=Path(ctr_binary))
 
 
-def start_containerd(*, layout: ContainerdLayout, log_dir: Path, pid_dir: Path,
-                     cgroup_wrapper: list[str], timeout_seconds: float = 60.0) -> Containerd:
+def start_containerd(
+    *, layout: ContainerdLayout, log_dir: Path, pid_dir: Path, cgroup_wrapper: list[str], timeout_seconds: float = 60.0
+) -> Containerd:
     """Start containerd on ``layout`` (already configured) and wait until ``ctr`` answers.
 
     ``cgroup_wrapper`` is a command prefix that moves the process into the node's cgroup
@@ -245,17 +251,21 @@ def start_containerd(*, layout: ContainerdLayout, log_dir: Path, pid_dir: Path,
         raise RuntimeError("containerd/ctr not found (Debian package `containerd`)")
     layout.socket.unlink(missing_ok=True)
     process = start_process(
-        name="containerd", argv=[*cgroup_wrapper, binary, "--config", str(layout.config)],
-        log_path=log_dir / "containerd.log", pid_dir=pid_dir)
+        name="containerd",
+        argv=[*cgroup_wrapper, binary, "--config", str(layout.config)],
+        log_path=log_dir / "containerd.log",
+        pid_dir=pid_dir,
+    )
     runtime = Containerd(layout=layout, process=process, ctr_binary=Path(ctr_binary))
+
     def answers() -> bool:
         return runtime.ctr("version", timeout_seconds=5.0, check=False).returncode == 0
 
-    wait_until(answers, timeout_seconds=timeout_seconds, what="containerd socket",
-               alive=process, interval_seconds=0.2)
+    wait_until(answers, timeout_seconds=timeout_seconds, what="containerd socket", alive=process, interval_seconds=0.2)
     if runtime.forget_containers():
         # the CRI plugin loaded them into memory at start: restart it on the cleaned metadata
         runtime.process = process = process.restart()
-        wait_until(answers, timeout_seconds=timeout_seconds, what="containerd socket",
-                   alive=process, interval_seconds=0.2)
+        wait_until(
+            answers, timeout_seconds=timeout_seconds, what="containerd socket", alive=process, interval_seconds=0.2
+        )
     return runtime

@@ -37,8 +37,9 @@ CONTROLLERS = (
 )
 
 
-def start_controller_manager(*, binary: Path, kubeconfig: Path, pki: ClusterPki,
-                             log_dir: Path, pid_dir: Path) -> ManagedProcess:
+def start_controller_manager(
+    *, binary: Path, kubeconfig: Path, pki: ClusterPki, log_dir: Path, pid_dir: Path
+) -> ManagedProcess:
     argv = [
         str(binary),
         f"--kubeconfig={kubeconfig}",
@@ -52,12 +53,12 @@ def start_controller_manager(*, binary: Path, kubeconfig: Path, pki: ClusterPki,
         "--concurrent-gc-syncs=5",
         "--v=1",
     ]
-    return start_process(name="kube-controller-manager", argv=argv,
-                         log_path=log_dir / "kube-controller-manager.log", pid_dir=pid_dir)
+    return start_process(
+        name="kube-controller-manager", argv=argv, log_path=log_dir / "kube-controller-manager.log", pid_dir=pid_dir
+    )
 
 
-def start_scheduler(*, binary: Path, kubeconfig: Path, log_dir: Path,
-                    pid_dir: Path) -> ManagedProcess:
+def start_scheduler(*, binary: Path, kubeconfig: Path, log_dir: Path, pid_dir: Path) -> ManagedProcess:
     argv = [
         str(binary),
         f"--kubeconfig={kubeconfig}",
@@ -66,5 +67,4 @@ def start_scheduler(*, binary: Path, kubeconfig: Path, log_dir: Path,
         "--profiling=false",
         "--v=1",
     ]
-    return start_process(name="kube-scheduler", argv=argv,
-                         log_path=log_dir / "kube-scheduler.log", pid_dir=pid_dir)
+    return start_process(name="kube-scheduler", argv=argv, log_path=log_dir / "kube-scheduler.log", pid_dir=pid_dir)

@@ -53,9 +53,16 @@ class PortInUse(RuntimeError):
     """Something already holds the DNS port on the address CoreDNS must listen on."""
 
 
-def corefile(*, address: str, kubeconfig: Path, health_port: int, ready_port: int,
-             port: int = DNS_PORT, domain: str = CLUSTER_DOMAIN,
-             ttl_seconds: int = RECORD_TTL_SECONDS) -> str:
+def corefile(
+    *,
+    address: str,
+    kubeconfig: Path,
+    health_port: int,
+    ready_port: int,
+    port: int = DNS_PORT,
+    domain: str = CLUSTER_DOMAIN,
+    ttl_seconds: int = RECORD_TTL_SECONDS,
+) -> str:
     """The Corefile: ``domain`` and the reverse zones from the API server, NXDOMAIN for
     everything else, all on ``address:port`` only."""
     if ttl_seconds < 0:
@@ -99,7 +106,8 @@ def check_port_free(*, address: str, port: int = DNS_PORT) -> None:
             except OSError as error:
                 raise PortInUse(
                     f"{name} {address}:{port} is taken ({error.strerror}); see "
-                    f"`ss -lnup 'sport = :{port}'` and `ss -lntp 'sport = :{port}'`") from error
+                    f"`ss -lnup 'sport = :{port}'` and `ss -lntp 'sport = :{port}'`"
+                ) from error
 
 
 @dataclasses.dataclass
@@ -128,8 +136,9 @@ class ClusterDns:
         """True when a query on the DNS port gets a reply. /ready turns 200 a moment before
         the DNS listeners open (they open once every plugin's startup hook has returned)."""
         try:
-            query(server=self.address, port=self.port, name=f"{CLUSTER_DOMAIN}.",
-                  record_type="SOA", timeout_seconds=0.2)
+            query(
+                server=self.address, port=self.port, name=f"{CLUSTER_DOMAIN}.", record_type="SOA", timeout_seconds=0.2
+            )
         except (OSError, ValueError):
             return False
         return True
@@ -137,9 +146,13 @@ class ClusterDns:
     def wait_ready(self, *, timeout_seconds: float = 30.0) -> float:
         """Wait until it is :meth:`ready` and :meth:`answers`; returns the seconds since the
         start."""
-        wait_until(lambda: self.ready() and self.answers(), timeout_seconds=timeout_seconds,
-                   what="CoreDNS /ready and answering", alive=self.process,
-                   interval_seconds=0.05)
+        wait_until(
+            lambda: self.ready() and self.answers(),
+            timeout_seconds=timeout_seconds,
+            what="CoreDNS /ready and answering",
+            alive=self.process,
+            interval_seconds=0.05,
+        )
         return time.monotonic() - self.started_at
 
     def stop(self) -> None:
@@ -153,35 +166,54 @@ def _answers_ok(url: str) -> bool:
         return False
 
 
-def start_coredns(*, binary: Path, address: str, kubeconfig: Path, directory: Path,
-                  log_dir: Path, pid_dir: Path | None, port: int = DNS_PORT) -> ClusterDns:
+def start_coredns(
+    *,
+    binary: Path,
+    address: str,
+    kubeconfig: Path,
+    directory: Path,
+    log_dir: Path,
+    pid_dir: Path | None,
+    port: int = DNS_PORT,
+) -> ClusterDns:
     """Write the Corefile into ``directory`` and start CoreDNS on ``address:port``; returns at
     once (:meth:`ClusterDns.wait_ready` waits until it serves from a synced cache)."""
     if not binary.is_file():
-        raise FileNotFoundError(f"CoreDNS binary {binary} does not exist "
-                                "(`python -m splitserve_e2e.build --node` builds it)")
+        raise FileNotFoundError(
+            f"CoreDNS binary {binary} does not exist (`python -m splitserve_e2e.build --node` builds it)"
+        )
     if not kubeconfig.is_file():
         raise FileNotFoundError(f"kubeconfig {kubeconfig} does not exist")
     check_port_free(address=address, port=port)
     health_port, ready_port = free_port(), free_port()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "Corefile"
-    path.write_text(corefile(address=address, kubeconfig=kubeconfig, health_port=health_port,
-                             ready_port=ready_port, port=port))
+    path.write_text(
+        corefile(address=address, kubeconfig=kubeconfig, health_port=health_port, ready_port=ready_port, port=port)
+    )
     started_at = time.monotonic()
-    process = start_process(name="coredns", argv=[str(binary), "-conf", str(path)],
-                            log_path=log_dir / "coredns.log", pid_dir=pid_dir, cwd=directory)
-    return ClusterDns(address=address, port=port, process=process, corefile=path,
-                      kubeconfig=kubeconfig, started_at=started_at,
-                      health_url=f"http://{LOOPBACK}:{health_port}/health",
-                      ready_url=f"http://{LOOPBACK}:{ready_port}/ready")
+    process = start_process(
+        name="coredns",
+        argv=[str(binary), "-conf", str(path)],
+        log_path=log_dir / "coredns.log",
+        pid_dir=pid_dir,
+        cwd=directory,
+    )
+    return ClusterDns(
+        address=address,
+        port=port,
+        process=process,
+        corefile=path,
+        kubeconfig=kubeconfig,
+        started_at=started_at,
+        health_url=f"http://{LOOPBACK}:{health_port}/health",
+        ready_url=f"http://{LOOPBACK}:{ready_port}/ready",
+    )
 
 
 # --------------------------------------------------------------------------- a minimal client
-RCODES: Final = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP",
-                 5: "REFUSED"}
-TYPES: Final = {"A": 1, "NS": 2, "CNAME": 5, "SOA": 6, "PTR": 12, "TXT": 16, "AAAA": 28,
-                "SRV": 33, "ANY": 255}
+RCODES: Final = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+TYPES: Final = {"A": 1, "NS": 2, "CNAME": 5, "SOA": 6, "PTR": 12, "TXT": 16, "AAAA": 28, "SRV": 33, "ANY": 255}
 _TYPE_NAMES: Final = {number: name for name, number in TYPES.items()}
 
 
@@ -212,14 +244,24 @@ def reverse_name(ip: str) -> str:
     return ipaddress.ip_address(ip).reverse_pointer
 
 
-def query(*, server: str, name: str, record_type: str = "A", port: int = DNS_PORT,
-          tcp: bool = False, timeout_seconds: float = 2.0) -> DnsReply:
+def query(
+    *,
+    server: str,
+    name: str,
+    record_type: str = "A",
+    port: int = DNS_PORT,
+    tcp: bool = False,
+    timeout_seconds: float = 2.0,
+) -> DnsReply:
     """Ask ``server`` one question (recursion desired, as a stub resolver asks)."""
     if record_type not in TYPES:
         raise ValueError(f"unsupported record type {record_type!r} (known: {sorted(TYPES)})")
     ident = random.randrange(1 << 16)
-    message = (struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0) + _encode_name(name)
-               + struct.pack("!HH", TYPES[record_type], 1))
+    message = (
+        struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0)
+        + _encode_name(name)
+        + struct.pack("!HH", TYPES[record_type], 1)
+    )
     if tcp:
         with socket.create_connection((server, port), timeout=timeout_seconds) as connection:
             connection.sendall(struct.pack("!H", len(message)) + message)
@@ -262,11 +304,11 @@ def _read_name(message: bytes, offset: int) -> tuple[str, int]:
         if length & 0xC0 == 0xC0:
             if end is None:
                 end = offset + 2
-            offset = struct.unpack("!H", message[offset:offset + 2])[0] & 0x3FFF
+            offset = struct.unpack("!H", message[offset : offset + 2])[0] & 0x3FFF
         elif length == 0:
             return ".".join(labels) + ".", end if end is not None else offset + 1
         else:
-            labels.append(message[offset + 1:offset + 1 + length].decode("ascii", "replace"))
+            labels.append(message[offset + 1 : offset + 1 + length].decode("ascii", "replace"))
             offset += 1 + length
     raise ValueError("DNS name compression loop")
 
@@ -282,9 +324,9 @@ def _parse(message: bytes, ident: int) -> DnsReply:
     records = []
     for _ in range(answers):
         owner, offset = _read_name(message, offset)
-        kind, _, ttl, length = struct.unpack("!HHIH", message[offset:offset + 10])
+        kind, _, ttl, length = struct.unpack("!HHIH", message[offset : offset + 10])
         offset += 10
-        rdata = message[offset:offset + length]
+        rdata = message[offset : offset + length]
         type_name = _TYPE_NAMES.get(kind, str(kind))
         if type_name in ("A", "AAAA"):
             data = str(ipaddress.ip_address(rdata))
@@ -297,5 +339,6 @@ def _parse(message: bytes, ident: int) -> DnsReply:
             data = rdata.hex()
         records.append(DnsRecord(name=owner, type=type_name, ttl=ttl, data=data))
         offset += length
-    return DnsReply(rcode=RCODES.get(flags & 0xF, str(flags & 0xF)), answers=tuple(records),
-                    authoritative=bool(flags & 0x0400))
+    return DnsReply(
+        rcode=RCODES.get(flags & 0xF, str(flags & 0xF)), answers=tuple(records), authoritative=bool(flags & 0x0400)
+    )

@@ -96,17 +96,39 @@ from splitserve_operator.naming import child_name
 
 DEMO_NAMESPACE = "splitserve-demo"
 CHAT_NAME = "smollm2"
-_PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
-                 "the", "operator", "watches", "queues", "grow", "and", "shrink", "on", "a",
-                 "small", "machine")
+_PROMPT_WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "the",
+    "operator",
+    "watches",
+    "queues",
+    "grow",
+    "and",
+    "shrink",
+    "on",
+    "a",
+    "small",
+    "machine",
+)
 
 
 def _say(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-_DOWNLOADED = re.compile(r"downloaded (?P<repo>\S+)@\S+ \(commit (?P<commit>[0-9a-f]+)\): (?P<files>\d+) files, "
-                         r"(?P<bytes>\d+) bytes in (?P<seconds>[0-9.]+) s")
+_DOWNLOADED = re.compile(
+    r"downloaded (?P<repo>\S+)@\S+ \(commit (?P<commit>[0-9a-f]+)\): (?P<files>\d+) files, "
+    r"(?P<bytes>\d+) bytes in (?P<seconds>[0-9.]+) s"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +142,7 @@ class PodDownload:
     seconds: float
 
 
-def pod_downloads(*, cluster: LocalCluster, namespace: str,
-                  known: Collection[str] = ()) -> list[PodDownload]:
+def pod_downloads(*, cluster: LocalCluster, namespace: str, known: Collection[str] = ()) -> list[PodDownload]:
     """The downloads the pods of ``namespace`` logged (their logs through the API server),
     one per pod that downloaded; the logs of the pods in ``known`` are not read again."""
     out = []
@@ -129,13 +150,18 @@ def pod_downloads(*, cluster: LocalCluster, namespace: str,
     for pod in core.list_namespaced_pod(namespace).items:
         if pod.metadata.name in known:
             continue
-        found = list(_DOWNLOADED.finditer(cluster.pod_log(namespace=namespace,
-                                                          pod=pod.metadata.name)))
+        found = list(_DOWNLOADED.finditer(cluster.pod_log(namespace=namespace, pod=pod.metadata.name)))
         if found:
             match = found[-1]
-            out.append(PodDownload(pod=pod.metadata.name, commit=match["commit"],
-                                   files=int(match["files"]), bytes=int(match["bytes"]),
-                                   seconds=float(match["seconds"])))
+            out.append(
+                PodDownload(
+                    pod=pod.metadata.name,
+                    commit=match["commit"],
+                    files=int(match["files"]),
+                    bytes=int(match["bytes"]),
+                    seconds=float(match["seconds"]),
+                )
+            )
     return out
 
 
@@ -145,8 +171,9 @@ def pod_images(*, cluster: LocalCluster, namespace: str) -> list[str]:
     core: Any = cluster.core()
     for pod in core.list_namespaced_pod(namespace).items:
         for status in (pod.status.container_statuses if pod.status else None) or []:
-            lines.append(f"{pod.metadata.name} on {pod.spec.node_name}: {status.image} "
-                         f"({status.image_id or 'not pulled yet'})")
+            lines.append(
+                f"{pod.metadata.name} on {pod.spec.node_name}: {status.image} ({status.image_id or 'not pulled yet'})"
+            )
     return lines
 
 
@@ -158,7 +185,7 @@ def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]
     for record in hub.requests:
         if record.method != "GET" or record.status not in (200, 206) or not record.path.startswith(prefix):
             continue
-        revision, _, name = unquote(record.path[len(prefix):]).partition("/")
+        revision, _, name = unquote(record.path[len(prefix) :]).partition("/")
         files += 1
         downloads += name == "config.json"
         if record.status == 200:
@@ -167,12 +194,18 @@ def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]
     return downloads, files, sent
 
 
-def model_source_lines(*, hub: LocalHub, commit: str, downloads: Sequence[PodDownload],
-                       secret: str = HUB_TOKEN_SECRET) -> list[str]:
-    lines = [f"model hf://{MODEL_NAME} from the hub {hub.endpoint} (commit {commit[:12]}, "
-             f"token from Secret {secret}), downloaded by each pod into its own model cache:"]
-    lines += [f"  {d.pod}: {d.files} files, {d.bytes:,} bytes in {d.seconds:.2f}s"
-              + ("" if d.commit == commit else f" (commit {d.commit[:12]})") for d in downloads]
+def model_source_lines(
+    *, hub: LocalHub, commit: str, downloads: Sequence[PodDownload], secret: str = HUB_TOKEN_SECRET
+) -> list[str]:
+    lines = [
+        f"model hf://{MODEL_NAME} from the hub {hub.endpoint} (commit {commit[:12]}, "
+        f"token from Secret {secret}), downloaded by each pod into its own model cache:"
+    ]
+    lines += [
+        f"  {d.pod}: {d.files} files, {d.bytes:,} bytes in {d.seconds:.2f}s"
+        + ("" if d.commit == commit else f" (commit {d.commit[:12]})")
+        for d in downloads
+    ]
     if not downloads:
         lines.append("  (no download line in the pod logs)")
     count, files, sent = hub_served(hub)
@@ -185,12 +218,13 @@ def _of_service(downloads: Mapping[str, PodDownload], name: str) -> list[PodDown
     return [d for pod, d in sorted(downloads.items()) if pod.startswith(f"{name}-")]
 
 
-_GGUF_DOWNLOADED = re.compile(r"downloaded (?P<file>\S+\.gguf): (?P<bytes>\d+) bytes in "
-                              r"(?P<seconds>[0-9.]+) s")
+_GGUF_DOWNLOADED = re.compile(
+    r"downloaded (?P<file>\S+\.gguf): (?P<bytes>\d+) bytes in "
+    r"(?P<seconds>[0-9.]+) s"
+)
 
 
-def _chat_lines(*, cluster: LocalCluster, config: DemoConfig,
-                downloads: Sequence[PodDownload]) -> list[str]:
+def _chat_lines(*, cluster: LocalCluster, config: DemoConfig, downloads: Sequence[PodDownload]) -> list[str]:
     """The chat service's model delivery and one exchange through its router; then the
     service is deleted (and its pods awaited gone) so the burst has the cores."""
     core: Any = cluster.core()
@@ -200,23 +234,31 @@ def _chat_lines(*, cluster: LocalCluster, config: DemoConfig,
         log = cluster.pod_log(namespace=config.namespace, pod=pod.metadata.name)
         found = list(_GGUF_DOWNLOADED.finditer(log))
         if found:
-            lines.append(f"  {pod.metadata.name}: {found[-1]['file']}, "
-                         f"{int(found[-1]['bytes']):,} bytes in {float(found[-1]['seconds']):.2f}s")
+            lines.append(
+                f"  {pod.metadata.name}: {found[-1]['file']}, "
+                f"{int(found[-1]['bytes']):,} bytes in {float(found[-1]['seconds']):.2f}s"
+            )
     lines += [f"  {d.pod}: {d.files} files, {d.bytes:,} bytes in {d.seconds:.2f}s" for d in downloads]
     router = router_endpoints(cluster=cluster, namespace=config.namespace, name=CHAT_NAME)[0]
     exchange = demo_chat.chat_once(router=router)
-    lines = [f"SmolLM2-135M-Instruct ({CHAT_NAME}) downloaded from the hub:", *lines,
-             f"one chat exchange through the {CHAT_NAME} router (http://{router}/v1/chat/completions, "
-             "greedy):",
-             f"  user:      {exchange.question}",
-             f"  assistant: {exchange.answer}",
-             f"  ({exchange.completion_tokens} tokens in {exchange.seconds:.1f}s on CPU)"]
+    lines = [
+        f"SmolLM2-135M-Instruct ({CHAT_NAME}) downloaded from the hub:",
+        *lines,
+        f"one chat exchange through the {CHAT_NAME} router (http://{router}/v1/chat/completions, greedy):",
+        f"  user:      {exchange.question}",
+        f"  assistant: {exchange.answer}",
+        f"  ({exchange.completion_tokens} tokens in {exchange.seconds:.1f}s on CPU)",
+    ]
     cluster.kubectl("delete", ISVC_PLURAL, CHAT_NAME, "-n", config.namespace, "--wait=false")
-    cluster.wait_for(lambda: not core.list_namespaced_pod(config.namespace,
-                                                          label_selector=selector).items,
-                     timeout_seconds=120, what=f"{CHAT_NAME}'s pods gone")
-    lines.append(f"{CHAT_NAME} deleted (its pods gone) before the burst, which runs on the tiny "
-                 "model: two CPU cores cannot scale the real one's pools within the demo")
+    cluster.wait_for(
+        lambda: not core.list_namespaced_pod(config.namespace, label_selector=selector).items,
+        timeout_seconds=120,
+        what=f"{CHAT_NAME}'s pods gone",
+    )
+    lines.append(
+        f"{CHAT_NAME} deleted (its pods gone) before the burst, which runs on the tiny "
+        "model: two CPU cores cannot scale the real one's pools within the demo"
+    )
     return lines
 
 
@@ -250,9 +292,14 @@ def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
     return next((dict(c) for c in conditions if c.get("type") == type_), None)
 
 
-def wait_ready(*, cluster: LocalCluster, namespace: str, name: str,
-               timeout_seconds: float = 300.0,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def wait_ready(
+    *,
+    cluster: LocalCluster,
+    namespace: str,
+    name: str,
+    timeout_seconds: float = 300.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Wait for the InferenceService's Ready=True and a ready router endpoint."""
     last = ""
 
@@ -271,11 +318,14 @@ def wait_ready(*, cluster: LocalCluster, namespace: str, name: str,
         return obj
 
     try:
-        return cluster.wait_for(ready, timeout_seconds=timeout_seconds, interval_seconds=2.0,
-                                what=f"InferenceService {namespace}/{name} Ready")
+        return cluster.wait_for(
+            ready,
+            timeout_seconds=timeout_seconds,
+            interval_seconds=2.0,
+            what=f"InferenceService {namespace}/{name} Ready",
+        )
     except TimeoutError as error:
-        raise TimeoutError(f"{error}; pods: {pod_summary(cluster=cluster, namespace=namespace)}"
-                           ) from None
+        raise TimeoutError(f"{error}; pods: {pod_summary(cluster=cluster, namespace=namespace)}") from None
 
 
 def pod_summary(*, cluster: LocalCluster, namespace: str) -> str:
@@ -283,8 +333,9 @@ def pod_summary(*, cluster: LocalCluster, namespace: str) -> str:
     lines = []
     for pod in cluster.core().list_namespaced_pod(namespace).items:
         statuses: list[Any] = (pod.status.container_statuses if pod.status else None) or []
-        waiting = next((s.state.waiting.reason for s in statuses
-                        if s.state is not None and s.state.waiting is not None), "")
+        waiting = next(
+            (s.state.waiting.reason for s in statuses if s.state is not None and s.state.waiting is not None), ""
+        )
         restarts = sum(int(s.restart_count or 0) for s in statuses)
         ready = all(bool(s.ready) for s in statuses) and bool(statuses)
         phase = pod.status.phase if pod.status else "?"
@@ -294,8 +345,7 @@ def pod_summary(*, cluster: LocalCluster, namespace: str) -> str:
 
 
 def router_endpoints(*, cluster: LocalCluster, namespace: str, name: str) -> list[str]:
-    return cluster.endpoints_of(namespace=namespace, service=f"{name}-router",
-                                port_name=contract.HTTP_PORT_NAME)
+    return cluster.endpoints_of(namespace=namespace, service=f"{name}-router", port_name=contract.HTTP_PORT_NAME)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -324,8 +374,7 @@ def _by_role(cluster: LocalCluster, promql: str) -> dict[str, float]:
     return {str(r["metric"].get("role", "")): float(r["value"][1]) for r in result}
 
 
-def sample_pools(*, cluster: LocalCluster, namespace: str, name: str,
-                 roles: Sequence[str]) -> dict[str, PoolSample]:
+def sample_pools(*, cluster: LocalCluster, namespace: str, name: str, roles: Sequence[str]) -> dict[str, PoolSample]:
     """Replicas of every pool's Deployment, and its queue and KV usage from Prometheus."""
     apps = cluster.apps()
     selector = f'namespace="{namespace}",inferenceservice="{name}"'
@@ -339,8 +388,7 @@ def sample_pools(*, cluster: LocalCluster, namespace: str, name: str,
             ready = int(deployment.status.ready_replicas or 0) if deployment.status else 0
         except Exception:  # noqa: BLE001 - not created yet
             desired = ready = 0
-        out[role] = PoolSample(desired=desired, ready=ready, queue=queue.get(role),
-                               kv_usage=kv.get(role))
+        out[role] = PoolSample(desired=desired, ready=ready, queue=queue.get(role), kv_usage=kv.get(role))
     return out
 
 
@@ -361,9 +409,17 @@ class LoadBurst:
     ``duration_seconds`` (each worker sends its next request when the last one ends).
     Bounded in count (``max_requests``) and time; every outcome is recorded."""
 
-    def __init__(self, *, base_url: str, concurrency: int, duration_seconds: float,
-                 prompt_words: int = 120, max_tokens: int = 48, max_requests: int = 5000,
-                 request_timeout_seconds: float = 90.0) -> None:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        concurrency: int,
+        duration_seconds: float,
+        prompt_words: int = 120,
+        max_tokens: int = 48,
+        max_requests: int = 5000,
+        request_timeout_seconds: float = 90.0,
+    ) -> None:
         if concurrency < 1 or duration_seconds <= 0:
             raise ValueError("concurrency must be >= 1 and duration_seconds > 0")
         self.base_url = base_url
@@ -399,13 +455,13 @@ class LoadBurst:
     async def run(self) -> None:
         from openai import AsyncOpenAI  # the demo's only use of it; keep import time low
 
-        client = AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
-                             timeout=self.request_timeout_seconds)
+        client = AsyncOpenAI(
+            base_url=self.base_url, api_key="unused", max_retries=0, timeout=self.request_timeout_seconds
+        )
         deadline = time.monotonic() + self.duration_seconds
 
         async def worker() -> None:
-            while (not self._stopped and time.monotonic() < deadline
-                   and self._sent < self.max_requests):
+            while not self._stopped and time.monotonic() < deadline and self._sent < self.max_requests:
                 index = self._sent
                 self._sent += 1
                 started = time.monotonic()
@@ -413,20 +469,35 @@ class LoadBurst:
                 first: float | None = None
                 try:
                     stream = await client.completions.create(
-                        model=SERVED_NAME, prompt=self._prompt(index), max_tokens=self.max_tokens,
-                        temperature=0.0, stream=True)
+                        model=SERVED_NAME,
+                        prompt=self._prompt(index),
+                        max_tokens=self.max_tokens,
+                        temperature=0.0,
+                        stream=True,
+                    )
                     async for chunk in stream:
                         if chunk.choices and chunk.choices[0].text:
                             tokens += 1
                             if first is None:
                                 first = time.monotonic() - started
-                    self.results.append(RequestResult(started=started, ok=True, tokens=tokens,
-                                                      seconds=time.monotonic() - started,
-                                                      first_token_seconds=first))
+                    self.results.append(
+                        RequestResult(
+                            started=started,
+                            ok=True,
+                            tokens=tokens,
+                            seconds=time.monotonic() - started,
+                            first_token_seconds=first,
+                        )
+                    )
                 except Exception as error:  # noqa: BLE001 - every failure is counted and shown
-                    self.results.append(RequestResult(
-                        started=started, ok=False, seconds=time.monotonic() - started,
-                        error=f"{type(error).__name__}: {error}"[:300]))
+                    self.results.append(
+                        RequestResult(
+                            started=started,
+                            ok=False,
+                            seconds=time.monotonic() - started,
+                            error=f"{type(error).__name__}: {error}"[:300],
+                        )
+                    )
 
         try:
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
@@ -458,8 +529,11 @@ def table_row(sample: Sample, roles: Sequence[str]) -> str:
     cells = [f"{sample.t_seconds:7.1f}", "  on " if sample.load_active else "  -  "]
     for role in roles:
         pool = sample.pools[role]
-        cells += [f"{pool.desired:>5}/{pool.ready:<5}", f"{_fmt(pool.queue, '5.1f'):>5}",
-                  f"{_fmt(pool.kv_usage, '5.2f'):>5}"]
+        cells += [
+            f"{pool.desired:>5}/{pool.ready:<5}",
+            f"{_fmt(pool.queue, '5.1f'):>5}",
+            f"{_fmt(pool.kv_usage, '5.2f'):>5}",
+        ]
     return " | ".join(cells + [f"{sample.requests_ok:4d}", f"{sample.requests_failed:4d}"])
 
 
@@ -474,13 +548,18 @@ def write_csv(*, path: Path, samples: Sequence[Sample], roles: Sequence[str]) ->
             row: list[Any] = [f"{sample.t_seconds:.1f}", int(sample.load_active)]
             for role in roles:
                 pool = sample.pools[role]
-                row += [pool.desired, pool.ready, "" if pool.queue is None else pool.queue,
-                        "" if pool.kv_usage is None else pool.kv_usage]
+                row += [
+                    pool.desired,
+                    pool.ready,
+                    "" if pool.queue is None else pool.queue,
+                    "" if pool.kv_usage is None else pool.kv_usage,
+                ]
             writer.writerow(row + [sample.requests_ok, sample.requests_failed])
 
 
-def write_png(*, path: Path, samples: Sequence[Sample], roles: Sequence[str],
-              load_window: tuple[float, float], title: str) -> None:
+def write_png(
+    *, path: Path, samples: Sequence[Sample], roles: Sequence[str], load_window: tuple[float, float], title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -491,14 +570,30 @@ def write_png(*, path: Path, samples: Sequence[Sample], roles: Sequence[str],
     colors = {"prefill": "tab:blue", "decode": "tab:orange", "aggregated": "tab:green"}
     for role in roles:
         color = colors.get(role, "tab:gray")
-        axes[0].step(times, [s.pools[role].desired for s in samples], where="post", color=color,
-                     label=f"{role} desired")
-        axes[0].step(times, [s.pools[role].ready for s in samples], where="post", color=color,
-                     linestyle="--", alpha=0.7, label=f"{role} ready")
-        axes[1].plot(times, [math.nan if s.pools[role].queue is None else s.pools[role].queue
-                             for s in samples], color=color, label=role)
-        axes[2].plot(times, [math.nan if s.pools[role].kv_usage is None else s.pools[role].kv_usage
-                             for s in samples], color=color, label=role)
+        axes[0].step(
+            times, [s.pools[role].desired for s in samples], where="post", color=color, label=f"{role} desired"
+        )
+        axes[0].step(
+            times,
+            [s.pools[role].ready for s in samples],
+            where="post",
+            color=color,
+            linestyle="--",
+            alpha=0.7,
+            label=f"{role} ready",
+        )
+        axes[1].plot(
+            times,
+            [math.nan if s.pools[role].queue is None else s.pools[role].queue for s in samples],
+            color=color,
+            label=role,
+        )
+        axes[2].plot(
+            times,
+            [math.nan if s.pools[role].kv_usage is None else s.pools[role].kv_usage for s in samples],
+            color=color,
+            label=role,
+        )
     axes[0].set_ylabel("replicas")
     axes[0].yaxis.get_major_locator().set_params(integer=True)
     axes[1].set_ylabel("requests waiting\n(sum over pods)")
@@ -506,8 +601,9 @@ def write_png(*, path: Path, samples: Sequence[Sample], roles: Sequence[str],
     axes[2].set_ylim(0, 1)
     axes[2].set_xlabel("seconds since the InferenceService was Ready")
     for axis in axes:
-        axis.axvspan(load_window[0], load_window[1], color="tab:red", alpha=0.08,
-                     label="load burst" if axis is axes[0] else None)
+        axis.axvspan(
+            load_window[0], load_window[1], color="tab:red", alpha=0.08, label="load burst" if axis is axes[0] else None
+        )
         axis.grid(alpha=0.3)
         axis.legend(loc="upper right", fontsize=8)
     figure.suptitle(title)
@@ -524,13 +620,11 @@ class ScalingEvents:
     back_to_min_seconds: float | None  # first sample after load with every pool at its start
 
 
-def scaling_events(samples: Sequence[Sample], roles: Sequence[str],
-                   load_end_seconds: float) -> ScalingEvents:
+def scaling_events(samples: Sequence[Sample], roles: Sequence[str], load_end_seconds: float) -> ScalingEvents:
     if not samples:
         return ScalingEvents(None, {}, None, None)
     start = {role: samples[0].pools[role].desired for role in roles}
-    up = next((s.t_seconds for s in samples
-               if any(s.pools[r].desired > start[r] for r in roles)), None)
+    up = next((s.t_seconds for s in samples if any(s.pools[r].desired > start[r] for r in roles)), None)
     peak = {r: max(s.pools[r].desired for s in samples) for r in roles}
     down: float | None = None
     running_max = dict(start)
@@ -541,8 +635,14 @@ def scaling_events(samples: Sequence[Sample], roles: Sequence[str],
         running_max = {r: max(running_max[r], s.pools[r].desired) for r in roles}
     back = None
     if up is not None:
-        back = next((s.t_seconds for s in samples if s.t_seconds >= load_end_seconds
-                     and all(s.pools[r].desired <= start[r] for r in roles)), None)
+        back = next(
+            (
+                s.t_seconds
+                for s in samples
+                if s.t_seconds >= load_end_seconds and all(s.pools[r].desired <= start[r] for r in roles)
+            ),
+            None,
+        )
     return ScalingEvents(up, peak, down, back)
 
 
@@ -561,14 +661,16 @@ class DemoConfig:
     chat: bool = False
 
 
-async def run_scenario(*, cluster: LocalCluster, config: DemoConfig,
-                       on_sample: Callable[[Sample], None]) -> tuple[list[Sample], LoadBurst, float, float]:
+async def run_scenario(
+    *, cluster: LocalCluster, config: DemoConfig, on_sample: Callable[[Sample], None]
+) -> tuple[list[Sample], LoadBurst, float, float]:
     """Idle baseline, the load burst, then idle until every pool is back at its start (or
     ``idle_seconds``). Returns the samples, the burst, and the load window (seconds)."""
     roles = ROLES_BY_MODE[config.mode]
     endpoint = router_endpoints(cluster=cluster, namespace=config.namespace, name=config.name)[0]
-    burst = LoadBurst(base_url=f"http://{endpoint}/v1", concurrency=config.concurrency,
-                      duration_seconds=config.duration_seconds)
+    burst = LoadBurst(
+        base_url=f"http://{endpoint}/v1", concurrency=config.concurrency, duration_seconds=config.duration_seconds
+    )
     samples: list[Sample] = []
     started = time.monotonic()
     load_start = config.baseline_seconds
@@ -583,18 +685,18 @@ async def run_scenario(*, cluster: LocalCluster, config: DemoConfig,
             load_active = load_task is not None and not load_task.done()
             if load_task is not None and load_task.done() and now >= load_end:
                 load_task.result()  # a bug in the generator surfaces here
-            pools = await asyncio.to_thread(sample_pools, cluster=cluster,
-                                            namespace=config.namespace, name=config.name,
-                                            roles=roles)
-            sample = Sample(t_seconds=now, pools=pools, requests_ok=burst.ok,
-                            requests_failed=burst.failed, load_active=load_active)
+            pools = await asyncio.to_thread(
+                sample_pools, cluster=cluster, namespace=config.namespace, name=config.name, roles=roles
+            )
+            sample = Sample(
+                t_seconds=now, pools=pools, requests_ok=burst.ok, requests_failed=burst.failed, load_active=load_active
+            )
             samples.append(sample)
             on_sample(sample)
             if start_desired is None:
                 start_desired = {r: pools[r].desired for r in roles}
             after_load = load_task is not None and load_task.done()
-            settled = all(pools[r].desired <= start_desired[r] and pools[r].ready <= start_desired[r]
-                          for r in roles)
+            settled = all(pools[r].desired <= start_desired[r] and pools[r].ready <= start_desired[r] for r in roles)
             scaled = any(any(s.pools[r].desired > start_desired[r] for r in roles) for s in samples)
             if after_load and ((scaled and settled) or now > load_end + config.idle_seconds):
                 break
@@ -611,25 +713,41 @@ def _scaling_history(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(e) for e in (obj.get("status") or {}).get("scalingHistory") or []]
 
 
-def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
-             load_window: tuple[float, float], isvc: Mapping[str, Any], csv_path: Path,
-             png_path: Path, total_seconds: float, model_lines: Sequence[str] = (),
-             routes: Mapping[str, int] | None = None) -> list[str]:
+def _summary(
+    *,
+    config: DemoConfig,
+    samples: Sequence[Sample],
+    burst: LoadBurst,
+    load_window: tuple[float, float],
+    isvc: Mapping[str, Any],
+    csv_path: Path,
+    png_path: Path,
+    total_seconds: float,
+    model_lines: Sequence[str] = (),
+    routes: Mapping[str, int] | None = None,
+) -> list[str]:
     roles = ROLES_BY_MODE[config.mode]
     events = scaling_events(samples, roles, load_window[1])
     latencies = [r.seconds for r in burst.results if r.ok]
     lines = [
         f"mode {config.mode}; load {config.concurrency} concurrent streams "
         f"t={load_window[0]:.0f}..{load_window[1]:.0f}s",
-        "scale-up:   " + (f"t={events.scale_up_seconds:.0f}s "
-                          f"({events.scale_up_seconds - load_window[0]:.0f}s after the load began)"
-                          if events.scale_up_seconds is not None else "none observed"),
+        "scale-up:   "
+        + (
+            f"t={events.scale_up_seconds:.0f}s ({events.scale_up_seconds - load_window[0]:.0f}s after the load began)"
+            if events.scale_up_seconds is not None
+            else "none observed"
+        ),
         "peak:       " + ", ".join(f"{r} {n}" for r, n in events.peak.items()),
-        "scale-down: " + (f"t={events.scale_down_seconds:.0f}s "
-                          f"({events.scale_down_seconds - load_window[1]:.0f}s after the load ended)"
-                          if events.scale_down_seconds is not None else "none observed"),
-        "back at min: " + (f"t={events.back_to_min_seconds:.0f}s"
-                           if events.back_to_min_seconds is not None else "not within the run"),
+        "scale-down: "
+        + (
+            f"t={events.scale_down_seconds:.0f}s "
+            f"({events.scale_down_seconds - load_window[1]:.0f}s after the load ended)"
+            if events.scale_down_seconds is not None
+            else "none observed"
+        ),
+        "back at min: "
+        + (f"t={events.back_to_min_seconds:.0f}s" if events.back_to_min_seconds is not None else "not within the run"),
         f"requests:   {burst.ok} ok, {burst.failed} failed; latency p50 "
         f"{percentile(latencies, 0.5):.2f}s p99 {percentile(latencies, 0.99):.2f}s",
     ]
@@ -637,21 +755,24 @@ def _summary(*, config: DemoConfig, samples: Sequence[Sample], burst: LoadBurst,
     if errors:
         lines.append(f"first errors: {errors[:3]}")
     if routes:
-        lines.append("router routes: " + ", ".join(f"{route} {count}" for route, count
-                                                   in sorted(routes.items()))
-                     + " (disaggregated: prefill pod, then KV handed to a decode pod)")
+        lines.append(
+            "router routes: "
+            + ", ".join(f"{route} {count}" for route, count in sorted(routes.items()))
+            + " (disaggregated: prefill pod, then KV handed to a decode pod)"
+        )
     history = _scaling_history(isvc)
     if history:
         lines.append("status.scalingHistory (operator):")
-        lines += [f"  {e.get('time')} {e.get('pool')} {e.get('from')} -> {e.get('to')} "
-                  f"({e.get('reason')})" for e in history[-8:]]
+        lines += [
+            f"  {e.get('time')} {e.get('pool')} {e.get('from')} -> {e.get('to')} ({e.get('reason')})"
+            for e in history[-8:]
+        ]
     for role in roles:
         decision = ((isvc.get("status") or {}).get(role) or {}).get("lastDecision") or {}
         if decision:
             lines.append(f"last {role} decision: {decision.get('formula')} ({decision.get('reason')})")
     lines += list(model_lines)
-    lines += [f"timeline:   {png_path}", f"data:       {csv_path}",
-              f"total demo time {total_seconds:.0f}s"]
+    lines += [f"timeline:   {png_path}", f"data:       {csv_path}", f"total demo time {total_seconds:.0f}s"]
     return lines
 
 
@@ -660,9 +781,18 @@ def _namespace_exists(*, cluster: LocalCluster, name: str) -> bool:
 
 
 def _start_cluster(*, state_dir: Path) -> LocalCluster:
-    command = [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "up",
-               "--num-gpu-nodes=1", "--gpus-per-node=8", "--node-gpus=4",
-               "--scrape-interval-seconds=2"]
+    command = [
+        sys.executable,
+        "-m",
+        "splitserve_e2e",
+        "--state-dir",
+        str(state_dir),
+        "up",
+        "--num-gpu-nodes=1",
+        "--gpus-per-node=8",
+        "--node-gpus=4",
+        "--scrape-interval-seconds=2",
+    ]
     result = subprocess.run(command, text=True, capture_output=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"`{' '.join(command[1:])}` failed:\n{result.stdout}{result.stderr}")
@@ -670,8 +800,13 @@ def _start_cluster(*, state_dir: Path) -> LocalCluster:
 
 
 def _stop_cluster(*, state_dir: Path) -> None:
-    subprocess.run([sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "down"],
-                   check=False, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "splitserve_e2e", "--state-dir", str(state_dir), "down"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _install_signal_handlers() -> None:
@@ -706,8 +841,10 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
     try:
         with _stage("binaries (built once, then cached under ~/.cache/splitserve/bin)"):
             ensure_binaries()
-        with _stage("the container image from this working tree (rebuilt only when its "
-                    "inputs change), pushed to the loopback registry"):
+        with _stage(
+            "the container image from this working tree (rebuilt only when its "
+            "inputs change), pushed to the loopback registry"
+        ):
             image = ensure_image()
             _say(f"  {image}")
         if reuse_cluster:
@@ -717,8 +854,10 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             except FileNotFoundError:
                 pass
         if own_cluster:
-            with _stage("local cluster: etcd, kube-apiserver, controllers, kwok, the kubelet "
-                        "node (containerd, CNI bridge, kube-proxy), Prometheus"):
+            with _stage(
+                "local cluster: etcd, kube-apiserver, controllers, kwok, the kubelet "
+                "node (containerd, CNI bridge, kube-proxy), Prometheus"
+            ):
                 cluster = _start_cluster(state_dir=state_dir)
         else:
             _say(f"reusing the running cluster in {state_dir}")
@@ -728,79 +867,101 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         with _stage(f"tiny model on a model hub the pods reach (hf://{MODEL_NAME})"):
             model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
             token = f"hf_demo_{secrets.token_hex(16)}"  # a new one every run
-            hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token,
-                                          host=cluster.pod_gateway)
+            hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token, host=cluster.pod_gateway)
             model_hub = ModelHub(endpoint=hub.endpoint, token=token)
-            _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; "
-                 "every request needs the token")
-        cluster.wait_for(lambda: not _namespace_exists(cluster=cluster, name=config.namespace),
-                         timeout_seconds=120, what=f"namespace {config.namespace} gone "
-                         "(left by an earlier run)")
+            _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; every request needs the token")
+        cluster.wait_for(
+            lambda: not _namespace_exists(cluster=cluster, name=config.namespace),
+            timeout_seconds=120,
+            what=f"namespace {config.namespace} gone (left by an earlier run)",
+        )
         create_namespace(cluster, config.namespace, restricted=True)
-        with _stage(f"helm install the chart into {config.namespace} (the operator container "
-                    "pulled from the registry by the kubelet)"):
+        with _stage(
+            f"helm install the chart into {config.namespace} (the operator container "
+            "pulled from the registry by the kubelet)"
+        ):
             install_operator(cluster=cluster, namespace=config.namespace, image=image)
         create_hub_token_secret(cluster=cluster, namespace=config.namespace, hub=model_hub)
-        manifest = isvc_manifest(name=config.name, namespace=config.namespace, mode=config.mode,
-                                 hub=model_hub, cpu="250m")
+        manifest = isvc_manifest(
+            name=config.name, namespace=config.namespace, mode=config.mode, hub=model_hub, cpu="250m"
+        )
         chat_uri = ""
         if config.chat:
             chat_uri, chat_commit = demo_chat.publish(hub)
-            _say(f"  published {demo_chat.REPO_ID} (commit {chat_commit[:12]}): SmolLM2-135M-"
-                 f"Instruct as GGUF, for one chat exchange ({chat_uri})")
-            apply_object(cluster=cluster, obj=demo_chat.manifest(
-                name=CHAT_NAME, namespace=config.namespace, hub=model_hub, uri=chat_uri))
-        with _stage(f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from "
-                    f"{hub.endpoint}) until Ready"):
+            _say(
+                f"  published {demo_chat.REPO_ID} (commit {chat_commit[:12]}): SmolLM2-135M-"
+                f"Instruct as GGUF, for one chat exchange ({chat_uri})"
+            )
+            apply_object(
+                cluster=cluster,
+                obj=demo_chat.manifest(name=CHAT_NAME, namespace=config.namespace, hub=model_hub, uri=chat_uri),
+            )
+        with _stage(
+            f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from {hub.endpoint}) until Ready"
+        ):
             apply_object(cluster=cluster, obj=manifest)
-            wait_ready(cluster=cluster, namespace=config.namespace, name=config.name,
-                       progress=lambda line: _say(f"  {line}"))
+            wait_ready(
+                cluster=cluster, namespace=config.namespace, name=config.name, progress=lambda line: _say(f"  {line}")
+            )
         if config.chat:
-            with _stage(f"InferenceService {CHAT_NAME} (Aggregated, {chat_uri}, int4 weights "
-                        "from the GGUF file) until Ready"):
-                wait_ready(cluster=cluster, namespace=config.namespace, name=CHAT_NAME,
-                           progress=lambda line: _say(f"  {line}"))
-        _say(f"pods in {config.namespace}, each a container from the image (kubelet's image "
-             "and digest):")
+            with _stage(
+                f"InferenceService {CHAT_NAME} (Aggregated, {chat_uri}, int4 weights from the GGUF file) until Ready"
+            ):
+                wait_ready(
+                    cluster=cluster, namespace=config.namespace, name=CHAT_NAME, progress=lambda line: _say(f"  {line}")
+                )
+        _say(f"pods in {config.namespace}, each a container from the image (kubelet's image and digest):")
         for line in pod_images(cluster=cluster, namespace=config.namespace):
             _say(f"  {line}")
-        downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster,
-                                                           namespace=config.namespace))
-        for line in model_source_lines(hub=hub, commit=commit,
-                                       downloads=_of_service(downloads, config.name)):
+        downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace))
+        for line in model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name)):
             _say(line)
         if config.chat:
-            for line in _chat_lines(cluster=cluster, config=config,
-                                    downloads=_of_service(downloads, CHAT_NAME)):
+            for line in _chat_lines(cluster=cluster, config=config, downloads=_of_service(downloads, CHAT_NAME)):
                 _say(line)
-        endpoint = router_endpoints(cluster=cluster, namespace=config.namespace,
-                                    name=config.name)[0]
-        _say(f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
-             f"{config.duration_seconds:.0f}s after a {config.baseline_seconds:.0f}s baseline")
+        endpoint = router_endpoints(cluster=cluster, namespace=config.namespace, name=config.name)[0]
+        _say(
+            f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
+            f"{config.duration_seconds:.0f}s after a {config.baseline_seconds:.0f}s baseline"
+        )
         print(table_header(roles), flush=True)
 
         def on_sample(sample: Sample) -> None:
             print(table_row(sample, roles), flush=True)
             # scaled-up pods log their download; read it before a scale-down removes them
             with contextlib.suppress(Exception):
-                downloads.update((d.pod, d) for d in pod_downloads(
-                    cluster=cluster, namespace=config.namespace, known=downloads))
+                downloads.update(
+                    (d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace, known=downloads)
+                )
 
-        samples, burst, load_start, load_end = asyncio.run(run_scenario(
-            cluster=cluster, config=config, on_sample=on_sample))
+        samples, burst, load_start, load_end = asyncio.run(
+            run_scenario(cluster=cluster, config=config, on_sample=on_sample)
+        )
         csv_path = config.out_dir / "timeline.csv"
         png_path = config.out_dir / "timeline.png"
         write_csv(path=csv_path, samples=samples, roles=roles)
-        write_png(path=png_path, samples=samples, roles=roles, load_window=(load_start, load_end),
-                  title=f"splitserve demo: {config.mode} InferenceService under a load burst")
+        write_png(
+            path=png_path,
+            samples=samples,
+            roles=roles,
+            load_window=(load_start, load_end),
+            title=f"splitserve demo: {config.mode} InferenceService under a load burst",
+        )
         isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
-        model_lines = model_source_lines(hub=hub, commit=commit,
-                                         downloads=_of_service(downloads, config.name))
+        model_lines = model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name))
         routes = router_routes(endpoint)
-        for line in _summary(config=config, samples=samples, burst=burst,
-                             load_window=(load_start, load_end), isvc=isvc, csv_path=csv_path,
-                             png_path=png_path, total_seconds=time.monotonic() - started,
-                             model_lines=model_lines, routes=routes):
+        for line in _summary(
+            config=config,
+            samples=samples,
+            burst=burst,
+            load_window=(load_start, load_end),
+            isvc=isvc,
+            csv_path=csv_path,
+            png_path=png_path,
+            total_seconds=time.monotonic() - started,
+            model_lines=model_lines,
+            routes=routes,
+        ):
             _say(line)
         if keep:
             _say("--keep: the cluster stays up")
@@ -808,21 +969,29 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             print(f"  export KUBECONFIG={cluster.kubeconfig}")
             print(f"  kubectl get sis -n {config.namespace}")
             print(f"  kubectl get deploy,pods -n {config.namespace}")
-            print(f"  kubectl get {ISVC_PLURAL} {config.name} -n {config.namespace} "
-                  "-o jsonpath='{.status.scalingHistory}'")
+            print(
+                f"  kubectl get {ISVC_PLURAL} {config.name} -n {config.namespace} "
+                "-o jsonpath='{.status.scalingHistory}'"
+            )
             print(f"  prometheus:  {cluster.prometheus_url}")
             host, port = hub.endpoint.removeprefix("http://").rsplit(":", 1)
-            print(f"  model hub:   {hub.endpoint} runs inside this demo process and stops when it "
-                  "exits (now).")
-            print("               The running pods keep serving: each downloaded the model into "
-                  "its own cache at start.")
-            print("               A new pod (a scale-up, a replaced pod) downloads it too: with "
-                  "no hub it restarts, its log")
-            print("               saying the hub endpoint is unreachable, until the hub serves "
-                  "again (same address and repository):")
-            print(f"    python -m splitserve_e2e.hub {hub_root} --host {host} --port {port} "
-                  f"--token \"$(kubectl get secret {HUB_TOKEN_SECRET} -n {config.namespace} "
-                  f"-o jsonpath='{{.data.{contract.ENV_HUB_TOKEN}}}' | base64 -d)\"")
+            print(f"  model hub:   {hub.endpoint} runs inside this demo process and stops when it exits (now).")
+            print(
+                "               The running pods keep serving: each downloaded the model into its own cache at start."
+            )
+            print(
+                "               A new pod (a scale-up, a replaced pod) downloads it too: with "
+                "no hub it restarts, its log"
+            )
+            print(
+                "               saying the hub endpoint is unreachable, until the hub serves "
+                "again (same address and repository):"
+            )
+            print(
+                f"    python -m splitserve_e2e.hub {hub_root} --host {host} --port {port} "
+                f'--token "$(kubectl get secret {HUB_TOKEN_SECRET} -n {config.namespace} '
+                f"-o jsonpath='{{.data.{contract.ENV_HUB_TOKEN}}}' | base64 -d)\""
+            )
             print("  stop it:     make cluster-down")
         return 0
     finally:
@@ -838,37 +1007,60 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitserve_e2e.demo",
-                                     description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--keep", action="store_true",
-                        help="leave the cluster running at the end (`make cluster-down` stops it)")
-    parser.add_argument("--duration-seconds", type=float, default=60.0,
-                        help="length of the load burst")
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve_e2e.demo", description=__doc__.split("\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the cluster running at the end (`make cluster-down` stops it)"
+    )
+    parser.add_argument("--duration-seconds", type=float, default=60.0, help="length of the load burst")
     parser.add_argument("--concurrency", type=int, default=24, help="concurrent streams")
-    parser.add_argument("--idle-seconds", type=float, default=120.0,
-                        help="at most this long after the burst, waiting for scale-down")
-    parser.add_argument("--baseline-seconds", type=float, default=10.0,
-                        help="idle time before the burst")
-    parser.add_argument("--mode", choices=tuple(ROLES_BY_MODE), default="Disaggregated",
-                        help="Disaggregated (default: prefill and decode pools scaling on "
-                             "their own signals, KV handed over) or Aggregated (one pool)")
-    parser.add_argument("--no-chat", dest="chat", action="store_false",
-                        help="skip the SmolLM2-135M-Instruct service and its chat exchange")
+    parser.add_argument(
+        "--idle-seconds", type=float, default=120.0, help="at most this long after the burst, waiting for scale-down"
+    )
+    parser.add_argument("--baseline-seconds", type=float, default=10.0, help="idle time before the burst")
+    parser.add_argument(
+        "--mode",
+        choices=tuple(ROLES_BY_MODE),
+        default="Disaggregated",
+        help="Disaggregated (default: prefill and decode pools scaling on "
+        "their own signals, KV handed over) or Aggregated (one pool)",
+    )
+    parser.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="skip the SmolLM2-135M-Instruct service and its chat exchange",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
-    parser.add_argument("--state-dir", type=Path, default=cache_root() / "cluster",
-                        help="the cluster's state directory (the one `make cluster-down` stops)")
-    parser.add_argument("--reuse-cluster", action="store_true",
-                        help="use the cluster `make cluster-up` runs, if any, instead of a new one")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=cache_root() / "cluster",
+        help="the cluster's state directory (the one `make cluster-down` stops)",
+    )
+    parser.add_argument(
+        "--reuse-cluster",
+        action="store_true",
+        help="use the cluster `make cluster-up` runs, if any, instead of a new one",
+    )
     args = parser.parse_args(argv)
     os.environ.pop("KUBECONFIG", None)  # never act on the user's own cluster by accident
     _install_signal_handlers()
-    config = DemoConfig(mode=args.mode, duration_seconds=args.duration_seconds,
-                        idle_seconds=args.idle_seconds, baseline_seconds=args.baseline_seconds,
-                        concurrency=args.concurrency, sample_seconds=3.0,
-                        out_dir=args.out.resolve(), chat=args.chat)
+    config = DemoConfig(
+        mode=args.mode,
+        duration_seconds=args.duration_seconds,
+        idle_seconds=args.idle_seconds,
+        baseline_seconds=args.baseline_seconds,
+        concurrency=args.concurrency,
+        sample_seconds=3.0,
+        out_dir=args.out.resolve(),
+        chat=args.chat,
+    )
     try:
-        return run_demo(config=config, keep=args.keep, reuse_cluster=args.reuse_cluster,
-                        state_dir=args.state_dir.resolve())
+        return run_demo(
+            config=config, keep=args.keep, reuse_cluster=args.reuse_cluster, state_dir=args.state_dir.resolve()
+        )
     except KeyboardInterrupt:
         _say("interrupted; everything was torn down" if not args.keep else "interrupted")
         return 130

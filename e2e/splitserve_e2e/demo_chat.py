@@ -67,14 +67,22 @@ class ChatExchange:
 def chat_once(*, router: str, question: str = QUESTION) -> ChatExchange:
     """One greedy chat completion through the router at ``router`` (host:port)."""
     started = time.monotonic()
-    response = httpx.post(f"http://{router}/v1/chat/completions", timeout=120, json={
-        "model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "messages": [{"role": "user", "content": question}]})
+    response = httpx.post(
+        f"http://{router}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": SERVED_NAME,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": question}],
+        },
+    )
     if response.status_code != 200:
-        raise RuntimeError(f"chat through the router answered {response.status_code}: "
-                           f"{response.text[:500]}")
+        raise RuntimeError(f"chat through the router answered {response.status_code}: {response.text[:500]}")
     body = response.json()
-    return ChatExchange(question=question,
-                        answer=str(body["choices"][0]["message"]["content"]).strip(),
-                        completion_tokens=int(body["usage"]["completion_tokens"]),
-                        seconds=time.monotonic() - started)
+    return ChatExchange(
+        question=question,
+        answer=str(body["choices"][0]["message"]["content"]).strip(),
+        completion_tokens=int(body["usage"]["completion_tokens"]),
+        seconds=time.monotonic() - started,
+    )

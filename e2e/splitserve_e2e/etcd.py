@@ -33,8 +33,7 @@ class Etcd:
 @functools.lru_cache(maxsize=8)
 def _minor_version(binary: Path) -> tuple[int, int]:
     """(major, minor) from ``etcd --version`` (first line ``etcd Version: 3.6.4``)."""
-    output = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                            timeout=30, check=False).stdout
+    output = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     match = re.search(r"etcd Version: (\d+)\.(\d+)", output)
     if match is None:
         raise RuntimeError(f"cannot read the version of {binary}: {output[:200]!r}")
@@ -52,8 +51,7 @@ def _healthy(client_url: str) -> bool:
     return response.status_code == 200 and response.json().get("health") == "true"
 
 
-def start_etcd(*, binary: Path, data_dir: Path, log_dir: Path, pid_dir: Path,
-               timeout_seconds: float = 60.0) -> Etcd:
+def start_etcd(*, binary: Path, data_dir: Path, log_dir: Path, pid_dir: Path, timeout_seconds: float = 60.0) -> Etcd:
     """Start etcd and wait until it reports healthy."""
     client_port, peer_port = free_port(), free_port()
     client_url = f"http://{LOOPBACK}:{client_port}"
@@ -76,6 +74,5 @@ def start_etcd(*, binary: Path, data_dir: Path, log_dir: Path, pid_dir: Path,
         "--quota-backend-bytes=2147483648",
     ]
     process = start_process(name="etcd", argv=argv, log_path=log_dir / "etcd.log", pid_dir=pid_dir)
-    wait_until(lambda: _healthy(client_url), timeout_seconds=timeout_seconds,
-               what="etcd /health", alive=process)
+    wait_until(lambda: _healthy(client_url), timeout_seconds=timeout_seconds, what="etcd /health", alive=process)
     return Etcd(process=process, client_url=client_url)

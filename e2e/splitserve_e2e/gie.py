@@ -79,8 +79,9 @@ CEL_TEST_BINARY: Final = "gie-cel.test"
 CLIENT_BINARY: Final = "gie-client"
 
 # as upstream's Dockerfile stamps it (version.BuildRef, logged at start), stripped and static
-_EPP_LDFLAGS: Final = (f"-ldflags=-s -w -X {GIE_MODULE}/version.BuildRef={GIE_VERSION} "
-                       f"-X {GIE_MODULE}/version.CommitSHA=splitserve-e2e")
+_EPP_LDFLAGS: Final = (
+    f"-ldflags=-s -w -X {GIE_MODULE}/version.BuildRef={GIE_VERSION} -X {GIE_MODULE}/version.CommitSHA=splitserve-e2e"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,15 +143,16 @@ class _GoBuild:
 def _epp_build() -> _GoBuild:
     steps = (
         ("build", "-trimpath", _EPP_LDFLAGS, "-o", f"{{out}}/{EPP_BINARY}", "./cmd/epp"),
-        ("test", "-c", "-trimpath", "-ldflags=-s -w", "-o", f"{{out}}/{CEL_TEST_BINARY}",
-         "./test/cel"),
+        ("test", "-c", "-trimpath", "-ldflags=-s -w", "-o", f"{{out}}/{CEL_TEST_BINARY}", "./test/cel"),
     )
-    group = _ToolGroup(name="gie-epp", version=GIE_VERSION,
-                       binaries=(EPP_BINARY, CEL_TEST_BINARY),
-                       go_args=tuple(arg for step in steps for arg in (*step, ";")),
-                       workdir=None)
-    return _GoBuild(group=group, steps=steps,
-                    directory=cache_root() / "bin" / f"gie-epp-{GIE_VERSION}")
+    group = _ToolGroup(
+        name="gie-epp",
+        version=GIE_VERSION,
+        binaries=(EPP_BINARY, CEL_TEST_BINARY),
+        go_args=tuple(arg for step in steps for arg in (*step, ";")),
+        workdir=None,
+    )
+    return _GoBuild(group=group, steps=steps, directory=cache_root() / "bin" / f"gie-epp-{GIE_VERSION}")
 
 
 def _client_sources_hash() -> str:
@@ -162,8 +164,13 @@ def _client_sources_hash() -> str:
 
 def _client_build() -> _GoBuild:
     steps = (("build", "-trimpath", "-ldflags=-s -w", "-o", f"{{out}}/{CLIENT_BINARY}", "."),)
-    group = _ToolGroup(name="gie-client", version=f"src-{_client_sources_hash()}",
-                       binaries=(CLIENT_BINARY,), go_args=steps[0], workdir=CLIENT_DIR)
+    group = _ToolGroup(
+        name="gie-client",
+        version=f"src-{_client_sources_hash()}",
+        binaries=(CLIENT_BINARY,),
+        go_args=steps[0],
+        workdir=CLIENT_DIR,
+    )
     return _GoBuild(group=group, steps=steps, directory=cache_root() / "bin" / "gie-client")
 
 
@@ -189,29 +196,36 @@ def _ensure(build: _GoBuild, *, workdir: Path | None) -> tuple[Path, float]:
         for index, step in enumerate(build.steps):
             args = [arg.replace("{out}", str(directory)) for arg in step]
             try:
-                _run_go(args=args, workdir=where, env=env,
-                        label=f"{group.name}-{group.version}-{index}")
+                _run_go(args=args, workdir=where, env=env, label=f"{group.name}-{group.version}-{index}")
             except BuildError as error:
                 raise BuildError(f"{error}\n{_proxy_hint(str(error))}") from error
         elapsed = time.monotonic() - started
         missing = [b for b in group.binaries if not os.access(directory / b, os.X_OK)]
         if missing:
             raise BuildError(f"go finished but {missing} are missing in {directory}")
-        (directory / STAMP_NAME).write_text(json.dumps(
-            {"version": group.version, "recipe": list(group.go_args),
-             "binaries": list(group.binaries), "build_seconds": round(elapsed, 1),
-             "built_at": time.time()}))
+        (directory / STAMP_NAME).write_text(
+            json.dumps(
+                {
+                    "version": group.version,
+                    "recipe": list(group.go_args),
+                    "binaries": list(group.binaries),
+                    "build_seconds": round(elapsed, 1),
+                    "built_at": time.time(),
+                }
+            )
+        )
         _log(f"built {group.name} {group.version} in {elapsed:.0f}s")
         return directory, elapsed
 
 
 def _proxy_hint(log_tail: str) -> str:
     """What to try when the module proxy or the checksum database refused a dependency."""
-    settings = ", ".join(f"{name}={_go_env(name)!r}"
-                         for name in ("GOPROXY", "GOSUMDB", "GONOSUMDB", "GOFLAGS"))
+    settings = ", ".join(f"{name}={_go_env(name)!r}" for name in ("GOPROXY", "GOSUMDB", "GONOSUMDB", "GOFLAGS"))
     if "403" in log_tail or "410" in log_tail or "not available" in log_tail:
-        return (f"the module proxy refused a dependency ({settings}); every module of the "
-                f"release's go.sum must be downloadable at its exact version")
+        return (
+            f"the module proxy refused a dependency ({settings}); every module of the "
+            f"release's go.sum must be downloadable at its exact version"
+        )
     if "sum.golang.org" in log_tail or "verifying" in log_tail:
         return f"the checksum database was not reachable ({settings}); try GOSUMDB=off"
     return f"go settings: {settings}"
@@ -247,8 +261,7 @@ def recorded_build_seconds() -> dict[str, float]:
         stamp = build.directory / STAMP_NAME
         if stamp.is_file():
             recorded = json.loads(stamp.read_text())
-            seconds[f"{build.group.name}-{recorded.get('version')}"] = float(
-                recorded.get("build_seconds", 0.0))
+            seconds[f"{build.group.name}-{recorded.get('version')}"] = float(recorded.get("build_seconds", 0.0))
     return seconds
 
 
@@ -261,10 +274,16 @@ def ensure_epp_image() -> str:
     epp = ensure_epp()
     spec = ImageSpec(
         reference=f"{EPP_IMAGE_NAME}:{GIE_VERSION}",
-        files={"/epp": ImageFile(epp.read_bytes(), 0o755),
-               "/etc/passwd": ImageFile(b"nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n"),
-               "/etc/group": ImageFile(b"nonroot:x:65532:\n")},
-        directories=("/tmp", "/home/nonroot"), entrypoint=("/epp",), user="65532:65532", env=())
+        files={
+            "/epp": ImageFile(epp.read_bytes(), 0o755),
+            "/etc/passwd": ImageFile(b"nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n"),
+            "/etc/group": ImageFile(b"nonroot:x:65532:\n"),
+        },
+        directories=("/tmp", "/home/nonroot"),
+        entrypoint=("/epp",),
+        user="65532:65532",
+        env=(),
+    )
     directory = cache_root() / "gie"
     archive = directory / f"{EPP_IMAGE_NAME}.oci.tar"
     with exclusive(directory / f"{EPP_IMAGE_NAME}.lock"):
@@ -272,16 +291,30 @@ def ensure_epp_image() -> str:
         registry = ensure_registry()
         tag = f"{GIE_VERSION}-{digest.split(':', 1)[1][:12]}"
         reference = f"{registry}/{EPP_IMAGE_NAME}:{tag}"
-        found = httpx.head(f"http://{registry}/v2/{EPP_IMAGE_NAME}/manifests/{tag}", timeout=5.0,
-                           headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+        found = httpx.head(
+            f"http://{registry}/v2/{EPP_IMAGE_NAME}/manifests/{tag}",
+            timeout=5.0,
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        )
         if found.status_code != 200:
             skopeo = shutil.which("skopeo")
             if skopeo is None:
                 raise BuildError("skopeo is not installed (Debian package skopeo; .ci/deps)")
             started = time.monotonic()
-            result = subprocess.run([skopeo, "copy", "--quiet", "--dest-tls-verify=false",
-                                     f"oci-archive:{archive}", f"docker://{reference}"],
-                                    capture_output=True, text=True, check=False, timeout=300)
+            result = subprocess.run(
+                [
+                    skopeo,
+                    "copy",
+                    "--quiet",
+                    "--dest-tls-verify=false",
+                    f"oci-archive:{archive}",
+                    f"docker://{reference}",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=300,
+            )
             if result.returncode != 0:
                 raise BuildError(f"skopeo copy to {reference} failed: {result.stderr}")
             _log(f"pushed {reference} in {time.monotonic() - started:.1f}s")
@@ -308,26 +341,34 @@ class Pick:
     seconds: float
 
 
-def pick(client: Path, *, address: str, body: Mapping[str, Any], subset: Sequence[str] = (),
-         plaintext: bool = False, timeout_seconds: float = 30.0) -> Pick:
+def pick(
+    client: Path,
+    *,
+    address: str,
+    body: Mapping[str, Any],
+    subset: Sequence[str] = (),
+    plaintext: bool = False,
+    timeout_seconds: float = 30.0,
+) -> Pick:
     """Send one OpenAI request's headers and ``body`` to the picker at ``address``; ``subset``
     (``IP:port``s) is the gateway's candidate hint (``envoy.lb.subset_hint``)."""
-    argv = [str(client), "-addr", address, "-body", json.dumps(dict(body)),
-            "-timeout", f"{timeout_seconds:.0f}s"]
+    argv = [str(client), "-addr", address, "-body", json.dumps(dict(body)), "-timeout", f"{timeout_seconds:.0f}s"]
     if subset:
         argv += ["-subset", ",".join(subset)]
     if plaintext:
         argv.append("-plaintext")
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_seconds + 10,
-                            check=False)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_seconds + 10, check=False)
     if result.returncode not in (0, 3):
-        raise PickerError(f"gie-client exited {result.returncode}: {result.stderr.strip()} "
-                          f"{result.stdout.strip()}")
+        raise PickerError(f"gie-client exited {result.returncode}: {result.stderr.strip()} {result.stdout.strip()}")
     answer = json.loads(result.stdout)
-    return Pick(endpoint=answer["endpoint"], metadata_endpoint=answer["metadata_endpoint"],
-                body=json.loads(answer["body"]) if answer["body"] else {},
-                immediate_status=int(answer["immediate_status"]),
-                immediate_body=answer["immediate_body"], seconds=float(answer["seconds"]))
+    return Pick(
+        endpoint=answer["endpoint"],
+        metadata_endpoint=answer["metadata_endpoint"],
+        body=json.loads(answer["body"]) if answer["body"] else {},
+        immediate_status=int(answer["immediate_status"]),
+        immediate_body=answer["immediate_body"],
+        seconds=float(answer["seconds"]),
+    )
 
 
 @dataclasses.dataclass
@@ -372,9 +413,16 @@ def without_flags(args: Sequence[str], names: Sequence[str]) -> list[str]:
 PORT_FLAGS: Final = ("--grpc-port", "--grpc-health-port", "--metrics-port")
 
 
-def start_epp(*, binary: Path, kubeconfig: Path, args: Sequence[str], log_path: Path,
-              verbosity: int = 2, refresh_prometheus_seconds: float = 1.0,
-              start_timeout_seconds: float = 60.0) -> EndpointPicker:
+def start_epp(
+    *,
+    binary: Path,
+    kubeconfig: Path,
+    args: Sequence[str],
+    log_path: Path,
+    verbosity: int = 2,
+    refresh_prometheus_seconds: float = 1.0,
+    start_timeout_seconds: float = 60.0,
+) -> EndpointPicker:
     """Run the picker on the host with ``args`` (e.g. a rendered picker Deployment's, less its
     ports: :func:`without_flags`), authenticated by ``kubeconfig``, on free ports; returns once
     its ext_proc port accepts connections. ``verbosity`` 7 adds, every 5 s, a dump of what it scraped
@@ -384,19 +432,38 @@ def start_epp(*, binary: Path, kubeconfig: Path, args: Sequence[str], log_path: 
         if any(arg == flag or arg.startswith(flag + "=") for arg in args):
             raise ValueError(f"start_epp chooses {flag} itself; drop it from args")
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
-    argv = (str(binary), *args, "--kubeconfig", str(kubeconfig),
-            "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
-            "--metrics-port", str(metrics_port), "-v", str(verbosity),
-            f"--refresh-prometheus-metrics-interval={refresh_prometheus_seconds}s")
+    argv = (
+        str(binary),
+        *args,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--grpc-port",
+        str(grpc_port),
+        "--grpc-health-port",
+        str(health_port),
+        "--metrics-port",
+        str(metrics_port),
+        "-v",
+        str(verbosity),
+        f"--refresh-prometheus-metrics-interval={refresh_prometheus_seconds}s",
+    )
     process = start_process(name="epp", argv=argv, log_path=log_path, pid_dir=None)
     try:
-        wait_until(lambda: port_open(host=LOOPBACK, port=grpc_port), alive=process,
-                   timeout_seconds=start_timeout_seconds, what="the picker's ext_proc port")
+        wait_until(
+            lambda: port_open(host=LOOPBACK, port=grpc_port),
+            alive=process,
+            timeout_seconds=start_timeout_seconds,
+            what="the picker's ext_proc port",
+        )
     except BaseException:
         process.stop()
         raise
-    return EndpointPicker(grpc_address=f"{LOOPBACK}:{grpc_port}", process=process,
-                          metrics_url=f"http://{LOOPBACK}:{metrics_port}/metrics", argv=argv)
+    return EndpointPicker(
+        grpc_address=f"{LOOPBACK}:{grpc_port}",
+        process=process,
+        metrics_url=f"http://{LOOPBACK}:{metrics_port}/metrics",
+        argv=argv,
+    )
 
 
 def main() -> int:

@@ -94,15 +94,24 @@ class HubStore:
             raise ValueError(f"repository id {repo_id!r} is not org/name")
         return self.root / repo_id
 
-    def publish(self, repo_id: str, source: Path, *, branch: str = "main", tags: Sequence[str] = (),
-                extra_files: Mapping[str, bytes] | None = None, exclude: Iterable[str] = ()) -> str:
+    def publish(
+        self,
+        repo_id: str,
+        source: Path,
+        *,
+        branch: str = "main",
+        tags: Sequence[str] = (),
+        extra_files: Mapping[str, bytes] | None = None,
+        exclude: Iterable[str] = (),
+    ) -> str:
         """Commit every file under ``source`` (plus ``extra_files``, minus ``exclude``) to
         ``branch`` of ``repo_id``; returns the commit id. Same parent and content: same id."""
         repo = self.repo_dir(repo_id)
         skip = set(exclude)
         files: dict[str, bytes] = {
             p.relative_to(source).as_posix(): p.read_bytes()
-            for p in sorted(source.rglob("*")) if p.is_file() and p.relative_to(source).as_posix() not in skip
+            for p in sorted(source.rglob("*"))
+            if p.is_file() and p.relative_to(source).as_posix() not in skip
         }
         files.update(extra_files or {})
         if not files:
@@ -139,8 +148,11 @@ class HubStore:
         if not _REPO_ID.match(repo_id) or not (self.root / repo_id / "commits").is_dir():
             raise HubError(404, "RepoNotFound", "Repository not found")
         repo = self.root / repo_id
-        commit = revision if _COMMIT.match(revision) else (
-            self._ref(repo, "heads", revision) or self._ref(repo, "tags", revision))
+        commit = (
+            revision
+            if _COMMIT.match(revision)
+            else (self._ref(repo, "heads", revision) or self._ref(repo, "tags", revision))
+        )
         if commit is None or not (repo / "commits" / commit).is_dir():
             raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         return commit, repo / "commits" / commit
@@ -168,8 +180,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         started = time.monotonic()
         try:
             if url.path == AGENT_REGISTRY_PATH:  # huggingface_hub asks for it, token or not
-                self._send(200, json.dumps(_EMPTY_AGENT_REGISTRY).encode(), {"Content-Type": "application/json"},
-                           head=head)
+                self._send(
+                    200, json.dumps(_EMPTY_AGENT_REGISTRY).encode(), {"Content-Type": "application/json"}, head=head
+                )
                 status = 200
                 return
             self._check_token()
@@ -177,8 +190,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except HubError as error:
             status = error.status
             body = json.dumps({"error": error.message}).encode()
-            headers = {"X-Error-Code": error.code, "X-Error-Message": error.message,
-                       "Content-Type": "application/json"}
+            headers = {"X-Error-Code": error.code, "X-Error-Message": error.message, "Content-Type": "application/json"}
             if error.commit:
                 headers["X-Repo-Commit"] = error.commit
             self._send(status, body, headers, head=head)
@@ -216,10 +228,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         siblings = []
         for path in self.server.store.files(commit_dir):
             data = path.read_bytes()
-            siblings.append({"rfilename": path.relative_to(commit_dir).as_posix(), "size": len(data),
-                             "blobId": git_blob_id(data)})
-        info = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": self.server.token is not None,
-                "gated": False, "disabled": False, "siblings": siblings}
+            siblings.append(
+                {"rfilename": path.relative_to(commit_dir).as_posix(), "size": len(data), "blobId": git_blob_id(data)}
+            )
+        info = {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": self.server.token is not None,
+            "gated": False,
+            "disabled": False,
+            "siblings": siblings,
+        }
         self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head=head)
         return 200
 
@@ -244,8 +264,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not name or ".." in Path(name).parts or not path.is_file():
             raise HubError(404, "EntryNotFound", f"{name} does not exist at {commit}", commit=commit)
         data = path.read_bytes()
-        headers = {"X-Repo-Commit": commit, "ETag": f'"{git_blob_id(data)}"', "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": commit,
+            "ETag": f'"{git_blob_id(data)}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         status, body = 200, data
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
         if match and int(match.group(1)) < len(data):
@@ -277,8 +301,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _HubHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], *, store: HubStore, token: str | None,
-                 chunk_delay_seconds: float) -> None:
+    def __init__(
+        self, address: tuple[str, int], *, store: HubStore, token: str | None, chunk_delay_seconds: float
+    ) -> None:
         super().__init__(address, _Handler)
         self.store = store
         self.token = token
@@ -297,11 +322,19 @@ class LocalHub:
     take. ``chunk_delay_seconds``: sleep after each 64 KiB of a file, so downloads take long
     enough for tests to overlap them."""
 
-    def __init__(self, root: Path, *, token: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 chunk_delay_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chunk_delay_seconds: float = 0.0,
+    ) -> None:
         self.store = HubStore(root)
-        self._server = _HubHTTPServer((host, port), store=self.store, token=token,
-                                      chunk_delay_seconds=chunk_delay_seconds)
+        self._server = _HubHTTPServer(
+            (host, port), store=self.store, token=token, chunk_delay_seconds=chunk_delay_seconds
+        )
         self._thread = threading.Thread(target=self._server.serve_forever, name="local-hub", daemon=True)
 
     @property
@@ -317,8 +350,11 @@ class LocalHub:
     def downloaded(self, repo_id: str) -> list[str]:
         """Files of ``repo_id`` whose content was sent (GET resolve answered 200/206)."""
         prefix = f"/{repo_id}/resolve/"
-        return [unquote(r.path[len(prefix):]).split("/", 1)[1] for r in self.requests
-                if r.method == "GET" and r.status in (200, 206) and r.path.startswith(prefix)]
+        return [
+            unquote(r.path[len(prefix) :]).split("/", 1)[1]
+            for r in self.requests
+            if r.method == "GET" and r.status in (200, 206) and r.path.startswith(prefix)
+        ]
 
     def publish(self, repo_id: str, source: Path, **kwargs: Any) -> str:
         return self.store.publish(repo_id, source, **kwargs)
@@ -335,8 +371,9 @@ class LocalHub:
     def __enter__(self) -> LocalHub:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -346,8 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN'")
-    parser.add_argument("--publish", nargs=2, metavar=("REPO_ID", "DIR"), action="append", default=[],
-                        help="commit DIR to the main branch of REPO_ID first (repeatable)")
+    parser.add_argument(
+        "--publish",
+        nargs=2,
+        metavar=("REPO_ID", "DIR"),
+        action="append",
+        default=[],
+        help="commit DIR to the main branch of REPO_ID first (repeatable)",
+    )
     args = parser.parse_args(argv)
     hub = LocalHub(args.root, token=args.token, host=args.host, port=args.port)
     for repo_id, source in args.publish:

@@ -52,10 +52,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CONTAINERFILE = "Containerfile"
 IGNORE_FILE = ".containerignore"
 # What the build context holds (the .containerignore whitelist); the stamp hashes exactly this.
-CONTEXT_PATHS = ("pyproject.toml", "README.md", "image-constraints.txt",
-                 "contract/splitserve_contract",
-                 "operator/splitserve_operator", "runtime/splitserve_runtime",
-                 "planner/splitserve_planner", "cli/splitserve_cli", "e2e/splitserve_e2e")
+CONTEXT_PATHS = (
+    "pyproject.toml",
+    "README.md",
+    "image-constraints.txt",
+    "contract/splitserve_contract",
+    "operator/splitserve_operator",
+    "runtime/splitserve_runtime",
+    "planner/splitserve_planner",
+    "cli/splitserve_cli",
+)
 _SKIPPED_NAMES = frozenset({"__pycache__", ".mypy_cache"})
 
 IMAGE_NAME = "splitserve"
@@ -63,8 +69,7 @@ LOCAL_REPOSITORY = f"localhost/{IMAGE_NAME}"
 BASE_REPOSITORY = "localhost/splitserve-base"
 BASE_SUITE = "bookworm"
 BASE_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev", "tini",
-                 "ca-certificates")
+BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "gcc", "libc6-dev", "tini", "ca-certificates")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PIP_CA_SECRET = "pip-ca"
 
@@ -107,31 +112,38 @@ def _exclusive(name: str) -> contextlib.AbstractContextManager[None]:
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        raise ImageError(f"`{name}` is not on PATH; `make deps` (.ci/deps) installs it "
-                         "(Debian packages buildah, mmdebstrap, skopeo, docker-registry)")
+        raise ImageError(
+            f"`{name}` is not on PATH; `make deps` (.ci/deps) installs it "
+            "(Debian packages buildah, mmdebstrap, skopeo, docker-registry)"
+        )
     return path
 
 
-def _run(argv: Sequence[str], *, what: str, env: dict[str, str] | None = None,
-         timeout: float = 600.0) -> str:
-    result = subprocess.run(list(argv), capture_output=True, text=True, env=env,
-                            timeout=timeout, check=False)
+def _run(argv: Sequence[str], *, what: str, env: dict[str, str] | None = None, timeout: float = 600.0) -> str:
+    result = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout, check=False)
     if result.returncode != 0:
-        raise ImageError(f"{what} failed (exit {result.returncode}): `{' '.join(argv)}`\n"
-                         f"{(result.stderr or result.stdout)[-4000:]}")
+        raise ImageError(
+            f"{what} failed (exit {result.returncode}): `{' '.join(argv)}`\n{(result.stderr or result.stdout)[-4000:]}"
+        )
     return result.stdout
 
 
-def _stream(argv: Sequence[str], *, label: str, log_path: Path,
-            env: dict[str, str] | None = None) -> float:
+def _stream(argv: Sequence[str], *, label: str, log_path: Path, env: dict[str, str] | None = None) -> float:
     """Run a long command, echoing its lines with the elapsed seconds and a heartbeat while
     it is quiet; the whole output also goes to ``log_path``. Returns the seconds it took."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     lines: queue.Queue[str | None] = queue.Queue()
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+        process = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
         assert process.stdout is not None
         stdout = process.stdout
 
@@ -152,12 +164,10 @@ def _stream(argv: Sequence[str], *, label: str, log_path: Path,
                 break
             log_file.write(line)
             tail = (tail + [line])[-60:]
-            print(f"[{label} {time.monotonic() - started:5.0f}s] {line.rstrip()}",
-                  file=sys.stderr, flush=True)
+            print(f"[{label} {time.monotonic() - started:5.0f}s] {line.rstrip()}", file=sys.stderr, flush=True)
         return_code = process.wait()
     if return_code != 0:
-        raise ImageError(f"{label} failed (exit {return_code}; log {log_path}):\n"
-                         + "".join(tail[-30:]))
+        raise ImageError(f"{label} failed (exit {return_code}; log {log_path}):\n" + "".join(tail[-30:]))
     return time.monotonic() - started
 
 
@@ -176,8 +186,7 @@ def context_files(root: Path = REPO_ROOT) -> list[Path]:
             raise ImageError(f"build context entry {entry} is missing under {root}")
         for directory, dirnames, filenames in os.walk(path):
             dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_NAMES)
-            files.extend(Path(directory) / name for name in filenames
-                         if not name.endswith(".pyc"))
+            files.extend(Path(directory) / name for name in filenames if not name.endswith(".pyc"))
     return sorted(files)
 
 
@@ -206,13 +215,17 @@ def git_revision(root: Path = REPO_ROOT, *, digest: str | None = None) -> str:
     git = shutil.which("git")
     if git is None:
         return "unknown"
-    head = subprocess.run([git, "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                          capture_output=True, text=True, check=False)
+    head = subprocess.run(
+        [git, "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=False
+    )
     if head.returncode != 0:
         return "unknown"
     status = subprocess.run(
-        [git, "-C", str(root), "status", "--porcelain", "--", CONTAINERFILE, IGNORE_FILE,
-         *CONTEXT_PATHS], capture_output=True, text=True, check=False)
+        [git, "-C", str(root), "status", "--porcelain", "--", CONTAINERFILE, IGNORE_FILE, *CONTEXT_PATHS],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     revision = head.stdout.strip()
     if status.stdout.strip():
         revision += f"-dirty-{(digest or context_digest(root))[:8]}"
@@ -230,9 +243,12 @@ def base_reference() -> str:
 
 def local_image_id(reference: str) -> str | None:
     """The image ID of ``reference`` in buildah's storage, or None when it is not there."""
-    result = subprocess.run([_tool("buildah"), "inspect", "--type", "image", "--format",
-                             "{{.FromImageID}}", reference],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [_tool("buildah"), "inspect", "--type", "image", "--format", "{{.FromImageID}}", reference],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return result.stdout.strip() or None if result.returncode == 0 else None
 
 
@@ -249,10 +265,20 @@ def ensure_base() -> str:
             tarball.parent.mkdir(parents=True, exist_ok=True)
             partial = tarball.with_suffix(".partial.tar")
             _log(f"mmdebstrap {BASE_SUITE} with {', '.join(BASE_PACKAGES)} -> {tarball}")
-            seconds = _stream([_tool("mmdebstrap"), "--variant=minbase", "--mode=root",
-                               "--include=" + ",".join(BASE_PACKAGES), "--format=tar",
-                               BASE_SUITE, str(partial), BASE_MIRROR],
-                              label="mmdebstrap", log_path=image_cache() / "logs" / "base.log")
+            seconds = _stream(
+                [
+                    _tool("mmdebstrap"),
+                    "--variant=minbase",
+                    "--mode=root",
+                    "--include=" + ",".join(BASE_PACKAGES),
+                    "--format=tar",
+                    BASE_SUITE,
+                    str(partial),
+                    BASE_MIRROR,
+                ],
+                label="mmdebstrap",
+                log_path=image_cache() / "logs" / "base.log",
+            )
             partial.rename(tarball)
             _log(f"base root file system in {seconds:.0f}s ({tarball.stat().st_size >> 20} MiB)")
         buildah = _tool("buildah")
@@ -260,9 +286,22 @@ def ensure_base() -> str:
         container = _run([buildah, "from", "scratch"], what="buildah from scratch").strip()
         try:
             _run([buildah, "add", "--quiet", container, str(tarball), "/"], what="buildah add")
-            _run([buildah, "config", "--env", PATH_ENV, "--env", "LANG=C.UTF-8",
-                  "--cmd", '["python3"]', "--label", f"org.opencontainers.image.title={reference}",
-                  container], what="buildah config")
+            _run(
+                [
+                    buildah,
+                    "config",
+                    "--env",
+                    PATH_ENV,
+                    "--env",
+                    "LANG=C.UTF-8",
+                    "--cmd",
+                    '["python3"]',
+                    "--label",
+                    f"org.opencontainers.image.title={reference}",
+                    container,
+                ],
+                what="buildah config",
+            )
             _run([buildah, "commit", "--quiet", container, reference], what="buildah commit")
         finally:
             subprocess.run([buildah, "rm", container], capture_output=True, check=False)
@@ -314,8 +353,11 @@ def _write_stamp(data: dict[str, object]) -> None:
 
 def _ca_bundle() -> Path | None:
     """The host's CA bundle for pip inside the build (it may include a proxy's CA)."""
-    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
-                      "/etc/ssl/certs/ca-certificates.crt"):
+    for candidate in (
+        os.environ.get("PIP_CERT"),
+        os.environ.get("SSL_CERT_FILE"),
+        "/etc/ssl/certs/ca-certificates.crt",
+    ):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
@@ -337,8 +379,7 @@ def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
         digest = context_digest(root)
         version = package_version(root)
         revision = git_revision(root, digest=digest)
-        inputs = hashlib.sha256(
-            json.dumps([digest, base, base_id, version, revision]).encode()).hexdigest()
+        inputs = hashlib.sha256(json.dumps([digest, base, base_id, version, revision]).encode()).hexdigest()
         stamp = _read_stamp()
         built = BuiltImage(image_id="", version=version, revision=revision, inputs=inputs)
         existing = local_image_id(built.local_references[0])
@@ -346,25 +387,41 @@ def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
             assert existing is not None
             _log(f"up to date: {built.local_references[0]} ({existing[:12]})")
             return dataclasses.replace(built, image_id=existing)
-        argv = [buildah, "bud", "--layers", "--network", "host", "--format", "oci",
-                "--file", str(root / CONTAINERFILE),
-                "--build-arg", f"BASE={base}", "--build-arg", f"VERSION={version}",
-                "--build-arg", f"REVISION={revision}",
-                # buildah 1.28's layer cache ignores a changed build arg in LABEL: a build of the
-                # same files under a new commit reused the old revision label. --label is set on
-                # the final image config, after the cache.
-                "--label", f"org.opencontainers.image.version={version}",
-                "--label", f"org.opencontainers.image.revision={revision}"]
+        argv = [
+            buildah,
+            "bud",
+            "--layers",
+            "--network",
+            "host",
+            "--format",
+            "oci",
+            "--file",
+            str(root / CONTAINERFILE),
+            "--build-arg",
+            f"BASE={base}",
+            "--build-arg",
+            f"VERSION={version}",
+            "--build-arg",
+            f"REVISION={revision}",
+            # buildah 1.28's layer cache ignores a changed build arg in LABEL: a build of the
+            # same files under a new commit reused the old revision label. --label is set on
+            # the final image config, after the cache.
+            "--label",
+            f"org.opencontainers.image.version={version}",
+            "--label",
+            f"org.opencontainers.image.revision={revision}",
+        ]
         ca = _ca_bundle()
         if ca is not None:
             argv += ["--secret", f"id={PIP_CA_SECRET},src={ca}"]
         for reference in built.local_references:
             argv += ["--tag", reference]
         argv.append(str(root))
-        _log(f"building {built.local_references[0]} on {base} (a cold build downloads and "
-             "unpacks several GB of CUDA wheels; later builds reuse those layers)")
-        seconds = _stream(argv, label="buildah", log_path=image_cache() / "logs" / "build.log",
-                          env=_buildah_env())
+        _log(
+            f"building {built.local_references[0]} on {base} (a cold build downloads and "
+            "unpacks several GB of CUDA wheels; later builds reuse those layers)"
+        )
+        seconds = _stream(argv, label="buildah", log_path=image_cache() / "logs" / "build.log", env=_buildah_env())
         image_id = local_image_id(built.local_references[0])
         if image_id is None:
             raise ImageError(f"buildah finished but {built.local_references[0]} is missing")
@@ -373,11 +430,22 @@ def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
             # the old final image lost its tags; its unique layers (the package) go with it,
             # the shared ones (torch) stay, and so do buildah's cached intermediate images
             subprocess.run([buildah, "rmi", previous], capture_output=True, check=False)
-        _write_stamp({"inputs": inputs, "image_id": image_id, "tag": built.tag,
-                      "version": version, "revision": revision, "base": base,
-                      "build_seconds": round(seconds, 1), "built_at": time.time()})
-        _log(f"built {built.local_references[0]} ({image_id[:12]}) in {seconds:.0f}s, "
-             f"{image_size(image_id)} uncompressed")
+        _write_stamp(
+            {
+                "inputs": inputs,
+                "image_id": image_id,
+                "tag": built.tag,
+                "version": version,
+                "revision": revision,
+                "base": base,
+                "build_seconds": round(seconds, 1),
+                "built_at": time.time(),
+            }
+        )
+        _log(
+            f"built {built.local_references[0]} ({image_id[:12]}) in {seconds:.0f}s, "
+            f"{image_size(image_id)} uncompressed"
+        )
         return dataclasses.replace(built, image_id=image_id)
 
 
@@ -390,8 +458,7 @@ def image_size(reference: str) -> str:
 
 def image_config(reference: str) -> dict[str, object]:
     """The OCI image configuration of a local image (User, Labels, Entrypoint, Env, ...)."""
-    output = _run([_tool("buildah"), "inspect", "--type", "image", reference],
-                  what="buildah inspect")
+    output = _run([_tool("buildah"), "inspect", "--type", "image", reference], what="buildah inspect")
     config = json.loads(output)["OCIv1"]["config"]
     return dict(config)
 
@@ -408,8 +475,9 @@ def registry_address() -> str:
     return f"{REGISTRY_HOST}:{port}"
 
 
-def _registry_get(path: str, *, method: str = "GET", accept: str | None = None,
-                  timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+def _registry_get(
+    path: str, *, method: str = "GET", accept: str | None = None, timeout: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
     request = urllib.request.Request(f"http://{registry_address()}{path}", method=method)
     if accept:
         request.add_header("Accept", accept)
@@ -457,22 +525,32 @@ def ensure_registry(*, timeout_seconds: float = 30.0) -> str:
         from .net import port_open
 
         if port_open(host=host, port=int(port)):
-            raise ImageError(f"{address} is taken by something that is not a distribution "
-                             f"registry; set ${ENV_REGISTRY_PORT} to a free port")
+            raise ImageError(
+                f"{address} is taken by something that is not a distribution "
+                f"registry; set ${ENV_REGISTRY_PORT} to a free port"
+            )
         directory = registry_dir()
         (directory / "data").mkdir(parents=True, exist_ok=True)
         config = directory / "config.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "version": 0.1,
-            "log": {"level": "info", "accesslog": {"disabled": True}},
-            "storage": {"filesystem": {"rootdirectory": str(directory / "data")},
-                        "delete": {"enabled": True}},
-            "http": {"addr": address},
-        }, indent=2))
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "version": 0.1,
+                    "log": {"level": "info", "accesslog": {"disabled": True}},
+                    "storage": {"filesystem": {"rootdirectory": str(directory / "data")}, "delete": {"enabled": True}},
+                    "http": {"addr": address},
+                },
+                indent=2,
+            )
+        )
         log = (directory / "registry.log").open("ab")
-        process = subprocess.Popen([_tool("docker-registry"), "serve", str(config)],
-                                   stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            [_tool("docker-registry"), "serve", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         _pid_file().write_text(f"{process.pid} {process_start_ticks(process.pid) or 0}\n")
         deadline = time.monotonic() + timeout_seconds
@@ -480,8 +558,7 @@ def ensure_registry(*, timeout_seconds: float = 30.0) -> str:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 tail = (directory / "registry.log").read_text(errors="replace")[-2000:]
-                raise ImageError(f"the registry did not start on {address} "
-                                 f"(log {directory / 'registry.log'}):\n{tail}")
+                raise ImageError(f"the registry did not start on {address} (log {directory / 'registry.log'}):\n{tail}")
             time.sleep(0.1)
         _log(f"registry on {address} (storage {directory / 'data'}, pid {process.pid})")
         return address
@@ -522,28 +599,32 @@ def registry_reference(tag: str) -> str:
     return f"{registry_address()}/{IMAGE_NAME}:{tag}"
 
 
-_MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json,"
-                   "application/vnd.docker.distribution.manifest.v2+json")
+_MANIFEST_TYPES = "application/vnd.oci.image.manifest.v1+json,application/vnd.docker.distribution.manifest.v2+json"
 
 
 def registry_manifest(tag: str) -> tuple[str, dict[str, object]] | None:
     """(digest, manifest) of ``splitserve:<tag>`` in the loopback registry, or None."""
-    status, headers, body = _registry_get(f"/v2/{IMAGE_NAME}/manifests/{tag}",
-                                          accept=_MANIFEST_TYPES)
+    status, headers, body = _registry_get(f"/v2/{IMAGE_NAME}/manifests/{tag}", accept=_MANIFEST_TYPES)
     if status != 200:
         return None
     return headers.get("Docker-Content-Digest", ""), dict(json.loads(body))
 
 
-def push(*, image: BuiltImage, destination: str, tls_verify: bool = True,
-         compression: str = "gzip") -> float:
+def push(*, image: BuiltImage, destination: str, tls_verify: bool = True, compression: str = "gzip") -> float:
     """``buildah push`` the built image to ``docker://destination``; returns the seconds."""
-    argv = [_tool("buildah"), "push", "--format", "oci", "--compression-format", compression,
-            f"--tls-verify={'true' if tls_verify else 'false'}",
-            image.local_references[0], f"docker://{destination}"]
+    argv = [
+        _tool("buildah"),
+        "push",
+        "--format",
+        "oci",
+        "--compression-format",
+        compression,
+        f"--tls-verify={'true' if tls_verify else 'false'}",
+        image.local_references[0],
+        f"docker://{destination}",
+    ]
     _log(f"pushing {image.local_references[0]} to {destination} ({compression} layers)")
-    return _stream(argv, label="push", log_path=image_cache() / "logs" / "push.log",
-                   env=_buildah_env())
+    return _stream(argv, label="push", log_path=image_cache() / "logs" / "push.log", env=_buildah_env())
 
 
 def ensure_image(*, root: Path = REPO_ROOT) -> str:
@@ -554,29 +635,37 @@ def ensure_image(*, root: Path = REPO_ROOT) -> str:
     with _exclusive("image-push"):
         stamp = _read_stamp()
         present = registry_manifest(built.tag)
-        if present is None or stamp.get("pushed") != [registry_address(), present[0],
-                                                      built.image_id]:
-            seconds = push(image=built, destination=registry_reference(built.tag),
-                           tls_verify=False, compression=LOCAL_COMPRESSION)
+        if present is None or stamp.get("pushed") != [registry_address(), present[0], built.image_id]:
+            seconds = push(
+                image=built, destination=registry_reference(built.tag), tls_verify=False, compression=LOCAL_COMPRESSION
+            )
             present = registry_manifest(built.tag)
             if present is None:
-                raise ImageError(f"pushed, but {registry_reference(built.tag)} is not in the "
-                                 "registry")
+                raise ImageError(f"pushed, but {registry_reference(built.tag)} is not in the registry")
             layers = present[1].get("layers", [])
             assert isinstance(layers, list)
-            wrong = {layer["mediaType"] for layer in layers
-                     if not layer["mediaType"].endswith(f"+{LOCAL_COMPRESSION}")}
+            wrong = {layer["mediaType"] for layer in layers if not layer["mediaType"].endswith(f"+{LOCAL_COMPRESSION}")}
             if wrong:
                 # buildah reuses a blob the registry holds in another compression (it does
                 # not check the requested one); pullers such as umoci then fail
-                raise ImageError(f"the pushed manifest has {sorted(wrong)} layers, not "
-                                 f"{LOCAL_COMPRESSION}: the registry holds blobs of another "
-                                 "compression; `python -m splitserve_e2e.image registry reset`")
+                raise ImageError(
+                    f"the pushed manifest has {sorted(wrong)} layers, not "
+                    f"{LOCAL_COMPRESSION}: the registry holds blobs of another "
+                    "compression; `python -m splitserve_e2e.image registry reset`"
+                )
             compressed = sum(int(layer["size"]) for layer in layers)
-            _log(f"pushed {registry_reference(built.tag)} in {seconds:.0f}s "
-                 f"({compressed / 1e9:.2f} GB {LOCAL_COMPRESSION})")
-            _write_stamp({**stamp, "pushed": [registry_address(), present[0], built.image_id],
-                          "push_seconds": round(seconds, 1), "compressed_bytes": compressed})
+            _log(
+                f"pushed {registry_reference(built.tag)} in {seconds:.0f}s "
+                f"({compressed / 1e9:.2f} GB {LOCAL_COMPRESSION})"
+            )
+            _write_stamp(
+                {
+                    **stamp,
+                    "pushed": [registry_address(), present[0], built.image_id],
+                    "push_seconds": round(seconds, 1),
+                    "compressed_bytes": compressed,
+                }
+            )
     return registry_reference(built.tag)
 
 
@@ -614,25 +703,30 @@ def pull_bundle(reference: str) -> Path:
             return bundle
         layout = image_cache() / "oci"
         started = time.monotonic()
-        _stream([_tool("skopeo"), "copy", "--src-tls-verify=false",
-                 f"docker://{reference}", f"oci:{layout}:{digest[:16]}"], label="skopeo",
-                log_path=image_cache() / "logs" / "pull.log")
+        _stream(
+            [_tool("skopeo"), "copy", "--src-tls-verify=false", f"docker://{reference}", f"oci:{layout}:{digest[:16]}"],
+            label="skopeo",
+            log_path=image_cache() / "logs" / "pull.log",
+        )
         pulled = time.monotonic() - started
         if bundles.is_dir():
             for old in bundles.iterdir():
                 shutil.rmtree(old, ignore_errors=True)
         partial = bundles / f"{digest[:16]}.partial"
-        _stream([_tool("umoci"), "unpack", "--image", f"{layout}:{digest[:16]}", str(partial)],
-                label="umoci", log_path=image_cache() / "logs" / "unpack.log")
-        for name in _run([_tool("umoci"), "ls", "--layout", str(layout)],
-                         what="umoci ls").split():
+        _stream(
+            [_tool("umoci"), "unpack", "--image", f"{layout}:{digest[:16]}", str(partial)],
+            label="umoci",
+            log_path=image_cache() / "logs" / "unpack.log",
+        )
+        for name in _run([_tool("umoci"), "ls", "--layout", str(layout)], what="umoci ls").split():
             if name != digest[:16]:
                 _run([_tool("umoci"), "rm", "--image", f"{layout}:{name}"], what="umoci rm")
         _run([_tool("umoci"), "gc", "--layout", str(layout)], what="umoci gc")
         (partial / ".complete").write_text(reference + "\n")
         partial.rename(bundle)
-        _log(f"pulled {reference} in {pulled:.0f}s, unpacked in "
-             f"{time.monotonic() - started - pulled:.0f}s into {bundle}")
+        _log(
+            f"pulled {reference} in {pulled:.0f}s, unpacked in {time.monotonic() - started - pulled:.0f}s into {bundle}"
+        )
         return bundle
 
 
@@ -656,11 +750,13 @@ def frozen_requirements(image: BuiltImage) -> str:
     """``pip freeze`` inside ``image`` (the package itself left out), with the header of
     :data:`CONSTRAINTS_FILE`."""
     buildah = _tool("buildah")
-    container = _run([buildah, "from", "--pull-never", image.local_references[0]],
-                     what="buildah from").strip().splitlines()[-1]
+    container = (
+        _run([buildah, "from", "--pull-never", image.local_references[0]], what="buildah from").strip().splitlines()[-1]
+    )
     try:
-        frozen = _run([buildah, "run", container, "--", "pip", "freeze", "--exclude", IMAGE_NAME],
-                      what="pip freeze in the image")
+        frozen = _run(
+            [buildah, "run", container, "--", "pip", "freeze", "--exclude", IMAGE_NAME], what="pip freeze in the image"
+        )
     finally:
         _run([buildah, "rm", container], what="buildah rm")
     return _CONSTRAINTS_HEADER + frozen
@@ -670,21 +766,20 @@ def frozen_requirements(image: BuiltImage) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitserve_e2e.image", description=(
-        "Build the splitserve image (local base, buildah) and serve it on a loopback registry."))
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve_e2e.image",
+        description=("Build the splitserve image (local base, buildah) and serve it on a loopback registry."),
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    build_parser = commands.add_parser(
-        "build", help="build (when inputs changed) and push to the loopback registry")
+    build_parser = commands.add_parser("build", help="build (when inputs changed) and push to the loopback registry")
     build_parser.add_argument("--force", action="store_true", help="build even when up to date")
-    build_parser.add_argument("--no-push", action="store_true",
-                              help="do not push to the loopback registry")
+    build_parser.add_argument("--no-push", action="store_true", help="do not push to the loopback registry")
     push_parser = commands.add_parser("push", help="build when needed, push to a registry")
     push_parser.add_argument("destination", help="e.g. registry.example.com/splitserve:TAG")
     push_parser.add_argument("--compression", default="gzip", choices=("gzip", "zstd"))
     push_parser.add_argument("--tls-verify", default="true", choices=("true", "false"))
     registry_parser = commands.add_parser("registry", help="the loopback registry")
-    registry_parser.add_argument("action",
-                                 choices=("start", "stop", "status", "address", "reset"))
+    registry_parser.add_argument("action", choices=("start", "stop", "status", "address", "reset"))
     commands.add_parser("ref", help="print the loopback reference of the last build")
     commands.add_parser("freeze", help=f"print {CONSTRAINTS_FILE} from the built image")
     args = parser.parse_args(argv)
@@ -702,8 +797,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.destination or args.destination.startswith("-"):
                 raise ImageError("say where to push: IMAGE=registry.example.com/splitserve:TAG")
             image = build()
-            seconds = push(image=image, destination=args.destination,
-                           tls_verify=args.tls_verify == "true", compression=args.compression)
+            seconds = push(
+                image=image,
+                destination=args.destination,
+                tls_verify=args.tls_verify == "true",
+                compression=args.compression,
+            )
             print(f"pushed {image.local_references[0]} to {args.destination} in {seconds:.0f}s")
         elif args.command == "freeze":
             print(frozen_requirements(build()), end="")

@@ -16,16 +16,16 @@ import yaml
 CONTEXT_NAME = "splitserve-e2e"
 
 
-def _document(*, server: str, ca_cert: Path, user: dict[str, Any], user_name: str,
-              namespace: str | None) -> dict[str, Any]:
+def _document(
+    *, server: str, ca_cert: Path, user: dict[str, Any], user_name: str, namespace: str | None
+) -> dict[str, Any]:
     context: dict[str, Any] = {"cluster": CONTEXT_NAME, "user": user_name}
     if namespace:
         context["namespace"] = namespace
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": CONTEXT_NAME, "cluster": {
-            "server": server, "certificate-authority": str(ca_cert)}}],
+        "clusters": [{"name": CONTEXT_NAME, "cluster": {"server": server, "certificate-authority": str(ca_cert)}}],
         "users": [{"name": user_name, "user": user}],
         "contexts": [{"name": CONTEXT_NAME, "context": context}],
         "current-context": CONTEXT_NAME,
@@ -42,19 +42,21 @@ def _write(path: Path, document: dict[str, Any]) -> Path:
     return path
 
 
-def write_cert_kubeconfig(*, path: Path, server: str, ca_cert: Path, client_cert: Path,
-                          client_key: Path, user_name: str) -> Path:
+def write_cert_kubeconfig(
+    *, path: Path, server: str, ca_cert: Path, client_cert: Path, client_key: Path, user_name: str
+) -> Path:
     """A kubeconfig that authenticates with a client certificate."""
     user = {"client-certificate": str(client_cert), "client-key": str(client_key)}
-    return _write(path, _document(server=server, ca_cert=ca_cert, user=user,
-                                  user_name=user_name, namespace=None))
+    return _write(path, _document(server=server, ca_cert=ca_cert, user=user, user_name=user_name, namespace=None))
 
 
-def write_token_kubeconfig(*, path: Path, server: str, ca_cert: Path, token: str,
-                           user_name: str, namespace: str | None) -> Path:
+def write_token_kubeconfig(
+    *, path: Path, server: str, ca_cert: Path, token: str, user_name: str, namespace: str | None
+) -> Path:
     """A kubeconfig that authenticates with a bearer token (a ServiceAccount's)."""
-    return _write(path, _document(server=server, ca_cert=ca_cert, user={"token": token},
-                                  user_name=user_name, namespace=namespace))
+    return _write(
+        path, _document(server=server, ca_cert=ca_cert, user={"token": token}, user_name=user_name, namespace=namespace)
+    )
 
 
 def server_of(*, kubeconfig: Path) -> str:

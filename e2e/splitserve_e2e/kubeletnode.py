@@ -58,8 +58,9 @@ BUSYBOX_IMAGE = "splitserve.local/busybox:1"
 MAX_SOCKET_PATH = 100  # sun_path is 108 bytes; the kubelet's deepest socket adds ~35
 
 
-def _issue_client_cert(*, pki: ClusterPki, directory: Path, stem: str, common_name: str,
-                       organization: str | None) -> CertPair:
+def _issue_client_cert(
+    *, pki: ClusterPki, directory: Path, stem: str, common_name: str, organization: str | None
+) -> CertPair:
     """A client certificate signed by the cluster CA (the node's and kube-proxy's identity)."""
     pair = CertPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
     if pair.cert.is_file() and pair.key.is_file():
@@ -73,19 +74,22 @@ def _issue_client_cert(*, pki: ClusterPki, directory: Path, stem: str, common_na
         attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name(attributes))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=365))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name(attributes))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     directory.mkdir(parents=True, exist_ok=True)
-    pair.key.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    pair.key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     pair.key.chmod(0o600)
     pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return pair
@@ -108,8 +112,7 @@ def allocatable(node: Any) -> dict[str, str]:
 
 def missing_prerequisites() -> list[str]:
     """What this machine lacks to run the kubelet node (empty: nothing)."""
-    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip")
-               if shutil.which(tool) is None]
+    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "ip") if shutil.which(tool) is None]
     if os.geteuid() != 0:
         missing.append("root")
     if not Path("/usr/lib/cni/bridge").is_file():
@@ -123,12 +126,20 @@ class KubeletNode:
     """The kubelet node of one cluster: :meth:`prepare` before the API server starts (the
     bridge it advertises), :meth:`start` once the control plane answers, :meth:`stop`."""
 
-    def __init__(self, *, directory: Path, pki: ClusterPki,
-                 api_client_factory: Callable[[], k8s.ApiClient], log_dir: Path, pid_dir: Path,
-                 num_gpus: int = 4, network: cni.PodNetwork | None = None,
-                 binaries: NodeBinaries | None = None,
-                 containerd_root: Path | None = None,
-                 network_policies: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        directory: Path,
+        pki: ClusterPki,
+        api_client_factory: Callable[[], k8s.ApiClient],
+        log_dir: Path,
+        pid_dir: Path,
+        num_gpus: int = 4,
+        network: cni.PodNetwork | None = None,
+        binaries: NodeBinaries | None = None,
+        containerd_root: Path | None = None,
+        network_policies: bool = True,
+    ) -> None:
         """``containerd_root``: containerd's content store and snapshots (default
         :func:`containerd_root_dir`, shared by every cluster on the machine so that pulled
         images survive; the state, socket and mounts stay under ``directory``).
@@ -137,8 +148,10 @@ class KubeletNode:
         self.containerd_root = (containerd_root or containerd_root_dir()).resolve()
         longest = self.directory / "kubelet" / "device-plugins" / "kubelet.sock"
         if len(str(longest)) > MAX_SOCKET_PATH:
-            raise ValueError(f"{self.directory} is too long for the kubelet's unix sockets "
-                             f"({len(str(longest))} > {MAX_SOCKET_PATH} characters)")
+            raise ValueError(
+                f"{self.directory} is too long for the kubelet's unix sockets "
+                f"({len(str(longest))} > {MAX_SOCKET_PATH} characters)"
+            )
         self.network = network or cni.PodNetwork()
         self.num_gpus = num_gpus
         self.ready_seconds = 0.0
@@ -217,18 +230,30 @@ class KubeletNode:
         dns = self._start_dns(binaries, server_url)
         self._start_containerd(binaries)
         kubelet_kubeconfig, proxy_kubeconfig = self._kubeconfigs(server_url)
-        kubelet = start_process(name="kubelet", argv=self._kubelet_argv(
-            binaries.kubelet, kubelet_kubeconfig), log_path=self._log_dir / "kubelet.log",
-            pid_dir=self._pid_dir)
+        kubelet = start_process(
+            name="kubelet",
+            argv=self._kubelet_argv(binaries.kubelet, kubelet_kubeconfig),
+            log_path=self._log_dir / "kubelet.log",
+            pid_dir=self._pid_dir,
+        )
         self._processes.append(kubelet)
         proxy_config = self._write_proxy_config(proxy_kubeconfig)
-        self._processes.append(start_process(
-            name="kube-proxy", argv=[str(binaries.kube_proxy), f"--config={proxy_config}",
-                                     "--v=1"],
-            log_path=self._log_dir / "kube-proxy.log", pid_dir=self._pid_dir))
+        self._processes.append(
+            start_process(
+                name="kube-proxy",
+                argv=[str(binaries.kube_proxy), f"--config={proxy_config}", "--v=1"],
+                log_path=self._log_dir / "kube-proxy.log",
+                pid_dir=self._pid_dir,
+            )
+        )
         core = k8s.CoreV1Api(self._api_client_factory())
-        wait_until(lambda: node_ready(core.read_node(NODE_NAME)), timeout_seconds=120,
-                   what=f"node {NODE_NAME} Ready", alive=kubelet, interval_seconds=0.5)
+        wait_until(
+            lambda: node_ready(core.read_node(NODE_NAME)),
+            timeout_seconds=120,
+            what=f"node {NODE_NAME} Ready",
+            alive=kubelet,
+            interval_seconds=0.5,
+        )
         node_ready_at = time.monotonic()
         self.ready_seconds = node_ready_at - started
         self.dns_ready_seconds = dns.wait_ready(timeout_seconds=60)
@@ -240,12 +265,14 @@ class KubeletNode:
     def advertise_gpus(self, core: k8s.CoreV1Api) -> None:
         """PATCH ``nvidia.com/gpu`` into the node's status capacity (the kubelet derives the
         allocatable from it on its next status update) and wait until it is allocatable."""
-        patch: Any = [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu",
-                       "value": str(self.num_gpus)}]
+        patch: Any = [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(self.num_gpus)}]
         core.patch_node_status(NODE_NAME, patch)
-        wait_until(lambda: allocatable(core.read_node(NODE_NAME)).get(GPU_RESOURCE)
-                   == str(self.num_gpus), timeout_seconds=60,
-            what=f"{GPU_RESOURCE} allocatable on {NODE_NAME}", interval_seconds=0.5)
+        wait_until(
+            lambda: allocatable(core.read_node(NODE_NAME)).get(GPU_RESOURCE) == str(self.num_gpus),
+            timeout_seconds=60,
+            what=f"{GPU_RESOURCE} allocatable on {NODE_NAME}",
+            interval_seconds=0.5,
+        )
 
     def stop(self) -> None:
         """End the node and undo its host changes (idempotent)."""
@@ -275,8 +302,9 @@ class KubeletNode:
         binaries = self._binaries
         if binaries is not None and binaries.kube_proxy.is_file():
             # removes the KUBE-* chains (only one kubelet node per machine: the lock)
-            subprocess.run([str(binaries.kube_proxy), "--cleanup", "--v=0"],
-                           capture_output=True, timeout=60, check=False)
+            subprocess.run(
+                [str(binaries.kube_proxy), "--cleanup", "--v=0"], capture_output=True, timeout=60, check=False
+            )
         nodehost.remove_iptables_chains("KUBE-")  # kube-router's chains too (KUBE-ROUTER-*)
         netpol.remove_ipsets()  # once no rule uses them
         cni.remove_bridge(self.network)
@@ -290,12 +318,21 @@ class KubeletNode:
         EndpointSlices and Namespaces cluster-wide); stopped with the node's processes."""
         admin = self._pki.admin
         kubeconfig = write_cert_kubeconfig(
-            path=self.directory / "coredns.kubeconfig", server=server_url,
-            ca_cert=self._pki.ca_cert, client_cert=admin.cert, client_key=admin.key,
-            user_name="kubernetes-admin")
+            path=self.directory / "coredns.kubeconfig",
+            server=server_url,
+            ca_cert=self._pki.ca_cert,
+            client_cert=admin.cert,
+            client_key=admin.key,
+            user_name="kubernetes-admin",
+        )
         dns = self.dns = start_coredns(
-            binary=binaries.coredns, address=self.network.gateway, kubeconfig=kubeconfig,
-            directory=self.directory / "coredns", log_dir=self._log_dir, pid_dir=self._pid_dir)
+            binary=binaries.coredns,
+            address=self.network.gateway,
+            kubeconfig=kubeconfig,
+            directory=self.directory / "coredns",
+            log_dir=self._log_dir,
+            pid_dir=self._pid_dir,
+        )
         self._processes.append(dns.process)
         return dns
 
@@ -304,110 +341,172 @@ class KubeletNode:
         pods, namespaces and NetworkPolicies cluster-wide); stopped with the node's processes."""
         admin = self._pki.admin
         kubeconfig = write_cert_kubeconfig(
-            path=self.directory / "kube-router.kubeconfig", server=server_url,
-            ca_cert=self._pki.ca_cert, client_cert=admin.cert, client_key=admin.key,
-            user_name="kubernetes-admin")
+            path=self.directory / "kube-router.kubeconfig",
+            server=server_url,
+            ca_cert=self._pki.ca_cert,
+            client_cert=admin.cert,
+            client_key=admin.key,
+            user_name="kubernetes-admin",
+        )
         agent = self.network_policy_agent = netpol.start_network_policy_agent(
-            binary=binaries.kube_router, kubeconfig=kubeconfig, node_name=NODE_NAME,
-            service_cidr=SERVICE_CIDR, log_dir=self._log_dir, pid_dir=self._pid_dir)
+            binary=binaries.kube_router,
+            kubeconfig=kubeconfig,
+            node_name=NODE_NAME,
+            service_cidr=SERVICE_CIDR,
+            log_dir=self._log_dir,
+            pid_dir=self._pid_dir,
+        )
         self._processes.append(agent.process)
 
     def _start_containerd(self, binaries: NodeBinaries) -> None:
-        layout = ContainerdLayout(self.directory / "containerd",
-                                  root_directory=self.containerd_root)
+        layout = ContainerdLayout(self.directory / "containerd", root_directory=self.containerd_root)
         runc = shutil.which("runc")
         if runc is None:
             raise RuntimeError("runc not found (Debian package `runc`)")
-        write_config(layout=layout, sandbox_image=PAUSE_IMAGE, cni_bin_dir=cni.CNI_BIN_DIR,
-                     cni_conf_dir=self.directory / "cni-conf", runc=Path(runc))
-        cni.write_conflist(network=self.network, conf_dir=self.directory / "cni-conf",
-                           ipam_dir=self.directory / "cni-ipam")
+        write_config(
+            layout=layout,
+            sandbox_image=PAUSE_IMAGE,
+            cni_bin_dir=cni.CNI_BIN_DIR,
+            cni_conf_dir=self.directory / "cni-conf",
+            runc=Path(runc),
+        )
+        cni.write_conflist(
+            network=self.network, conf_dir=self.directory / "cni-conf", ipam_dir=self.directory / "cni-ipam"
+        )
         runtime = self._containerd = start_containerd(
-            layout=layout, log_dir=self._log_dir, pid_dir=self._pid_dir,
-            cgroup_wrapper=nodehost.cgroup_wrapper(f"{nodehost.CGROUP_ROOT}/runtime"))
+            layout=layout,
+            log_dir=self._log_dir,
+            pid_dir=self._pid_dir,
+            cgroup_wrapper=nodehost.cgroup_wrapper(f"{nodehost.CGROUP_ROOT}/runtime"),
+        )
         images = self.directory / "images"
-        for spec in (ociimage.pause_image(pause_binary=binaries.pause, reference=PAUSE_IMAGE),
-                     ociimage.busybox_image(reference=BUSYBOX_IMAGE,
-                                            extra_binaries=(binaries.apiprobe,))):
+        for spec in (
+            ociimage.pause_image(pause_binary=binaries.pause, reference=PAUSE_IMAGE),
+            ociimage.busybox_image(reference=BUSYBOX_IMAGE, extra_binaries=(binaries.apiprobe,)),
+        ):
             archive = images / (spec.reference.rsplit("/", 1)[-1].replace(":", "_") + ".tar")
             ociimage.write_oci_archive(spec, path=archive)
             runtime.import_image(archive)
 
     def _kubeconfigs(self, server_url: str) -> tuple[Path, Path]:
         pki_dir = self.directory / "pki"
-        node_pair = _issue_client_cert(pki=self._pki, directory=pki_dir, stem="kubelet-client",
-                                       common_name=f"system:node:{NODE_NAME}",
-                                       organization="system:nodes")
-        proxy_pair = _issue_client_cert(pki=self._pki, directory=pki_dir, stem="kube-proxy",
-                                        common_name="system:kube-proxy", organization=None)
-        return (write_cert_kubeconfig(path=self.directory / "kubelet.kubeconfig",
-                                      server=server_url, ca_cert=self._pki.ca_cert,
-                                      client_cert=node_pair.cert, client_key=node_pair.key,
-                                      user_name=f"system:node:{NODE_NAME}"),
-                write_cert_kubeconfig(path=self.directory / "kube-proxy.kubeconfig",
-                                      server=server_url, ca_cert=self._pki.ca_cert,
-                                      client_cert=proxy_pair.cert, client_key=proxy_pair.key,
-                                      user_name="system:kube-proxy"))
+        node_pair = _issue_client_cert(
+            pki=self._pki,
+            directory=pki_dir,
+            stem="kubelet-client",
+            common_name=f"system:node:{NODE_NAME}",
+            organization="system:nodes",
+        )
+        proxy_pair = _issue_client_cert(
+            pki=self._pki, directory=pki_dir, stem="kube-proxy", common_name="system:kube-proxy", organization=None
+        )
+        return (
+            write_cert_kubeconfig(
+                path=self.directory / "kubelet.kubeconfig",
+                server=server_url,
+                ca_cert=self._pki.ca_cert,
+                client_cert=node_pair.cert,
+                client_key=node_pair.key,
+                user_name=f"system:node:{NODE_NAME}",
+            ),
+            write_cert_kubeconfig(
+                path=self.directory / "kube-proxy.kubeconfig",
+                server=server_url,
+                ca_cert=self._pki.ca_cert,
+                client_cert=proxy_pair.cert,
+                client_key=proxy_pair.key,
+                user_name="system:kube-proxy",
+            ),
+        )
 
     def _kubelet_argv(self, binary: Path, kubeconfig: Path) -> list[str]:
         nodehost.make_cgroup(nodehost.CGROUP_ROOT)  # cgroupRoot must exist in every hierarchy
         self.healthz_port = free_port()
         self.kubelet_port = free_port(host=self.network.gateway)
         config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
             # API server -> kubelet (logs, exec) over the bridge address, a port of our own
-            "address": self.network.gateway, "port": self.kubelet_port, "readOnlyPort": 0,
-            "healthzBindAddress": LOOPBACK, "healthzPort": self.healthz_port,
-            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                               "x509": {"clientCAFile": str(self._pki.ca_cert)}},
+            "address": self.network.gateway,
+            "port": self.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": LOOPBACK,
+            "healthzPort": self.healthz_port,
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": True},
+                "x509": {"clientCAFile": str(self._pki.ca_cert)},
+            },
             "authorization": {"mode": "Webhook"},
             "containerRuntimeEndpoint": f"unix://{self.directory / 'containerd' / 'containerd.sock'}",
-            "cgroupDriver": "cgroupfs", "cgroupRoot": f"/{nodehost.CGROUP_ROOT}",
-            "cgroupsPerQOS": True, "enforceNodeAllocatable": ["pods"],
-            "failSwapOn": False, "failCgroupV1": False,
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{nodehost.CGROUP_ROOT}",
+            "cgroupsPerQOS": True,
+            "enforceNodeAllocatable": ["pods"],
+            "failSwapOn": False,
+            "failCgroupV1": False,
             "serializeImagePulls": False,
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
             # a busy shared dev machine: evict only when it is really out of room
-            "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%",
-                             "nodefs.inodesFree": "1%", "imagefs.available": "1%",
-                             "imagefs.inodesFree": "1%"},
+            "evictionHard": {
+                "memory.available": "50Mi",
+                "nodefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.available": "1%",
+                "imagefs.inodesFree": "1%",
+            },
             # ClusterFirst pods: "nameserver <gateway>" (CoreDNS), the cluster search list and
             # ndots:5; "" keeps the host's resolv.conf (its search domains, its nameserver)
             # out of pods, so dnsPolicy Default pods get an empty one
-            "clusterDNS": [self.network.gateway], "clusterDomain": CLUSTER_DOMAIN,
+            "clusterDNS": [self.network.gateway],
+            "clusterDomain": CLUSTER_DOMAIN,
             "resolvConf": "",
             "podLogsDir": str(self.directory / "pod-logs"),
             "volumePluginDir": str(self.directory / "volume-plugins"),
             "maxPods": 30,
-            "syncFrequency": "10s", "nodeStatusUpdateFrequency": "5s",
-            "rotateCertificates": False, "serverTLSBootstrap": False,
+            "syncFrequency": "10s",
+            "nodeStatusUpdateFrequency": "5s",
+            "rotateCertificates": False,
+            "serverTLSBootstrap": False,
             "protectKernelDefaults": False,
         }
         config_path = self.directory / "kubelet-config.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return [str(binary), f"--config={config_path}", f"--kubeconfig={kubeconfig}",
-                f"--root-dir={self.directory / 'kubelet'}",
-                f"--cert-dir={self.directory / 'kubelet-pki'}",
-                f"--hostname-override={NODE_NAME}", f"--node-ip={self.network.gateway}",
-                f"--node-labels={NODE_LABEL}=true", "--v=1"]
+        return [
+            str(binary),
+            f"--config={config_path}",
+            f"--kubeconfig={kubeconfig}",
+            f"--root-dir={self.directory / 'kubelet'}",
+            f"--cert-dir={self.directory / 'kubelet-pki'}",
+            f"--hostname-override={NODE_NAME}",
+            f"--node-ip={self.network.gateway}",
+            f"--node-labels={NODE_LABEL}=true",
+            "--v=1",
+        ]
 
     def _write_proxy_config(self, kubeconfig: Path) -> Path:
         self.proxy_healthz_port = free_port()
         config = {
-            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
             "clientConnection": {"kubeconfig": str(kubeconfig)},
-            "mode": "iptables", "hostnameOverride": NODE_NAME,
+            "mode": "iptables",
+            "hostnameOverride": NODE_NAME,
             "bindAddress": LOOPBACK,
             "healthzBindAddress": f"{LOOPBACK}:{self.proxy_healthz_port}",
             "metricsBindAddress": f"{LOOPBACK}:{free_port()}",
             "clusterCIDR": self.network.subnet,
             # NodePorts only on the bridge address, never on the machine's real interfaces
             "nodePortAddresses": [f"{self.network.gateway}/32"],
-            "iptables": {"masqueradeAll": False, "localhostNodePorts": False,
-                         "syncPeriod": "10s", "minSyncPeriod": "0s"},
+            "iptables": {
+                "masqueradeAll": False,
+                "localhostNodePorts": False,
+                "syncPeriod": "10s",
+                "minSyncPeriod": "0s",
+            },
             # 0: leave the machine's conntrack sysctls as they are
-            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
-                          "tcpCloseWaitTimeout": "0s"},
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
         }
         path = self.directory / "kube-proxy-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))

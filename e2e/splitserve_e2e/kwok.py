@@ -52,14 +52,17 @@ class GpuNodeShape:
 
 def kwok_toleration() -> dict[str, str]:
     """The toleration a pod needs to be scheduled onto a kwok node."""
-    return {"key": KWOK_TAINT_KEY, "operator": "Equal", "value": KWOK_TAINT_VALUE,
-            "effect": "NoSchedule"}
+    return {"key": KWOK_TAINT_KEY, "operator": "Equal", "value": KWOK_TAINT_VALUE, "effect": "NoSchedule"}
 
 
 def gpu_node_manifest(*, name: str, shape: GpuNodeShape) -> dict[str, Any]:
     """A Node object for kwok to manage."""
-    resources = {"cpu": str(shape.cpu_cores), "memory": shape.memory,
-                 "pods": str(shape.max_pods), GPU_RESOURCE: str(shape.gpus_per_node)}
+    resources = {
+        "cpu": str(shape.cpu_cores),
+        "memory": shape.memory,
+        "pods": str(shape.max_pods),
+        GPU_RESOURCE: str(shape.gpus_per_node),
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -76,8 +79,7 @@ def gpu_node_manifest(*, name: str, shape: GpuNodeShape) -> dict[str, Any]:
                 GPU_COUNT_LABEL: str(shape.gpus_per_node),
             },
         },
-        "spec": {"taints": [{"key": KWOK_TAINT_KEY, "value": KWOK_TAINT_VALUE,
-                             "effect": "NoSchedule"}]},
+        "spec": {"taints": [{"key": KWOK_TAINT_KEY, "value": KWOK_TAINT_VALUE, "effect": "NoSchedule"}]},
         "status": {"capacity": resources, "allocatable": resources},
     }
 
@@ -88,8 +90,9 @@ class Kwok:
     health_url: str
 
 
-def start_kwok(*, binary: Path, stages: Path, kubeconfig: Path, log_dir: Path,
-               pid_dir: Path, timeout_seconds: float = 60.0) -> Kwok:
+def start_kwok(
+    *, binary: Path, stages: Path, kubeconfig: Path, log_dir: Path, pid_dir: Path, timeout_seconds: float = 60.0
+) -> Kwok:
     """Start kwok managing the ``type=kwok`` nodes and wait for its health endpoint."""
     port = free_port()
     argv = [
@@ -104,13 +107,18 @@ def start_kwok(*, binary: Path, stages: Path, kubeconfig: Path, log_dir: Path,
     ]
     process = start_process(name="kwok", argv=argv, log_path=log_dir / "kwok.log", pid_dir=pid_dir)
     health_url = f"http://{LOOPBACK}:{port}/healthz"
-    wait_until(lambda: httpx.get(health_url, timeout=1.0).status_code == 200,
-               timeout_seconds=timeout_seconds, what="kwok /healthz", alive=process)
+    wait_until(
+        lambda: httpx.get(health_url, timeout=1.0).status_code == 200,
+        timeout_seconds=timeout_seconds,
+        what="kwok /healthz",
+        alive=process,
+    )
     return Kwok(process=process, health_url=health_url)
 
 
-def create_gpu_nodes(*, core: k8s.CoreV1Api, count: int, shape: GpuNodeShape,
-                     name_prefix: str = "kwok-gpu-") -> list[str]:
+def create_gpu_nodes(
+    *, core: k8s.CoreV1Api, count: int, shape: GpuNodeShape, name_prefix: str = "kwok-gpu-"
+) -> list[str]:
     """Create ``count`` fake GPU nodes (``<prefix>0`` ...) and return their names."""
     if count < 0:
         raise ValueError(f"num_gpu_nodes must be >= 0, got {count}")

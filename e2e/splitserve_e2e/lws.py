@@ -92,8 +92,7 @@ API_VERSION: Final = "v1"
 PLURAL: Final = "leaderworkersets"
 CRD_NAME: Final = f"{PLURAL}.{API_GROUP}"
 FIELD_MANAGER: Final = "splitserve-e2e-lws"
-WEBHOOK_FILES: Final = ("webhook-manifests.yaml", "webhook-mutating-patch.yaml",
-                        "webhook-validating-patch.yaml")
+WEBHOOK_FILES: Final = ("webhook-manifests.yaml", "webhook-mutating-patch.yaml", "webhook-validating-patch.yaml")
 _MODULE_FILES: Final = {  # cache name -> path in the module
     CRD_FILE: f"config/crd/bases/{CRD_FILE}",
     "webhook-manifests.yaml": "config/webhook/manifests.yaml",
@@ -115,10 +114,11 @@ LEADER_ADDRESS_ENV: Final = "LWS_LEADER_ADDRESS"
 GROUP_SIZE_ENV: Final = "LWS_GROUP_SIZE"
 WORKER_INDEX_ENV: Final = "LWS_WORKER_INDEX"
 
-_LDFLAGS: Final = (f"-ldflags=-s -w -X {LWS_MODULE}/pkg/version.GitVersion={LWS_VERSION} "
-                   f"-X {LWS_MODULE}/pkg/version.GitCommit=splitserve-e2e")
-_BUILD_ARGS: Final = ("build", "-trimpath", _LDFLAGS, "-o", f"{{out}}/{CONTROLLER_BINARY}",
-                      "./cmd")
+_LDFLAGS: Final = (
+    f"-ldflags=-s -w -X {LWS_MODULE}/pkg/version.GitVersion={LWS_VERSION} "
+    f"-X {LWS_MODULE}/pkg/version.GitCommit=splitserve-e2e"
+)
+_BUILD_ARGS: Final = ("build", "-trimpath", _LDFLAGS, "-o", f"{{out}}/{CONTROLLER_BINARY}", "./cmd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +139,14 @@ def module_dir() -> Path:
 
 
 def _group() -> _ToolGroup:
-    return _ToolGroup(name="lws", version=LWS_VERSION, binaries=(CONTROLLER_BINARY,),
-                      go_args=_BUILD_ARGS, workdir=None, extra_files=tuple(_MODULE_FILES))
+    return _ToolGroup(
+        name="lws",
+        version=LWS_VERSION,
+        binaries=(CONTROLLER_BINARY,),
+        go_args=_BUILD_ARGS,
+        workdir=None,
+        extra_files=tuple(_MODULE_FILES),
+    )
 
 
 def _directory() -> Path:
@@ -149,9 +155,11 @@ def _directory() -> Path:
 
 def _artifacts(directory: Path) -> LwsArtifacts:
     return LwsArtifacts(
-        controller=directory / CONTROLLER_BINARY, crd=directory / CRD_FILE,
+        controller=directory / CONTROLLER_BINARY,
+        crd=directory / CRD_FILE,
         webhook_manifests=directory / "webhook-manifests.yaml",
-        webhook_patches={kind: directory / name for kind, name in _PATCH_TARGETS.items()})
+        webhook_patches={kind: directory / name for kind, name in _PATCH_TARGETS.items()},
+    )
 
 
 def ensure_lws() -> LwsArtifacts:
@@ -164,25 +172,35 @@ def ensure_lws() -> LwsArtifacts:
         if _is_complete(group, directory):
             return _artifacts(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _log(f"building the LWS controller {LWS_VERSION} into {directory} (Go is quiet for "
-             "minutes on a cold cache)")
+        _log(f"building the LWS controller {LWS_VERSION} into {directory} (Go is quiet for minutes on a cold cache)")
         started = time.monotonic()
         source = module_dir()
         env = dict(os.environ, CGO_ENABLED="0")
         env.setdefault("GOFLAGS", "-buildvcs=false")
         args = [arg.replace("{out}", str(directory)) for arg in _BUILD_ARGS]
-        _run_go(args=args, workdir=writable_module_copy(source, name=f"lws-{LWS_VERSION}"), env=env,
-                label=f"lws-{LWS_VERSION}")
+        _run_go(
+            args=args,
+            workdir=writable_module_copy(source, name=f"lws-{LWS_VERSION}"),
+            env=env,
+            label=f"lws-{LWS_VERSION}",
+        )
         for name, relative in _MODULE_FILES.items():
             shutil.copyfile(source / relative, directory / name)
             (directory / name).chmod(0o644)
         elapsed = time.monotonic() - started
         if not os.access(directory / CONTROLLER_BINARY, os.X_OK):
             raise BuildError(f"go finished but {CONTROLLER_BINARY} is missing in {directory}")
-        (directory / STAMP_NAME).write_text(json.dumps(
-            {"version": group.version, "recipe": list(group.go_args),
-             "binaries": list(group.binaries), "build_seconds": round(elapsed, 1),
-             "built_at": time.time()}))
+        (directory / STAMP_NAME).write_text(
+            json.dumps(
+                {
+                    "version": group.version,
+                    "recipe": list(group.go_args),
+                    "binaries": list(group.binaries),
+                    "build_seconds": round(elapsed, 1),
+                    "built_at": time.time(),
+                }
+            )
+        )
         _log(f"built the LWS controller {LWS_VERSION} in {elapsed:.0f}s")
     return _artifacts(directory)
 
@@ -204,8 +222,7 @@ def _apply_json_patch(document: dict[str, Any], patch: list[dict[str, Any]]) -> 
         op, path = operation.get("op"), str(operation.get("path", ""))
         parts = path.strip("/").split("/")
         if op not in ("replace", "add") or len(parts) != 2 or parts[0] != "webhooks":
-            raise ValueError(f"unsupported webhook patch {operation!r} (only replace/add at "
-                             "/webhooks/<index>)")
+            raise ValueError(f"unsupported webhook patch {operation!r} (only replace/add at /webhooks/<index>)")
         webhooks = out.setdefault("webhooks", [])
         index = len(webhooks) if parts[1] == "-" else int(parts[1])
         if op == "replace":
@@ -215,8 +232,7 @@ def _apply_json_patch(document: dict[str, Any], patch: list[dict[str, Any]]) -> 
     return out
 
 
-def webhook_configurations(artifacts: LwsArtifacts, *, base_url: str,
-                           ca_bundle: bytes) -> list[dict[str, Any]]:
+def webhook_configurations(artifacts: LwsArtifacts, *, base_url: str, ca_bundle: bytes) -> list[dict[str, Any]]:
     """Upstream's Mutating/ValidatingWebhookConfigurations as its kustomization makes them (the
     pod webhooks' ``objectSelector`` patches, the ``lws-`` name prefix), but calling
     ``base_url`` + each webhook's path directly (``clientConfig.url``) and trusting
@@ -259,28 +275,41 @@ def make_webhook_certificate(*, directory: Path, host: str) -> WebhookCertificat
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, key = _new_key(), _new_key()
     ca_name = _name("splitserve-e2e-lws-webhook-ca")
-    usage = {name: False for name in ("digital_signature", "key_encipherment",
-                                      "content_commitment", "data_encipherment", "key_agreement",
-                                      "key_cert_sign", "crl_sign", "encipher_only",
-                                      "decipher_only")}
-    ca_cert = (_builder(ca_name, ca_name, ca_key.public_key())
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .add_extension(x509.KeyUsage(**(usage | {"digital_signature": True,
-                                                        "key_cert_sign": True,
-                                                        "crl_sign": True})), critical=True)
-               .sign(ca_key, hashes.SHA256()))
+    usage = {
+        name: False
+        for name in (
+            "digital_signature",
+            "key_encipherment",
+            "content_commitment",
+            "data_encipherment",
+            "key_agreement",
+            "key_cert_sign",
+            "crl_sign",
+            "encipher_only",
+            "decipher_only",
+        )
+    }
+    ca_cert = (
+        _builder(ca_name, ca_name, ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(**(usage | {"digital_signature": True, "key_cert_sign": True, "crl_sign": True})),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     try:
         san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
         san = x509.DNSName(host)
-    cert = (_builder(_name("lws-webhook"), ca_name, key.public_key())
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(**(usage | {"digital_signature": True})),
-                           critical=True)
-            .add_extension(x509.SubjectAlternativeName([san]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        _builder(_name("lws-webhook"), ca_name, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(**(usage | {"digital_signature": True})), critical=True)
+        .add_extension(x509.SubjectAlternativeName([san]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     _write_key(directory / "tls.key", key)
     (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
@@ -289,8 +318,9 @@ def make_webhook_certificate(*, directory: Path, host: str) -> WebhookCertificat
 
 
 # --------------------------------------------------------------------------- the controller
-def controller_configuration(*, webhook_host: str, webhook_port: int, cert_dir: Path,
-                             metrics_address: str, health_address: str) -> dict[str, Any]:
+def controller_configuration(
+    *, webhook_host: str, webhook_port: int, cert_dir: Path, metrics_address: str, health_address: str
+) -> dict[str, Any]:
     """The controller's component config (``--config``): no leader election, no internal cert
     management (the harness made the certificate), its listeners where the harness says."""
     return {
@@ -328,8 +358,7 @@ class LwsController:
     def remove_webhooks(self) -> None:
         """Delete the webhook configurations (missing ones are fine)."""
         for kind, name in self.webhook_configurations:
-            self.kubectl("delete", kind.lower(), name, "--ignore-not-found", "--wait=false",
-                         check=False)
+            self.kubectl("delete", kind.lower(), name, "--ignore-not-found", "--wait=false", check=False)
 
     def stop(self) -> None:
         if self._stopped:
@@ -370,52 +399,82 @@ def start_statefulset_controller(cluster: LocalCluster) -> ManagedProcess:
     """kube-controller-manager with only ``statefulset-controller`` (LWS's pods come from
     StatefulSets), the cluster's kubeconfig, each controller under its own ServiceAccount."""
     binary = ensure_binaries().kube_controller_manager
-    argv = [str(binary), f"--kubeconfig={cluster.kubeconfig}",
-            f"--controllers={STATEFULSET_CONTROLLER}",
-            "--use-service-account-credentials=true", "--leader-elect=false",
-            "--secure-port=0", "--profiling=false", "--v=1"]
-    return start_process(name="kube-controller-manager-statefulset", argv=argv,
-                         log_path=cluster.log_dir / "kube-controller-manager-statefulset.log",
-                         pid_dir=cluster.pid_dir)
+    argv = [
+        str(binary),
+        f"--kubeconfig={cluster.kubeconfig}",
+        f"--controllers={STATEFULSET_CONTROLLER}",
+        "--use-service-account-credentials=true",
+        "--leader-elect=false",
+        "--secure-port=0",
+        "--profiling=false",
+        "--v=1",
+    ]
+    return start_process(
+        name="kube-controller-manager-statefulset",
+        argv=argv,
+        log_path=cluster.log_dir / "kube-controller-manager-statefulset.log",
+        pid_dir=cluster.pid_dir,
+    )
 
 
 def _crd_established(cluster: LocalCluster) -> bool:
-    crd: Any = k8s.ApiextensionsV1Api(cluster.api_client()).read_custom_resource_definition(
-        CRD_NAME)
-    return any(c.type == "Established" and c.status == "True"
-               for c in (crd.status.conditions or []))
+    crd: Any = k8s.ApiextensionsV1Api(cluster.api_client()).read_custom_resource_definition(CRD_NAME)
+    return any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or []))
 
 
-def install_crd(cluster: LocalCluster, artifacts: LwsArtifacts, *,
-                timeout_seconds: float = 60.0) -> None:
+def install_crd(cluster: LocalCluster, artifacts: LwsArtifacts, *, timeout_seconds: float = 60.0) -> None:
     """Apply upstream's CRD server-side (1.2 MB: too big for client-side apply's annotation)
     and wait until it is Established."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts",
-                    f"--field-manager={FIELD_MANAGER}", "-f", str(artifacts.crd),
-                    timeout_seconds=120.0)
-    wait_until(lambda: _crd_established(cluster), timeout_seconds=timeout_seconds,
-               what=f"CRD {CRD_NAME} Established", interval_seconds=0.3)
+    cluster.kubectl(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        f"--field-manager={FIELD_MANAGER}",
+        "-f",
+        str(artifacts.crd),
+        timeout_seconds=120.0,
+    )
+    wait_until(
+        lambda: _crd_established(cluster),
+        timeout_seconds=timeout_seconds,
+        what=f"CRD {CRD_NAME} Established",
+        interval_seconds=0.3,
+    )
 
 
 def probe_lws(namespace: str = "default") -> dict[str, Any]:
     """A minimal LeaderWorkerSet for a server-side dry run, which runs both LWS webhooks."""
-    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "LeaderWorkerSet",
-            "metadata": {"name": "splitserve-webhook-probe", "namespace": namespace},
-            "spec": {"replicas": 0, "leaderWorkerTemplate": {"size": 1, "workerTemplate": {
-                "spec": {"containers": [{"name": "probe", "image": "probe"}]}}}}}
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "splitserve-webhook-probe", "namespace": namespace},
+        "spec": {
+            "replicas": 0,
+            "leaderWorkerTemplate": {
+                "size": 1,
+                "workerTemplate": {"spec": {"containers": [{"name": "probe", "image": "probe"}]}},
+            },
+        },
+    }
 
 
 def _webhooks_answer(cluster: LocalCluster) -> bool:
     """A dry-run create passes the validating webhook and shows the mutating one's defaults
     (``networkConfig.subdomainPolicy``: no CRD default sets it)."""
     created: Any = cluster.custom().create_namespaced_custom_object(
-        API_GROUP, API_VERSION, "default", PLURAL, probe_lws(), dry_run="All")
+        API_GROUP, API_VERSION, "default", PLURAL, probe_lws(), dry_run="All"
+    )
     return bool(created.get("spec", {}).get("networkConfig", {}).get("subdomainPolicy"))
 
 
-def start_lws(cluster: LocalCluster, *, webhook_host: str = LOOPBACK,
-              statefulset_controller: bool | None = None, verbosity: int = 2,
-              start_timeout_seconds: float = 90.0) -> LwsController:
+def start_lws(
+    cluster: LocalCluster,
+    *,
+    webhook_host: str = LOOPBACK,
+    statefulset_controller: bool | None = None,
+    verbosity: int = 2,
+    start_timeout_seconds: float = 90.0,
+) -> LwsController:
     """Run the LWS controller on the host against ``cluster`` (as its admin; see the module
     docstring) and register its webhooks at ``https://webhook_host:<free port>``, an address
     the API server reaches (loopback: the harness's API server runs on the host).
@@ -423,10 +482,12 @@ def start_lws(cluster: LocalCluster, *, webhook_host: str = LOOPBACK,
     Returns once the CRD is Established and a server-side dry run passes both LWS webhooks."""
     running = _RUNNING.get(cluster.api_server_url)
     if running is not None:
-        raise RuntimeError(f"an LWS controller (pid {running.process.pid}) already runs against "
-                           f"{cluster.api_server_url}; two would both reconcile every "
-                           "LeaderWorkerSet and fight over the webhook configurations: reuse "
-                           "it or stop it first")
+        raise RuntimeError(
+            f"an LWS controller (pid {running.process.pid}) already runs against "
+            f"{cluster.api_server_url}; two would both reconcile every "
+            "LeaderWorkerSet and fight over the webhook configurations: reuse "
+            "it or stop it first"
+        )
     started = time.monotonic()
     artifacts = ensure_lws()
     install_crd(cluster, artifacts)
@@ -434,46 +495,79 @@ def start_lws(cluster: LocalCluster, *, webhook_host: str = LOOPBACK,
     certificate = make_webhook_certificate(directory=directory / "certs", host=webhook_host)
     webhook_port, metrics_port, health_port = free_port(), free_port(), free_port()
     config_path = directory / "config.yaml"
-    config_path.write_text(yaml.safe_dump(controller_configuration(
-        webhook_host=webhook_host, webhook_port=webhook_port, cert_dir=certificate.cert_dir,
-        metrics_address=f"{LOOPBACK}:{metrics_port}",
-        health_address=f"{LOOPBACK}:{health_port}")))
+    config_path.write_text(
+        yaml.safe_dump(
+            controller_configuration(
+                webhook_host=webhook_host,
+                webhook_port=webhook_port,
+                cert_dir=certificate.cert_dir,
+                metrics_address=f"{LOOPBACK}:{metrics_port}",
+                health_address=f"{LOOPBACK}:{health_port}",
+            )
+        )
+    )
     if statefulset_controller is None:
         statefulset_controller = _needs_statefulset_controller(cluster)
     sts_process = start_statefulset_controller(cluster) if statefulset_controller else None
-    argv = (str(artifacts.controller), f"--config={config_path}", "--leader-elect=false",
-            f"--zap-log-level={verbosity}", "--zap-devel=false")
+    argv = (
+        str(artifacts.controller),
+        f"--config={config_path}",
+        "--leader-elect=false",
+        f"--zap-log-level={verbosity}",
+        "--zap-devel=false",
+    )
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
-    process = start_process(name="lws-controller", argv=argv, env=env,
-                            log_path=cluster.log_dir / "lws-controller.log",
-                            pid_dir=cluster.pid_dir)
+    process = start_process(
+        name="lws-controller",
+        argv=argv,
+        env=env,
+        log_path=cluster.log_dir / "lws-controller.log",
+        pid_dir=cluster.pid_dir,
+    )
     webhook_url = f"https://{_url_host(webhook_host)}:{webhook_port}"
-    configurations = webhook_configurations(artifacts, base_url=webhook_url,
-                                            ca_bundle=certificate.ca_pem)
+    configurations = webhook_configurations(artifacts, base_url=webhook_url, ca_bundle=certificate.ca_pem)
     controller = LwsController(
-        process=process, webhook_url=webhook_url,
+        process=process,
+        webhook_url=webhook_url,
         metrics_url=f"https://{LOOPBACK}:{metrics_port}/metrics",
         health_url=f"http://{LOOPBACK}:{health_port}",
         webhook_configurations=tuple((c["kind"], c["metadata"]["name"]) for c in configurations),
-        kubectl=cluster.kubectl, api_server_url=cluster.api_server_url,
-        statefulset_controller=sts_process)
+        kubectl=cluster.kubectl,
+        api_server_url=cluster.api_server_url,
+        statefulset_controller=sts_process,
+    )
     _RUNNING[cluster.api_server_url] = controller
     atexit.register(controller.stop)
     try:
         health = controller.health_url
-        wait_until(lambda: httpx.get(f"{health}/readyz", timeout=2.0).status_code == 200,
-                   alive=process, timeout_seconds=start_timeout_seconds,
-                   what="the LWS controller's /readyz")
+        wait_until(
+            lambda: httpx.get(f"{health}/readyz", timeout=2.0).status_code == 200,
+            alive=process,
+            timeout_seconds=start_timeout_seconds,
+            what="the LWS controller's /readyz",
+        )
         trust = ssl.create_default_context(cadata=certificate.ca_pem.decode())
-        wait_until(lambda: httpx.get(f"{webhook_url}/", verify=trust, timeout=2.0).status_code
-                   == 404, alive=process, timeout_seconds=start_timeout_seconds,
-                   what="the LWS webhook server (TLS with the harness's certificate)")
-        cluster.kubectl("apply", "--server-side", "--force-conflicts",
-                        f"--field-manager={FIELD_MANAGER}", "-f", "-",
-                        input_text="\n---\n".join(json.dumps(c) for c in configurations))
-        wait_until(lambda: _webhooks_answer(cluster), alive=process,
-                   timeout_seconds=start_timeout_seconds,
-                   what="a dry-run LeaderWorkerSet through the LWS webhooks")
+        wait_until(
+            lambda: httpx.get(f"{webhook_url}/", verify=trust, timeout=2.0).status_code == 404,
+            alive=process,
+            timeout_seconds=start_timeout_seconds,
+            what="the LWS webhook server (TLS with the harness's certificate)",
+        )
+        cluster.kubectl(
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            f"--field-manager={FIELD_MANAGER}",
+            "-f",
+            "-",
+            input_text="\n---\n".join(json.dumps(c) for c in configurations),
+        )
+        wait_until(
+            lambda: _webhooks_answer(cluster),
+            alive=process,
+            timeout_seconds=start_timeout_seconds,
+            what="a dry-run LeaderWorkerSet through the LWS webhooks",
+        )
     except BaseException:
         controller.stop()
         raise

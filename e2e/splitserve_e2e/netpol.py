@@ -59,54 +59,78 @@ class NetworkPolicyAgent:
 
 def missing_prerequisites() -> list[str]:
     """What kube-router's policy controller needs on the host and lacks (empty: nothing)."""
-    return [tool for tool in ("iptables", "iptables-save", "iptables-restore", "ipset")
-            if shutil.which(tool) is None]
+    return [tool for tool in ("iptables", "iptables-save", "iptables-restore", "ipset") if shutil.which(tool) is None]
 
 
 def forward_chain_installed() -> bool:
     """True when the filter table's ``FORWARD`` chain jumps to :data:`FORWARD_CHAIN`."""
-    listing = subprocess.run(["iptables", "-w", "-t", "filter", "-S", "FORWARD"],
-                             capture_output=True, text=True, timeout=30, check=False).stdout
-    return any(line.startswith("-A FORWARD") and f"-j {FORWARD_CHAIN}" in line
-               for line in listing.splitlines())
+    listing = subprocess.run(
+        ["iptables", "-w", "-t", "filter", "-S", "FORWARD"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    return any(line.startswith("-A FORWARD") and f"-j {FORWARD_CHAIN}" in line for line in listing.splitlines())
 
 
 def argv(*, binary: Path, kubeconfig: Path, node_name: str, service_cidr: str) -> list[str]:
     """kube-router with only its network policy controller, for the node ``node_name``."""
-    return [str(binary), "--run-firewall=true", "--run-router=false",
-            "--run-service-proxy=false", "--enable-cni=false",
-            "--enable-ipv4=true", "--enable-ipv6=false",
-            f"--kubeconfig={kubeconfig}", f"--hostname-override={node_name}",
-            f"--service-cluster-ip-range={service_cidr}",
-            # no listeners: health and metrics would bind every address of a shared machine
-            "--health-port=0", "--metrics-port=0",
-            "--v=1"]
+    return [
+        str(binary),
+        "--run-firewall=true",
+        "--run-router=false",
+        "--run-service-proxy=false",
+        "--enable-cni=false",
+        "--enable-ipv4=true",
+        "--enable-ipv6=false",
+        f"--kubeconfig={kubeconfig}",
+        f"--hostname-override={node_name}",
+        f"--service-cluster-ip-range={service_cidr}",
+        # no listeners: health and metrics would bind every address of a shared machine
+        "--health-port=0",
+        "--metrics-port=0",
+        "--v=1",
+    ]
 
 
-def start_network_policy_agent(*, binary: Path, kubeconfig: Path, node_name: str,
-                               service_cidr: str, log_dir: Path, pid_dir: Path,
-                               timeout_seconds: float = 60.0) -> NetworkPolicyAgent:
+def start_network_policy_agent(
+    *,
+    binary: Path,
+    kubeconfig: Path,
+    node_name: str,
+    service_cidr: str,
+    log_dir: Path,
+    pid_dir: Path,
+    timeout_seconds: float = 60.0,
+) -> NetworkPolicyAgent:
     """Start kube-router's policy controller; return once its ``FORWARD`` jump is in place
     and one full sync has finished (the Node ``node_name`` must exist, with an InternalIP)."""
     missing = missing_prerequisites()
     if missing:
-        raise RuntimeError(f"the NetworkPolicy enforcer (kube-router) needs {missing} "
-                           "(Debian packages iptables, ipset)")
+        raise RuntimeError(
+            f"the NetworkPolicy enforcer (kube-router) needs {missing} (Debian packages iptables, ipset)"
+        )
     log_path = log_dir / "kube-router.log"
     offset = log_path.stat().st_size if log_path.is_file() else 0
     started = time.monotonic()
-    process = start_process(name="kube-router", argv=argv(
-        binary=binary, kubeconfig=kubeconfig, node_name=node_name, service_cidr=service_cidr),
-        log_path=log_path, pid_dir=pid_dir)
+    process = start_process(
+        name="kube-router",
+        argv=argv(binary=binary, kubeconfig=kubeconfig, node_name=node_name, service_cidr=service_cidr),
+        log_path=log_path,
+        pid_dir=pid_dir,
+    )
 
     def synced() -> bool:
         with log_path.open("rb") as handle:
             handle.seek(offset)
             text = handle.read().decode(errors="replace")
         return _SYNCED_LINE in text and forward_chain_installed()
+
     try:
-        wait_until(synced, timeout_seconds=timeout_seconds, alive=process,
-                   what="kube-router's NetworkPolicy chains in force", interval_seconds=0.25)
+        wait_until(
+            synced,
+            timeout_seconds=timeout_seconds,
+            alive=process,
+            what="kube-router's NetworkPolicy chains in force",
+            interval_seconds=0.25,
+        )
     except BaseException:
         process.stop(grace_seconds=5.0)
         raise
@@ -118,13 +142,13 @@ def remove_ipsets(prefixes: tuple[str, ...] = IPSET_PREFIXES) -> list[str]:
     gone: a set in use cannot be destroyed); returns the names destroyed."""
     if shutil.which("ipset") is None:
         return []
-    names = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, timeout=30,
-                           check=False).stdout.split()
+    names = subprocess.run(
+        ["ipset", "list", "-n"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout.split()
     destroyed = []
     for name in names:
         if name.startswith(prefixes):
-            result = subprocess.run(["ipset", "destroy", name], capture_output=True, timeout=30,
-                                    check=False)
+            result = subprocess.run(["ipset", "destroy", name], capture_output=True, timeout=30, check=False)
             if result.returncode == 0:
                 destroyed.append(name)
     return destroyed

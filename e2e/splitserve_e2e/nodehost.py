@@ -27,9 +27,15 @@ CGROUP_ROOT = "splitserve-kubelet"
 _CGROUP_FS = Path("/sys/fs/cgroup")
 # what kubelet (setupKernelTunables), kube-proxy and the bridge plugin (isGateway) may change
 SYSCTLS = (
-    "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
-    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward",
-    "net/ipv4/conf/all/route_localnet", "net/bridge/bridge-nf-call-iptables",
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+    "net/ipv4/ip_forward",
+    "net/ipv4/conf/all/route_localnet",
+    "net/bridge/bridge-nf-call-iptables",
 )
 
 
@@ -66,8 +72,7 @@ def make_cgroup(relative: str) -> list[Path]:
 def cgroup_wrapper(relative: str) -> list[str]:
     """A command prefix that joins ``/<relative>`` in every hierarchy, then execs the rest."""
     directories = [str(path) for path in make_cgroup(relative)]
-    script = ('while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 1; shift; done; '
-              'shift; exec "$@"')
+    script = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 1; shift; done; shift; exec "$@"'
     return ["/bin/sh", "-c", script, "cgroup-wrapper", *directories, "--"]
 
 
@@ -101,8 +106,7 @@ def kill_cgroup_tree(relative: str = CGROUP_ROOT, *, timeout_seconds: float = 20
         root = hierarchy / relative
         if not root.is_dir():
             continue
-        for directory in sorted((p for p in root.rglob("*") if p.is_dir()),
-                                key=lambda p: len(p.parts), reverse=True):
+        for directory in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 directory.rmdir()
         with contextlib.suppress(OSError):
@@ -125,8 +129,7 @@ def unmount_under(directory: Path) -> list[Path]:
     """Lazily unmount everything at or below ``directory``; returns what was mounted."""
     points = mounts_under(directory)
     for point in points:
-        subprocess.run(["umount", "--lazy", str(point)], capture_output=True, check=False,
-                       timeout=30)
+        subprocess.run(["umount", "--lazy", str(point)], capture_output=True, check=False, timeout=30)
     return points
 
 
@@ -159,17 +162,23 @@ def remove_iptables_chains(prefix: str = "KUBE-") -> None:
     (KUBE-FIREWALL, canaries) that ``kube-proxy --cleanup`` leaves behind."""
     for tool in ("iptables", "ip6tables"):
         for table in ("filter", "nat", "mangle"):
-            listing = subprocess.run([tool, "-w", "-t", table, "-S"], capture_output=True,
-                                     text=True, timeout=30, check=False).stdout.splitlines()
-            chains = [line.split()[1] for line in listing
-                      if line.startswith("-N ") and line.split()[1].startswith(prefix)]
+            listing = subprocess.run(
+                [tool, "-w", "-t", table, "-S"], capture_output=True, text=True, timeout=30, check=False
+            ).stdout.splitlines()
+            chains = [
+                line.split()[1] for line in listing if line.startswith("-N ") and line.split()[1].startswith(prefix)
+            ]
             for line in listing:
                 words = shlex.split(line)
-                if (words[:1] == ["-A"] and not words[1].startswith(prefix)
-                        and "-j" in words and words[words.index("-j") + 1].startswith(prefix)):
-                    subprocess.run([tool, "-w", "-t", table, "-D", *words[1:]],
-                                   capture_output=True, timeout=30, check=False)
+                if (
+                    words[:1] == ["-A"]
+                    and not words[1].startswith(prefix)
+                    and "-j" in words
+                    and words[words.index("-j") + 1].startswith(prefix)
+                ):
+                    subprocess.run(
+                        [tool, "-w", "-t", table, "-D", *words[1:]], capture_output=True, timeout=30, check=False
+                    )
             for flag in ("-F", "-X"):
                 for chain in chains:
-                    subprocess.run([tool, "-w", "-t", table, flag, chain],
-                                   capture_output=True, timeout=30, check=False)
+                    subprocess.run([tool, "-w", "-t", table, flag, chain], capture_output=True, timeout=30, check=False)

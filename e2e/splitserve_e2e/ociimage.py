@@ -87,7 +87,8 @@ def write_oci_archive(spec: ImageSpec, *, path: Path) -> str:
     layer = _layer(spec)
     layer_descriptor = _blob(blobs, layer, _LAYER_MEDIA_TYPE)
     config: dict[str, Any] = {
-        "architecture": "amd64", "os": "linux",
+        "architecture": "amd64",
+        "os": "linux",
         "config": {"Env": list(spec.env), "WorkingDir": spec.workdir},
         "rootfs": {"type": "layers", "diff_ids": [layer_descriptor["digest"]]},
     }
@@ -97,12 +98,17 @@ def write_oci_archive(spec: ImageSpec, *, path: Path) -> str:
         config["config"]["Cmd"] = list(spec.cmd)
     if spec.user:
         config["config"]["User"] = spec.user
-    manifest = {"schemaVersion": 2, "mediaType": _MANIFEST_MEDIA_TYPE,
-                "config": _blob(blobs, _json(config), _CONFIG_MEDIA_TYPE),
-                "layers": [layer_descriptor]}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": _MANIFEST_MEDIA_TYPE,
+        "config": _blob(blobs, _json(config), _CONFIG_MEDIA_TYPE),
+        "layers": [layer_descriptor],
+    }
     manifest_descriptor = _blob(blobs, _json(manifest), _MANIFEST_MEDIA_TYPE)
-    manifest_descriptor["annotations"] = {IMAGE_NAME_ANNOTATION: spec.reference,
-                                          "org.opencontainers.image.ref.name": spec.reference}
+    manifest_descriptor["annotations"] = {
+        IMAGE_NAME_ANNOTATION: spec.reference,
+        "org.opencontainers.image.ref.name": spec.reference,
+    }
     manifest_descriptor["platform"] = {"architecture": "amd64", "os": "linux"}
     index = {"schemaVersion": 2, "manifests": [manifest_descriptor]}
     entries = {"oci-layout": _json({"imageLayoutVersion": "1.0.0"}), "index.json": _json(index)}
@@ -122,13 +128,15 @@ def write_oci_archive(spec: ImageSpec, *, path: Path) -> str:
 
 def pause_image(*, pause_binary: Path, reference: str) -> ImageSpec:
     """The sandbox image: the static pause binary, run as nobody like Kubernetes' pause."""
-    return ImageSpec(reference=reference,
-                     files={"/pause": ImageFile(pause_binary.read_bytes(), 0o755)},
-                     entrypoint=("/pause",), user="65535:65535")
+    return ImageSpec(
+        reference=reference,
+        files={"/pause": ImageFile(pause_binary.read_bytes(), 0o755)},
+        entrypoint=("/pause",),
+        user="65535:65535",
+    )
 
 
-def busybox_image(*, reference: str, extra_binaries: Sequence[Path] = (),
-                  busybox: Path | None = None) -> ImageSpec:
+def busybox_image(*, reference: str, extra_binaries: Sequence[Path] = (), busybox: Path | None = None) -> ImageSpec:
     """A test image: Debian's static busybox with a symlink per applet, ``extra_binaries``
     (static) in ``/bin``, an httpd document root ``/www`` and a non-root default user (65534,
     so ``runAsNonRoot`` pods need no runAsUser). Busybox's ``wget -T`` segfaults (Debian
@@ -138,13 +146,15 @@ def busybox_image(*, reference: str, extra_binaries: Sequence[Path] = (),
     applets = sorted({name for name in listing.stdout.split() if name and name != "busybox"})
     return ImageSpec(
         reference=reference,
-        files={"/bin/busybox": ImageFile(binary.read_bytes(), 0o755),
-               "/www/index.html": ImageFile(b"splitserve kubelet node\n"),
-               "/etc/passwd": ImageFile(b"root:x:0:0:root:/:/bin/sh\n"
-                                        b"nobody:x:65534:65534:nobody:/:/bin/sh\n"),
-               "/etc/group": ImageFile(b"root:x:0:\nnogroup:x:65534:\n"),
-               **{f"/bin/{path.name}": ImageFile(path.read_bytes(), 0o755)
-                  for path in extra_binaries}},
+        files={
+            "/bin/busybox": ImageFile(binary.read_bytes(), 0o755),
+            "/www/index.html": ImageFile(b"splitserve kubelet node\n"),
+            "/etc/passwd": ImageFile(b"root:x:0:0:root:/:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n"),
+            "/etc/group": ImageFile(b"root:x:0:\nnogroup:x:65534:\n"),
+            **{f"/bin/{path.name}": ImageFile(path.read_bytes(), 0o755) for path in extra_binaries},
+        },
         symlinks={f"/bin/{applet}": "busybox" for applet in applets},
         directories=("/tmp", "/proc", "/sys", "/dev", "/etc"),
-        cmd=("/bin/sh",), user="65534:65534")
+        cmd=("/bin/sh",),
+        user="65534:65534",
+    )

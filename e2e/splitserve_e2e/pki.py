@@ -57,12 +57,15 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
-    path.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL if isinstance(key, rsa.RSAPrivateKey)
-        else serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ))
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL
+            if isinstance(key, rsa.RSAPrivateKey)
+            else serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     path.chmod(0o600)
 
 
@@ -73,38 +76,59 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
     return x509.Name(attributes)
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey
-             ) -> x509.CertificateBuilder:
+def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.UTC)
-    return (x509.CertificateBuilder()
-            .subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + CERT_VALIDITY))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + CERT_VALIDITY)
+    )
 
 
-def _issue(*, directory: Path, stem: str, ca_cert: x509.Certificate,
-           ca_key: ec.EllipticCurvePrivateKey, common_name: str, organization: str | None,
-           server: bool) -> CertPair:
+def _issue(
+    *,
+    directory: Path,
+    stem: str,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    organization: str | None,
+    server: bool,
+) -> CertPair:
     pair = CertPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
     if pair.cert.is_file() and pair.key.is_file():
         return pair
     key = _new_key()
-    builder = (_builder(_name(common_name, organization), ca_cert.subject, key.public_key())
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.KeyUsage(
-                   digital_signature=True, key_encipherment=False, content_commitment=False,
-                   data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                   crl_sign=False, encipher_only=False, decipher_only=False), critical=True))
+    builder = (
+        _builder(_name(common_name, organization), ca_cert.subject, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
     if server:
         names: list[x509.GeneralName] = [x509.DNSName(n) for n in API_SERVER_DNS_NAMES]
         names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", SERVICE_CLUSTER_IP)]
-        builder = (builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                                  critical=False))
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False).add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
     else:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     _write_key(pair.key, key)
     pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -124,26 +148,48 @@ def ensure_pki(*, directory: Path) -> ClusterPki:
     else:
         ca_key = _new_key()
         name = _name("splitserve-e2e-ca")
-        ca_cert = (_builder(name, name, ca_key.public_key())
-                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                   .add_extension(x509.KeyUsage(
-                       digital_signature=True, key_encipherment=False, content_commitment=False,
-                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-                   .sign(ca_key, hashes.SHA256()))
+        ca_cert = (
+            _builder(name, name, ca_key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_encipherment=False,
+                    content_commitment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
         _write_key(ca_key_path, ca_key)
         ca_cert_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(stem: str, cn: str, org: str | None = None, *, server: bool = False) -> CertPair:
-        return _issue(directory=directory, stem=stem, ca_cert=ca_cert, ca_key=ca_key,
-                      common_name=cn, organization=org, server=server)
+        return _issue(
+            directory=directory,
+            stem=stem,
+            ca_cert=ca_cert,
+            ca_key=ca_key,
+            common_name=cn,
+            organization=org,
+            server=server,
+        )
 
     sa_key, sa_pub = directory / "sa.key", directory / "sa.pub"
     if not (sa_key.is_file() and sa_pub.is_file()):
         rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         _write_key(sa_key, rsa_key)
-        sa_pub.write_bytes(rsa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        sa_pub.write_bytes(
+            rsa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
     return ClusterPki(
         ca_cert=ca_cert_path,
         ca_key=ca_key_path,

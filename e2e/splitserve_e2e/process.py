@@ -35,7 +35,7 @@ def process_start_ticks(pid: int) -> int | None:
     except OSError:
         return None
     # the command name (field 2) may contain spaces; fields after the last ')' are fixed
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19])
 
 
@@ -89,16 +89,21 @@ class ManagedProcess:
             self.pid_file.unlink(missing_ok=True)
         return self.popen.returncode
 
-
     def restart(self, *, grace_seconds: float = 5.0) -> ManagedProcess:
         """Stop the group and start the same command again (same log, same pid file): a
         component restart, as chaos tests do to the API server or Prometheus."""
         if not self.argv:
             raise RuntimeError(f"{self.name}: started without its argv, cannot restart")
         self.stop(grace_seconds=grace_seconds)
-        return start_process(name=self.name, argv=self.argv, log_path=self.log_path,
-                             pid_dir=self.pid_file.parent if self.pid_file is not None else None,
-                             env=self.env, cwd=self.cwd, die_with_parent=self.die_with_parent)
+        return start_process(
+            name=self.name,
+            argv=self.argv,
+            log_path=self.log_path,
+            pid_dir=self.pid_file.parent if self.pid_file is not None else None,
+            env=self.env,
+            cwd=self.cwd,
+            die_with_parent=self.die_with_parent,
+        )
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -106,9 +111,16 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def start_process(*, name: str, argv: Sequence[str], log_path: Path, pid_dir: Path | None,
-                  env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                  die_with_parent: bool = True) -> ManagedProcess:
+def start_process(
+    *,
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    pid_dir: Path | None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    die_with_parent: bool = True,
+) -> ManagedProcess:
     """Start ``argv`` in a new session, stdout and stderr appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = list(argv)
@@ -116,19 +128,38 @@ def start_process(*, name: str, argv: Sequence[str], log_path: Path, pid_dir: Pa
         command = [_SETPRIV, "--pdeathsig", "KILL", "--", *command]
     with log_path.open("ab") as log_file:
         popen = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
         )
     pid_file = None
     if pid_dir is not None:
         pid_dir.mkdir(parents=True, exist_ok=True)
         pid_file = pid_dir / f"{name}.pid"
-        pid_file.write_text(json.dumps({
-            "pid": popen.pid, "start_ticks": process_start_ticks(popen.pid),
-            "argv0": argv[0], "name": name,
-        }))
-    return ManagedProcess(name=name, popen=popen, log_path=log_path, pid_file=pid_file,
-                          argv=tuple(argv), env=env, cwd=cwd, die_with_parent=die_with_parent)
+        pid_file.write_text(
+            json.dumps(
+                {
+                    "pid": popen.pid,
+                    "start_ticks": process_start_ticks(popen.pid),
+                    "argv0": argv[0],
+                    "name": name,
+                }
+            )
+        )
+    return ManagedProcess(
+        name=name,
+        popen=popen,
+        log_path=log_path,
+        pid_file=pid_file,
+        argv=tuple(argv),
+        env=env,
+        cwd=cwd,
+        die_with_parent=die_with_parent,
+    )
 
 
 def kill_recorded(*, pid_dir: Path, grace_seconds: float = 5.0) -> list[str]:
@@ -159,9 +190,14 @@ def kill_recorded(*, pid_dir: Path, grace_seconds: float = 5.0) -> list[str]:
     return [name for name, _ in live]
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout_seconds: float, what: str,
-               interval_seconds: float = 0.2,
-               alive: ManagedProcess | None = None) -> None:
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout_seconds: float,
+    what: str,
+    interval_seconds: float = 0.2,
+    alive: ManagedProcess | None = None,
+) -> None:
     """Poll ``predicate`` until true; raise TimeoutError naming ``what`` (and the log of
     ``alive`` when that process exited or the wait timed out)."""
     deadline = time.monotonic() + timeout_seconds
@@ -172,8 +208,10 @@ def wait_until(predicate: Callable[[], bool], *, timeout_seconds: float, what: s
         except Exception:  # noqa: BLE001 - any failure means "not yet"
             pass
         if alive is not None and not alive.running():
-            raise RuntimeError(f"{alive.name} exited with code {alive.popen.returncode} while "
-                               f"waiting for {what}; log {alive.log_path}:\n{alive.log_tail()}")
+            raise RuntimeError(
+                f"{alive.name} exited with code {alive.popen.returncode} while "
+                f"waiting for {what}; log {alive.log_path}:\n{alive.log_tail()}"
+            )
         if time.monotonic() > deadline:
             tail = f"; log {alive.log_path}:\n{alive.log_tail()}" if alive is not None else ""
             raise TimeoutError(f"timed out after {timeout_seconds:.0f}s waiting for {what}{tail}")

@@ -31,7 +31,7 @@ def _parents() -> dict[int, int]:
         except OSError:  # it ended while we read
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses; it ends at the last ")"
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         out[int(entry.name)] = int(fields[1])
     return out
 

@@ -68,8 +68,9 @@ def ensure_crds() -> list[Path]:
         module = f"{PROMETHEUS_OPERATOR_MODULE}@{PROMETHEUS_OPERATOR_VERSION}"
         env = dict(os.environ)
         env.setdefault("GOFLAGS", "-buildvcs=false")
-        result = subprocess.run([go, "mod", "download", "-json", module], env=env,
-                                capture_output=True, text=True, timeout=600, check=False)
+        result = subprocess.run(
+            [go, "mod", "download", "-json", module], env=env, capture_output=True, text=True, timeout=600, check=False
+        )
         if result.returncode != 0:
             raise build.BuildError(f"go mod download {module} failed: {result.stderr or result.stdout}")
         source = Path(json.loads(result.stdout)["Dir"]) / CRD_DIRECTORY
@@ -79,8 +80,7 @@ def ensure_crds() -> list[Path]:
             if not origin.is_file():
                 raise build.BuildError(f"{module} has no {CRD_DIRECTORY}/{target.name}")
             target.write_bytes(origin.read_bytes())  # the module cache is read-only
-        (directory / _STAMP).write_text(json.dumps(
-            {"module": module, "files": [f.name for f in files]}))
+        (directory / _STAMP).write_text(json.dumps({"module": module, "files": [f.name for f in files]}))
         return files
 
 
@@ -91,8 +91,7 @@ def ensure_promtool() -> Path:
 
 def _existing(cluster: LocalCluster, names: Sequence[str]) -> set[str]:
     result = cluster.kubectl("get", "crd", *names, "--ignore-not-found", "-o", "name")
-    return {line.removeprefix("customresourcedefinition.apiextensions.k8s.io/")
-            for line in result.stdout.split()}
+    return {line.removeprefix("customresourcedefinition.apiextensions.k8s.io/") for line in result.stdout.split()}
 
 
 def install_crds(cluster: LocalCluster, files: Sequence[Path]) -> list[str]:
@@ -106,18 +105,22 @@ def install_crds(cluster: LocalCluster, files: Sequence[Path]) -> list[str]:
 
     def established() -> bool:
         result = cluster.kubectl(
-            "get", "crd", *CRD_NAMES, "-o",
+            "get",
+            "crd",
+            *CRD_NAMES,
+            "-o",
             "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Established')].status} {end}",
-            check=False)
+            check=False,
+        )
         return result.returncode == 0 and result.stdout.split() == ["True"] * len(CRD_NAMES)
 
-    cluster.wait_for(established, timeout_seconds=60, interval_seconds=0.5,
-                     what=f"CRDs {', '.join(CRD_NAMES)} Established")
+    cluster.wait_for(
+        established, timeout_seconds=60, interval_seconds=0.5, what=f"CRDs {', '.join(CRD_NAMES)} Established"
+    )
     return created
 
 
 def remove_crds(cluster: LocalCluster, names: Sequence[str]) -> None:
     """Delete the CRDs :func:`install_crds` created (and with them any object of those kinds)."""
     if names:
-        cluster.kubectl("delete", "crd", *names, "--ignore-not-found", "--wait=true",
-                        timeout_seconds=120)
+        cluster.kubectl("delete", "crd", *names, "--ignore-not-found", "--wait=true", timeout_seconds=120)

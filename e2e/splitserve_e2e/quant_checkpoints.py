@@ -96,8 +96,7 @@ class Int4Groups:
         return (self.values - zeros).float() * scales
 
 
-def rtn_int4(weight: torch.Tensor, *, group_size: int, symmetric: bool,
-             min_zero: int = 0) -> Int4Groups:
+def rtn_int4(weight: torch.Tensor, *, group_size: int, symmetric: bool, min_zero: int = 0) -> Int4Groups:
     """Round-to-nearest 4-bit quantization of ``weight [N, K]`` per group of ``group_size``.
 
     Asymmetric: the group's range ``[min, max]``, widened to include 0 (as GPTQ's quantizer
@@ -129,8 +128,9 @@ def rtn_int4(weight: torch.Tensor, *, group_size: int, symmetric: bool,
         scales = ((high - low) / INT4_MAX).clamp(min=_MIN_SCALE).to(torch.float16)
         zeros = torch.round(-low / scales.float()).clamp(min_zero, INT4_MAX)
     values = (torch.round(w / scales.float()[..., None]) + zeros[..., None]).clamp(0, INT4_MAX)
-    return Int4Groups(values=values.reshape(n, k).to(torch.int32), zeros=zeros.to(torch.int32),
-                      scales=scales, group_size=group_size)
+    return Int4Groups(
+        values=values.reshape(n, k).to(torch.int32), zeros=zeros.to(torch.int32), scales=scales, group_size=group_size
+    )
 
 
 # ---------------------------------------------------------------- 4-bit packing
@@ -196,7 +196,8 @@ def read_dense(dense_dir: Path) -> dict[str, torch.Tensor]:
 def quantized_linear_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Modules the tools quantize: every 2-D ``*.weight`` under ``model.layers``."""
     return sorted(
-        name.removesuffix(".weight") for name, t in tensors.items()
+        name.removesuffix(".weight")
+        for name, t in tensors.items()
         if name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
     )
 
@@ -235,23 +236,36 @@ def _publishing(out_dir: Path) -> Iterator[Path]:
 def _copy_side_files(dense_dir: Path, out: Path) -> None:
     """Tokenizer, generation config and the like: everything but weights, config and dotfiles."""
     for path in dense_dir.iterdir():
-        if path.is_file() and not path.name.startswith(".") and path.name != "config.json" \
-                and path.name not in _WEIGHT_FILES and path.suffix != ".safetensors":
+        if (
+            path.is_file()
+            and not path.name.startswith(".")
+            and path.name != "config.json"
+            and path.name not in _WEIGHT_FILES
+            and path.suffix != ".safetensors"
+        ):
             shutil.copy2(path, out / path.name)
 
 
 def _write_checkpoint(*, out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_file({name: t.contiguous() for name, t in sorted(tensors.items())}, str(out / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    save_file(
+        {name: t.contiguous() for name, t in sorted(tensors.items())},
+        str(out / WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
 
 
 # ---------------------------------------------------------------- AWQ and GPTQ
 
 
-def _per_linear_checkpoint(*, dense_dir: Path, out_dir: Path, quantization_config: dict[str, Any],
-                           encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
-                           dense_dtype: torch.dtype | None = torch.float16) -> Path:
+def _per_linear_checkpoint(
+    *,
+    dense_dir: Path,
+    out_dir: Path,
+    quantization_config: dict[str, Any],
+    encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    dense_dtype: torch.dtype | None = torch.float16,
+) -> Path:
     """Every quantizable linear's weight replaced by ``encode(module, weight)``'s tensors; the
     other float tensors cast to ``dense_dtype`` (None: kept) as the tool writes them."""
     config = _load_config(dense_dir)
@@ -290,10 +304,17 @@ def make_awq(*, dense_dir: Path, out_dir: Path, group_size: int = 128) -> Path:
         }
 
     return _per_linear_checkpoint(
-        dense_dir=dense_dir, out_dir=out_dir, encode=encode,
-        quantization_config={"quant_method": "awq", "bits": 4, "group_size": group_size,
-                             "zero_point": True, "version": "gemm",
-                             "modules_to_not_convert": None},
+        dense_dir=dense_dir,
+        out_dir=out_dir,
+        encode=encode,
+        quantization_config={
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        },
     )
 
 
@@ -311,10 +332,18 @@ def make_gptq(*, dense_dir: Path, out_dir: Path, group_size: int = 128, sym: boo
         }
 
     return _per_linear_checkpoint(
-        dense_dir=dense_dir, out_dir=out_dir, encode=encode,
+        dense_dir=dense_dir,
+        out_dir=out_dir,
+        encode=encode,
         quantization_config={
-            "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
-            "sym": sym, "static_groups": False, "lm_head": False, "checkpoint_format": "gptq",
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": False,
+            "sym": sym,
+            "static_groups": False,
+            "lm_head": False,
+            "checkpoint_format": "gptq",
             "meta": {"quantizer": ["splitserve_e2e.quant_checkpoints round-to-nearest"]},
         },
     )
@@ -333,14 +362,22 @@ def fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_autofp8(*, dense_dir: Path, out_dir: Path) -> Path:
     """An AutoFP8 ``quant_method: fp8`` checkpoint with dynamic activations."""
+
     def encode(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         qweight, scale = fp8_per_tensor(weight)
         return {f"{module}.weight": qweight, f"{module}.weight_scale": scale}
 
     return _per_linear_checkpoint(
-        dense_dir=dense_dir, out_dir=out_dir, encode=encode, dense_dtype=None,
-        quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
-                             "ignored_layers": list(UNQUANTIZED_MODULES)})
+        dense_dir=dense_dir,
+        out_dir=out_dir,
+        encode=encode,
+        dense_dtype=None,
+        quantization_config={
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "ignored_layers": list(UNQUANTIZED_MODULES),
+        },
+    )
 
 
 # ---------------------------------------------------------------- compressed-tensors
@@ -353,8 +390,7 @@ def _ct_scheme(scheme: str) -> Any:
     if scheme not in CT_SCHEMES:
         raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; choose one of {CT_SCHEMES}")
     if scheme == "W8A16":  # the W8A8 preset's per-channel int8 weights, no activation quantization
-        return QuantizationScheme(targets=["Linear"],
-                                  weights=preset_name_to_scheme("W8A8", ["Linear"]).weights)
+        return QuantizationScheme(targets=["Linear"], weights=preset_name_to_scheme("W8A8", ["Linear"]).weights)
     return preset_name_to_scheme(scheme, ["Linear"])
 
 
@@ -376,8 +412,11 @@ def make_compressed_tensors(*, dense_dir: Path, out_dir: Path, scheme: str) -> P
     model = AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype="auto")
     apply_quantization_config(
         model,
-        QuantizationConfig(config_groups={"group_0": quant_scheme}, ignore=list(UNQUANTIZED_MODULES),
-                           quantization_status=QuantizationStatus.INITIALIZED),
+        QuantizationConfig(
+            config_groups={"group_0": quant_scheme},
+            ignore=list(UNQUANTIZED_MODULES),
+            quantization_status=QuantizationStatus.INITIALIZED,
+        ),
         show_progress=False,
     )
     quantized: list[str] = []
@@ -389,8 +428,9 @@ def make_compressed_tensors(*, dense_dir: Path, out_dir: Path, scheme: str) -> P
             if args.strategy != "channel":
                 raise ValueError(f"{scheme}: only per-channel weight scales are supported, got {args.strategy}")
             weight = module.weight
-            scale, zero_point = calculate_qparams(weight.amin(dim=1, keepdim=True),
-                                                  weight.amax(dim=1, keepdim=True), args)
+            scale, zero_point = calculate_qparams(
+                weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True), args
+            )
             module.weight_scale.copy_(scale)
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero_point)
@@ -405,8 +445,9 @@ def make_compressed_tensors(*, dense_dir: Path, out_dir: Path, scheme: str) -> P
     expected_plain = {n for n in source_names if n.removesuffix(".weight") not in quantized_set}
     plain = {n for n in state if n.rsplit(".", 1)[0] not in quantized_set}
     if plain != expected_plain:
-        raise RuntimeError(f"compressed model's unquantized tensors differ from {dense_dir}'s: "
-                           f"{sorted(plain ^ expected_plain)[:5]}")
+        raise RuntimeError(
+            f"compressed model's unquantized tensors differ from {dense_dir}'s: {sorted(plain ^ expected_plain)[:5]}"
+        )
     tensors = {name: t.detach().clone() for name, t in state.items()}
     with _publishing(out_dir) as out:
         _copy_side_files(dense_dir, out)
@@ -437,8 +478,7 @@ MAKERS: Final[dict[str, Callable[[Path, Path], Path]]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitserve_e2e.quant_checkpoints",
-        description="Write a pre-quantized HF checkpoint (compressed-tensors, AutoFP8, AWQ, GPTQ) "
-                    "from a dense one.",
+        description="Write a pre-quantized HF checkpoint (compressed-tensors, AutoFP8, AWQ, GPTQ) from a dense one.",
     )
     parser.add_argument("method", choices=sorted(MAKERS))
     parser.add_argument("dense_dir", type=Path)

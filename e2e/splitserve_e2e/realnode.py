@@ -62,24 +62,30 @@ def diagnostics(cluster: LocalCluster, namespaces: Sequence[str]) -> str:
     for namespace in namespaces:
         with contextlib.suppress(Exception):
             for pod in core.list_namespaced_pod(namespace).items:
-                out.append(f"--- pod {namespace}/{pod.metadata.name} phase={pod.status.phase} "
-                           f"node={pod.spec.node_name} ip={pod.status.pod_ip}")
+                out.append(
+                    f"--- pod {namespace}/{pod.metadata.name} phase={pod.status.phase} "
+                    f"node={pod.spec.node_name} ip={pod.status.pod_ip}"
+                )
                 for status in pod.status.container_statuses or []:
-                    out.append(f"  {status.name}: ready={status.ready} "
-                               f"restarts={status.restart_count} state={status.state} "
-                               f"last={status.last_state} imageID={status.image_id}")
+                    out.append(
+                        f"  {status.name}: ready={status.ready} "
+                        f"restarts={status.restart_count} state={status.state} "
+                        f"last={status.last_state} imageID={status.image_id}"
+                    )
                     for previous in (False, True) if status.restart_count else (False,):
                         with contextlib.suppress(Exception):
                             text = core.read_namespaced_pod_log(
-                                pod.metadata.name, namespace, container=status.name,
-                                tail_lines=40, previous=previous)
+                                pod.metadata.name, namespace, container=status.name, tail_lines=40, previous=previous
+                            )
                             out.append(f"  log{' (previous)' if previous else ''}:\n{text}")
         with contextlib.suppress(Exception):
             events = core.list_namespaced_event(namespace).items
             events.sort(key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp)
             out.append(f"--- events in {namespace}:")
-            out += [f"  {e.type} {e.reason} {e.involved_object.kind}/{e.involved_object.name}: "
-                    f"{e.message}" for e in events[-30:]]
+            out += [
+                f"  {e.type} {e.reason} {e.involved_object.kind}/{e.involved_object.name}: {e.message}"
+                for e in events[-30:]
+            ]
     for name in ("kubelet.log", "containerd.log", "kube-proxy.log", "prometheus.log"):
         out.append(f"--- {name} (tail):\n{_tail(cluster.log_dir / name, 25)}")
     return "\n".join(out)
@@ -95,10 +101,10 @@ def explained(cluster: LocalCluster, namespaces: Sequence[str]) -> Iterator[None
         raise
 
 
-def wait(cluster: LocalCluster, predicate: Callable[[], T | None], *, timeout: float,
-         what: str, interval: float = 1.0) -> T:
-    return cluster.wait_for(predicate, timeout_seconds=timeout, interval_seconds=interval,
-                            what=what)
+def wait(
+    cluster: LocalCluster, predicate: Callable[[], T | None], *, timeout: float, what: str, interval: float = 1.0
+) -> T:
+    return cluster.wait_for(predicate, timeout_seconds=timeout, interval_seconds=interval, what=what)
 
 
 # --------------------------------------------------------------------------- the stack
@@ -134,24 +140,28 @@ def pull_event(cluster: LocalCluster, namespace: str, pod: str) -> str:
     """The kubelet's Pulled event of ``pod`` ("Successfully pulled ... in 1m2s" or
     "... already present on machine")."""
     core: Any = cluster.core()
-    events = core.list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={pod},reason=Pulled").items
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod},reason=Pulled").items
     return str(events[-1].message) if events else ""
 
 
 def operator_pod(cluster: LocalCluster) -> Any:
     """The operator's pod once all its containers are ready, else None."""
     core: Any = cluster.core()
-    pods = core.list_namespaced_pod(
-        OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items
-    ready = [p for p in pods if p.status.container_statuses
-             and all(s.ready for s in p.status.container_statuses)]
+    pods = core.list_namespaced_pod(OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items
+    ready = [p for p in pods if p.status.container_statuses and all(s.ready for s in p.status.container_statuses)]
     return ready[0] if ready else None
 
 
 @contextlib.contextmanager
-def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_hub: ModelHub,
-                    workloads: Sequence[str], inference_pool: bool = False) -> Iterator[Stack]:
+def real_node_stack(
+    *,
+    cluster: LocalCluster,
+    image: str,
+    hub: LocalHub,
+    model_hub: ModelHub,
+    workloads: Sequence[str],
+    inference_pool: bool = False,
+) -> Iterator[Stack]:
     """The namespaces and the cluster-scoped operator (see the module; ``inference_pool``: the
     chart's ``inferencePool.enabled``), removed on exit."""
     if cluster.kubelet_node is None or not cluster.prometheus_url:
@@ -159,8 +169,9 @@ def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_h
     found = registry_manifest(image.rsplit(":", 1)[1])
     assert found is not None, f"{image} is not in the loopback registry"
     log(f"image {image} (manifest {found[0]})")
-    stack = Stack(cluster=cluster, image=image, manifest_digest=found[0], hub=hub,
-                  model_hub=model_hub, workloads=list(workloads))
+    stack = Stack(
+        cluster=cluster, image=image, manifest_digest=found[0], hub=hub, model_hub=model_hub, workloads=list(workloads)
+    )
     figures = stack.figures
     figures["kubelet node process start -> Ready"] = f"{cluster.kubelet_node.ready_seconds:.1f}s"
     try:
@@ -170,32 +181,37 @@ def real_node_stack(*, cluster: LocalCluster, image: str, hub: LocalHub, model_h
             for name in stack.workloads:
                 create_hub_token_secret(cluster=cluster, namespace=name, hub=model_hub)
             started = time.monotonic()
-            install_operator(cluster=cluster, namespace=OPERATOR_NAMESPACE, image=image,
-                             release=RELEASE, cluster_scope=True, inference_pool=inference_pool,
-                             extra_args=("--set", f"router.namespaces={{{','.join(stack.workloads)}}}"))
-            operator = wait(cluster, lambda: operator_pod(cluster), timeout=60,
-                            what="the operator pod Ready")
+            install_operator(
+                cluster=cluster,
+                namespace=OPERATOR_NAMESPACE,
+                image=image,
+                release=RELEASE,
+                cluster_scope=True,
+                inference_pool=inference_pool,
+                extra_args=("--set", f"router.namespaces={{{','.join(stack.workloads)}}}"),
+            )
+            operator = wait(cluster, lambda: operator_pod(cluster), timeout=60, what="the operator pod Ready")
             figures["helm install -> operator Ready"] = f"{time.monotonic() - started:.1f}s"
-            figures["operator image pull (kubelet)"] = pull_event(
-                cluster, OPERATOR_NAMESPACE, operator.metadata.name)
+            figures["operator image pull (kubelet)"] = pull_event(cluster, OPERATOR_NAMESPACE, operator.metadata.name)
             log(f"operator Ready; {figures['operator image pull (kubelet)']}")
         yield stack
     finally:
         for name in stack.workloads:
-            cluster.kubectl("delete", ISVC_PLURAL, "--all", "-n", name, "--timeout=60s",
-                            check=False, timeout_seconds=90)
+            cluster.kubectl(
+                "delete", ISVC_PLURAL, "--all", "-n", name, "--timeout=60s", check=False, timeout_seconds=90
+            )
         remove_release(cluster=cluster, namespace=OPERATOR_NAMESPACE, release=RELEASE)
         for name in stack.workloads:
             cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
         print("\nfigures:\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items()))
 
 
-def isvc_for_node(stack: Stack, *, namespace: str, mode: str, cpu: str,
-                  memory: str | None = None) -> dict[str, Any]:
+def isvc_for_node(stack: Stack, *, namespace: str, mode: str, cpu: str, memory: str | None = None) -> dict[str, Any]:
     """The tiny InferenceService of ``mode`` (``hf://`` from the hub; ``--device cpu``;
     ``cpu``, and ``memory`` when given, per pod of each pool), not yet applied."""
-    manifest = isvc_manifest(name=ISVC_NAME, namespace=namespace, mode=mode,
-                             hub=stack.model_hub, max_replicas=1, cpu=cpu)
+    manifest = isvc_manifest(
+        name=ISVC_NAME, namespace=namespace, mode=mode, hub=stack.model_hub, max_replicas=1, cpu=cpu
+    )
     spec = manifest["spec"]
     for role in ROLES_BY_MODE[mode]:
         if memory is not None:

@@ -92,9 +92,7 @@ def _convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(source.parent), gguf_file=source.name, dtype=torch.float32
-    )
+    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     # transformers dequantizes GGUF tensors on load but keeps a "gguf" quantizer attached,
     # which refuses save_pretrained; rebuild a plain float32 model from the same config.
     config = loaded.config

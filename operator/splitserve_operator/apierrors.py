@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Final
 
-from kubernetes.client.exceptions import ApiException
+from . import kube
 
 PERMANENT_STATUSES: Final = frozenset({400, 422})
 TYPED_PATCH_FAILURE: Final = "failed to create typed patch object"
@@ -31,7 +31,7 @@ TYPED_PATCH_FAILURE: Final = "failed to create typed patch object"
 fit the kind's schema."""
 
 
-def status_message(exc: ApiException) -> str:
+def status_message(exc: kube.ApiException) -> str:
     """The message of the API server's Status in ``exc``'s body ("" without one)."""
     try:
         body = json.loads(exc.body or "")
@@ -42,7 +42,7 @@ def status_message(exc: ApiException) -> str:
 
 def is_permanent(exc: BaseException) -> bool:
     """Whether ``exc`` would recur on every retry of the same write (see the module docstring)."""
-    if not isinstance(exc, ApiException):
+    if not isinstance(exc, kube.ApiException):
         return False
     if exc.status in PERMANENT_STATUSES:
         return True

@@ -127,9 +127,16 @@ def with_owner(obj: Mapping[str, Any], *, owner: Owner) -> dict[str, Any]:
     return out
 
 
-def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, initial_replicas: int | None,
-                fixed_replicas: int | None = None, cache: child_cache.ChildCache | None = None,
-                defer_hand_over: bool = False) -> Applied:
+def apply_child(
+    *,
+    api: kube.KubeAPI,
+    desired: Mapping[str, Any],
+    owner: Owner,
+    initial_replicas: int | None,
+    fixed_replicas: int | None = None,
+    cache: child_cache.ChildCache | None = None,
+    defer_hand_over: bool = False,
+) -> Applied:
     """Apply one child (see the module docstring). ``desired`` is as rendered, without
     ``spec.replicas``; ``initial_replicas`` is the count a pool Deployment is created with and
     then handed to the autoscaler (None for kinds without replicas); ``fixed_replicas`` is
@@ -154,8 +161,11 @@ def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, 
         if same is not None:
             return Applied(same.obj, Outcome.UNCHANGED, sent)
         seen = cache.seen(key)
-    if seen is not None and seen.controller_uid == owner.uid and not (
-            hands_over and seen.owns_replicas and not seen.handed_over):
+    if (
+        seen is not None
+        and seen.controller_uid == owner.uid
+        and not (hands_over and seen.owns_replicas and not seen.handed_over)
+    ):
         # Ours, as the watch shows it: apply without reading it first (and without replicas,
         # which lets go of them when the autoscaler already holds them too).
         before = {seen.marker}
@@ -171,16 +181,24 @@ def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, 
             _record(cache, key, sent, result)
             return Applied(result, Outcome.CREATED, sent)
         _record(cache, key, sent, result)
-        return Applied(result, Outcome.UNCHANGED if child_cache.change_marker(result) in before else Outcome.UPDATED,
-                       sent)
+        return Applied(
+            result, Outcome.UNCHANGED if child_cache.change_marker(result) in before else Outcome.UPDATED, sent
+        )
     live = api.get(kind=kind, namespace=meta.get("namespace"), name=meta["name"])
     if live is not None and not is_controlled_by(live, owner=owner):
         ref = controller_of(live)
         owner_text = f"{ref.get('kind')}/{ref.get('name')}" if ref else None
         raise NameConflict(kind=kind.kind, name=meta["name"], owner=owner_text)
     if live is None:
-        return _create(api=api, body=body, key=key, sent=sent, initial_replicas=initial_replicas, cache=cache,
-                       defer_hand_over=defer_hand_over)
+        return _create(
+            api=api,
+            body=body,
+            key=key,
+            sent=sent,
+            initial_replicas=initial_replicas,
+            cache=cache,
+            defer_hand_over=defer_hand_over,
+        )
     if initial_replicas is not None and reconciler_owns_replicas(live) and not child_cache.replicas_handed_over(live):
         current = live.get("spec", {}).get("replicas")
         live = _hand_over_replicas(
@@ -190,12 +208,21 @@ def apply_child(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: Owner, 
     before_marker = child_cache.change_marker(live)
     result = api.apply(obj=body, field_manager=contract.FIELD_MANAGER_RECONCILER, force=True)
     _record(cache, key, sent, result)
-    return Applied(result, Outcome.UNCHANGED if child_cache.change_marker(result) == before_marker else Outcome.UPDATED,
-                   sent)
+    return Applied(
+        result, Outcome.UNCHANGED if child_cache.change_marker(result) == before_marker else Outcome.UPDATED, sent
+    )
 
 
-def _create(*, api: kube.KubeAPI, body: dict[str, Any], key: child_cache.ChildKey, sent: str,
-            initial_replicas: int | None, cache: child_cache.ChildCache | None, defer_hand_over: bool) -> Applied:
+def _create(
+    *,
+    api: kube.KubeAPI,
+    body: dict[str, Any],
+    key: child_cache.ChildKey,
+    sent: str,
+    initial_replicas: int | None,
+    cache: child_cache.ChildCache | None,
+    defer_hand_over: bool,
+) -> Applied:
     """Create a child; a pool workload's replicas then go to the autoscaler (module docstring).
     A Deployment that starts with one replica is created without ``spec.replicas`` (the API
     server's default is 1, and a defaulted field belongs to no one), so the hand-over is the
@@ -223,8 +250,9 @@ def _create(*, api: kube.KubeAPI, body: dict[str, Any], key: child_cache.ChildKe
     return Applied(created, Outcome.CREATED, sent, finish=finish) if defer_hand_over else finish()
 
 
-def _record(cache: child_cache.ChildCache | None, key: child_cache.ChildKey, sent: str,
-            result: Mapping[str, Any]) -> None:
+def _record(
+    cache: child_cache.ChildCache | None, key: child_cache.ChildKey, sent: str, result: Mapping[str, Any]
+) -> None:
     if cache is not None:
         cache.record(key, digest=sent, result=result)
 

@@ -65,8 +65,9 @@ def tolerates(*, tolerations: Sequence[Mapping[str, Any]], taint: Mapping[str, A
     return False
 
 
-def node_is_eligible(*, node: Mapping[str, Any], node_selector: Mapping[str, str],
-                     tolerations: Sequence[Mapping[str, Any]]) -> bool:
+def node_is_eligible(
+    *, node: Mapping[str, Any], node_selector: Mapping[str, str], tolerations: Sequence[Mapping[str, Any]]
+) -> bool:
     spec = node.get("spec") or {}
     if spec.get("unschedulable"):
         return False
@@ -80,8 +81,13 @@ def node_is_eligible(*, node: Mapping[str, Any], node_selector: Mapping[str, str
 
 
 def gpu_shortfall(
-    *, pool: str, pods: int, gpus_per_pod: int, node_selector: Mapping[str, str],
-    tolerations: Sequence[Mapping[str, Any]], nodes: Sequence[Mapping[str, Any]],
+    *,
+    pool: str,
+    pods: int,
+    gpus_per_pod: int,
+    node_selector: Mapping[str, str],
+    tolerations: Sequence[Mapping[str, Any]],
+    nodes: Sequence[Mapping[str, Any]],
 ) -> Shortfall | None:
     """None when ``pods`` pods of ``gpus_per_pod`` GPUs fit into the eligible nodes."""
     if gpus_per_pod <= 0 or pods <= 0:
@@ -93,8 +99,9 @@ def gpu_shortfall(
     )
     if fitting >= pods or not eligible:
         return None
-    return Shortfall(pool=pool, pods=pods, gpus_per_pod=gpus_per_pod, fitting_pods=fitting,
-                     matching_nodes=len(eligible))
+    return Shortfall(
+        pool=pool, pods=pods, gpus_per_pod=gpus_per_pod, fitting_pods=fitting, matching_nodes=len(eligible)
+    )
 
 
 def scheduling_failure(pod: Mapping[str, Any]) -> str | None:
@@ -104,8 +111,11 @@ def scheduling_failure(pod: Mapping[str, Any]) -> str | None:
     if status.get("phase") != "Pending":
         return None
     for cond in status.get("conditions") or []:
-        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
-                and cond.get("reason") == "Unschedulable"):
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
             return str(cond.get("message") or "")
     return None
 

@@ -67,8 +67,12 @@ OwnerKey = tuple[str, str]
 def key_of(obj: Mapping[str, Any]) -> ChildKey:
     meta = obj.get("metadata") or {}
     # apiVersion, kind and namespace repeat across thousands of children: one copy each
-    return (sys.intern(str(obj.get("apiVersion"))), sys.intern(str(obj.get("kind"))),
-            sys.intern(str(meta.get("namespace") or "")), str(meta.get("name")))
+    return (
+        sys.intern(str(obj.get("apiVersion"))),
+        sys.intern(str(obj.get("kind"))),
+        sys.intern(str(meta.get("namespace") or "")),
+        str(meta.get("name")),
+    )
 
 
 def digest(obj: Mapping[str, Any]) -> str:
@@ -129,8 +133,9 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
 
 
 _KEPT_METADATA: Final = ("name", "namespace", "uid", "resourceVersion", "generation")
-_KEPT_STATUS: Final = frozenset({"observedGeneration", "replicas", "updatedReplicas", "readyReplicas",
-                                 "availableReplicas", "unavailableReplicas"})
+_KEPT_STATUS: Final = frozenset(
+    {"observedGeneration", "replicas", "updatedReplicas", "readyReplicas", "availableReplicas", "unavailableReplicas"}
+)
 _KEPT_CONDITION: Final = ("type", "status", "reason", "message")
 
 
@@ -138,17 +143,18 @@ def slim(obj: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of a child the reconciler reads back: identity, and for a Deployment
     ``spec.replicas`` and ``status`` (:func:`.reconcile.observe_deployment`, :mod:`.failures`)."""
     meta = obj.get("metadata") or {}
-    out: dict[str, Any] = {"apiVersion": sys.intern(str(obj.get("apiVersion"))),
-                           "kind": sys.intern(str(obj.get("kind"))),
-                           "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta}}
+    out: dict[str, Any] = {
+        "apiVersion": sys.intern(str(obj.get("apiVersion"))),
+        "kind": sys.intern(str(obj.get("kind"))),
+        "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta},
+    }
     if obj.get("kind") == kube.DEPLOYMENT.kind:
         replicas = (obj.get("spec") or {}).get("replicas")
         out["spec"] = {} if replicas is None else {"replicas": replicas}
         status = obj.get("status") or {}
         out["status"] = {k: v for k, v in status.items() if k in _KEPT_STATUS}
         if status.get("conditions"):
-            out["status"]["conditions"] = [{k: c[k] for k in _KEPT_CONDITION if k in c}
-                                           for c in status["conditions"]]
+            out["status"]["conditions"] = [{k: c[k] for k in _KEPT_CONDITION if k in c} for c in status["conditions"]]
     return out
 
 
@@ -169,8 +175,14 @@ class Seen:
 
     @classmethod
     def of(cls, obj: Mapping[str, Any], *, at: float) -> Seen:
-        return cls(obj=slim(obj), controller_uid=controller_uid(obj), fingerprint=fingerprint(obj),
-                   owns_replicas=reconciler_owns_replicas(obj), handed_over=replicas_handed_over(obj), at=at)
+        return cls(
+            obj=slim(obj),
+            controller_uid=controller_uid(obj),
+            fingerprint=fingerprint(obj),
+            owns_replicas=reconciler_owns_replicas(obj),
+            handed_over=replicas_handed_over(obj),
+            at=at,
+        )
 
     @property
     def marker(self) -> tuple[Any, str]:
@@ -224,8 +236,13 @@ class ChildCache:
     """The children the watch delivered (:class:`Seen`), our applies (:class:`Record`) and the
     last whole plan per InferenceService. ``kinds``: the watched kinds; others are never kept."""
 
-    def __init__(self, *, kinds: Iterable[kube.Kind], max_age_seconds: float = MAX_AGE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        kinds: Iterable[kube.Kind],
+        max_age_seconds: float = MAX_AGE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._kinds = frozenset((k.api_version, k.kind) for k in kinds)
         self._max_age = max_age_seconds
         self._clock = clock
@@ -276,10 +293,10 @@ class ChildCache:
             echoes = self._echoes.get(key, ())
         if seen is None or self._clock() - seen.at > self._max_age:
             return None
-        if (record is not None and seen.resource_version in echoes
-                and seen.resource_version != record.resource_version):
-            return dataclasses.replace(seen, fingerprint=record.fingerprint, owns_replicas=record.owns_replicas,
-                                       handed_over=record.handed_over)
+        if record is not None and seen.resource_version in echoes and seen.resource_version != record.resource_version:
+            return dataclasses.replace(
+                seen, fingerprint=record.fingerprint, owns_replicas=record.owns_replicas, handed_over=record.handed_over
+            )
         return seen
 
     def record(self, key: ChildKey, *, digest: str, result: Mapping[str, Any]) -> None:
@@ -288,14 +305,18 @@ class ChildCache:
         if not self.watches(key):
             return
         rv = str((result.get("metadata") or {}).get("resourceVersion") or "")
-        record = Record(digest=digest, fingerprint=fingerprint(result),
-                        generation=(result.get("metadata") or {}).get("generation"),
-                        owns_replicas=reconciler_owns_replicas(result), handed_over=replicas_handed_over(result),
-                        resource_version=rv)
+        record = Record(
+            digest=digest,
+            fingerprint=fingerprint(result),
+            generation=(result.get("metadata") or {}).get("generation"),
+            owns_replicas=reconciler_owns_replicas(result),
+            handed_over=replicas_handed_over(result),
+            resource_version=rv,
+        )
         with self._lock:
             self._records[key] = record
             if rv:
-                self._echoes[key] = (*self._echoes.get(key, ())[-(ECHOES_KEPT - 1):], rv)
+                self._echoes[key] = (*self._echoes.get(key, ())[-(ECHOES_KEPT - 1) :], rv)
             seen = self._seen.get(key)
             if seen is not None and seen.resource_version == rv:  # the cache is current: confirmed
                 self._seen[key] = dataclasses.replace(seen, at=self._clock())
@@ -303,7 +324,7 @@ class ChildCache:
     def echo(self, key: ChildKey, resource_version: str) -> None:
         """A write of ours that is not an apply of the whole child (the replica hand-over)."""
         with self._lock:
-            self._echoes[key] = (*self._echoes.get(key, ())[-(ECHOES_KEPT - 1):], resource_version)
+            self._echoes[key] = (*self._echoes.get(key, ())[-(ECHOES_KEPT - 1) :], resource_version)
 
     def last_record(self, key: ChildKey) -> Record | None:
         with self._lock:
@@ -339,5 +360,9 @@ class ChildCache:
     def sizes(self) -> dict[str, int]:
         """Entries held (for tests and memory checks)."""
         with self._lock:
-            return {"seen": len(self._seen), "records": len(self._records), "echoes": len(self._echoes),
-                    "plans": len(self._plans)}
+            return {
+                "seen": len(self._seen),
+                "records": len(self._records),
+                "echoes": len(self._echoes),
+                "plans": len(self._plans),
+            }

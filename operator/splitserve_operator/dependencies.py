@@ -58,8 +58,12 @@ def _pod_references(node: Any, namespace: str) -> Iterator[ChildKey]:
     config_map = node.get("configMap")
     if isinstance(config_map, Mapping) and config_map.get("name"):
         yield _key("v1", "ConfigMap", namespace, config_map["name"])
-    for field, kind in (("secretKeyRef", "Secret"), ("secretRef", "Secret"),
-                        ("configMapKeyRef", "ConfigMap"), ("configMapRef", "ConfigMap")):
+    for field, kind in (
+        ("secretKeyRef", "Secret"),
+        ("secretRef", "Secret"),
+        ("configMapKeyRef", "ConfigMap"),
+        ("configMapRef", "ConfigMap"),
+    ):
         ref = node.get(field)
         if isinstance(ref, Mapping) and ref.get("name"):
             yield _key("v1", kind, namespace, ref["name"])
@@ -88,7 +92,9 @@ def references(child: Mapping[str, Any]) -> set[ChildKey]:
     return out
 
 
-def needs(children: Sequence[Mapping[str, Any]], *, also_made: Iterable[ChildKey] = ()) -> dict[ChildKey, set[ChildKey]]:
+def needs(
+    children: Sequence[Mapping[str, Any]], *, also_made: Iterable[ChildKey] = ()
+) -> dict[ChildKey, set[ChildKey]]:
     """For each child (by key), the objects the operator makes that it names directly:
     ``children`` and ``also_made`` (the KV handoff key Secret, created apart)."""
     made = {child_cache.key_of(c) for c in children} | set(also_made)

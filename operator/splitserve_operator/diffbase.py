@@ -52,8 +52,7 @@ class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         cleaned = self._progress.clear(essence=essence)
         return cast(kopf.BodyEssence, {DIGEST_FIELD: digest_of(cleaned)})
 
-    def build(self, *, body: kopf.Body,
-              extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
         return self._digest(super().build(body=body, extra_fields=extra_fields))
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:

@@ -42,12 +42,25 @@ client error (4xx: the namespace is gone, the Event is invalid) is not retried."
 
 def _reference(obj: Mapping[str, Any]) -> dict[str, Any]:
     meta = obj.get("metadata", {})
-    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
-            "namespace": meta.get("namespace"), "uid": meta.get("uid")}
+    return {
+        "apiVersion": obj.get("apiVersion"),
+        "kind": obj.get("kind"),
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+        "uid": meta.get("uid"),
+    }
 
 
-def event_body(*, obj: Mapping[str, Any], type: str, reason: str, message: str, component: str,
-               instance: str, now: datetime.datetime) -> dict[str, Any]:
+def event_body(
+    *,
+    obj: Mapping[str, Any],
+    type: str,
+    reason: str,
+    message: str,
+    component: str,
+    instance: str,
+    now: datetime.datetime,
+) -> dict[str, Any]:
     """The core/v1 Event about ``obj``: the fields kopf fills, so tools read both alike."""
     stamp = now.isoformat()
     return {
@@ -72,15 +85,23 @@ def event_body(*, obj: Mapping[str, Any], type: str, reason: str, message: str, 
 class Creator(Protocol):
     """The one call the poster makes (:meth:`kube.Kube.create`)."""
 
-    def create(self, *, kind: kube.Kind, namespace: str | None, obj: Mapping[str, Any],
-               field_manager: str | None = None) -> dict[str, Any]: ...
+    def create(
+        self, *, kind: kube.Kind, namespace: str | None, obj: Mapping[str, Any], field_manager: str | None = None
+    ) -> dict[str, Any]: ...
 
 
 class EventPoster:
     """Posts Events from any thread or task without blocking it (see the module docstring)."""
 
-    def __init__(self, *, api: Creator, component: str, instance: str, capacity: int = QUEUE_CAPACITY,
-                 backoff_seconds: Sequence[float] = RETRY_BACKOFF_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        api: Creator,
+        component: str,
+        instance: str,
+        capacity: int = QUEUE_CAPACITY,
+        backoff_seconds: Sequence[float] = RETRY_BACKOFF_SECONDS,
+    ) -> None:
         self._api = api
         self._component = component
         self._instance = instance[:128]
@@ -101,8 +122,15 @@ class EventPoster:
         self._thread.join(timeout_seconds)
 
     def submit(self, *, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None:
-        body = event_body(obj=obj, type=type, reason=reason, message=message, component=self._component,
-                          instance=self._instance, now=datetime.datetime.now(datetime.UTC))
+        body = event_body(
+            obj=obj,
+            type=type,
+            reason=reason,
+            message=message,
+            component=self._component,
+            instance=self._instance,
+            now=datetime.datetime.now(datetime.UTC),
+        )
         try:
             self._queue.put_nowait(body)
         except queue.Full:
@@ -121,8 +149,9 @@ class EventPoster:
             except Exception as exc:  # noqa: BLE001 - an Event is never worth crashing for
                 status = getattr(exc, "status", None)
                 if pause is None or (isinstance(status, int) and 400 <= status < 500):
-                    logger.warning("Posting Event %s %s failed: %s", body["type"], body["reason"],
-                                   kube.error_message(exc))
+                    logger.warning(
+                        "Posting Event %s %s failed: %s", body["type"], body["reason"], kube.error_message(exc)
+                    )
                     return
             time.sleep(pause)
 
@@ -140,8 +169,15 @@ def post(*, obj: Mapping[str, Any], type: Literal["Normal", "Warning"], reason: 
     """Post one Event about ``obj`` (an InferenceService or a child object)."""
     text = message if len(message) <= MAX_MESSAGE_LENGTH else message[: MAX_MESSAGE_LENGTH - 3] + "..."
     meta = obj.get("metadata", {})
-    logger.log(logging.WARNING if type == WARNING else logging.INFO, "%s %s/%s: %s: %s",
-               obj.get("kind"), meta.get("namespace"), meta.get("name"), reason, text)
+    logger.log(
+        logging.WARNING if type == WARNING else logging.INFO,
+        "%s %s/%s: %s: %s",
+        obj.get("kind"),
+        meta.get("namespace"),
+        meta.get("name"),
+        reason,
+        text,
+    )
     poster = _poster
     if poster is not None:
         poster.submit(obj=obj, type=type, reason=reason, message=text)

@@ -43,10 +43,17 @@ MAX_MESSAGE_CHARS: Final = 1024
 """A child's message is trimmed to this in conditions and Events."""
 MODEL_FAILURE_MARKERS: Final = ("is not in the local cache", "ModelLoadError", "model '")
 """Text of a termination message that says the model could not be loaded (most specific first)."""
-WAITING_FAILURES: Final = frozenset({
-    Reason.IMAGE_PULL_BACK_OFF, Reason.ERR_IMAGE_PULL, "InvalidImageName", "ErrImageNeverPull",
-    Reason.CREATE_CONTAINER_CONFIG_ERROR, "CreateContainerError", "RunContainerError",
-})
+WAITING_FAILURES: Final = frozenset(
+    {
+        Reason.IMAGE_PULL_BACK_OFF,
+        Reason.ERR_IMAGE_PULL,
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        Reason.CREATE_CONTAINER_CONFIG_ERROR,
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
 """Waiting reasons of a container that the kubelet cannot start (not "still starting")."""
 _REASON: Final = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 """What a condition reason may be (metav1.Condition)."""
@@ -55,7 +62,7 @@ _REASON: Final = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 def _trim(text: str) -> str:
     """The end of a long text (the end of a log tail says most)."""
     text = text.strip()
-    return text if len(text) <= MAX_MESSAGE_CHARS else "..." + text[-(MAX_MESSAGE_CHARS - 3):]
+    return text if len(text) <= MAX_MESSAGE_CHARS else "..." + text[-(MAX_MESSAGE_CHARS - 3) :]
 
 
 def condition_reason(reason: str) -> str:
@@ -95,10 +102,14 @@ class PodStartFailure:
     def describe(self) -> str:
         if self.oom_killed:
             pool = f"pool {self.role}, " if self.role else ""
-            limit = (f"at its memory limit of {self.memory_limit}" if self.memory_limit
-                     else "with no memory limit of its own")
-            head = (f"pod {self.pod} ({pool}container {self.container}) was OOMKilled {limit} "
-                    f"(exit code {self.exit_code})")
+            limit = (
+                f"at its memory limit of {self.memory_limit}"
+                if self.memory_limit
+                else "with no memory limit of its own"
+            )
+            head = (
+                f"pod {self.pod} ({pool}container {self.container}) was OOMKilled {limit} (exit code {self.exit_code})"
+            )
         else:
             head = f"pod {self.pod} (container {self.container}) exited with code {self.exit_code}"
         return f"{head}: {self.message}" if self.message else head
@@ -164,8 +175,9 @@ def _failed_termination(container_status: Mapping[str, Any]) -> Mapping[str, Any
     current = state.get("terminated") or {}
     last = (container_status.get("lastState") or {}).get("terminated") or {}
     crash_loop = (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff"
-    restarted_after_failure = int(container_status.get("restartCount") or 0) >= 1 and \
-        int(last.get("exitCode") or 0) != 0
+    restarted_after_failure = (
+        int(container_status.get("restartCount") or 0) >= 1 and int(last.get("exitCode") or 0) != 0
+    )
     if not (crash_loop or restarted_after_failure):
         return None
     if int(current.get("exitCode") or 0) != 0:
@@ -211,9 +223,15 @@ def pod_start_failure(pod: Mapping[str, Any]) -> PodStartFailure | None:
         else:
             model_unavailable, message = _relevant_text(text)
         return PodStartFailure(
-            pod=identity[0], role=identity[1], container=name,
-            exit_code=int(term.get("exitCode") or 0), model_unavailable=model_unavailable,
-            message=message, termination_reason=reason, memory_limit=_memory_limit(pod, name))
+            pod=identity[0],
+            role=identity[1],
+            container=name,
+            exit_code=int(term.get("exitCode") or 0),
+            model_unavailable=model_unavailable,
+            message=message,
+            termination_reason=reason,
+            memory_limit=_memory_limit(pod, name),
+        )
     return None
 
 
@@ -225,9 +243,13 @@ def pod_waiting_failure(pod: Mapping[str, Any]) -> PodWaitingFailure | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in WAITING_FAILURES:
-            return PodWaitingFailure(pod=identity[0], role=identity[1], container=str(cs.get("name", "")),
-                                     waiting_reason=str(waiting["reason"]),
-                                     message=_trim(str(waiting.get("message") or "")))
+            return PodWaitingFailure(
+                pod=identity[0],
+                role=identity[1],
+                container=str(cs.get("name", "")),
+                waiting_reason=str(waiting["reason"]),
+                message=_trim(str(waiting.get("message") or "")),
+            )
     return None
 
 
@@ -286,8 +308,9 @@ class DeploymentFailure:
         return f"{head}: {self.message}" if self.message else head
 
 
-def _deployment_failures(deployments: Mapping[Role, Mapping[str, Any]], *, type_: str, status: str,
-                         reasons: Collection[str] | None) -> list[DeploymentFailure]:
+def _deployment_failures(
+    deployments: Mapping[Role, Mapping[str, Any]], *, type_: str, status: str, reasons: Collection[str] | None
+) -> list[DeploymentFailure]:
     out = []
     for role, dep in deployments.items():
         for cond in (dep.get("status") or {}).get("conditions") or []:
@@ -295,9 +318,14 @@ def _deployment_failures(deployments: Mapping[Role, Mapping[str, Any]], *, type_
                 continue
             reason = str(cond.get("reason") or type_)
             if reasons is None or reason in reasons:
-                out.append(DeploymentFailure(deployment=str(dep["metadata"]["name"]), role=role.value,
-                                             condition_reason=reason,
-                                             message=_trim(str(cond.get("message") or ""))))
+                out.append(
+                    DeploymentFailure(
+                        deployment=str(dep["metadata"]["name"]),
+                        role=role.value,
+                        condition_reason=reason,
+                        message=_trim(str(cond.get("message") or "")),
+                    )
+                )
     return out
 
 
@@ -308,8 +336,9 @@ def replica_failures(deployments: Mapping[Role, Mapping[str, Any]]) -> list[Depl
 
 def stuck_rollouts(deployments: Mapping[Role, Mapping[str, Any]]) -> list[DeploymentFailure]:
     """Deployments past their progress deadline (``Progressing=False``, ``ProgressDeadlineExceeded``)."""
-    return _deployment_failures(deployments, type_="Progressing", status="False",
-                                reasons={Reason.PROGRESS_DEADLINE_EXCEEDED})
+    return _deployment_failures(
+        deployments, type_="Progressing", status="False", reasons={Reason.PROGRESS_DEADLINE_EXCEEDED}
+    )
 
 
 ChildFailure = PodFailure | DeploymentFailure

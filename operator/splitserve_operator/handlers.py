@@ -103,7 +103,7 @@ def retry_delay(attempt: int) -> float:
 def progress_message(text: str) -> str:
     """``text`` bounded for kopf, which keeps a retried handler's error message in an
     annotation (all annotations share 256 KiB; an API server's message may quote the spec)."""
-    return text if len(text) <= failures.MAX_MESSAGE_CHARS else text[:failures.MAX_MESSAGE_CHARS - 3] + "..."
+    return text if len(text) <= failures.MAX_MESSAGE_CHARS else text[: failures.MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def not_paused(body: Mapping[str, Any], **_: Any) -> bool:
@@ -120,16 +120,22 @@ def pod_needs_reconcile(body: Mapping[str, Any], **_: Any) -> bool:
     an image that cannot be pulled, a container that cannot be configured), and any change of a
     multi-node pool's pod: its groups are counted from the pods (LeaderWorkerSets are not
     watched)."""
-    return (pod_unschedulable(body) or failures.pod_failure(body) is not None
-            or leader_worker_set.SET_NAME_LABEL in ((body.get("metadata") or {}).get("labels") or {}))
+    return (
+        pod_unschedulable(body)
+        or failures.pod_failure(body) is not None
+        or leader_worker_set.SET_NAME_LABEL in ((body.get("metadata") or {}).get("labels") or {})
+    )
 
 
 def owner_key(obj: Mapping[str, Any]) -> Key | None:
     """(namespace, name) of the InferenceService controlling a child, if any."""
     meta = obj.get("metadata") or {}
     for ref in meta.get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("kind") == contract.KIND and \
-                str(ref.get("apiVersion", "")).startswith(f"{contract.API_GROUP}/"):
+        if (
+            ref.get("controller")
+            and ref.get("kind") == contract.KIND
+            and str(ref.get("apiVersion", "")).startswith(f"{contract.API_GROUP}/")
+        ):
             return (str(meta.get("namespace")), str(ref.get("name")))
     return None
 
@@ -142,8 +148,9 @@ async def in_lane(lane: concurrent.futures.Executor, call: Callable[[], T]) -> T
     return await asyncio.get_running_loop().run_in_executor(lane, context.run, call)
 
 
-def child_event_target(*, event: Mapping[str, Any], body: Mapping[str, Any], children: child_cache.ChildCache,
-                       known: Mapping[Key, None]) -> Key | None:
+def child_event_target(
+    *, event: Mapping[str, Any], body: Mapping[str, Any], children: child_cache.ChildCache, known: Mapping[Key, None]
+) -> Key | None:
     """Keep what a child's watch event shows in ``children``, and say which InferenceService
     to reconcile for it: its controlling one, except for the initial listing of a known one (its
     own resume handler covers it) and for the echo of our own write (the reconcile that sent it
@@ -162,8 +169,9 @@ def child_event_target(*, event: Mapping[str, Any], body: Mapping[str, Any], chi
     return None if echo else key
 
 
-def secret_event_target(*, event_type: str | None, secret: Mapping[str, Any],
-                        children: child_cache.ChildCache) -> Key | None:
+def secret_event_target(
+    *, event_type: str | None, secret: Mapping[str, Any], children: child_cache.ChildCache
+) -> Key | None:
     """Keep what the Secret watch shows in ``children``, and say which InferenceService to
     reconcile for it: for a deletion or a change by anyone else (not the echo of our own
     create, not the initial listing), the one that controls it, else the one its instance
@@ -225,6 +233,7 @@ class Coalescer:
 
         def request(key: Key) -> None:
             loop.call_soon_threadsafe(self.request, key)
+
         return request
 
     def request(self, key: Key) -> None:
@@ -242,8 +251,12 @@ class Coalescer:
                     done = await self._run(key)
                 if not done:
                     if attempt >= CHILD_RETRY_ATTEMPTS:
-                        logger.error("Giving up child-triggered reconcile of %s/%s after %d attempts",
-                                     key[0], key[1], attempt + 1)
+                        logger.error(
+                            "Giving up child-triggered reconcile of %s/%s after %d attempts",
+                            key[0],
+                            key[1],
+                            attempt + 1,
+                        )
                         return
                     await asyncio.sleep(retry_delay(attempt))
                     attempt += 1
@@ -299,10 +312,12 @@ class OperatorContext:
     known: dict[Key, None] = dataclasses.field(default_factory=dict)
     """InferenceServices this operator has seen (for the autoscaler loop)."""
     children: child_cache.ChildCache = dataclasses.field(
-        default_factory=lambda: child_cache.ChildCache.for_resources(CACHED_RESOURCES))
+        default_factory=lambda: child_cache.ChildCache.for_resources(CACHED_RESOURCES)
+    )
     """The children as the child watch delivers them (:mod:`.child_cache`)."""
     spec_lane: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(SPEC_WORKERS, thread_name_prefix="spec"))
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(SPEC_WORKERS, thread_name_prefix="spec")
+    )
     """Where the kopf handlers' reconciles run (:data:`SPEC_WORKERS`)."""
     namespaces: tuple[str, ...] = ()
     """The namespaces served (namespace scopes), () for all: where the Secret watch looks (one
@@ -314,8 +329,9 @@ class OperatorContext:
         started = time.monotonic()
         outcome = "Error"
         try:
-            result = reconcile.reconcile(api=self.api, obj=obj, settings=self.settings, nodes=self.nodes,
-                                         children=self.children)
+            result = reconcile.reconcile(
+                api=self.api, obj=obj, settings=self.settings, nodes=self.nodes, children=self.children
+            )
             outcome = result.outcome
             return result
         except reconcile.RetryableError:
@@ -358,8 +374,10 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
         try:
             async with coalescer.lock(key):
                 # Re-read inside the lock: kopf's body may predate a reconcile that just ran.
-                obj = await in_lane(ctx.spec_lane, functools.partial(
-                    ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1]))
+                obj = await in_lane(
+                    ctx.spec_lane,
+                    functools.partial(ctx.api.get, kind=kube.INFERENCE_SERVICE, namespace=key[0], name=key[1]),
+                )
                 if obj is None or reconcile.is_paused(obj):
                     return
                 await in_lane(ctx.spec_lane, functools.partial(ctx.run_reconcile, obj))
@@ -367,16 +385,14 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
             raise kopf.TemporaryError(progress_message(str(exc)), delay=retry_delay(retry)) from exc
         except Exception as exc:  # noqa: BLE001 - problems are retried, never crash the operator
             logger.exception("Reconcile of %s/%s failed unexpectedly", key[0], key[1])
-            raise kopf.TemporaryError(progress_message(f"{type(exc).__name__}: {exc}"),
-                                      delay=retry_delay(retry)) from exc
+            raise kopf.TemporaryError(
+                progress_message(f"{type(exc).__name__}: {exc}"), delay=retry_delay(retry)
+            ) from exc
 
     kopf.on.login(registry=registry)(kopf.login_via_client)
-    kopf.on.resume(group, version, plural, registry=registry, when=not_paused,
-                   id="reconcile-resume")(reconcile_handler)
-    kopf.on.create(group, version, plural, registry=registry, when=not_paused,
-                   id="reconcile-create")(reconcile_handler)
-    kopf.on.update(group, version, plural, registry=registry, when=not_paused,
-                   id="reconcile-update")(reconcile_handler)
+    kopf.on.resume(group, version, plural, registry=registry, when=not_paused, id="reconcile-resume")(reconcile_handler)
+    kopf.on.create(group, version, plural, registry=registry, when=not_paused, id="reconcile-create")(reconcile_handler)
+    kopf.on.update(group, version, plural, registry=registry, when=not_paused, id="reconcile-update")(reconcile_handler)
 
     @kopf.on.event(group, version, plural, registry=registry, id="track")
     async def track(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
@@ -409,8 +425,9 @@ def build_registry(*, ctx: OperatorContext) -> tuple[kopf.OperatorRegistry, Coal
 
     for child_group, child_version, child_plural in CHILD_RESOURCES:
         api_version = f"{child_group}/{child_version}" if child_group else child_version
-        kopf.on.event(api_version, child_plural, registry=registry, labels=labels,
-                      id=f"child-{child_plural}")(child_event)
+        kopf.on.event(api_version, child_plural, registry=registry, labels=labels, id=f"child-{child_plural}")(
+            child_event
+        )
 
     watch: list[secret_watch.SecretWatch] = []
 

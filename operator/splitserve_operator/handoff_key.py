@@ -36,8 +36,6 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from kubernetes.client.exceptions import ApiException
-
 import splitserve_contract as contract
 
 from . import apply, child_cache, kube, naming
@@ -52,13 +50,16 @@ FILE_MODE: Final = 0o440
 
 def secret(*, isvc_name: str, namespace: str, owner_reference: Mapping[str, Any], key: bytes) -> dict[str, Any]:
     """The Secret object holding ``key`` (pure; the caller draws the key)."""
-    labels = {**naming.instance_selector_labels(isvc_name),
-              contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
+    labels = {**naming.instance_selector_labels(isvc_name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": naming.handoff_key_secret_name(isvc_name), "namespace": namespace,
-                     "labels": labels, "ownerReferences": [dict(owner_reference)]},
+        "metadata": {
+            "name": naming.handoff_key_secret_name(isvc_name),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [dict(owner_reference)],
+        },
         "type": "Opaque",
         "immutable": True,
         "data": {contract.HANDOFF_KEY_SECRET_KEY: base64.b64encode(key).decode("ascii")},
@@ -67,8 +68,10 @@ def secret(*, isvc_name: str, namespace: str, owner_reference: Mapping[str, Any]
 
 def volume(isvc_name: str) -> dict[str, Any]:
     """The pod volume of the Secret."""
-    return {"name": VOLUME_NAME, "secret": {
-        "secretName": naming.handoff_key_secret_name(isvc_name), "defaultMode": FILE_MODE}}
+    return {
+        "name": VOLUME_NAME,
+        "secret": {"secretName": naming.handoff_key_secret_name(isvc_name), "defaultMode": FILE_MODE},
+    }
 
 
 def volume_mount() -> dict[str, Any]:
@@ -81,9 +84,15 @@ def as_secret(metadata_only: Mapping[str, Any]) -> dict[str, Any]:
     return {**metadata_only, "apiVersion": kube.SECRET.api_version, "kind": kube.SECRET.kind}
 
 
-def ensure(*, api: kube.KubeAPI, isvc_name: str, namespace: str, owner_reference: Mapping[str, Any],
-           cache: child_cache.ChildCache | None = None,
-           random_bytes: Callable[[int], bytes] = secrets.token_bytes) -> bool:
+def ensure(
+    *,
+    api: kube.KubeAPI,
+    isvc_name: str,
+    namespace: str,
+    owner_reference: Mapping[str, Any],
+    cache: child_cache.ChildCache | None = None,
+    random_bytes: Callable[[int], bytes] = secrets.token_bytes,
+) -> bool:
     """Create the Secret unless this InferenceService's own is there (see the module
     docstring). True when this call created it. Raises :class:`~.apply.NameConflict` when the
     name is held by a Secret this InferenceService does not control, and the API error of a
@@ -94,14 +103,14 @@ def ensure(*, api: kube.KubeAPI, isvc_name: str, namespace: str, owner_reference
     seen = cache.seen(key) if cache is not None else None
     if seen is not None and seen.controller_uid == owner_uid:
         return False  # the watch shows ours: nothing to send
-    obj = secret(isvc_name=isvc_name, namespace=namespace, owner_reference=owner_reference,
-                 key=random_bytes(KEY_BYTES))
-    last: ApiException | None = None
+    obj = secret(isvc_name=isvc_name, namespace=namespace, owner_reference=owner_reference, key=random_bytes(KEY_BYTES))
+    last: kube.ApiException | None = None
     for _ in range(2):  # a Secret deleted between our create and our look gets one more create
         try:
-            created = api.create(kind=kube.SECRET, namespace=namespace, obj=obj,
-                                 field_manager=contract.FIELD_MANAGER_RECONCILER)
-        except ApiException as exc:
+            created = api.create(
+                kind=kube.SECRET, namespace=namespace, obj=obj, field_manager=contract.FIELD_MANAGER_RECONCILER
+            )
+        except kube.ApiException as exc:
             if not kube.is_conflict(exc):
                 raise
             last = exc
@@ -118,7 +127,8 @@ def ensure(*, api: kube.KubeAPI, isvc_name: str, namespace: str, owner_reference
         if child_cache.controller_uid(live) == owner_uid:
             return False  # created earlier: keep its key
         ref = apply.controller_of(live)
-        raise apply.NameConflict(kind=kube.SECRET.kind, name=name,
-                                 owner=f"{ref.get('kind')}/{ref.get('name')}" if ref else None)
+        raise apply.NameConflict(
+            kind=kube.SECRET.kind, name=name, owner=f"{ref.get('kind')}/{ref.get('name')}" if ref else None
+        )
     assert last is not None
     raise last

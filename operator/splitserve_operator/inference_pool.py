@@ -36,8 +36,9 @@ API_VERSION: Final = f"{API_GROUP}/v1"
 CRD_NAME: Final = f"inferencepools.{API_GROUP}"
 OBJECTIVES_API_GROUP: Final = "inference.networking.x-k8s.io"
 """The group of InferenceObjective, which the EPP watches next to its pool."""
-CRDS_MANIFEST_URL: Final = ("https://github.com/kubernetes-sigs/gateway-api-inference-extension/"
-                            "releases/download/v1.2.0/manifests.yaml")
+CRDS_MANIFEST_URL: Final = (
+    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/v1.2.0/manifests.yaml"
+)
 """The Inference Extension's CRDs (InferencePool, InferenceObjective), the version we render for."""
 
 CHART_VALUE: Final = "inferencePool.enabled"
@@ -136,19 +137,30 @@ def picker_args(isvc: InferenceService) -> list[str]:
     * ext-proc keeps its default TLS (a self-signed certificate), which Gateways expect."""
     meta = isvc.metadata
     return [
-        "--pool-name", pool_name(meta.name),
-        "--pool-namespace", meta.namespace or "",
-        "--grpc-port", str(GRPC_PORT),
-        "--grpc-health-port", str(GRPC_HEALTH_PORT),
-        "--metrics-port", str(METRICS_PORT),
-        "--total-queued-requests-metric", ModelServerMetric.NUM_REQUESTS_WAITING,
-        "--kv-cache-usage-percentage-metric", ModelServerMetric.KV_CACHE_USAGE_PERC,
-        "--cache-info-metric", ModelServerMetric.CACHE_CONFIG_INFO,
-        "--lora-info-metric", "",
+        "--pool-name",
+        pool_name(meta.name),
+        "--pool-namespace",
+        meta.namespace or "",
+        "--grpc-port",
+        str(GRPC_PORT),
+        "--grpc-health-port",
+        str(GRPC_HEALTH_PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--total-queued-requests-metric",
+        ModelServerMetric.NUM_REQUESTS_WAITING,
+        "--kv-cache-usage-percentage-metric",
+        ModelServerMetric.KV_CACHE_USAGE_PERC,
+        "--cache-info-metric",
+        ModelServerMetric.CACHE_CONFIG_INFO,
+        "--lora-info-metric",
+        "",
         "--metrics-endpoint-auth=false",
         "--tracing=false",
-        "--zap-encoder", "json",
-        "--config-text", PICKER_CONFIG,
+        "--zap-encoder",
+        "json",
+        "--config-text",
+        PICKER_CONFIG,
     ]
 
 
@@ -159,8 +171,12 @@ def picker_rules(isvc_name: str) -> list[dict[str, Any]]:
     these permissions itself, which is what lets it grant them (no ``escalate`` or ``bind``)."""
     read = ["get", "list", "watch"]
     return [
-        {"apiGroups": [API_GROUP], "resources": ["inferencepools"], "resourceNames": [pool_name(isvc_name)],
-         "verbs": read},
+        {
+            "apiGroups": [API_GROUP],
+            "resources": ["inferencepools"],
+            "resourceNames": [pool_name(isvc_name)],
+            "verbs": read,
+        },
         {"apiGroups": [OBJECTIVES_API_GROUP], "resources": ["inferenceobjectives"], "verbs": read},
         {"apiGroups": [""], "resources": ["pods"], "verbs": read},
     ]
@@ -170,17 +186,21 @@ def disabled_message(isvc_name: str) -> str:
     """The Stalled condition's message when this operator runs without InferencePool mode
     (:data:`CHART_VALUE` off, the default): it may not create the picker's ServiceAccount, Role
     and RoleBinding, so nothing is rendered for the InferenceService."""
-    return (f"spec.router.mode is InferencePool but this operator was installed without InferencePool "
-            f"mode, so it may not create the endpoint picker's ServiceAccount, Role and RoleBinding "
-            f"({picker_name(isvc_name)}) and applies nothing for this InferenceService: reinstall the "
-            f"splitserve chart with --set {CHART_VALUE}=true (operator flag {OPERATOR_FLAG}), which grants "
-            "the operator create on ServiceAccounts, Roles and RoleBindings in the watched namespaces, "
-            "or use spec.router.mode Builtin in a new InferenceService")
+    return (
+        f"spec.router.mode is InferencePool but this operator was installed without InferencePool "
+        f"mode, so it may not create the endpoint picker's ServiceAccount, Role and RoleBinding "
+        f"({picker_name(isvc_name)}) and applies nothing for this InferenceService: reinstall the "
+        f"splitserve chart with --set {CHART_VALUE}=true (operator flag {OPERATOR_FLAG}), which grants "
+        "the operator create on ServiceAccounts, Roles and RoleBindings in the watched namespaces, "
+        "or use spec.router.mode Builtin in a new InferenceService"
+    )
 
 
 def crd_missing_message(isvc_name: str) -> str:
     """The Stalled condition's message when the cluster has no InferencePool CRD."""
-    return (f"spec.router.mode is InferencePool but the cluster has no InferencePool CRD ({CRD_NAME}, "
-            f"{API_VERSION}), so InferencePool {pool_name(isvc_name)} cannot be created: install the "
-            f"Gateway API Inference Extension CRDs (kubectl apply -f {CRDS_MANIFEST_URL}); the "
-            "operator retries at least once a minute")
+    return (
+        f"spec.router.mode is InferencePool but the cluster has no InferencePool CRD ({CRD_NAME}, "
+        f"{API_VERSION}), so InferencePool {pool_name(isvc_name)} cannot be created: install the "
+        f"Gateway API Inference Extension CRDs (kubectl apply -f {CRDS_MANIFEST_URL}); the "
+        "operator retries at least once a minute"
+    )

@@ -1,8 +1,12 @@
-"""The one module that talks HTTP to the Kubernetes API server.
+"""The one module that talks HTTP to the Kubernetes API server: the operator's gateway.
 
-Every other controller module (``apply``, ``status``, ``leader``, ``handlers``) goes through
-:class:`Kube`, which works on plain ``dict`` objects, the shape of the YAML a human reads,
-rather than on the client's generated model classes. Requests are built with the official
+Only this module imports the ``kubernetes`` client (``.importlinter``, "Only the gateway
+imports the Kubernetes client"): the login (:func:`load_credentials`), the requests, and the
+error type a refused request raises (:class:`ApiException`, re-exported so callers catch it
+as ``kube.ApiException`` and never import the client themselves). Every other controller
+module (``apply``, ``status``, ``leader``, ``handlers``) goes through :class:`Kube`, which
+works on plain ``dict`` objects, the shape of the YAML a human reads, rather than on the
+client's generated model classes. Requests are built with the official
 client's :class:`kubernetes.client.ApiClient` (so its authentication from a kubeconfig or the
 in-cluster ServiceAccount token is reused) and sent with an explicit timeout: the client has no
 default timeout, and a request that never returns would freeze a reconcile forever.
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 from kubernetes import client as k8s_client
-from kubernetes.client.exceptions import ApiException
+from kubernetes import config as k8s_config
+from kubernetes.client import ApiClient as ApiClient
+from kubernetes.client.exceptions import ApiException as ApiException
 
 import splitserve_contract as contract
 
@@ -71,15 +78,45 @@ INFERENCE_POOL: Final = Kind("inference.networking.k8s.io/v1", "InferencePool", 
 """The Gateway API Inference Extension's CRD (router.mode InferencePool): may be missing."""
 LEADER_WORKER_SET: Final = Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets")
 """A pool whose replicas span several nodes (LWS's CRD): may be missing."""
-INFERENCE_SERVICE: Final = Kind(
-    f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, contract.PLURAL
-)
+INFERENCE_SERVICE: Final = Kind(f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, contract.PLURAL)
 
 KINDS: Final[dict[tuple[str, str], Kind]] = {
     (k.api_version, k.kind): k
-    for k in (CONFIG_MAP, SECRET, SERVICE, POD, NODE, DEPLOYMENT, PDB, NETWORK_POLICY, LEASE, INFERENCE_SERVICE,
-              SERVICE_ACCOUNT, ROLE, ROLE_BINDING, INFERENCE_POOL, LEADER_WORKER_SET)
+    for k in (
+        CONFIG_MAP,
+        SECRET,
+        SERVICE,
+        POD,
+        NODE,
+        DEPLOYMENT,
+        PDB,
+        NETWORK_POLICY,
+        LEASE,
+        INFERENCE_SERVICE,
+        SERVICE_ACCOUNT,
+        ROLE,
+        ROLE_BINDING,
+        INFERENCE_POOL,
+        LEADER_WORKER_SET,
+    )
 }
+
+
+def load_credentials(*, connection_pool_size: int) -> ApiClient:
+    """An ApiClient for our own calls, logged in like kopf's default ``login_via_client``:
+    ``$KUBECONFIG`` when set, else the in-cluster ServiceAccount, else ``~/.kube/config``.
+    ``connection_pool_size``: HTTP connections kept open (reconciles apply children
+    concurrently; too few and urllib3 keeps discarding and reopening them)."""
+    if os.environ.get("KUBECONFIG"):
+        k8s_config.load_kube_config()
+    else:
+        try:
+            k8s_config.load_incluster_config()
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config()
+    configuration = k8s_client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = connection_pool_size
+    return ApiClient(configuration)
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
@@ -114,8 +151,14 @@ class StatusAPI(Protocol):
     def get(self, *, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None: ...
 
     def merge_patch(
-        self, *, kind: Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
-        subresource: str | None = None, field_manager: str | None = None,
+        self,
+        *,
+        kind: Kind,
+        namespace: str | None,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str | None = None,
+        field_manager: str | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -127,11 +170,13 @@ class KubeAPI(StatusAPI, Protocol):
 
     def apply(self, *, obj: Mapping[str, Any], field_manager: str, force: bool) -> dict[str, Any]: ...
 
-    def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
-               field_manager: str | None = None) -> dict[str, Any]: ...
+    def create(
+        self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any], field_manager: str | None = None
+    ) -> dict[str, Any]: ...
 
-    def list_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str = "",
-                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]: ...
+    def list_metadata(
+        self, *, kind: Kind, namespace: str | None, label_selector: str = "", field_selector: str = ""
+    ) -> tuple[Sequence[dict[str, Any]], str]: ...
 
 
 RequestObserver = Callable[[str, str], None]
@@ -143,8 +188,13 @@ operator's ``splitserve_operator_api_requests_total``)."""
 class Kube:
     """Typed, dict-based access to the handful of API calls the operator makes."""
 
-    def __init__(self, *, api_client: k8s_client.ApiClient, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
-                 on_request: RequestObserver | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        api_client: ApiClient,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        on_request: RequestObserver | None = None,
+    ) -> None:
         self._api = api_client
         self._timeout = timeout_seconds
         self._on_request = on_request
@@ -178,13 +228,17 @@ class Kube:
         )
         http_method, url, header_params, request_body, _post = serialized
         response = self._api.call_api(
-            http_method, url, header_params=header_params, body=request_body,
+            http_method,
+            url,
+            header_params=header_params,
+            body=request_body,
             _request_timeout=self._timeout,
         )
         data = response.read()
         if not 200 <= response.status < 300:
-            raise ApiException(status=response.status, reason=response.reason,
-                               body=data.decode("utf-8", "replace") if data else None)
+            raise ApiException(
+                status=response.status, reason=response.reason, body=data.decode("utf-8", "replace") if data else None
+            )
         if not data:
             return {}
         decoded = json.loads(data)
@@ -194,8 +248,9 @@ class Kube:
     def get(self, *, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return self._request(verb="get", resource=kind.plural, method="GET",
-                                 path=kind.object_path(namespace=namespace, name=name))
+            return self._request(
+                verb="get", resource=kind.plural, method="GET", path=kind.object_path(namespace=namespace, name=name)
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -203,43 +258,68 @@ class Kube:
 
     def list(self, *, kind: Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else []
-        result = self._request(verb="list", resource=kind.plural, method="GET",
-                               path=kind.collection_path(namespace=namespace), query=query)
+        result = self._request(
+            verb="list", resource=kind.plural, method="GET", path=kind.collection_path(namespace=namespace), query=query
+        )
         items = result.get("items") or []
         return [item for item in items if isinstance(item, dict)]
 
-    def list_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str = "",
-                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]:
+    def list_metadata(
+        self, *, kind: Kind, namespace: str | None, label_selector: str = "", field_selector: str = ""
+    ) -> tuple[Sequence[dict[str, Any]], str]:
         """The objects' metadata only (``PartialObjectMetadata``: the server sends no data) and
         the list's resourceVersion (where a watch resumes)."""
         query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
-        result = self._request(verb="list", resource=kind.plural, method="GET",
-                               path=kind.collection_path(namespace=namespace), query=query, accept=METADATA_LIST)
+        result = self._request(
+            verb="list",
+            resource=kind.plural,
+            method="GET",
+            path=kind.collection_path(namespace=namespace),
+            query=query,
+            accept=METADATA_LIST,
+        )
         items = [item for item in result.get("items") or [] if isinstance(item, dict)]
         return items, str((result.get("metadata") or {}).get("resourceVersion") or "")
 
-    def watch_metadata(self, *, kind: Kind, namespace: str | None, label_selector: str, resource_version: str,
-                       timeout_seconds: int) -> Iterator[dict[str, Any]]:
+    def watch_metadata(
+        self, *, kind: Kind, namespace: str | None, label_selector: str, resource_version: str, timeout_seconds: int
+    ) -> Iterator[dict[str, Any]]:
         """The watch events (``{"type", "object"}``, objects as metadata only) after
         ``resource_version``, until the server ends the watch (``timeout_seconds``); raises
         :class:`ApiException` for a refused watch. A 410 Gone arrives as an ``ERROR`` event."""
         if self._on_request is not None:
             self._on_request("watch", kind.plural)
-        query = [("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
-                 ("timeoutSeconds", str(timeout_seconds))]
+        query = [
+            ("watch", "true"),
+            ("resourceVersion", resource_version),
+            ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(timeout_seconds)),
+        ]
         if label_selector:
             query.append(("labelSelector", label_selector))
         method, url, headers, body, _post = self._api.param_serialize(
-            method="GET", resource_path=kind.collection_path(namespace=namespace), query_params=query,
-            header_params={"Accept": METADATA_ONLY}, auth_settings=["BearerToken"])
-        response = self._api.call_api(method, url, header_params=headers, body=body,
-                                      _request_timeout=(self._timeout, timeout_seconds + self._timeout))
+            method="GET",
+            resource_path=kind.collection_path(namespace=namespace),
+            query_params=query,
+            header_params={"Accept": METADATA_ONLY},
+            auth_settings=["BearerToken"],
+        )
+        response = self._api.call_api(
+            method,
+            url,
+            header_params=headers,
+            body=body,
+            _request_timeout=(self._timeout, timeout_seconds + self._timeout),
+        )
         raw = response.response
         try:
             if not 200 <= response.status < 300:
                 data = response.read()
-                raise ApiException(status=response.status, reason=response.reason,
-                                   body=data.decode("utf-8", "replace") if data else None)
+                raise ApiException(
+                    status=response.status,
+                    reason=response.reason,
+                    body=data.decode("utf-8", "replace") if data else None,
+                )
             buffer = b""
             for chunk in raw.stream(65536, decode_content=True):
                 buffer += chunk
@@ -261,34 +341,63 @@ class Kube:
         if force:
             query.append(("force", "true"))
         return self._request(
-            verb="apply", resource=kind.plural, method="PATCH",
+            verb="apply",
+            resource=kind.plural,
+            method="PATCH",
             path=kind.object_path(namespace=meta.get("namespace"), name=meta["name"]),
-            query=query, body=dict(obj), content_type=APPLY_PATCH,
+            query=query,
+            body=dict(obj),
+            content_type=APPLY_PATCH,
         )
 
     def merge_patch(
-        self, *, kind: Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
-        subresource: str | None = None, field_manager: str | None = None,
+        self,
+        *,
+        kind: Kind,
+        namespace: str | None,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str | None = None,
+        field_manager: str | None = None,
     ) -> dict[str, Any]:
         path = kind.object_path(namespace=namespace, name=name)
         if subresource:
             path = f"{path}/{subresource}"
         query = [("fieldManager", field_manager)] if field_manager else []
         resource = f"{kind.plural}/{subresource}" if subresource else kind.plural
-        return self._request(verb="patch", resource=resource, method="PATCH", path=path, query=query,
-                             body=dict(patch), content_type=MERGE_PATCH)
+        return self._request(
+            verb="patch",
+            resource=resource,
+            method="PATCH",
+            path=path,
+            query=query,
+            body=dict(patch),
+            content_type=MERGE_PATCH,
+        )
 
-    def create(self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any],
-               field_manager: str | None = None) -> dict[str, Any]:
+    def create(
+        self, *, kind: Kind, namespace: str | None, obj: Mapping[str, Any], field_manager: str | None = None
+    ) -> dict[str, Any]:
         query = [("fieldManager", field_manager)] if field_manager else []
-        return self._request(verb="create", resource=kind.plural, method="POST",
-                             path=kind.collection_path(namespace=namespace),
-                             query=query, body=dict(obj))
+        return self._request(
+            verb="create",
+            resource=kind.plural,
+            method="POST",
+            path=kind.collection_path(namespace=namespace),
+            query=query,
+            body=dict(obj),
+        )
 
-    def replace(self, *, kind: Kind, namespace: str | None, name: str, obj: Mapping[str, Any],
-                field_manager: str | None = None) -> dict[str, Any]:
+    def replace(
+        self, *, kind: Kind, namespace: str | None, name: str, obj: Mapping[str, Any], field_manager: str | None = None
+    ) -> dict[str, Any]:
         """PUT: fails with 409 when obj's metadata.resourceVersion is stale."""
         query = [("fieldManager", field_manager)] if field_manager else []
-        return self._request(verb="update", resource=kind.plural, method="PUT",
-                             path=kind.object_path(namespace=namespace, name=name),
-                             query=query, body=dict(obj))
+        return self._request(
+            verb="update",
+            resource=kind.plural,
+            method="PUT",
+            path=kind.object_path(namespace=namespace, name=name),
+            query=query,
+            body=dict(obj),
+        )

@@ -30,8 +30,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Final
 
-from kubernetes.client.exceptions import ApiException
-
 from . import kube
 
 logger = logging.getLogger(__name__)
@@ -76,7 +74,11 @@ class LeaderElector:
     ``wall_clock`` stamps the Lease for humans. Both are injected so tests can drive them."""
 
     def __init__(
-        self, *, api: kube.Kube, config: LeaderConfig, clock: Callable[[], float] = time.monotonic,
+        self,
+        *,
+        api: kube.Kube,
+        config: LeaderConfig,
+        clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime.datetime] = utc_now,
     ) -> None:
         self._api = api
@@ -100,16 +102,21 @@ class LeaderElector:
         lease = self._api.get(kind=kube.LEASE, namespace=cfg.namespace, name=cfg.name)
         if lease is None:
             lease_spec: dict[str, Any] = {
-                "holderIdentity": cfg.identity, "leaseDurationSeconds": duration,
-                "acquireTime": _microtime(now), "renewTime": _microtime(now), "leaseTransitions": 0,
+                "holderIdentity": cfg.identity,
+                "leaseDurationSeconds": duration,
+                "acquireTime": _microtime(now),
+                "renewTime": _microtime(now),
+                "leaseTransitions": 0,
             }
             body = {
-                "apiVersion": kube.LEASE.api_version, "kind": "Lease",
-                "metadata": {"name": cfg.name, "namespace": cfg.namespace}, "spec": lease_spec,
+                "apiVersion": kube.LEASE.api_version,
+                "kind": "Lease",
+                "metadata": {"name": cfg.name, "namespace": cfg.namespace},
+                "spec": lease_spec,
             }
             try:
                 self._api.create(kind=kube.LEASE, namespace=cfg.namespace, obj=body)
-            except ApiException as exc:
+            except kube.ApiException as exc:
                 if exc.status == 409:
                     return False
                 raise
@@ -126,12 +133,13 @@ class LeaderElector:
         if holder != cfg.identity:
             new_spec["acquireTime"] = _microtime(now)
             new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
-        new_spec.update({"holderIdentity": cfg.identity, "leaseDurationSeconds": duration,
-                         "renewTime": _microtime(now)})
+        new_spec.update(
+            {"holderIdentity": cfg.identity, "leaseDurationSeconds": duration, "renewTime": _microtime(now)}
+        )
         body = {**lease, "spec": new_spec}
         try:
             self._api.replace(kind=kube.LEASE, namespace=cfg.namespace, name=cfg.name, obj=body)
-        except ApiException as exc:
+        except kube.ApiException as exc:
             if exc.status == 409:
                 return False
             raise
@@ -180,7 +188,9 @@ class LeaderElector:
                 self._last_renew = self._clock()
                 continue
             if self._clock() - self._last_renew >= cfg.renew_deadline_seconds:
-                raise LeadershipLost(f"Lease {cfg.namespace}/{cfg.name} not renewed for {cfg.renew_deadline_seconds:g}s")
+                raise LeadershipLost(
+                    f"Lease {cfg.namespace}/{cfg.name} not renewed for {cfg.renew_deadline_seconds:g}s"
+                )
 
     async def release(self) -> None:
         try:

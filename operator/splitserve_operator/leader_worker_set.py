@@ -75,10 +75,12 @@ def leader_selector(isvc_name: str, role: Role | str) -> dict[str, str]:
 def crd_missing_message(isvc_name: str, roles: Iterable[Role]) -> str:
     """The Stalled condition's message when the cluster has no LeaderWorkerSet CRD."""
     names = ", ".join(naming.child_name(isvc_name, role) for role in roles)
-    return (f"a pool spans several nodes (resources.gpusPerNode smaller than resources.gpus), but the "
-            f"cluster has no LeaderWorkerSet CRD ({CRD_NAME}, {API_VERSION}), so LeaderWorkerSet "
-            f"{names} cannot be created: install LWS {VERSION} (kubectl apply --server-side -f "
-            f"{INSTALL_MANIFEST_URL}); the operator retries at least once a minute")
+    return (
+        f"a pool spans several nodes (resources.gpusPerNode smaller than resources.gpus), but the "
+        f"cluster has no LeaderWorkerSet CRD ({CRD_NAME}, {API_VERSION}), so LeaderWorkerSet "
+        f"{names} cannot be created: install LWS {VERSION} (kubectl apply --server-side -f "
+        f"{INSTALL_MANIFEST_URL}); the operator retries at least once a minute"
+    )
 
 
 def size_of(lws: Mapping[str, Any]) -> int:
@@ -101,7 +103,8 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
         return False
     status = pod.get("status") or {}
     return status.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +178,15 @@ def count_groups(*, lws: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -
     found = groups(own)
     ready = [g for g in found if g.ready(size)]
     wanted = _template_hash(lws)
-    current = all(
-        ((p.get("metadata") or {}).get("annotations") or {}).get(contract.ANNOTATION_CONFIG_HASH) == wanted
-        for g in found for p in g.pods) if wanted is not None else True
+    current = (
+        all(
+            ((p.get("metadata") or {}).get("annotations") or {}).get(contract.ANNOTATION_CONFIG_HASH) == wanted
+            for g in found
+            for p in g.pods
+        )
+        if wanted is not None
+        else True
+    )
     status_replicas = int((lws.get("status") or {}).get("replicas") or 0)
     return GroupCounts(
         replicas=max(status_replicas, len(found)),
@@ -195,11 +204,19 @@ def _same_value(want: Any, have: Any) -> bool:
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(_same_value(v, have.get(k)) for k, v in want.items())
     if isinstance(want, list):
-        return isinstance(have, list) and len(want) == len(have) and all(
-            _same_value(a, b) for a, b in zip(want, have, strict=True))
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(_same_value(a, b) for a, b in zip(want, have, strict=True))
+        )
     if isinstance(want, bool) or isinstance(have, bool):
         return want is have
-    if isinstance(want, int | float) and isinstance(have, str) or isinstance(want, str) and isinstance(have, int | float):
+    if (
+        isinstance(want, int | float)
+        and isinstance(have, str)
+        or isinstance(want, str)
+        and isinstance(have, int | float)
+    ):
         return str(want) == str(have)
     return bool(want == have)
 
@@ -209,13 +226,21 @@ def holds(*, live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     applies it: without ``spec.replicas``, the autoscaler's) with the same value."""
     want_spec = {k: v for k, v in (desired.get("spec") or {}).items() if k != "replicas"}
     want_labels = (desired.get("metadata") or {}).get("labels") or {}
-    return (_same_value(want_labels, (live.get("metadata") or {}).get("labels") or {})
-            and _same_value(want_spec, live.get("spec") or {}))
+    return _same_value(want_labels, (live.get("metadata") or {}).get("labels") or {}) and _same_value(
+        want_spec, live.get("spec") or {}
+    )
 
 
-def apply_unless_held(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: apply.Owner,
-                      initial_replicas: int | None, fixed_replicas: int | None = None,
-                      cache: child_cache.ChildCache | None = None, defer_hand_over: bool = False) -> apply.Applied:
+def apply_unless_held(
+    *,
+    api: kube.KubeAPI,
+    desired: Mapping[str, Any],
+    owner: apply.Owner,
+    initial_replicas: int | None,
+    fixed_replicas: int | None = None,
+    cache: child_cache.ChildCache | None = None,
+    defer_hand_over: bool = False,
+) -> apply.Applied:
     """:func:`.apply.apply_child` for a LeaderWorkerSet, except that nothing is sent when the live
     one is ours, its replicas are handed over, and it already :func:`holds` the rendered fields.
 
@@ -228,8 +253,19 @@ def apply_unless_held(*, api: kube.KubeAPI, desired: Mapping[str, Any], owner: a
     the pods also changes their config-hash annotation, which is among the fields compared."""
     meta = desired["metadata"]
     live = api.get(kind=kube.LEADER_WORKER_SET, namespace=meta.get("namespace"), name=meta["name"])
-    if (live is not None and apply.is_controlled_by(live, owner=owner) and not apply.reconciler_owns_replicas(live)
-            and holds(live=live, desired=desired)):
+    if (
+        live is not None
+        and apply.is_controlled_by(live, owner=owner)
+        and not apply.reconciler_owns_replicas(live)
+        and holds(live=live, desired=desired)
+    ):
         return apply.Applied(live, apply.Outcome.UNCHANGED)
-    return apply.apply_child(api=api, desired=desired, owner=owner, initial_replicas=initial_replicas,
-                             fixed_replicas=fixed_replicas, cache=cache, defer_hand_over=defer_hand_over)
+    return apply.apply_child(
+        api=api,
+        desired=desired,
+        owner=owner,
+        initial_replicas=initial_replicas,
+        fixed_replicas=fixed_replicas,
+        cache=cache,
+        defer_hand_over=defer_hand_over,
+    )

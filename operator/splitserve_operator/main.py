@@ -29,8 +29,6 @@ from typing import Any, Final
 
 import kopf
 import prometheus_client
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 
 import splitserve_contract as contract
 
@@ -56,20 +54,11 @@ ANNOTATION_PREFIX: Final = contract.API_GROUP
 CONNECTION_POOL_SIZE: Final = 32
 
 
-def load_credentials() -> k8s_client.ApiClient:
-    """An ApiClient for our own calls, logged in like kopf's default ``login_via_client``."""
-    if os.environ.get("KUBECONFIG"):
-        k8s_config.load_kube_config()
-    else:
-        try:
-            k8s_config.load_incluster_config()
-        except k8s_config.ConfigException:
-            k8s_config.load_kube_config()
-    configuration = k8s_client.Configuration.get_default_copy()
-    # Reconciles apply children concurrently, several objects at a time: more than the
-    # default 2 x CPU connections, or urllib3 keeps discarding and reopening them.
-    configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
-    return k8s_client.ApiClient(configuration)
+def load_credentials() -> kube.ApiClient:
+    """An ApiClient for our own calls (:func:`.kube.load_credentials`). Reconciles apply
+    children concurrently, several objects at a time: more than the default 2 x CPU
+    connections, or urllib3 keeps discarding and reopening them."""
+    return kube.load_credentials(connection_pool_size=CONNECTION_POOL_SIZE)
 
 
 def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
@@ -82,8 +71,8 @@ def kopf_settings(*, identity: str, namespaced: bool) -> kopf.OperatorSettings:
     # The last handled state as a digest, not the whole spec: all annotations share 256 KiB,
     # and a spec of that size must not make kopf's bookkeeping patch fail forever (:mod:`diffbase`).
     settings.persistence.diffbase_storage = diffbase.DigestDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration",
-        progress=settings.persistence.progress_storage)
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration", progress=settings.persistence.progress_storage
+    )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/kopf-finalizer"  # none is required today
     settings.posting.level = logging.WARNING  # kopf's own messages; ours go through events.EventPoster
     settings.posting.reporting_component = contract.MANAGED_BY_VALUE
@@ -104,8 +93,11 @@ def count_requests(registry: prometheus_client.CollectorRegistry) -> kube.Reques
     """``splitserve_operator_api_requests_total{verb,resource}`` in ``registry``, and the
     observer that counts each request :class:`kube.Kube` sends into it."""
     counter = prometheus_client.Counter(
-        contract.OperatorMetric.API_REQUESTS_TOTAL, "API requests the operator sent (kopf's own not counted)",
-        ["verb", "resource"], registry=registry)
+        contract.OperatorMetric.API_REQUESTS_TOTAL,
+        "API requests the operator sent (kopf's own not counted)",
+        ["verb", "resource"],
+        registry=registry,
+    )
 
     def observe(verb: str, resource: str) -> None:
         counter.labels(verb=verb, resource=resource).inc()
@@ -149,8 +141,15 @@ async def run(*, args: operator_flags.OperatorArgs) -> int:
                 return 0
             operator_metrics.leader.set(1)
         state.phase = health.Phase.LEADING
-        return await _lead(args=args, api=api, identity=identity, elector=elector, state=state,
-                           operator_metrics=operator_metrics, stop=stop)
+        return await _lead(
+            args=args,
+            api=api,
+            identity=identity,
+            elector=elector,
+            state=state,
+            operator_metrics=operator_metrics,
+            stop=stop,
+        )
     finally:
         state.phase = health.Phase.STOPPING
         operator_metrics.leader.set(0)
@@ -158,14 +157,23 @@ async def run(*, args: operator_flags.OperatorArgs) -> int:
         metrics_server.shutdown()
 
 
-async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: str,
-                elector: leader.LeaderElector | None, state: health.HealthState,
-                operator_metrics: metrics.OperatorMetrics, stop: asyncio.Event) -> int:
+async def _lead(
+    *,
+    args: operator_flags.OperatorArgs,
+    api: kube.Kube,
+    identity: str,
+    elector: leader.LeaderElector | None,
+    state: health.HealthState,
+    operator_metrics: metrics.OperatorMetrics,
+    stop: asyncio.Event,
+) -> int:
     ctx = handlers.OperatorContext(
         api=api,
-        settings=reconcile.ReconcileSettings(runtime_image=args.runtime_image,
-                                             router_service_account=args.router_service_account,
-                                             inference_pool=args.inference_pool),
+        settings=reconcile.ReconcileSettings(
+            runtime_image=args.runtime_image,
+            router_service_account=args.router_service_account,
+            inference_pool=args.inference_pool,
+        ),
         metrics=operator_metrics,
         namespaces=operator_flags.watched_namespaces(args),
     )
@@ -176,17 +184,29 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
     # The autoscaler's own handlers (an event tracker and a startup/cleanup pair that runs one
     # operator-wide loop; no finalizer) join the same registry, so they too run only on the
     # leader. Its series go to the operator's /metrics.
-    autoscaler_loop.register(registry=registry, api=api, prometheus_url=args.prometheus_url,
-                             metrics_registry=operator_metrics.registry,
-                             scrape_interval_seconds=args.prometheus_scrape_interval_seconds,
-                             window_seconds=args.metrics_window_seconds)
+    autoscaler_loop.register(
+        registry=registry,
+        api=api,
+        prometheus_url=args.prometheus_url,
+        metrics_registry=operator_metrics.registry,
+        scrape_interval_seconds=args.prometheus_scrape_interval_seconds,
+        window_seconds=args.metrics_window_seconds,
+    )
     stop_flag: asyncio.Event = asyncio.Event()
     ready_flag: asyncio.Event = asyncio.Event()
     namespaces = list(operator_flags.watched_namespaces(args))  # exactly these, or [] for all
-    kopf_task = asyncio.create_task(kopf.operator(
-        registry=registry, settings=kopf_settings(identity=identity, namespaced=bool(namespaces)), standalone=True,
-        clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop_flag, ready_flag=ready_flag,
-    ), name="kopf")
+    kopf_task = asyncio.create_task(
+        kopf.operator(
+            registry=registry,
+            settings=kopf_settings(identity=identity, namespaced=bool(namespaces)),
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        ),
+        name="kopf",
+    )
     waiters: set[asyncio.Task[Any]] = {kopf_task}
     hold_task = asyncio.create_task(elector.hold(), name="lease") if elector else None
     if hold_task is not None:
@@ -230,8 +250,9 @@ async def _lead(*, args: operator_flags.OperatorArgs, api: kube.Kube, identity: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve operator",
-                                     description="Reconcile InferenceServices into prefill/decode/router workloads.")
+    parser = argparse.ArgumentParser(
+        prog="splitserve operator", description="Reconcile InferenceServices into prefill/decode/router workloads."
+    )
     operator_flags.add_operator_arguments(parser)
     return parser
 
@@ -248,8 +269,10 @@ def main(argv: list[str]) -> int:
         api.hub_policy.enforce(api.hub_policy.HubAllowList.parse(args.allowed_hub_endpoints))
     except ValueError as exc:
         parser.error(f"--allowed-hub-endpoints: {exc}")
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return asyncio.run(run(args=args))
     except KeyboardInterrupt:

@@ -38,8 +38,11 @@ class ConditionCollector(Collector):
         self._lock = threading.Lock()
 
     def observe(self, key: ConditionKey, conditions: Sequence[Mapping[str, Any]]) -> None:
-        rows = tuple((str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
-                     for c in conditions if c.get("type"))
+        rows = tuple(
+            (str(c.get("type", "")), str(c.get("status", "")), str(c.get("reason", "")))
+            for c in conditions
+            if c.get("type")
+        )
         with self._lock:
             self._conditions[key] = rows
 
@@ -48,9 +51,11 @@ class ConditionCollector(Collector):
             self._conditions.pop(key, None)
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(OperatorMetric.INFERENCESERVICE_CONDITION,
-                                   "1 for each condition an InferenceService's status shows now",
-                                   labels=["namespace", "inferenceservice", "type", "status", "reason"])
+        family = GaugeMetricFamily(
+            OperatorMetric.INFERENCESERVICE_CONDITION,
+            "1 for each condition an InferenceService's status shows now",
+            labels=["namespace", "inferenceservice", "type", "status", "reason"],
+        )
         with self._lock:
             items = sorted(self._conditions.items())
         for (namespace, name), rows in items:
@@ -76,15 +81,18 @@ class OperatorMetrics:
         return cls(
             registry=registry,
             reconcile_seconds=Histogram(
-                OperatorMetric.RECONCILE_SECONDS, "Time of one InferenceService reconcile",
-                ["outcome"], buckets=RECONCILE_BUCKETS_SECONDS, registry=registry,
-            ),
-            reconcile_errors_total=Counter(
-                OperatorMetric.RECONCILE_ERRORS_TOTAL, "Reconciles that ended in a retryable error",
+                OperatorMetric.RECONCILE_SECONDS,
+                "Time of one InferenceService reconcile",
+                ["outcome"],
+                buckets=RECONCILE_BUCKETS_SECONDS,
                 registry=registry,
             ),
-            leader=Gauge(OperatorMetric.LEADER, "1 while this replica holds the leader Lease",
-                         registry=registry),
+            reconcile_errors_total=Counter(
+                OperatorMetric.RECONCILE_ERRORS_TOTAL,
+                "Reconciles that ended in a retryable error",
+                registry=registry,
+            ),
+            leader=Gauge(OperatorMetric.LEADER, "1 while this replica holds the leader Lease", registry=registry),
             conditions=conditions,
         )
 

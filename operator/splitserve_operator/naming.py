@@ -59,6 +59,12 @@ def config_map_name(isvc_name: str) -> str:
     return f"{isvc_name}-config"
 
 
+def slo_state_config_map_name(isvc_name: str) -> str:
+    """The ConfigMap keeping the SLO autoscaler's learned state (``<isvc>-slo-state``,
+    :mod:`.autoscaler.slo.store`): machine state, apart from the runtime's configuration."""
+    return f"{isvc_name}-slo-state"
+
+
 def handoff_key_secret_name(isvc_name: str) -> str:
     """The Secret holding the InferenceService's KV handoff key (``<isvc>-kv-handoff``)."""
     return f"{isvc_name}{HANDOFF_KEY_SECRET_SUFFIX}"

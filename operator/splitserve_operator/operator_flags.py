@@ -2,7 +2,7 @@
 
 The Helm chart's Deployment template passes exactly these flags, and the operator's
 entry point builds its argument parser from this table with :func:`add_operator_arguments`,
-so the chart and the binary cannot drift (tests/operator/test_chart.py checks every flag
+so the chart and the binary cannot drift (tests/operator/chart/test_chart.py checks every flag
 the chart renders against this table). Same shape as the runtime's flag tables in
 :mod:`splitserve_contract`.
 """
@@ -41,21 +41,34 @@ OPERATOR_FLAGS: tuple[Flag, ...] = (
     Flag("namespace", "namespace", "watch only these namespaces, comma-separated (empty: all namespaces)"),
     Flag("runtime-image", "runtime_image", "runtime image for InferenceServices that set none"),
     Flag("router-service-account", "router_service_account", "serviceAccountName of router pods (empty: default)"),
-    Flag("allowed-hub-endpoints", "allowed_hub_endpoints",
-         "model hubs (scheme://host[:port][/path], comma-separated; no port: any port; '*': any hub) that "
-         "spec.model.hubEndpoint may name; InferenceServices with another are Stalled/InvalidSpec"),
-    Flag("inference-pool", "inference_pool",
-         "reconcile spec.router.mode InferencePool (needs create on ServiceAccounts, Roles and RoleBindings); "
-         "off: such InferenceServices are Stalled/InferencePoolDisabled", is_bool=True),
+    Flag(
+        "allowed-hub-endpoints",
+        "allowed_hub_endpoints",
+        "model hubs (scheme://host[:port][/path], comma-separated; no port: any port; '*': any hub) that "
+        "spec.model.hubEndpoint may name; InferenceServices with another are Stalled/InvalidSpec",
+    ),
+    Flag(
+        "inference-pool",
+        "inference_pool",
+        "reconcile spec.router.mode InferencePool (needs create on ServiceAccounts, Roles and RoleBindings); "
+        "off: such InferenceServices are Stalled/InferencePoolDisabled",
+        is_bool=True,
+    ),
     Flag("metrics-port", "metrics_port", "port of /metrics", type=int),
     Flag("health-port", "health_port", "port of /healthz", type=int),
     Flag("leader-election", "leader_election", "elect one active replica with a Lease", is_bool=True),
     Flag("lease-name", "lease_name", "name of the leader election Lease"),
     Flag("lease-namespace", "lease_namespace", "namespace of the Lease (empty: the pod's namespace)"),
     Flag("prometheus-url", "prometheus_url", "Prometheus base URL for autoscaling metrics"),
-    Flag("prometheus-scrape-interval-seconds", "prometheus_scrape_interval_seconds",
-         "scrape interval of the runtime pods (samples older than 3x are stale)", type=float),
-    Flag("metrics-window-seconds", "metrics_window_seconds", "smoothing window of the autoscaler's queries", type=float),
+    Flag(
+        "prometheus-scrape-interval-seconds",
+        "prometheus_scrape_interval_seconds",
+        "scrape interval of the runtime pods (samples older than 3x are stale)",
+        type=float,
+    ),
+    Flag(
+        "metrics-window-seconds", "metrics_window_seconds", "smoothing window of the autoscaler's queries", type=float
+    ),
     Flag("log-level", "log_level", "log verbosity", choices=("debug", "info", "warning", "error")),
 )
 

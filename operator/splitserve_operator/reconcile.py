@@ -51,8 +51,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from kubernetes.client.exceptions import ApiException
-
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason, Role
 
@@ -92,8 +90,7 @@ def _apply_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY,
-                                                          thread_name_prefix="apply")
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=APPLY_CONCURRENCY, thread_name_prefix="apply")
         return _pool
 
 
@@ -154,11 +151,10 @@ class NodeCache:
                 return self._nodes
             try:
                 self._nodes = api.list(kind=kube.NODE, namespace=None)
-            except ApiException as exc:
+            except kube.ApiException as exc:
                 if exc.status in (401, 403):
                     if not self._warned:  # a namespace-scoped install has no node access
-                        logger.warning("Cannot list nodes (%s): only Pending pods reveal missing GPUs",
-                                       exc.status)
+                        logger.warning("Cannot list nodes (%s): only Pending pods reveal missing GPUs", exc.status)
                         self._warned = True
                     self._nodes = None
                 else:
@@ -179,8 +175,14 @@ def endpoint_of(*, name: str, namespace: str) -> str:
 def observe_deployment(*, role: Role, deployment: Mapping[str, Any], pods: list[dict[str, Any]]) -> PoolObservation:
     if leader_worker_set.is_leader_worker_set(deployment):  # a multi-node pool: counted in groups
         groups = leader_worker_set.count_groups(lws=deployment, pods=pods)
-        return PoolObservation(role=role, replicas=groups.replicas, ready=groups.ready, desired=groups.desired,
-                               pending=groups.pending, rolled_out=groups.rolled_out)
+        return PoolObservation(
+            role=role,
+            replicas=groups.replicas,
+            ready=groups.ready,
+            desired=groups.desired,
+            pending=groups.pending,
+            rolled_out=groups.rolled_out,
+        )
     spec = deployment.get("spec") or {}
     st = deployment.get("status") or {}
     generation = int(deployment.get("metadata", {}).get("generation") or 0)
@@ -190,15 +192,24 @@ def observe_deployment(*, role: Role, deployment: Mapping[str, Any], pods: list[
     available = int(st.get("availableReplicas") or 0)
     rolled_out = (
         int(st.get("observedGeneration") or 0) >= generation
-        and updated >= desired and replicas <= desired and available >= desired
+        and updated >= desired
+        and replicas <= desired
+        and available >= desired
     )
     role_pods = [p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(contract.LABEL_ROLE) == role.value]
-    pending = sum(1 for p in role_pods if (p.get("status") or {}).get("phase") == "Pending"
-                  and not p.get("metadata", {}).get("deletionTimestamp"))
-    return PoolObservation(role=role, replicas=replicas, ready=int(st.get("readyReplicas") or 0),
-                           desired=desired, pending=pending, rolled_out=rolled_out)
-
-
+    pending = sum(
+        1
+        for p in role_pods
+        if (p.get("status") or {}).get("phase") == "Pending" and not p.get("metadata", {}).get("deletionTimestamp")
+    )
+    return PoolObservation(
+        role=role,
+        replicas=replicas,
+        ready=int(st.get("readyReplicas") or 0),
+        desired=desired,
+        pending=pending,
+        rolled_out=rolled_out,
+    )
 
 
 def _status_key(role: Role) -> str:
@@ -221,8 +232,9 @@ def _already_stalled(obj: Mapping[str, Any], reason: str) -> bool:
     """Whether ``obj`` was reported Stalled for ``reason`` at its current generation."""
     cond = _previous(obj, ConditionType.STALLED)
     generation = (obj.get("metadata") or {}).get("generation")
-    return (cond.get("status") == "True" and cond.get("reason") == reason
-            and cond.get("observedGeneration") == generation)
+    return (
+        cond.get("status") == "True" and cond.get("reason") == reason and cond.get("observedGeneration") == generation
+    )
 
 
 API_REFUSED_PREFIX = "The API server refused a child for good: "
@@ -234,17 +246,26 @@ def spec_never_applies(obj: Mapping[str, Any]) -> bool:
     good): nothing is sent again until the spec changes. A spec the *models* refused is parsed
     again instead (cheap, no API call): the verdict may come from another operator version, e.g.
     one that read the object through a newer CRD, and must not outlive an operator upgrade."""
-    return (_already_stalled(obj, Reason.INVALID_SPEC)
-            and str(_previous(obj, ConditionType.STALLED).get("message", "")).startswith(API_REFUSED_PREFIX))
+    return _already_stalled(obj, Reason.INVALID_SPEC) and str(
+        _previous(obj, ConditionType.STALLED).get("message", "")
+    ).startswith(API_REFUSED_PREFIX)
 
 
-def _write_status(*, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[str, Any],
-                  conditions: list[ConditionUpdate]) -> None:
+def _write_status(
+    *, api: kube.KubeAPI, obj: Mapping[str, Any], fields: Mapping[str, Any], conditions: list[ConditionUpdate]
+) -> None:
     meta = obj["metadata"]
     try:
-        status.patch_status(api=api, namespace=meta["namespace"], name=meta["name"], fields=fields,
-                            conditions=conditions, observed_generation=meta.get("generation"), live=obj)
-    except ApiException as exc:
+        status.patch_status(
+            api=api,
+            namespace=meta["namespace"],
+            name=meta["name"],
+            fields=fields,
+            conditions=conditions,
+            observed_generation=meta.get("generation"),
+            live=obj,
+        )
+    except kube.ApiException as exc:
         raise RetryableError(f"status write failed: {kube.error_message(exc)}") from exc
 
 
@@ -253,24 +274,32 @@ Observation = tuple[status.ConditionStatusValue, str, str]
 
 
 def _conditions(*, ready: Observation, reconciling: Observation, stalled: Observation) -> list[ConditionUpdate]:
-    return [ConditionUpdate(ConditionType.READY, *ready), ConditionUpdate(ConditionType.RECONCILING, *reconciling),
-            ConditionUpdate(ConditionType.STALLED, *stalled)]
+    return [
+        ConditionUpdate(ConditionType.READY, *ready),
+        ConditionUpdate(ConditionType.RECONCILING, *reconciling),
+        ConditionUpdate(ConditionType.STALLED, *stalled),
+    ]
 
 
 def _stalled(reason: str, message: str) -> list[ConditionUpdate]:
     """Ready=False, Reconciling=False, Stalled=True, all for ``reason``. Reconciling is False:
     kstatus reads the first of Reconciling/Stalled that is True, and a stalled object is not
     making progress."""
-    return _conditions(ready=("False", reason, message), reconciling=("False", reason, message),
-                       stalled=("True", reason, message))
+    return _conditions(
+        ready=("False", reason, message), reconciling=("False", reason, message), stalled=("True", reason, message)
+    )
 
 
 def _report_invalid_spec(*, api: kube.KubeAPI, obj: Mapping[str, Any], message: str) -> None:
     """Stalled/InvalidSpec at the current generation, and one Warning Event per generation."""
     if not _already_stalled(obj, Reason.INVALID_SPEC):
         events.warning(obj=obj, reason=Reason.INVALID_SPEC, message=message)
-    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
-                  conditions=_stalled(Reason.INVALID_SPEC, message))
+    _write_status(
+        api=api,
+        obj=obj,
+        fields={"observedGeneration": obj["metadata"].get("generation")},
+        conditions=_stalled(Reason.INVALID_SPEC, message),
+    )
 
 
 def _report_inference_pool_disabled(*, api: kube.KubeAPI, parsed: _Parsed) -> None:
@@ -279,8 +308,12 @@ def _report_inference_pool_disabled(*, api: kube.KubeAPI, parsed: _Parsed) -> No
     obj, reason, message = parsed.obj, Reason.INFERENCE_POOL_DISABLED, inference_pool.disabled_message(parsed.name)
     if not _already_stalled(obj, reason):
         events.warning(obj=obj, reason=reason, message=message)
-    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
-                  conditions=_stalled(reason, message))
+    _write_status(
+        api=api,
+        obj=obj,
+        fields={"observedGeneration": obj["metadata"].get("generation")},
+        conditions=_stalled(reason, message),
+    )
 
 
 # ---------------------------------------------------------------------------- stages
@@ -354,8 +387,9 @@ def _parse(*, api: kube.KubeAPI, obj: Mapping[str, Any]) -> _Parsed | None:
 
 
 def _render(*, parsed: _Parsed, settings: ReconcileSettings) -> _Rendered:
-    children = render.render_children(isvc=parsed.isvc, runtime_image=settings.runtime_image,
-                                      router_service_account=settings.router_service_account)
+    children = render.render_children(
+        isvc=parsed.isvc, runtime_image=settings.runtime_image, router_service_account=settings.router_service_account
+    )
     return _Rendered(children=children, comps=render.components(parsed.isvc.spec))
 
 
@@ -372,32 +406,41 @@ def _handoff_key_of(*, parsed: _Parsed, rendered: _Rendered) -> child_cache.Chil
     """Where the KV handoff key Secret is, when a pool of ``rendered`` mounts it."""
     if not any(render.uses_handoff_key(c.role) or render.is_multi_node(c) for c in rendered.comps):
         return None
-    return (kube.SECRET.api_version, kube.SECRET.kind, parsed.namespace,
-            naming.handoff_key_secret_name(parsed.name))
+    return (kube.SECRET.api_version, kube.SECRET.kind, parsed.namespace, naming.handoff_key_secret_name(parsed.name))
 
 
-def _ensure_handoff_key(*, api: kube.KubeAPI, parsed: _Parsed,
-                        children: child_cache.ChildCache | None = None) -> apply.NameConflict | ApiException | None:
+def _ensure_handoff_key(
+    *, api: kube.KubeAPI, parsed: _Parsed, children: child_cache.ChildCache | None = None
+) -> apply.NameConflict | kube.ApiException | None:
     """Create the KV handoff key Secret unless ours is there (:func:`handoff_key.ensure`);
     the name conflict or the API error, if any."""
     try:
-        handoff_key.ensure(api=api, isvc_name=parsed.name, namespace=parsed.namespace,
-                           owner_reference=_owner(parsed).reference(), cache=children)
-    except (apply.NameConflict, ApiException) as exc:
+        handoff_key.ensure(
+            api=api,
+            isvc_name=parsed.name,
+            namespace=parsed.namespace,
+            owner_reference=_owner(parsed).reference(),
+            cache=children,
+        )
+    except (apply.NameConflict, kube.ApiException) as exc:
         return exc
     return None
 
 
 WORKLOAD_KINDS: Final = frozenset({kube.DEPLOYMENT.kind, kube.LEADER_WORKER_SET.kind})
 """The kinds a pool is rendered as; its replica count is the autoscaler's."""
+
+
 def _replica_counts(*, parsed: _Parsed, child: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(initial, fixed) replicas of a child for :func:`apply.apply_child`."""
     role_value = _role_of(child)
     if child["kind"] == "Deployment" and inference_pool.is_picker(child):
         return None, inference_pool.PICKER_REPLICAS
     if child["kind"] in WORKLOAD_KINDS:
-        return (render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value))),
-                parsed.isvc.spec.router.replicas if role_value == Role.ROUTER.value else None)
+        return (
+            render.initial_replicas(isvc=parsed.isvc, role=Role(str(role_value))),
+            parsed.isvc.spec.router.replicas if role_value == Role.ROUTER.value else None,
+        )
     return None, None
 
 
@@ -416,9 +459,14 @@ def _label(key: child_cache.ChildKey) -> str:
     return f"{key[1]}/{key[3]}"
 
 
-def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
-               children: child_cache.ChildCache | None = None,
-               handoff: child_cache.ChildKey | None = None) -> tuple[list[ApplyResult], ApplyResult | None]:
+def _apply_all(
+    *,
+    api: kube.KubeAPI,
+    parsed: _Parsed,
+    rendered: _Rendered,
+    children: child_cache.ChildCache | None = None,
+    handoff: child_cache.ChildKey | None = None,
+) -> tuple[list[ApplyResult], ApplyResult | None]:
     """Apply every child, and create the KV handoff key Secret at ``handoff`` (None: no pool
     mounts one), in waves (:func:`dependencies.waves`): what needs nothing first, all at once
     (a PATCH each, a GET first for one the watch has not shown us, nothing for one the watch
@@ -439,19 +487,27 @@ def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
         child = by_key[key]
         initial, fixed = _replica_counts(parsed=parsed, child=child)
         # a LeaderWorkerSet is sent only when it changed (see apply_unless_held)
-        applier = leader_worker_set.apply_unless_held if child["kind"] == kube.LEADER_WORKER_SET.kind \
-            else apply.apply_child
+        applier = (
+            leader_worker_set.apply_unless_held if child["kind"] == kube.LEADER_WORKER_SET.kind else apply.apply_child
+        )
         try:
-            return applier(api=api, desired=child, owner=owner, initial_replicas=initial,
-                           fixed_replicas=fixed, cache=children, defer_hand_over=True)
-        except (apply.NameConflict, ApiException) as exc:
+            return applier(
+                api=api,
+                desired=child,
+                owner=owner,
+                initial_replicas=initial,
+                fixed_replicas=fixed,
+                cache=children,
+                defer_hand_over=True,
+            )
+        except (apply.NameConflict, kube.ApiException) as exc:
             return exc
 
     def finish(applied: apply.Applied) -> ApplyResult:
         assert applied.finish is not None
         try:
             return applied.finish()
-        except ApiException as exc:
+        except kube.ApiException as exc:
             return exc
 
     results: dict[child_cache.ChildKey, ApplyResult] = {}
@@ -467,8 +523,7 @@ def _apply_all(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
     # Replica hand-overs of created pools, once every child exists: they do not hold up the rest.
     later = {k: r for k, r in results.items() if isinstance(r, apply.Applied) and r.finish is not None}
     results.update(zip(later, pool.map(finish, later.values()), strict=True))
-    return ([results[child_cache.key_of(c)] for c in rendered.children],
-            None if handoff is None else results[handoff])
+    return ([results[child_cache.key_of(c)] for c in rendered.children], None if handoff is None else results[handoff])
 
 
 OPTIONAL_CRD_KINDS: Final = (kube.INFERENCE_POOL.kind, kube.LEADER_WORKER_SET.kind)
@@ -478,8 +533,7 @@ OPTIONAL_CRD_KINDS: Final = (kube.INFERENCE_POOL.kind, kube.LEADER_WORKER_SET.ki
 def _crd_missing(child: Mapping[str, Any], result: apply.Applied | BaseException) -> bool:
     """The apply of an InferencePool or a LeaderWorkerSet found no such resource: the CRD is not
     installed (a PATCH of a kind the API server serves creates the object, it never answers 404)."""
-    return (child["kind"] in OPTIONAL_CRD_KINDS and isinstance(result, BaseException)
-            and kube.is_not_found(result))
+    return child["kind"] in OPTIONAL_CRD_KINDS and isinstance(result, BaseException) and kube.is_not_found(result)
 
 
 def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed, kind: str) -> None:
@@ -489,18 +543,24 @@ def _report_crd_missing(*, api: kube.KubeAPI, parsed: _Parsed, kind: str) -> Non
     if kind == kube.LEADER_WORKER_SET.kind:
         reason = Reason.LEADER_WORKER_SET_CRD_MISSING
         message = leader_worker_set.crd_missing_message(
-            parsed.name, [c.role for c in render.components(parsed.isvc.spec) if render.is_multi_node(c)])
+            parsed.name, [c.role for c in render.components(parsed.isvc.spec) if render.is_multi_node(c)]
+        )
     else:
         reason, message = Reason.INFERENCE_POOL_CRD_MISSING, inference_pool.crd_missing_message(parsed.name)
     if _previous_reason(obj, ConditionType.STALLED) != reason:
         events.warning(obj=obj, reason=reason, message=message)
-    _write_status(api=api, obj=obj, fields={"observedGeneration": obj["metadata"].get("generation")},
-                  conditions=_stalled(reason, message))
+    _write_status(
+        api=api,
+        obj=obj,
+        fields={"observedGeneration": obj["metadata"].get("generation")},
+        conditions=_stalled(reason, message),
+    )
     raise RetryableError(message)
 
 
-def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
-           children: child_cache.ChildCache | None = None) -> _ApplyReport | None:
+def _apply(
+    *, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, children: child_cache.ChildCache | None = None
+) -> _ApplyReport | None:
     """Apply the children and report what happened (Events). A child the API server refuses
     for good (:func:`apierrors.is_permanent`) makes the spec invalid: reported as
     Stalled/InvalidSpec with the server's words, None is returned and nothing is retried.
@@ -548,10 +608,14 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
             if deployment_role is not None:
                 report.deployments[deployment_role] = result.obj
             initial, fixed = _replica_counts(parsed=parsed, child=child)
-            report.planned.append(child_cache.PlannedChild(
-                key=child_cache.key_of(child), digest=result.digest,
-                hands_over_replicas=initial is not None and fixed is None,
-                deployment_role=None if deployment_role is None else deployment_role.value))
+            report.planned.append(
+                child_cache.PlannedChild(
+                    key=child_cache.key_of(child),
+                    digest=result.digest,
+                    hands_over_replicas=initial is not None and fixed is None,
+                    deployment_role=None if deployment_role is None else deployment_role.value,
+                )
+            )
     for cause, labels in not_applied.items():
         what = "not controlled by this InferenceService" if _label(cause) in report.conflicts else "not applied"
         text = f"{', '.join(labels)} not applied: {_label(cause)}, which they use, is {what}"
@@ -565,9 +629,16 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
     if transient:
         message = "; ".join(transient)
         events.warning(obj=obj, reason=Reason.API_ERROR, message=message)
-        _write_status(api=api, obj=obj, fields={}, conditions=_conditions(
-            ready=("False", Reason.API_ERROR, message), reconciling=("True", Reason.API_ERROR, message),
-            stalled=("False", Reason.API_ERROR, message)))
+        _write_status(
+            api=api,
+            obj=obj,
+            fields={},
+            conditions=_conditions(
+                ready=("False", Reason.API_ERROR, message),
+                reconciling=("True", Reason.API_ERROR, message),
+                stalled=("False", Reason.API_ERROR, message),
+            ),
+        )
         raise RetryableError(message)
     if report.created:
         events.normal(obj=obj, reason=Reason.CHILDREN_CREATED, message="Created " + ", ".join(report.created))
@@ -580,13 +651,20 @@ def _apply(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered,
 
 def _spec_key(*, parsed: _Parsed, settings: ReconcileSettings) -> str:
     """Everything the rendered children depend on: the spec, the object's identity, the settings."""
-    return child_cache.digest({"uid": parsed.obj["metadata"].get("uid"), "name": parsed.name,
-                               "namespace": parsed.namespace, "spec": parsed.isvc.spec.model_dump(mode="json"),
-                               "settings": dataclasses.asdict(settings)})
+    return child_cache.digest(
+        {
+            "uid": parsed.obj["metadata"].get("uid"),
+            "name": parsed.name,
+            "namespace": parsed.namespace,
+            "spec": parsed.isvc.spec.model_dump(mode="json"),
+            "settings": dataclasses.asdict(settings),
+        }
+    )
 
 
-def _unchanged(*, api: kube.KubeAPI, parsed: _Parsed, spec_key: str,
-               children: child_cache.ChildCache | None) -> tuple[_Rendered, _ApplyReport] | None:
+def _unchanged(
+    *, api: kube.KubeAPI, parsed: _Parsed, spec_key: str, children: child_cache.ChildCache | None
+) -> tuple[_Rendered, _ApplyReport] | None:
     """Render and apply stages skipped: this spec was applied completely before and the watch
     shows every child as that apply left it (:meth:`child_cache.ChildCache.unchanged`), so a
     render would produce the same bodies and every apply would change nothing. Only the KV
@@ -598,50 +676,74 @@ def _unchanged(*, api: kube.KubeAPI, parsed: _Parsed, spec_key: str,
     uid = str(parsed.obj["metadata"].get("uid"))
     deployments: dict[Role, dict[str, Any]] = {}
     for planned in plan.children:
-        seen = children.unchanged(planned.key, digest=planned.digest, owner_uid=uid,
-                                  hands_over_replicas=planned.hands_over_replicas)
+        seen = children.unchanged(
+            planned.key, digest=planned.digest, owner_uid=uid, hands_over_replicas=planned.hands_over_replicas
+        )
         if seen is None:
             return None
         if planned.deployment_role is not None:
             deployments[Role(planned.deployment_role)] = seen.obj
     rendered = _Rendered(children=[], comps=render.components(parsed.isvc.spec))
-    if (_handoff_key_of(parsed=parsed, rendered=rendered) is not None
-            and _ensure_handoff_key(api=api, parsed=parsed, children=children) is not None):
+    if (
+        _handoff_key_of(parsed=parsed, rendered=rendered) is not None
+        and _ensure_handoff_key(api=api, parsed=parsed, children=children) is not None
+    ):
         return None  # the full path reports the conflict or the error
-    return rendered, _ApplyReport(created=[], updated=[], conflicts=[], conflict_messages=[],
-                                  deployments=deployments, planned=list(plan.children))
+    return rendered, _ApplyReport(
+        created=[], updated=[], conflicts=[], conflict_messages=[], deployments=deployments, planned=list(plan.children)
+    )
 
 
-def _remember(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, spec_key: str,
-              children: child_cache.ChildCache | None) -> None:
+def _remember(
+    *,
+    parsed: _Parsed,
+    rendered: _Rendered,
+    report: _ApplyReport,
+    spec_key: str,
+    children: child_cache.ChildCache | None,
+) -> None:
     """Keep the plan of a complete, conflict-free apply whose every child is watched (the only
     kind :func:`_unchanged` can vouch for)."""
-    if (children is None or report.conflicts or len(report.planned) != len(rendered.children)
-            or not all(children.watches(p.key) for p in report.planned)):
+    if (
+        children is None
+        or report.conflicts
+        or len(report.planned) != len(rendered.children)
+        or not all(children.watches(p.key) for p in report.planned)
+    ):
         return
-    children.remember_plan((parsed.namespace, parsed.name),
-                           child_cache.Plan(spec_key=spec_key, children=tuple(report.planned)))
+    children.remember_plan(
+        (parsed.namespace, parsed.name), child_cache.Plan(spec_key=spec_key, children=tuple(report.planned))
+    )
 
 
 def _list_pods(*, api: kube.KubeAPI, parsed: _Parsed) -> list[dict[str, Any]]:
     selector = f"{contract.LABEL_INSTANCE}={parsed.name},{contract.LABEL_NAME}={contract.LABEL_NAME_VALUE}"
     try:
         return api.list(kind=kube.POD, namespace=parsed.namespace, label_selector=selector)
-    except ApiException as exc:
+    except kube.ApiException as exc:
         raise RetryableError(f"listing pods failed: {kube.error_message(exc)}") from exc
 
 
-def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObservation],
-                    pods: Sequence[Mapping[str, Any]], node_list: Sequence[Mapping[str, Any]] | None) -> list[str]:
+def _gpu_shortfalls(
+    *,
+    comps: Sequence[Component],
+    pools: Mapping[Role, PoolObservation],
+    pods: Sequence[Mapping[str, Any]],
+    node_list: Sequence[Mapping[str, Any]] | None,
+) -> list[str]:
     """Pools whose GPU pods do not fit the eligible nodes, else pods stuck Pending for GPUs."""
     shortfalls: list[str] = []
     for comp in comps:
         if comp.pool is None or comp.role not in pools or node_list is None:
             continue
         gap = capacity.gpu_shortfall(
-            pool=comp.role.value, pods=pools[comp.role].desired * comp.pool.resources.pods_per_replica,
-            gpus_per_pod=comp.pool.resources.gpus_per_pod, node_selector=comp.pool.node_selector,
-            tolerations=comp.pool.tolerations, nodes=node_list)
+            pool=comp.role.value,
+            pods=pools[comp.role].desired * comp.pool.resources.pods_per_replica,
+            gpus_per_pod=comp.pool.resources.gpus_per_pod,
+            node_selector=comp.pool.node_selector,
+            tolerations=comp.pool.tolerations,
+            nodes=node_list,
+        )
         if gap is not None:
             shortfalls.append(gap.message())
     stuck = capacity.unschedulable_gpu_pods(pods)
@@ -650,36 +752,44 @@ def _gpu_shortfalls(*, comps: Sequence[Component], pools: Mapping[Role, PoolObse
     return shortfalls
 
 
-def pod_failures(*, pools: Mapping[Role, PoolObservation],
-                 pods: Sequence[Mapping[str, Any]]) -> list[failures.PodFailure]:
+def pod_failures(
+    *, pools: Mapping[Role, PoolObservation], pods: Sequence[Mapping[str, Any]]
+) -> list[failures.PodFailure]:
     """One failing pod per pool that has no ready replica (a pool still serving from another
     replica is not reported: its rollout, or its progress deadline, says enough). The endpoint
     picker's pods carry no role; they count as the router's."""
     out = failures.pod_failures(roles=[role for role, pool in pools.items() if pool.ready < 1], pods=pods)
     picker = pools.get(Role.ROUTER)
     if picker is not None and picker.ready < 1:
-        out += [f for f in map(failures.pod_failure, (p for p in pods if inference_pool.is_picker(p)))
-                if f is not None][:1]
+        out += [
+            f for f in map(failures.pod_failure, (p for p in pods if inference_pool.is_picker(p))) if f is not None
+        ][:1]
     return out
 
 
-def _observe(*, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport,
-             nodes: NodeCache | None) -> _Observed:
+def _observe(
+    *, api: kube.KubeAPI, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, nodes: NodeCache | None
+) -> _Observed:
     pods = _list_pods(api=api, parsed=parsed)
-    pools = {role: observe_deployment(role=role, deployment=dep, pods=pods)
-             for role, dep in report.deployments.items()}
+    pools = {role: observe_deployment(role=role, deployment=dep, pods=pods) for role, dep in report.deployments.items()}
     node_list = (nodes or NodeCache()).nodes(api=api)
     shortfalls = _gpu_shortfalls(comps=rendered.comps, pools=pools, pods=pods, node_list=node_list)
-    return _Observed(pools=pools, shortfalls=shortfalls,
-                     replica_failures=failures.replica_failures(report.deployments),
-                     pod_failures=pod_failures(pools=pools, pods=pods),
-                     stuck_rollouts=own_stuck_rollouts(
-                         failures.stuck_rollouts(report.deployments), pools=pools,
-                         builtin_router=not inference_pool.enabled(parsed.isvc.spec)))
+    return _Observed(
+        pools=pools,
+        shortfalls=shortfalls,
+        replica_failures=failures.replica_failures(report.deployments),
+        pod_failures=pod_failures(pools=pools, pods=pods),
+        stuck_rollouts=own_stuck_rollouts(
+            failures.stuck_rollouts(report.deployments),
+            pools=pools,
+            builtin_router=not inference_pool.enabled(parsed.isvc.spec),
+        ),
+    )
 
 
-def own_stuck_rollouts(stuck: Sequence[failures.DeploymentFailure], *, pools: Mapping[Role, PoolObservation],
-                       builtin_router: bool) -> list[failures.DeploymentFailure]:
+def own_stuck_rollouts(
+    stuck: Sequence[failures.DeploymentFailure], *, pools: Mapping[Role, PoolObservation], builtin_router: bool
+) -> list[failures.DeploymentFailure]:
     """``stuck`` less the bundled router's rollout while no decode or aggregated pod is ready:
     the router is Ready only with a healthy pod to send to, so its deadline then passes because
     of that pool (which reports its own failure), and "router: ReplicaSet has timed out" would
@@ -724,8 +834,11 @@ def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, obser
         return _Verdict(_stalled(Reason.NAME_CONFLICT, msg), Reason.NAME_CONFLICT, False, msg)
     if ready:
         msg = "All pools are ready and rolled out"
-        conds = _conditions(ready=("True", Reason.RECONCILED, msg), reconciling=("False", Reason.RECONCILED, msg),
-                            stalled=("False", Reason.RECONCILED, msg))
+        conds = _conditions(
+            ready=("True", Reason.RECONCILED, msg),
+            reconciling=("False", Reason.RECONCILED, msg),
+            stalled=("False", Reason.RECONCILED, msg),
+        )
         return _Verdict(conds, Reason.RECONCILED, True, msg)
     blocker = _blocker(observed)
     if blocker is not None:
@@ -735,8 +848,11 @@ def _decide(*, parsed: _Parsed, rendered: _Rendered, report: _ApplyReport, obser
         return _Verdict(_stalled(reason, msg), reason, False, msg)
     reason = Reason.CHILDREN_CREATED if report.created else Reason.ROLLOUT_IN_PROGRESS
     msg = f"Waiting for {waiting}" if waiting else "Waiting for rollouts"
-    conds = _conditions(ready=("False", reason, msg), reconciling=("True", reason, msg),
-                        stalled=("False", Reason.PROGRESSING, "Rollout is progressing"))
+    conds = _conditions(
+        ready=("False", reason, msg),
+        reconciling=("True", reason, msg),
+        stalled=("False", Reason.PROGRESSING, "Rollout is progressing"),
+    )
     return _Verdict(conds, Reason.PROGRESSING, False, msg)
 
 
@@ -744,25 +860,40 @@ def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _O
     fields: dict[str, Any] = {
         "observedGeneration": parsed.obj["metadata"].get("generation"),
         # Behind a Gateway the endpoint is the Gateway's address, which the operator does not know.
-        "endpoint": None if inference_pool.enabled(parsed.isvc.spec)
+        "endpoint": None
+        if inference_pool.enabled(parsed.isvc.spec)
         else endpoint_of(name=parsed.name, namespace=parsed.namespace),
         "compatHash": render.compat_hash_of(isvc=parsed.isvc, runtime_image=settings.runtime_image),
     }
     picker = inference_pool.enabled(parsed.isvc.spec)
     for role, o in observed.pools.items():
         if picker and role is Role.ROUTER:  # the picker stands where the router would: counted apart
-            fields["endpointPicker"] = {"replicas": o.replicas, "readyReplicas": o.ready,
-                                        "desiredReplicas": o.desired, "summary": f"{o.ready}/{o.desired}"}
+            fields["endpointPicker"] = {
+                "replicas": o.replicas,
+                "readyReplicas": o.ready,
+                "desiredReplicas": o.desired,
+                "summary": f"{o.ready}/{o.desired}",
+            }
             fields["router"] = None  # counted here by an earlier version: the column must not show it
             continue
-        fields[_status_key(role)] = {"replicas": o.replicas, "readyReplicas": o.ready,
-                                     "desiredReplicas": o.desired, "pendingReplicas": o.pending,
-                                     "summary": f"{o.ready}/{o.desired}"}
+        fields[_status_key(role)] = {
+            "replicas": o.replicas,
+            "readyReplicas": o.ready,
+            "desiredReplicas": o.desired,
+            "pendingReplicas": o.pending,
+            "summary": f"{o.ready}/{o.desired}",
+        }
     return fields
 
 
-def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileSettings,
-              nodes: NodeCache | None = None, children: child_cache.ChildCache | None = None) -> Result:
+def reconcile(
+    *,
+    api: kube.KubeAPI,
+    obj: Mapping[str, Any],
+    settings: ReconcileSettings,
+    nodes: NodeCache | None = None,
+    children: child_cache.ChildCache | None = None,
+) -> Result:
     """Converge the children of ``obj`` (a live InferenceService) and write its status.
     A paused object is not touched at all (the caller should not even call this), nor is one
     whose current generation is known not to apply (:func:`spec_never_applies`). ``children``:
@@ -791,9 +922,18 @@ def reconcile(*, api: kube.KubeAPI, obj: Mapping[str, Any], settings: ReconcileS
         _remember(parsed=parsed, rendered=rendered, report=report, spec_key=spec_key, children=children)
     observed = _observe(api=api, parsed=parsed, rendered=rendered, report=report, nodes=nodes)
     verdict = _decide(parsed=parsed, rendered=rendered, report=report, observed=observed)
-    _write_status(api=api, obj=obj, fields=_status_fields(parsed=parsed, settings=settings, observed=observed),
-                  conditions=verdict.conditions)
+    _write_status(
+        api=api,
+        obj=obj,
+        fields=_status_fields(parsed=parsed, settings=settings, observed=observed),
+        conditions=verdict.conditions,
+    )
     if verdict.ready and _previous_reason(obj, ConditionType.READY) != Reason.RECONCILED:
         events.normal(obj=obj, reason=Reason.READY, message=verdict.message)
-    return Result(outcome=verdict.outcome, created=tuple(report.created), updated=tuple(report.updated),
-                  conflicts=tuple(report.conflicts), ready=verdict.ready)
+    return Result(
+        outcome=verdict.outcome,
+        created=tuple(report.created),
+        updated=tuple(report.updated),
+        conflicts=tuple(report.conflicts),
+        ready=verdict.ready,
+    )

@@ -115,8 +115,11 @@ def served_name(isvc: InferenceService) -> str:
     return isvc.spec.model.served_name or isvc.metadata.name
 
 
-def _model_location(uri: str, *, volume_name: str = "model-pvc",
-                    ) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+def _model_location(
+    uri: str,
+    *,
+    volume_name: str = "model-pvc",
+) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
     """The --model value plus, for pvc://claim/path, the read-only volume and its mount."""
     if not uri.startswith("pvc://"):
         return uri, None, None
@@ -139,7 +142,11 @@ def _draft_model_location(isvc: InferenceService) -> tuple[str, dict[str, Any] |
 
 
 def serve_args(
-    *, isvc: InferenceService, role: Role, pool: PoolSpec, runtime_image: str,
+    *,
+    isvc: InferenceService,
+    role: Role,
+    pool: PoolSpec,
+    runtime_image: str,
 ) -> contract.ServeArgs:
     """The `splitserve serve` arguments of one pool (before runtime.extraArgs). The compat hash
     goes on the command line too: pods report it and the router pairs only equal hashes.
@@ -181,8 +188,11 @@ def _multi_node_args(pool: PoolSpec) -> dict[str, Any]:
     come from the env the LWS pod webhook injects (``LWS_WORKER_INDEX``,
     ``LWS_LEADER_ADDRESS``), which the runtime reads when the flags are left out: one pod
     template serves the leader and every worker."""
-    return {"nnodes": pool.resources.pods_per_replica,
-            "rendezvous_key_file": leader_worker_set.RENDEZVOUS_KEY_FILE} if pool.resources.multi_node else {}
+    return (
+        {"nnodes": pool.resources.pods_per_replica, "rendezvous_key_file": leader_worker_set.RENDEZVOUS_KEY_FILE}
+        if pool.resources.multi_node
+        else {}
+    )
 
 
 def speculates(isvc: InferenceService, role: Role) -> bool:
@@ -198,8 +208,11 @@ def _speculative_args(*, isvc: InferenceService, role: Role) -> dict[str, Any]:
     if not speculates(isvc, role):
         return {}
     speculative = isvc.spec.engine.speculative
-    args: dict[str, Any] = {"speculative_method": speculative.method, "num_speculative_tokens": speculative.num_tokens,
-                            "speculative_max_num_seqs": speculative.max_num_seqs}
+    args: dict[str, Any] = {
+        "speculative_method": speculative.method,
+        "num_speculative_tokens": speculative.num_tokens,
+        "speculative_max_num_seqs": speculative.max_num_seqs,
+    }
     if speculative.draft_model:
         args["speculative_draft_model"], _, _ = _draft_model_location(isvc)
     return args
@@ -259,8 +272,10 @@ def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
             "valueFrom": {"secretKeyRef": {"name": hub.name, "key": hub.key}},
         }
         # Named by the runtime when the hub refuses the token, so the status says what to fix.
-        env[contract.ENV_HUB_TOKEN_SOURCE] = {"name": contract.ENV_HUB_TOKEN_SOURCE,
-                                              "value": f"Secret {hub.name}, key {hub.key}"}
+        env[contract.ENV_HUB_TOKEN_SOURCE] = {
+            "name": contract.ENV_HUB_TOKEN_SOURCE,
+            "value": f"Secret {hub.name}, key {hub.key}",
+        }
     api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         env[contract.ENV_API_KEY] = {
@@ -281,12 +296,20 @@ def _http_get(path: str) -> dict[str, Any]:
 def _probes(*, startup_budget_seconds: int) -> dict[str, Any]:
     period = 10
     return {
-        "startupProbe": {**_http_get("/health"), "periodSeconds": period, "timeoutSeconds": 5,
-                         "failureThreshold": max(1, startup_budget_seconds // period)},
-        "readinessProbe": {**_http_get("/ready"), "periodSeconds": 5, "timeoutSeconds": 3,
-                           "failureThreshold": 2, "successThreshold": 1},
-        "livenessProbe": {**_http_get("/health"), "periodSeconds": 10, "timeoutSeconds": 5,
-                          "failureThreshold": 6},
+        "startupProbe": {
+            **_http_get("/health"),
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, startup_budget_seconds // period),
+        },
+        "readinessProbe": {
+            **_http_get("/ready"),
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+            "successThreshold": 1,
+        },
+        "livenessProbe": {**_http_get("/health"), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
     }
 
 
@@ -329,14 +352,20 @@ _POD_SECURITY: Final[dict[str, Any]] = {
 
 
 def _pod_spec(
-    *, isvc: InferenceService, component: Component, runtime_image: str, router_service_account: str,
+    *,
+    isvc: InferenceService,
+    component: Component,
+    runtime_image: str,
+    router_service_account: str,
 ) -> dict[str, Any]:
     spec = isvc.spec
     image = image_of(isvc=isvc, runtime_image=runtime_image)
     # Every container resolves the model (the router loads its tokenizer for prefix hashing).
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "model-cache", "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"},
-                                    {"name": "model-cache", "mountPath": MODEL_CACHE_DIR}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+    ]
     _, pvc_volume, pvc_mount = _model_location(spec.model.uri)
     if pvc_volume is not None and pvc_mount is not None:
         volumes.append(pvc_volume)
@@ -363,11 +392,17 @@ def _pod_spec(
         volumes.append({"name": "triton-cache", "emptyDir": {}})
         mounts.append({"name": "triton-cache", "mountPath": TRITON_CACHE_DIR})
         if component.role is not Role.AGGREGATED:
-            ports.append({"name": contract.KV_TRANSFER_PORT_NAME,
-                          "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"})
+            ports.append(
+                {"name": contract.KV_TRANSFER_PORT_NAME, "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"}
+            )
         if pool.resources.multi_node:
-            ports.append({"name": leader_worker_set.RENDEZVOUS_PORT_NAME,
-                          "containerPort": args.rendezvous_port, "protocol": "TCP"})
+            ports.append(
+                {
+                    "name": leader_worker_set.RENDEZVOUS_PORT_NAME,
+                    "containerPort": args.rendezvous_port,
+                    "protocol": "TCP",
+                }
+            )
         if uses_handoff_key(component.role) or pool.resources.multi_node:  # a group's rendezvous key too
             volumes.append(handoff_key.volume(isvc.metadata.name))
             mounts.append(handoff_key.volume_mount())
@@ -418,8 +453,7 @@ def _pod_spec(
 def config_hash(pod_template: Mapping[str, Any]) -> str:
     """Stable hash of everything in a pod template except the hash annotation itself."""
     meta = dict(pod_template.get("metadata", {}))
-    annotations = {k: v for k, v in meta.get("annotations", {}).items()
-                   if k != contract.ANNOTATION_CONFIG_HASH}
+    annotations = {k: v for k, v in meta.get("annotations", {}).items() if k != contract.ANNOTATION_CONFIG_HASH}
     payload = {**pod_template, "metadata": {**meta, "annotations": annotations}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -432,13 +466,19 @@ def _load(template: str, **values: Any) -> dict[str, Any]:
 
 
 def _deployment(
-    *, isvc: InferenceService, component: Component, runtime_image: str,
-    router_service_account: str, compat: str, include_replicas: bool,
+    *,
+    isvc: InferenceService,
+    component: Component,
+    runtime_image: str,
+    router_service_account: str,
+    compat: str,
+    include_replicas: bool,
 ) -> dict[str, Any]:
     name = isvc.metadata.name
     labels = naming.labels(name, component.role, compat_hash=compat)
-    pod_spec = _pod_spec(isvc=isvc, component=component, runtime_image=runtime_image,
-                         router_service_account=router_service_account)
+    pod_spec = _pod_spec(
+        isvc=isvc, component=component, runtime_image=runtime_image, router_service_account=router_service_account
+    )
     replicas: int | None = None
     if include_replicas:
         replicas = isvc.spec.router.replicas if component.pool is None else component.pool.replicas.min
@@ -464,7 +504,11 @@ def is_multi_node(component: Component) -> bool:
 
 
 def _leader_worker_set(
-    *, isvc: InferenceService, component: Component, runtime_image: str, compat: str,
+    *,
+    isvc: InferenceService,
+    component: Component,
+    runtime_image: str,
+    compat: str,
     include_replicas: bool,
 ) -> dict[str, Any]:
     """A multi-node pool (:mod:`.leader_worker_set`): leader and workers run the same pod; the
@@ -475,8 +519,10 @@ def _leader_worker_set(
     leader_labels = naming.labels(name, component.role, compat_hash=compat)
     worker_labels = {k: v for k, v in leader_labels.items() if k != contract.LABEL_SCRAPE}
     pod_spec = _pod_spec(isvc=isvc, component=component, runtime_image=runtime_image, router_service_account="")
-    templates = {role: {"metadata": {"labels": labels, "annotations": {}}, "spec": pod_spec}
-                 for role, labels in (("leader", leader_labels), ("worker", worker_labels))}
+    templates = {
+        role: {"metadata": {"labels": labels, "annotations": {}}, "spec": pod_spec}
+        for role, labels in (("leader", leader_labels), ("worker", worker_labels))
+    }
     return _load(
         "leaderworkerset.yaml.j2",
         name=naming.child_name(name, component.role),
@@ -492,16 +538,31 @@ def _leader_worker_set(
 
 
 def _workload(
-    *, isvc: InferenceService, component: Component, runtime_image: str,
-    router_service_account: str, compat: str, include_replicas: bool,
+    *,
+    isvc: InferenceService,
+    component: Component,
+    runtime_image: str,
+    router_service_account: str,
+    compat: str,
+    include_replicas: bool,
 ) -> dict[str, Any]:
     """The component's Deployment, or the LeaderWorkerSet of a multi-node pool."""
     if is_multi_node(component):
-        return _leader_worker_set(isvc=isvc, component=component, runtime_image=runtime_image, compat=compat,
-                                  include_replicas=include_replicas)
-    return _deployment(isvc=isvc, component=component, runtime_image=runtime_image,
-                       router_service_account=router_service_account, compat=compat,
-                       include_replicas=include_replicas)
+        return _leader_worker_set(
+            isvc=isvc,
+            component=component,
+            runtime_image=runtime_image,
+            compat=compat,
+            include_replicas=include_replicas,
+        )
+    return _deployment(
+        isvc=isvc,
+        component=component,
+        runtime_image=runtime_image,
+        router_service_account=router_service_account,
+        compat=compat,
+        include_replicas=include_replicas,
+    )
 
 
 def pod_template(workload: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -524,11 +585,23 @@ def _service_selector(isvc: InferenceService, component: Component) -> dict[str,
 
 def _service(*, isvc: InferenceService, component: Component, compat: str) -> dict[str, Any]:
     name = isvc.metadata.name
-    ports = [{"name": contract.HTTP_PORT_NAME, "port": contract.HTTP_PORT,
-              "targetPort": contract.HTTP_PORT_NAME, "protocol": "TCP"}]
+    ports = [
+        {
+            "name": contract.HTTP_PORT_NAME,
+            "port": contract.HTTP_PORT,
+            "targetPort": contract.HTTP_PORT_NAME,
+            "protocol": "TCP",
+        }
+    ]
     if component.role in (Role.PREFILL, Role.DECODE):
-        ports.append({"name": contract.KV_TRANSFER_PORT_NAME, "port": contract.KV_TRANSFER_PORT,
-                      "targetPort": contract.KV_TRANSFER_PORT_NAME, "protocol": "TCP"})
+        ports.append(
+            {
+                "name": contract.KV_TRANSFER_PORT_NAME,
+                "port": contract.KV_TRANSFER_PORT,
+                "targetPort": contract.KV_TRANSFER_PORT_NAME,
+                "protocol": "TCP",
+            }
+        )
     return _load(
         "service.yaml.j2",
         name=naming.child_name(name, component.role),
@@ -563,7 +636,9 @@ def _kv_ports(component: Component) -> dict[str, Any]:
     """The KV ports of a pod: every rank of a parallel prefill pod serves its own slice of the
     KV on the KV port + its index within the pod (the runtime's ``engine.parallel.rank_kv``)."""
     pool = component.pool
-    ranks = 1 if pool is None else pool.parallelism.tensor * pool.parallelism.pipeline // pool.resources.pods_per_replica
+    ranks = (
+        1 if pool is None else pool.parallelism.tensor * pool.parallelism.pipeline // pool.resources.pods_per_replica
+    )
     if ranks <= 1:
         return _port(contract.KV_TRANSFER_PORT)
     return {**_port(contract.KV_TRANSFER_PORT), "endPort": contract.KV_TRANSFER_PORT + ranks - 1}
@@ -593,8 +668,7 @@ def _ingress_rules(*, isvc: InferenceService, component: Component) -> list[dict
     rules: list[dict[str, Any]] = [http]
     if component.role in (Role.PREFILL, Role.DECODE):
         other = Role.DECODE if component.role is Role.PREFILL else Role.PREFILL
-        rules.append({"from": [_peer(name, other)],
-                      "ports": [_port(contract.HTTP_PORT), _kv_ports(component)]})
+        rules.append({"from": [_peer(name, other)], "ports": [_port(contract.HTTP_PORT), _kv_ports(component)]})
     if is_multi_node(component):
         # The ranks of a group: the rendezvous port, and the ports torch's gloo/NCCL pick for
         # their collectives at run time, so any TCP port, from the pool's own pods.
@@ -624,21 +698,31 @@ def _network_policies(*, isvc: InferenceService, comps: Sequence[Component], com
         for c in comps
     ]
     if inference_pool.enabled(isvc.spec):
-        allows.append(_load(
-            "networkpolicy.yaml.j2",
-            name=inference_pool.picker_name(name),
-            namespace=isvc.metadata.namespace,
-            labels=inference_pool.picker_labels(name),
-            selector=inference_pool.picker_selector_labels(name),
-            # ext-proc from the Gateway's proxies (any namespace); metrics from monitoring.
-            ingress=[{"ports": [_port(inference_pool.GRPC_PORT)]},
-                     {"from": [_monitoring()], "ports": [_port(inference_pool.METRICS_PORT)]}],
-        ))
+        allows.append(
+            _load(
+                "networkpolicy.yaml.j2",
+                name=inference_pool.picker_name(name),
+                namespace=isvc.metadata.namespace,
+                labels=inference_pool.picker_labels(name),
+                selector=inference_pool.picker_selector_labels(name),
+                # ext-proc from the Gateway's proxies (any namespace); metrics from monitoring.
+                ingress=[
+                    {"ports": [_port(inference_pool.GRPC_PORT)]},
+                    {"from": [_monitoring()], "ports": [_port(inference_pool.METRICS_PORT)]},
+                ],
+            )
+        )
     return [deny, *allows]
 
 
-def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deployments: Sequence[Mapping[str, Any]],
-                compat: str, runtime_image: str) -> dict[str, Any]:
+def _config_map(
+    *,
+    isvc: InferenceService,
+    comps: Sequence[Component],
+    deployments: Sequence[Mapping[str, Any]],
+    compat: str,
+    runtime_image: str,
+) -> dict[str, Any]:
     name = isvc.metadata.name
     engine: dict[str, Any] = {}
     for c in comps:
@@ -647,23 +731,31 @@ def _config_map(*, isvc: InferenceService, comps: Sequence[Component], deploymen
         else:
             engine[c.role.value] = {
                 "serveArgs": dataclasses.asdict(
-                    serve_args(isvc=isvc, role=c.role, pool=c.pool, runtime_image=runtime_image)),
+                    serve_args(isvc=isvc, role=c.role, pool=c.pool, runtime_image=runtime_image)
+                ),
                 "extraArgs": list(isvc.spec.runtime.extra_args),
             }
     hashes = {
-        str(d["metadata"]["labels"][contract.LABEL_ROLE]):
-            str(pod_template(d)["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH])
+        str(d["metadata"]["labels"][contract.LABEL_ROLE]): str(
+            pod_template(d)["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH]
+        )
         for d in deployments
     }
-    labels = {**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE,
-              contract.LABEL_COMPAT_HASH: compat}
+    labels = {
+        **naming.instance_selector_labels(name),
+        contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE,
+        contract.LABEL_COMPAT_HASH: compat,
+    }
     return _load(
         "configmap.yaml.j2",
         name=naming.config_map_name(name),
         namespace=isvc.metadata.namespace,
         labels=labels,
-        annotations={contract.ANNOTATION_CONFIG_HASH: hashlib.sha256(
-            json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:16]},
+        annotations={
+            contract.ANNOTATION_CONFIG_HASH: hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()[
+                :16
+            ]
+        },
         data={
             "engine.json": json.dumps(engine, indent=2, sort_keys=True),
             "config-hashes.json": json.dumps(hashes, indent=2, sort_keys=True),
@@ -678,8 +770,10 @@ def _picker_pod_spec(isvc: InferenceService) -> dict[str, Any]:
     name = isvc.metadata.name
 
     def grpc_probe(period_seconds: int) -> dict[str, Any]:
-        return {"grpc": {"port": inference_pool.GRPC_HEALTH_PORT, "service": inference_pool.GRPC_HEALTH_SERVICE},
-                "periodSeconds": period_seconds}
+        return {
+            "grpc": {"port": inference_pool.GRPC_HEALTH_PORT, "service": inference_pool.GRPC_HEALTH_SERVICE},
+            "periodSeconds": period_seconds,
+        }
 
     container: dict[str, Any] = {
         "name": "epp",
@@ -715,26 +809,45 @@ def _picker_children(isvc: InferenceService) -> list[dict[str, Any]]:
     identity = {"name": picker, "namespace": namespace, "labels": labels}
     template = {"metadata": {"labels": labels, "annotations": {}}, "spec": _picker_pod_spec(isvc)}
     deployment = _load(
-        "deployment.yaml.j2", **identity, selector=inference_pool.picker_selector_labels(name),
+        "deployment.yaml.j2",
+        **identity,
+        selector=inference_pool.picker_selector_labels(name),
         replicas=inference_pool.PICKER_REPLICAS,
         # One picker at a time would mean no picker while it is replaced (and, with
         # failureMode FailClose, failed requests): the new one is ready before the old goes.
-        max_surge=1, max_unavailable=0,
+        max_surge=1,
+        max_unavailable=0,
         pod_annotations={contract.ANNOTATION_CONFIG_HASH: config_hash(template)},
-        pod_spec=template["spec"])
-    service = _load("service.yaml.j2", **identity, selector=inference_pool.picker_selector_labels(name),
-                    headless=False, ports=[
-                        {"name": "grpc-ext-proc", "port": inference_pool.GRPC_PORT, "targetPort": "grpc",
-                         "protocol": "TCP", "appProtocol": "http2"},
-                        {"name": "http-metrics", "port": inference_pool.METRICS_PORT, "targetPort": "metrics",
-                         "protocol": "TCP"}])
+        pod_spec=template["spec"],
+    )
+    service = _load(
+        "service.yaml.j2",
+        **identity,
+        selector=inference_pool.picker_selector_labels(name),
+        headless=False,
+        ports=[
+            {
+                "name": "grpc-ext-proc",
+                "port": inference_pool.GRPC_PORT,
+                "targetPort": "grpc",
+                "protocol": "TCP",
+                "appProtocol": "http2",
+            },
+            {"name": "http-metrics", "port": inference_pool.METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+        ],
+    )
     served = next(c for c in components(isvc.spec) if c.role is inference_pool.served_role(isvc.spec))
     pool = _load(
-        "inferencepool.yaml.j2", name=inference_pool.pool_name(name), namespace=namespace,
+        "inferencepool.yaml.j2",
+        name=inference_pool.pool_name(name),
+        namespace=namespace,
         labels={**naming.instance_selector_labels(name), contract.LABEL_MANAGED_BY: contract.MANAGED_BY_VALUE},
-        selector=_service_selector(isvc, served), target_port=contract.HTTP_PORT,
-        picker=picker, picker_port=inference_pool.GRPC_PORT,
-        failure_mode=isvc.spec.router.inference_pool_settings.failure_mode.value)
+        selector=_service_selector(isvc, served),
+        target_port=contract.HTTP_PORT,
+        picker=picker,
+        picker_port=inference_pool.GRPC_PORT,
+        failure_mode=isvc.spec.router.inference_pool_settings.failure_mode.value,
+    )
     return [
         _load("serviceaccount.yaml.j2", **identity),
         _load("role.yaml.j2", **identity, rules=inference_pool.picker_rules(name)),
@@ -746,7 +859,10 @@ def _picker_children(isvc: InferenceService) -> list[dict[str, Any]]:
 
 
 def render_children(
-    *, isvc: InferenceService, runtime_image: str, router_service_account: str,
+    *,
+    isvc: InferenceService,
+    runtime_image: str,
+    router_service_account: str,
     include_replicas: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of ``isvc``, without owner references, in apply order
@@ -762,17 +878,25 @@ def render_children(
     compat = compat_hash_of(isvc=isvc, runtime_image=runtime_image)
     comps = components(isvc.spec)
     deployments = [
-        _workload(isvc=isvc, component=c, runtime_image=runtime_image,
-                  router_service_account=router_service_account, compat=compat,
-                  include_replicas=include_replicas)
+        _workload(
+            isvc=isvc,
+            component=c,
+            runtime_image=runtime_image,
+            router_service_account=router_service_account,
+            compat=compat,
+            include_replicas=include_replicas,
+        )
         for c in comps
     ]
     out: list[dict[str, Any]] = [
         _config_map(isvc=isvc, comps=comps, deployments=deployments, compat=compat, runtime_image=runtime_image)
     ]
     for c, deployment in zip(comps, deployments, strict=True):
-        out += [deployment, _service(isvc=isvc, component=c, compat=compat),
-                _pdb(isvc=isvc, component=c, compat=compat)]
+        out += [
+            deployment,
+            _service(isvc=isvc, component=c, compat=compat),
+            _pdb(isvc=isvc, component=c, compat=compat),
+        ]
     if inference_pool.enabled(isvc.spec):
         out += _picker_children(isvc)
     out += _network_policies(isvc=isvc, comps=comps, compat=compat)

@@ -24,8 +24,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
-from kubernetes.client.exceptions import ApiException
-
 import splitserve_contract as contract
 
 from . import handoff_key, kube
@@ -45,11 +43,19 @@ OnChange = Callable[[str | None, Mapping[str, Any]], None]
 class MetadataAPI(Protocol):
     """What the watch uses of :class:`kube.Kube`."""
 
-    def list_metadata(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "",
-                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]: ...
+    def list_metadata(
+        self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "", field_selector: str = ""
+    ) -> tuple[Sequence[dict[str, Any]], str]: ...
 
-    def watch_metadata(self, *, kind: kube.Kind, namespace: str | None, label_selector: str, resource_version: str,
-                       timeout_seconds: int) -> Iterator[dict[str, Any]]: ...
+    def watch_metadata(
+        self,
+        *,
+        kind: kube.Kind,
+        namespace: str | None,
+        label_selector: str,
+        resource_version: str,
+        timeout_seconds: int,
+    ) -> Iterator[dict[str, Any]]: ...
 
 
 class SecretWatch:
@@ -86,7 +92,7 @@ class SecretWatch:
                 while not self._stop.is_set() and resource_version:
                     resource_version = self._watch(resource_version)
                 continue  # stopped, or too old to resume from (410): list again at once
-            except ApiException as exc:
+            except kube.ApiException as exc:
                 logger.warning("Watching Secrets failed (%s); listing again in %.0fs", kube.error_message(exc), delay)
             except Exception:  # noqa: BLE001 - the watch must outlive any one failure
                 logger.exception("Watching Secrets failed; listing again in %.0fs", delay)
@@ -95,8 +101,9 @@ class SecretWatch:
             delay = min(MAX_RETRY_SECONDS, delay * 2)
 
     def _relist(self, *, initial: bool) -> str:
-        items, resource_version = self._api.list_metadata(kind=kube.SECRET, namespace=self._namespace,
-                                                          label_selector=LABEL_SELECTOR)
+        items, resource_version = self._api.list_metadata(
+            kind=kube.SECRET, namespace=self._namespace, label_selector=LABEL_SELECTOR
+        )
         listed = {self._id(s): s for s in map(handoff_key.as_secret, items)}
         for key, gone in list(self._known.items()):
             if key not in listed:
@@ -111,9 +118,13 @@ class SecretWatch:
 
     def _watch(self, resource_version: str) -> str:
         """One watch request; the resourceVersion to resume from, or "" to list again."""
-        for event in self._api.watch_metadata(kind=kube.SECRET, namespace=self._namespace,
-                                              label_selector=LABEL_SELECTOR, resource_version=resource_version,
-                                              timeout_seconds=WATCH_TIMEOUT_SECONDS):
+        for event in self._api.watch_metadata(
+            kind=kube.SECRET,
+            namespace=self._namespace,
+            label_selector=LABEL_SELECTOR,
+            resource_version=resource_version,
+            timeout_seconds=WATCH_TIMEOUT_SECONDS,
+        ):
             if self._stop.is_set():
                 return ""
             kind = str(event.get("type"))

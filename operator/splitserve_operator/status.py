@@ -26,8 +26,6 @@ import datetime
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
-from kubernetes.client.exceptions import ApiException
-
 from . import kube
 
 MAX_ATTEMPTS: Final = 8
@@ -53,8 +51,11 @@ def _timestamp(moment: datetime.datetime) -> str:
 
 
 def merge_conditions(
-    *, live: Sequence[Mapping[str, Any]], updates: Sequence[ConditionUpdate],
-    observed_generation: int | None, now: datetime.datetime,
+    *,
+    live: Sequence[Mapping[str, Any]],
+    updates: Sequence[ConditionUpdate],
+    observed_generation: int | None,
+    now: datetime.datetime,
 ) -> list[dict[str, Any]]:
     """Live conditions with ``updates`` merged in by type (order: live order, new ones last)."""
     by_type: dict[str, dict[str, Any]] = {str(c.get("type")): dict(c) for c in live if c.get("type")}
@@ -67,7 +68,8 @@ def merge_conditions(
             "status": update.status,
             "reason": update.reason,
             "message": update.message,
-            "lastTransitionTime": _timestamp(now) if changed or old is None or not old.get("lastTransitionTime")
+            "lastTransitionTime": _timestamp(now)
+            if changed or old is None or not old.get("lastTransitionTime")
             else old["lastTransitionTime"],
         }
         if observed_generation is not None:
@@ -109,7 +111,7 @@ def patch_status(
     object no longer exists. ``observed_generation`` goes on each updated condition. ``live``:
     the object as just read, used instead of a GET for the first attempt.
     Raises the API error after :data:`MAX_ATTEMPTS` conflicts."""
-    last_error: ApiException | None = None
+    last_error: kube.ApiException | None = None
     first = live if live is not None and (live.get("metadata") or {}).get("resourceVersion") else None
     for attempt in range(MAX_ATTEMPTS):
         live_obj = first if attempt == 0 and first is not None else api.get(kind=kind, namespace=namespace, name=name)
@@ -119,8 +121,10 @@ def patch_status(
         new_status = merge_patch(live_status, fields or {})
         if conditions:
             new_status["conditions"] = merge_conditions(
-                live=live_status.get("conditions") or [], updates=conditions,
-                observed_generation=observed_generation, now=clock(),
+                live=live_status.get("conditions") or [],
+                updates=conditions,
+                observed_generation=observed_generation,
+                now=clock(),
             )
         if new_status == live_status:
             return live_status
@@ -130,7 +134,7 @@ def patch_status(
         }
         try:
             written = api.merge_patch(kind=kind, namespace=namespace, name=name, patch=patch, subresource="status")
-        except ApiException as exc:
+        except kube.ApiException as exc:
             if exc.status == 409:
                 last_error = exc
                 continue

@@ -46,11 +46,15 @@ class CalibratedStepCost:
         if any(v < 0 for v in self.coefficients.as_tuple()):
             raise ValueError(f"step coefficients must be >= 0, got {self.coefficients}")
 
-    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
-                     num_kv_tokens: int) -> float:
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int, num_kv_tokens: int) -> float:
         c = self.coefficients
         rows = min(num_seqs, num_tokens)
         context = max(0, min(num_kv_tokens, num_attention_pairs - rows))
         prefill_pairs = max(0, num_attention_pairs - rows - context)
-        return (c.step + c.prefill_token * (num_tokens - rows) + c.prefill_pair * prefill_pairs
-                + c.decode_row * rows + c.decode_context * context)
+        return (
+            c.step
+            + c.prefill_token * (num_tokens - rows)
+            + c.prefill_pair * prefill_pairs
+            + c.decode_row * rows
+            + c.decode_context * context
+        )

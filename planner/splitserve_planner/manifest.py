@@ -28,13 +28,27 @@ from .simulator import AGGREGATED
 from .speculation import NO_SPECULATION, Speculation
 from .supported import check_servable
 
-ROUTER_POLICY_NAMES = {"prefix-affinity": "PrefixAffinity", "least-load": "LeastLoad",
-                       "round-robin": "RoundRobin", "central-queue": "LeastLoad"}
+ROUTER_POLICY_NAMES = {
+    "prefix-affinity": "PrefixAffinity",
+    "least-load": "LeastLoad",
+    "round-robin": "RoundRobin",
+    "central-queue": "LeastLoad",
+}
 
 
-def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precision, min_replicas: dict[str, int],
-                   router_policy: str, memory_fraction: float, max_num_seqs: int, block_size: int,
-                   speculation: Speculation = NO_SPECULATION) -> dict[str, Any]:
+def build_manifest(
+    *,
+    plan: Plan,
+    name: str,
+    model_uri: str,
+    precision: Precision,
+    min_replicas: dict[str, int],
+    router_policy: str,
+    memory_fraction: float,
+    max_num_seqs: int,
+    block_size: int,
+    speculation: Speculation = NO_SPECULATION,
+) -> dict[str, Any]:
     """The manifest dict (validated; raises :class:`~splitserve_contract.capabilities.UnsupportedError`
     for a setting this version does not serve, :class:`~splitserve_operator.api.InvalidSpecError`
     for anything else the API refuses)."""
@@ -43,12 +57,14 @@ def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precisio
 
     def pool(*, role: str, count: int) -> dict[str, Any]:
         low = max(1, min(count, min_replicas.get(role, 1)))
-        return {"replicas": {"min": low, "max": count}, "resources": {"gpus": tp},
-                "parallelism": {"tensor": tp}}
+        return {"replicas": {"min": low, "max": count}, "resources": {"gpus": tp}, "parallelism": {"tensor": tp}}
 
     model: dict[str, Any] = {"uri": model_uri, "dtype": precision.dtype, "quantization": precision.quantization}
-    kv_cache: dict[str, Any] = {"blockSize": block_size, "memoryFraction": memory_fraction,
-                                "prefixCaching": plan.prefix_caching}
+    kv_cache: dict[str, Any] = {
+        "blockSize": block_size,
+        "memoryFraction": memory_fraction,
+        "prefixCaching": plan.prefix_caching,
+    }
     if precision.kv_cache_dtype != "auto":
         kv_cache["dtype"] = precision.kv_cache_dtype
     spec: dict[str, Any] = {
@@ -60,16 +76,22 @@ def build_manifest(*, plan: Plan, name: str, model_uri: str, precision: Precisio
         "autoscaling": {"enabled": True, "gpuBudget": plan.num_gpus},
     }
     if speculation.enabled:
-        spec["engine"]["speculative"] = {"method": speculation.method, "numTokens": speculation.num_tokens,
-                                         "maxNumSeqs": speculation.max_num_seqs}
+        spec["engine"]["speculative"] = {
+            "method": speculation.method,
+            "numTokens": speculation.num_tokens,
+            "maxNumSeqs": speculation.max_num_seqs,
+        }
     if plan.mode == AGGREGATED:
         spec["aggregated"] = pool(role="aggregated", count=plan.aggregated_replicas)
     else:
         spec["prefill"] = pool(role="prefill", count=plan.prefill_replicas)
         spec["decode"] = pool(role="decode", count=plan.decode_replicas)
-    manifest = {"apiVersion": "splitserve.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": name, "annotations": {"splitserve.dev/planned-by": "splitserve plan"}},
-                "spec": spec}
+    manifest = {
+        "apiVersion": "splitserve.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "annotations": {"splitserve.dev/planned-by": "splitserve plan"}},
+        "spec": spec,
+    }
     InferenceService.parse(manifest)
     return manifest
 

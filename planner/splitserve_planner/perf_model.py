@@ -89,8 +89,7 @@ class StepCost(Protocol):
         """Whole model (all layers, all TP shards): what a KV transfer ships per token."""
         ...
 
-    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
-                     num_kv_tokens: int) -> float:
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int, num_kv_tokens: int) -> float:
         """Duration of one step: ``num_tokens`` new tokens over ``num_seqs`` sequences that
         already hold ``num_kv_tokens`` KV tokens in total, with ``num_attention_pairs`` pairs."""
         ...
@@ -100,15 +99,21 @@ def prefill_seconds(model: StepCost, *, num_tokens: int, num_cached_tokens: int 
     """One sequence's whole prompt in one step (no chunking), ``num_cached_tokens`` cached."""
     new = num_tokens - num_cached_tokens
     return model.step_seconds(
-        num_tokens=new, num_seqs=1, num_kv_tokens=num_cached_tokens,
-        num_attention_pairs=prefill_attention_pairs(num_new_tokens=new, num_computed_tokens=num_cached_tokens))
+        num_tokens=new,
+        num_seqs=1,
+        num_kv_tokens=num_cached_tokens,
+        num_attention_pairs=prefill_attention_pairs(num_new_tokens=new, num_computed_tokens=num_cached_tokens),
+    )
 
 
 def decode_step_seconds(model: StepCost, *, batch_size: int, num_context_tokens: int) -> float:
     """One decode step of ``batch_size`` sequences holding ``num_context_tokens`` in total."""
-    return model.step_seconds(num_tokens=batch_size, num_seqs=batch_size,
-                              num_attention_pairs=num_context_tokens + batch_size,
-                              num_kv_tokens=num_context_tokens)
+    return model.step_seconds(
+        num_tokens=batch_size,
+        num_seqs=batch_size,
+        num_attention_pairs=num_context_tokens + batch_size,
+        num_kv_tokens=num_context_tokens,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,13 +139,20 @@ class ModelShape:
         h = config.hidden_size
         attention = h * config.q_size + 2 * h * config.kv_size + config.q_size * h
         mlp = 3 * h * config.intermediate_size
-        return cls(num_layers=config.num_hidden_layers, q_size=config.q_size, hidden_size=h,
-                   num_heads=config.num_attention_heads, intermediate_size=config.intermediate_size,
-                   vocab_size=config.vocab_size,
-                   linear_params=config.num_hidden_layers * (attention + mlp),
-                   lm_head_params=config.vocab_size * h, embedding_params=config.vocab_size * h,
-                   tied=config.tie_word_embeddings, kv_heads=config.num_key_value_heads,
-                   head_dim=config.head_dim)
+        return cls(
+            num_layers=config.num_hidden_layers,
+            q_size=config.q_size,
+            hidden_size=h,
+            num_heads=config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            linear_params=config.num_hidden_layers * (attention + mlp),
+            lm_head_params=config.vocab_size * h,
+            embedding_params=config.vocab_size * h,
+            tied=config.tie_word_embeddings,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+        )
 
     @property
     def total_params(self) -> int:
@@ -153,8 +165,9 @@ class ModelShape:
 
     def weight_bytes(self, precision: Precision) -> int:
         """All weights, whole model (quantized linear layers, dense embeddings and LM head)."""
-        return (round(self.linear_params * precision.linear_weight_bytes)
-                + self.dense_params * precision.activation_bytes)
+        return (
+            round(self.linear_params * precision.linear_weight_bytes) + self.dense_params * precision.activation_bytes
+        )
 
     def kv_bytes_per_token(self, precision: Precision, *, kv_heads: int | None = None) -> int:
         """K and V of every layer for one token (``kv_heads``: those one GPU holds)."""
@@ -195,7 +208,9 @@ class ModelShape:
     def weight_bytes_per_gpu(self, precision: Precision, tp: int) -> int:
         """:meth:`weight_bytes` of the rank holding the most (equal to it at ``tp`` 1)."""
         dense = self.vocab_rows_per_gpu(tp) * self.hidden_size * (1 if self.tied else 2)
-        return round(self.linear_params_per_gpu(tp) * precision.linear_weight_bytes) + dense * precision.activation_bytes
+        return (
+            round(self.linear_params_per_gpu(tp) * precision.linear_weight_bytes) + dense * precision.activation_bytes
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,8 +236,10 @@ class RooflineModel:
             raise ValueError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
         problems = self.shape.split_problems(self.tensor_parallel)
         if problems:
-            raise TensorParallelRefused(f"{self.name}: tensor-parallel size {self.tensor_parallel} does not fit the "
-                                    f"model: {'; '.join(problems)}")
+            raise TensorParallelRefused(
+                f"{self.name}: tensor-parallel size {self.tensor_parallel} does not fit the "
+                f"model: {'; '.join(problems)}"
+            )
         self.precision.check_gpu(self.gpu)  # fp8 on a GPU without FP8: ValueError
         if self.kv_capacity_tokens < MIN_KV_TOKENS:
             raise ModelDoesNotFit(self.fit_message(min_kv_tokens=MIN_KV_TOKENS))
@@ -254,21 +271,29 @@ class RooflineModel:
 
     @property
     def kv_budget_bytes_per_gpu(self) -> int:
-        return int(self.gpu.memory_bytes * self.memory_fraction) - self.weight_bytes_per_gpu - self.activation_reserve_bytes
+        return (
+            int(self.gpu.memory_bytes * self.memory_fraction)
+            - self.weight_bytes_per_gpu
+            - self.activation_reserve_bytes
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
         return max(0, self.kv_budget_bytes_per_gpu // self.kv_bytes_per_token_per_gpu)
 
     def fit_message(self, *, min_kv_tokens: int = 0) -> str:
-        need = self.weight_bytes_per_gpu + self.activation_reserve_bytes + min_kv_tokens * self.kv_bytes_per_token_per_gpu
+        need = (
+            self.weight_bytes_per_gpu + self.activation_reserve_bytes + min_kv_tokens * self.kv_bytes_per_token_per_gpu
+        )
         need_total = need / self.memory_fraction
-        return (f"{self.name} ({self.precision.label}) needs {need_total / GIB:.1f} GiB per GPU at TP={self.tensor_parallel} "
-                f"(weights {self.weight_bytes_per_gpu / GIB:.1f} GiB + reserve {self.activation_reserve_bytes / GIB:.1f} GiB"
-                f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
-                f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
-                f"{self.gpu.memory_bytes / GIB:.1f} GiB ({self.gpu.memory_bytes / 1e9:.0f} GB): "
-                f"use {remedies(tensor_parallel=self.tensor_parallel, precision=self.precision, gpu=self.gpu)}")
+        return (
+            f"{self.name} ({self.precision.label}) needs {need_total / GIB:.1f} GiB per GPU at TP={self.tensor_parallel} "
+            f"(weights {self.weight_bytes_per_gpu / GIB:.1f} GiB + reserve {self.activation_reserve_bytes / GIB:.1f} GiB"
+            f" + KV for {min_kv_tokens} tokens {min_kv_tokens * self.kv_bytes_per_token_per_gpu / GIB:.1f} GiB,"
+            f" at memory fraction {self.memory_fraction:g}); {self.gpu.name} has "
+            f"{self.gpu.memory_bytes / GIB:.1f} GiB ({self.gpu.memory_bytes / 1e9:.0f} GB): "
+            f"use {remedies(tensor_parallel=self.tensor_parallel, precision=self.precision, gpu=self.gpu)}"
+        )
 
     # ------------------------------------------------------------------ time
     @property
@@ -282,8 +307,13 @@ class RooflineModel:
         if tp == 1:
             return 0.0, 0.0, 0.0
         ring = 2.0 * (tp - 1) / tp  # each GPU sends and receives this share of an all-reduce payload
-        per_token = (self.all_reduces_per_step * ring * self.shape.hidden_size * self.precision.activation_bytes
-                     / gpu.interconnect_bytes_per_second)
+        per_token = (
+            self.all_reduces_per_step
+            * ring
+            * self.shape.hidden_size
+            * self.precision.activation_bytes
+            / gpu.interconnect_bytes_per_second
+        )
         # the LM head's vocabulary slices: each rank receives the other ranks' fp32 logits
         per_row = (tp - 1) * self.shape.vocab_rows_per_gpu(tp) * LOGIT_BYTES / gpu.interconnect_bytes_per_second
         return (self.all_reduces_per_step + 1) * ALL_REDUCE_LATENCY_SECONDS, per_token, per_row
@@ -303,15 +333,18 @@ class RooflineModel:
         flop_rate = self.precision.activation_flops_per_second(gpu) * ce
         byte_rate = gpu.hbm_bytes_per_second * be
         comm_fixed, comm_per_token, comm_per_row = self._communication()
-        return (2.0 * shape.linear_params_per_gpu(tp) / linear_rate,
-                4.0 * shape.num_layers * shape.q_heads_per_gpu(tp) * shape.head_dim / flop_rate,
-                2.0 * shape.vocab_rows_per_gpu(tp) * shape.hidden_size / flop_rate,
-                self.weight_bytes_read_per_step / byte_rate,
-                self.kv_bytes_per_token_per_gpu / byte_rate,
-                overhead + comm_fixed, comm_per_token, comm_per_row)
+        return (
+            2.0 * shape.linear_params_per_gpu(tp) / linear_rate,
+            4.0 * shape.num_layers * shape.q_heads_per_gpu(tp) * shape.head_dim / flop_rate,
+            2.0 * shape.vocab_rows_per_gpu(tp) * shape.hidden_size / flop_rate,
+            self.weight_bytes_read_per_step / byte_rate,
+            self.kv_bytes_per_token_per_gpu / byte_rate,
+            overhead + comm_fixed,
+            comm_per_token,
+            comm_per_row,
+        )
 
-    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
-                     num_kv_tokens: int) -> float:
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int, num_kv_tokens: int) -> float:
         coef = self.__dict__.get("_coef")
         if coef is None:
             coef = self._coefficients()
@@ -320,27 +353,47 @@ class RooflineModel:
         linear = tok * num_tokens + seq * num_seqs  # the GEMMs read every weight once per step
         attention = pair * num_attention_pairs  # attention reads every held KV token once
         kv_read = kv * (num_kv_tokens + num_tokens)
-        return ((linear if linear > weights else weights) + (attention if attention > kv_read else kv_read)
-                + fixed + comm_token * num_tokens + comm_row * num_seqs)
+        return (
+            (linear if linear > weights else weights)
+            + (attention if attention > kv_read else kv_read)
+            + fixed
+            + comm_token * num_tokens
+            + comm_row * num_seqs
+        )
 
 
-def roofline_model(*, name: str, config: ModelConfig, gpu: GpuSpec, tensor_parallel: int, dtype: str,
-                   quantization: str = "none", kv_cache_dtype: str = "auto",
-                   memory_fraction: float = defaults.KV_MEMORY_FRACTION, compute_efficiency: float | None = None,
-                   bandwidth_efficiency: float | None = None,
-                   step_overhead_seconds: float | None = None) -> RooflineModel:
+def roofline_model(
+    *,
+    name: str,
+    config: ModelConfig,
+    gpu: GpuSpec,
+    tensor_parallel: int,
+    dtype: str,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
+    memory_fraction: float = defaults.KV_MEMORY_FRACTION,
+    compute_efficiency: float | None = None,
+    bandwidth_efficiency: float | None = None,
+    step_overhead_seconds: float | None = None,
+) -> RooflineModel:
     """Build the roofline for ``config`` on ``gpu`` (raises :class:`ModelDoesNotFit`, :class:`TensorParallelRefused`, ValueError).
 
     ``dtype`` is the activation dtype (``fp8``: the legacy alias for bf16 with fp8 weights)."""
     precision = Precision.of(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    return RooflineModel(name=name, shape=ModelShape.from_config(config), gpu=gpu,
-                         tensor_parallel=tensor_parallel, precision=precision, memory_fraction=memory_fraction,
-                         compute_efficiency=compute_efficiency, bandwidth_efficiency=bandwidth_efficiency,
-                         step_overhead_seconds=step_overhead_seconds)
+    return RooflineModel(
+        name=name,
+        shape=ModelShape.from_config(config),
+        gpu=gpu,
+        tensor_parallel=tensor_parallel,
+        precision=precision,
+        memory_fraction=memory_fraction,
+        compute_efficiency=compute_efficiency,
+        bandwidth_efficiency=bandwidth_efficiency,
+        step_overhead_seconds=step_overhead_seconds,
+    )
 
 
-def max_decode_batch(model: StepCost, *, itl_seconds: float, mean_context_tokens: float,
-                     max_num_seqs: int) -> int:
+def max_decode_batch(model: StepCost, *, itl_seconds: float, mean_context_tokens: float, max_num_seqs: int) -> int:
     """Largest decode batch whose step stays within ``itl_seconds`` and whose KV fits (0: none)."""
     best = 0
     kv_limit = int(model.kv_capacity_tokens // max(mean_context_tokens, 1.0))

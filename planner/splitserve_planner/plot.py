@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_latency_vs_load(*, path: Path, title: str, rates: list[float], ttft_p99_ms: list[float],
-                         itl_p99_ms: list[float], ttft_slo_ms: float, itl_slo_ms: float, planned_rate: float) -> None:
+def plot_latency_vs_load(
+    *,
+    path: Path,
+    title: str,
+    rates: list[float],
+    ttft_p99_ms: list[float],
+    itl_p99_ms: list[float],
+    ttft_slo_ms: float,
+    itl_slo_ms: float,
+    planned_rate: float,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -65,8 +65,10 @@ class Precision:
 
     def __post_init__(self) -> None:
         if self.dtype not in ACTIVATION_BYTES:
-            raise ValueError(f"activation dtype must be one of {', '.join(ACTIVATION_BYTES)}, got {self.dtype!r}"
-                             f" (weight quantization is separate: --quantization {'|'.join(QUANTIZATIONS)})")
+            raise ValueError(
+                f"activation dtype must be one of {', '.join(ACTIVATION_BYTES)}, got {self.dtype!r}"
+                f" (weight quantization is separate: --quantization {'|'.join(QUANTIZATIONS)})"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -78,7 +80,9 @@ class Precision:
         with fp8 weights (a conflicting ``quantization`` is refused)."""
         if dtype == FP8_ALIAS:
             if quantization not in ("none", "fp8"):
-                raise ValueError(f"--dtype fp8 means --quantization fp8; it conflicts with --quantization {quantization}")
+                raise ValueError(
+                    f"--dtype fp8 means --quantization fp8; it conflicts with --quantization {quantization}"
+                )
             return cls(dtype="bfloat16", quantization="fp8", kv_cache_dtype=kv_cache_dtype)
         return cls(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
@@ -112,11 +116,15 @@ class Precision:
         if gpu.has_fp8:
             return
         if self.quantization == "fp8":
-            raise ValueError(f"{gpu.name} has no FP8 tensor cores: --quantization fp8 needs one of "
-                             f"{_fp8_gpus()}; use --quantization int8 or int4 on it")
+            raise ValueError(
+                f"{gpu.name} has no FP8 tensor cores: --quantization fp8 needs one of "
+                f"{_fp8_gpus()}; use --quantization int8 or int4 on it"
+            )
         if self.kv_cache_dtype == "fp8":
-            raise ValueError(f"{gpu.name} has no FP8 support: --kv-cache-dtype fp8 needs one of "
-                             f"{_fp8_gpus()}; use --kv-cache-dtype auto on it")
+            raise ValueError(
+                f"{gpu.name} has no FP8 support: --kv-cache-dtype fp8 needs one of "
+                f"{_fp8_gpus()}; use --kv-cache-dtype auto on it"
+            )
 
     def linear_ops_per_second(self, gpu: GpuSpec) -> float:
         """Peak dense rate of the decoder layers' GEMMs."""

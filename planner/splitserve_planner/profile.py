@@ -106,7 +106,9 @@ def load_profile(*, path: Path) -> Profile:
     try:
         raw: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ProfileError(f"profile {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
+        raise ProfileError(
+            f"profile {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
+        ) from exc
     if not isinstance(raw, dict):
         raise ProfileError(f"profile {path} must hold an object")
     version = raw.get("schemaVersion")
@@ -135,17 +137,32 @@ def _sample_rows(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
     rows: list[list[float]] = []
     seconds: list[float] = []
     for p in profile.prefill:
-        pairs = p.num_seqs * prefill_attention_pairs(num_new_tokens=p.num_tokens, num_computed_tokens=p.num_cached_tokens)
-        rows.append(_features(tokens=p.num_seqs * p.num_tokens, seqs=p.num_seqs, pairs=pairs,
-                              kv_tokens=p.num_seqs * p.num_cached_tokens))
+        pairs = p.num_seqs * prefill_attention_pairs(
+            num_new_tokens=p.num_tokens, num_computed_tokens=p.num_cached_tokens
+        )
+        rows.append(
+            _features(
+                tokens=p.num_seqs * p.num_tokens,
+                seqs=p.num_seqs,
+                pairs=pairs,
+                kv_tokens=p.num_seqs * p.num_cached_tokens,
+            )
+        )
         seconds.append(p.seconds)
     for d in profile.decode:
-        rows.append(_features(tokens=d.batch_size, seqs=d.batch_size, pairs=d.num_context_tokens + d.batch_size,
-                              kv_tokens=d.num_context_tokens))
+        rows.append(
+            _features(
+                tokens=d.batch_size,
+                seqs=d.batch_size,
+                pairs=d.num_context_tokens + d.batch_size,
+                kv_tokens=d.num_context_tokens,
+            )
+        )
         seconds.append(d.seconds)
     for st in profile.steps:
-        rows.append(_features(tokens=st.num_tokens, seqs=st.num_seqs, pairs=st.num_attention_pairs,
-                              kv_tokens=st.num_kv_tokens))
+        rows.append(
+            _features(tokens=st.num_tokens, seqs=st.num_seqs, pairs=st.num_attention_pairs, kv_tokens=st.num_kv_tokens)
+        )
         seconds.append(st.seconds)
     return np.asarray(rows), np.asarray(seconds)
 
@@ -190,10 +207,14 @@ class ProfileModel:
             ratios = ratios / ratios.mean()  # keep the fitted mean
             self._jitter = [float(x) for x in np.random.default_rng(jitter_seed).choice(ratios, size=1 << 16)]
 
-    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int,
-                     num_kv_tokens: int) -> float:
-        seconds = (self._c0 + self._c_tok * num_tokens + self._c_seq * num_seqs
-                   + self._c_pair * num_attention_pairs + self._c_kv * num_kv_tokens)
+    def step_seconds(self, *, num_tokens: int, num_seqs: int, num_attention_pairs: int, num_kv_tokens: int) -> float:
+        seconds = (
+            self._c0
+            + self._c_tok * num_tokens
+            + self._c_seq * num_seqs
+            + self._c_pair * num_attention_pairs
+            + self._c_kv * num_kv_tokens
+        )
         if self._jitter:
             self._jitter_index = (self._jitter_index + 1) & 0xFFFF
             return seconds * self._jitter[self._jitter_index]

@@ -71,10 +71,17 @@ class ProfileSettings:
 
 
 def build_engine(*, model_dir: Path, settings: ProfileSettings) -> LLMEngine:
-    args = ServeArgs(model=str(model_dir), device=settings.device, num_kv_blocks=settings.num_kv_blocks,
-                     block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                     max_num_batched_tokens=settings.max_batched_tokens, max_model_len=MAX_MODEL_LEN,
-                     prefix_caching=True, chunked_prefill=True)
+    args = ServeArgs(
+        model=str(model_dir),
+        device=settings.device,
+        num_kv_blocks=settings.num_kv_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        prefix_caching=True,
+        chunked_prefill=True,
+    )
     return LLMEngine.from_args(args)
 
 
@@ -109,8 +116,9 @@ def _drain(engine: LLMEngine) -> None:
         engine.step()
 
 
-def measure_prefill(*, engine: LLMEngine, ids: _Ids, num_seqs: int, num_tokens: int,
-                    num_cached_tokens: int, clock: str = "wall") -> float:
+def measure_prefill(
+    *, engine: LLMEngine, ids: _Ids, num_seqs: int, num_tokens: int, num_cached_tokens: int, clock: str = "wall"
+) -> float:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prefix = ids.prompt(num_cached_tokens) if num_cached_tokens else []
     if prefix:
@@ -124,8 +132,9 @@ def measure_prefill(*, engine: LLMEngine, ids: _Ids, num_seqs: int, num_tokens: 
     return seconds
 
 
-def measure_decode(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_tokens: int,
-                   num_steps: int, clock: str = "wall") -> list[tuple[int, float]]:
+def measure_decode(
+    *, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_tokens: int, num_steps: int, clock: str = "wall"
+) -> list[tuple[int, float]]:
     """``(context tokens held before the step, seconds)`` for ``num_steps`` decode steps."""
     params = SamplingParams(temperature=0, max_tokens=num_steps + 8, ignore_eos=True)
     rids = [ids.request_id() for _ in range(batch_size)]
@@ -143,8 +152,9 @@ def measure_decode(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_toke
     return out
 
 
-def measure_mixed(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_tokens: int, new_tokens: int,
-                  clock: str = "wall") -> StepSample:
+def measure_mixed(
+    *, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_tokens: int, new_tokens: int, clock: str = "wall"
+) -> StepSample:
     """One step holding ``batch_size`` decodes and a new ``new_tokens`` prompt, as in serving."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     rids = [ids.request_id() for _ in range(batch_size)]
@@ -154,15 +164,19 @@ def measure_mixed(*, engine: LLMEngine, ids: _Ids, batch_size: int, prompt_token
     while sched.num_waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
         engine.step()
     newcomer = ids.request_id()
-    engine.add_request(request_id=newcomer, prompt_token_ids=ids.prompt(new_tokens),
-                       params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request(
+        request_id=newcomer,
+        prompt_token_ids=ids.prompt(new_tokens),
+        params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    )
     with _recording_schedules(sched) as scheduled:
         seconds = _timed_step(engine, clock)
     for rid in [*rids, newcomer]:
         engine.abort_request(rid)
     tokens, seqs, pairs, kv = _step_shape(scheduled[-1])
-    return StepSample(num_tokens=tokens, num_seqs=seqs, num_attention_pairs=pairs, num_kv_tokens=kv,
-                      seconds=max(seconds, 1e-9))
+    return StepSample(
+        num_tokens=tokens, num_seqs=seqs, num_attention_pairs=pairs, num_kv_tokens=kv, seconds=max(seconds, 1e-9)
+    )
 
 
 def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSettings, seed: int = 0) -> Profile:
@@ -177,42 +191,88 @@ def measure_profile(*, engine: LLMEngine, model_dir: Path, settings: ProfileSett
             if num_seqs * num_tokens > settings.max_batched_tokens:
                 continue
             for cached in (0, num_tokens):
-                if cached and (num_seqs * num_tokens > settings.max_batched_tokens // 2 or 2 * num_tokens + 2 > MAX_MODEL_LEN):
+                if cached and (
+                    num_seqs * num_tokens > settings.max_batched_tokens // 2 or 2 * num_tokens + 2 > MAX_MODEL_LEN
+                ):
                     continue
-                times = [measure_prefill(engine=engine, ids=ids, num_seqs=num_seqs, num_tokens=num_tokens,
-                                         num_cached_tokens=cached, clock=settings.clock)
-                         for _ in range(settings.repeats)]
-                prefill.append(PrefillSample(num_seqs=num_seqs, num_tokens=num_tokens, num_cached_tokens=cached,
-                                             seconds=statistics.median(times)))
+                times = [
+                    measure_prefill(
+                        engine=engine,
+                        ids=ids,
+                        num_seqs=num_seqs,
+                        num_tokens=num_tokens,
+                        num_cached_tokens=cached,
+                        clock=settings.clock,
+                    )
+                    for _ in range(settings.repeats)
+                ]
+                prefill.append(
+                    PrefillSample(
+                        num_seqs=num_seqs,
+                        num_tokens=num_tokens,
+                        num_cached_tokens=cached,
+                        seconds=statistics.median(times),
+                    )
+                )
     decode: list[DecodeSample] = []
     for batch in settings.decode_batches:
         for prompt in settings.decode_prompt_tokens:
-            steps = measure_decode(engine=engine, ids=ids, batch_size=batch, prompt_tokens=prompt,
-                                   num_steps=max(settings.repeats, 3), clock=settings.clock)
+            steps = measure_decode(
+                engine=engine,
+                ids=ids,
+                batch_size=batch,
+                prompt_tokens=prompt,
+                num_steps=max(settings.repeats, 3),
+                clock=settings.clock,
+            )
             context = steps[0][0]
-            decode.append(DecodeSample(batch_size=batch, num_context_tokens=context,
-                                       seconds=statistics.median(s for _, s in steps)))
+            decode.append(
+                DecodeSample(
+                    batch_size=batch, num_context_tokens=context, seconds=statistics.median(s for _, s in steps)
+                )
+            )
     mixed: list[StepSample] = []
     for batch in settings.mixed_batches:
         for new_tokens in settings.mixed_new_tokens:
-            runs = [measure_mixed(engine=engine, ids=ids, batch_size=batch, prompt_tokens=128, new_tokens=new_tokens,
-                                  clock=settings.clock) for _ in range(settings.repeats)]
+            runs = [
+                measure_mixed(
+                    engine=engine,
+                    ids=ids,
+                    batch_size=batch,
+                    prompt_tokens=128,
+                    new_tokens=new_tokens,
+                    clock=settings.clock,
+                )
+                for _ in range(settings.repeats)
+            ]
             mixed.append(sorted(runs, key=lambda r: r.seconds)[len(runs) // 2])
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     return Profile(
         schema_version=1,
-        model=ModelInfo(name=model_dir.name if model_dir.name else "model", num_layers=config.num_hidden_layers,
-                        hidden_size=config.hidden_size, num_kv_heads=config.num_key_value_heads,
-                        head_dim=config.head_dim, vocab_size=config.vocab_size),
+        model=ModelInfo(
+            name=model_dir.name if model_dir.name else "model",
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+        ),
         device=f"{settings.device} ({torch.get_num_threads()} torch threads, {settings.clock} clock)",
         dtype="float32",
         kv_bytes_per_token=kv_bytes,
         kv_capacity_tokens=engine.block_manager.num_blocks * engine.block_manager.block_size,
-        engine=EngineInfo(max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
-                          block_size=settings.block_size),
+        engine=EngineInfo(
+            max_num_seqs=settings.max_num_seqs,
+            max_batched_tokens=settings.max_batched_tokens,
+            block_size=settings.block_size,
+        ),
         measured_at=datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
-        tool="splitserve_planner.runtime_profile", notes=f"torch {torch.__version__}; median of {settings.repeats}",
-        prefill=prefill, decode=decode, steps=mixed)
+        tool="splitserve_planner.runtime_profile",
+        notes=f"torch {torch.__version__}; median of {settings.repeats}",
+        prefill=prefill,
+        decode=decode,
+        steps=mixed,
+    )
 
 
 @dataclass(kw_only=True)
@@ -228,14 +288,16 @@ def _step_shape(out: SchedulerOutput) -> tuple[int, int, int, int]:
     """(tokens, sampled sequences, attention pairs, KV tokens held) of a scheduled step."""
     tokens = sum(c.num_tokens for c in out.prefills) + len(out.decodes)
     seqs = sum(1 for c in out.prefills if c.samples) + len(out.decodes)
-    pairs = sum(prefill_attention_pairs(num_new_tokens=c.num_tokens, num_computed_tokens=c.start_position)
-                for c in out.prefills) + sum(s.num_computed_tokens + 1 for s in out.decodes)
+    pairs = sum(
+        prefill_attention_pairs(num_new_tokens=c.num_tokens, num_computed_tokens=c.start_position) for c in out.prefills
+    ) + sum(s.num_computed_tokens + 1 for s in out.decodes)
     kv = sum(c.start_position for c in out.prefills) + sum(s.num_computed_tokens for s in out.decodes)
     return tokens, seqs, pairs, kv
 
 
-def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: int, seed: int = 0,
-                    clock: str = "wall") -> ReplayResult:
+def replay_workload(
+    *, engine: LLMEngine, requests: list[Request], vocab_size: int, seed: int = 0, clock: str = "wall"
+) -> ReplayResult:
     """Feed ``requests`` to the engine at their arrival times, step it as the server's loop
     does, and collect TTFT/ITL per token, plus every step's shape and duration.
 
@@ -262,9 +324,12 @@ def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: i
                 r = requests[index]
                 rid = f"replay-{r.request_id}"
                 arrival[rid] = r.arrival_seconds
-                engine.add_request(request_id=rid, prompt_token_ids=prompts[r.request_id],
-                                   params=SamplingParams(temperature=0, max_tokens=r.num_output_tokens, ignore_eos=True),
-                                   arrival_time_s=wall_start + r.arrival_seconds)
+                engine.add_request(
+                    request_id=rid,
+                    prompt_token_ids=prompts[r.request_id],
+                    params=SamplingParams(temperature=0, max_tokens=r.num_output_tokens, ignore_eos=True),
+                    arrival_time_s=wall_start + r.arrival_seconds,
+                )
                 index += 1
             if not engine.has_unfinished():
                 if clock == "cpu":
@@ -278,8 +343,15 @@ def replay_workload(*, engine: LLMEngine, requests: list[Request], vocab_size: i
             virtual += seconds
             if scheduled and not scheduled[-1].is_empty:
                 tokens, seqs, pairs, kv = _step_shape(scheduled[-1])
-                steps.append(StepSample(num_tokens=tokens, num_seqs=max(seqs, 1), num_attention_pairs=max(pairs, 1),
-                                        num_kv_tokens=kv, seconds=max(seconds, 1e-9)))
+                steps.append(
+                    StepSample(
+                        num_tokens=tokens,
+                        num_seqs=max(seqs, 1),
+                        num_attention_pairs=max(pairs, 1),
+                        num_kv_tokens=kv,
+                        seconds=max(seconds, 1e-9),
+                    )
+                )
             scheduled.clear()
             emitted = virtual if clock == "cpu" else time.monotonic() - wall_start
             for out in outputs:
@@ -330,8 +402,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--clock", choices=sorted(_CLOCKS), default="cpu",
-                        help="cpu: per-thread CPU time, robust to other load on a shared machine")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(_CLOCKS),
+        default="cpu",
+        help="cpu: per-thread CPU time, robust to other load on a shared machine",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = ProfileSettings(device=args.device, repeats=args.repeats, clock=args.clock)
@@ -348,10 +424,12 @@ def main(argv: list[str]) -> int:
     from splitserve_planner.profile import ProfileModel
 
     fit = ProfileModel(profile=profile).fit_errors()
-    print(f"wrote {args.out}: {len(profile.prefill)} prefill + {len(profile.decode)} decode + "
-          f"{len(profile.steps)} mixed samples in "
-          f"{time.perf_counter() - started:.1f} s; fit median error {fit['median_relative_error']:.1%}, "
-          f"max {fit['max_relative_error']:.1%}")
+    print(
+        f"wrote {args.out}: {len(profile.prefill)} prefill + {len(profile.decode)} decode + "
+        f"{len(profile.steps)} mixed samples in "
+        f"{time.perf_counter() - started:.1f} s; fit median error {fit['median_relative_error']:.1%}, "
+        f"max {fit['max_relative_error']:.1%}"
+    )
     return 0
 
 

@@ -67,8 +67,11 @@ class Slo:
     itl_p99_seconds: float
 
     def met_by(self, result: SimResult) -> bool:
-        return (result.num_unfinished == 0 and result.ttft_percentile(99) <= self.ttft_p99_seconds
-                and result.itl_percentile(99) <= self.itl_p99_seconds)
+        return (
+            result.num_unfinished == 0
+            and result.ttft_percentile(99) <= self.ttft_p99_seconds
+            and result.itl_percentile(99) <= self.itl_p99_seconds
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,15 +115,22 @@ class Demand:
     def of(cls, requests: list[Request], *, prefix_caching: bool, block_size: int) -> Demand:
         span = max(requests[-1].arrival_seconds - requests[0].arrival_seconds, 1e-9)
         prompt = [r.num_prompt_tokens for r in requests]
-        uncached = [r.num_prompt_tokens - ((r.num_prefix_tokens // block_size) * block_size
-                                           if prefix_caching and r.prefix_group >= 0 else 0) for r in requests]
+        uncached = [
+            r.num_prompt_tokens
+            - ((r.num_prefix_tokens // block_size) * block_size if prefix_caching and r.prefix_group >= 0 else 0)
+            for r in requests
+        ]
         output = [r.num_output_tokens for r in requests]
         ordered = sorted(uncached)
-        return cls(span_seconds=span, prompt_tokens_per_second=sum(prompt) / span,
-                   uncached_prompt_tokens_per_second=sum(uncached) / span,
-                   output_tokens_per_second=sum(output) / span, mean_prompt_tokens=sum(prompt) / len(prompt),
-                   mean_output_tokens=sum(output) / len(output),
-                   p99_uncached_prompt_tokens=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))])
+        return cls(
+            span_seconds=span,
+            prompt_tokens_per_second=sum(prompt) / span,
+            uncached_prompt_tokens_per_second=sum(uncached) / span,
+            output_tokens_per_second=sum(output) / span,
+            mean_prompt_tokens=sum(prompt) / len(prompt),
+            mean_output_tokens=sum(output) / len(output),
+            p99_uncached_prompt_tokens=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        )
 
 
 @dataclass(kw_only=True)
@@ -139,10 +149,19 @@ def capacity(*, perf: StepCost, engine: EngineSettings, demand: Demand, itl_seco
     pairs = int(seqs * prefill_attention_pairs(num_new_tokens=int(per_seq), num_computed_tokens=0))
     step = perf.step_seconds(num_tokens=budget, num_seqs=seqs, num_attention_pairs=pairs, num_kv_tokens=0)
     context = demand.mean_prompt_tokens + demand.mean_output_tokens / 2
-    decode = decode_capacity(perf, itl_seconds=itl_seconds, mean_context_tokens=context,
-                             max_num_seqs=engine.max_num_seqs, speculation=engine.speculation)
-    return Capacity(prefill_tokens_per_second=budget / step, decode_batch=decode.batch,
-                    decode_tokens_per_second=decode.tokens_per_second, decode_speculating=decode.speculating)
+    decode = decode_capacity(
+        perf,
+        itl_seconds=itl_seconds,
+        mean_context_tokens=context,
+        max_num_seqs=engine.max_num_seqs,
+        speculation=engine.speculation,
+    )
+    return Capacity(
+        prefill_tokens_per_second=budget / step,
+        decode_batch=decode.batch,
+        decode_tokens_per_second=decode.tokens_per_second,
+        decode_speculating=decode.speculating,
+    )
 
 
 @dataclass(kw_only=True)
@@ -171,37 +190,56 @@ def check_feasible(inputs: PlanInputs) -> None:
     """Reject SLOs no fleet size can meet, with the reason (raises :class:`PlanError`)."""
     perf, slo, engine = inputs.perf, inputs.slo, inputs.engine
     roofline = perf if isinstance(perf, RooflineModel) else None
-    remedy = remedies(tensor_parallel=inputs.gpus_per_replica, what_if=inputs.what_if,
-                      precision=roofline.precision if roofline else None, gpu=roofline.gpu if roofline else None)
+    remedy = remedies(
+        tensor_parallel=inputs.gpus_per_replica,
+        what_if=inputs.what_if,
+        precision=roofline.precision if roofline else None,
+        gpu=roofline.gpu if roofline else None,
+    )
     demand = Demand.of(inputs.requests, prefix_caching=engine.prefix_caching, block_size=engine.block_size)
     single = decode_step_seconds(perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens))
     if single > slo.itl_p99_seconds:
-        raise PlanError(f"impossible ITL SLO: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one decode step of a "
-                        f"single sequence ({single * 1e3:.2f} ms for {perf.name}); relax --itl-p99-ms or use "
-                        f"{remedy}")
+        raise PlanError(
+            f"impossible ITL SLO: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one decode step of a "
+            f"single sequence ({single * 1e3:.2f} ms for {perf.name}); relax --itl-p99-ms or use "
+            f"{remedy}"
+        )
     spec = engine.speculation
     if spec.applies(1):
-        verify = verify_step_seconds(perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens),
-                                     num_tokens=spec.num_tokens)
+        verify = verify_step_seconds(
+            perf, batch_size=1, num_context_tokens=int(demand.mean_prompt_tokens), num_tokens=spec.num_tokens
+        )
         if verify > slo.itl_p99_seconds:
-            raise PlanError(f"impossible ITL SLO with speculation: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one "
-                            f"verification forward of a single sequence (1 + {spec.num_tokens} tokens, "
-                            f"{verify * 1e3:.2f} ms for {perf.name}); lower --num-speculative-tokens, turn "
-                            "--speculative off or relax --itl-p99-ms")
+            raise PlanError(
+                f"impossible ITL SLO with speculation: p99 {slo.itl_p99_seconds * 1e3:g} ms is below one "
+                f"verification forward of a single sequence (1 + {spec.num_tokens} tokens, "
+                f"{verify * 1e3:.2f} ms for {perf.name}); lower --num-speculative-tokens, turn "
+                "--speculative off or relax --itl-p99-ms"
+            )
     tokens = demand.p99_uncached_prompt_tokens
     chunk = min(tokens, engine.max_batched_tokens)
     steps = math.ceil(tokens / chunk)
-    alone = sum(perf.step_seconds(num_tokens=chunk, num_seqs=1, num_kv_tokens=i * chunk,
-                                  num_attention_pairs=prefill_attention_pairs(num_new_tokens=chunk, num_computed_tokens=i * chunk))
-                for i in range(steps))
+    alone = sum(
+        perf.step_seconds(
+            num_tokens=chunk,
+            num_seqs=1,
+            num_kv_tokens=i * chunk,
+            num_attention_pairs=prefill_attention_pairs(num_new_tokens=chunk, num_computed_tokens=i * chunk),
+        )
+        for i in range(steps)
+    )
     if alone > slo.ttft_p99_seconds:
-        raise PlanError(f"impossible TTFT SLO: p99 {slo.ttft_p99_seconds * 1e3:g} ms is below the prefill of a "
-                        f"p99-length prompt ({tokens} uncached tokens) on an idle pod ({alone * 1e3:.1f} ms for "
-                        f"{perf.name}); relax --ttft-p99-ms or use {remedy}")
+        raise PlanError(
+            f"impossible TTFT SLO: p99 {slo.ttft_p99_seconds * 1e3:g} ms is below the prefill of a "
+            f"p99-length prompt ({tokens} uncached tokens) on an idle pod ({alone * 1e3:.1f} ms for "
+            f"{perf.name}); relax --ttft-p99-ms or use {remedy}"
+        )
     longest = max(r.num_prompt_tokens + r.num_output_tokens for r in inputs.requests)
     if longest > perf.kv_capacity_tokens:
-        raise PlanError(f"a request of {longest} tokens does not fit the KV cache of one pod "
-                        f"({perf.kv_capacity_tokens} tokens); use {remedy}")
+        raise PlanError(
+            f"a request of {longest} tokens does not fit the KV cache of one pod "
+            f"({perf.kv_capacity_tokens} tokens); use {remedy}"
+        )
 
 
 def _smallest(low: int, high: int, ok: Callable[[int], bool]) -> int | None:
@@ -240,13 +278,22 @@ class _Runner:
         key = (prefill, decode, aggregated)
         if key not in self.cache:
             i = self.inputs
-            fleet = FleetConfig(mode=AGGREGATED if aggregated else DISAGGREGATED, prefill_replicas=prefill,
-                                decode_replicas=decode, aggregated_replicas=aggregated,
-                                gpus_per_replica=i.gpus_per_replica, engine=self.engine,
-                                router_policy=i.router_policy, kv_link_bytes_per_second=i.kv_link_bytes_per_second)
-            self.cache[key] = simulate(fleet=fleet, perf=i.perf, requests=i.requests,
-                                       options=SimOptions(warmup_seconds=i.warmup_seconds, seed=i.seed,
-                                                          sample_interval_seconds=0))
+            fleet = FleetConfig(
+                mode=AGGREGATED if aggregated else DISAGGREGATED,
+                prefill_replicas=prefill,
+                decode_replicas=decode,
+                aggregated_replicas=aggregated,
+                gpus_per_replica=i.gpus_per_replica,
+                engine=self.engine,
+                router_policy=i.router_policy,
+                kv_link_bytes_per_second=i.kv_link_bytes_per_second,
+            )
+            self.cache[key] = simulate(
+                fleet=fleet,
+                perf=i.perf,
+                requests=i.requests,
+                options=SimOptions(warmup_seconds=i.warmup_seconds, seed=i.seed, sample_interval_seconds=0),
+            )
         return self.cache[key]
 
 
@@ -256,7 +303,9 @@ def plan_disaggregated(inputs: PlanInputs) -> Plan | None:
     cap = capacity(perf=inputs.perf, engine=engine, demand=demand, itl_seconds=slo.itl_p99_seconds)
     if cap.decode_batch == 0:
         return None
-    p_low = max(1, math.ceil(demand.uncached_prompt_tokens_per_second / (cap.prefill_tokens_per_second * inputs.headroom)))
+    p_low = max(
+        1, math.ceil(demand.uncached_prompt_tokens_per_second / (cap.prefill_tokens_per_second * inputs.headroom))
+    )
     d_low = max(1, math.ceil(demand.output_tokens_per_second / (cap.decode_tokens_per_second * inputs.headroom)))
     runner = _Runner(inputs, engine)
     limit = inputs.max_replicas
@@ -285,15 +334,30 @@ def plan_disaggregated(inputs: PlanInputs) -> Plan | None:
     if prefill is None:
         return None
     result = runner.run(prefill=prefill, decode=decode)
-    return Plan(mode=DISAGGREGATED, prefix_caching=engine.prefix_caching, prefill_replicas=prefill,
-                decode_replicas=decode, aggregated_replicas=0, gpus_per_replica=inputs.gpus_per_replica,
-                max_batched_tokens=engine.max_batched_tokens, result=result, simulations=len(runner.cache),
-                utilization={"prefill": demand.uncached_prompt_tokens_per_second / (prefill * cap.prefill_tokens_per_second),
-                             "decode": demand.output_tokens_per_second / (decode * cap.decode_tokens_per_second)},
-                notes=[f"decode batch at the ITL SLO: {cap.decode_batch}"
-                       + (f" (speculating, {engine.speculation.tokens_per_forward:.2f} tokens/forward)"
-                          if cap.decode_speculating else ""),
-                       f"lower bounds from {inputs.headroom:.0%} headroom: prefill {p_low}, decode {d_low}"])
+    return Plan(
+        mode=DISAGGREGATED,
+        prefix_caching=engine.prefix_caching,
+        prefill_replicas=prefill,
+        decode_replicas=decode,
+        aggregated_replicas=0,
+        gpus_per_replica=inputs.gpus_per_replica,
+        max_batched_tokens=engine.max_batched_tokens,
+        result=result,
+        simulations=len(runner.cache),
+        utilization={
+            "prefill": demand.uncached_prompt_tokens_per_second / (prefill * cap.prefill_tokens_per_second),
+            "decode": demand.output_tokens_per_second / (decode * cap.decode_tokens_per_second),
+        },
+        notes=[
+            f"decode batch at the ITL SLO: {cap.decode_batch}"
+            + (
+                f" (speculating, {engine.speculation.tokens_per_forward:.2f} tokens/forward)"
+                if cap.decode_speculating
+                else ""
+            ),
+            f"lower bounds from {inputs.headroom:.0%} headroom: prefill {p_low}, decode {d_low}",
+        ],
+    )
 
 
 def plan_aggregated(inputs: PlanInputs, *, budgets: tuple[int, ...] = AGGREGATED_BUDGETS) -> Plan | None:
@@ -306,8 +370,10 @@ def plan_aggregated(inputs: PlanInputs, *, budgets: tuple[int, ...] = AGGREGATED
         cap = capacity(perf=inputs.perf, engine=engine, demand=demand, itl_seconds=inputs.slo.itl_p99_seconds)
         if cap.decode_batch == 0:
             continue
-        load = (demand.uncached_prompt_tokens_per_second / cap.prefill_tokens_per_second
-                + demand.output_tokens_per_second / cap.decode_tokens_per_second)
+        load = (
+            demand.uncached_prompt_tokens_per_second / cap.prefill_tokens_per_second
+            + demand.output_tokens_per_second / cap.decode_tokens_per_second
+        )
         low = max(1, math.ceil(load / inputs.headroom))
         high = inputs.max_replicas if best is None else best.aggregated_replicas - 1
         runner = _Runner(inputs, engine)
@@ -318,11 +384,19 @@ def plan_aggregated(inputs: PlanInputs, *, budgets: tuple[int, ...] = AGGREGATED
         count = _smallest(low, high, meets)
         if count is None:
             continue
-        best = Plan(mode=AGGREGATED, prefix_caching=engine.prefix_caching, prefill_replicas=0, decode_replicas=0,
-                    aggregated_replicas=count, gpus_per_replica=inputs.gpus_per_replica, max_batched_tokens=budget,
-                    result=runner.run(aggregated=count), simulations=len(runner.cache),
-                    utilization={"aggregated": load / count},
-                    notes=[f"lower bound from {inputs.headroom:.0%} headroom: {low}"])
+        best = Plan(
+            mode=AGGREGATED,
+            prefix_caching=engine.prefix_caching,
+            prefill_replicas=0,
+            decode_replicas=0,
+            aggregated_replicas=count,
+            gpus_per_replica=inputs.gpus_per_replica,
+            max_batched_tokens=budget,
+            result=runner.run(aggregated=count),
+            simulations=len(runner.cache),
+            utilization={"aggregated": load / count},
+            notes=[f"lower bound from {inputs.headroom:.0%} headroom: {low}"],
+        )
     return best
 
 
@@ -390,8 +464,9 @@ def _num_gpus(option: TensorParallelOption) -> int:
     return plan.num_gpus
 
 
-def plan_tensor_parallel(inputs_at: Callable[[int], PlanInputs], sizes: Iterable[int], *,
-                         compare_prefix_caching: bool = True) -> TensorParallelSearch:
+def plan_tensor_parallel(
+    inputs_at: Callable[[int], PlanInputs], sizes: Iterable[int], *, compare_prefix_caching: bool = True
+) -> TensorParallelSearch:
     """:func:`plan_all` at each TP size (see the module docstring, step 3). ``inputs_at(tp)``
     builds the inputs of one size and raises :class:`~.perf_model.ModelDoesNotFit` or
     :class:`~.perf_model.TensorParallelRefused` for a size the model cannot use."""
@@ -400,9 +475,13 @@ def plan_tensor_parallel(inputs_at: Callable[[int], PlanInputs], sizes: Iterable
         search = TensorParallelSearch(options=options)
         leader = search.best
         if leader is not None and tp >= _num_gpus(leader):
-            options.append(TensorParallelOption(
-                tensor_parallel=tp, reason=f"not searched: one pod of {tp} GPUs cannot beat "
-                                           f"{_num_gpus(leader)} GPUs at TP={leader.tensor_parallel}"))
+            options.append(
+                TensorParallelOption(
+                    tensor_parallel=tp,
+                    reason=f"not searched: one pod of {tp} GPUs cannot beat "
+                    f"{_num_gpus(leader)} GPUs at TP={leader.tensor_parallel}",
+                )
+            )
             continue
         try:
             inputs = inputs_at(tp)
@@ -410,7 +489,10 @@ def plan_tensor_parallel(inputs_at: Callable[[int], PlanInputs], sizes: Iterable
         except (ModelDoesNotFit, TensorParallelRefused, PlanError) as exc:
             options.append(TensorParallelOption(tensor_parallel=tp, reason=str(exc)))
             continue
-        reason = ("" if table.best is not None else
-                  f"no configuration with at most {inputs.max_replicas} replicas per pool meets the SLOs")
+        reason = (
+            ""
+            if table.best is not None
+            else f"no configuration with at most {inputs.max_replicas} replicas per pool meets the SLOs"
+        )
         options.append(TensorParallelOption(tensor_parallel=tp, inputs=inputs, table=table, reason=reason))
     return TensorParallelSearch(options=options)

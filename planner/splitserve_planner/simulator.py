@@ -159,8 +159,15 @@ class Simulator(Router, EngineModel, Scaling, Observer):
             self._pull_central(pod)
 
 
-def simulate(*, fleet: FleetConfig, perf: StepCost, requests: list[Request],
-             options: SimOptions | None = None, decode_perf: StepCost | None = None) -> SimResult:
+def simulate(
+    *,
+    fleet: FleetConfig,
+    perf: StepCost,
+    requests: list[Request],
+    options: SimOptions | None = None,
+    decode_perf: StepCost | None = None,
+) -> SimResult:
     """Run the fleet over ``requests`` (sorted by arrival) and return its latencies and usage."""
-    return Simulator(fleet=fleet, perf=perf, requests=requests, options=options or SimOptions(),
-                     decode_perf=decode_perf).run()
+    return Simulator(
+        fleet=fleet, perf=perf, requests=requests, options=options or SimOptions(), decode_perf=decode_perf
+    ).run()

@@ -20,7 +20,7 @@ from .perf_model import StepCost
 from .sim.config import AGGREGATED, AutoscaleSettings, EngineSettings, FleetConfig, SimOptions
 from .sim.observe import gpu_seconds
 from .simulator import Simulator
-from .slo_compare import attainment
+from .slo_attainment import attainment
 from .slo_prior import PriorFit, fit_prior, prior_manifest
 from .workload import Request
 
@@ -58,8 +58,12 @@ def parse_slo(text: str) -> SloTarget:
         raise ValueError(f"--slo attainment must be in (0.5, 1), got {quantile:g}")
     if not 0 < headroom <= 1:
         raise ValueError(f"--slo headroom must be in (0, 1], got {headroom:g}")
-    return SloTarget(ttft_p99_seconds=_seconds(fields["ttft"], key="ttft"),
-                     itl_p99_seconds=_seconds(fields["itl"], key="itl"), attainment=quantile, headroom=headroom)
+    return SloTarget(
+        ttft_p99_seconds=_seconds(fields["ttft"], key="ttft"),
+        itl_p99_seconds=_seconds(fields["itl"], key="itl"),
+        attainment=quantile,
+        headroom=headroom,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,22 +83,47 @@ class SloReport:
     max_replicas: int
 
 
-def simulate_controller(*, perf: StepCost, requests: list[Request], slo: SloTarget, mode: str,
-                        replicas: dict[str, int], engine: EngineSettings, gpus_per_replica: int,
-                        max_replicas: int, router_policy: str = "prefix-affinity",
-                        kv_link_bytes_per_second: float = 50e9, seed: int = 0) -> SloReport:
+def simulate_controller(
+    *,
+    perf: StepCost,
+    requests: list[Request],
+    slo: SloTarget,
+    mode: str,
+    replicas: dict[str, int],
+    engine: EngineSettings,
+    gpus_per_replica: int,
+    max_replicas: int,
+    router_policy: str = "prefix-affinity",
+    kv_link_bytes_per_second: float = 50e9,
+    seed: int = 0,
+) -> SloReport:
     """Run the SLO controller (roofline prior, no targets) from the planned ``replicas``."""
     prior = fit_prior(perf, max_batched_tokens=engine.max_batched_tokens, max_num_seqs=engine.max_num_seqs)
     settings = AutoscaleSettings(max_replicas=max_replicas, slo=replace(slo, prior=prior.coefficients))
     if mode == AGGREGATED:
-        fleet = FleetConfig(mode=mode, aggregated_replicas=replicas["aggregated"], gpus_per_replica=gpus_per_replica,
-                            engine=engine, router_policy=router_policy, autoscale=settings,
-                            kv_link_bytes_per_second=kv_link_bytes_per_second)
+        fleet = FleetConfig(
+            mode=mode,
+            aggregated_replicas=replicas["aggregated"],
+            gpus_per_replica=gpus_per_replica,
+            engine=engine,
+            router_policy=router_policy,
+            autoscale=settings,
+            kv_link_bytes_per_second=kv_link_bytes_per_second,
+        )
     else:
-        fleet = FleetConfig(mode=mode, prefill_replicas=replicas["prefill"], decode_replicas=replicas["decode"],
-                            gpus_per_replica=gpus_per_replica, engine=engine, router_policy=router_policy,
-                            autoscale=settings, kv_link_bytes_per_second=kv_link_bytes_per_second)
-    sim = Simulator(fleet=fleet, perf=perf, requests=requests, options=SimOptions(sample_interval_seconds=5.0, seed=seed))
+        fleet = FleetConfig(
+            mode=mode,
+            prefill_replicas=replicas["prefill"],
+            decode_replicas=replicas["decode"],
+            gpus_per_replica=gpus_per_replica,
+            engine=engine,
+            router_policy=router_policy,
+            autoscale=settings,
+            kv_link_bytes_per_second=kv_link_bytes_per_second,
+        )
+    sim = Simulator(
+        fleet=fleet, perf=perf, requests=requests, options=SimOptions(sample_interval_seconds=5.0, seed=seed)
+    )
     result = sim.run()
     end = requests[-1].arrival_seconds if requests else 0.0
     changes: dict[str, list[tuple[float, int]]] = {}
@@ -108,23 +137,31 @@ def simulate_controller(*, perf: StepCost, requests: list[Request], slo: SloTarg
                 series.append((row["time_s"], count))
     q = 100.0 * slo.attainment
     return SloReport(
-        slo=slo, prior=prior, replicas=changes,
+        slo=slo,
+        prior=prior,
+        replicas=changes,
         gpu_hours=gpu_seconds(sim.all_pods, start_s=0.0, end_s=end, gpus_per_replica=gpus_per_replica) / 3600.0,
-        attainment=attainment(ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured,
-                              slo=slo),
-        num_requests=result.num_measured, ttft_seconds=result.ttft_percentile(q), itl_seconds=result.itl_percentile(q),
-        max_replicas=max_replicas)
+        attainment=attainment(
+            ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured, slo=slo
+        ),
+        num_requests=result.num_measured,
+        ttft_seconds=result.ttft_percentile(q),
+        itl_seconds=result.itl_percentile(q),
+        max_replicas=max_replicas,
+    )
 
 
 def format_report(report: SloReport, *, max_changes: int = 12) -> str:
     slo = report.slo
     met = "meets" if report.attainment >= slo.attainment else "MISSES"
-    lines = [f"SLO controller (--slo ttft={slo.ttft_p99_seconds * 1e3:g}ms,itl={slo.itl_p99_seconds * 1e3:g}ms,"
-             f"attainment={slo.attainment:g}), simulated over the workload from the planned counts "
-             f"(replicas up to {report.max_replicas} per pool; the manifest caps them at the plan's):",
-             f"  attainment {report.attainment:.2%} of {report.num_requests} requests ({met} {slo.attainment:.0%}); "
-             f"TTFT p{slo.attainment * 100:g} {report.ttft_seconds * 1e3:.0f} ms, ITL p{slo.attainment * 100:g} "
-             f"{report.itl_seconds * 1e3:.1f} ms; {report.gpu_hours:.3f} GPU-hours"]
+    lines = [
+        f"SLO controller (--slo ttft={slo.ttft_p99_seconds * 1e3:g}ms,itl={slo.itl_p99_seconds * 1e3:g}ms,"
+        f"attainment={slo.attainment:g}), simulated over the workload from the planned counts "
+        f"(replicas up to {report.max_replicas} per pool; the manifest caps them at the plan's):",
+        f"  attainment {report.attainment:.2%} of {report.num_requests} requests ({met} {slo.attainment:.0%}); "
+        f"TTFT p{slo.attainment * 100:g} {report.ttft_seconds * 1e3:.0f} ms, ITL p{slo.attainment * 100:g} "
+        f"{report.itl_seconds * 1e3:.1f} ms; {report.gpu_hours:.3f} GPU-hours",
+    ]
     for role, series in report.replicas.items():
         shown = series if len(series) <= max_changes else series[:max_changes]
         text = ", ".join(f"{t:.0f}s:{n}" for t, n in shown)
@@ -132,16 +169,22 @@ def format_report(report: SloReport, *, max_changes: int = 12) -> str:
         counts = [n for _, n in series]
         lines.append(f"  {role} replicas {min(counts)}-{max(counts)}: {text}{more}")
     prior = prior_manifest(report.prior.coefficients)
-    lines.append("  roofline prior (spec.autoscaling.slo.prior, s/unit): "
-                 + ", ".join(f"{k}={v:.4g}" for k, v in prior.items())
-                 + f" (linear fit of the perf model over {report.prior.num_steps} steps, "
-                   f"RMS error {report.prior.relative_rms_error:.0%})")
+    lines.append(
+        "  roofline prior (spec.autoscaling.slo.prior, s/unit): "
+        + ", ".join(f"{k}={v:.4g}" for k, v in prior.items())
+        + f" (linear fit of the perf model over {report.prior.num_steps} steps, "
+        f"RMS error {report.prior.relative_rms_error:.0%})"
+    )
     return "\n".join(lines)
 
 
 def slo_manifest(report: SloReport) -> dict[str, object]:
     """``spec.autoscaling.slo`` for the manifest."""
     slo = report.slo
-    return {"ttftP99": f"{slo.ttft_p99_seconds * 1e3:g}ms", "itlP99": f"{slo.itl_p99_seconds * 1e3:g}ms",
-            "attainment": slo.attainment, "headroom": slo.headroom,
-            "prior": prior_manifest(report.prior.coefficients)}
+    return {
+        "ttftP99": f"{slo.ttft_p99_seconds * 1e3:g}ms",
+        "itlP99": f"{slo.itl_p99_seconds * 1e3:g}ms",
+        "attainment": slo.attainment,
+        "headroom": slo.headroom,
+        "prior": prior_manifest(report.prior.coefficients),
+    }

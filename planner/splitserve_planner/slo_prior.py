@@ -26,8 +26,12 @@ from splitserve_operator.autoscaler.slo.inputs import (
 from .perf_model import StepCost, prefill_attention_pairs
 
 PRIOR_KEYS: dict[str, str] = {
-    "step": "step", "prefill_token": "prefillToken", "prefill_pair": "prefillPair",
-    "decode_row": "decodeRow", "decode_context": "decodeContext"}
+    "step": "step",
+    "prefill_token": "prefillToken",
+    "prefill_pair": "prefillPair",
+    "decode_row": "decodeRow",
+    "decode_context": "decodeContext",
+}
 """``spec.autoscaling.slo.prior`` keys (camelCase) of each coefficient."""
 
 
@@ -40,8 +44,7 @@ class PriorFit:
     num_steps: int
 
 
-def representative_steps(*, max_batched_tokens: int, max_num_seqs: int,
-                         kv_capacity_tokens: int) -> list[StepSample]:
+def representative_steps(*, max_batched_tokens: int, max_num_seqs: int, kv_capacity_tokens: int) -> list[StepSample]:
     """One engine step each (``steps = 1``, ``seconds`` left 0): the grid the prior is fitted on."""
     out: list[StepSample] = []
     chunks = sorted({c for c in (64, 256, 512, 1024, 2048, 4096, 8192, max_batched_tokens) if c <= max_batched_tokens})
@@ -49,23 +52,43 @@ def representative_steps(*, max_batched_tokens: int, max_num_seqs: int,
         for computed in (0, 1024, 4096):
             if computed + take > kv_capacity_tokens:
                 continue
-            out.append(StepSample(steps=1, seconds=0.0, prefill_tokens=take,
-                                  prefill_attention_pairs=prefill_attention_pairs(num_new_tokens=take,
-                                                                                  num_computed_tokens=computed),
-                                  decode_rows=0, decode_context_tokens=0))
+            out.append(
+                StepSample(
+                    steps=1,
+                    seconds=0.0,
+                    prefill_tokens=take,
+                    prefill_attention_pairs=prefill_attention_pairs(num_new_tokens=take, num_computed_tokens=computed),
+                    decode_rows=0,
+                    decode_context_tokens=0,
+                )
+            )
     batches = sorted({b for b in (1, 4, 16, 32, 64, 128, 256, max_num_seqs) if b <= max_num_seqs})
     for rows in batches:
         for context in (256, 1024, 2048, 4096):
             if rows * (context + 1) > kv_capacity_tokens:
                 continue
-            out.append(StepSample(steps=1, seconds=0.0, prefill_tokens=0, prefill_attention_pairs=0,
-                                  decode_rows=rows, decode_context_tokens=rows * context))
+            out.append(
+                StepSample(
+                    steps=1,
+                    seconds=0.0,
+                    prefill_tokens=0,
+                    prefill_attention_pairs=0,
+                    decode_rows=rows,
+                    decode_context_tokens=rows * context,
+                )
+            )
             take = min(512, max_batched_tokens - rows)
             if take > 0 and rows * (context + 1) + take <= kv_capacity_tokens:  # a mixed step: decodes + one chunk
-                out.append(StepSample(steps=1, seconds=0.0, prefill_tokens=take,
-                                      prefill_attention_pairs=prefill_attention_pairs(num_new_tokens=take,
-                                                                                      num_computed_tokens=0),
-                                      decode_rows=rows, decode_context_tokens=rows * context))
+                out.append(
+                    StepSample(
+                        steps=1,
+                        seconds=0.0,
+                        prefill_tokens=take,
+                        prefill_attention_pairs=prefill_attention_pairs(num_new_tokens=take, num_computed_tokens=0),
+                        decode_rows=rows,
+                        decode_context_tokens=rows * context,
+                    )
+                )
     return out
 
 
@@ -75,10 +98,12 @@ def step_seconds(perf: StepCost, sample: StepSample) -> float:
     context = int(sample.decode_context_tokens)
     tokens = int(sample.prefill_tokens) + rows
     seqs = rows + (1 if sample.prefill_tokens else 0)
-    return perf.step_seconds(num_tokens=tokens, num_seqs=max(seqs, 1),
-                             num_attention_pairs=int(sample.prefill_attention_pairs) + context + rows,
-                             num_kv_tokens=context + (0 if not sample.prefill_tokens else
-                                                      _computed(sample)))
+    return perf.step_seconds(
+        num_tokens=tokens,
+        num_seqs=max(seqs, 1),
+        num_attention_pairs=int(sample.prefill_attention_pairs) + context + rows,
+        num_kv_tokens=context + (0 if not sample.prefill_tokens else _computed(sample)),
+    )
 
 
 def _computed(sample: StepSample) -> int:
@@ -89,8 +114,9 @@ def _computed(sample: StepSample) -> int:
 
 def fit_prior(perf: StepCost, *, max_batched_tokens: int, max_num_seqs: int) -> PriorFit:
     """Non-negative least squares in relative error over :func:`representative_steps`."""
-    steps = representative_steps(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs,
-                                 kv_capacity_tokens=perf.kv_capacity_tokens)
+    steps = representative_steps(
+        max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, kv_capacity_tokens=perf.kv_capacity_tokens
+    )
     x = np.asarray([s.features() for s in steps], dtype=float)
     y = np.asarray([step_seconds(perf, s) for s in steps])
     a = x / y[:, None]  # relative error: divide each row by its target
@@ -108,12 +134,17 @@ def fit_prior(perf: StepCost, *, max_batched_tokens: int, max_num_seqs: int) -> 
         active.pop(int(np.argmin(solution)))
     theta = theta / scale
     relative = x @ theta / y - 1.0
-    return PriorFit(coefficients=StepCoefficients.from_tuple([float(v) for v in theta]),
-                    relative_rms_error=float(np.sqrt(np.mean(relative**2))),
-                    max_relative_error=float(np.abs(relative).max()), num_steps=len(steps))
+    return PriorFit(
+        coefficients=StepCoefficients.from_tuple([float(v) for v in theta]),
+        relative_rms_error=float(np.sqrt(np.mean(relative**2))),
+        max_relative_error=float(np.abs(relative).max()),
+        num_steps=len(steps),
+    )
 
 
 def prior_manifest(coefficients: StepCoefficients) -> dict[str, float]:
     """``spec.autoscaling.slo.prior``: camelCase keys, seconds per unit (4 significant digits)."""
-    return {PRIOR_KEYS[name]: float(f"{value:.4g}")
-            for name, value in zip(COEFFICIENT_NAMES, coefficients.as_tuple(), strict=True)}
+    return {
+        PRIOR_KEYS[name]: float(f"{value:.4g}")
+        for name, value in zip(COEFFICIENT_NAMES, coefficients.as_tuple(), strict=True)
+    }

@@ -77,8 +77,9 @@ class Speculation:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not priced by the planner; "
-                             f"choose {' or '.join(METHODS)}")
+            raise ValueError(
+                f"speculative method {self.method!r} is not priced by the planner; choose {' or '.join(METHODS)}"
+            )
         if not 1 <= self.num_tokens <= MAX_NUM_TOKENS:
             raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_NUM_TOKENS}], got {self.num_tokens}")
         if not 0.0 <= self.acceptance <= 1.0:
@@ -105,8 +106,10 @@ class Speculation:
     def label(self) -> str:
         if not self.enabled:
             return "no speculation"
-        return (f"speculation {self.method} k={self.num_tokens}, acceptance {self.acceptance:g} "
-                f"({self.tokens_per_forward:.2f} tokens/forward) at <= {self.max_num_seqs} decoding sequences")
+        return (
+            f"speculation {self.method} k={self.num_tokens}, acceptance {self.acceptance:g} "
+            f"({self.tokens_per_forward:.2f} tokens/forward) at <= {self.max_num_seqs} decoding sequences"
+        )
 
 
 NO_SPECULATION: Final = Speculation()
@@ -117,26 +120,31 @@ def verify_step_seconds(model: StepCost, *, batch_size: int, num_context_tokens:
     total, each running its last token and ``num_tokens`` proposals (all rows sampled)."""
     rows = batch_size * (num_tokens + 1)
     pairs = (num_tokens + 1) * num_context_tokens + batch_size * (num_tokens + 1) * (num_tokens + 2) // 2
-    return model.step_seconds(num_tokens=rows, num_seqs=rows, num_attention_pairs=pairs,
-                              num_kv_tokens=num_context_tokens)
+    return model.step_seconds(
+        num_tokens=rows, num_seqs=rows, num_attention_pairs=pairs, num_kv_tokens=num_context_tokens
+    )
 
 
-def decode_forward_seconds(model: StepCost, *, batch_size: int, num_context_tokens: int,
-                           speculation: Speculation = NO_SPECULATION) -> float:
+def decode_forward_seconds(
+    model: StepCost, *, batch_size: int, num_context_tokens: int, speculation: Speculation = NO_SPECULATION
+) -> float:
     """One decode-only forward of ``batch_size`` sequences: a verification forward where the
     rule lets the batch speculate, a plain decode step otherwise. Also the gap between
     streamed chunks."""
     if speculation.applies(batch_size):
-        return verify_step_seconds(model, batch_size=batch_size, num_context_tokens=num_context_tokens,
-                                   num_tokens=speculation.num_tokens)
+        return verify_step_seconds(
+            model, batch_size=batch_size, num_context_tokens=num_context_tokens, num_tokens=speculation.num_tokens
+        )
     return decode_step_seconds(model, batch_size=batch_size, num_context_tokens=num_context_tokens)
 
 
-def decode_seconds_per_token(model: StepCost, *, batch_size: int, num_context_tokens: int,
-                             speculation: Speculation = NO_SPECULATION) -> float:
+def decode_seconds_per_token(
+    model: StepCost, *, batch_size: int, num_context_tokens: int, speculation: Speculation = NO_SPECULATION
+) -> float:
     """Mean time per output token of each sequence in a decode-only batch (TPOT)."""
-    forward = decode_forward_seconds(model, batch_size=batch_size, num_context_tokens=num_context_tokens,
-                                     speculation=speculation)
+    forward = decode_forward_seconds(
+        model, batch_size=batch_size, num_context_tokens=num_context_tokens, speculation=speculation
+    )
     return forward / speculation.tokens_per_forward if speculation.applies(batch_size) else forward
 
 
@@ -148,8 +156,14 @@ class DecodeCapacity:
     speculating: bool
 
 
-def decode_capacity(model: StepCost, *, itl_seconds: float, mean_context_tokens: float, max_num_seqs: int,
-                    speculation: Speculation = NO_SPECULATION) -> DecodeCapacity:
+def decode_capacity(
+    model: StepCost,
+    *,
+    itl_seconds: float,
+    mean_context_tokens: float,
+    max_num_seqs: int,
+    speculation: Speculation = NO_SPECULATION,
+) -> DecodeCapacity:
     """The decode batch with the most output tokens/s among those whose forward (the gap a
     client sees) stays within ``itl_seconds`` and whose KV fits.
 
@@ -158,8 +172,9 @@ def decode_capacity(model: StepCost, *, itl_seconds: float, mean_context_tokens:
     gap) and a larger one plain decode steps, so the rate is not monotone in the batch: every
     batch is priced and the best kept."""
     if not speculation.enabled:
-        batch = max_decode_batch(model, itl_seconds=itl_seconds, mean_context_tokens=mean_context_tokens,
-                                 max_num_seqs=max_num_seqs)
+        batch = max_decode_batch(
+            model, itl_seconds=itl_seconds, mean_context_tokens=mean_context_tokens, max_num_seqs=max_num_seqs
+        )
         if not batch:
             return DecodeCapacity(batch=0, tokens_per_second=0.0, speculating=False)
         step = decode_step_seconds(model, batch_size=batch, num_context_tokens=int(batch * mean_context_tokens))

@@ -34,9 +34,14 @@ def supported_quantizations() -> tuple[str, ...]:
 
 def unsupported_settings(*, tensor_parallel: int, precision: Precision) -> list[str]:
     """One capability message per setting this version does not serve (empty: servable)."""
-    return caps.unsupported([(caps.TENSOR_PARALLEL_SIZE, tensor_parallel), (caps.DTYPE, precision.dtype),
-                             (caps.QUANTIZATION, precision.quantization),
-                             (caps.KV_CACHE_DTYPE, precision.kv_cache_dtype)])
+    return caps.unsupported(
+        [
+            (caps.TENSOR_PARALLEL_SIZE, tensor_parallel),
+            (caps.DTYPE, precision.dtype),
+            (caps.QUANTIZATION, precision.quantization),
+            (caps.KV_CACHE_DTYPE, precision.kv_cache_dtype),
+        ]
+    )
 
 
 def check_servable(*, tensor_parallel: int, precision: Precision) -> None:
@@ -51,8 +56,9 @@ def check_servable(*, tensor_parallel: int, precision: Precision) -> None:
 _SMALLER = {"none": ("fp8", "int8", "int4"), "fp8": ("int4",), "int8": ("int4",), "int4": ()}
 
 
-def remedies(*, tensor_parallel: int, what_if: bool = False, precision: Precision | None = None,
-             gpu: GpuSpec | None = None) -> str:
+def remedies(
+    *, tensor_parallel: int, what_if: bool = False, precision: Precision | None = None, gpu: GpuSpec | None = None
+) -> str:
     """How to make a model or an SLO fit, naming only what this version serves (what-if: what
     the API knows). With ``precision``, only quantization and KV settings smaller than it; with
     ``gpu``, no fp8 where it has no FP8 support."""

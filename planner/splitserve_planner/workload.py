@@ -56,8 +56,10 @@ class LengthDist:
                 return cls(kind="fixed", mean=float(int(parts[0])), max_tokens=max_tokens)._check(text)
             kind, args = parts[0], [float(p) for p in parts[1:]]
         except ValueError:
-            raise ValueError(f"bad token distribution {text!r}: use N, fixed:N, exponential:MEAN, "
-                             "lognormal:MEAN:SIGMA or uniform:LOW:HIGH") from None
+            raise ValueError(
+                f"bad token distribution {text!r}: use N, fixed:N, exponential:MEAN, "
+                "lognormal:MEAN:SIGMA or uniform:LOW:HIGH"
+            ) from None
         if kind == "fixed" and len(args) == 1:
             return cls(kind=kind, mean=args[0], max_tokens=max_tokens)._check(text)
         if kind == "exponential" and len(args) == 1:
@@ -67,8 +69,10 @@ class LengthDist:
         if kind == "uniform" and len(args) == 2:
             low, high = int(args[0]), int(args[1])
             return cls(kind=kind, mean=(low + high) / 2, low=low, high=high, max_tokens=max_tokens)._check(text)
-        raise ValueError(f"bad token distribution {text!r}: use N, fixed:N, exponential:MEAN, "
-                         "lognormal:MEAN:SIGMA or uniform:LOW:HIGH")
+        raise ValueError(
+            f"bad token distribution {text!r}: use N, fixed:N, exponential:MEAN, "
+            "lognormal:MEAN:SIGMA or uniform:LOW:HIGH"
+        )
 
     def _check(self, text: str) -> LengthDist:
         if self.mean < 1 or self.sigma < 0 or (self.kind == "uniform" and not 1 <= self.low <= self.high):
@@ -167,8 +171,16 @@ class WorkloadSpec:
         out: list[Request] = []
         for i in range(count):
             if shared[i]:
-                out.append(Request(i, float(times[i]), int(prompts[i]) + self.prefix_tokens, int(outputs[i]),
-                                   int(groups[i]), self.prefix_tokens))
+                out.append(
+                    Request(
+                        i,
+                        float(times[i]),
+                        int(prompts[i]) + self.prefix_tokens,
+                        int(outputs[i]),
+                        int(groups[i]),
+                        self.prefix_tokens,
+                    )
+                )
             else:
                 out.append(Request(i, float(times[i]), int(prompts[i]), int(outputs[i])))
         return out
@@ -185,8 +197,10 @@ def load_trace(*, path: Path, default_prefix_tokens: int = 0) -> list[Request]:
         fields = set(reader.fieldnames or ())
         missing = {"timestamp", "prompt_tokens", "output_tokens"} - fields
         if missing:
-            raise ValueError(f"trace {path}: missing column(s) {', '.join(sorted(missing))} "
-                             "(need timestamp,prompt_tokens,output_tokens[,prefix_group,prefix_tokens])")
+            raise ValueError(
+                f"trace {path}: missing column(s) {', '.join(sorted(missing))} "
+                "(need timestamp,prompt_tokens,output_tokens[,prefix_group,prefix_tokens])"
+            )
         rows: list[Request] = []
         for line, row in enumerate(reader, start=2):
             try:

@@ -62,7 +62,8 @@ def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     if not value.strip():
         raise APIKeyConfigError(
             f"{ENV_API_KEY} is set but empty: refusing to serve without the API key (check the "
-            "Secret named by spec.runtime.apiKeySecretRef, or unset the variable to serve without one)")
+            "Secret named by spec.runtime.apiKeySecretRef, or unset the variable to serve without one)"
+        )
     return value
 
 
@@ -94,8 +95,7 @@ class APIKeyCheck:
 class APIKeyMiddleware:
     """Rejects HTTP requests without the right bearer token with a 401 in the OpenAI shape."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str,
-                 open_paths: Iterable[str] = SERVER_OPEN_PATHS) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str, open_paths: Iterable[str] = SERVER_OPEN_PATHS) -> None:
         if not api_key:
             raise ValueError("APIKeyMiddleware needs a non-empty api_key")
         self._app = app
@@ -124,17 +124,29 @@ class APIKeyMiddleware:
 
 
 def unauthorized_body() -> bytes:
-    return json.dumps({"error": {
-        "message": UNAUTHORIZED_MESSAGE,
-        "type": "authentication_error", "param": None, "code": "invalid_api_key",
-    }}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": UNAUTHORIZED_MESSAGE,
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+    ).encode()
 
 
 async def send_unauthorized(send: Send) -> None:
     body = unauthorized_body()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer"),
-    ]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -1,8 +1,7 @@
 """A request body limit for the runtime's and the router's HTTP servers.
 
 Without one, a single client can post a body of tens of megabytes that the server must read,
-parse and tokenize before it can say no (issue 12: a 21 MB body stalled ``/health`` for a
-minute). This ASGI middleware refuses a body over the limit before the app sees it: at once
+parse and tokenize before it can say no (a 21 MB body stalled ``/health`` for a minute). This ASGI middleware refuses a body over the limit before the app sees it: at once
 from ``Content-Length``, or as soon as a chunked body crosses the limit. The answer is a 413 in
 the OpenAI error shape. The body is read here (FastAPI reads it whole anyway) and replayed to
 the app, so a refusal never depends on how the app handles errors. It sits outside the runtime's layers (like :mod:`.auth`) so the server
@@ -17,19 +16,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 def too_large_body(max_bytes: int) -> bytes:
-    return json.dumps({"error": {
-        "message": f"request body is larger than the server's limit of {max_bytes} bytes",
-        "type": "invalid_request_error", "param": None, "code": "request_too_large",
-    }}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": f"request body is larger than the server's limit of {max_bytes} bytes",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
+    ).encode()
 
 
 async def send_too_large(send: Send, *, max_bytes: int) -> None:
     body = too_large_body(max_bytes)
-    await send({"type": "http.response.start", "status": 413, "headers": [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -1,5 +1,5 @@
 """Decoding large JSON request bodies off the event loop, for the runtime's and the router's
-HTTP servers (issue 12).
+HTTP servers, so that one crafted body cannot stall ``/health`` and every other request.
 
 ``json.loads`` holds the GIL for as long as it runs, and a thread does not help: while it
 decodes, nothing else in the process does. An ordinary 8 MB prompt string decodes in about
@@ -77,7 +77,7 @@ _CONTAINER_TYPES = frozenset({dict, list})
 
 
 def _container_excess(value: Any, *, max_containers: int, max_depth: int) -> str | None:
-    """"containers" if ``value`` holds more than ``max_containers`` arrays and objects, "depth"
+    """ "containers" if ``value`` holds more than ``max_containers`` arrays and objects, "depth"
     if they nest deeper than ``max_depth``, else None. Level by level, each level's children
     gathered and sifted by C loops (a prompt of a million token ids is one pass); it stops at
     the first level that crosses a bound."""
@@ -94,8 +94,11 @@ def _container_excess(value: Any, *, max_containers: int, max_depth: int) -> str
         for item in level:
             children.extend(item.values() if type(item) is dict else item)
         # lazily, and only as many as could still fit: the next check fails on one more
-        level = list(islice(compress(children, map(_CONTAINER_TYPES.__contains__, map(type, children))),
-                            max_containers - count + 1))
+        level = list(
+            islice(
+                compress(children, map(_CONTAINER_TYPES.__contains__, map(type, children))), max_containers - count + 1
+            )
+        )
     return None
 
 
@@ -105,8 +108,7 @@ def exceeds_containers(value: Any, *, limit: int = MAX_CONTAINERS) -> bool:
     return _container_excess(value, max_containers=limit, max_depth=sys.maxsize) == "containers"
 
 
-def decode_body(raw: bytes, *, max_containers: int = MAX_CONTAINERS,
-                max_depth: int = MAX_DEPTH) -> Any:
+def decode_body(raw: bytes, *, max_containers: int = MAX_CONTAINERS, max_depth: int = MAX_DEPTH) -> Any:
     """``raw`` decoded as JSON; raises :class:`InvalidJSON` for anything that is not JSON this
     server takes (malformed, not UTF-8, nested deeper than ``max_depth``, an integer over the
     interpreter's digit limit) and :class:`TooComplex` for more than ``max_containers`` arrays
@@ -135,8 +137,7 @@ class BodyDecoder:
     the decoder process. ``fn`` must be a picklable module-level callable (or a
     ``functools.partial`` of one) whose result is small and picklable."""
 
-    def __init__(self, *, inline_bytes: int = INLINE_BYTES,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+    def __init__(self, *, inline_bytes: int = INLINE_BYTES, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         if inline_bytes < 0 or max_waiting < 0:
             raise ValueError("inline_bytes and max_waiting must be >= 0")
         self.inline_bytes = inline_bytes
@@ -150,8 +151,9 @@ class BodyDecoder:
         if len(body) <= self.inline_bytes:
             return fn(body)
         if not self._slots.acquire(blocking=False):
-            raise DecoderBusy(f"{self.max_waiting} large request bodies are already waiting "
-                              "to be decoded; retry shortly")
+            raise DecoderBusy(
+                f"{self.max_waiting} large request bodies are already waiting to be decoded; retry shortly"
+            )
         try:
             executor, future = self._submit(fn, body)
         except BaseException:
@@ -162,11 +164,13 @@ class BodyDecoder:
             return await asyncio.wrap_future(future)
         except BrokenProcessPool:
             self._replace(executor)
-            raise DecoderFailed("the request body decoder stopped while decoding this "
-                                "body; retry") from None
+            raise DecoderFailed("the request body decoder stopped while decoding this body; retry") from None
 
-    def _submit(self, fn: Callable[[bytes], T], body: bytes,
-                ) -> tuple[ProcessPoolExecutor, Future[T]]:
+    def _submit(
+        self,
+        fn: Callable[[bytes], T],
+        body: bytes,
+    ) -> tuple[ProcessPoolExecutor, Future[T]]:
         """Submit to the current process; a process that died while idle is replaced once."""
         for _attempt in range(2):
             executor = self._current_executor()
@@ -181,8 +185,7 @@ class BodyDecoder:
             if self._closed:
                 raise DecoderFailed("the server is shutting down")
             if self._executor is None:
-                self._executor = ProcessPoolExecutor(
-                    max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
             return self._executor
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:

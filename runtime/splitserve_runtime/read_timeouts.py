@@ -41,10 +41,13 @@ log = logging.getLogger(__name__)
 
 def request_timeout_response(message: str) -> bytes:
     """A whole ``408`` HTTP/1.1 response that closes the connection, body in the OpenAI shape."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": "request_timeout"}}).encode()
-    head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+    ).encode()
+    head = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+    )
     return head + body
 
 
@@ -140,12 +143,15 @@ def _client(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
 
-def http_protocol(*, header_timeout_seconds: float,
-                  body_idle_timeout_seconds: float) -> type[asyncio.Protocol]:
+def http_protocol(*, header_timeout_seconds: float, body_idle_timeout_seconds: float) -> type[asyncio.Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these bounds (0: none)."""
     if header_timeout_seconds < 0 or body_idle_timeout_seconds < 0:
         raise ValueError("read timeouts must be >= 0 (0: no bound)")
-    return type("DeadlineHttpToolsProtocol", (DeadlineHttpToolsProtocol,), {
-        "header_timeout_seconds": float(header_timeout_seconds),
-        "body_idle_timeout_seconds": float(body_idle_timeout_seconds),
-    })
+    return type(
+        "DeadlineHttpToolsProtocol",
+        (DeadlineHttpToolsProtocol,),
+        {
+            "header_timeout_seconds": float(header_timeout_seconds),
+            "body_idle_timeout_seconds": float(body_idle_timeout_seconds),
+        },
+    )

@@ -66,5 +66,10 @@ def log_startup_failure(exc: BaseException, *, log: logging.Logger, what: str) -
     return message
 
 
-__all__ = ["EXPECTED_STARTUP_ERRORS", "TERMINATION_LOG_ENV", "log_startup_failure",
-           "startup_failure_message", "write_termination_message"]
+__all__ = [
+    "EXPECTED_STARTUP_ERRORS",
+    "TERMINATION_LOG_ENV",
+    "log_startup_failure",
+    "startup_failure_message",
+    "write_termination_message",
+]

@@ -41,9 +41,12 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_no_test_helper_defines_its_own_free_port() -> None:
-    own = [f"{path.relative_to(REPO)}:{node.lineno}"
-           for root in ("tests", "e2e") for path in sorted((REPO / root).rglob("*.py"))
-           if path != REPO / "e2e/splitserve_e2e/net.py"
-           for node in ast.walk(ast.parse(path.read_text()))
-           if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "free_port"]
+    own = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for root in ("tests", "e2e")
+        for path in sorted((REPO / root).rglob("*.py"))
+        if path != REPO / "e2e/splitserve_e2e/net.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "free_port"
+    ]
     assert own == []

@@ -28,14 +28,14 @@ def test_engine_prefix_cache_uses_the_contract_hash() -> None:
 
     tokens = list(range(1, 40))
     manager = BlockManager(num_blocks=8, block_size=16, enable_prefix_caching=True)
-    seq = Sequence(request_id="r", token_ids=list(tokens), num_prompt_tokens=len(tokens),
-                   params=SamplingParams())
+    seq = Sequence(request_id="r", token_ids=list(tokens), num_prompt_tokens=len(tokens), params=SamplingParams())
     assert manager.block_hashes_of(seq) == block_hash.hash_token_blocks(token_ids=tokens, block_size=16)
 
 
 def test_defaults_agree_across_api_runtime_and_router() -> None:
     spec = api.InferenceServiceSpec.model_validate(
-        {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}})
+        {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}}
+    )
     assert spec.kv_cache.block_size == ServeArgs().block_size == RouterArgs().block_size == defaults.BLOCK_SIZE
     assert spec.kv_cache.memory_fraction == ServeArgs().kv_memory_fraction == defaults.KV_MEMORY_FRACTION
     assert spec.engine.max_num_seqs == ServeArgs().max_num_seqs == defaults.MAX_NUM_SEQS
@@ -57,7 +57,8 @@ def test_speculative_defaults_and_bounds_agree_across_api_flags_and_engine() -> 
     from splitserve_runtime.engine import speculative as engine_speculative
 
     spec = api.InferenceServiceSpec.model_validate(
-        {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}}).engine.speculative
+        {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}}
+    ).engine.speculative
     serve = ServeArgs()
     engine = engine_speculative.SpeculativeConfig()
     assert spec.method == serve.speculative_method == engine.method == "none"
@@ -75,7 +76,7 @@ def test_every_metric_name_is_documented() -> None:
 
     from splitserve_contract import Metric, OperatorMetric
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     names = [value for cls in (Metric, OperatorMetric) for key, value in vars(cls).items() if key.isupper()]
     assert len(names) > 20
     assert [name for name in names if f"`{name}" not in doc] == []

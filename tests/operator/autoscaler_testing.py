@@ -83,8 +83,9 @@ def bare_apiserver(state: Path) -> Iterator[BareApiserver]:
     pki = build_pki.ensure_pki(directory=state / "pki")
     etcd = start_etcd(binary=binaries.etcd, data_dir=state / "etcd", log_dir=logs, pid_dir=pids)
     try:
-        server = start_apiserver(binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki,
-                                 log_dir=logs, pid_dir=pids)
+        server = start_apiserver(
+            binary=binaries.kube_apiserver, etcd_url=etcd.client_url, pki=pki, log_dir=logs, pid_dir=pids
+        )
         try:
             configuration = k8s.Configuration()
             configuration.host = server.url
@@ -99,8 +100,11 @@ def bare_apiserver(state: Path) -> Iterator[BareApiserver]:
 
 
 async def wait_until(
-    predicate: Callable[[], object], *, timeout_seconds: float = 10.0,
-    poll_seconds: float = 0.05, what: str = "condition",
+    predicate: Callable[[], object],
+    *,
+    timeout_seconds: float = 10.0,
+    poll_seconds: float = 0.05,
+    what: str = "condition",
 ) -> None:
     """Poll ``predicate`` (plain or async; any truthy result) until it holds; fail after
     ``timeout_seconds``."""
@@ -117,11 +121,15 @@ async def wait_until(
 
 
 def wait_for_window(
-    client: PrometheusConnect, *, values: Mapping[tuple[str, str], float], window_seconds: float,
+    client: PrometheusConnect,
+    *,
+    values: Mapping[tuple[str, str], float],
+    window_seconds: float,
     timeout_seconds: float = 15.0,
 ) -> None:
     """Wait until Prometheus' last ``window_seconds`` hold only ``values`` ((pod, metric) ->
     value): every smoothed query from then on sees the new values and nothing older."""
+
     def settled() -> None:
         for (pod, metric), value in values.items():
             selector = f"{metric}{{pod={quote_label_value(pod)}}}"
@@ -130,8 +138,6 @@ def wait_for_window(
                 assert result and float(result[0]["value"][1]) == value, (fn, pod, metric, result)
 
     eventually(settled, timeout_seconds=timeout_seconds)
-
-
 
 
 @dataclasses.dataclass
@@ -198,12 +204,18 @@ scrape_configs:
     port = free_port()
     with (workdir / "prometheus.log").open("w") as log:
         proc = subprocess.Popen(
-            [str(require_binaries().prometheus), f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                str(require_binaries().prometheus),
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         client = PrometheusConnect(url=f"http://127.0.0.1:{port}", retry=Retry(total=0), timeout=5)
         try:
+
             def all_scraped() -> None:
                 up = client.custom_query(query="sum(up)")
                 assert up and float(up[0]["value"][1]) == len(pods)

@@ -30,7 +30,9 @@ def operator_rules(*, sets: tuple[str, ...], kind: str) -> list[dict[str, Any]]:
     for item in sets:
         args += ["--set", item]
     out = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
-    role = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == kind and d["metadata"]["name"] == "rel-splitserve")
+    role = next(
+        d for d in yaml.safe_load_all(out) if d and d["kind"] == kind and d["metadata"]["name"] == "rel-splitserve"
+    )
     rules: list[dict[str, Any]] = role["rules"]
     return rules
 
@@ -38,5 +40,7 @@ def operator_rules(*, sets: tuple[str, ...], kind: str) -> list[dict[str, Any]]:
 def holds(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
     """Whether ``rules`` grant ``verb`` on every object of ``resource`` (a rule limited to
     ``resourceNames`` does not count)."""
-    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-               and "resourceNames" not in r for r in rules)
+    return any(
+        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] and "resourceNames" not in r
+        for r in rules
+    )

@@ -27,8 +27,14 @@ NAMESPACE = "n"
 
 def api_error(status: int, reason: str, message: str) -> ApiException:
     """An API error as the client raises it, with the server's Status body."""
-    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-            "reason": reason, "code": status}
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": status,
+    }
     return ApiException(status=status, reason=reason, body=json.dumps(body))
 
 
@@ -52,14 +58,24 @@ class FakeKube:
     def list(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "") -> list[dict[str, Any]]:
         return copy.deepcopy(self.pods) if kind is kube.POD else []
 
-    def list_metadata(self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "",
-                      field_selector: str = "") -> tuple[Sequence[dict[str, Any]], str]:
+    def list_metadata(
+        self, *, kind: kube.Kind, namespace: str | None, label_selector: str = "", field_selector: str = ""
+    ) -> tuple[Sequence[dict[str, Any]], str]:
         """Objects of ``kind`` as ``PartialObjectMetadata`` (a ``metadata.name=`` field selector only)."""
         self.writes.append((kind.kind, "list metadata"))
         name = field_selector.removeprefix("metadata.name=") if field_selector else None
-        return ([{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-                  "metadata": copy.deepcopy(obj.get("metadata") or {})}
-                 for (k, n), obj in self.objects.items() if k == kind.kind and name in (None, n)], "1")
+        return (
+            [
+                {
+                    "apiVersion": "meta.k8s.io/v1",
+                    "kind": "PartialObjectMetadata",
+                    "metadata": copy.deepcopy(obj.get("metadata") or {}),
+                }
+                for (k, n), obj in self.objects.items()
+                if k == kind.kind and name in (None, n)
+            ],
+            "1",
+        )
 
     def _fail(self, kind: str, name: str) -> None:
         error = self.errors.get(f"{kind}/{name}")
@@ -78,13 +94,19 @@ class FakeKube:
                 live[field] = copy.deepcopy(value)
         if kind == "Deployment":
             replicas = int(live["spec"].get("replicas", 1))
-            live["status"] = {"observedGeneration": 1, "replicas": replicas, "updatedReplicas": replicas,
-                              "availableReplicas": self.ready_replicas, "readyReplicas": self.ready_replicas,
-                              "conditions": copy.deepcopy(self.deployment_conditions.get(name, []))}
+            live["status"] = {
+                "observedGeneration": 1,
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "availableReplicas": self.ready_replicas,
+                "readyReplicas": self.ready_replicas,
+                "conditions": copy.deepcopy(self.deployment_conditions.get(name, [])),
+            }
         return copy.deepcopy(live)
 
-    def create(self, *, kind: kube.Kind, namespace: str | None, obj: Mapping[str, Any],
-               field_manager: str | None = None) -> dict[str, Any]:
+    def create(
+        self, *, kind: kube.Kind, namespace: str | None, obj: Mapping[str, Any], field_manager: str | None = None
+    ) -> dict[str, Any]:
         name = str(obj["metadata"]["name"])
         self.writes.append((f"{kind.kind}/{name}", "create"))
         self._fail(kind.kind, name)
@@ -93,8 +115,16 @@ class FakeKube:
         self.objects[(kind.kind, name)] = copy.deepcopy(dict(obj))
         return copy.deepcopy(dict(obj))
 
-    def merge_patch(self, *, kind: kube.Kind, namespace: str | None, name: str, patch: Mapping[str, Any],
-                    subresource: str | None = None, field_manager: str | None = None) -> dict[str, Any]:
+    def merge_patch(
+        self,
+        *,
+        kind: kube.Kind,
+        namespace: str | None,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str | None = None,
+        field_manager: str | None = None,
+    ) -> dict[str, Any]:
         self.writes.append((f"{kind.kind}/{name}", f"patch {subresource or ''}".strip()))
         live = self.objects[(kind.kind, name)]
         status = dict(live.get("status") or {})
@@ -112,12 +142,21 @@ class FakeKube:
 def isvc_obj(*, mode: str = "Aggregated", generation: int = 1, **pool: Any) -> dict[str, Any]:
     """An InferenceService named :data:`NAME`; ``pool`` goes into each pool's spec."""
     pool_spec = {"replicas": {"min": 1, "max": 1}, "resources": {"gpus": 0}, **pool}
-    pools = ({"aggregated": pool_spec} if mode == "Aggregated"
-             else {"prefill": copy.deepcopy(pool_spec), "decode": copy.deepcopy(pool_spec)})
+    pools = (
+        {"aggregated": pool_spec}
+        if mode == "Aggregated"
+        else {"prefill": copy.deepcopy(pool_spec), "decode": copy.deepcopy(pool_spec)}
+    )
     return {
-        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
-        "metadata": {"name": NAME, "namespace": NAMESPACE, "uid": "uid-1", "generation": generation,
-                     "resourceVersion": "1"},
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
+        "kind": contract.KIND,
+        "metadata": {
+            "name": NAME,
+            "namespace": NAMESPACE,
+            "uid": "uid-1",
+            "generation": generation,
+            "resourceVersion": "1",
+        },
         "spec": {"model": {"uri": "hf://nobody/not-in-cache"}, "mode": mode, **pools},
     }
 

@@ -26,8 +26,14 @@ def window(rng: random.Random, theta: StepCoefficients, *, noise: float = 0.03, 
     context = rows * rng.uniform(100, 6000)
     x = (steps, prefill, pairs, rows, context)
     seconds = sum(c * v for c, v in zip(theta.as_tuple(), x, strict=True)) * (1.0 + rng.gauss(0.0, noise))
-    return StepSample(steps=steps, seconds=max(seconds, 1e-6), prefill_tokens=prefill,
-                      prefill_attention_pairs=pairs, decode_rows=rows, decode_context_tokens=context)
+    return StepSample(
+        steps=steps,
+        seconds=max(seconds, 1e-6),
+        prefill_tokens=prefill,
+        prefill_attention_pairs=pairs,
+        decode_rows=rows,
+        decode_context_tokens=context,
+    )
 
 
 def within(fitted: StepCoefficients | None, truth: StepCoefficients, tolerance: float) -> bool:
@@ -36,8 +42,15 @@ def within(fitted: StepCoefficients | None, truth: StepCoefficients, tolerance: 
     return all(abs(f - t) <= tolerance * t for f, t in zip(fitted.as_tuple(), truth.as_tuple(), strict=True))
 
 
-def trained_fit(theta: StepCoefficients, *, role: str, prior: StepCoefficients | None = None, windows: int = 40,
-                seed: int = 7, until: float = 0.0) -> StepFit:
+def trained_fit(
+    theta: StepCoefficients,
+    *,
+    role: str,
+    prior: StepCoefficients | None = None,
+    windows: int = 40,
+    seed: int = 7,
+    until: float = 0.0,
+) -> StepFit:
     """A fit fed ``windows`` noisy windows timed by ``theta`` (ending at ``until`` seconds)."""
     rng = random.Random(seed)
     fit = StepFit.fresh(prior=prior)
@@ -46,19 +59,42 @@ def trained_fit(theta: StepCoefficients, *, role: str, prior: StepCoefficients |
     return fit
 
 
-def pool(role: str, *, current: int, ready: int | None = None, pending: int = 0, ttft: float | None = None,
-         itl: float | None = None, waiting: float = 0.0, waiting_tokens: float = 0.0,
-         kv_tokens: float = 0.0) -> PoolSloObservation:
+def pool(
+    role: str,
+    *,
+    current: int,
+    ready: int | None = None,
+    pending: int = 0,
+    ttft: float | None = None,
+    itl: float | None = None,
+    waiting: float = 0.0,
+    waiting_tokens: float = 0.0,
+    kv_tokens: float = 0.0,
+) -> PoolSloObservation:
     return PoolSloObservation(
-        role=role, current_replicas=current, ready_replicas=current if ready is None else ready,
-        pending_replicas=pending, step_samples=(), requests_waiting=waiting, prompt_tokens_waiting=waiting_tokens,
-        requests_running=0.0, kv_cache_usage_ratio=0.0, kv_cache_tokens_per_replica=kv_tokens,
-        ttft_p99_seconds=ttft, itl_p99_seconds=itl)
+        role=role,
+        current_replicas=current,
+        ready_replicas=current if ready is None else ready,
+        pending_replicas=pending,
+        step_samples=(),
+        requests_waiting=waiting,
+        prompt_tokens_waiting=waiting_tokens,
+        requests_running=0.0,
+        kv_cache_usage_ratio=0.0,
+        kv_cache_tokens_per_replica=kv_tokens,
+        ttft_p99_seconds=ttft,
+        itl_p99_seconds=itl,
+    )
 
 
 def load(rate: float, *, prompt: float = 1000.0, output: float = 200.0, hit: float = 0.0) -> LoadObservation:
-    return LoadObservation(window_seconds=15.0, request_rate=rate, prompt_tokens_mean=prompt,
-                           output_tokens_mean=output, prefix_hit_ratio=hit)
+    return LoadObservation(
+        window_seconds=15.0,
+        request_rate=rate,
+        prompt_tokens_mean=prompt,
+        output_tokens_mean=output,
+        prefix_hit_ratio=hit,
+    )
 
 
 def inputs(now: float, pools: dict[str, PoolSloObservation], rate: float | None, **shape: float) -> SloInputs:
@@ -85,22 +121,31 @@ def predicts(fitted: StepCoefficients | None, truth: StepCoefficients, tolerance
     return True
 
 
-def decode_window(theta: StepCoefficients, *, batch: float, steps: float = 500.0,
-                  context: float = 1100.0) -> StepSample:
+def decode_window(
+    theta: StepCoefficients, *, batch: float, steps: float = 500.0, context: float = 1100.0
+) -> StepSample:
     """A decode pod's window of ``steps`` steps of ``batch`` rows each, timed by ``theta``."""
     rows = batch * steps
     x = (steps, 0.0, 0.0, rows, rows * context)
-    return StepSample(steps=steps, seconds=sum(c * v for c, v in zip(theta.as_tuple(), x, strict=True)),
-                      prefill_tokens=0.0, prefill_attention_pairs=0.0, decode_rows=rows,
-                      decode_context_tokens=rows * context)
+    return StepSample(
+        steps=steps,
+        seconds=sum(c * v for c, v in zip(theta.as_tuple(), x, strict=True)),
+        prefill_tokens=0.0,
+        prefill_attention_pairs=0.0,
+        decode_rows=rows,
+        decode_context_tokens=rows * context,
+    )
 
 
-def decode_fit(theta: StepCoefficients, *, batches: list[float], prior: StepCoefficients | None = None,
-               until: float = 0.0) -> StepFit:
+def decode_fit(
+    theta: StepCoefficients, *, batches: list[float], prior: StepCoefficients | None = None, until: float = 0.0
+) -> StepFit:
     """A decode pool's fit from one window per batch size of ``batches`` (prompt lengths varying
     a little, as they do), ending at ``until`` seconds."""
     fit = StepFit.fresh(prior=prior)
     for i, batch in enumerate(batches):
-        fit.add([decode_window(theta, batch=batch, context=1100.0 + 20.0 * (i % 3))],
-                now_seconds=until - (len(batches) - 1 - i) * 15.0)
+        fit.add(
+            [decode_window(theta, batch=batch, context=1100.0 + 20.0 * (i % 3))],
+            now_seconds=until - (len(batches) - 1 - i) * 15.0,
+        )
     return fit

@@ -28,8 +28,9 @@ def _burst() -> list[Request]:
 
 
 def test_autoscaler_scales_up_for_a_burst_and_back_down(llama8b_h100: RooflineModel) -> None:
-    settings = AutoscaleSettings(interval_seconds=15, startup_seconds=30, scale_down_stabilization_seconds=60,
-                                 max_replicas=16)
+    settings = AutoscaleSettings(
+        interval_seconds=15, startup_seconds=30, scale_down_stabilization_seconds=60, max_replicas=16
+    )
     fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=1, decode_replicas=1, autoscale=settings)
     sim = Simulator(fleet=fleet, perf=llama8b_h100, requests=_burst(), options=SimOptions(sample_interval_seconds=5))
     result = sim.run()

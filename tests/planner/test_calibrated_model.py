@@ -40,8 +40,11 @@ def test_a_decode_step_is_priced_exactly() -> None:
 
 @pytest.mark.parametrize(("tokens", "cached"), [(1, 0), (256, 0), (512, 0), (128, 1024)])
 def test_a_prompt_is_priced_within_one_row(tokens: int, cached: int) -> None:
-    exact = (THETA.step + tokens * THETA.prefill_token
-             + prefill_attention_pairs(num_new_tokens=tokens, num_computed_tokens=cached) * THETA.prefill_pair)
+    exact = (
+        THETA.step
+        + tokens * THETA.prefill_token
+        + prefill_attention_pairs(num_new_tokens=tokens, num_computed_tokens=cached) * THETA.prefill_pair
+    )
     seconds = prefill_seconds(_model(), num_tokens=tokens + cached, num_cached_tokens=cached)
     # the sampled row is priced as a decode row; cached context as decode context (module docstring)
     slack = abs(THETA.decode_row - THETA.prefill_token) + cached * (THETA.decode_context + THETA.prefill_pair)
@@ -51,8 +54,10 @@ def test_a_prompt_is_priced_within_one_row(tokens: int, cached: int) -> None:
 
 def test_doubling_the_coefficients_doubles_every_step() -> None:
     fast, slow = _model(), _model(THETA.scaled(2.0))
-    for shape in ({"num_tokens": 300, "num_seqs": 5, "num_attention_pairs": 50_000, "num_kv_tokens": 1200},
-                  {"num_tokens": 8, "num_seqs": 8, "num_attention_pairs": 4008, "num_kv_tokens": 4000}):
+    for shape in (
+        {"num_tokens": 300, "num_seqs": 5, "num_attention_pairs": 50_000, "num_kv_tokens": 1200},
+        {"num_tokens": 8, "num_seqs": 8, "num_attention_pairs": 4008, "num_kv_tokens": 4000},
+    ):
         assert slow.step_seconds(**shape) == pytest.approx(2 * fast.step_seconds(**shape))
 
 
@@ -65,10 +70,14 @@ def test_rejects_negative_coefficients_and_empty_capacity() -> None:
 
 def test_one_request_on_an_idle_pod_takes_the_models_step_times() -> None:
     prompt, output = 200, 6
-    fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1,
-                        engine=EngineSettings(max_num_seqs=8, max_batched_tokens=512, prefix_caching=False))
-    result = simulate(fleet=fleet, perf=_model(), requests=[Request(0, 0.0, prompt, output)],
-                      options=SimOptions(macro_steps=False))
+    fleet = FleetConfig(
+        mode=AGGREGATED,
+        aggregated_replicas=1,
+        engine=EngineSettings(max_num_seqs=8, max_batched_tokens=512, prefix_caching=False),
+    )
+    result = simulate(
+        fleet=fleet, perf=_model(), requests=[Request(0, 0.0, prompt, output)], options=SimOptions(macro_steps=False)
+    )
     ttft = prefill_seconds(_model(), num_tokens=prompt)
     assert result.ttft_percentile(50) == pytest.approx(ttft)
     gaps = [THETA.step + THETA.decode_row + (prompt + j) * THETA.decode_context for j in range(output - 1)]

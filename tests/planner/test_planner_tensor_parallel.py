@@ -64,7 +64,8 @@ def test_a_step_pays_two_all_reduces_per_layer_the_embeddings_and_the_logits_gat
     payload = (2 * layers + 1) * ring * hidden * 2 * tokens / bandwidth  # bf16 activations
     logits = (4 - 1) * math.ceil(vocab / 4) * LOGIT_BYTES * seqs / bandwidth
     assert perf.communication_seconds(num_tokens=tokens, num_seqs=seqs) == pytest.approx(
-        fixed + payload + logits, rel=1e-12)
+        fixed + payload + logits, rel=1e-12
+    )
     # ... and it is in the step: an unlimited interconnect saves exactly the payload part
     unlimited = dataclasses.replace(perf, gpu=dataclasses.replace(perf.gpu, interconnect_bytes_per_second=1e30))
     step = {"num_tokens": tokens, "num_seqs": seqs, "num_attention_pairs": 10**6, "num_kv_tokens": 10**5}
@@ -74,8 +75,9 @@ def test_a_step_pays_two_all_reduces_per_layer_the_embeddings_and_the_logits_gat
 def test_the_payload_grows_with_the_ring_factor_and_tp_1_has_none() -> None:
     def payload(tp: int) -> float:
         perf = _roofline("llama-3.1-70b", "B200", tp)
-        return (perf.communication_seconds(num_tokens=1000, num_seqs=0)
-                - perf.communication_seconds(num_tokens=0, num_seqs=0))
+        return perf.communication_seconds(num_tokens=1000, num_seqs=0) - perf.communication_seconds(
+            num_tokens=0, num_seqs=0
+        )
 
     two = payload(2)
     assert [payload(tp) / two for tp in (4, 8)] == pytest.approx([1.5, 1.75])  # 2(tp-1)/tp over 2(2-1)/2
@@ -85,8 +87,10 @@ def test_the_payload_grows_with_the_ring_factor_and_tp_1_has_none() -> None:
 
 
 def test_tensor_parallelism_shortens_a_decode_step_but_not_by_tp() -> None:
-    steps = {tp: decode_step_seconds(_roofline("llama-3.1-70b", "H200", tp), batch_size=8, num_context_tokens=8192)
-             for tp in (2, 4, 8)}
+    steps = {
+        tp: decode_step_seconds(_roofline("llama-3.1-70b", "H200", tp), batch_size=8, num_context_tokens=8192)
+        for tp in (2, 4, 8)
+    }
     assert steps[2] > steps[4] > steps[8]
     assert steps[8] > steps[2] / 4  # collectives and the fixed overhead do not shrink
 
@@ -95,13 +99,20 @@ def test_tensor_parallelism_shortens_a_decode_step_but_not_by_tp() -> None:
 
 
 def _config(*, heads: int, kv: int, intermediate: int, vocab: int = 1000) -> ModelConfig:
-    return ModelConfig.from_dict(dict(PRESETS["tiny"], num_attention_heads=heads, num_key_value_heads=kv,
-                                      intermediate_size=intermediate, hidden_size=heads * 16, head_dim=16,
-                                      vocab_size=vocab))
+    return ModelConfig.from_dict(
+        dict(
+            PRESETS["tiny"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=intermediate,
+            hidden_size=heads * 16,
+            head_dim=16,
+            vocab_size=vocab,
+        )
+    )
 
 
-SHAPES = [(32, 8, 14336), (64, 8, 28672), (28, 4, 18944), (9, 3, 96), (4, 2, 128), (12, 4, 60), (8, 1, 64),
-          (6, 6, 36)]
+SHAPES = [(32, 8, 14336), (64, 8, 28672), (28, 4, 18944), (9, 3, 96), (4, 2, 128), (12, 4, 60), (8, 1, 64), (6, 6, 36)]
 
 
 @pytest.mark.parametrize(("heads", "kv", "intermediate"), SHAPES)
@@ -135,8 +146,11 @@ def test_weights_split_by_tp_and_kv_heads_replicate() -> None:
 
 
 def test_what_the_runtime_refuses_is_refused_in_its_words() -> None:
-    with pytest.raises(TensorParallelRefused, match="qwen2-7b: tensor-parallel size 8 does not fit the model: "
-                                                    "4 KV heads with 7 query heads each cannot be replicated evenly"):
+    with pytest.raises(
+        TensorParallelRefused,
+        match="qwen2-7b: tensor-parallel size 8 does not fit the model: "
+        "4 KV heads with 7 query heads each cannot be replicated evenly",
+    ):
         _roofline("qwen2-7b", "H100-SXM", 8)
     name, config = load_model(name_or_path="llama-3.1-8b")  # a pre-quantized checkpoint splits like a dense one
     quantized = dataclasses.replace(config, quantization_config={"quant_method": "fp8"})
@@ -147,12 +161,20 @@ def test_what_the_runtime_refuses_is_refused_in_its_words() -> None:
 
 
 def _inputs_at(model: str, gpu: str, rate: float) -> Callable[[int], PlanInputs]:
-    requests = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("lognormal:1024:0.6"),
-                            output_tokens=LengthDist.parse("lognormal:128:0.6")).generate(duration_seconds=20, seed=0)
+    requests = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=rate),
+        prompt_tokens=LengthDist.parse("lognormal:1024:0.6"),
+        output_tokens=LengthDist.parse("lognormal:128:0.6"),
+    ).generate(duration_seconds=20, seed=0)
 
     def inputs_at(tp: int) -> PlanInputs:
-        return PlanInputs(perf=_roofline(model, gpu, tp), requests=requests, gpus_per_replica=tp,
-                          slo=Slo(ttft_p99_seconds=1.5, itl_p99_seconds=0.05))
+        return PlanInputs(
+            perf=_roofline(model, gpu, tp),
+            requests=requests,
+            gpus_per_replica=tp,
+            slo=Slo(ttft_p99_seconds=1.5, itl_p99_seconds=0.05),
+        )
+
     return inputs_at
 
 
@@ -166,7 +188,9 @@ def test_a_model_that_fits_one_gpu_keeps_tp_1_at_low_load() -> None:
 
 
 def test_a_model_that_does_not_fit_one_gpu_is_split() -> None:
-    search = plan_tensor_parallel(_inputs_at("llama-3.1-70b", "H100-SXM", 1), (1, 2, 4, 8), compare_prefix_caching=False)
+    search = plan_tensor_parallel(
+        _inputs_at("llama-3.1-70b", "H100-SXM", 1), (1, 2, 4, 8), compare_prefix_caching=False
+    )
     reasons = {o.tensor_parallel: o.reason for o in search.options}
     assert "needs 151.8 GiB per GPU at TP=1" in reasons[1]
     best = search.best
@@ -177,8 +201,19 @@ def test_a_model_that_does_not_fit_one_gpu_is_split() -> None:
 
 def test_cli_auto_keeps_tp_1_for_a_small_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     manifest = tmp_path / "isvc.yaml"
-    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "1", "--duration-s", "20",
-                          "--emit-manifest", str(manifest))
+    code, out, err = _run(
+        capsys,
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--rate",
+        "1",
+        "--duration-s",
+        "20",
+        "--emit-manifest",
+        str(manifest),
+    )
     assert code == 0, err
     assert "tensor parallelism (--tp auto" in out and "  TP=1: 1 GPUs" in out
     assert "  TP=2: not searched: one pod of 2 GPUs cannot beat 1 GPUs at TP=1" in out
@@ -188,10 +223,22 @@ def test_cli_auto_keeps_tp_1_for_a_small_model(capsys: pytest.CaptureFixture[str
 
 
 def test_cli_auto_splits_a_70b_model_on_80_gb_gpus_and_shows_the_all_reduces(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     manifest = tmp_path / "isvc.yaml"
-    code, out, err = _run(capsys, "--model", "llama-3.1-70b", "--gpu", "H100", "--rate", "1", "--duration-s", "20",
-                          "--emit-manifest", str(manifest))
+    code, out, err = _run(
+        capsys,
+        "--model",
+        "llama-3.1-70b",
+        "--gpu",
+        "H100",
+        "--rate",
+        "1",
+        "--duration-s",
+        "20",
+        "--emit-manifest",
+        str(manifest),
+    )
     assert code == 0, err
     assert "  TP=1: llama-3.1-70b (bfloat16) needs 151.8 GiB per GPU at TP=1" in out
     chosen = next(line for line in out.splitlines() if line.startswith("model llama-3.1-70b, TP="))
@@ -210,13 +257,19 @@ def _pools(manifest: Path) -> list[Any]:
     return [p for p in (spec.prefill, spec.decode, spec.aggregated) if p is not None]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (("--model", "qwen2-7b", "--tp", "8", "--rate", "1"),
-     "tensor-parallel size 8 does not fit the model: 4 KV heads with 7 query heads each cannot be replicated evenly"),
-    (("--model", "llama-3.1-70b", "--gpu", "H100", "--tp", "2", "--rate", "1"), "needs 78.1 GiB per GPU at TP=2"),
-])
-def test_cli_refuses_a_size_the_model_cannot_use(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
-                                                 message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("--model", "qwen2-7b", "--tp", "8", "--rate", "1"),
+            "tensor-parallel size 8 does not fit the model: 4 KV heads with 7 query heads each cannot be replicated evenly",
+        ),
+        (("--model", "llama-3.1-70b", "--gpu", "H100", "--tp", "2", "--rate", "1"), "needs 78.1 GiB per GPU at TP=2"),
+    ],
+)
+def test_cli_refuses_a_size_the_model_cannot_use(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
     code, _, err = _run(capsys, *argv)
     assert code == 2 and message in err
 

@@ -25,17 +25,41 @@ def _synthetic_profile() -> dict[str, Any]:
     def step(tokens: int, seqs: int, pairs: int, kv: int) -> float:  # a known linear truth
         return 1e-3 + 2e-6 * tokens + 5e-5 * seqs + 1e-9 * pairs + 3e-8 * kv
 
-    prefill = [{"numSeqs": s, "numTokens": t, "numCachedTokens": c,
-                "seconds": step(s * t, s, s * (t * c + t * (t + 1) // 2), s * c)}
-               for s in (1, 4) for t in (64, 256, 1024) for c in (0, 128)]
-    decode = [{"batchSize": b, "numContextTokens": b * c, "seconds": step(b, b, b * c + b, b * c)}
-              for b in (1, 8, 64) for c in (128, 1024)]
-    return {"schemaVersion": 1, "kind": "PerfProfile",
-            "model": {"name": "synthetic", "numLayers": 2, "hiddenSize": 64, "numKvHeads": 2, "headDim": 16,
-                      "vocabSize": 512},
-            "device": "test", "dtype": "float32", "kvBytesPerToken": 512, "kvCapacityTokens": 32768,
-            "engine": {"maxNumSeqs": 64, "maxBatchedTokens": 4096, "blockSize": 16},
-            "prefill": prefill, "decode": decode}
+    prefill = [
+        {
+            "numSeqs": s,
+            "numTokens": t,
+            "numCachedTokens": c,
+            "seconds": step(s * t, s, s * (t * c + t * (t + 1) // 2), s * c),
+        }
+        for s in (1, 4)
+        for t in (64, 256, 1024)
+        for c in (0, 128)
+    ]
+    decode = [
+        {"batchSize": b, "numContextTokens": b * c, "seconds": step(b, b, b * c + b, b * c)}
+        for b in (1, 8, 64)
+        for c in (128, 1024)
+    ]
+    return {
+        "schemaVersion": 1,
+        "kind": "PerfProfile",
+        "model": {
+            "name": "synthetic",
+            "numLayers": 2,
+            "hiddenSize": 64,
+            "numKvHeads": 2,
+            "headDim": 16,
+            "vocabSize": 512,
+        },
+        "device": "test",
+        "dtype": "float32",
+        "kvBytesPerToken": 512,
+        "kvCapacityTokens": 32768,
+        "engine": {"maxNumSeqs": 64, "maxBatchedTokens": 4096, "blockSize": 16},
+        "prefill": prefill,
+        "decode": decode,
+    }
 
 
 def test_fit_recovers_a_linear_truth_and_round_trips(tmp_path: Path) -> None:
@@ -44,8 +68,9 @@ def test_fit_recovers_a_linear_truth_and_round_trips(tmp_path: Path) -> None:
     profile = load_profile(path=path)
     model = ProfileModel(profile=profile)
     assert model.fit_errors()["max_relative_error"] < 1e-6
-    assert model.step_seconds(num_tokens=100, num_seqs=10, num_attention_pairs=5000, num_kv_tokens=4000) == pytest.approx(
-        1e-3 + 2e-4 + 5e-4 + 5e-6 + 1.2e-4, rel=1e-6)
+    assert model.step_seconds(
+        num_tokens=100, num_seqs=10, num_attention_pairs=5000, num_kv_tokens=4000
+    ) == pytest.approx(1e-3 + 2e-4 + 5e-4 + 5e-6 + 1.2e-4, rel=1e-6)
     again = tmp_path / "again.json"
     save_profile(profile=profile, path=again)
     assert load_profile(path=again) == profile
@@ -63,22 +88,30 @@ def test_jitter_keeps_the_mean_and_is_seeded(tmp_path: Path) -> None:
 
     def draws(seed: int) -> list[float]:
         m = ProfileModel(profile=profile, jitter_seed=seed)
-        return [m.step_seconds(num_tokens=8, num_seqs=8, num_attention_pairs=1000, num_kv_tokens=992) for _ in range(4000)]
+        return [
+            m.step_seconds(num_tokens=8, num_seqs=8, num_attention_pairs=1000, num_kv_tokens=992) for _ in range(4000)
+        ]
 
-    plain = ProfileModel(profile=profile).step_seconds(num_tokens=8, num_seqs=8, num_attention_pairs=1000, num_kv_tokens=992)
+    plain = ProfileModel(profile=profile).step_seconds(
+        num_tokens=8, num_seqs=8, num_attention_pairs=1000, num_kv_tokens=992
+    )
     assert draws(1) == draws(1) != draws(2)
     assert float(np.mean(draws(1))) == pytest.approx(plain, rel=0.05)
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda d: d.pop("model"), "model: Field required"),
-    (lambda d: d["prefill"][0].update(seconds=-1), "prefill.0.seconds: Input should be greater than 0"),
-    (lambda d: d.update(extra=1), "extra: unknown field"),
-    (lambda d: d.update(decode=d["decode"][:1]), "decode: List should have at least 2 items"),
-    (lambda d: d.update(schemaVersion=2), "schemaVersion must be 1, got 2"),
-])
-def test_bad_profiles_name_the_problem(tmp_path: Path, mutate: Callable[[dict[str, Any]], object],
-                                       message: str) -> None:
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("model"), "model: Field required"),
+        (lambda d: d["prefill"][0].update(seconds=-1), "prefill.0.seconds: Input should be greater than 0"),
+        (lambda d: d.update(extra=1), "extra: unknown field"),
+        (lambda d: d.update(decode=d["decode"][:1]), "decode: List should have at least 2 items"),
+        (lambda d: d.update(schemaVersion=2), "schemaVersion must be 1, got 2"),
+    ],
+)
+def test_bad_profiles_name_the_problem(
+    tmp_path: Path, mutate: Callable[[dict[str, Any]], object], message: str
+) -> None:
     raw = _synthetic_profile()
     mutate(raw)
     path = tmp_path / "bad.json"
@@ -97,16 +130,22 @@ def test_shipped_cpu_profile_loads() -> None:
 
 
 def _spec(rate: float, **kw: Any) -> WorkloadSpec:
-    return WorkloadSpec(arrivals=Arrivals(rate_per_second=rate, **kw), prompt_tokens=LengthDist.parse("lognormal:512:1"),
-                        output_tokens=LengthDist.parse("exponential:128"), prefix_share=0.5, prefix_tokens=256)
+    return WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=rate, **kw),
+        prompt_tokens=LengthDist.parse("lognormal:512:1"),
+        output_tokens=LengthDist.parse("exponential:128"),
+        prefix_share=0.5,
+        prefix_tokens=256,
+    )
 
 
 def test_workloads_are_coupled_across_rates_and_seeded() -> None:
     slow = _spec(10).generate(duration_seconds=100, seed=4)
     fast = _spec(20).generate(duration_seconds=50, seed=4)
     assert len(slow) == len(fast)
-    assert [(r.num_prompt_tokens, r.num_output_tokens, r.prefix_group) for r in slow] == \
-           [(r.num_prompt_tokens, r.num_output_tokens, r.prefix_group) for r in fast]
+    assert [(r.num_prompt_tokens, r.num_output_tokens, r.prefix_group) for r in slow] == [
+        (r.num_prompt_tokens, r.num_output_tokens, r.prefix_group) for r in fast
+    ]
     assert all(a.arrival_seconds == pytest.approx(2 * b.arrival_seconds) for a, b in zip(slow, fast, strict=True))
     assert len(slow) == pytest.approx(1000, rel=0.1)
     assert _spec(10).generate(duration_seconds=10, seed=5)[3] != _spec(10).generate(duration_seconds=10, seed=6)[3]
@@ -127,12 +166,17 @@ def test_bursty_arrivals_keep_the_mean_rate_and_are_burstier() -> None:
 
 def test_trace_replay(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
-    path.write_text("timestamp,prompt_tokens,output_tokens,prefix_group,prefix_tokens\n"
-                    "10.5,300,20,,\n10.0,200,10,3,128\n11.0,100,5,3,\n")
+    path.write_text(
+        "timestamp,prompt_tokens,output_tokens,prefix_group,prefix_tokens\n"
+        "10.5,300,20,,\n10.0,200,10,3,128\n11.0,100,5,3,\n"
+    )
     requests = load_trace(path=path, default_prefix_tokens=64)
     assert [r.arrival_seconds for r in requests] == [0.0, 0.5, 1.0]
-    assert [(r.num_prompt_tokens, r.prefix_group, r.num_prefix_tokens) for r in requests] == \
-           [(200, 3, 128), (300, -1, 0), (100, 3, 64)]
+    assert [(r.num_prompt_tokens, r.prefix_group, r.num_prefix_tokens) for r in requests] == [
+        (200, 3, 128),
+        (300, -1, 0),
+        (100, 3, 64),
+    ]
     path.write_text("timestamp,prompt_tokens,output_tokens\n1,0,5\n")
     with pytest.raises(ValueError, match="line 2: timestamp must be >= 0 and token counts >= 1"):
         load_trace(path=path)

@@ -28,8 +28,11 @@ def _perf() -> RooflineModel:  # only its KV capacity is read in exponential-ser
 
 
 def _requests(*, rate: float, count: int, seed: int) -> list[Request]:
-    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("16"),
-                        output_tokens=LengthDist.parse("4"))
+    spec = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=rate),
+        prompt_tokens=LengthDist.parse("16"),
+        output_tokens=LengthDist.parse("4"),
+    )
     return spec.generate(duration_seconds=count / rate, seed=seed)
 
 
@@ -50,10 +53,13 @@ def test_erlang_c_formula_reduces_to_mm1() -> None:
 def test_mm1_mean_wait_and_sojourn() -> None:
     lam, mu = 0.5, 1.0
     requests = _requests(rate=lam, count=200_000, seed=11)
-    fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1, exponential_service_rate=mu,
-                        router_policy="least-load")
-    result = simulate(fleet=fleet, perf=_perf(), requests=requests,
-                      options=SimOptions(warmup_seconds=1000, sample_interval_seconds=0, seed=3))
+    fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1, exponential_service_rate=mu, router_policy="least-load")
+    result = simulate(
+        fleet=fleet,
+        perf=_perf(),
+        requests=requests,
+        options=SimOptions(warmup_seconds=1000, sample_interval_seconds=0, seed=3),
+    )
     expected_wait = lam / mu / (mu - lam)  # rho / (mu - lambda)
     assert result.num_unfinished == 0
     assert result.queue_seconds.mean() == pytest.approx(expected_wait, rel=TOLERANCE)
@@ -64,10 +70,15 @@ def test_mm1_mean_wait_and_sojourn() -> None:
 def test_mmc_mean_wait_matches_erlang_c() -> None:
     servers, lam, mu = 4, 2.8, 1.0
     requests = _requests(rate=lam, count=300_000, seed=12)
-    fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu,
-                        router_policy="central-queue")
-    result = simulate(fleet=fleet, perf=_perf(), requests=requests,
-                      options=SimOptions(warmup_seconds=1000, sample_interval_seconds=0, seed=4))
+    fleet = FleetConfig(
+        mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu, router_policy="central-queue"
+    )
+    result = simulate(
+        fleet=fleet,
+        perf=_perf(),
+        requests=requests,
+        options=SimOptions(warmup_seconds=1000, sample_interval_seconds=0, seed=4),
+    )
     expected = erlang_c_wait_seconds(servers=servers, arrival_rate=lam, service_rate=mu)
     assert result.queue_seconds.mean() == pytest.approx(expected, rel=TOLERANCE)
     # P(wait > 0) is Erlang C itself
@@ -79,13 +90,28 @@ def test_join_shortest_queue_is_not_mmc_but_close() -> None:
     """Per-pod queues (least-load router) wait at least as long as one shared queue."""
     servers, lam, mu = 4, 2.8, 1.0
     requests = _requests(rate=lam, count=50_000, seed=13)
-    shared = simulate(fleet=FleetConfig(mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu,
-                                        router_policy="central-queue"),
-                      perf=_perf(), requests=requests, options=SimOptions(sample_interval_seconds=0, seed=5))
-    jsq = simulate(fleet=FleetConfig(mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu,
-                                     router_policy="least-load"),
-                   perf=_perf(), requests=requests, options=SimOptions(sample_interval_seconds=0, seed=5))
-    rr = simulate(fleet=FleetConfig(mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu,
-                                    router_policy="round-robin"),
-                  perf=_perf(), requests=requests, options=SimOptions(sample_interval_seconds=0, seed=5))
+    shared = simulate(
+        fleet=FleetConfig(
+            mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu, router_policy="central-queue"
+        ),
+        perf=_perf(),
+        requests=requests,
+        options=SimOptions(sample_interval_seconds=0, seed=5),
+    )
+    jsq = simulate(
+        fleet=FleetConfig(
+            mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu, router_policy="least-load"
+        ),
+        perf=_perf(),
+        requests=requests,
+        options=SimOptions(sample_interval_seconds=0, seed=5),
+    )
+    rr = simulate(
+        fleet=FleetConfig(
+            mode=AGGREGATED, aggregated_replicas=servers, exponential_service_rate=mu, router_policy="round-robin"
+        ),
+        perf=_perf(),
+        requests=requests,
+        options=SimOptions(sample_interval_seconds=0, seed=5),
+    )
     assert shared.queue_seconds.mean() < jsq.queue_seconds.mean() < rr.queue_seconds.mean()

@@ -58,21 +58,36 @@ def test_simulator_matches_a_measured_cpu_run(tmp_path: Path) -> None:
     bench = _bench_module()
     torch.set_num_threads(1)
     model_dir = write_tiny_model(out_dir=tmp_path / "tiny", arch="llama", seed=0)
-    settings = bench.ProfileSettings(repeats=3, clock="cpu", prefill_tokens=(16, 64, 256, 512),
-                                     decode_batches=(1, 8, 32), decode_prompt_tokens=(32, 256))
+    settings = bench.ProfileSettings(
+        repeats=3,
+        clock="cpu",
+        prefill_tokens=(16, 64, 256, 512),
+        decode_batches=(1, 8, 32),
+        decode_prompt_tokens=(32, 256),
+    )
     engine = bench.build_engine(model_dir=model_dir, settings=settings)
     profile = bench.measure_profile(engine=engine, model_dir=model_dir, settings=settings)
-    workload = WorkloadSpec(arrivals=Arrivals(rate_per_second=25), prompt_tokens=LengthDist.parse("uniform:32:256"),
-                            output_tokens=LengthDist.parse("uniform:8:48"), prefix_share=0.5, prefix_tokens=128,
-                            prefix_groups=4)
+    workload = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=25),
+        prompt_tokens=LengthDist.parse("uniform:32:256"),
+        output_tokens=LengthDist.parse("uniform:8:48"),
+        prefix_share=0.5,
+        prefix_tokens=128,
+        prefix_groups=4,
+    )
     requests = workload.generate(duration_seconds=4, seed=3)
     engine.block_manager.reset_prefix_cache()
     real = bench.replay_workload(engine=engine, requests=requests, vocab_size=512, clock="cpu")
     assert len(real.ttft_seconds) == len(requests)
 
-    fleet = FleetConfig(mode=AGGREGATED, aggregated_replicas=1, router_policy="least-load",
-                        engine=EngineSettings(max_num_seqs=settings.max_num_seqs,
-                                              max_batched_tokens=settings.max_batched_tokens, block_size=16))
+    fleet = FleetConfig(
+        mode=AGGREGATED,
+        aggregated_replicas=1,
+        router_policy="least-load",
+        engine=EngineSettings(
+            max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens, block_size=16
+        ),
+    )
     standalone = simulate(fleet=fleet, perf=ProfileModel(profile=profile, jitter_seed=1), requests=requests)
     calibrated_profile = profile.model_copy(update={"steps": real.steps})
     calibrated = simulate(fleet=fleet, perf=ProfileModel(profile=calibrated_profile, jitter_seed=1), requests=requests)

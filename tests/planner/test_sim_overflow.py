@@ -14,9 +14,10 @@ from dataclasses import replace
 
 import pytest
 
+from splitserve_bench.slo_compare import CI_SCENARIO, compare, perf_of
+from splitserve_bench.slo_traces import make_trace
 from splitserve_planner.simulator import DISAGGREGATED, FleetConfig, SimOptions, Simulator
-from splitserve_planner.slo_compare import CI_SCENARIO, attainment, compare, perf_of
-from splitserve_planner.slo_traces import make_trace
+from splitserve_planner.slo_attainment import attainment
 
 BURSTY = replace(CI_SCENARIO, traces=("bursty-shift",))
 LIMIT = 8000
@@ -24,13 +25,19 @@ LIMIT = 8000
 
 def _fixed(seed: int, *, limit: int) -> tuple[float, Simulator]:
     scenario = replace(BURSTY, seed=seed)
-    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=4, decode_replicas=6, engine=scenario.engine,
-                        prefill_overflow_tokens=limit)
-    sim = Simulator(fleet=fleet, perf=perf_of(scenario), requests=make_trace("bursty-shift", scenario.shape, seed=seed),
-                    options=SimOptions(sample_interval_seconds=5.0, seed=seed))
+    fleet = FleetConfig(
+        mode=DISAGGREGATED, prefill_replicas=4, decode_replicas=6, engine=scenario.engine, prefill_overflow_tokens=limit
+    )
+    sim = Simulator(
+        fleet=fleet,
+        perf=perf_of(scenario),
+        requests=make_trace("bursty-shift", scenario.shape, seed=seed),
+        options=SimOptions(sample_interval_seconds=5.0, seed=seed),
+    )
     result = sim.run()
-    return attainment(ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured,
-                      slo=scenario.slo), sim
+    return attainment(
+        ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured, slo=scenario.slo
+    ), sim
 
 
 @pytest.mark.parametrize("seed", [1, 2, 4])

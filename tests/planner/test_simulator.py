@@ -27,9 +27,13 @@ from splitserve_planner.workload import Arrivals, LengthDist, Request, WorkloadS
 
 
 def _workload(*, rate: float, seconds: float, seed: int = 0, prefix_share: float = 0.0) -> list[Request]:
-    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=rate), prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
-                        output_tokens=LengthDist.parse("lognormal:128:0.8"), prefix_share=prefix_share,
-                        prefix_tokens=1024 if prefix_share else 0)
+    spec = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=rate),
+        prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
+        output_tokens=LengthDist.parse("lognormal:128:0.8"),
+        prefix_share=prefix_share,
+        prefix_tokens=1024 if prefix_share else 0,
+    )
     return spec.generate(duration_seconds=seconds, seed=seed)
 
 
@@ -41,7 +45,9 @@ def test_single_request_latency_is_exact(llama8b_h100: RooflineModel) -> None:
     perf = llama8b_h100
     req = [Request(0, 0.0, 1000, 5)]
     link = 10e9
-    r = simulate(fleet=_disagg(kv_link_bytes_per_second=link, kv_transfer_latency_seconds=0.001), perf=perf, requests=req)
+    r = simulate(
+        fleet=_disagg(kv_link_bytes_per_second=link, kv_transfer_latency_seconds=0.001), perf=perf, requests=req
+    )
     transfer = 0.001 + 1000 * perf.kv_bytes_per_token / link
     ttft = prefill_seconds(perf, num_tokens=1000) + transfer
     assert r.ttft_seconds[0] == pytest.approx(ttft, rel=1e-9)
@@ -54,8 +60,12 @@ def test_single_request_latency_is_exact(llama8b_h100: RooflineModel) -> None:
 
 def test_same_seed_same_result_other_seed_differs(llama8b_h100: RooflineModel) -> None:
     def run(seed: int) -> dict[str, float]:
-        return simulate(fleet=_disagg(2, 2), perf=llama8b_h100, requests=_workload(rate=20, seconds=30, seed=seed),
-                        options=SimOptions(seed=seed)).summary()
+        return simulate(
+            fleet=_disagg(2, 2),
+            perf=llama8b_h100,
+            requests=_workload(rate=20, seconds=30, seed=seed),
+            options=SimOptions(seed=seed),
+        ).summary()
 
     assert run(1) == run(1)
     assert run(1) != run(2)
@@ -76,7 +86,9 @@ def test_prefix_cache_saves_prefill_tokens_and_affinity_beats_round_robin(llama8
     requests = _workload(rate=20, seconds=30, prefix_share=0.8)
 
     def computed(policy: str, caching: bool) -> tuple[int, int]:
-        fleet = _disagg(4, 2, router_policy=policy, engine=EngineSettings(prefix_caching=caching, prefix_cache_groups=2))
+        fleet = _disagg(
+            4, 2, router_policy=policy, engine=EngineSettings(prefix_caching=caching, prefix_cache_groups=2)
+        )
         pool = simulate(fleet=fleet, perf=llama8b_h100, requests=requests).pools["prefill"]
         return pool.prefill_tokens_computed, pool.prefill_tokens_cached
 

@@ -15,16 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from splitserve_operator.autoscaler.decision import Decision
-from splitserve_planner.perf_model import RooflineModel
-from splitserve_planner.simulator import (
-    DISAGGREGATED,
-    AutoscaleSettings,
-    FleetConfig,
-    SimOptions,
-    Simulator,
-)
-from splitserve_planner.slo_compare import (
+from splitserve_bench.slo_compare import (
     CI_SCENARIO,
     Outcome,
     base_settings,
@@ -36,7 +27,16 @@ from splitserve_planner.slo_compare import (
     slo_settings,
     tune,
 )
-from splitserve_planner.slo_traces import TraceShape, make_trace
+from splitserve_bench.slo_traces import TraceShape, make_trace
+from splitserve_operator.autoscaler.decision import Decision
+from splitserve_planner.perf_model import RooflineModel
+from splitserve_planner.simulator import (
+    DISAGGREGATED,
+    AutoscaleSettings,
+    FleetConfig,
+    SimOptions,
+    Simulator,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def ci_outcomes() -> dict[tuple[str, str], Outcome]:
 
 @pytest.mark.parametrize("trace", CI_SCENARIO.traces)
 def test_slo_controller_beats_default_targets_on_attainment_and_gpu_hours(
-        ci_outcomes: dict[tuple[str, str], Outcome], trace: str) -> None:
+    ci_outcomes: dict[tuple[str, str], Outcome], trace: str
+) -> None:
     default, slo = ci_outcomes[(trace, "default")], ci_outcomes[(trace, "slo")]
     assert slo.num_requests == default.num_requests > 10_000
     assert slo.gpu_hours < default.gpu_hours
@@ -55,7 +56,8 @@ def test_slo_controller_beats_default_targets_on_attainment_and_gpu_hours(
 
 @pytest.mark.parametrize("trace", ["steady", "diurnal"])
 def test_slo_controller_meets_the_attainment_without_tuning(
-        ci_outcomes: dict[tuple[str, str], Outcome], trace: str) -> None:
+    ci_outcomes: dict[tuple[str, str], Outcome], trace: str
+) -> None:
     slo = ci_outcomes[(trace, "slo")]
     assert slo.attainment >= CI_SCENARIO.slo.attainment
     assert ci_outcomes[(trace, "default")].attainment < CI_SCENARIO.slo.attainment  # the baseline does not
@@ -64,12 +66,19 @@ def test_slo_controller_meets_the_attainment_without_tuning(
 def _slo_sim(*, floors: bool = False, startup: float = 45.0, prefill_queue_target: float = 4.0) -> Simulator:
     scenario = replace(CI_SCENARIO, shape=TraceShape(mean_rate=20.0, duration_seconds=480.0), startup_seconds=startup)
     perf = perf_of(scenario)
-    settings = replace(slo_settings(scenario, perf), slo_target_floors=floors,
-                       prefill_target_queue_depth=prefill_queue_target,
-                       scale_down_stabilization_seconds=60.0)  # the 480 s trace's fall must show a removal
+    settings = replace(
+        slo_settings(scenario, perf),
+        slo_target_floors=floors,
+        prefill_target_queue_depth=prefill_queue_target,
+        scale_down_stabilization_seconds=60.0,
+    )  # the 480 s trace's fall must show a removal
     fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=1, decode_replicas=1, autoscale=settings)
-    sim = Simulator(fleet=fleet, perf=perf, requests=make_trace("diurnal", scenario.shape, seed=2),
-                    options=SimOptions(sample_interval_seconds=5))
+    sim = Simulator(
+        fleet=fleet,
+        perf=perf,
+        requests=make_trace("diurnal", scenario.shape, seed=2),
+        options=SimOptions(sample_interval_seconds=5),
+    )
     sim.run()
     return sim
 
@@ -116,7 +125,9 @@ def test_slo_mode_needs_the_window_inputs(llama8b_h100: RooflineModel) -> None:
     with pytest.raises(ValueError, match="SloInputs"):
         scaler.step(now_seconds=15.0, observations={"prefill": obs, "decode": obs})
     # target tracking is unchanged without an SLO
-    plain = SimAutoscaler(settings=AutoscaleSettings(), initial_replicas={"prefill": 1, "decode": 1}, gpus_per_replica=1)
+    plain = SimAutoscaler(
+        settings=AutoscaleSettings(), initial_replicas={"prefill": 1, "decode": 1}, gpus_per_replica=1
+    )
     assert plain.step(now_seconds=15.0, observations={"prefill": obs, "decode": obs}) == {"prefill": 1, "decode": 1}
 
 
@@ -124,8 +135,14 @@ def test_run_policy_scores_attainment_and_gpu_hours() -> None:
     scenario = replace(CI_SCENARIO, shape=TraceShape(mean_rate=5.0, duration_seconds=300.0))
     perf = perf_of(scenario)
     requests = make_trace("steady", scenario.shape, seed=0)
-    outcome = run_policy(scenario=scenario, perf=perf, requests=requests, trace="steady", policy="default",
-                         autoscale=base_settings(scenario))
+    outcome = run_policy(
+        scenario=scenario,
+        perf=perf,
+        requests=requests,
+        trace="steady",
+        policy="default",
+        autoscale=base_settings(scenario),
+    )
     assert outcome.num_requests == len(requests)
     assert 0.0 <= outcome.attainment <= 1.0
     missed = len(outcome.missed_arrival_seconds)
@@ -156,8 +173,9 @@ def test_the_headroom_sweep_runs_the_controller_at_each_headroom() -> None:
 
 
 def test_tuning_out_of_sample_scores_the_setting_found_on_another_seed() -> None:
-    scenario = replace(CI_SCENARIO, shape=TraceShape(mean_rate=8.0, duration_seconds=240.0), traces=("steady",),
-                       seed=2, tuning_seed=1)
+    scenario = replace(
+        CI_SCENARIO, shape=TraceShape(mean_rate=8.0, duration_seconds=240.0), traces=("steady",), seed=2, tuning_seed=1
+    )
     perf = perf_of(scenario)
     served, tuning = (make_trace("steady", scenario.shape, seed=seed) for seed in (2, 1))
     hindsight = tune(scenario=scenario, perf=perf, requests=tuning, trace="steady")
@@ -193,8 +211,9 @@ def test_without_a_prior_the_controller_learns_online_and_still_meets_steady_and
     assert learning is not None and learning.prior is None
     scenario = replace(CI_SCENARIO, traces=("steady", "diurnal"))
     for seed in (1, 2):
-        by_policy = {(o.trace, o.policy): o
-                     for o in compare(replace(scenario, seed=seed), policies=("slo", "slo-no-prior"))}
+        by_policy = {
+            (o.trace, o.policy): o for o in compare(replace(scenario, seed=seed), policies=("slo", "slo-no-prior"))
+        }
         for trace in scenario.traces:
             learned, primed = by_policy[(trace, "slo-no-prior")], by_policy[(trace, "slo")]
             assert learned.attainment >= scenario.slo.attainment, (seed, learned)

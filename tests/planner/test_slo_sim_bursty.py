@@ -27,27 +27,27 @@ from dataclasses import replace
 
 import pytest
 
-from splitserve_planner.slo_compare import (
+from splitserve_bench.slo_compare import (
     CI_SCENARIO,
     Outcome,
-    attainment,
     compare,
     first_tick_after,
     format_seed_summary,
     perf_of,
     run_fixed_fleet,
 )
-from splitserve_planner.slo_traces import make_trace, shift_seconds
+from splitserve_bench.slo_traces import make_trace, shift_seconds
+from splitserve_planner.slo_attainment import attainment
 
 BURSTY = replace(CI_SCENARIO, traces=("bursty-shift",))
 
 
 def _fixed_fleet_attainment(prefill: int, decode: int) -> float:
     requests = make_trace("bursty-shift", BURSTY.shape, seed=BURSTY.seed)
-    result = run_fixed_fleet(scenario=BURSTY, perf=perf_of(BURSTY), requests=requests, prefill=prefill,
-                             decode=decode)
-    return attainment(ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured,
-                      slo=BURSTY.slo)
+    result = run_fixed_fleet(scenario=BURSTY, perf=perf_of(BURSTY), requests=requests, prefill=prefill, decode=decode)
+    return attainment(
+        ttft=result.ttft_seconds, tpot=result.tpot_seconds, num_requests=result.num_measured, slo=BURSTY.slo
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,9 @@ def test_no_policy_from_the_initial_fleet_meets_the_attainment(outcomes: dict[st
     assert ceiling.misses_between(0.0, FIRST_READY) > (1.0 - BURSTY.slo.attainment) * ceiling.num_requests
 
 
-def test_the_controller_misses_only_where_no_decision_on_the_evidence_reaches(slo_outcome: Outcome,
-                                                                              outcomes: dict[str, Outcome]) -> None:
+def test_the_controller_misses_only_where_no_decision_on_the_evidence_reaches(
+    slo_outcome: Outcome, outcomes: dict[str, Outcome]
+) -> None:
     assert slo_outcome.misses_between(FIRST_READY, SHIFT) == 0, slo_outcome
     # after the shift's pods are Ready only the longest prompts miss, by a few ms: 8-12k tokens,
     # whose own chunked prefill takes most of the 1 s target on an idle pod (no count helps)
@@ -148,9 +149,13 @@ def test_over_twelve_seeds_the_controller_meets_wherever_a_reaction_to_the_shift
     shifted request): on every seed the controller attains what 64 pods per pool from its own
     first chance attain. Its reaction loses nothing that pods asked for then could save; what it
     loses against ``shift-bound`` is one interval of foresight."""
-    by_seed = {seed: {o.policy: o for o in compare(replace(BURSTY, seed=seed),
-                                                   policies=("slo", "slo@1", "shift-bound", "tick-bound"))}
-               for seed in REACH_SEEDS}
+    by_seed = {
+        seed: {
+            o.policy: o
+            for o in compare(replace(BURSTY, seed=seed), policies=("slo", "slo@1", "shift-bound", "tick-bound"))
+        }
+        for seed in REACH_SEEDS
+    }
     target = BURSTY.slo.attainment
     reachable = [seed for seed, by in by_seed.items() if by["shift-bound"].attainment >= target]
     assert 3 <= len(reachable) < len(REACH_SEEDS), reachable  # (5 of 12 when written: 3, 8, 10, 11, 12)
@@ -160,8 +165,9 @@ def test_over_twelve_seeds_the_controller_meets_wherever_a_reaction_to_the_shift
         assert by["slo"].attainment >= by["shift-bound"].attainment - REACH_MARGIN, (seed, by["slo"], by["shift-bound"])
         assert by["slo"].attainment >= by["tick-bound"].attainment - TICK_MARGIN, (seed, by["slo"], by["tick-bound"])
         assert by["tick-bound"].peak_replicas == {"prefill": 64, "decode": 64}, (seed, by["tick-bound"])
-    without_margin = [seed for seed, by in by_seed.items()
-                      if by["slo@1"].attainment < by["tick-bound"].attainment - REACH_MARGIN]
+    without_margin = [
+        seed for seed, by in by_seed.items() if by["slo@1"].attainment < by["tick-bound"].attainment - REACH_MARGIN
+    ]
     assert len(without_margin) >= 3, without_margin  # (6 when written: 1, 4, 5, 6, 7, 9)
     summary = format_seed_summary({seed: list(by.values()) for seed, by in by_seed.items()}, scenario=BURSTY)
     n = len(reachable)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from splitserve_bench.slo_traces import TraceShape, diurnal_rate, make_trace
 from splitserve_operator.autoscaler.slo.inputs import StepCoefficients, StepSample
 from splitserve_planner.perf_model import RooflineModel
 from splitserve_planner.sim.observe import gpu_seconds
@@ -26,7 +27,6 @@ from splitserve_planner.slo_prior import (
     representative_steps,
     step_seconds,
 )
-from splitserve_planner.slo_traces import TraceShape, diurnal_rate, make_trace
 from splitserve_planner.workload import LengthDist, Request
 
 
@@ -55,8 +55,13 @@ class LinearCost:
 
     def coefficients(self) -> StepCoefficients:
         # the engine prices a decode row as one token plus (context + 1) pairs
-        return StepCoefficients(step=self.fixed, prefill_token=self.per_token, prefill_pair=self.per_pair,
-                                decode_row=self.per_token + self.per_pair, decode_context=self.per_pair)
+        return StepCoefficients(
+            step=self.fixed,
+            prefill_token=self.per_token,
+            prefill_pair=self.per_pair,
+            decode_row=self.per_token + self.per_pair,
+            decode_context=self.per_pair,
+        )
 
 
 def _requests(count: int, *, rate: float, seed: int = 0) -> list[Request]:
@@ -74,9 +79,11 @@ def _predicted(sample: StepSample, coefficients: StepCoefficients) -> float:
 @pytest.mark.parametrize("mode", [DISAGGREGATED, AGGREGATED])
 def test_window_step_samples_explain_the_busy_time_exactly(mode: str) -> None:
     cost = LinearCost()
-    fleet = (FleetConfig(mode=mode, prefill_replicas=2, decode_replicas=2, autoscale=AutoscaleSettings(max_replicas=2))
-             if mode == DISAGGREGATED else
-             FleetConfig(mode=mode, aggregated_replicas=2, autoscale=AutoscaleSettings(max_replicas=2)))
+    fleet = (
+        FleetConfig(mode=mode, prefill_replicas=2, decode_replicas=2, autoscale=AutoscaleSettings(max_replicas=2))
+        if mode == DISAGGREGATED
+        else FleetConfig(mode=mode, aggregated_replicas=2, autoscale=AutoscaleSettings(max_replicas=2))
+    )
     sim = Simulator(fleet=fleet, perf=cost, requests=_requests(600, rate=6.0), options=SimOptions())
     sim._init_observer()
     sim._push(sim.requests[0].arrival_seconds, ARRIVAL, 0)
@@ -112,7 +119,9 @@ def test_drained_pods_leave_the_window_and_give_their_gpu_back(llama8b_h100: Roo
     quiet = [Request(6000 + i, 120.0 + 2.0 * i, 500, 50) for i in range(300)]
     settings = AutoscaleSettings(interval_seconds=15, startup_seconds=20, scale_down_stabilization_seconds=30)
     fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=1, decode_replicas=1, autoscale=settings)
-    sim = Simulator(fleet=fleet, perf=llama8b_h100, requests=burst + quiet, options=SimOptions(sample_interval_seconds=5))
+    sim = Simulator(
+        fleet=fleet, perf=llama8b_h100, requests=burst + quiet, options=SimOptions(sample_interval_seconds=5)
+    )
     sim.run()
     removed = [p for p in sim.all_pods if not p.accepting]
     assert removed, "the burst should have been scaled up and back down"
@@ -124,12 +133,19 @@ def test_drained_pods_leave_the_window_and_give_their_gpu_back(llama8b_h100: Roo
 
 
 def test_traces_are_seeded_and_shaped() -> None:
-    shape = TraceShape(mean_rate=10.0, duration_seconds=1200.0,
-                       prompt_tokens=LengthDist(kind="fixed", mean=500),
-                       shifted_prompt_tokens=LengthDist(kind="fixed", mean=3000), burst_factor=4.0, burst_seconds=120.0)
+    shape = TraceShape(
+        mean_rate=10.0,
+        duration_seconds=1200.0,
+        prompt_tokens=LengthDist(kind="fixed", mean=500),
+        shifted_prompt_tokens=LengthDist(kind="fixed", mean=3000),
+        burst_factor=4.0,
+        burst_seconds=120.0,
+    )
     for kind in ("steady", "diurnal", "bursty-shift"):
         a, b = make_trace(kind, shape, seed=3), make_trace(kind, shape, seed=3)
-        assert [(r.arrival_seconds, r.num_prompt_tokens) for r in a] == [(r.arrival_seconds, r.num_prompt_tokens) for r in b]
+        assert [(r.arrival_seconds, r.num_prompt_tokens) for r in a] == [
+            (r.arrival_seconds, r.num_prompt_tokens) for r in b
+        ]
         assert 0.8 * 12000 < len(a) < 1.2 * 12000
         assert a != make_trace(kind, shape, seed=4)
     diurnal = make_trace("diurnal", shape, seed=3)
@@ -155,9 +171,13 @@ def test_prior_fit_recovers_a_linear_model_and_approximates_the_roofline(llama8b
     roofline = fit_prior(llama8b_h100, max_batched_tokens=8192, max_num_seqs=256)
     assert all(v >= 0 for v in roofline.coefficients.as_tuple())
     assert roofline.relative_rms_error < 0.25
-    steps = representative_steps(max_batched_tokens=8192, max_num_seqs=256, kv_capacity_tokens=llama8b_h100.kv_capacity_tokens)
+    steps = representative_steps(
+        max_batched_tokens=8192, max_num_seqs=256, kv_capacity_tokens=llama8b_h100.kv_capacity_tokens
+    )
     big_prefill = max(steps, key=lambda s: s.prefill_tokens + s.prefill_attention_pairs / 1e4)
-    assert _predicted(big_prefill, roofline.coefficients) == pytest.approx(step_seconds(llama8b_h100, big_prefill), rel=0.25)
+    assert _predicted(big_prefill, roofline.coefficients) == pytest.approx(
+        step_seconds(llama8b_h100, big_prefill), rel=0.25
+    )
     manifest = prior_manifest(roofline.coefficients)
     assert set(manifest) == {"step", "prefillToken", "prefillPair", "decodeRow", "decodeContext"}
     assert manifest["step"] == pytest.approx(roofline.coefficients.step, rel=1e-3)
@@ -168,8 +188,8 @@ def test_an_observation_lag_shows_the_prompt_shift_to_the_controller_that_much_l
     that long ago (the operator reads Prometheus scrapes of counters that count a request when it
     finishes). The CI bursty trace's prompts double at 450 s; the round at 465 s reads them at
     once without a lag, and only the round after with a 15 s one."""
-    from splitserve_planner.slo_compare import CI_SCENARIO, perf_of, slo_settings
-    from splitserve_planner.slo_traces import shift_seconds
+    from splitserve_bench.slo_compare import CI_SCENARIO, perf_of, slo_settings
+    from splitserve_bench.slo_traces import shift_seconds
 
     scenario = CI_SCENARIO
     perf = perf_of(scenario)
@@ -178,13 +198,25 @@ def test_an_observation_lag_shows_the_prompt_shift_to_the_controller_that_much_l
     requests = [r for r in make_trace("bursty-shift", scenario.shape, seed=1) if r.arrival_seconds < shift + 60]
 
     def planned_prompts(lag: float) -> dict[float, float]:
-        fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=2, decode_replicas=3, engine=scenario.engine,
-                            autoscale=slo_settings(scenario, perf))
-        sim = Simulator(fleet=fleet, perf=perf, requests=requests,
-                        options=SimOptions(sample_interval_seconds=5.0, seed=1, observation_lag_seconds=lag))
+        fleet = FleetConfig(
+            mode=DISAGGREGATED,
+            prefill_replicas=2,
+            decode_replicas=3,
+            engine=scenario.engine,
+            autoscale=slo_settings(scenario, perf),
+        )
+        sim = Simulator(
+            fleet=fleet,
+            perf=perf,
+            requests=requests,
+            options=SimOptions(sample_interval_seconds=5.0, seed=1, observation_lag_seconds=lag),
+        )
         sim.run()
-        return {d.time_seconds: float(d.model["promptTokens"]) for d in sim.scaler.decisions
-                if d.pool == "prefill" and d.model and "promptTokens" in d.model}
+        return {
+            d.time_seconds: float(d.model["promptTokens"])
+            for d in sim.scaler.decisions
+            if d.pool == "prefill" and d.model and "promptTokens" in d.model
+        }
 
     now, lagged = planned_prompts(0.0), planned_prompts(15.0)
     assert now[shift] < 1300 and now[shift + 15] > 1800, now  # 1k-token prompts, then 2k

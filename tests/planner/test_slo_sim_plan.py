@@ -25,20 +25,42 @@ def test_parse_slo_accepts_durations_and_refuses_nonsense() -> None:
     slo = parse_slo("itl=0.04s, ttft=2s, attainment=0.95, headroom=0.7")
     assert (slo.ttft_p99_seconds, slo.itl_p99_seconds, slo.attainment, slo.headroom) == (2.0, 0.04, 0.95, 0.7)
     assert parse_slo("ttft=800,itl=30").ttft_p99_seconds == pytest.approx(0.8)  # bare numbers are ms
-    for bad, message in (("ttft=1s", "needs both"), ("ttft=1s,itl=50ms,p=3", "bad --slo"),
-                         ("ttft=fast,itl=50ms", "duration"), ("ttft=1s,itl=50ms,attainment=1.5", "attainment"),
-                         ("ttft=0ms,itl=50ms", "above 0"), ("ttft=1s,itl=50ms,headroom=0", "headroom"),
-                         ("ttft=1s,ttft=2s,itl=5ms", "bad --slo")):
+    for bad, message in (
+        ("ttft=1s", "needs both"),
+        ("ttft=1s,itl=50ms,p=3", "bad --slo"),
+        ("ttft=fast,itl=50ms", "duration"),
+        ("ttft=1s,itl=50ms,attainment=1.5", "attainment"),
+        ("ttft=0ms,itl=50ms", "above 0"),
+        ("ttft=1s,itl=50ms,headroom=0", "headroom"),
+        ("ttft=1s,ttft=2s,itl=5ms", "bad --slo"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_slo(bad)
 
 
-def test_plan_slo_reports_the_controller_and_writes_the_prior(capsys: pytest.CaptureFixture[str],
-                                                              tmp_path: Path) -> None:
+def test_plan_slo_reports_the_controller_and_writes_the_prior(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     manifest = tmp_path / "isvc.yaml"
-    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "L40S", "--tp", "1", "--rate", "10",
-                          "--duration-s", "180", "--slo", "ttft=1s,itl=50ms,attainment=0.95",
-                          "--emit-manifest", str(manifest), "--name", "slo-plan")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "L40S",
+        "--tp",
+        "1",
+        "--rate",
+        "10",
+        "--duration-s",
+        "180",
+        "--slo",
+        "ttft=1s,itl=50ms,attainment=0.95",
+        "--emit-manifest",
+        str(manifest),
+        "--name",
+        "slo-plan",
+    )
     assert code == 0, err
     assert "SLO ttft" not in err
     assert "SLOs: TTFT p99 <= 1000 ms, ITL p99 <= 50 ms" in out  # --slo sets the planning SLOs
@@ -62,8 +84,21 @@ def test_plan_slo_reports_the_controller_and_writes_the_prior(capsys: pytest.Cap
 
 def test_plan_without_slo_writes_no_slo_block(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     manifest = tmp_path / "isvc.yaml"
-    code, out, err = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "L40S", "--tp", "1", "--rate", "4",
-                          "--duration-s", "60", "--emit-manifest", str(manifest))
+    code, out, err = _run(
+        capsys,
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "L40S",
+        "--tp",
+        "1",
+        "--rate",
+        "4",
+        "--duration-s",
+        "60",
+        "--emit-manifest",
+        str(manifest),
+    )
     assert code == 0, err
     assert "SLO controller" not in out
     assert "slo" not in yaml.safe_load(manifest.read_text())["spec"]["autoscaling"]

@@ -20,8 +20,7 @@ from dataclasses import replace
 
 import pytest
 
-from splitserve_operator.autoscaler.slo.estimate import Workload, estimate_decode
-from splitserve_planner.slo_compare import (
+from splitserve_bench.slo_compare import (
     CI_SCENARIO,
     Outcome,
     compare,
@@ -29,7 +28,8 @@ from splitserve_planner.slo_compare import (
     run_fixed_fleet,
     slo_settings,
 )
-from splitserve_planner.slo_traces import make_trace
+from splitserve_bench.slo_traces import make_trace
+from splitserve_operator.autoscaler.slo.estimate import Workload, estimate_decode
 
 STEADY_AND_DIURNAL = replace(CI_SCENARIO, traces=("steady", "diurnal"))
 
@@ -70,9 +70,7 @@ def test_the_decode_model_is_not_what_costs_the_extra_pod() -> None:
     (the recent peak of 15 s windows), not a pessimistic model."""
     perf = perf_of(CI_SCENARIO)
     requests = make_trace("steady", CI_SCENARIO.shape, seed=CI_SCENARIO.seed)
-    measured = run_fixed_fleet(
-        scenario=CI_SCENARIO, perf=perf, requests=requests, prefill=2, decode=3
-    )
+    measured = run_fixed_fleet(scenario=CI_SCENARIO, perf=perf, requests=requests, prefill=2, decode=3)
     prior = slo_settings(CI_SCENARIO, perf).slo
     assert prior is not None and prior.prior is not None
     span = requests[-1].arrival_seconds
@@ -84,8 +82,9 @@ def test_the_decode_model_is_not_what_costs_the_extra_pod() -> None:
     estimate = estimate_decode(prior.prior, load, replicas=3, attainment=CI_SCENARIO.slo.attainment)
     itl_p99 = measured.itl_percentile(100.0 * CI_SCENARIO.slo.attainment)
     assert estimate.itl_seconds == pytest.approx(itl_p99, rel=0.05)
-    margin = estimate_decode(prior.prior, load.with_margin(CI_SCENARIO.slo.headroom), replicas=3,
-                             attainment=CI_SCENARIO.slo.attainment)
+    margin = estimate_decode(
+        prior.prior, load.with_margin(CI_SCENARIO.slo.headroom), replicas=3, attainment=CI_SCENARIO.slo.attainment
+    )
     assert margin.itl_seconds == pytest.approx(CI_SCENARIO.slo.itl_p99_seconds, rel=0.02)
 
 

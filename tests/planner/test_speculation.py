@@ -46,8 +46,17 @@ def test_tokens_per_forward_is_the_expected_accepted_prefix_plus_one(a: float, k
     assert Speculation(acceptance=a, num_tokens=k).tokens_per_forward == 1.0  # method none
 
 
-@pytest.mark.parametrize("kwargs", [{"acceptance": 1.2}, {"acceptance": -0.1}, {"num_tokens": 0},
-                                    {"num_tokens": 17}, {"max_num_seqs": 0}, {"method": "draft"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"acceptance": 1.2},
+        {"acceptance": -0.1},
+        {"num_tokens": 0},
+        {"num_tokens": 17},
+        {"max_num_seqs": 0},
+        {"method": "draft"},
+    ],
+)
 def test_out_of_range_speculation_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Speculation(**{"method": "ngram", **kwargs})  # type: ignore[arg-type]
@@ -85,14 +94,16 @@ def test_no_gain_at_large_batch(llama8b_h100: RooflineModel) -> None:
 def test_capacity_uses_speculation_only_within_the_rule(llama8b_h100: RooflineModel) -> None:
     perf, ctx = llama8b_h100, 1500.0
     plain_tight = decode_capacity(perf, itl_seconds=0.0062, mean_context_tokens=ctx, max_num_seqs=256)
-    spec_tight = decode_capacity(perf, itl_seconds=0.0062, mean_context_tokens=ctx, max_num_seqs=256,
-                                 speculation=_ngram(0.7))
+    spec_tight = decode_capacity(
+        perf, itl_seconds=0.0062, mean_context_tokens=ctx, max_num_seqs=256, speculation=_ngram(0.7)
+    )
     assert 0 < plain_tight.batch <= 16 and not plain_tight.speculating
     assert spec_tight.speculating and spec_tight.batch <= 16
     assert spec_tight.tokens_per_second > 1.5 * plain_tight.tokens_per_second
     plain_loose = decode_capacity(perf, itl_seconds=0.05, mean_context_tokens=ctx, max_num_seqs=256)
-    spec_loose = decode_capacity(perf, itl_seconds=0.05, mean_context_tokens=ctx, max_num_seqs=256,
-                                 speculation=_ngram(0.7))
+    spec_loose = decode_capacity(
+        perf, itl_seconds=0.05, mean_context_tokens=ctx, max_num_seqs=256, speculation=_ngram(0.7)
+    )
     assert plain_loose.batch > 16
     assert spec_loose == plain_loose  # the best batch is above the rule's limit: plain decode steps
 
@@ -142,14 +153,40 @@ def test_a_verification_forward_over_the_itl_slo_is_explained(llama8b_h100: Roof
         check_feasible(PlanInputs(perf=llama8b_h100, requests=requests, slo=slo, engine=spec))
 
 
-def test_cli_plans_with_speculation_and_writes_it_to_the_manifest(capsys: pytest.CaptureFixture[str],
-                                                                   tmp_path: Path) -> None:
+def test_cli_plans_with_speculation_and_writes_it_to_the_manifest(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     manifest = tmp_path / "isvc.yaml"
-    code = main(["--model", "llama-3.1-8b", "--gpu", "H200", "--rate", "2", "--duration-s", "30",
-                 "--prompt-tokens", "lognormal:1024:0.5", "--output-tokens", "lognormal:256:0.5",
-                 "--ttft-p99-ms", "1000", "--itl-p99-ms", "20", "--speculative", "ngram",
-                 "--num-speculative-tokens", "3", "--spec-acceptance", "0.6", "--speculative-max-num-seqs", "8",
-                 "--emit-manifest", str(manifest)])
+    code = main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--gpu",
+            "H200",
+            "--rate",
+            "2",
+            "--duration-s",
+            "30",
+            "--prompt-tokens",
+            "lognormal:1024:0.5",
+            "--output-tokens",
+            "lognormal:256:0.5",
+            "--ttft-p99-ms",
+            "1000",
+            "--itl-p99-ms",
+            "20",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "3",
+            "--spec-acceptance",
+            "0.6",
+            "--speculative-max-num-seqs",
+            "8",
+            "--emit-manifest",
+            str(manifest),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "speculation ngram k=3, acceptance 0.6 (2.18 tokens/forward) at <= 8 decoding sequences" in out
@@ -160,11 +197,14 @@ def test_cli_plans_with_speculation_and_writes_it_to_the_manifest(capsys: pytest
     assert "speculative" not in yaml.safe_load(manifest.read_text())["spec"]["engine"]  # off: left out
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (("--speculative", "ngram", "--spec-acceptance", "1.5"), "--spec-acceptance must be in [0, 1], got 1.5"),
-    (("--speculative", "ngram", "--num-speculative-tokens", "0"), "--num-speculative-tokens must be in [1, 16]"),
-    (("--speculative", "ngram", "--speculative-max-num-seqs", "0"), "--speculative-max-num-seqs must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--speculative", "ngram", "--spec-acceptance", "1.5"), "--spec-acceptance must be in [0, 1], got 1.5"),
+        (("--speculative", "ngram", "--num-speculative-tokens", "0"), "--num-speculative-tokens must be in [1, 16]"),
+        (("--speculative", "ngram", "--speculative-max-num-seqs", "0"), "--speculative-max-num-seqs must be >= 1"),
+    ],
+)
 def test_cli_bad_speculation_exits_2(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
     assert main(["--rate", "1", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -178,11 +218,15 @@ def test_cli_refuses_a_method_it_cannot_price(capsys: pytest.CaptureFixture[str]
 
 
 def test_macro_steps_agree_with_one_event_per_step_when_speculating(llama8b_h100: RooflineModel) -> None:
-    spec = WorkloadSpec(arrivals=Arrivals(rate_per_second=6), prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
-                        output_tokens=LengthDist.parse("lognormal:128:0.8"))
+    spec = WorkloadSpec(
+        arrivals=Arrivals(rate_per_second=6),
+        prompt_tokens=LengthDist.parse("lognormal:1024:0.8"),
+        output_tokens=LengthDist.parse("lognormal:128:0.8"),
+    )
     requests = spec.generate(duration_seconds=30, seed=0)
-    fleet = FleetConfig(mode=DISAGGREGATED, prefill_replicas=1, decode_replicas=1,
-                        engine=EngineSettings(speculation=_ngram(0.6)))
+    fleet = FleetConfig(
+        mode=DISAGGREGATED, prefill_replicas=1, decode_replicas=1, engine=EngineSettings(speculation=_ngram(0.6))
+    )
     fast = simulate(fleet=fleet, perf=llama8b_h100, requests=requests, options=SimOptions(macro_steps=True))
     slow = simulate(fleet=fleet, perf=llama8b_h100, requests=requests, options=SimOptions(macro_steps=False))
     assert fast.num_events < slow.num_events / 2

@@ -35,8 +35,9 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
-def run_to_completion(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, *,
-                      max_steps: int = 5000) -> dict[str, list[int]]:
+def run_to_completion(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, *, max_steps: int = 5000
+) -> dict[str, list[int]]:
     """Add every prompt (request id → token ids) and step until all finish; each request's tokens."""
     for rid, prompt in prompts.items():
         engine.add_request(request_id=rid, prompt_token_ids=prompt, params=params)
@@ -59,7 +60,11 @@ class PagedRunner:
     """Drive ``model`` step by step; sequences are named by any hashable id."""
 
     def __init__(
-        self, *, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4,
+        self,
+        *,
+        model: LlamaForCausalLM,
+        num_blocks: int = 64,
+        block_size: int = 4,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -73,9 +78,7 @@ class PagedRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         # Scrambled but deterministic allocation order: odd blocks downwards, then even ones.
-        self._free = [b for b in range(num_blocks - 1, -1, -1) if b % 2] + [
-            b for b in range(num_blocks) if b % 2 == 0
-        ]
+        self._free = [b for b in range(num_blocks - 1, -1, -1) if b % 2] + [b for b in range(num_blocks) if b % 2 == 0]
         self.seqs: dict[object, _SeqState] = {}
 
     def _slots_for(self, seq: _SeqState, num_new_tokens: int) -> list[int]:
@@ -92,7 +95,10 @@ class PagedRunner:
         return torch.tensor(rows, dtype=torch.int32).reshape(len(states), width)
 
     def step(
-        self, *, prefills: list[tuple[object, list[int]]], decodes: list[tuple[object, int]],
+        self,
+        *,
+        prefills: list[tuple[object, list[int]]],
+        decodes: list[tuple[object, int]],
     ) -> torch.Tensor:
         """Run one step; return fp32 logits, one row per input token (prefill rows first)."""
         device = self.model.device
@@ -137,7 +143,8 @@ class PagedRunner:
         hidden = self.model(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            kv_caches=self.kv_caches, md=md,
+            kv_caches=self.kv_caches,
+            md=md,
         )
         return self.model.compute_logits(hidden)
 

@@ -73,8 +73,10 @@ def encode_gptq(w: torch.Tensor, group: int, *, sym: bool) -> Encoded:
     qzeros = _words((zeros - 1).clamp(min=0).reshape(-1, n // 8, 8))  # stored zero = zero - 1 (gptq v1)
     stored_zeros = (zeros - 1).clamp(min=0) + 1
     g_idx = (torch.arange(k) // group).to(torch.int32)
-    return ({"qweight": qweight, "qzeros": qzeros, "scales": scales.half(), "g_idx": g_idx},
-            _dense_of(q, scales, stored_zeros, group))
+    return (
+        {"qweight": qweight, "qzeros": qzeros, "scales": scales.half(), "g_idx": g_idx},
+        _dense_of(q, scales, stored_zeros, group),
+    )
 
 
 def encode_ct_int4(w: torch.Tensor, group: int) -> Encoded:
@@ -102,13 +104,18 @@ def encode_int8(w: torch.Tensor) -> Encoded:
 
 
 def ct_config(weights: dict[str, Any], *, fmt: str, acts: dict[str, Any] | None) -> dict[str, Any]:
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+    }
 
 
-def write_quantized(src: Path, dst: Path, *, config: dict[str, Any],
-                    encode: Callable[[torch.Tensor], Encoded]) -> dict[str, torch.Tensor]:
+def write_quantized(
+    src: Path, dst: Path, *, config: dict[str, Any], encode: Callable[[torch.Tensor], Encoded]
+) -> dict[str, torch.Tensor]:
     """Copy ``src`` to ``dst`` with every decoder linear encoded; returns module → meant weight."""
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
@@ -139,28 +146,63 @@ def fused_expectations(meant: dict[str, torch.Tensor], layer: int) -> dict[str, 
 
 
 FORMATS: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], Encoded], type]] = {
-    "awq-g64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
-                lambda w: encode_awq(w, 64), Int4Weight),
-    "awq-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-                lambda w: encode_awq(w, 32), Int4Weight),
-    "gptq-sym": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
-                 lambda w: encode_gptq(w, 32, sym=True), Int4Weight),
-    "gptq-asym": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False},
-                  lambda w: encode_gptq(w, 64, sym=False), Int4Weight),
-    "ct-int4": (ct_config({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
-                           fmt="pack-quantized", acts=None), lambda w: encode_ct_int4(w, 32), Int4Weight),
-    "ct-fp8": (ct_config({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-                          fmt="float-quantized",
-                          acts={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
-               lambda w: encode_fp8(w, per_tensor=False), Fp8Weight),
-    "autofp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
-                lambda w: encode_fp8(w, per_tensor=True), Fp8Weight),
-    "ct-int8": (ct_config({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-                           fmt="int-quantized",
-                           acts={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
-                encode_int8, Int8Weight),
-    "ct-int8-w8a16": (ct_config({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-                                 fmt="naive-quantized", acts=None), encode_int8, Int8Weight),
+    "awq-g64": (
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+        lambda w: encode_awq(w, 64),
+        Int4Weight,
+    ),
+    "awq-g32": (
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+        lambda w: encode_awq(w, 32),
+        Int4Weight,
+    ),
+    "gptq-sym": (
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+        lambda w: encode_gptq(w, 32, sym=True),
+        Int4Weight,
+    ),
+    "gptq-asym": (
+        {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False},
+        lambda w: encode_gptq(w, 64, sym=False),
+        Int4Weight,
+    ),
+    "ct-int4": (
+        ct_config(
+            {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+            fmt="pack-quantized",
+            acts=None,
+        ),
+        lambda w: encode_ct_int4(w, 32),
+        Int4Weight,
+    ),
+    "ct-fp8": (
+        ct_config(
+            {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            fmt="float-quantized",
+            acts={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        ),
+        lambda w: encode_fp8(w, per_tensor=False),
+        Fp8Weight,
+    ),
+    "autofp8": (
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        lambda w: encode_fp8(w, per_tensor=True),
+        Fp8Weight,
+    ),
+    "ct-int8": (
+        ct_config(
+            {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+            fmt="int-quantized",
+            acts={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+        ),
+        encode_int8,
+        Int8Weight,
+    ),
+    "ct-int8-w8a16": (
+        ct_config(
+            {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}, fmt="naive-quantized", acts=None
+        ),
+        encode_int8,
+        Int8Weight,
+    ),
 }
-
-

@@ -32,10 +32,19 @@ MODEL_NAME = "tiny-llama"
 
 
 def serve_args(*, model_dir: Path, **overrides: object) -> ServeArgs:
-    base = ServeArgs(model=str(model_dir), served_model_name=MODEL_NAME, host="127.0.0.1",
-                     device="cpu", attention_backend="torch", dtype="float32",
-                     max_model_len=512, num_kv_blocks=16, block_size=16, max_num_seqs=8,
-                     max_num_batched_tokens=512)
+    base = ServeArgs(
+        model=str(model_dir),
+        served_model_name=MODEL_NAME,
+        host="127.0.0.1",
+        device="cpu",
+        attention_backend="torch",
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=16,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+    )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
@@ -51,8 +60,7 @@ def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str) ->
 class InProcessServer:
     """uvicorn on a thread around `app`; `engine` is the AsyncEngine inside it, if known."""
 
-    def __init__(self, *, app: FastAPI, engine: AsyncEngine | None = None,
-                 wait_ready: bool = True) -> None:
+    def __init__(self, *, app: FastAPI, engine: AsyncEngine | None = None, wait_ready: bool = True) -> None:
         self.app = app
         self.engine = engine
         self._wait_ready = wait_ready
@@ -64,11 +72,11 @@ class InProcessServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> InProcessServer:
         self._thread.start()
@@ -100,26 +108,30 @@ class InProcessServer:
         return self.engine.stats()
 
 
-def start_server(*, args: ServeArgs, api_key: str | None = None,
-                 prompt_workers: PromptWorkers | None = None) -> InProcessServer:
+def start_server(
+    *, args: ServeArgs, api_key: str | None = None, prompt_workers: PromptWorkers | None = None
+) -> InProcessServer:
     """A ready-to-enter server with a real engine built from `args`."""
     engine = AsyncEngine.from_args(args)
-    app = build_app(engine=engine, served_model_name=args.served_model_name, role=args.role,
-                    api_key=api_key, max_request_body_bytes=args.max_request_body_bytes,
-                    prompt_workers=prompt_workers)
+    app = build_app(
+        engine=engine,
+        served_model_name=args.served_model_name,
+        role=args.role,
+        api_key=api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        prompt_workers=prompt_workers,
+    )
     return InProcessServer(app=app, engine=engine)
-
-
 
 
 def spawn_server(*, args: ServeArgs, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "splitserve_cli", "serve", *serve_argv(args)]
-    return subprocess.Popen(argv, env={**os.environ, **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        argv, env={**os.environ, **(env or {})}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
-def serve_until_exit(*, args: ServeArgs, termination_log: Path,
-                     timeout_s: float = 120) -> tuple[int, str, str]:
+def serve_until_exit(*, args: ServeArgs, termination_log: Path, timeout_s: float = 120) -> tuple[int, str, str]:
     """Run ``splitserve serve`` that is expected to stop by itself (a start-up failure):
     (exit code, its output, the termination message it wrote)."""
     termination_log.write_text("")

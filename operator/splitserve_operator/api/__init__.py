@@ -1,7 +1,7 @@
 """The InferenceService API (``splitserve.dev/v1alpha1``) as pydantic models.
 
-These models are the single source of the API: :mod:`splitserve_operator.crdgen` turns
-them into the CRD's structural OpenAPI schema (defaults, enums, bounds, patterns and the
+These models are the single source of the API: ``operator/tools/crdgen.py`` (``make crds``)
+turns them into the CRD's structural OpenAPI schema (defaults, enums, bounds, patterns and the
 CEL rules in :data:`SPEC_CEL_RULES` and friends), and the controller and the autoscaler
 parse objects into them with :meth:`InferenceService.parse`. The cross-field rules are
 written twice on purpose: once as CEL (the API server rejects bad objects with the
@@ -13,8 +13,8 @@ JSON names are camelCase (``alias``); Python attributes are snake_case
 
 The package is split by concern: :mod:`.fields` (patterns, base model, capability-bound
 fields, core/v1 pod fields), :mod:`.corev1` (Kubernetes' own schemas for those, from
-:mod:`.corev1_snapshot`), :mod:`.spec`, :mod:`.status`, :mod:`.resource` (the whole object, parsing, pool
-helpers) and :mod:`.rules` (CEL rules and their messages); everything is importable from here.
+the data file ``corev1_snapshot.json``), :mod:`.spec`, :mod:`.status`, :mod:`.resource` (the
+whole object, parsing, pool helpers) and :mod:`.rules` (CEL rules and their messages); everything is importable from here.
 
 Replica ownership: the spec holds only ``replicas.min``/``replicas.max``. The current
 replica count lives on the child Deployments, written by the autoscaler's field manager.

@@ -3,9 +3,10 @@
 ``tolerations`` and ``affinity`` go into the pods unchanged. Typed loosely (a free-form
 object), a bad value such as ``tolerations: [{"foo": "bar"}]`` passed admission and failed
 only later, when the Deployment was applied. So the CRD embeds the API server's schemas for
-them, snapshotted verbatim by :mod:`splitserve_operator.corev1gen` into
-:mod:`.corev1_snapshot`, and :func:`crd_schema` converts a snapshot schema to the structural
-form a CRD needs:
+them, snapshotted verbatim (by ``operator/tools/corev1gen.py``, a build-time tool outside the
+package) into the package data file ``corev1_snapshot.json`` (:data:`SNAPSHOT`, read once at
+import: it is data, not code), and :func:`crd_schema` converts a snapshot schema to the
+structural form a CRD needs:
 
 * ``$ref`` and ``allOf: [{$ref}]`` are inlined (the referring node's description wins);
 * ``default`` is dropped: Kubernetes documents Go zero values (``""``, ``0``, ``{}``) for
@@ -31,21 +32,47 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any, Final
 
-from .corev1_snapshot import SNAPSHOT
+SNAPSHOT_FILE: Final = "corev1_snapshot.json"
+"""The snapshot, next to this module (package data; regenerate, do not edit)."""
+SNAPSHOT: Final[dict[str, Any]] = json.loads(
+    resources.files(__package__ or "").joinpath(SNAPSHOT_FILE).read_text(encoding="utf-8")
+)
 
 TOLERATION: Final = "io.k8s.api.core.v1.Toleration"
 AFFINITY: Final = "io.k8s.api.core.v1.Affinity"
 _REF_PREFIX: Final = "#/components/schemas/"
-_KEPT_KEYS: Final = frozenset({
-    "description", "type", "format", "enum", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
-    "minProperties", "maxProperties", "items", "properties", "additionalProperties", "required",
-    "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type",
-})
+_KEPT_KEYS: Final = frozenset(
+    {
+        "description",
+        "type",
+        "format",
+        "enum",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minItems",
+        "maxItems",
+        "minProperties",
+        "maxProperties",
+        "items",
+        "properties",
+        "additionalProperties",
+        "required",
+        "x-kubernetes-list-type",
+        "x-kubernetes-list-map-keys",
+        "x-kubernetes-map-type",
+    }
+)
 
 
 _SENTENCE_END: Final = re.compile(r"(?<=[a-z0-9)\]`]\.)\s+(?=[A-Z])")
@@ -56,8 +83,9 @@ def _first_sentence(text: str) -> str:
     return _SENTENCE_END.split(paragraph, 1)[0]
 
 
-def _convert(node: Mapping[str, Any], *, required: bool = True, seen: set[str] | None = None,
-             brief: bool = False) -> dict[str, Any]:
+def _convert(
+    node: Mapping[str, Any], *, required: bool = True, seen: set[str] | None = None, brief: bool = False
+) -> dict[str, Any]:
     """``seen``: the definitions inlined so far. A definition inlined again (Affinity holds
     LabelSelector eight times, in each of the three pools) is ``brief``: it keeps its own first
     sentence but its fields' descriptions go (``kubectl explain`` shows them at the first place
@@ -89,8 +117,9 @@ def _convert(node: Mapping[str, Any], *, required: bool = True, seen: set[str] |
             out[key] = _first_sentence(str(value))
         elif key == "properties":
             names = set(node.get("required", []))
-            out[key] = {name: _convert(sub, required=name in names, seen=seen, brief=brief)
-                        for name, sub in value.items()}
+            out[key] = {
+                name: _convert(sub, required=name in names, seen=seen, brief=brief) for name, sub in value.items()
+            }
             if brief:
                 for sub in out[key].values():
                     sub.pop("description", None)
@@ -124,8 +153,12 @@ def kubernetes_version() -> str:
 
 
 _JSON_TYPES: Final[dict[str, tuple[type, ...]]] = {
-    "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
-    "integer": (int,), "number": (int, float),
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "boolean": (bool,),
+    "integer": (int,),
+    "number": (int, float),
 }
 
 

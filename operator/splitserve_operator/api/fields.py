@@ -127,9 +127,22 @@ bounds the integer form, ``pattern`` the string form."""
 
 _QUANTITY_PART = re.compile(r"^\+?([0-9.]+)(([KMGTPE]i)|[numkMGTPE]|[eE][-+]?[0-9.]+)?$")
 _QUANTITY_SUFFIX: Final[dict[str, int | Decimal]] = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
 }
 
 
@@ -148,32 +161,38 @@ def _quantity_bound(field: str, most: str) -> tuple[AfterValidator, WithJsonSche
     """The model's check and the CRD's schema of a :data:`Quantity` above 0 and at most
     ``most`` (a CEL rule with the API server's quantity library)."""
     message = f"resources.{field} must be above 0 and at most {most}"
-    rule = (f"quantity(string(self)).isGreaterThan(quantity('0')) && "
-            f"!quantity(string(self)).isGreaterThan(quantity('{most}'))")
+    rule = (
+        f"quantity(string(self)).isGreaterThan(quantity('0')) && "
+        f"!quantity(string(self)).isGreaterThan(quantity('{most}'))"
+    )
 
     def check(value: str) -> str:
         if not 0 < parse_quantity(value) <= parse_quantity(most):
             raise ValueError(message)
         return value
 
-    return AfterValidator(check), WithJsonSchema({
-        "anyOf": [{"type": "integer"}, {"type": "string"}],
-        "minimum": 0,
-        "pattern": QUANTITY_PATTERN,
-        "x-kubernetes-int-or-string": True,
-        "x-kubernetes-validations": [{"rule": rule, "message": message}],
-    })
+    return AfterValidator(check), WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "minimum": 0,
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [{"rule": rule, "message": message}],
+        }
+    )
 
 
 MAX_CPU: Final = "1024"
 MAX_MEMORY: Final = "16Ti"
 _CPU_BOUND: Final = _quantity_bound("cpu", MAX_CPU)
 _MEMORY_BOUND: Final = _quantity_bound("memory", MAX_MEMORY)
-CpuQuantity = Annotated[str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64),
-                        _CPU_BOUND[0], _CPU_BOUND[1]]
+CpuQuantity = Annotated[
+    str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64), _CPU_BOUND[0], _CPU_BOUND[1]
+]
 """A CPU request: above 0 and at most :data:`MAX_CPU` (a pod no node can hold is Pending forever)."""
-MemoryQuantity = Annotated[str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64),
-                           _MEMORY_BOUND[0], _MEMORY_BOUND[1]]
+MemoryQuantity = Annotated[
+    str, BeforeValidator(_quantity), Field(pattern=QUANTITY_PATTERN, max_length=64), _MEMORY_BOUND[0], _MEMORY_BOUND[1]
+]
 """A memory request and limit: above 0 (a 0 limit kills the container at once) and at most
 :data:`MAX_MEMORY` (``1e30`` is a valid quantity no node has)."""
 
@@ -238,11 +257,13 @@ def _affinity_schema() -> dict[str, Any]:
 
 _TOLERATION_SCHEMA: Final = _toleration_schema()
 _AFFINITY_SCHEMA: Final = _affinity_schema()
-Toleration = Annotated[dict[str, Any], _core_v1_check(_TOLERATION_SCHEMA, toleration_problems),
-                       WithJsonSchema(_TOLERATION_SCHEMA)]
+Toleration = Annotated[
+    dict[str, Any], _core_v1_check(_TOLERATION_SCHEMA, toleration_problems), WithJsonSchema(_TOLERATION_SCHEMA)
+]
 """A core/v1 Toleration, validated as the API server validates a Pod's."""
-Affinity = Annotated[dict[str, Any], _core_v1_check(_AFFINITY_SCHEMA, affinity_problems),
-                     WithJsonSchema(_AFFINITY_SCHEMA)]
+Affinity = Annotated[
+    dict[str, Any], _core_v1_check(_AFFINITY_SCHEMA, affinity_problems), WithJsonSchema(_AFFINITY_SCHEMA)
+]
 """A core/v1 Affinity, validated with the API server's schema."""
 
 
@@ -323,5 +344,3 @@ def _block_size(value: int) -> int:
 
 
 BlockSize = Annotated[int, AfterValidator(_block_size)]
-
-

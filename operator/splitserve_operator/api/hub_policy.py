@@ -46,13 +46,17 @@ class _Origin:
     def of(cls, url: str) -> _Origin:
         parts = urlsplit(url)
         port = parts.port  # ValueError when out of range
-        return cls(scheme=parts.scheme.lower(), host=(parts.hostname or "").lower(), port=port,
-                   path=parts.path.rstrip("/"))
+        return cls(
+            scheme=parts.scheme.lower(), host=(parts.hostname or "").lower(), port=port, path=parts.path.rstrip("/")
+        )
 
     def allows(self, other: _Origin) -> bool:
-        return (self.scheme == other.scheme and self.host == other.host
-                and (self.port is None or self.port == _effective_port(other))
-                and (other.path == self.path or other.path.startswith(self.path + "/")))
+        return (
+            self.scheme == other.scheme
+            and self.host == other.host
+            and (self.port is None or self.port == _effective_port(other))
+            and (other.path == self.path or other.path.startswith(self.path + "/"))
+        )
 
 
 def _effective_port(origin: _Origin) -> int:
@@ -118,9 +122,11 @@ def problems(endpoint: str) -> list[str]:
     allow_list = _enforced
     if allow_list is None or allow_list.allows(endpoint):
         return []
-    return [f"model hub {endpoint} is not on this operator's list of allowed hubs "
-            f"({allow_list.describe()}): ask the cluster operator to add it (Helm value "
-            f"hub.allowedEndpoints, flag --allowed-hub-endpoints) or use one of those"]
+    return [
+        f"model hub {endpoint} is not on this operator's list of allowed hubs "
+        f"({allow_list.describe()}): ask the cluster operator to add it (Helm value "
+        f"hub.allowedEndpoints, flag --allowed-hub-endpoints) or use one of those"
+    ]
 
 
 def default_endpoint_problems(uris: Iterable[str]) -> list[str]:

@@ -1,5 +1,4 @@
-"""The whole InferenceService object, parsing with readable errors, and pool helpers.
-"""
+"""The whole InferenceService object, parsing with readable errors, and pool helpers."""
 
 from __future__ import annotations
 
@@ -63,10 +62,14 @@ class InvalidSpecError(ValueError):
 
 
 _PATTERN_HINTS: Final = {
-    MODEL_URI_PATTERN: ("must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path "
-                        "(path segments of printable ASCII, none '.', '..' or empty)"),
-    HUB_ENDPOINT_PATTERN: ("must be an http:// or https:// URL: host[:port][/path] of printable ASCII, no user "
-                           "information, query or fragment"),
+    MODEL_URI_PATTERN: (
+        "must be hf://org/name, hf://org/name/file.gguf, pvc://claim/path or file:///absolute/path "
+        "(path segments of printable ASCII, none '.', '..' or empty)"
+    ),
+    HUB_ENDPOINT_PATTERN: (
+        "must be an http:// or https:// URL: host[:port][/path] of printable ASCII, no user "
+        "information, query or fragment"
+    ),
     REVISION_PATTERN: f"must be a git branch, tag or commit: {REVISION_RULE}",
     DURATION_PATTERN: "must be a duration such as 15s, 1m30s or 500ms",
     QUANTITY_PATTERN: "must be a non-negative Kubernetes quantity such as 2, 500m or 16Gi",
@@ -113,9 +116,7 @@ class InferenceService(BaseModel):
     kind: Literal["InferenceService"] = Field(default="InferenceService", description=KIND)
     metadata: ObjectMeta = Field(description="Standard object metadata.")
     spec: InferenceServiceSpec = Field(description="Desired state.")
-    status: InferenceServiceStatus = Field(
-        default_factory=InferenceServiceStatus, description="Observed state."
-    )
+    status: InferenceServiceStatus = Field(default_factory=InferenceServiceStatus, description="Observed state.")
 
     @model_validator(mode="after")
     def _name_fits(self) -> InferenceService:
@@ -171,5 +172,3 @@ def pool_spec(spec: InferenceServiceSpec, role: Role | str) -> PoolSpec:
     if pool is None:
         raise ValueError(f"mode {spec.mode.value} has no {Role(role).value} pool")
     return pool
-
-

@@ -17,12 +17,8 @@ from ..naming import MAX_NAME_LENGTH, NAME_PATTERN
 # =========================================================================== CEL rules
 # Messages are shared with the pydantic validators above so both paths read the same.
 REPLICAS_RULE_MESSAGE: Final = "replicas.min must be less than or equal to replicas.max"
-PARALLELISM_RULE_MESSAGE: Final = (
-    "resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"
-)
-CPU_PARALLELISM_RULE_MESSAGE: Final = (
-    "resources.gpus 0 (CPU) requires parallelism.tensor 1 and parallelism.pipeline 1"
-)
+PARALLELISM_RULE_MESSAGE: Final = "resources.gpus must be a multiple of parallelism.tensor * parallelism.pipeline"
+CPU_PARALLELISM_RULE_MESSAGE: Final = "resources.gpus 0 (CPU) requires parallelism.tensor 1 and parallelism.pipeline 1"
 MAX_REPLICA_GPUS: Final = 64
 """Most GPUs of one replica (and of one pod): parallelism.tensor (<= 8) x parallelism.pipeline (<= 8)."""
 GPUS_PER_NODE_RULE_MESSAGE: Final = "resources.gpus must be a positive multiple of resources.gpusPerNode"
@@ -35,15 +31,12 @@ MULTI_NODE_IMMUTABLE_RULE_MESSAGE: Final = (
 DISAGGREGATED_RULE_MESSAGE: Final = (
     "mode Disaggregated requires spec.prefill and spec.decode and forbids spec.aggregated"
 )
-AGGREGATED_RULE_MESSAGE: Final = (
-    "mode Aggregated requires spec.aggregated and forbids spec.prefill and spec.decode"
-)
+AGGREGATED_RULE_MESSAGE: Final = "mode Aggregated requires spec.aggregated and forbids spec.prefill and spec.decode"
 GPU_BUDGET_RULE_MESSAGE: Final = (
     "autoscaling.gpuBudget must be at least the sum over pools of replicas.min * resources.gpus"
 )
 NAME_LENGTH_RULE_MESSAGE: Final = (
-    f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
-    "(children append suffixes such as -prefill)"
+    f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children append suffixes such as -prefill)"
 )
 NAME_PATTERN_RULE_MESSAGE: Final = (
     "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', "
@@ -69,8 +62,11 @@ MODE_IMMUTABLE_RULE_MESSAGE: Final = (
     "create a new InferenceService with the mode you want, move clients, delete this one"
 )
 ROUTER_BUILTIN_DEFAULTS: Final[dict[str, int | str]] = {
-    "replicas": 1, "policy": "PrefixAffinity", "sessionHeader": "x-session-id",
-    "shortPromptThreshold": 64, "prefillOverflowTokens": 0,
+    "replicas": 1,
+    "policy": "PrefixAffinity",
+    "sessionHeader": "x-session-id",
+    "shortPromptThreshold": 64,
+    "prefillOverflowTokens": 0,
 }
 """The router settings only the bundled router (router.mode Builtin) reads, with their defaults
 (the models' defaults: test_crd checks they agree)."""
@@ -79,8 +75,7 @@ ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE: Final = (
     "to router.mode Builtin only (no router runs with InferencePool): leave them out"
 )
 PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE: Final = (
-    "router.prefillOverflowTokens does not apply to mode Aggregated (there are no prefill pods): "
-    "leave it out"
+    "router.prefillOverflowTokens does not apply to mode Aggregated (there are no prefill pods): leave it out"
 )
 
 CelRule = dict[str, str]
@@ -96,21 +91,27 @@ ROOT_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": f"self.metadata.name.matches('{NAME_PATTERN}')", "message": NAME_PATTERN_RULE_MESSAGE},
 )
 _POOL_GPUS = "(has(self.{p}) ? self.{p}.replicas.min * self.{p}.resources.gpus : 0)"
-_POOL_TENSOR_ONE = ("(!has(self.{p}) || !has(self.{p}.parallelism) || ("
-                    "(!has(self.{p}.parallelism.tensor) || self.{p}.parallelism.tensor == 1) && "
-                    "(!has(self.{p}.parallelism.pipeline) || self.{p}.parallelism.pipeline == 1)))")
+_POOL_TENSOR_ONE = (
+    "(!has(self.{p}) || !has(self.{p}.parallelism) || ("
+    "(!has(self.{p}.parallelism.tensor) || self.{p}.parallelism.tensor == 1) && "
+    "(!has(self.{p}.parallelism.pipeline) || self.{p}.parallelism.pipeline == 1)))"
+)
 _ROUTER_MODE = "((has({o}.router) && has({o}.router.mode)) ? {o}.router.mode : 'Builtin')"
 MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
 MAX_AUTOSCALING_INTERVAL_SECONDS: Final = 86_400.0
 INTERVAL_RULE_MESSAGE: Final = "autoscaling.interval must be between 1s and 24h"
 SLO_TARGETS_RULE_MESSAGE: Final = "autoscaling.slo.ttftP99 and itlP99 must be above 0s"
 AUTOSCALING_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": "!has(self.interval) || (duration(self.interval) >= duration('1s')"
-             " && duration(self.interval) <= duration('24h'))",
-     "message": INTERVAL_RULE_MESSAGE},
-    {"rule": "!has(self.slo) || (duration(self.slo.ttftP99) > duration('0s')"
-             " && duration(self.slo.itlP99) > duration('0s'))",
-     "message": SLO_TARGETS_RULE_MESSAGE},
+    {
+        "rule": "!has(self.interval) || (duration(self.interval) >= duration('1s')"
+        " && duration(self.interval) <= duration('24h'))",
+        "message": INTERVAL_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.slo) || (duration(self.slo.ttftP99) > duration('0s')"
+        " && duration(self.slo.itlP99) > duration('0s'))",
+        "message": SLO_TARGETS_RULE_MESSAGE,
+    },
 )
 SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
@@ -130,13 +131,14 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
         # The runtime refuses --speculative-method draft with --tensor-parallel-size > 1 at start-up;
         # refusing it here shows the reason at kubectl apply instead of in a crash-looping pod.
         "rule": "!has(self.engine) || !has(self.engine.speculative) || !has(self.engine.speculative.method)"
-                " || self.engine.speculative.method != 'draft' || ("
-        + " && ".join(_POOL_TENSOR_ONE.format(p=p) for p in SPECULATING_POOLS) + ")",
+        " || self.engine.speculative.method != 'draft' || ("
+        + " && ".join(_POOL_TENSOR_ONE.format(p=p) for p in SPECULATING_POOLS)
+        + ")",
         "message": DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
     },
     {
         "rule": "!has(self.router) || !has(self.router.inferencePool)"
-                " || (has(self.router.mode) && self.router.mode == 'InferencePool')",
+        " || (has(self.router.mode) && self.router.mode == 'InferencePool')",
         "message": INFERENCE_POOL_SETTINGS_RULE_MESSAGE,
     },
     {
@@ -150,14 +152,21 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         # The API server fills in the defaults before the rules run: a setting is "set" when
         # it differs from its default.
-        "rule": "!has(self.router) || " + _ROUTER_MODE.format(o="self") + " != 'InferencePool' || ("
-                + " && ".join(f"(!has(self.router.{k}) || self.router.{k} == {cel_string(v) if isinstance(v, str) else v})"
-                              for k, v in ROUTER_BUILTIN_DEFAULTS.items()) + ")",
+        "rule": "!has(self.router) || "
+        + _ROUTER_MODE.format(o="self")
+        + " != 'InferencePool' || ("
+        + " && ".join(
+            f"(!has(self.router.{k}) || self.router.{k} == {cel_string(v) if isinstance(v, str) else v})"
+            for k, v in ROUTER_BUILTIN_DEFAULTS.items()
+        )
+        + ")",
         "message": ROUTER_BUILTIN_SETTINGS_RULE_MESSAGE,
     },
-    {"rule": "self.mode != 'Aggregated' || !has(self.router) || !has(self.router.prefillOverflowTokens)"
-             " || self.router.prefillOverflowTokens == 0",
-     "message": PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE},
+    {
+        "rule": "self.mode != 'Aggregated' || !has(self.router) || !has(self.router.prefillOverflowTokens)"
+        " || self.router.prefillOverflowTokens == 0",
+        "message": PREFILL_OVERFLOW_AGGREGATED_RULE_MESSAGE,
+    },
 )
 
 
@@ -180,8 +189,7 @@ def _capability_rules(*capabilities: caps.Capability) -> tuple[CelRule, ...]:
 # list of allowed hubs, api.hub_policy, is what decides which hosts get the token.)
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _URL_END = "(:[0-9]*)?(/.*)?$"
-HUB_ENDPOINT_AUTHORITY_REGEX: Final = (
-    "^[a-z]+://([^/]*@|[^/]*:(0*|6553[6-9]|655[4-9][0-9]|65[6-9][0-9]{2}|6[6-9][0-9]{3}|[7-9][0-9]{4}|[0-9]{6,})(/.*)?$)")
+HUB_ENDPOINT_AUTHORITY_REGEX: Final = "^[a-z]+://([^/]*@|[^/]*:(0*|6553[6-9]|655[4-9][0-9]|65[6-9][0-9]{2}|6[6-9][0-9]{3}|[7-9][0-9]{4}|[0-9]{6,})(/.*)?$)"
 """Matches an endpoint with user information (``user:password@host``) or a port outside 1-65535."""
 _INTERNAL_HOSTS: Final = (
     "[-a-z0-9]+",  # one label: localhost, metadata, a Service name, a number (inet_aton)
@@ -221,7 +229,8 @@ def hub_endpoint_problems(endpoint: str) -> list[str]:
     if re.search(HUB_ENDPOINT_AUTHORITY_REGEX, endpoint):
         out.append(HUB_ENDPOINT_AUTHORITY_RULE_MESSAGE)
     if re.search(HUB_ENDPOINT_INTERNAL_REGEX, endpoint) or (
-            re.search(HUB_ENDPOINT_NUMERIC_REGEX, endpoint) and not re.search(HUB_ENDPOINT_DOTTED_QUAD_REGEX, endpoint)):
+        re.search(HUB_ENDPOINT_NUMERIC_REGEX, endpoint) and not re.search(HUB_ENDPOINT_DOTTED_QUAD_REGEX, endpoint)
+    ):
         out.append(HUB_ENDPOINT_HOST_RULE_MESSAGE)
     return out
 
@@ -229,12 +238,18 @@ def hub_endpoint_problems(endpoint: str) -> list[str]:
 _HUB = "self.hubEndpoint"
 MODEL_CEL_RULES: Final[tuple[CelRule, ...]] = (
     *_capability_rules(caps.DTYPE, caps.QUANTIZATION),
-    {"rule": f"!has({_HUB}) || !{_HUB}.matches({cel_string(HUB_ENDPOINT_AUTHORITY_REGEX)})",
-     "message": HUB_ENDPOINT_AUTHORITY_RULE_MESSAGE, "fieldPath": ".hubEndpoint"},
-    {"rule": f"!has({_HUB}) || !({_HUB}.matches({cel_string(HUB_ENDPOINT_INTERNAL_REGEX)}) || "
-             f"({_HUB}.matches({cel_string(HUB_ENDPOINT_NUMERIC_REGEX)}) && "
-             f"!{_HUB}.matches({cel_string(HUB_ENDPOINT_DOTTED_QUAD_REGEX)})))",
-     "message": HUB_ENDPOINT_HOST_RULE_MESSAGE, "fieldPath": ".hubEndpoint"},
+    {
+        "rule": f"!has({_HUB}) || !{_HUB}.matches({cel_string(HUB_ENDPOINT_AUTHORITY_REGEX)})",
+        "message": HUB_ENDPOINT_AUTHORITY_RULE_MESSAGE,
+        "fieldPath": ".hubEndpoint",
+    },
+    {
+        "rule": f"!has({_HUB}) || !({_HUB}.matches({cel_string(HUB_ENDPOINT_INTERNAL_REGEX)}) || "
+        f"({_HUB}.matches({cel_string(HUB_ENDPOINT_NUMERIC_REGEX)}) && "
+        f"!{_HUB}.matches({cel_string(HUB_ENDPOINT_DOTTED_QUAD_REGEX)})))",
+        "message": HUB_ENDPOINT_HOST_RULE_MESSAGE,
+        "fieldPath": ".hubEndpoint",
+    },
 )
 """Generated from the capabilities table (known-but-unsupported values are refused with "... is
 not supported by this version of splitserve"), and the hubEndpoint rules above."""
@@ -243,18 +258,20 @@ not supported by this version of splitserve"), and the hubEndpoint rules above."
 # Each rule sits on one list entry (an env var, an argument), so the API server's cost estimate
 # is one short entry's times the list's maxItems; a rule over the whole list that filters it
 # again for its message was estimated at over 100x the CRD's budget, and refused.
-_RESERVED_ENV = (f"self.name in [{', '.join(cel_string(n) for n in sorted(owned.RESERVED_ENV_NAMES))}]"
-                 + "".join(f" || self.name.startsWith({cel_string(p)})" for p in owned.RESERVED_ENV_PREFIXES))
+_RESERVED_ENV = f"self.name in [{', '.join(cel_string(n) for n in sorted(owned.RESERVED_ENV_NAMES))}]" + "".join(
+    f" || self.name.startsWith({cel_string(p)})" for p in owned.RESERVED_ENV_PREFIXES
+)
 RESERVED_ENV_RULE_MESSAGE: Final = (
     "runtime.env must not set a variable the operator renders (it would replace the operator's): "
-    + owned.owners_in_words({**owned.RESERVED_ENV_NAMES, **{f"{p}*": o for p, o in owned.RESERVED_ENV_PREFIXES.items()}})
+    + owned.owners_in_words(
+        {**owned.RESERVED_ENV_NAMES, **{f"{p}*": o for p, o in owned.RESERVED_ENV_PREFIXES.items()}}
+    )
 )
 _FLAG_FORMS = f"[{', '.join(cel_string(f) for f in owned.RESERVED_FLAG_FORMS)}]"
 _RESERVED_ARG = f"self in {_FLAG_FORMS} || {_FLAG_FORMS}.exists(f, self.startsWith(f + '='))"
 RESERVED_ARG_RULE_MESSAGE: Final = (
     "runtime.extraArgs must not set a flag the operator renders, alone or as --flag=value (the "
-    "last value would win): set its field instead: "
-    + owned.owners_in_words(owned.OPERATOR_SERVE_FLAGS, spell="--{}")
+    "last value would win): set its field instead: " + owned.owners_in_words(owned.OPERATOR_SERVE_FLAGS, spell="--{}")
 )
 RESERVED_ENV_SHORT_MESSAGE: Final = "runtime.env must not set a variable the operator renders"
 RESERVED_ARG_SHORT_MESSAGE: Final = "runtime.extraArgs must not set a flag the operator renders"
@@ -274,18 +291,26 @@ ARG_CONTROL_RULE_MESSAGE: Final = (
     "carriage return are allowed)"
 )
 ENV_VAR_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": f"!({_RESERVED_ENV})",
-     "messageExpression": "'runtime.env ' + self.name + ' is set by the operator, not runtime.env: ' + "
-                          + cel_string(RESERVED_ENV_RULE_MESSAGE.split(": ", 1)[1]),
-     "message": RESERVED_ENV_SHORT_MESSAGE, "fieldPath": ".name"},
-    {"rule": f"!has(self.value) || !self.value.matches({cel_string(ENV_VALUE_CONTROL_REGEX)})",
-     "message": ENV_VALUE_CONTROL_RULE_MESSAGE, "fieldPath": ".value"},
+    {
+        "rule": f"!({_RESERVED_ENV})",
+        "messageExpression": "'runtime.env ' + self.name + ' is set by the operator, not runtime.env: ' + "
+        + cel_string(RESERVED_ENV_RULE_MESSAGE.split(": ", 1)[1]),
+        "message": RESERVED_ENV_SHORT_MESSAGE,
+        "fieldPath": ".name",
+    },
+    {
+        "rule": f"!has(self.value) || !self.value.matches({cel_string(ENV_VALUE_CONTROL_REGEX)})",
+        "message": ENV_VALUE_CONTROL_RULE_MESSAGE,
+        "fieldPath": ".value",
+    },
 )
 EXTRA_ARG_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": f"!({_RESERVED_ARG})",
-     "messageExpression": "'runtime.extraArgs ' + self + ' sets a flag the operator renders: ' + "
-                          + cel_string(RESERVED_ARG_RULE_MESSAGE.split(": ", 1)[1]),
-     "message": RESERVED_ARG_SHORT_MESSAGE},
+    {
+        "rule": f"!({_RESERVED_ARG})",
+        "messageExpression": "'runtime.extraArgs ' + self + ' sets a flag the operator renders: ' + "
+        + cel_string(RESERVED_ARG_RULE_MESSAGE.split(": ", 1)[1]),
+        "message": RESERVED_ARG_SHORT_MESSAGE,
+    },
     {"rule": f"!self.matches({cel_string(ARG_CONTROL_REGEX)})", "message": ARG_CONTROL_RULE_MESSAGE},
 )
 # Sizes: kopf keeps the last handled spec in an annotation (and `kubectl apply` the whole
@@ -308,37 +333,45 @@ EXTRA_ARGS_TOTAL_RULE_MESSAGE: Final = (
     "(the spec is kept in an annotation): shorten them"
 )
 ENV_LIST_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": f"self.map(e, has(e.value) ? size(e.value) : 0).sum() <= {MAX_ENV_VALUES_TOTAL}",
-     "message": ENV_TOTAL_RULE_MESSAGE},
+    {
+        "rule": f"self.map(e, has(e.value) ? size(e.value) : 0).sum() <= {MAX_ENV_VALUES_TOTAL}",
+        "message": ENV_TOTAL_RULE_MESSAGE,
+    },
 )
 EXTRA_ARGS_LIST_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {"rule": f"self.map(a, size(a)).sum() <= {MAX_EXTRA_ARGS_TOTAL}", "message": EXTRA_ARGS_TOTAL_RULE_MESSAGE},
 )
 RUNTIME_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    *ENV_VAR_CEL_RULES, *EXTRA_ARG_CEL_RULES, *ENV_LIST_CEL_RULES, *EXTRA_ARGS_LIST_CEL_RULES)
+    *ENV_VAR_CEL_RULES,
+    *EXTRA_ARG_CEL_RULES,
+    *ENV_LIST_CEL_RULES,
+    *EXTRA_ARGS_LIST_CEL_RULES,
+)
 """Generated from :mod:`splitserve_contract.operator_owned`: what the operator renders into the
 pods is not the user's to set again (the models apply the same tables). The env rule sits on
 each ``runtime.env`` entry, the argument rule on each ``runtime.extraArgs`` entry; the size
 totals on the lists."""
 PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
-    caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE)
+    caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE
+)
 DRAFT_MODEL_RULE_MESSAGE: Final = (
-    "engine.speculative.draftModel is only used with engine.speculative.method draft: "
-    "remove it or set method draft"
+    "engine.speculative.draftModel is only used with engine.speculative.method draft: remove it or set method draft"
 )
 DRAFT_METHOD_RULE_MESSAGE: Final = "engine.speculative.method draft requires engine.speculative.draftModel"
 SPECULATIVE_CEL_RULES: Final[tuple[CelRule, ...]] = (
     *_capability_rules(caps.SPECULATIVE_METHOD),
-    {"rule": "!has(self.draftModel) || (has(self.method) && self.method == 'draft')",
-     "message": DRAFT_MODEL_RULE_MESSAGE},
-    {"rule": "!has(self.method) || self.method != 'draft' || has(self.draftModel)",
-     "message": DRAFT_METHOD_RULE_MESSAGE},
+    {
+        "rule": "!has(self.draftModel) || (has(self.method) && self.method == 'draft')",
+        "message": DRAFT_MODEL_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.method) || self.method != 'draft' || has(self.draftModel)",
+        "message": DRAFT_METHOD_RULE_MESSAGE,
+    },
 )
 """Known-but-unsupported methods (from the capabilities table), and a draft model exactly
 when the method is draft."""
-REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},
-)
+REPLICAS_CEL_RULES: Final[tuple[CelRule, ...]] = ({"rule": "self.min <= self.max", "message": REPLICAS_RULE_MESSAGE},)
 LABEL_KEY_PATTERN: Final = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -353,7 +386,7 @@ NODE_SELECTOR_RULE_MESSAGE: Final = (
 POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         "rule": f"!has(self.nodeSelector) || self.nodeSelector.all(k, size(k) <= {MAX_LABEL_KEY_LENGTH}"
-                f" && k.matches('{LABEL_KEY_PATTERN}'))",
+        f" && k.matches('{LABEL_KEY_PATTERN}'))",
         "message": NODE_SELECTOR_RULE_MESSAGE,
         "fieldPath": ".nodeSelector",
     },
@@ -365,14 +398,16 @@ POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
         "rule": "self.resources.gpus == 0 || self.resources.gpus % (self.parallelism.tensor * self.parallelism.pipeline) == 0",
         "message": PARALLELISM_RULE_MESSAGE,
     },
-    {"rule": "!has(self.resources.gpusPerNode) || (self.resources.gpus > 0"
-             " && self.resources.gpus % self.resources.gpusPerNode == 0)",
-     "message": GPUS_PER_NODE_RULE_MESSAGE},
+    {
+        "rule": "!has(self.resources.gpusPerNode) || (self.resources.gpus > 0"
+        " && self.resources.gpus % self.resources.gpusPerNode == 0)",
+        "message": GPUS_PER_NODE_RULE_MESSAGE,
+    },
     {
         # With tensor x pipeline == gpus, (tensor x pipeline) % (gpus / gpusPerNode) == 0 follows
         # from the rule above: every pod of the group holds the same number of ranks.
         "rule": "!has(self.resources.gpusPerNode) || self.resources.gpusPerNode >= self.resources.gpus"
-                " || self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
+        " || self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
         "message": MULTI_NODE_PARALLELISM_RULE_MESSAGE,
     },
     {
@@ -389,7 +424,7 @@ POOL_CEL_RULES: Final[tuple[CelRule, ...]] = (
 # OpenAPI schema cannot say; without them such a toleration passes admission and the
 # Deployment apply fails. `size()` keeps the CEL cost independent of string lengths.
 TOLERATION_KEY_RULE_MESSAGE: Final = (
-    "operator must be Exists when key is empty, which means \"match all values and all keys\""
+    'operator must be Exists when key is empty, which means "match all values and all keys"'
 )
 TOLERATION_VALUE_RULE_MESSAGE: Final = "value must be empty when operator is Exists"
 TOLERATION_SECONDS_RULE_MESSAGE: Final = "effect must be NoExecute when tolerationSeconds is set"
@@ -398,14 +433,22 @@ TOLERATION_KEY_PATTERN_RULE_MESSAGE: Final = (
     "alphanumerics, '-', '_' or '.' starting and ending with an alphanumeric"
 )
 TOLERATION_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": f"!has(self.key) || size(self.key) == 0 || self.key.matches('{LABEL_KEY_PATTERN}')",
-     "message": TOLERATION_KEY_PATTERN_RULE_MESSAGE},
-    {"rule": "(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
-     "message": TOLERATION_KEY_RULE_MESSAGE},
-    {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || size(self.value) == 0",
-     "message": TOLERATION_VALUE_RULE_MESSAGE},
-    {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-     "message": TOLERATION_SECONDS_RULE_MESSAGE},
+    {
+        "rule": f"!has(self.key) || size(self.key) == 0 || self.key.matches('{LABEL_KEY_PATTERN}')",
+        "message": TOLERATION_KEY_PATTERN_RULE_MESSAGE,
+    },
+    {
+        "rule": "(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
+        "message": TOLERATION_KEY_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || size(self.value) == 0",
+        "message": TOLERATION_VALUE_RULE_MESSAGE,
+    },
+    {
+        "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "message": TOLERATION_SECONDS_RULE_MESSAGE,
+    },
 )
 
 
@@ -430,8 +473,10 @@ def toleration_problems(toleration: Mapping[str, Any]) -> list[str]:
 # schema (minLength, :func:`.fields`).
 SELECTOR_VALUES_RULE_MESSAGE: Final = "operator In, NotIn, Gt or Lt needs values; Exists or DoesNotExist takes none"
 SELECTOR_REQUIREMENT_CEL_RULES: Final[tuple[CelRule, ...]] = (
-    {"rule": "self.operator in ['In','NotIn','Gt','Lt'] == (has(self.values) && size(self.values) > 0)",
-     "message": SELECTOR_VALUES_RULE_MESSAGE},
+    {
+        "rule": "self.operator in ['In','NotIn','Gt','Lt'] == (has(self.values) && size(self.values) > 0)",
+        "message": SELECTOR_VALUES_RULE_MESSAGE,
+    },
 )
 TOPOLOGY_KEY_RULE_MESSAGE: Final = "topologyKey must not be empty"
 
@@ -443,8 +488,11 @@ def affinity_problems(affinity: Mapping[str, Any]) -> list[str]:
 
     def walk(node: Any) -> None:
         if isinstance(node, Mapping):
-            if "operator" in node and "key" in node and (
-                    node["operator"] in ("In", "NotIn", "Gt", "Lt")) != bool(node.get("values")):
+            if (
+                "operator" in node
+                and "key" in node
+                and (node["operator"] in ("In", "NotIn", "Gt", "Lt")) != bool(node.get("values"))
+            ):
                 out.append(SELECTOR_VALUES_RULE_MESSAGE)
             if node.get("topologyKey") == "":
                 out.append(TOPOLOGY_KEY_RULE_MESSAGE)

@@ -1,5 +1,4 @@
-"""The InferenceService spec: what the user asks for.
-"""
+"""The InferenceService spec: what the user asks for."""
 
 from __future__ import annotations
 
@@ -122,8 +121,6 @@ def _env_value(value: str) -> str:
     return value
 
 
-
-
 # =========================================================================== spec
 class Mode(enum.StrEnum):
     """How the model is served."""
@@ -177,11 +174,13 @@ class ModelSpec(ApiModel):
         description="Name clients put in the OpenAI `model` field. Empty: the InferenceService name.",
     )
     dtype: DtypeName = _capability_field(
-        caps.DTYPE, default="auto",
+        caps.DTYPE,
+        default="auto",
         description="Weight and activation dtype. auto: bfloat16 on GPUs that support it, else the model's dtype.",
     )
     quantization: QuantizationName = _capability_field(
-        caps.QUANTIZATION, default="none",
+        caps.QUANTIZATION,
+        default="none",
         description=(
             "Weight quantization. none: the checkpoint as stored (a pre-quantized checkpoint, "
             "compressed-tensors FP8/INT8/INT4, fp8, AWQ or GPTQ, is served by its own "
@@ -205,8 +204,9 @@ class ModelSpec(ApiModel):
             "HTTP 401/403 and this Secret's name)."
         ),
     )
-    hub_endpoint: Annotated[str, Field(max_length=2048, pattern=HUB_ENDPOINT_PATTERN),
-                            AfterValidator(_hub_endpoint)] | None = Field(
+    hub_endpoint: (
+        Annotated[str, Field(max_length=2048, pattern=HUB_ENDPOINT_PATTERN), AfterValidator(_hub_endpoint)] | None
+    ) = Field(
         default=None,
         description=(
             "Model hub that hf:// models are downloaded from, e.g. a private hub mirror such as "
@@ -224,19 +224,23 @@ class ApiKeySecretRef(ApiModel):
     must present. The Secret is referenced in the pod spec, never read by the operator."""
 
     name: str = Field(pattern=K8S_NAME_PATTERN, max_length=253, description="Name of the Secret.")
-    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253,
-                     description="Key inside the Secret that holds the API key.")
+    key: str = Field(
+        pattern=r"^[-._a-zA-Z0-9]+$", max_length=253, description="Key inside the Secret that holds the API key."
+    )
 
 
 class EnvVar(ApiModel):
     """A plain environment variable for the runtime container."""
 
     name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=256), AfterValidator(_env_name)] = Field(
-        description="Variable name (not one the operator sets: SPLITSERVE_*, LWS_*, HF_TOKEN, HF_ENDPOINT, POD_*).")
+        description="Variable name (not one the operator sets: SPLITSERVE_*, LWS_*, HF_TOKEN, HF_ENDPOINT, POD_*)."
+    )
     value: Annotated[str, AfterValidator(_env_value)] = Field(
-        default="", max_length=MAX_ENV_VALUE_LENGTH,
+        default="",
+        max_length=MAX_ENV_VALUE_LENGTH,
         description=f"Variable value: at most {MAX_ENV_VALUE_LENGTH} characters, no control characters "
-                    "but tab, newline and carriage return.")
+        "but tab, newline and carriage return.",
+    )
 
 
 class RuntimeSpec(ApiModel):
@@ -255,14 +259,26 @@ class RuntimeSpec(ApiModel):
     env: list[EnvVar] = Field(
         default_factory=list,
         max_length=MAX_ENV_VARS,
-        description=(f"Extra environment variables for every runtime and router container: at most {MAX_ENV_VARS}, "
-                     f"values of at most {MAX_ENV_VALUES_TOTAL} characters together."),
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
-                           "x-kubernetes-validations": [dict(rule) for rule in ENV_LIST_CEL_RULES]},
+        description=(
+            f"Extra environment variables for every runtime and router container: at most {MAX_ENV_VARS}, "
+            f"values of at most {MAX_ENV_VALUES_TOTAL} characters together."
+        ),
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": [dict(rule) for rule in ENV_LIST_CEL_RULES],
+        },
     )
-    extra_args: list[Annotated[str, Field(max_length=MAX_EXTRA_ARG_LENGTH, json_schema_extra={
-        "x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARG_CEL_RULES]}),
-        AfterValidator(_extra_arg)]] = Field(
+    extra_args: list[
+        Annotated[
+            str,
+            Field(
+                max_length=MAX_EXTRA_ARG_LENGTH,
+                json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARG_CEL_RULES]},
+            ),
+            AfterValidator(_extra_arg),
+        ]
+    ] = Field(
         default_factory=list,
         max_length=MAX_EXTRA_ARGS,
         json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARGS_LIST_CEL_RULES]},
@@ -276,8 +292,8 @@ class RuntimeSpec(ApiModel):
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         description="Secret with the API key the router and runtime require from clients, passed to "
-                    "them as an environment variable. The Secret is referenced in the pod spec, never "
-                    "read by the operator. Empty: no API key is required.",
+        "them as an environment variable. The Secret is referenced in the pod spec, never "
+        "read by the operator. Empty: no API key is required.",
     )
 
     @model_validator(mode="after")
@@ -322,9 +338,11 @@ class ResourcesSpec(ApiModel):
         ),
     )
     cpu: CpuQuantity | None = Field(
-        default=None, description=f"CPU request, e.g. 4 or \"500m\": above 0, at most {MAX_CPU}.")
+        default=None, description=f'CPU request, e.g. 4 or "500m": above 0, at most {MAX_CPU}.'
+    )
     memory: MemoryQuantity | None = Field(
-        default=None, description=f"Memory request and limit, e.g. \"32Gi\": above 0, at most {MAX_MEMORY}.")
+        default=None, description=f'Memory request and limit, e.g. "32Gi": above 0, at most {MAX_MEMORY}.'
+    )
 
     @model_validator(mode="after")
     def _gpus_per_node_fits(self) -> ResourcesSpec:
@@ -352,9 +370,11 @@ class ParallelismSpec(ApiModel):
     """How one model replica is split across its GPUs (those of one pod, or of a group of pods)."""
 
     tensor: TensorParallelSize = _capability_field(
-        caps.TENSOR_PARALLEL_SIZE, default=1, description="Tensor-parallel size.")
+        caps.TENSOR_PARALLEL_SIZE, default=1, description="Tensor-parallel size."
+    )
     pipeline: PipelineParallelSize = _capability_field(
-        caps.PIPELINE_PARALLEL_SIZE, default=1, description="Pipeline-parallel stages.")
+        caps.PIPELINE_PARALLEL_SIZE, default=1, description="Pipeline-parallel stages."
+    )
 
 
 class PoolSpec(ApiModel):
@@ -376,7 +396,7 @@ class PoolSpec(ApiModel):
     affinity: Affinity | None = Field(
         default=None,
         description="Pod affinity (a core/v1 Affinity object, validated with Kubernetes' schema; "
-                    "each of its lists holds at most 32 items).",
+        "each of its lists holds at most 32 items).",
     )
     priority_class_name: str | None = Field(
         default=None,
@@ -480,8 +500,7 @@ class RouterSpec(ApiModel):
         ge=0,
         le=1_048_576,
         description=(
-            "Prompts with fewer uncached tokens skip prefill and go straight to decode. 0: never "
-            "(mode Builtin)."
+            "Prompts with fewer uncached tokens skip prefill and go straight to decode. 0: never (mode Builtin)."
         ),
     )
     prefill_overflow_tokens: int = Field(
@@ -496,10 +515,7 @@ class RouterSpec(ApiModel):
     )
     inference_pool: InferencePoolSpec | None = Field(
         default=None,
-        description=(
-            "InferencePool and endpoint picker settings (mode InferencePool only). Empty: the "
-            "defaults."
-        ),
+        description=("InferencePool and endpoint picker settings (mode InferencePool only). Empty: the defaults."),
     )
 
     @model_validator(mode="after")
@@ -524,19 +540,21 @@ KVCacheDtypeName = Annotated[str, _capability(caps.KV_CACHE_DTYPE)]
 class KVCacheSpec(ApiModel):
     """Paged KV cache layout and budget. blockSize and dtype are part of the compat hash."""
 
-    block_size: BlockSize = Field(default=defaults.BLOCK_SIZE, description="Tokens per KV block.",
-                            json_schema_extra={"enum": list(defaults.BLOCK_SIZES)})
+    block_size: BlockSize = Field(
+        default=defaults.BLOCK_SIZE,
+        description="Tokens per KV block.",
+        json_schema_extra={"enum": list(defaults.BLOCK_SIZES)},
+    )
     memory_fraction: float = Field(
         default=defaults.KV_MEMORY_FRACTION,
         gt=0,
         le=0.98,
         description="Fraction of free GPU memory, measured at start-up, given to the KV cache.",
     )
-    prefix_caching: bool = Field(
-        default=True, description="Reuse KV blocks of identical prompt prefixes."
-    )
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
     dtype: KVCacheDtypeName = _capability_field(
-        caps.KV_CACHE_DTYPE, default="auto",
+        caps.KV_CACHE_DTYPE,
+        default="auto",
         description=(
             "KV cache dtype. auto: the model's activation dtype (model.dtype). fp8: e4m3 with "
             "per-tensor K and V scales per layer (the checkpoint's calibrated k_scale/v_scale "
@@ -558,7 +576,8 @@ class SpeculativeSpec(ApiModel):
     together in one forward of the model. Decode and aggregated pods only."""
 
     method: SpeculativeMethodName = _capability_field(
-        caps.SPECULATIVE_METHOD, default=_SERVE_DEFAULTS.speculative_method,
+        caps.SPECULATIVE_METHOD,
+        default=_SERVE_DEFAULTS.speculative_method,
         description=(
             "How next tokens are proposed. none: no speculation. ngram: prompt lookup, what followed "
             "the latest earlier occurrence of the sequence's last few tokens in its prompt and output "
@@ -573,14 +592,18 @@ class SpeculativeSpec(ApiModel):
         ),
     )
     num_tokens: int = Field(
-        default=_SERVE_DEFAULTS.num_speculative_tokens, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        default=_SERVE_DEFAULTS.num_speculative_tokens,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
         description=(
             "Most proposals verified per sequence and decode step. More gain more when proposals "
             "are right and waste more compute when they are wrong."
         ),
     )
     max_num_seqs: int = Field(
-        default=_SERVE_DEFAULTS.speculative_max_num_seqs, ge=1, le=4096,
+        default=_SERVE_DEFAULTS.speculative_max_num_seqs,
+        ge=1,
+        le=4096,
         description=(
             "Speculate only in decode steps with at most this many decoding sequences. In larger "
             "batches the verification rows are no longer nearly free (the step turns compute-bound) "
@@ -614,21 +637,22 @@ class SpeculativeSpec(ApiModel):
 class EngineSpec(ApiModel):
     """Scheduler limits of each runtime engine."""
 
-    max_num_seqs: int = Field(default=defaults.MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences per engine step.")
+    max_num_seqs: int = Field(
+        default=defaults.MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences per engine step."
+    )
     max_batched_tokens: int = Field(
         default=defaults.MAX_NUM_BATCHED_TOKENS, ge=16, le=1_048_576, description="Token budget per engine step."
     )
     chunked_prefill: bool = Field(default=True, description="Split long prompts across engine steps.")
     speculative: SpeculativeSpec = _object(
-        SpeculativeSpec, "Speculative decoding on decode and aggregated pods (prefill pods never speculate).")
+        SpeculativeSpec, "Speculative decoding on decode and aggregated pods (prefill pods never speculate)."
+    )
 
 
 class PrefillScalingSpec(ApiModel):
     """Scaling targets of the prefill (or aggregated) pool, per pod."""
 
-    target_queue_depth: float = Field(
-        default=4, gt=0, le=10_000, description="Waiting requests per pod to aim for."
-    )
+    target_queue_depth: float = Field(default=4, gt=0, le=10_000, description="Waiting requests per pod to aim for.")
     target_prompt_tokens_waiting: int | None = Field(
         default=None,
         ge=1,
@@ -647,9 +671,7 @@ class DecodeScalingSpec(ApiModel):
         le=1,
         description="KV cache usage ratio per pod to aim for.",
     )
-    target_queue_depth: float = Field(
-        default=2, gt=0, le=10_000, description="Waiting requests per pod to aim for."
-    )
+    target_queue_depth: float = Field(default=2, gt=0, le=10_000, description="Waiting requests per pod to aim for.")
 
 
 class ScaleUpBehavior(ApiModel):
@@ -659,7 +681,10 @@ class ScaleUpBehavior(ApiModel):
         default=0, ge=0, le=3600, description="Use the lowest recommendation of this window."
     )
     max_step_percent: int = Field(
-        default=100, ge=1, le=1000, description="Largest growth per decision, percent of current replicas (at least one pod)."
+        default=100,
+        ge=1,
+        le=1000,
+        description="Largest growth per decision, percent of current replicas (at least one pod).",
     )
 
 
@@ -687,20 +712,32 @@ class SloPriorSpec(ApiModel):
 
     step: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per engine step.")
     prefill_token: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per uncached prompt token.")
-    prefill_pair: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per causal pair of prefill attention.")
+    prefill_pair: float = Field(
+        ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per causal pair of prefill attention."
+    )
     decode_row: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per decoding sequence in a step.")
-    decode_context: float = Field(ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per context token a decoding sequence reads.")
+    decode_context: float = Field(
+        ge=0, le=_MAX_PRIOR, allow_inf_nan=False, description="Per context token a decoding sequence reads."
+    )
 
 
 class SloSpec(ApiModel):
     """Latency objectives the pools are scaled to meet; the per-pool targets become floors."""
 
     ttft_p99: str = Field(
-        validation_alias="ttftP99", serialization_alias="ttftP99",
-        pattern=DURATION_PATTERN, max_length=32, description="Time to first token to meet, e.g. 500ms.")
+        validation_alias="ttftP99",
+        serialization_alias="ttftP99",
+        pattern=DURATION_PATTERN,
+        max_length=32,
+        description="Time to first token to meet, e.g. 500ms.",
+    )
     itl_p99: str = Field(
-        validation_alias="itlP99", serialization_alias="itlP99",
-        pattern=DURATION_PATTERN, max_length=32, description="Inter-token latency to meet, e.g. 50ms.")
+        validation_alias="itlP99",
+        serialization_alias="itlP99",
+        pattern=DURATION_PATTERN,
+        max_length=32,
+        description="Inter-token latency to meet, e.g. 50ms.",
+    )
     attainment: float = Field(default=0.99, gt=0.5, lt=1, description="Fraction of requests meeting both.")
     headroom: float = Field(default=0.8, gt=0, le=1, description="Size the pools for the load divided by this.")
     prior: SloPriorSpec | None = Field(default=None, description="Starting model. Empty: measured latency only.")
@@ -749,12 +786,15 @@ class AutoscalingSpec(ApiModel):
         le=100_000,
         description="Most GPUs all pools may use together. Empty: no joint cap.",
     )
-    slo: SloSpec | None = Field(
-        default=None, description="Scale on p99 TTFT and ITL. Empty: targets only.")
+    slo: SloSpec | None = Field(default=None, description="Scale on p99 TTFT and ITL. Empty: targets only.")
 
     @model_validator(mode="after")
     def _interval_is_long_enough(self) -> AutoscalingSpec:
-        if not MIN_AUTOSCALING_INTERVAL_SECONDS <= parse_duration_seconds(self.interval) <= MAX_AUTOSCALING_INTERVAL_SECONDS:
+        if (
+            not MIN_AUTOSCALING_INTERVAL_SECONDS
+            <= parse_duration_seconds(self.interval)
+            <= MAX_AUTOSCALING_INTERVAL_SECONDS
+        ):
             raise ValueError(INTERVAL_RULE_MESSAGE)
         return self
 
@@ -772,21 +812,20 @@ class InferenceServiceSpec(ApiModel):
     mode: Mode = Field(
         default=Mode.DISAGGREGATED,
         description="Disaggregated: separate prefill and decode pools. Aggregated: one pool does both. "
-                    "Fixed at creation.",
+        "Fixed at creation.",
     )
     prefill: PoolSpec | None = Field(
         default=None, description="Prefill pool (Disaggregated mode only; required there)."
     )
-    decode: PoolSpec | None = Field(
-        default=None, description="Decode pool (Disaggregated mode only; required there)."
-    )
+    decode: PoolSpec | None = Field(default=None, description="Decode pool (Disaggregated mode only; required there).")
     aggregated: PoolSpec | None = Field(
         default=None, description="The single pool (Aggregated mode only; required there)."
     )
     router: RouterSpec = _object(RouterSpec, "The router.")
     kv_cache: KVCacheSpec = _object(KVCacheSpec, "KV cache settings of every pool.")
     engine: EngineSpec = _object(
-        EngineSpec, "Engine scheduler settings of every pool (speculative decoding: decode and aggregated pools).")
+        EngineSpec, "Engine scheduler settings of every pool (speculative decoding: decode and aggregated pools)."
+    )
     autoscaling: AutoscalingSpec = _object(AutoscalingSpec, "Autoscaling of the pools.")
 
     @model_validator(mode="after")
@@ -807,17 +846,23 @@ class InferenceServiceSpec(ApiModel):
             if budget < floor:
                 raise ValueError(f"{GPU_BUDGET_RULE_MESSAGE} (budget {budget}, minimum use {floor})")
         if self.model.hub_endpoint is None:
-            downloads = hub_policy.default_endpoint_problems([self.model.uri, self.engine.speculative.draft_model or ""])
+            downloads = hub_policy.default_endpoint_problems(
+                [self.model.uri, self.engine.speculative.draft_model or ""]
+            )
             if downloads:
-                raise ValueError(f"model.hubEndpoint is empty, so hf:// models come from {hub_policy.DEFAULT_HUB_ENDPOINT}: "
-                                 + "; ".join(downloads))
+                raise ValueError(
+                    f"model.hubEndpoint is empty, so hf:// models come from {hub_policy.DEFAULT_HUB_ENDPOINT}: "
+                    + "; ".join(downloads)
+                )
         if self.engine.speculative.method == "draft":
             pools: dict[str, PoolSpec | None] = {name: getattr(self, name) for name in SPECULATING_POOLS}
-            split = [f"{name}.parallelism.{axis} {size}" for name, pool in pools.items() if pool is not None
-                     for axis, size in (("tensor", pool.parallelism.tensor), ("pipeline", pool.parallelism.pipeline))
-                     if size > 1]
+            split = [
+                f"{name}.parallelism.{axis} {size}"
+                for name, pool in pools.items()
+                if pool is not None
+                for axis, size in (("tensor", pool.parallelism.tensor), ("pipeline", pool.parallelism.pipeline))
+                if size > 1
+            ]
             if split:
                 raise ValueError(f"{DRAFT_TENSOR_PARALLEL_RULE_MESSAGE} ({', '.join(split)})")
         return self
-
-

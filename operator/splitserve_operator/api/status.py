@@ -1,5 +1,4 @@
-"""The InferenceService status: what the operator and the autoscaler observed and decided.
-"""
+"""The InferenceService status: what the operator and the autoscaler observed and decided."""
 
 from __future__ import annotations
 
@@ -40,9 +39,7 @@ class Condition(_StatusModel):
         description="CamelCase reason for the last transition.",
     )
     message: str = Field(default="", max_length=32768, description="Human-readable details.")
-    last_transition_time: datetime.datetime = Field(
-        description="When status last changed (RFC 3339)."
-    )
+    last_transition_time: datetime.datetime = Field(description="When status last changed (RFC 3339).")
     observed_generation: int | None = Field(
         default=None, ge=0, description="metadata.generation the condition was computed from."
     )
@@ -61,7 +58,8 @@ class ScalingDecision(_StatusModel):
     result: int = Field(ge=0, description="Replica count the decision asked for.")
     reason: str = Field(max_length=1024, description="CamelCase reason, e.g. ScaledUp or WithinTolerance.")
     model: dict[str, float] = Field(
-        default_factory=dict, max_length=32, description="SLO decisions: the model and estimates.")
+        default_factory=dict, max_length=32, description="SLO decisions: the model and estimates."
+    )
 
 
 class RecentDecision(_StatusModel):
@@ -76,7 +74,9 @@ class RecentDecision(_StatusModel):
     to_replicas: int = Field(
         validation_alias="to", serialization_alias="to", ge=0, description="Replicas the decision asked for."
     )
-    reason: str = Field(max_length=1024, description="CamelCase reason, e.g. ScaledUp, AtMaxReplicas or MetricsUnavailable.")
+    reason: str = Field(
+        max_length=1024, description="CamelCase reason, e.g. ScaledUp, AtMaxReplicas or MetricsUnavailable."
+    )
     applied: bool = Field(
         default=False,
         description="Whether the replica count was written (false: no change, a dry run or a failed write).",
@@ -108,9 +108,7 @@ class PoolStatus(_StatusModel):
         default=None, ge=0, description="Replicas the autoscaler (or replicas.min) asks for."
     )
     pending_replicas: int = Field(default=0, ge=0, description="Pods not yet scheduled or started.")
-    last_scale_time: datetime.datetime | None = Field(
-        default=None, description="When the replica count last changed."
-    )
+    last_scale_time: datetime.datetime | None = Field(default=None, description="When the replica count last changed.")
     last_decision: ScalingDecision | None = Field(
         default=None, description="The autoscaler's last decision for this pool."
     )
@@ -138,7 +136,9 @@ class ScalingEvent(_StatusModel):
 
     time: datetime.datetime = Field(description="When it happened.")
     pool: Literal["prefill", "decode", "aggregated"] = Field(description="The pool.")
-    from_replicas: int = Field(validation_alias="from", serialization_alias="from", ge=0, description="Replicas before.")
+    from_replicas: int = Field(
+        validation_alias="from", serialization_alias="from", ge=0, description="Replicas before."
+    )
     to_replicas: int = Field(validation_alias="to", serialization_alias="to", ge=0, description="Replicas after.")
     reason: str = Field(max_length=1024, description="CamelCase reason.")
 
@@ -168,7 +168,8 @@ class InferenceServiceStatus(_StatusModel):
     aggregated: PoolStatus | None = Field(default=None, description="The aggregated pool.")
     router: PoolStatus | None = Field(default=None, description="The bundled router (router.mode Builtin).")
     endpoint_picker: PickerStatus | None = Field(
-        default=None, description="The endpoint picker (router.mode InferencePool), where the router would be.")
+        default=None, description="The endpoint picker (router.mode InferencePool), where the router would be."
+    )
     scaling_history: list[ScalingEvent] = Field(
         default_factory=list,
         max_length=MAX_SCALING_HISTORY,
@@ -179,5 +180,3 @@ class InferenceServiceStatus(_StatusModel):
         """The condition of this type, if set."""
         wanted = ConditionType(type_).value if isinstance(type_, ConditionType) else type_
         return next((c for c in self.conditions if c.type == wanted), None)
-
-

@@ -7,7 +7,10 @@ Layers, each talking only down:
   operator's start-up in :mod:`splitserve_operator.main`);
 * :mod:`.observe` (Deployments and pods), :mod:`.signals` (Prometheus),
   :mod:`.actuator` (the only workload writes), :mod:`.metrics` (our own series),
-  :mod:`.state` (in-memory recommendation history);
+  :mod:`.memory` (in-memory recommendation history);
+* :mod:`.slo` -- the SLO autoscaler, all of it in one folder: its pure controller, the
+  part of a round that feeds it (:mod:`.slo.round`) and its ConfigMap store
+  (:mod:`.slo.store`);
 * :mod:`.decision` -- the pure target-tracking rules, with time passed in.
 
 Reasons are :class:`splitserve_contract.Reason` (one definition for the whole project).

@@ -35,8 +35,9 @@ MAX_DELETION_COST: Final = 2**31 - 1
 """The annotation is an int32."""
 
 
-def replicas_apply_patch(*, namespace: str, deployment: str, replicas: int,
-                         kind: kube.Kind = kube.DEPLOYMENT) -> dict[str, Any]:
+def replicas_apply_patch(
+    *, namespace: str, deployment: str, replicas: int, kind: kube.Kind = kube.DEPLOYMENT
+) -> dict[str, Any]:
     """The whole server-side apply body the autoscaler sends (``deployment``: the name of the
     pool's workload, of ``kind``)."""
     return {
@@ -55,8 +56,9 @@ def workload_kind(*, api: kube.Kube, namespace: str, name: str) -> kube.Kind:
     return kube.LEADER_WORKER_SET
 
 
-def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas: int,
-                   kind: kube.Kind | None = None) -> None:
+def apply_replicas(
+    *, api: kube.Kube, namespace: str, deployment: str, replicas: int, kind: kube.Kind | None = None
+) -> None:
     """Set ``spec.replicas`` of the pool workload ``deployment`` as the autoscaler's field
     manager. ``kind``: the workload's (:attr:`.observe.PoolObservation.kind`); None: looked up
     (:func:`workload_kind`)."""
@@ -71,8 +73,9 @@ def apply_replicas(*, api: kube.Kube, namespace: str, deployment: str, replicas:
     )
 
 
-def clamp_replicas(*, api: kube.Kube, namespace: str, name: str, min_replicas: int,
-                   max_replicas: int) -> tuple[int, int] | None:
+def clamp_replicas(
+    *, api: kube.Kube, namespace: str, name: str, min_replicas: int, max_replicas: int
+) -> tuple[int, int] | None:
     """Bring ``spec.replicas`` of the pool workload ``name`` (Deployment, else LeaderWorkerSet)
     into ``[min_replicas, max_replicas]`` as the autoscaler's field manager: the one write to
     a pool's replicas while autoscaling is off (a count inside the bounds stays the user's,
@@ -114,7 +117,9 @@ def annotate_deletion_costs(
         if (meta.get("annotations") or {}).get(ANNOTATION_POD_DELETION_COST) == cost:
             continue
         api.merge_patch(
-            kind=kube.POD, namespace=namespace, name=name,
+            kind=kube.POD,
+            namespace=namespace,
+            name=name,
             patch={"metadata": {"annotations": {ANNOTATION_POD_DELETION_COST: cost}}},
             field_manager=FIELD_MANAGER_AUTOSCALER,
         )

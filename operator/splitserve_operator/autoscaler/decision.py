@@ -210,7 +210,9 @@ class _Proposal:
     formula: str
 
 
-def _screen(signals: Mapping[str, SignalValue] | MetricsUnavailable, *, ready_replicas: int) -> dict[str, SignalValue] | _Hold:
+def _screen(
+    signals: Mapping[str, SignalValue] | MetricsUnavailable, *, ready_replicas: int
+) -> dict[str, SignalValue] | _Hold:
     """The usable signals (positive target, finite value), or why the count must be held."""
     if isinstance(signals, MetricsUnavailable):
         return _Hold(Reason.METRICS_UNAVAILABLE, str(signals))
@@ -234,19 +236,28 @@ def _recommend(*, ratio: float, ready_replicas: int, current_replicas: int) -> t
 
 
 def _propose(
-    usable: Mapping[str, SignalValue], *, ready_replicas: int, current_replicas: int, tolerance: float,
+    usable: Mapping[str, SignalValue],
+    *,
+    ready_replicas: int,
+    current_replicas: int,
+    tolerance: float,
 ) -> _Proposal:
     """Steps 1-2: the ratio of the most loaded signal, then the tolerance band."""
     ratio = max(s.ratio for s in usable.values())
     head = f"ceil({ready_replicas} ready × max({_signal_terms(usable)}))"
     if _within_tolerance(ratio, tolerance=tolerance):
         return _Proposal(
-            ratio=ratio, replicas=current_replicas, within_tolerance=True, awaiting_starting=False,
+            ratio=ratio,
+            replicas=current_replicas,
+            within_tolerance=True,
+            awaiting_starting=False,
             formula=f"{head}: ratio {ratio:.2f} within ±{tolerance:g} → keep {current_replicas}",
         )
     raw, proposal = _recommend(ratio=ratio, ready_replicas=ready_replicas, current_replicas=current_replicas)
     return _Proposal(
-        ratio=ratio, replicas=proposal, within_tolerance=False,
+        ratio=ratio,
+        replicas=proposal,
+        within_tolerance=False,
         awaiting_starting=ratio > 1.0 and raw <= current_replicas,
         formula=f"{head} = {raw}" + (f" → {proposal} (current)" if proposal != raw else ""),
     )
@@ -258,7 +269,11 @@ def _keep_seconds(behavior: Behavior) -> float:
 
 
 def _stabilize(
-    *, proposal: int, current_replicas: int, history: RecommendationHistory, now_seconds: float,
+    *,
+    proposal: int,
+    current_replicas: int,
+    history: RecommendationHistory,
+    now_seconds: float,
     behavior: Behavior,
 ) -> int:
     """Step 3 (the HPA's rule): move the current count only as far as the lowest proposal of
@@ -283,7 +298,11 @@ def _step_limit(*, target: int, current_replicas: int, pending_replicas: int, be
 
 
 def _budget_limit(
-    replicas: int, *, current_replicas: int, gpus_per_replica: int, gpu_budget_remaining: int | None,
+    replicas: int,
+    *,
+    current_replicas: int,
+    gpus_per_replica: int,
+    gpu_budget_remaining: int | None,
 ) -> int:
     """Step 6 for this pool alone: a scale-up adds at most the GPUs the budget has left."""
     if gpu_budget_remaining is None or gpus_per_replica <= 0 or replicas <= current_replicas:
@@ -303,26 +322,41 @@ class _Limited:
 
 
 def _apply_limits(
-    stabilized: int, *, current_replicas: int, pending_replicas: int, policy: PoolPolicy,
-    gpus_per_replica: int, gpu_budget_remaining: int | None,
+    stabilized: int,
+    *,
+    current_replicas: int,
+    pending_replicas: int,
+    policy: PoolPolicy,
+    gpus_per_replica: int,
+    gpu_budget_remaining: int | None,
 ) -> _Limited:
     """Pending pods, step limits, this pool's GPU budget, then ``[min, max]``, in that order."""
     stages: list[str] = []
-    blocked = _blocked_by_pending(stabilized=stabilized, current_replicas=current_replicas,
-                                  pending_replicas=pending_replicas)
+    blocked = _blocked_by_pending(
+        stabilized=stabilized, current_replicas=current_replicas, pending_replicas=pending_replicas
+    )
     if blocked:
         stages.append(f"{pending_replicas} pending for GPUs → held {current_replicas}")
-    step_limited = _step_limit(target=current_replicas if blocked else stabilized, current_replicas=current_replicas,
-                               pending_replicas=pending_replicas, behavior=policy.behavior)
+    step_limited = _step_limit(
+        target=current_replicas if blocked else stabilized,
+        current_replicas=current_replicas,
+        pending_replicas=pending_replicas,
+        behavior=policy.behavior,
+    )
     stages.append(f"step-limited {step_limited}")
-    budgeted = _budget_limit(step_limited, current_replicas=current_replicas, gpus_per_replica=gpus_per_replica,
-                             gpu_budget_remaining=gpu_budget_remaining)
+    budgeted = _budget_limit(
+        step_limited,
+        current_replicas=current_replicas,
+        gpus_per_replica=gpus_per_replica,
+        gpu_budget_remaining=gpu_budget_remaining,
+    )
     if budgeted != step_limited:
         stages.append(f"gpu-budget {budgeted}")
     result = _clamp(budgeted, low=policy.min_replicas, high=policy.max_replicas)
     stages.append(f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}")
-    return _Limited(blocked_by_pending=blocked, step_limited=step_limited, budgeted=budgeted, result=result,
-                    stages=tuple(stages))
+    return _Limited(
+        blocked_by_pending=blocked, step_limited=step_limited, budgeted=budgeted, result=result, stages=tuple(stages)
+    )
 
 
 def _limit_reason(limited: _Limited, *, policy: PoolPolicy) -> str | None:
@@ -354,23 +388,42 @@ def _movement_reason(*, result: int, current_replicas: int, proposal: _Proposal)
 
 
 def _hold(
-    why: _Hold, *, pool: str, now_seconds: float, current_replicas: int, ready_replicas: int,
-    pending_replicas: int, policy: PoolPolicy, history: RecommendationHistory, gpus_per_replica: int,
+    why: _Hold,
+    *,
+    pool: str,
+    now_seconds: float,
+    current_replicas: int,
+    ready_replicas: int,
+    pending_replicas: int,
+    policy: PoolPolicy,
+    history: RecommendationHistory,
+    gpus_per_replica: int,
     dry_run: bool,
 ) -> Decision:
     """Keep the current count (clamped to the bounds) and record it as a proposal."""
     history.record(time_seconds=now_seconds, replicas=current_replicas, keep_seconds=_keep_seconds(policy.behavior))
     result = _clamp(current_replicas, low=policy.min_replicas, high=policy.max_replicas)
     return Decision(
-        pool=pool, time_seconds=now_seconds, current_replicas=current_replicas,
-        ready_replicas=ready_replicas, pending_replicas=pending_replicas,
-        min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
-        gpus_per_replica=gpus_per_replica, signals={}, ratio=None,
-        proposal=current_replicas, stabilized=current_replicas, step_limited=current_replicas,
-        result=result, reason=why.reason, hold=True, dry_run=dry_run, message=why.message,
+        pool=pool,
+        time_seconds=now_seconds,
+        current_replicas=current_replicas,
+        ready_replicas=ready_replicas,
+        pending_replicas=pending_replicas,
+        min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus_per_replica,
+        signals={},
+        ratio=None,
+        proposal=current_replicas,
+        stabilized=current_replicas,
+        step_limited=current_replicas,
+        result=result,
+        reason=why.reason,
+        hold=True,
+        dry_run=dry_run,
+        message=why.message,
         formula=(
-            f"hold {current_replicas} ({why.message}) → "
-            f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"
+            f"hold {current_replicas} ({why.message}) → clamped [{policy.min_replicas},{policy.max_replicas}] {result}"
         ),
     )
 
@@ -399,24 +452,52 @@ def decide(
     current, pending = current_replicas, pending_replicas
     usable = _screen(signals, ready_replicas=ready_replicas)
     if isinstance(usable, _Hold):
-        return _hold(usable, pool=pool, now_seconds=now_seconds, current_replicas=current,
-                     ready_replicas=ready_replicas, pending_replicas=pending, policy=policy,
-                     history=history, gpus_per_replica=gpus_per_replica, dry_run=dry_run)
+        return _hold(
+            usable,
+            pool=pool,
+            now_seconds=now_seconds,
+            current_replicas=current,
+            ready_replicas=ready_replicas,
+            pending_replicas=pending,
+            policy=policy,
+            history=history,
+            gpus_per_replica=gpus_per_replica,
+            dry_run=dry_run,
+        )
 
     proposal = _propose(usable, ready_replicas=ready_replicas, current_replicas=current, tolerance=policy.tolerance)
-    settled = settle(proposal=proposal.replicas, now_seconds=now_seconds, current_replicas=current,
-                     pending_replicas=pending, policy=policy, history=history,
-                     gpus_per_replica=gpus_per_replica, gpu_budget_remaining=gpu_budget_remaining)
+    settled = settle(
+        proposal=proposal.replicas,
+        now_seconds=now_seconds,
+        current_replicas=current,
+        pending_replicas=pending,
+        policy=policy,
+        history=history,
+        gpus_per_replica=gpus_per_replica,
+        gpu_budget_remaining=gpu_budget_remaining,
+    )
     reason = settled.limit_reason or _movement_reason(
-        result=settled.result, current_replicas=current, proposal=proposal)
+        result=settled.result, current_replicas=current, proposal=proposal
+    )
     stages = [proposal.formula, *settled.stages]
     return Decision(
-        pool=pool, time_seconds=now_seconds, current_replicas=current,
-        ready_replicas=ready_replicas, pending_replicas=pending,
-        min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
-        gpus_per_replica=gpus_per_replica, signals=dict(usable), ratio=proposal.ratio,
-        proposal=proposal.replicas, stabilized=settled.stabilized, step_limited=settled.step_limited,
-        result=settled.result, reason=reason, formula=" → ".join(stages), dry_run=dry_run,
+        pool=pool,
+        time_seconds=now_seconds,
+        current_replicas=current,
+        ready_replicas=ready_replicas,
+        pending_replicas=pending,
+        min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus_per_replica,
+        signals=dict(usable),
+        ratio=proposal.ratio,
+        proposal=proposal.replicas,
+        stabilized=settled.stabilized,
+        step_limited=settled.step_limited,
+        result=settled.result,
+        reason=reason,
+        formula=" → ".join(stages),
+        dry_run=dry_run,
     )
 
 
@@ -434,24 +515,46 @@ class Settled:
 
 
 def settle(
-    *, proposal: int, now_seconds: float, current_replicas: int, pending_replicas: int, policy: PoolPolicy,
-    history: RecommendationHistory, gpus_per_replica: int, gpu_budget_remaining: int | None = None,
+    *,
+    proposal: int,
+    now_seconds: float,
+    current_replicas: int,
+    pending_replicas: int,
+    policy: PoolPolicy,
+    history: RecommendationHistory,
+    gpus_per_replica: int,
+    gpu_budget_remaining: int | None = None,
 ) -> Settled:
     """The tail every proposal goes through, whoever proposed it (target tracking here, the
     SLO controller in :mod:`.slo.controller`): stabilization (records ``proposal`` in
     ``history``), pending-pod hold, step limits, this pool's GPU budget, ``[min, max]``."""
-    stabilized = _stabilize(proposal=proposal, current_replicas=current_replicas, history=history,
-                            now_seconds=now_seconds, behavior=policy.behavior)
-    limited = _apply_limits(stabilized, current_replicas=current_replicas, pending_replicas=pending_replicas,
-                            policy=policy, gpus_per_replica=gpus_per_replica,
-                            gpu_budget_remaining=gpu_budget_remaining)
-    return Settled(stabilized=stabilized, step_limited=limited.step_limited, result=limited.result,
-                   limit_reason=_limit_reason(limited, policy=policy),
-                   stages=(f"stabilized {stabilized}", *limited.stages))
+    stabilized = _stabilize(
+        proposal=proposal,
+        current_replicas=current_replicas,
+        history=history,
+        now_seconds=now_seconds,
+        behavior=policy.behavior,
+    )
+    limited = _apply_limits(
+        stabilized,
+        current_replicas=current_replicas,
+        pending_replicas=pending_replicas,
+        policy=policy,
+        gpus_per_replica=gpus_per_replica,
+        gpu_budget_remaining=gpu_budget_remaining,
+    )
+    return Settled(
+        stabilized=stabilized,
+        step_limited=limited.step_limited,
+        result=limited.result,
+        limit_reason=_limit_reason(limited, policy=policy),
+        stages=(f"stabilized {stabilized}", *limited.stages),
+    )
 
 
-def grant_gpu_budget(decisions: Sequence[Decision], *, gpu_budget: int | None,
-                     priority: Callable[[Decision, int], float]) -> tuple[dict[str, int], list[str]] | None:
+def grant_gpu_budget(
+    decisions: Sequence[Decision], *, gpu_budget: int | None, priority: Callable[[Decision, int], float]
+) -> tuple[dict[str, int], list[str]] | None:
     """Share ``gpu_budget`` among the pools' scale-ups; None when every result fits as it is.
 
     GPUs held now count against the budget until they are released: a pool that scales
@@ -474,8 +577,9 @@ def grant_gpu_budget(decisions: Sequence[Decision], *, gpu_budget: int | None,
         free -= granted[d.pool] * d.gpus_per_replica
     trail: list[str] = []
     while True:
-        candidates = [d for d in growing
-                      if d.current_replicas + granted[d.pool] < d.result and d.gpus_per_replica <= free]
+        candidates = [
+            d for d in growing if d.current_replicas + granted[d.pool] < d.result and d.gpus_per_replica <= free
+        ]
         if not candidates:
             return granted, trail
         score = {d.pool: priority(d, d.current_replicas + granted[d.pool]) for d in candidates}
@@ -498,6 +602,7 @@ def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list
     after the grant: demand ``ratio * ready`` over the replicas granted so far. Scale-downs
     and holds are unchanged.
     """
+
     def pressure(d: Decision, replicas: int) -> float:
         demand = (d.ratio if d.ratio is not None else 1.0) * max(d.ready_replicas, 1)
         return demand / replicas if replicas > 0 else math.inf
@@ -508,8 +613,14 @@ def plan_joint(*, decisions: Sequence[Decision], gpu_budget: int | None) -> list
     out: list[Decision] = []
     for d in decisions:
         trimmed = trimmed_to(d, grants[0])
-        out.append(d if trimmed is None else dataclasses.replace(
-            d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
-            formula=f"{d.formula} → joint gpu-budget {gpu_budget} {trimmed}",
-        ))
+        out.append(
+            d
+            if trimmed is None
+            else dataclasses.replace(
+                d,
+                result=trimmed,
+                reason=Reason.GPU_BUDGET_LIMITED,
+                formula=f"{d.formula} → joint gpu-budget {gpu_budget} {trimmed}",
+            )
+        )
     return out

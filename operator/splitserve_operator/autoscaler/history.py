@@ -47,8 +47,9 @@ def is_applied_change(entry: Mapping[str, Any]) -> bool:
     return bool(entry.get("applied")) and entry.get("from") != entry.get("to")
 
 
-def with_decision(previous: Sequence[Mapping[str, Any]], entry: Mapping[str, Any], *,
-                  limit: int = MAX_RECENT_DECISIONS) -> list[dict[str, Any]] | None:
+def with_decision(
+    previous: Sequence[Mapping[str, Any]], entry: Mapping[str, Any], *, limit: int = MAX_RECENT_DECISIONS
+) -> list[dict[str, Any]] | None:
     """The new ``recentDecisions`` list with ``entry`` in front, at most ``limit`` long, or
     None when ``entry`` repeats the newest one (nothing to write). When the newest applied
     change would fall off the end, it replaces the last item instead (module docstring)."""

@@ -3,8 +3,8 @@
 A round (:func:`run_once`) goes: observe every pool (Deployment replicas, Ready and
 GPU-Pending pods) → query its signals in Prometheus → :func:`~.decision.decide` per pool →
 :func:`~.decision.plan_joint` over the GPU budget (with ``spec.autoscaling.slo``: the SLO
-controller instead, :mod:`.slo_round`, with the per-pool decisions as floors and its state in
-the ``<isvc>-slo-state`` ConfigMap, :mod:`.slo_store`) → act (deletion costs, then
+controller instead, :mod:`.slo.round`, with the per-pool decisions as floors and its state in
+the ``<isvc>-slo-state`` ConfigMap, :mod:`.slo.store`) → act (deletion costs, then
 ``spec.replicas``) unless dry run → report: ``status.<pool>.lastDecision`` (and
 ``desiredReplicas``/``lastScaleTime`` after a write), ``status.<pool>.recentDecisions``,
 ``status.scalingHistory``, the ``MetricsHealthy`` and ``ScalingActive`` conditions, Events
@@ -47,7 +47,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 from prometheus_api_client import PrometheusConnect
 from prometheus_client import CollectorRegistry
 from urllib3.util.retry import Retry
@@ -65,7 +64,7 @@ from ..api import (
     pool_names,
     pool_spec,
 )
-from . import actuator, slo_round
+from . import actuator
 from . import history as history_of_decisions
 from .decision import (
     Behavior,
@@ -76,12 +75,14 @@ from .decision import (
     decide,
     plan_joint,
 )
+from .memory import AutoscalerState, ServiceKey
 from .metrics import AutoscalerMetrics
 from .observe import PoolObservation, observe_pool
-from .signals import PoolSample, Targets, fetch_pool_sample, fetch_pool_slo, pool_signals
+from .signals import PoolSample, Targets, fetch_pool_sample, pool_signals
+from .slo import round as slo_round
 from .slo.inputs import PoolSloObservation
-from .slo_store import SloStore
-from .state import AutoscalerState, ServiceKey
+from .slo.measure import fetch_pool_slo
+from .slo.store import SloStore
 
 STALE_AFTER_INTERVALS: Final = 3
 """Metrics older than this many intervals (autoscaler or scrape, whichever is longer) are stale."""
@@ -119,8 +120,10 @@ def policy_for(*, spec: InferenceServiceSpec, pool: str) -> tuple[PoolPolicy, Ta
         scale_down_max_step=auto.behavior.scale_down.max_step,
     )
     policy = PoolPolicy(
-        min_replicas=pool_cfg.replicas.min, max_replicas=pool_cfg.replicas.max,
-        behavior=behavior, tolerance=auto.tolerance,
+        min_replicas=pool_cfg.replicas.min,
+        max_replicas=pool_cfg.replicas.max,
+        behavior=behavior,
+        tolerance=auto.tolerance,
     )
     if pool == contract.Role.PREFILL.value:
         tokens = auto.prefill.target_prompt_tokens_waiting
@@ -151,8 +154,16 @@ def _is_paused(obj: Mapping[str, Any]) -> bool:
 
 
 async def _observe_and_decide(
-    *, spec: InferenceServiceSpec, namespace: str, name: str, pool: str, api: kube.Kube,
-    prometheus: PrometheusConnect, state: AutoscalerState, now_seconds: float, stale_after_seconds: float,
+    *,
+    spec: InferenceServiceSpec,
+    namespace: str,
+    name: str,
+    pool: str,
+    api: kube.Kube,
+    prometheus: PrometheusConnect,
+    state: AutoscalerState,
+    now_seconds: float,
+    stale_after_seconds: float,
     window_seconds: float,
 ) -> PoolRound | None:
     obs = await asyncio.to_thread(observe_pool, api=api, namespace=namespace, name=name, pool=pool)
@@ -166,47 +177,84 @@ async def _observe_and_decide(
     if obs.ready_replicas > 0:
         try:
             sample = await asyncio.to_thread(
-                fetch_pool_sample, prometheus=prometheus, namespace=namespace, inferenceservice=name,
-                role=pool, now_seconds=now_seconds, stale_after_seconds=stale_after_seconds,
-                window_seconds=window_seconds, pods=obs.ready_pod_names,
+                fetch_pool_sample,
+                prometheus=prometheus,
+                namespace=namespace,
+                inferenceservice=name,
+                role=pool,
+                now_seconds=now_seconds,
+                stale_after_seconds=stale_after_seconds,
+                window_seconds=window_seconds,
+                pods=obs.ready_pod_names,
             )
             signals = pool_signals(sample=sample, ready_replicas=obs.ready_replicas, targets=targets)
             if spec.autoscaling.slo is not None:
                 slo = await asyncio.to_thread(
-                    fetch_pool_slo, prometheus=prometheus, namespace=namespace, inferenceservice=name,
-                    role=pool, pods=obs.ready_pod_names, sample=sample, current_replicas=obs.current_replicas,
-                    pending_replicas=len(obs.pending_for_gpus), block_size=spec.kv_cache.block_size,
-                    attainment=spec.autoscaling.slo.attainment, now_seconds=now_seconds,
+                    fetch_pool_slo,
+                    prometheus=prometheus,
+                    namespace=namespace,
+                    inferenceservice=name,
+                    role=pool,
+                    pods=obs.ready_pod_names,
+                    sample=sample,
+                    current_replicas=obs.current_replicas,
+                    pending_replicas=len(obs.pending_for_gpus),
+                    block_size=spec.kv_cache.block_size,
+                    attainment=spec.autoscaling.slo.attainment,
+                    now_seconds=now_seconds,
                     window_seconds=window_seconds,
                 )
         except MetricsUnavailable as exc:
             problem = exc
     decision = decide(
-        pool=pool, now_seconds=now_seconds, current_replicas=obs.current_replicas,
-        ready_replicas=obs.ready_replicas, pending_replicas=len(obs.pending_for_gpus),
-        signals=problem if problem is not None else signals, policy=policy,
-        history=state.history(namespace=namespace, name=name, pool=pool, now_seconds=now_seconds,
-                              current_replicas=obs.current_replicas),
-        gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
+        pool=pool,
+        now_seconds=now_seconds,
+        current_replicas=obs.current_replicas,
+        ready_replicas=obs.ready_replicas,
+        pending_replicas=len(obs.pending_for_gpus),
+        signals=problem if problem is not None else signals,
+        policy=policy,
+        history=state.history(
+            namespace=namespace, name=name, pool=pool, now_seconds=now_seconds, current_replicas=obs.current_replicas
+        ),
+        gpus_per_replica=gpus,
+        dry_run=spec.autoscaling.dry_run,
     )
-    return PoolRound(observation=obs, sample=sample, problem=problem, decision=decision,
-                     slo=slo if problem is None else None)
+    return PoolRound(
+        observation=obs, sample=sample, problem=problem, decision=decision, slo=slo if problem is None else None
+    )
 
 
 def _idle_pool_slo(obs: PoolObservation) -> PoolSloObservation:
     """The SLO view of a pool without Ready pods: nothing measured, nothing waiting there."""
     return PoolSloObservation(
-        role=obs.pool, current_replicas=obs.current_replicas, ready_replicas=0,
-        pending_replicas=len(obs.pending_for_gpus), step_samples=(), requests_waiting=0.0,
-        prompt_tokens_waiting=0.0, requests_running=0.0, kv_cache_usage_ratio=0.0,
-        kv_cache_tokens_per_replica=0.0, ttft_p99_seconds=None, itl_p99_seconds=None,
+        role=obs.pool,
+        current_replicas=obs.current_replicas,
+        ready_replicas=0,
+        pending_replicas=len(obs.pending_for_gpus),
+        step_samples=(),
+        requests_waiting=0.0,
+        prompt_tokens_waiting=0.0,
+        requests_running=0.0,
+        kv_cache_usage_ratio=0.0,
+        kv_cache_tokens_per_replica=0.0,
+        ttft_p99_seconds=None,
+        itl_p99_seconds=None,
     )
 
 
 async def _decide_slo(
-    *, spec: InferenceServiceSpec, isvc: Mapping[str, Any], rounds: list[PoolRound], api: kube.Kube,
-    prometheus: PrometheusConnect, state: AutoscalerState, slo_store: SloStore, now_seconds: float,
-    window_seconds: float, scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
+    *,
+    spec: InferenceServiceSpec,
+    isvc: Mapping[str, Any],
+    rounds: list[PoolRound],
+    api: kube.Kube,
+    prometheus: PrometheusConnect,
+    state: AutoscalerState,
+    slo_store: SloStore,
+    now_seconds: float,
+    window_seconds: float,
+    scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS,
 ) -> tuple[list[Decision], list[PoolRound]]:
     """The SLO controller's decisions for ``rounds`` (in their order), and the rounds (with a
     problem reading the load recorded on the entry pool). Metrics hold as without an SLO: while
@@ -221,62 +269,128 @@ async def _decide_slo(
     if problem is not None:
         # The SLO is joint (a prefill pool's TTFT leans on decode's first step): no pool sheds
         # replicas on target tracking alone while another pool's metrics are missing.
-        held = [r.decision if r.decision.direction != "down" else _hold_for(
-            r, problem=problem, spec=spec, state=state, namespace=namespace, name=name, now_seconds=now_seconds,
-            history_pool=r.observation.pool) for r in rounds]
+        held = [
+            r.decision
+            if r.decision.direction != "down"
+            else _hold_for(
+                r,
+                problem=problem,
+                spec=spec,
+                state=state,
+                namespace=namespace,
+                name=name,
+                now_seconds=now_seconds,
+                history_pool=r.observation.pool,
+            )
+            for r in rounds
+        ]
         return plan_joint(decisions=held, gpu_budget=spec.autoscaling.gpu_budget), rounds
     load = None
     load_problem: MetricsUnavailable | None = None
     try:
         load = await asyncio.to_thread(
-            slo_round.read_load, prometheus=prometheus, spec=spec, namespace=namespace, name=name,
+            slo_round.read_load,
+            prometheus=prometheus,
+            spec=spec,
+            namespace=namespace,
+            name=name,
             ready_pods={r.observation.pool: r.observation.ready_pod_names for r in rounds},
-            now_seconds=now_seconds, window_seconds=window_seconds, scrape_interval_seconds=scrape_interval_seconds)
+            now_seconds=now_seconds,
+            window_seconds=window_seconds,
+            scrape_interval_seconds=scrape_interval_seconds,
+        )
     except MetricsUnavailable as exc:
         load_problem = exc
         entry, _ = slo_round.entry_and_prefill_roles(spec)
         rounds = [dataclasses.replace(r, problem=exc) if r.observation.pool == entry else r for r in rounds]
     slo_state = await asyncio.to_thread(slo_store.load, api=api, namespace=namespace, name=name)
-    inputs = slo_round.observe(slo=slo, slo_state=slo_state, load=load, now_seconds=now_seconds,
-                               pools={r.observation.pool: r.slo for r in rounds if r.slo is not None})
+    inputs = slo_round.observe(
+        slo=slo,
+        slo_state=slo_state,
+        load=load,
+        now_seconds=now_seconds,
+        pools={r.observation.pool: r.slo for r in rounds if r.slo is not None},
+    )
     if load_problem is not None:
-        return [_hold_for(r, problem=load_problem, spec=spec, state=state, namespace=namespace, name=name,
-                          now_seconds=now_seconds, history_pool=r.observation.pool + slo_round.HISTORY_SUFFIX)
-                for r in rounds], rounds
+        return [
+            _hold_for(
+                r,
+                problem=load_problem,
+                spec=spec,
+                state=state,
+                namespace=namespace,
+                name=name,
+                now_seconds=now_seconds,
+                history_pool=r.observation.pool + slo_round.HISTORY_SUFFIX,
+            )
+            for r in rounds
+        ], rounds
     policies: dict[str, PoolPolicy] = {}
     gpus: dict[str, int] = {}
     for r in rounds:
         policies[r.observation.pool], _, gpus[r.observation.pool] = policy_for(spec=spec, pool=r.observation.pool)
     histories = slo_round.slo_histories(
-        state=state, namespace=namespace, name=name, now_seconds=now_seconds,
-        current_replicas={r.observation.pool: r.observation.current_replicas for r in rounds})
+        state=state,
+        namespace=namespace,
+        name=name,
+        now_seconds=now_seconds,
+        current_replicas={r.observation.pool: r.observation.current_replicas for r in rounds},
+    )
     decided = slo_round.decide(
-        spec=spec, slo=slo, slo_state=slo_state, inputs=inputs,
-        floors={r.observation.pool: r.decision.result for r in rounds}, policies=policies,
-        gpus_per_replica=gpus, histories=histories,
+        spec=spec,
+        slo=slo,
+        slo_state=slo_state,
+        inputs=inputs,
+        floors={r.observation.pool: r.decision.result for r in rounds},
+        policies=policies,
+        gpus_per_replica=gpus,
+        histories=histories,
     )
     by_pool = {d.pool: d for d in decided}
     return [by_pool.get(r.observation.pool, r.decision) for r in rounds], rounds
 
 
 def _hold_for(
-    pool_round: PoolRound, *, problem: MetricsUnavailable, spec: InferenceServiceSpec, state: AutoscalerState,
-    namespace: str, name: str, now_seconds: float, history_pool: str,
+    pool_round: PoolRound,
+    *,
+    problem: MetricsUnavailable,
+    spec: InferenceServiceSpec,
+    state: AutoscalerState,
+    namespace: str,
+    name: str,
+    now_seconds: float,
+    history_pool: str,
 ) -> Decision:
     """A hold of ``pool_round``'s pool for ``problem`` (recorded in the history of ``history_pool``)."""
     obs = pool_round.observation
     policy, _, gpus = policy_for(spec=spec, pool=obs.pool)
     return decide(
-        pool=obs.pool, now_seconds=now_seconds, current_replicas=obs.current_replicas,
-        ready_replicas=obs.ready_replicas, pending_replicas=len(obs.pending_for_gpus), signals=problem,
-        policy=policy, gpus_per_replica=gpus, dry_run=spec.autoscaling.dry_run,
-        history=state.history(namespace=namespace, name=name, pool=history_pool, now_seconds=now_seconds,
-                              current_replicas=obs.current_replicas),
+        pool=obs.pool,
+        now_seconds=now_seconds,
+        current_replicas=obs.current_replicas,
+        ready_replicas=obs.ready_replicas,
+        pending_replicas=len(obs.pending_for_gpus),
+        signals=problem,
+        policy=policy,
+        gpus_per_replica=gpus,
+        dry_run=spec.autoscaling.dry_run,
+        history=state.history(
+            namespace=namespace,
+            name=name,
+            pool=history_pool,
+            now_seconds=now_seconds,
+            current_replicas=obs.current_replicas,
+        ),
     )
 
 
 def _act(
-    *, api: kube.Kube, namespace: str, obs: PoolObservation, sample: PoolSample | None, decision: Decision,
+    *,
+    api: kube.Kube,
+    namespace: str,
+    obs: PoolObservation,
+    sample: PoolSample | None,
+    decision: Decision,
 ) -> None:
     if decision.direction == "down" and sample is not None:
         actuator.annotate_deletion_costs(
@@ -350,14 +464,25 @@ async def run_once(
 
     if not auto.enabled:
         fields = await asyncio.to_thread(
-            _clamp_unscaled, isvc=isvc, spec=spec, api=api, namespace=namespace, name=name, now_seconds=now_seconds)
+            _clamp_unscaled, isvc=isvc, spec=spec, api=api, namespace=namespace, name=name, now_seconds=now_seconds
+        )
         await asyncio.to_thread(
-            status.patch_status, api=api, namespace=namespace, name=name, observed_generation=generation,
-            clock=clock, fields=_finite(fields), conditions=[status.ConditionUpdate(
-                type=ConditionType.SCALING_ACTIVE.value, status="False", reason=Reason.SCALING_DISABLED,
-                message="spec.autoscaling.enabled is false: each pool's replicas stay where they are, "
-                        "within its [min, max]",
-            )],
+            status.patch_status,
+            api=api,
+            namespace=namespace,
+            name=name,
+            observed_generation=generation,
+            clock=clock,
+            fields=_finite(fields),
+            conditions=[
+                status.ConditionUpdate(
+                    type=ConditionType.SCALING_ACTIVE.value,
+                    status="False",
+                    reason=Reason.SCALING_DISABLED,
+                    message="spec.autoscaling.enabled is false: each pool's replicas stay where they are, "
+                    "within its [min, max]",
+                )
+            ],
         )
         return []
 
@@ -365,8 +490,15 @@ async def run_once(
     rounds: list[PoolRound] = []
     for pool in pool_names(spec):
         observed = await _observe_and_decide(
-            spec=spec, namespace=namespace, name=name, pool=pool, api=api, prometheus=prometheus,
-            state=state, now_seconds=now_seconds, stale_after_seconds=stale_after,
+            spec=spec,
+            namespace=namespace,
+            name=name,
+            pool=pool,
+            api=api,
+            prometheus=prometheus,
+            state=state,
+            now_seconds=now_seconds,
+            stale_after_seconds=stale_after,
             window_seconds=window_seconds,
         )
         if observed is not None:
@@ -376,8 +508,17 @@ async def run_once(
     store = slo_store if slo_store is not None else SloStore()
     if auto.slo is not None:
         decisions, rounds = await _decide_slo(
-            spec=spec, isvc=isvc, rounds=rounds, api=api, prometheus=prometheus, state=state, slo_store=store,
-            now_seconds=now_seconds, window_seconds=window_seconds, scrape_interval_seconds=scrape_interval_seconds)
+            spec=spec,
+            isvc=isvc,
+            rounds=rounds,
+            api=api,
+            prometheus=prometheus,
+            state=state,
+            slo_store=store,
+            now_seconds=now_seconds,
+            window_seconds=window_seconds,
+            scrape_interval_seconds=scrape_interval_seconds,
+        )
     else:
         decisions = plan_joint(decisions=[r.decision for r in rounds], gpu_budget=auto.gpu_budget)
 
@@ -388,18 +529,33 @@ async def run_once(
         if not decision.write:
             continue
         try:
-            await asyncio.to_thread(_act, api=api, namespace=namespace, obs=pool_round.observation,
-                                    sample=pool_round.sample, decision=decision)
-        except ApiException as exc:
-            failures.append(f"{decision.pool} {decision.current_replicas} → {decision.result}: {kube.error_message(exc)}")
+            await asyncio.to_thread(
+                _act,
+                api=api,
+                namespace=namespace,
+                obs=pool_round.observation,
+                sample=pool_round.sample,
+                decision=decision,
+            )
+        except kube.ApiException as exc:
+            failures.append(
+                f"{decision.pool} {decision.current_replicas} → {decision.result}: {kube.error_message(exc)}"
+            )
             continue
         written.add(decision.pool)
     if auto.slo is not None and (namespace, name) in store.entries:
         slo_state = store.entries[(namespace, name)].state
         for pool in written:
             slo_state.record_replicas_write(pool, now_seconds, next(d.result for d in decisions if d.pool == pool))
-        await asyncio.to_thread(store.save, api=api, namespace=namespace, name=name, uid=str(meta.get("uid", "")),
-                                now_seconds=now_seconds, force=bool(written))
+        await asyncio.to_thread(
+            store.save,
+            api=api,
+            namespace=namespace,
+            name=name,
+            uid=str(meta.get("uid", "")),
+            now_seconds=now_seconds,
+            force=bool(written),
+        )
 
     fields = _record(isvc=isvc, decisions=decisions, written=written, state=state, now_seconds=now_seconds)
     conditions = _conditions(rounds=rounds, decisions=decisions, failures=failures, dry_run=auto.dry_run)
@@ -407,8 +563,14 @@ async def run_once(
     for failure in failures:
         events.warning(obj=isvc, reason=Reason.SCALE_FAILED, message=failure)
     await asyncio.to_thread(
-        status.patch_status, api=api, namespace=namespace, name=name, fields=_finite(fields),
-        conditions=conditions, observed_generation=generation, clock=clock,
+        status.patch_status,
+        api=api,
+        namespace=namespace,
+        name=name,
+        fields=_finite(fields),
+        conditions=conditions,
+        observed_generation=generation,
+        clock=clock,
     )
     for decision in decisions:
         logger.info("autoscaler %s/%s %s: %s (%s)", namespace, name, decision.pool, decision.formula, decision.reason)
@@ -443,7 +605,12 @@ def _non_finite_path(value: Any, path: str) -> str | None:
 
 
 def _clamp_unscaled(
-    *, isvc: Mapping[str, Any], spec: InferenceServiceSpec, api: kube.Kube, namespace: str, name: str,
+    *,
+    isvc: Mapping[str, Any],
+    spec: InferenceServiceSpec,
+    api: kube.Kube,
+    namespace: str,
+    name: str,
     now_seconds: float,
 ) -> dict[str, Any]:
     """With autoscaling off, bring each pool's replica count into its ``[min, max]`` (the CRD
@@ -456,25 +623,35 @@ def _clamp_unscaled(
     fields: dict[str, Any] = {}
     for pool in pool_names(spec):
         bounds = pool_spec(spec, pool).replicas
-        changed = actuator.clamp_replicas(api=api, namespace=namespace, name=naming.child_name(name, pool),
-                                          min_replicas=bounds.min, max_replicas=bounds.max)
+        changed = actuator.clamp_replicas(
+            api=api,
+            namespace=namespace,
+            name=naming.child_name(name, pool),
+            min_replicas=bounds.min,
+            max_replicas=bounds.max,
+        )
         if changed is None:
             continue
         before, after = changed
         reason = Reason.AT_MIN_REPLICAS if after > before else Reason.AT_MAX_REPLICAS
         fields[pool] = {"desiredReplicas": after, "lastScaleTime": _timestamp(now_seconds)}
-        history.append({"time": _timestamp(now_seconds), "pool": pool, "from": before, "to": after,
-                        "reason": reason})
-        events.normal(obj=isvc, reason=Reason.SCALED_UP if after > before else Reason.SCALED_DOWN,
-                      message=f"{pool} {before} → {after}: autoscaling is off, replicas kept within "
-                              f"[{bounds.min}, {bounds.max}]")
+        history.append({"time": _timestamp(now_seconds), "pool": pool, "from": before, "to": after, "reason": reason})
+        events.normal(
+            obj=isvc,
+            reason=Reason.SCALED_UP if after > before else Reason.SCALED_DOWN,
+            message=f"{pool} {before} → {after}: autoscaling is off, replicas kept within [{bounds.min}, {bounds.max}]",
+        )
     if history != list(live_status.get("scalingHistory") or []):
         fields["scalingHistory"] = history[-MAX_SCALING_HISTORY:]
     return fields
 
 
 def _record(
-    *, isvc: Mapping[str, Any], decisions: list[Decision], written: set[str], state: AutoscalerState,
+    *,
+    isvc: Mapping[str, Any],
+    decisions: list[Decision],
+    written: set[str],
+    state: AutoscalerState,
     now_seconds: float,
 ) -> dict[str, Any]:
     """Status fields for this round's decisions; posts an Event for every change (a write,
@@ -494,9 +671,13 @@ def _record(
         entry: dict[str, Any] = {"lastDecision": _last_decision(decision, now_seconds=now_seconds, previous=previous)}
         recent = history_of_decisions.with_decision(
             pool_status.get("recentDecisions") or [],
-            history_of_decisions.decision_entry(decision, timestamp=_timestamp(now_seconds),
-                                                applied=decision.pool in written,
-                                                max_formula_length=MAX_FORMULA_LENGTH))
+            history_of_decisions.decision_entry(
+                decision,
+                timestamp=_timestamp(now_seconds),
+                applied=decision.pool in written,
+                max_formula_length=MAX_FORMULA_LENGTH,
+            ),
+        )
         if recent is not None:
             entry["recentDecisions"] = recent
         change = f"{decision.pool} {decision.current_replicas} → {decision.result}: {decision.formula}"
@@ -504,12 +685,28 @@ def _record(
             entry["desiredReplicas"] = decision.result
             entry["lastScaleTime"] = _timestamp(now_seconds)
             reason = Reason.SCALED_UP if decision.direction == "up" else Reason.SCALED_DOWN
-            history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
-                            "from": decision.current_replicas, "to": decision.result, "reason": decision.reason})
+            history.append(
+                {
+                    "time": _timestamp(now_seconds),
+                    "pool": decision.pool,
+                    "from": decision.current_replicas,
+                    "to": decision.result,
+                    "reason": decision.reason,
+                }
+            )
             events.normal(obj=isvc, reason=reason, message=change)
-        elif decision.dry_run and decision.direction != "none" and state.last_recommendation.get(key) != decision.result:
-            history.append({"time": _timestamp(now_seconds), "pool": decision.pool,
-                            "from": decision.current_replicas, "to": decision.result, "reason": Reason.DRY_RUN})
+        elif (
+            decision.dry_run and decision.direction != "none" and state.last_recommendation.get(key) != decision.result
+        ):
+            history.append(
+                {
+                    "time": _timestamp(now_seconds),
+                    "pool": decision.pool,
+                    "from": decision.current_replicas,
+                    "to": decision.result,
+                    "reason": Reason.DRY_RUN,
+                }
+            )
             events.normal(obj=isvc, reason=Reason.DRY_RUN, message=f"would scale {change}")
         state.last_recommendation[key] = decision.result
         fields[decision.pool] = entry
@@ -524,44 +721,73 @@ def _metrics_problems(rounds: list[PoolRound]) -> list[tuple[str, MetricsUnavail
 
 
 def _conditions(
-    *, rounds: list[PoolRound], decisions: list[Decision],
-    failures: list[str], dry_run: bool,
+    *,
+    rounds: list[PoolRound],
+    decisions: list[Decision],
+    failures: list[str],
+    dry_run: bool,
 ) -> list[status.ConditionUpdate]:
     problems = _metrics_problems(rounds)
     queried = [r.observation.pool for r in rounds if r.observation.ready_replicas > 0]
     out = []
     if problems:
         message = "; ".join(f"{pool}: {p.message}" for pool, p in problems)[:MAX_MESSAGE_LENGTH]
-        out.append(status.ConditionUpdate(
-            type=ConditionType.METRICS_HEALTHY.value, status="False", reason=problems[0][1].reason,
-            message=f"{message} (replicas held)",
-        ))
+        out.append(
+            status.ConditionUpdate(
+                type=ConditionType.METRICS_HEALTHY.value,
+                status="False",
+                reason=problems[0][1].reason,
+                message=f"{message} (replicas held)",
+            )
+        )
     elif queried:
-        out.append(status.ConditionUpdate(
-            type=ConditionType.METRICS_HEALTHY.value, status="True", reason=Reason.METRICS_AVAILABLE,
-            message=f"fresh metrics for {', '.join(queried)}",
-        ))
+        out.append(
+            status.ConditionUpdate(
+                type=ConditionType.METRICS_HEALTHY.value,
+                status="True",
+                reason=Reason.METRICS_AVAILABLE,
+                message=f"fresh metrics for {', '.join(queried)}",
+            )
+        )
     if failures:
-        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=Reason.API_ERROR, message="; ".join(failures)[:MAX_MESSAGE_LENGTH])
+        active = status.ConditionUpdate(
+            type=ConditionType.SCALING_ACTIVE.value,
+            status="False",
+            reason=Reason.API_ERROR,
+            message="; ".join(failures)[:MAX_MESSAGE_LENGTH],
+        )
     elif dry_run:
-        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=Reason.DRY_RUN,
-                                        message="dry run: decisions are recorded, replicas are not changed")
+        active = status.ConditionUpdate(
+            type=ConditionType.SCALING_ACTIVE.value,
+            status="False",
+            reason=Reason.DRY_RUN,
+            message="dry run: decisions are recorded, replicas are not changed",
+        )
     elif problems:
-        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="False",
-                                        reason=Reason.METRICS_UNAVAILABLE,
-                                        message=f"replicas held for {', '.join(pool for pool, _ in problems)}")
+        active = status.ConditionUpdate(
+            type=ConditionType.SCALING_ACTIVE.value,
+            status="False",
+            reason=Reason.METRICS_UNAVAILABLE,
+            message=f"replicas held for {', '.join(pool for pool, _ in problems)}",
+        )
     else:
         summary = ", ".join(f"{d.pool} {d.result} ({d.reason})" for d in decisions)
-        active = status.ConditionUpdate(type=ConditionType.SCALING_ACTIVE.value, status="True",
-                                        reason=Reason.ACTIVE, message=summary[:MAX_MESSAGE_LENGTH])
+        active = status.ConditionUpdate(
+            type=ConditionType.SCALING_ACTIVE.value,
+            status="True",
+            reason=Reason.ACTIVE,
+            message=summary[:MAX_MESSAGE_LENGTH],
+        )
     out.append(active)
     return out
 
 
 def _post_health_events(
-    *, isvc: Mapping[str, Any], state: AutoscalerState, namespace: str, name: str,
+    *,
+    isvc: Mapping[str, Any],
+    state: AutoscalerState,
+    namespace: str,
+    name: str,
     rounds: list[PoolRound],
 ) -> None:
     problems = _metrics_problems(rounds)
@@ -571,8 +797,9 @@ def _post_health_events(
     before = state.metrics_problem.get((namespace, name), "")
     state.metrics_problem[(namespace, name)] = now_problem
     if now_problem and now_problem != before:
-        events.warning(obj=isvc, reason=Reason.METRICS_UNHEALTHY,
-                       message="; ".join(f"{pool}: {p}" for pool, p in problems))
+        events.warning(
+            obj=isvc, reason=Reason.METRICS_UNHEALTHY, message="; ".join(f"{pool}: {p}" for pool, p in problems)
+        )
     elif before and not now_problem:
         events.normal(obj=isvc, reason=Reason.METRICS_HEALTHY, message="scaling metrics are available again")
 
@@ -600,7 +827,7 @@ class AutoscalerLoop:
     scrape_interval_seconds: float = defaults.SCRAPE_INTERVAL_SECONDS
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS
     slo_store: SloStore = dataclasses.field(default_factory=SloStore)
-    """The SLO controller's state of every service with ``spec.autoscaling.slo`` (:mod:`.slo_store`)."""
+    """The SLO controller's state of every service with ``spec.autoscaling.slo`` (:mod:`.slo.store`)."""
     bodies: dict[ServiceKey, dict[str, Any]] = dataclasses.field(default_factory=dict)
     rounds: dict[ServiceKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     ticker: asyncio.Task[None] | None = None
@@ -654,28 +881,42 @@ class AutoscalerLoop:
                 continue  # the last round is still going: never two at once for one object
             if _is_paused(body) or (body.get("metadata") or {}).get("deletionTimestamp"):
                 continue
-            interval = str(((body.get("spec") or {}).get("autoscaling") or {}).get("interval")
-                           or defaults.AUTOSCALING_INTERVAL)
+            interval = str(
+                ((body.get("spec") or {}).get("autoscaling") or {}).get("interval") or defaults.AUTOSCALING_INTERVAL
+            )
             try:
                 interval_seconds = parse_duration_seconds(interval)
             except ValueError:
                 continue  # the CRD rejects this; an old object is reported by the reconciler
             # half a tick of slack, so a 15 s interval on a 5 s tick runs every 15 s, not 20 s
-            if not self.state.due(namespace=key[0], name=key[1], now_seconds=now,
-                                  interval_seconds=interval_seconds - self.base_tick_seconds / 2):
+            if not self.state.due(
+                namespace=key[0],
+                name=key[1],
+                now_seconds=now,
+                interval_seconds=interval_seconds - self.base_tick_seconds / 2,
+            ):
                 continue
             self.state.mark_run(namespace=key[0], name=key[1], now_seconds=now)
             self.rounds[key] = asyncio.create_task(
-                self._round(key=key, body=body, now_seconds=wall_now), name=f"autoscaler {key[0]}/{key[1]}")
+                self._round(key=key, body=body, now_seconds=wall_now), name=f"autoscaler {key[0]}/{key[1]}"
+            )
             started.append(key)
         return started
 
     async def _round(self, *, key: ServiceKey, body: Mapping[str, Any], now_seconds: float) -> None:
         try:
-            await run_once(isvc=body, api=self.api, prometheus=self.prometheus, state=self.state,
-                           metrics=self.metrics, now_seconds=now_seconds, logger=logger,
-                           scrape_interval_seconds=self.scrape_interval_seconds, window_seconds=self.window_seconds,
-                           slo_store=self.slo_store)
+            await run_once(
+                isvc=body,
+                api=self.api,
+                prometheus=self.prometheus,
+                state=self.state,
+                metrics=self.metrics,
+                now_seconds=now_seconds,
+                logger=logger,
+                scrape_interval_seconds=self.scrape_interval_seconds,
+                window_seconds=self.window_seconds,
+                slo_store=self.slo_store,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one object's failure must not stop the others' rounds
@@ -684,18 +925,20 @@ class AutoscalerLoop:
             if self.state.round_failures.pop(key, None) is not None:
                 logger.info("Autoscaling rounds of %s/%s succeed again", key[0], key[1])
 
-    async def _report_failure(self, *, key: ServiceKey, body: Mapping[str, Any], now_seconds: float,
-                              error: Exception) -> None:
+    async def _report_failure(
+        self, *, key: ServiceKey, body: Mapping[str, Any], now_seconds: float, error: Exception
+    ) -> None:
         """A failed round: ``ScalingActive=False`` with what failed, so the status does not go on
         claiming an active autoscaler, and one log line per distinct failure (a round that fails
         the same way every interval is logged once, its traceback at DEBUG)."""
-        if isinstance(error, ApiException):
+        if isinstance(error, kube.ApiException):
             reason, what = Reason.API_ERROR, kube.error_message(error)
         else:
             reason, what = Reason.ROUND_FAILED, f"{type(error).__name__}: {error}"
         if self.state.round_failures.get(key) != what:
-            logger.error("Autoscaling round of %s/%s failed (logged again only when this changes): %s",
-                         key[0], key[1], what)
+            logger.error(
+                "Autoscaling round of %s/%s failed (logged again only when this changes): %s", key[0], key[1], what
+            )
         logger.debug("Autoscaling round of %s/%s failed", key[0], key[1], exc_info=error)
         self.state.round_failures[key] = what
 
@@ -704,11 +947,21 @@ class AutoscalerLoop:
 
         try:
             await asyncio.to_thread(
-                status.patch_status, api=self.api, namespace=key[0], name=key[1], clock=clock,
+                status.patch_status,
+                api=self.api,
+                namespace=key[0],
+                name=key[1],
+                clock=clock,
                 observed_generation=(body.get("metadata") or {}).get("generation"),
-                conditions=[status.ConditionUpdate(
-                    type=ConditionType.SCALING_ACTIVE.value, status="False", reason=reason,
-                    message=f"the autoscaling round failed: {what}"[:MAX_MESSAGE_LENGTH])])
+                conditions=[
+                    status.ConditionUpdate(
+                        type=ConditionType.SCALING_ACTIVE.value,
+                        status="False",
+                        reason=reason,
+                        message=f"the autoscaling round failed: {what}"[:MAX_MESSAGE_LENGTH],
+                    )
+                ],
+            )
         except Exception as exc:  # noqa: BLE001 - the failure is logged already; the next round retries
             logger.debug("Could not report the failed round of %s/%s: %s", key[0], key[1], exc)
 
@@ -733,10 +986,15 @@ def register(
     ``window_seconds`` the smoothing window of every gauge; ``clock`` and ``wall_clock`` as in
     :class:`AutoscalerLoop`. Returns the loop, for inspection."""
     autoscaler = AutoscalerLoop(
-        api=api, prometheus=make_prometheus(url=prometheus_url), state=AutoscalerState(),
-        metrics=AutoscalerMetrics.create(registry=metrics_registry), base_tick_seconds=base_tick_seconds,
-        scrape_interval_seconds=scrape_interval_seconds, window_seconds=window_seconds,
-        clock=clock, wall_clock=wall_clock,
+        api=api,
+        prometheus=make_prometheus(url=prometheus_url),
+        state=AutoscalerState(),
+        metrics=AutoscalerMetrics.create(registry=metrics_registry),
+        base_tick_seconds=base_tick_seconds,
+        scrape_interval_seconds=scrape_interval_seconds,
+        window_seconds=window_seconds,
+        clock=clock,
+        wall_clock=wall_clock,
     )
     group, version, plural = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 

@@ -42,17 +42,20 @@ class AutoscalerMetrics:
             desired_replicas=Gauge(
                 OperatorMetric.AUTOSCALER_DESIRED_REPLICAS,
                 "Replicas the autoscaler's last decision asked for",
-                ["namespace", "inferenceservice", "role"], registry=registry,
+                ["namespace", "inferenceservice", "role"],
+                registry=registry,
             ),
             ready_replicas=Gauge(
                 OperatorMetric.AUTOSCALER_READY_REPLICAS,
                 "Ready pods the autoscaler's last decision saw",
-                ["namespace", "inferenceservice", "role"], registry=registry,
+                ["namespace", "inferenceservice", "role"],
+                registry=registry,
             ),
             decisions_total=Counter(
                 OperatorMetric.AUTOSCALER_DECISIONS_TOTAL,
                 "Autoscaler decisions by direction (hold: metrics unavailable)",
-                ["namespace", "inferenceservice", "role", "direction"], registry=registry,
+                ["namespace", "inferenceservice", "role", "direction"],
+                registry=registry,
             ),
         )
 

@@ -60,7 +60,7 @@ class AutoscaleSettings:
     is a floor under the SLO decision (``spec.autoscaling`` with both set)."""
     max_from_seconds: float | None = None
     """From this time on every pool is asked for ``max_replicas`` whatever the policy decides (a
-    bound, not a policy: the ``shift-bound`` of :mod:`splitserve_planner.slo_compare`)."""
+    bound, not a policy: the ``shift-bound`` of ``bench/splitserve_bench/slo_compare.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +94,9 @@ class FleetConfig:
         else:
             raise ValueError(f"mode must be {DISAGGREGATED} or {AGGREGATED}, got {self.mode!r}")
         if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"unknown router policy {self.router_policy!r}; choose one of: {', '.join(ROUTER_POLICIES)}")
+            raise ValueError(
+                f"unknown router policy {self.router_policy!r}; choose one of: {', '.join(ROUTER_POLICIES)}"
+            )
         if self.prefill_overflow_tokens < 0:
             raise ValueError("prefill_overflow_tokens must be >= 0")
         if self.kv_link_bytes_per_second <= 0 or self.gpus_per_replica < 1:

@@ -33,17 +33,34 @@ def _decode_token_seconds(pod: Pod, num_seqs: int, context_tokens: int) -> float
     verification forward yields ``E`` tokens per sequence, so a step costs ``forward / E``."""
     spec = pod.speculation
     if spec.applies(num_seqs):
-        return verify_step_seconds(pod.perf, batch_size=num_seqs, num_context_tokens=context_tokens,
-                                   num_tokens=spec.num_tokens) / spec.tokens_per_forward
-    return pod.perf.step_seconds(num_tokens=num_seqs, num_seqs=num_seqs, num_attention_pairs=context_tokens + num_seqs,
-                                 num_kv_tokens=context_tokens)
+        return (
+            verify_step_seconds(
+                pod.perf, batch_size=num_seqs, num_context_tokens=context_tokens, num_tokens=spec.num_tokens
+            )
+            / spec.tokens_per_forward
+        )
+    return pod.perf.step_seconds(
+        num_tokens=num_seqs,
+        num_seqs=num_seqs,
+        num_attention_pairs=context_tokens + num_seqs,
+        num_kv_tokens=context_tokens,
+    )
 
 
 class _Batch:
     """The step being assembled: the token budget left and the inputs of its cost."""
 
-    __slots__ = ("budget", "num_tokens", "num_seqs", "pairs", "kv_tokens", "chunks", "decode_context",
-                 "prefill_tokens", "prefill_pairs")
+    __slots__ = (
+        "budget",
+        "num_tokens",
+        "num_seqs",
+        "pairs",
+        "kv_tokens",
+        "chunks",
+        "decode_context",
+        "prefill_tokens",
+        "prefill_pairs",
+    )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -103,8 +120,7 @@ class EngineModel(SimState):
         k = 1
         pod.macro_dt0 = dt
         if self.macro_steps and pod.finish_heap:
-            k = min(pod.finish_heap[0][0] - pod.step_index, (pod.capacity - pod.prefill_kv - ctx) // n,
-                    MAX_MACRO_STEPS)
+            k = min(pod.finish_heap[0][0] - pod.step_index, (pod.capacity - pod.prefill_kv - ctx) // n, MAX_MACRO_STEPS)
             if k > 1:  # k identical-batch steps in one event; context grows n per step
                 last = ctx + (k - 1) * n
                 last_dt = _decode_token_seconds(pod, n, last)
@@ -154,8 +170,12 @@ class EngineModel(SimState):
             pod.cur_tokens_per_forward = pod.speculation.tokens_per_forward
         else:  # a step with prefill chunks is priced without speculation (see the module docstring)
             n_seqs = batch.num_seqs + sum(1 for job, take in chunks if job.num_computed + take == job.num_tokens)
-            dt = pod.perf.step_seconds(num_tokens=batch.num_tokens, num_seqs=max(n_seqs, 1),
-                                       num_attention_pairs=batch.pairs, num_kv_tokens=batch.kv_tokens)
+            dt = pod.perf.step_seconds(
+                num_tokens=batch.num_tokens,
+                num_seqs=max(n_seqs, 1),
+                num_attention_pairs=batch.pairs,
+                num_kv_tokens=batch.kv_tokens,
+            )
         pod.busy = True
         pod.step_start_s = self.now
         pod.cur_prefill = chunks
@@ -408,7 +428,10 @@ class EngineModel(SimState):
             job.kv_ready = True
             target = self._choose_decode()
             target.inbound += 1
-            seconds = self.fleet.kv_transfer_latency_seconds + job.num_tokens * self.perf.kv_bytes_per_token / self.fleet.kv_link_bytes_per_second
+            seconds = (
+                self.fleet.kv_transfer_latency_seconds
+                + job.num_tokens * self.perf.kv_bytes_per_token / self.fleet.kv_link_bytes_per_second
+            )
             self._push(self.now + seconds, TRANSFER_DONE, (job, target))
             return
         pod.prefill_kv -= job.num_tokens
@@ -462,4 +485,3 @@ class EngineModel(SimState):
         pod.step_start_s = self.now
         pod.step_end_s = self.now + dt
         self._push(pod.step_end_s, STEP_END, pod)
-

@@ -74,25 +74,39 @@ class WindowObserver(SimState):
         delta = [a - b for a, b in zip(now, before, strict=True)]
         if delta[0] <= 0:
             return []
-        window = StepSample(steps=delta[0], seconds=delta[1], prefill_tokens=delta[2],
-                            prefill_attention_pairs=delta[3], decode_rows=delta[4], decode_context_tokens=delta[5])
-        return window.split(decode_only_steps=delta[6], decode_only_seconds=delta[7], decode_only_rows=delta[8],
-                            decode_only_context_tokens=delta[9])
+        window = StepSample(
+            steps=delta[0],
+            seconds=delta[1],
+            prefill_tokens=delta[2],
+            prefill_attention_pairs=delta[3],
+            decode_rows=delta[4],
+            decode_context_tokens=delta[5],
+        )
+        return window.split(
+            decode_only_steps=delta[6],
+            decode_only_seconds=delta[7],
+            decode_only_rows=delta[8],
+            decode_only_context_tokens=delta[9],
+        )
 
-    def _pool_observation(self, role: str, *, ttft: float | None,
-                          itl: float | None) -> PoolSloObservation:
+    def _pool_observation(self, role: str, *, ttft: float | None, itl: float | None) -> PoolSloObservation:
         pods = self.pools[role]
         samples = [s for p in pods for s in self._step_samples(p)]
         waiting_prompt = sum(j.num_tokens - j.num_computed for p in pods for j in p.waiting if not j.kv_ready)
         return PoolSloObservation(
-            role=role, current_replicas=len(pods) + self.starting[role], ready_replicas=len(pods),
-            pending_replicas=0, step_samples=samples,
+            role=role,
+            current_replicas=len(pods) + self.starting[role],
+            ready_replicas=len(pods),
+            pending_replicas=0,
+            step_samples=samples,
             requests_waiting=float(sum(len(p.waiting) for p in pods)),
             prompt_tokens_waiting=float(waiting_prompt),
             requests_running=float(sum(p.num_running for p in pods)),
             kv_cache_usage_ratio=sum(p.kv_used / p.capacity for p in pods) / max(len(pods), 1),
             kv_cache_tokens_per_replica=float(pods[0].capacity if pods else self.perf.kv_capacity_tokens),
-            ttft_p99_seconds=ttft, itl_p99_seconds=itl)
+            ttft_p99_seconds=ttft,
+            itl_p99_seconds=itl,
+        )
 
     def _observed_arrivals(self, window: float) -> list[Request]:
         """The arrivals of the window the round reads: the last ``window`` seconds, or with an
@@ -123,11 +137,18 @@ class WindowObserver(SimState):
             prompt, output = self._last_load.prompt_tokens_mean, self._last_load.output_tokens_mean
         else:
             return None
-        hit = cached / (cached + computed) if cached + computed > 0 else (
-            self._last_load.prefix_hit_ratio if self._last_load is not None else 0.0)
-        self._last_load = LoadObservation(window_seconds=window, request_rate=len(arrivals) / window,
-                                          prompt_tokens_mean=prompt, output_tokens_mean=output,
-                                          prefix_hit_ratio=min(max(hit, 0.0), 1.0))
+        hit = (
+            cached / (cached + computed)
+            if cached + computed > 0
+            else (self._last_load.prefix_hit_ratio if self._last_load is not None else 0.0)
+        )
+        self._last_load = LoadObservation(
+            window_seconds=window,
+            request_rate=len(arrivals) / window,
+            prompt_tokens_mean=prompt,
+            output_tokens_mean=output,
+            prefix_hit_ratio=min(max(hit, 0.0), 1.0),
+        )
         return self._last_load
 
     def _observe_window(self, *, quantile: float) -> SloInputs:
@@ -139,8 +160,10 @@ class WindowObserver(SimState):
         pools: dict[str, PoolSloObservation] = {}
         for role in self.pools:
             pools[role] = self._pool_observation(
-                role, ttft=ttft if role == self.entry_role else None,
-                itl=itl if role in ("decode", "aggregated") else None)
+                role,
+                ttft=ttft if role == self.entry_role else None,
+                itl=itl if role in ("decode", "aggregated") else None,
+            )
         load = self._load_observation(window)
         live = {p.index for pods in self.pools.values() for p in pods}
         self._last_counters = {i: c for i, c in self._last_counters.items() if i in live}

@@ -133,23 +133,37 @@ class Observer(SimState):
             dec = sum(p.dec_seq_seconds for p in pods)
             replicas = len(self.pools[role])
             pools[role] = PoolStats(
-                role=role, replicas=replicas, busy_fraction=busy / (end * max(len(pods), 1)),
+                role=role,
+                replicas=replicas,
+                busy_fraction=busy / (end * max(len(pods), 1)),
                 mean_decode_batch=dec / (end * max(len(pods), 1)),
                 batch_occupancy=dec / max(busy, 1e-12) / self.engine.max_num_seqs,
                 mean_kv_usage=sum(p.kv_seconds / p.capacity for p in pods) / (end * max(len(pods), 1)),
                 prefill_tokens_computed=self.prefill_computed[role],
-                prefill_tokens_cached=self.prefill_cached[role], preemptions=self.preemptions[role],
-                decode_tokens=sum(p.decode_tokens for p in pods))
+                prefill_tokens_cached=self.prefill_cached[role],
+                preemptions=self.preemptions[role],
+                decode_tokens=sum(p.decode_tokens for p in pods),
+            )
         measured_requests = [r for r in self.requests if r.arrival_seconds >= self.measure_from]
         last = self.requests[-1].arrival_seconds if self.requests else 0.0
         span = max(last - self.measure_from, 1e-9)
         return SimResult(
-            num_measured=len(measured_requests), num_unfinished=len(measured_requests) - self.num_measured,
-            ttft_seconds=np.asarray(self.ttft), prefill_side_seconds=np.asarray(self.ttft_prefill),
-            tpot_seconds=np.asarray(self.tpot), arrival_seconds=np.asarray(self.arrivals),
-            e2e_seconds=np.asarray(self.e2e), queue_seconds=np.asarray(self.queue),
-            itl_values_seconds=np.asarray(self.itl_values), itl_weights=np.asarray(self.itl_weights, dtype=float),
-            measured_seconds=span, num_gpus=self.fleet.num_gpus, pools=pools, timeline=self.timeline,
-            num_events=num_events, wall_seconds=wall_seconds, sim_seconds=self.now,
-            output_tokens=self.output_tokens)
-
+            num_measured=len(measured_requests),
+            num_unfinished=len(measured_requests) - self.num_measured,
+            ttft_seconds=np.asarray(self.ttft),
+            prefill_side_seconds=np.asarray(self.ttft_prefill),
+            tpot_seconds=np.asarray(self.tpot),
+            arrival_seconds=np.asarray(self.arrivals),
+            e2e_seconds=np.asarray(self.e2e),
+            queue_seconds=np.asarray(self.queue),
+            itl_values_seconds=np.asarray(self.itl_values),
+            itl_weights=np.asarray(self.itl_weights, dtype=float),
+            measured_seconds=span,
+            num_gpus=self.fleet.num_gpus,
+            pools=pools,
+            timeline=self.timeline,
+            num_events=num_events,
+            wall_seconds=wall_seconds,
+            sim_seconds=self.now,
+            output_tokens=self.output_tokens,
+        )

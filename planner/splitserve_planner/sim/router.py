@@ -48,8 +48,11 @@ class Router(SimState):
         prefill = [p for p in self.pools["prefill"] if p.accepting]
         if not prefill or min(self._queued_prompt_tokens(p) for p in prefill) < limit:
             return None
-        room = [p for p in self.pools["decode"]
-                if p.accepting and max(self._queued_prompt_tokens(p), p.overflow_tokens) < limit]
+        room = [
+            p
+            for p in self.pools["decode"]
+            if p.accepting and max(self._queued_prompt_tokens(p), p.overflow_tokens) < limit
+        ]
         return self._choose_decode(room) if room else None
 
     def _enqueue(self, pod: Pod, job: Job) -> None:
@@ -89,6 +92,4 @@ class Router(SimState):
     def _choose_decode(self, pods: list[Pod] | None = None) -> Pod:
         if pods is None:
             pods = [p for p in self.pools["decode"] if p.accepting]
-        return min(pods, key=lambda p: (p.kv_used / p.capacity + 0.1 * (len(p.waiting) + p.inbound),
-                                        p.n_dec, p.index))
-
+        return min(pods, key=lambda p: (p.kv_used / p.capacity + 0.1 * (len(p.waiting) + p.inbound), p.n_dec, p.index))

@@ -19,9 +19,12 @@ class Scaling(WindowObserver):
     def _init_autoscaler(self) -> None:
         settings = self.fleet.autoscale
         assert settings is not None
-        self.scaler = SimAutoscaler(settings=settings, initial_replicas={r: len(p) for r, p in self.pools.items()},
-                                    gpus_per_replica=self.fleet.gpus_per_replica,
-                                    max_num_batched_tokens=self.engine.max_batched_tokens)
+        self.scaler = SimAutoscaler(
+            settings=settings,
+            initial_replicas={r: len(p) for r, p in self.pools.items()},
+            gpus_per_replica=self.fleet.gpus_per_replica,
+            max_num_batched_tokens=self.engine.max_batched_tokens,
+        )
         if settings.slo is not None:
             self._init_observer()
         self._push(settings.interval_seconds, SCALE, None)
@@ -31,10 +34,13 @@ class Scaling(WindowObserver):
         assert settings is not None
         observations = {
             role: PoolObservation(
-                current_replicas=len(pods) + self.starting[role], ready_replicas=len(pods),
+                current_replicas=len(pods) + self.starting[role],
+                ready_replicas=len(pods),
                 requests_waiting=float(sum(len(p.waiting) for p in pods)),
-                kv_cache_usage_ratio=sum(p.kv_used / p.capacity for p in pods) / max(len(pods), 1))
-            for role, pods in self.pools.items()}
+                kv_cache_usage_ratio=sum(p.kv_used / p.capacity for p in pods) / max(len(pods), 1),
+            )
+            for role, pods in self.pools.items()
+        }
         slo_inputs = self._observe_window(quantile=settings.slo.attainment) if settings.slo is not None else None
         desired_counts = self.scaler.step(now_seconds=self.now, observations=observations, slo_inputs=slo_inputs)
         for role, desired in desired_counts.items():

@@ -25,9 +25,23 @@ MAX_MACRO_STEPS = 512
 class Job:
     """One request in flight: prompt/prefill progress, decode bookkeeping, timestamps."""
 
-    __slots__ = ("req", "num_tokens", "num_computed", "num_cached", "remaining", "first_token_s",
-                 "finish_s", "kv_ready", "join_step", "join_ctx", "epoch", "start_s", "pod",
-                 "prefill_done_s", "overflow_tokens")
+    __slots__ = (
+        "req",
+        "num_tokens",
+        "num_computed",
+        "num_cached",
+        "remaining",
+        "first_token_s",
+        "finish_s",
+        "kv_ready",
+        "join_step",
+        "join_ctx",
+        "epoch",
+        "start_s",
+        "pod",
+        "prefill_done_s",
+        "overflow_tokens",
+    )
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -53,9 +67,18 @@ class StepCounters:
     """Cumulative engine-step counters of one pod, as ``splitserve_engine_*_total``
     (:class:`splitserve_operator.autoscaler.slo.inputs.StepSample` is a window's delta)."""
 
-    __slots__ = ("steps", "seconds", "prefill_tokens", "prefill_attention_pairs", "decode_rows",
-                 "decode_context_tokens", "decode_only_steps", "decode_only_seconds", "decode_only_rows",
-                 "decode_only_context_tokens")
+    __slots__ = (
+        "steps",
+        "seconds",
+        "prefill_tokens",
+        "prefill_attention_pairs",
+        "decode_rows",
+        "decode_context_tokens",
+        "decode_only_steps",
+        "decode_only_seconds",
+        "decode_only_rows",
+        "decode_only_context_tokens",
+    )
 
     def __init__(self) -> None:
         self.steps = 0
@@ -72,22 +95,66 @@ class StepCounters:
 
     def snapshot(self) -> tuple[float, ...]:
         """The six totals, then the four decode-only parts."""
-        return (float(self.steps), self.seconds, float(self.prefill_tokens), float(self.prefill_attention_pairs),
-                float(self.decode_rows), float(self.decode_context_tokens), float(self.decode_only_steps),
-                self.decode_only_seconds, float(self.decode_only_rows), float(self.decode_only_context_tokens))
+        return (
+            float(self.steps),
+            self.seconds,
+            float(self.prefill_tokens),
+            float(self.prefill_attention_pairs),
+            float(self.decode_rows),
+            float(self.decode_context_tokens),
+            float(self.decode_only_steps),
+            self.decode_only_seconds,
+            float(self.decode_only_rows),
+            float(self.decode_only_context_tokens),
+        )
 
 
 class Pod:
     """One engine: its queues, KV usage, decode aggregates and the step it is running."""
 
-    __slots__ = ("index", "role", "perf", "engine", "capacity", "waiting", "prefilling", "prefill_kv",
-                 "n_dec", "dec_offset", "step_index", "finish_heap", "dec_stack", "busy",
-                 "step_start_s", "busy_seconds", "dec_seq_seconds", "kv_seconds", "lru",
-                 "accepting", "inbound", "batch_open", "cur_prefill", "cur_dt", "counter",
-                 "exp_job", "macro_k", "step_end_s", "decode_tokens", "macro_dt0", "macro_delta",
-                 "speculation", "cur_tokens_per_forward", "cur_prefill_tokens", "cur_prefill_pairs",
-                 "cur_decode_rows", "cur_decode_context", "counters", "born_s", "gone_s",
-                 "overflow_tokens")
+    __slots__ = (
+        "index",
+        "role",
+        "perf",
+        "engine",
+        "capacity",
+        "waiting",
+        "prefilling",
+        "prefill_kv",
+        "n_dec",
+        "dec_offset",
+        "step_index",
+        "finish_heap",
+        "dec_stack",
+        "busy",
+        "step_start_s",
+        "busy_seconds",
+        "dec_seq_seconds",
+        "kv_seconds",
+        "lru",
+        "accepting",
+        "inbound",
+        "batch_open",
+        "cur_prefill",
+        "cur_dt",
+        "counter",
+        "exp_job",
+        "macro_k",
+        "step_end_s",
+        "decode_tokens",
+        "macro_dt0",
+        "macro_delta",
+        "speculation",
+        "cur_tokens_per_forward",
+        "cur_prefill_tokens",
+        "cur_prefill_pairs",
+        "cur_decode_rows",
+        "cur_decode_context",
+        "counters",
+        "born_s",
+        "gone_s",
+        "overflow_tokens",
+    )
 
     def __init__(self, *, index: int, role: str, perf: StepCost, engine: EngineSettings) -> None:
         self.index = index
@@ -164,8 +231,15 @@ class SimState:
     The four hooks at the end are implemented by :class:`~.engine.EngineModel` and
     :class:`~.router.Router`; they are declared here so each mixin can call the other's."""
 
-    def __init__(self, *, fleet: FleetConfig, perf: StepCost, requests: list[Request],
-                 options: SimOptions, decode_perf: StepCost | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        fleet: FleetConfig,
+        perf: StepCost,
+        requests: list[Request],
+        options: SimOptions,
+        decode_perf: StepCost | None = None,
+    ) -> None:
         self.fleet = fleet
         self.perf = perf
         self.decode_perf = decode_perf or perf

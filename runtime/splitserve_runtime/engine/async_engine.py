@@ -89,9 +89,13 @@ _Command = _Add | _Abort | _Call
 class AsyncEngine:
     """Owns an :class:`LLMEngine` and the thread that steps it."""
 
-    def __init__(self, *, engine: LLMEngine | None = None,
-                 engine_factory: Callable[[], LLMEngine] | None = None,
-                 step_timeout_s: float = defaults.ENGINE_STEP_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        engine: LLMEngine | None = None,
+        engine_factory: Callable[[], LLMEngine] | None = None,
+        step_timeout_s: float = defaults.ENGINE_STEP_TIMEOUT_SECONDS,
+    ) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine or engine_factory")
         if not step_timeout_s >= 0:
@@ -119,12 +123,12 @@ class AsyncEngine:
         self._stats_time_s = 0.0
         self._finish_times_s: collections.deque[float] = collections.deque(maxlen=4096)
         self._remove_exit_hook: Callable[[], None] | None = None
+        self._iteration_hooks: list[Callable[[LLMEngine], None]] = []
 
     @classmethod
     def from_args(cls, args: ServeArgs) -> AsyncEngine:
         """An engine that loads the model in :meth:`start` (off the event loop)."""
-        return cls(engine_factory=lambda: LLMEngine.from_args(args),
-                   step_timeout_s=args.engine_step_timeout_seconds)
+        return cls(engine_factory=lambda: LLMEngine.from_args(args), step_timeout_s=args.engine_step_timeout_seconds)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -139,8 +143,7 @@ class AsyncEngine:
         self._thread.start()
         self._remove_exit_hook = exit_hooks.add(self._fail_before_exit, stage="fail")
         if self.step_timeout_s > 0:
-            self._watchdog = threading.Thread(target=self._watch, name="splitserve-engine-watchdog",
-                                              daemon=True)
+            self._watchdog = threading.Thread(target=self._watch, name="splitserve-engine-watchdog", daemon=True)
             self._watchdog.start()
 
     async def shutdown(self) -> None:
@@ -164,8 +167,7 @@ class AsyncEngine:
             self._engine.close()
         self._healthy = False
         for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(self._terminal_output(request_id, reason=FINISH_ABORT,
-                                                   error="the engine shut down"))
+            queue.put_nowait(self._terminal_output(request_id, reason=FINISH_ABORT, error="the engine shut down"))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -201,9 +203,9 @@ class AsyncEngine:
         return self._stats
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, *, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams,
-                       keep_kv: bool = False) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, *, request_id: str, prompt_token_ids: list[int], params: SamplingParams, keep_kv: bool = False
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request (see the module docstring). ``keep_kv``: pin
         its KV when it finishes, for a decode pod to pull (see :mod:`.handoff`)."""
         if not self._healthy:
@@ -214,12 +216,14 @@ class AsyncEngine:
         engine.check_request(prompt_token_ids=prompt_token_ids, params=params)
         num_waiting = engine.scheduler.num_waiting + self._num_pending_adds
         if num_waiting >= engine.config.max_queue_len:
-            raise QueueFull(num_waiting=num_waiting, max_queue_len=engine.config.max_queue_len,
-                            retry_after_seconds=self._retry_after_seconds(num_waiting))
+            raise QueueFull(
+                num_waiting=num_waiting,
+                max_queue_len=engine.config.max_queue_len,
+                retry_after_seconds=self._retry_after_seconds(num_waiting),
+            )
         stream = self.open_stream(request_id)
         try:
-            self._submit(_Add(request_id, list(prompt_token_ids), params, time.monotonic(),
-                             keep_kv=keep_kv))
+            self._submit(_Add(request_id, list(prompt_token_ids), params, time.monotonic(), keep_kv=keep_kv))
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -237,8 +241,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         return self._drain(request_id, queue)
 
-    async def _drain(self, request_id: str,
-                     queue: asyncio.Queue[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
+    async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while True:
@@ -255,6 +258,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its stream ends with ``abort``."""
         self._submit(_Abort(request_id))
+
+    def add_iteration_hook(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Run ``hook(engine)`` on the engine thread after every loop iteration (the commands
+        applied, the step taken): where room freed by a step, an abort or a KV release can be
+        handed to a waiter at once (the decode role's pending KV imports). Add before start."""
+        self._iteration_hooks.append(hook)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps (hooks such as KV
@@ -285,8 +294,7 @@ class AsyncEngine:
                 with self._cv:
                     # Idle, or stalled: only a command (add, abort, a KV release) can free
                     # the blocks the waiting requests need, so wait for one, don't spin.
-                    while (not self._inbox and not self._stopping
-                           and (not engine.has_unfinished() or engine.stalled)):
+                    while not self._inbox and not self._stopping and (not engine.has_unfinished() or engine.stalled):
                         self._publish_stats(engine, force=True)
                         self._cv.wait()
                     if self._stopping or self._fatal_error is not None:
@@ -298,6 +306,8 @@ class AsyncEngine:
                 outputs = self._apply(engine, commands)
                 if engine.has_unfinished():
                     outputs.extend(engine.step())
+                for hook in self._iteration_hooks:
+                    hook(engine)
                 with self._cv:
                     self._busy_since_s = None
                     if self._fatal_error is not None:  # declared wedged while it ran: too late
@@ -326,10 +336,12 @@ class AsyncEngine:
                 break
         else:
             return
-        message = (f"the engine is wedged: engine loop iteration {iteration} "
-                   f"({self._describe_work()}) has run for {now - since:.1f} s, over "
-                   f"--engine-step-timeout-seconds ({timeout:g} s){self._ranks_hint()}; "
-                   "failing /health so the pod is restarted")
+        message = (
+            f"the engine is wedged: engine loop iteration {iteration} "
+            f"({self._describe_work()}) has run for {now - since:.1f} s, over "
+            f"--engine-step-timeout-seconds ({timeout:g} s){self._ranks_hint()}; "
+            "failing /health so the pod is restarted"
+        )
         log.error("%s", message)
         self._fatal(message)
 
@@ -347,8 +359,10 @@ class AsyncEngine:
         group: Any = getattr(getattr(engine, "runner", None), "group", None)
         size = getattr(group, "size", None)
         if isinstance(size, int) and size > 1:
-            return (f"; ranks 0-{size - 1} run each step in lockstep (tensor {group.tp_size} x "
-                    f"pipeline {group.num_stages}), so at least one of them is stopped or stuck")
+            return (
+                f"; ranks 0-{size - 1} run each step in lockstep (tensor {group.tp_size} x "
+                f"pipeline {group.num_stages}), so at least one of them is stopped or stuck"
+            )
         return ""
 
     def _apply(self, engine: LLMEngine, commands: list[_Command]) -> list[RequestOutput]:
@@ -356,13 +370,15 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 try:
-                    engine.add_request(request_id=command.request_id,
-                                       prompt_token_ids=command.prompt_token_ids,
-                                       params=command.params, arrival_time_s=command.arrival_time_s,
-                                       keep_kv=command.keep_kv)
+                    engine.add_request(
+                        request_id=command.request_id,
+                        prompt_token_ids=command.prompt_token_ids,
+                        params=command.params,
+                        arrival_time_s=command.arrival_time_s,
+                        keep_kv=command.keep_kv,
+                    )
                 except ValueError as exc:  # e.g. a duplicate id that raced the check
-                    outputs.append(self._terminal_output(command.request_id, reason=FINISH_ERROR,
-                                                         error=str(exc)))
+                    outputs.append(self._terminal_output(command.request_id, reason=FINISH_ERROR, error=str(exc)))
             elif isinstance(command, _Abort):
                 out = engine.abort_request(command.request_id)
                 if out is not None:
@@ -429,10 +445,18 @@ class AsyncEngine:
 
     @staticmethod
     def _terminal_output(request_id: str, *, reason: str, error: str) -> RequestOutput:
-        return RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
-                             new_logprobs=None, finished=True, finish_reason=reason,
-                             num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0,
-                             error=error)
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=None,
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            error=error,
+        )
 
     def _retry_after_seconds(self, num_waiting: int) -> float:
         """Waiting requests / recent completion rate, clamped to [1, 60] seconds."""

@@ -37,8 +37,9 @@ class NoFreeBlocks(RuntimeError):
 class BlockManager:
     """Owns block ids, reference counts and the hash -> block index of the prefix cache."""
 
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 hash_salt: bytes = b"") -> None:
+    def __init__(
+        self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_salt: bytes = b""
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -87,7 +88,7 @@ class BlockManager:
         parent = hashes[-1] if hashes else self._root_hash
         bs = self.block_size
         for index in range(len(hashes), num_full):
-            parent = hash_block(parent_hash=parent, token_ids=seq.token_ids[index * bs:(index + 1) * bs])
+            parent = hash_block(parent_hash=parent, token_ids=seq.token_ids[index * bs : (index + 1) * bs])
             hashes.append(parent)
         return hashes[:num_full]
 
@@ -108,8 +109,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def num_new_blocks_needed(self, *, seq: Sequence, num_new_tokens: int,
-                              cached_block_ids: list[int] | None = None) -> int:
+    def num_new_blocks_needed(
+        self, *, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] | None = None
+    ) -> int:
         """Free blocks that admitting/extending ``seq`` by ``num_new_tokens`` would consume.
 
         With ``cached_block_ids`` (an unadmitted sequence's prefix hits) the count includes
@@ -126,10 +128,8 @@ class BlockManager:
         needed = self.num_blocks_for(num_computed + num_new_tokens) - held
         return max(needed, 0) + revived
 
-    def can_allocate(self, *, seq: Sequence, num_new_tokens: int,
-                     cached_block_ids: list[int] | None = None) -> bool:
-        needed = self.num_new_blocks_needed(
-            seq=seq, num_new_tokens=num_new_tokens, cached_block_ids=cached_block_ids)
+    def can_allocate(self, *, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
+        needed = self.num_new_blocks_needed(seq=seq, num_new_tokens=num_new_tokens, cached_block_ids=cached_block_ids)
         return needed <= len(self._free)
 
     # ------------------------------------------------------------------ mutations

@@ -75,7 +75,7 @@ class BlockTables:
         if row < 0:
             return
         if self._lengths[row] > length:
-            self.array[row, length:self._lengths[row]] = 0
+            self.array[row, length : self._lengths[row]] = 0
             self._lengths[row] = length
 
     def release(self, seq: Sequence) -> None:
@@ -83,7 +83,7 @@ class BlockTables:
         row = seq.block_row
         if row < 0:
             return
-        self.array[row, :self._lengths[row]] = 0
+        self.array[row, : self._lengths[row]] = 0
         self._lengths[row] = 0
         self._free_rows.append(row)
         seq.block_row = -1
@@ -100,7 +100,7 @@ class BlockTables:
             while new_width < width:
                 new_width *= 2
             grown = np.zeros((self.array.shape[0], new_width), dtype=np.int32)
-            grown[:, :self.array.shape[1]] = self.array
+            grown[:, : self.array.shape[1]] = self.array
             self.array = grown
 
     def _grow_rows(self) -> None:

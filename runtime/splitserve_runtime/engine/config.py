@@ -36,8 +36,7 @@ class EngineConfig:
     parallelism or with asynchronous scheduling."""
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_queue_len"):
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -52,19 +51,28 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}); enable chunked prefill or lower max_model_len"
             )
         if self.cuda_graphs and self.async_scheduling:
-            raise ValueError("CUDA graphs do not cover asynchronous scheduling yet: its steps build "
-                             "their inputs outside the model runner; turn one of them off")
+            raise ValueError(
+                "CUDA graphs do not cover asynchronous scheduling yet: its steps build "
+                "their inputs outside the model runner; turn one of them off"
+            )
 
     @classmethod
     def from_serve_args(cls, args: ServeArgs, *, max_model_len: int) -> EngineConfig:
         if args.cuda_graphs and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
-            raise ValueError("--cuda-graphs is not available with tensor or pipeline parallelism yet "
-                             "(the ranks' forwards run eagerly); drop one of them")
+            raise ValueError(
+                "--cuda-graphs is not available with tensor or pipeline parallelism yet "
+                "(the ranks' forwards run eagerly); drop one of them"
+            )
         return cls(
-            max_model_len=max_model_len, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_memory_fraction=args.kv_memory_fraction,
-            prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_memory_fraction=args.kv_memory_fraction,
+            prefix_caching=args.prefix_caching,
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            chunked_prefill=args.chunked_prefill, max_queue_len=args.max_queue_len,
-            seed=args.seed, cuda_graphs=args.cuda_graphs,
+            chunked_prefill=args.chunked_prefill,
+            max_queue_len=args.max_queue_len,
+            seed=args.seed,
+            cuda_graphs=args.cuda_graphs,
         )

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..ops.interface import AttentionMetadata
-from .model_runner import CausalLM, DecodeRows, KVCaches, decode_slot_mapping
+from .step_inputs import CausalLM, DecodeRows, KVCaches, decode_slot_mapping
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,8 @@ and each bucket is one more capture at start-up."""
 def decode_buckets(max_batch_size: int, *, cap: int = MAX_GRAPH_BATCH) -> tuple[int, ...]:
     """The default buckets for batches up to ``max_batch_size`` (at most ``cap``): 1, 2, 4,
     then every multiple of 8, the last one the first that holds ``min(max_batch_size, cap)``."""
-    if (
-        isinstance(max_batch_size, bool)
-        or not isinstance(max_batch_size, int)
-        or max_batch_size < 1
-    ):
-        raise ValueError(
-            f"the largest CUDA graph batch must be an integer >= 1, got {max_batch_size!r}"
-        )
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"the largest CUDA graph batch must be an integer >= 1, got {max_batch_size!r}")
     largest = min(max_batch_size, cap)
     sizes: list[int] = []
     candidate = 0
@@ -109,30 +103,22 @@ class DecodeBuffers:
     writes the bucket's ids, positions, slots and context lengths, and the table columns its
     rows use."""
 
-    def __init__(
-        self, *, max_batch_size: int, max_model_len: int, block_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, *, max_batch_size: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         if max_model_len < 1 or block_size < 1:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) and block_size ({block_size}) must be >= 1"
-            )
+            raise ValueError(f"max_model_len ({max_model_len}) and block_size ({block_size}) must be >= 1")
         self.block_size = block_size
         self.width = -(-max_model_len // block_size)
         """Block-table columns: enough for a sequence of ``max_model_len`` tokens."""
         self.device = device
         self.wide = torch.zeros(3 * max_batch_size, dtype=torch.int64, device=device)
-        self.narrow = torch.zeros(
-            max_batch_size * (1 + self.width), dtype=torch.int32, device=device
-        )
+        self.narrow = torch.zeros(max_batch_size * (1 + self.width), dtype=torch.int32, device=device)
         self._no_prefill_i32 = torch.zeros(1, dtype=torch.int32, device=device)
 
     def views(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of bucket ``bucket`` (views of the buffers)."""
         b, width = bucket, self.width
         if 3 * b > self.wide.numel():
-            raise ValueError(
-                f"bucket {b} is larger than the buffers' {self.wide.numel() // 3} rows"
-            )
+            raise ValueError(f"bucket {b} is larger than the buffers' {self.wide.numel() // 3} rows")
         empty = self._no_prefill_i32
         md = AttentionMetadata(
             slot_mapping=self.wide[2 * b : 3 * b],
@@ -170,9 +156,7 @@ class DecodeBuffers:
         if not 0 < n <= b:
             raise ValueError(f"{n} decode rows do not fit bucket {b}")
         if not self.fits(rows):
-            raise ValueError(
-                f"a decode position is beyond max_model_len ({width * self.block_size} tokens)"
-            )
+            raise ValueError(f"a decode position is beyond max_model_len ({width * self.block_size} tokens)")
         wide = np.zeros(3 * b, dtype=np.int64)
         wide[:n] = rows.token_ids
         wide[b : b + n] = rows.positions
@@ -275,13 +259,9 @@ class DecodeGraphs:
         with torch.inference_mode():
             ids, positions, md = self.buffers.views(largest)
             self.buffers.pad(largest)
-            hidden = self.model.forward(
-                input_ids=ids, positions=positions, kv_caches=self.kv_caches, md=md
-            )
+            hidden = self.model.forward(input_ids=ids, positions=positions, kv_caches=self.kv_caches, md=md)
             if hidden.dim() != 2 or hidden.shape[0] != largest:
-                raise ValueError(
-                    f"CUDA graphs need a forward that returns [rows, hidden], got {tuple(hidden.shape)}"
-                )
+                raise ValueError(f"CUDA graphs need a forward that returns [rows, hidden], got {tuple(hidden.shape)}")
             self.hidden = torch.empty_like(hidden)
             for bucket in reversed(self.buckets):
                 self.buffers.pad(bucket)  # the warm-up and capture runs write no KV
@@ -299,9 +279,7 @@ class DecodeGraphs:
 
         def forward() -> None:
             with torch.inference_mode():
-                hidden[:bucket].copy_(
-                    model.forward(input_ids=ids, positions=positions, kv_caches=caches, md=md)
-                )
+                hidden[:bucket].copy_(model.forward(input_ids=ids, positions=positions, kv_caches=caches, md=md))
 
         return forward
 
@@ -315,9 +293,7 @@ class DecodeGraphs:
         bucket = bucket_for(len(rows), self.buckets) or 0
         replay = self._replays.get(bucket)
         if replay is None or self.hidden is None:
-            raise ValueError(
-                f"no captured decode graph holds {len(rows)} rows (buckets {list(self.buckets)})"
-            )
+            raise ValueError(f"no captured decode graph holds {len(rows)} rows (buckets {list(self.buckets)})")
         self.buffers.fill(rows, bucket)
         replay()
         return self.hidden[: len(rows)]

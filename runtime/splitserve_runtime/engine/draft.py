@@ -22,15 +22,9 @@ import dataclasses
 import torch
 
 from .kv_budget import KVCacheSpec
-from .model_runner import (
-    CausalLM,
-    DecodeRow,
-    KVCaches,
-    PrefillRow,
-    allocate_kv_caches,
-    build_step_inputs,
-)
+from .model_runner import allocate_kv_caches
 from .sequence import Sequence
+from .step_inputs import CausalLM, DecodeRow, KVCaches, PrefillRow, build_step_inputs
 
 
 @dataclasses.dataclass
@@ -45,8 +39,9 @@ class DraftModel:
     kv_caches: KVCaches = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.kv_caches = allocate_kv_caches(spec=self.spec, num_blocks=self.num_blocks,
-                                            block_size=self.block_size, device=self.device)
+        self.kv_caches = allocate_kv_caches(
+            spec=self.spec, num_blocks=self.num_blocks, block_size=self.block_size, device=self.device
+        )
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[list[int]]:
@@ -55,25 +50,41 @@ class DraftModel:
         if not seqs:
             return []
         # 1. catch up on missing positions and take the first proposal from the last row
-        rows = [PrefillRow(token_ids=seq.token_ids[seq.num_draft_computed:], start_position=seq.num_draft_computed,
-                           block_table=seq.block_table) for seq in seqs]
+        rows = [
+            PrefillRow(
+                token_ids=seq.token_ids[seq.num_draft_computed :],
+                start_position=seq.num_draft_computed,
+                block_table=seq.block_table,
+            )
+            for seq in seqs
+        ]
         proposals = [[token] for token in self._run(prefills=rows, decodes=[])]
         for seq in seqs:
             seq.num_draft_computed = seq.num_tokens
         # 2. one batched decode step per further proposal
         for step in range(1, max(lengths)):
             active = [i for i, n in enumerate(lengths) if n > step]
-            decodes = [DecodeRow(token_id=proposals[i][-1], position=seqs[i].num_tokens - 1 + step,
-                                 block_table=seqs[i].block_table) for i in active]
+            decodes = [
+                DecodeRow(
+                    token_id=proposals[i][-1], position=seqs[i].num_tokens - 1 + step, block_table=seqs[i].block_table
+                )
+                for i in active
+            ]
             for i, token in zip(active, self._run(prefills=[], decodes=decodes), strict=True):
                 proposals[i].append(token)
         return proposals
 
     def _run(self, *, prefills: list[PrefillRow], decodes: list[DecodeRow]) -> list[int]:
-        inputs = build_step_inputs(prefills=prefills, decodes=decodes, sample_prefill=[1] * len(prefills),
-                                   block_size=self.block_size, device=self.device)
-        hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                    kv_caches=self.kv_caches, md=inputs.md)
+        inputs = build_step_inputs(
+            prefills=prefills,
+            decodes=decodes,
+            sample_prefill=[1] * len(prefills),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        hidden = self.model.forward(
+            input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=self.kv_caches, md=inputs.md
+        )
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         tokens: list[int] = logits.argmax(dim=-1).tolist()
         return tokens

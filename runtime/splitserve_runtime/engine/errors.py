@@ -31,8 +31,9 @@ class ContextLengthExceeded(EngineError, ValueError):
 class PromptExceedsKVCapacity(EngineError, ValueError):
     """The prompt alone needs more KV blocks than the whole cache holds."""
 
-    def __init__(self, *, num_prompt_tokens: int, num_blocks_needed: int, num_blocks_total: int,
-                 block_size: int) -> None:
+    def __init__(
+        self, *, num_prompt_tokens: int, num_blocks_needed: int, num_blocks_total: int, block_size: int
+    ) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_blocks_needed = num_blocks_needed
         self.num_blocks_total = num_blocks_total
@@ -49,8 +50,9 @@ class RequestExceedsKVCapacity(EngineError, ValueError):
     of ``n`` tokens keeps ``n - 1`` of them in the cache (the last sampled token is never fed
     back), so that is what is counted."""
 
-    def __init__(self, *, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int,
-                 num_blocks_total: int, block_size: int) -> None:
+    def __init__(
+        self, *, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int, num_blocks_total: int, block_size: int
+    ) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.num_blocks_needed = num_blocks_needed
@@ -68,8 +70,7 @@ class RequestExceedsKVCapacity(EngineError, ValueError):
 class QueueFull(EngineError):
     """Too many requests are waiting; try again after ``retry_after_seconds``."""
 
-    def __init__(self, *, num_waiting: int, max_queue_len: int, retry_after_seconds: float,
-                 reason: str = "") -> None:
+    def __init__(self, *, num_waiting: int, max_queue_len: int, retry_after_seconds: float, reason: str = "") -> None:
         self.num_waiting = num_waiting
         self.max_queue_len = max_queue_len
         self.retry_after_seconds = retry_after_seconds

@@ -28,8 +28,7 @@ FP8_KV_MIN_CUDA_CAPABILITY = (8, 9)
 """fp8 e4m3 conversions in Triton need Ada (sm_89) or Hopper (sm_90) and later."""
 
 
-def resolve_kv_cache_dtype(name: str, *, model_dtype: torch.dtype,
-                           device: torch.device) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, *, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """``auto``: the model's activation dtype; ``fp8``: ``float8_e4m3fn``."""
     if name == "auto":
         return model_dtype
@@ -77,15 +76,15 @@ def cpu_kv_budget_bytes(*, kv_memory_fraction: float) -> int:
     return min(int(available_host_memory_bytes() * kv_memory_fraction), CPU_KV_CAP_BYTES)
 
 
-def cuda_kv_budget_bytes(*, device: torch.device, kv_memory_fraction: float,
-                         activation_peak_bytes: int) -> int:
+def cuda_kv_budget_bytes(*, device: torch.device, kv_memory_fraction: float, activation_peak_bytes: int) -> int:
     """Free device memory (after the profiling run) × fraction, minus the activation peak."""
     free_bytes, _total = torch.cuda.mem_get_info(device)
     return int(free_bytes * kv_memory_fraction) - activation_peak_bytes
 
 
-def num_blocks_for_budget(*, budget_bytes: int, spec: KVCacheSpec, block_size: int,
-                          max_useful_blocks: int, extra_bytes_per_block: int = 0) -> int:
+def num_blocks_for_budget(
+    *, budget_bytes: int, spec: KVCacheSpec, block_size: int, max_useful_blocks: int, extra_bytes_per_block: int = 0
+) -> int:
     per_block = spec.bytes_per_block(block_size=block_size) + extra_bytes_per_block
     num_blocks = min(budget_bytes // per_block, max_useful_blocks)
     if num_blocks < 1:

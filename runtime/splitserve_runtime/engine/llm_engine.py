@@ -17,9 +17,9 @@ of step n runs while step n+1 computes on the device ("output overlap"): token-i
 (eos, stop tokens, lengths) still happen at once, so only a request ended by a stop string
 computes one token too many, which is dropped.
 
-A step of hundreds of decodes is bookkeeping-bound on a fast device, so the per-token loop
-(:meth:`LLMEngine._append_tokens`) makes no call per token beyond the output's construction
-unless a request has text to build or stops.
+The engine's other jobs live beside it: the per-token path from sampled ids to outputs in
+:mod:`.engine_request`, speculative propose/verify in :mod:`.speculative` (its
+:class:`~.speculative.SpeculativeDecoder`), the stats snapshot in :mod:`.stats`.
 
 :meth:`LLMEngine.from_args` builds the whole stack from ``ServeArgs`` (:mod:`.loading`).
 The prefill → decode KV handoff hooks (``keep_kv``, ``reserve_imported_request`` …) are
@@ -32,101 +32,70 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import cast
 
 import torch
 
 from splitserve_contract import ServeArgs
 
+from .admission import check_request, warn_if_kv_cache_short
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graphs import decode_buckets
 from .draft import DraftModel
-from .errors import (
-    ContextLengthExceeded,
-    DuplicateRequestId,
-    PromptExceedsKVCapacity,
-    RequestExceedsKVCapacity,
-)
+from .engine_request import EngineRequest, TokenOutputs, output_of
+from .errors import DuplicateRequestId
 from .handoff import ImportReservation, KeptKV
 from .kv_budget import KVCacheSpec
-from .model_runner import CausalLM, ModelRunner, measure_num_kv_blocks
-from .outputs import (
-    ERROR_NON_FINITE_LOGITS,
-    FINISH_ABORT,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    RequestOutput,
-    TokenLogprob,
-    new_output,
-)
+from .loading import engine_from_args
+from .model_runner import ModelRunner, measure_num_kv_blocks
+from .outputs import FINISH_ABORT, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
-from .speculative import SpeculativeConfig
-from .stats import EngineStats
-from .step_overlap import ForwardThread, InFlightStep
+from .speculative import Emitted, SpeculativeConfig, SpeculativeDecoder
+from .stats import EngineStats, engine_stats
+from .step_inputs import CausalLM
+from .step_overlap import ForwardThread, InFlightStep, resolve_async_scheduling
 from .step_overlap import launch as launch_async
 from .step_work import StepCounters, StepWork, step_work
 from .stop_checker import DetokenizerFactory, StopChecker
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(eq=False, kw_only=True, slots=True)
-class _Request(Sequence):
-    """A request the engine holds: the sequence the scheduler sees, plus what only the engine
-    reads. One object, so the per-token loop reaches a row's stop conditions without a dict
-    look-up or a second object: after a forward that evicted the host's caches each object a
-    row touches is a cache miss, hundreds per step."""
-
-    stop: StopChecker
-    stop_token_ids: frozenset[int] | None
-    """:attr:`StopChecker.stop_token_ids`, None when empty (nothing to look up)."""
-    min_tokens: int
-    token_limit: int
-    """The length (all tokens) at which it ends: ``max_tokens`` outputs or ``max_model_len``."""
-    needs_text: bool
-    """:attr:`StopChecker.needs_text`."""
-    prompt_counted: bool = False
-    keep_kv: bool = False
-
-
-_PendingToken = tuple[_Request, int, TokenLogprob | None, int, str | None, float, float | None, list[float]]
-"""A sampled token whose text and output are not processed yet: request, token id, logprob,
-output tokens so far, the token's own finish reason, time, TTFT, ITL."""
-_FINISHED = SequenceStatus.FINISHED
 _RUNNING = SequenceStatus.RUNNING
 
 
 class LLMEngine:
     """Synchronous engine; not thread-safe (one thread calls every method)."""
 
-    def __init__(self, *, model: CausalLM, kv_spec: KVCacheSpec, vocab_size: int,
-                 config: EngineConfig, device: torch.device,
-                 eos_token_ids: Iterable[int] = (),
-                 detokenizer_factory: DetokenizerFactory | None = None,
-                 model_name: str = "", tokenizer: object | None = None,
-                 overlap_output_processing: bool | None = None,
-                 speculative: SpeculativeConfig | None = None,
-                 draft_model: CausalLM | None = None, draft_kv_spec: KVCacheSpec | None = None,
-                 runner_factory: Callable[..., ModelRunner] = ModelRunner) -> None:
+    def __init__(
+        self,
+        *,
+        model: CausalLM,
+        kv_spec: KVCacheSpec,
+        vocab_size: int,
+        config: EngineConfig,
+        device: torch.device,
+        eos_token_ids: Iterable[int] = (),
+        detokenizer_factory: DetokenizerFactory | None = None,
+        model_name: str = "",
+        tokenizer: object | None = None,
+        overlap_output_processing: bool | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: CausalLM | None = None,
+        draft_kv_spec: KVCacheSpec | None = None,
+        runner_factory: Callable[..., ModelRunner] = ModelRunner,
+    ) -> None:
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
-        self._proposer = self.speculative.proposer()
         if (self.speculative.method == "draft") != (draft_model is not None and draft_kv_spec is not None):
             raise ValueError("speculative method draft needs a draft model (and only it does)")
-        self._spec_proposed_total = 0
-        self._spec_accepted_total = 0
-        self._spec_accepted_by_position = [0] * self.speculative.num_tokens
-        self._spec_proposed_by_position = [0] * self.speculative.num_tokens
         self.overlap_output_processing = (
-            device.type == "cuda" if overlap_output_processing is None else overlap_output_processing)
-        self._pending: list[_PendingToken] = []
+            device.type == "cuda" if overlap_output_processing is None else overlap_output_processing
+        )
+        self._outputs = TokenOutputs(finish=self._finish)
         self._kept_kv: dict[str, KeptKV] = {}
-        self._reserved: dict[str, tuple[_Request, int]] = {}  # request, imported tokens
+        self._reserved: dict[str, tuple[EngineRequest, int]] = {}  # request, imported tokens
         self.device = device
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -136,38 +105,63 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         draft_bytes = draft_kv_spec.bytes_per_block(block_size=config.block_size) if draft_kv_spec else 0
         num_blocks = config.num_kv_blocks or measure_num_kv_blocks(
-            model=model, spec=kv_spec, device=device, block_size=config.block_size,
+            model=model,
+            spec=kv_spec,
+            device=device,
+            block_size=config.block_size,
             kv_memory_fraction=config.kv_memory_fraction,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            extra_bytes_per_block=draft_bytes)
-        self._draft = (DraftModel(model=draft_model, spec=draft_kv_spec, device=device,
-                                  block_size=config.block_size, num_blocks=num_blocks)
-                       if draft_model is not None and draft_kv_spec is not None else None)
-        self.block_manager = BlockManager(num_blocks=num_blocks, block_size=config.block_size,
-                                          enable_prefix_caching=config.prefix_caching)
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            extra_bytes_per_block=draft_bytes,
+        )
+        draft = (
+            DraftModel(
+                model=draft_model,
+                spec=draft_kv_spec,
+                device=device,
+                block_size=config.block_size,
+                num_blocks=num_blocks,
+            )
+            if draft_model is not None and draft_kv_spec is not None
+            else None
+        )
+        self.block_manager = BlockManager(
+            num_blocks=num_blocks, block_size=config.block_size, enable_prefix_caching=config.prefix_caching
+        )
         self.scheduler = Scheduler(
-            config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   chunked_prefill=config.chunked_prefill),
-            block_manager=self.block_manager)
-        self.runner = runner_factory(model=model, spec=kv_spec, device=device,
-                                  block_size=config.block_size, num_blocks=num_blocks,
-                                  eos_token_ids=self.eos_token_ids)
+            config=SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+            ),
+            block_manager=self.block_manager,
+        )
+        self.runner = runner_factory(
+            model=model,
+            spec=kv_spec,
+            device=device,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            eos_token_ids=self.eos_token_ids,
+        )
         self.runner.block_tables = self.block_manager.tables
+        self.speculation = SpeculativeDecoder(
+            self.speculative, draft=draft, max_model_len=config.max_model_len, sampler=self.runner.sampler
+        )
         if config.cuda_graphs:
-            self.runner.capture_decode_graphs(max_model_len=config.max_model_len,
-                                              buckets=decode_buckets(config.max_num_seqs))
-        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling)
+            self.runner.capture_decode_graphs(
+                max_model_len=config.max_model_len, buckets=decode_buckets(config.max_num_seqs)
+            )
+        self.async_scheduling = resolve_async_scheduling(
+            config.async_scheduling, speculative=self.speculative, runner=self.runner
+        )
         """Whether steps are scheduled one ahead of the model (see :mod:`.step_overlap`)."""
         self._inflight: InFlightStep | None = None
-        self._forward_thread = (ForwardThread() if self.async_scheduling and device.type != "cuda"
-                                else None)
-        self._requests: dict[str, _Request] = {}
+        self._forward_thread = ForwardThread() if self.async_scheduling and device.type != "cuda" else None
+        self._requests: dict[str, EngineRequest] = {}
         self.on_close: list[Callable[[], None]] = []
         """Run by :meth:`close` (a tensor-parallel engine stops its worker ranks there)."""
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
         self._steps_total = 0
         self._step_counters = StepCounters()
         self._finished_work: list[StepWork] = []
@@ -179,16 +173,7 @@ class LLMEngine:
         waits for KV blocks held elsewhere): until a request is added, aborted or released,
         stepping again changes nothing, so a driver may wait for one instead of spinning."""
         log.info("engine ready: %d KV blocks of %d tokens on %s", num_blocks, config.block_size, device)
-        if self.kv_capacity_tokens < config.max_model_len - 1:
-            # vLLM refuses to start here; this runtime serves on (requests that do not fit are
-            # refused at admission, RequestExceedsKVCapacity) but says what to change
-            log.warning(
-                "the KV cache holds %d tokens (%d blocks of %d), less than one sequence of "
-                "max_model_len %d tokens: requests whose prompt + max_tokens exceed the cache are "
-                "refused with a 400; lower --max-model-len to %d or give the cache more room "
-                "(--num-kv-blocks, --kv-memory-fraction, a larger device)",
-                self.kv_capacity_tokens, num_blocks, config.block_size, config.max_model_len,
-                self.kv_capacity_tokens + 1)
+        warn_if_kv_cache_short(num_blocks=num_blocks, block_size=config.block_size, max_model_len=config.max_model_len)
 
     @property
     def forward_busy_seconds(self) -> float | None:
@@ -204,25 +189,11 @@ class LLMEngine:
         for callback in callbacks:
             callback()
 
-    def _resolve_async_scheduling(self, requested: bool | None) -> bool:
-        """``requested`` (None: off) against what this engine can do."""
-        why_not = None
-        if self.speculative.enabled:
-            why_not = "speculative decoding proposes from the previous step's tokens"
-        elif (type(self.runner).forward_logits is not ModelRunner.forward_logits
-              or type(self.runner).before_forward is not ModelRunner.before_forward):
-            why_not = "this runner drives other ranks in step order (tensor or pipeline parallelism)"
-        if requested and why_not:
-            raise ValueError(f"asynchronous scheduling is not available: {why_not}")
-        return bool(requested)  # None: off by default (see .step_overlap)
-
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: ServeArgs) -> LLMEngine:
         """Resolve the model URI and build model, tokenizer and engine (see :mod:`.loading`)."""
-        from .loading import engine_from_args
-
-        return engine_from_args(args)
+        return engine_from_args(args, engine_class=cls)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -236,61 +207,60 @@ class LLMEngine:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def check_request(self, *, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Admission checks that need no engine state (safe from any thread)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt must contain at least one token")
-        if not all(type(t) is int for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if type(t) is not int)
-            raise ValueError(f"prompt token ids must be integers, got {bad!r}")
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= self.vocab_size:
-            bad_id = low if low < 0 else high
-            raise ValueError(f"prompt token id {bad_id} is outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self._detokenizer_factory is None:
-            raise ValueError("stop strings need a tokenizer, and this engine has none")
-        if num_prompt + params.max_tokens > self.config.max_model_len:
-            raise ContextLengthExceeded(num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
-                                        max_model_len=self.config.max_model_len)
-        bm = self.block_manager
-        needed = bm.num_blocks_for(num_prompt)
-        if needed > bm.num_blocks:
-            raise PromptExceedsKVCapacity(num_prompt_tokens=num_prompt, num_blocks_needed=needed,
-                                          num_blocks_total=bm.num_blocks, block_size=bm.block_size)
-        # the whole request must fit too, or it could only be cut short once the cache ran out
-        needed = bm.num_blocks_for(num_prompt + params.max_tokens - 1)
-        if needed > bm.num_blocks:
-            raise RequestExceedsKVCapacity(
-                num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
-                num_blocks_needed=needed, num_blocks_total=bm.num_blocks, block_size=bm.block_size)
+        """Admission checks that need no engine state (safe from any thread; :mod:`.admission`)."""
+        check_request(
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.config.max_model_len,
+            has_tokenizer=self._detokenizer_factory is not None,
+            block_manager=self.block_manager,
+        )
 
-    def add_request(self, *, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time_s: float | None = None,
-                    keep_kv: bool = False) -> None:
+    def add_request(
+        self,
+        *,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time_s: float | None = None,
+        keep_kv: bool = False,
+    ) -> None:
         """Queue a request. ``keep_kv``: pin its KV when it finishes (see :mod:`.handoff`)."""
-        request = self._new_request(request_id=request_id, token_ids=prompt_token_ids,
-                                    num_prompt_tokens=len(prompt_token_ids), params=params,
-                                    arrival_time_s=arrival_time_s)
+        request = self._new_request(
+            request_id=request_id,
+            token_ids=prompt_token_ids,
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            arrival_time_s=arrival_time_s,
+        )
         request.keep_kv = keep_kv
         self._requests[request_id] = request
         self.scheduler.add(request)
 
-    def _new_request(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                   params: SamplingParams, arrival_time_s: float | None) -> _Request:
+    def _new_request(
+        self,
+        *,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        arrival_time_s: float | None,
+    ) -> EngineRequest:
         if request_id in self._requests or request_id in self._reserved:
             raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
         prompt = list(token_ids[:num_prompt_tokens])
         self.check_request(prompt_token_ids=prompt, params=params)
         detok = self._detokenizer_factory(prompt) if self._detokenizer_factory else None
-        stop = StopChecker(params=params, eos_token_ids=self.eos_token_ids, detokenizer=detok)
-        return _Request(
-            request_id=request_id, token_ids=list(token_ids), num_prompt_tokens=num_prompt_tokens,
-            params=params, arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
-            stop=stop, stop_token_ids=stop.stop_token_ids or None, min_tokens=stop.min_tokens,
-            token_limit=min(num_prompt_tokens + stop.max_tokens, self.config.max_model_len),
-            needs_text=stop.needs_text)
+        return EngineRequest.create(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            params=params,
+            arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+            stop=StopChecker(params=params, eos_token_ids=self.eos_token_ids, detokenizer=detok),
+            max_model_len=self.config.max_model_len,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output (None if unknown)."""
@@ -298,15 +268,22 @@ class LLMEngine:
         if request is None:
             self.cancel_imported_request(request_id)
             return None
-        self._drop_pending(request_id)
+        self._outputs.drop_pending(request_id)
         self.scheduler.abort(request_id)
         self._release_sampler(request_id)
-        return self._output(request, new_token_ids=[], new_logprobs=None, finish_reason=FINISH_ABORT,
-                            now=time.monotonic(), ttft=None, itl=[])
+        return output_of(
+            request,
+            new_token_ids=[],
+            new_logprobs=None,
+            finish_reason=FINISH_ABORT,
+            now=time.monotonic(),
+            ttft=None,
+            itl=[],
+        )
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or outputs not yet returned."""
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._outputs.pending)
 
     @property
     def num_requests(self) -> int:
@@ -335,53 +312,56 @@ class LLMEngine:
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, append: one step, synchronously."""
-        proposed = self._propose()
+        speculation = self.speculation
+        proposed = speculation.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if proposed:
-            scheduled = {id(seq) for seq in sched.decodes}
-            for seq in proposed:  # preempted or unscheduled this step: nothing to verify
-                if id(seq) not in scheduled:
-                    seq.spec_token_ids = ()
-            proposed = [seq for seq in proposed if seq.spec_token_ids]
-            if self._draft is not None and proposed:  # the reserved slots get the draft's tokens
-                lengths = [len(seq.spec_token_ids) for seq in proposed]
-                for seq, tokens in zip(proposed, self._draft.propose(proposed, lengths), strict=True):
-                    seq.spec_token_ids = tuple(tokens)
+            proposed = speculation.keep_scheduled(proposed, sched)
         outputs = self._scheduler_finished(sched)
         if sched.is_empty:
-            outputs.extend(self._process_pending())
+            outputs.extend(self._outputs.process_pending())
             self.stalled = not (outputs or sched.preempted or sched.finished)
             return outputs
         self.stalled = False
         self._finished_work.append(step_work(sched))  # counted if the step completes
         launched = self.runner.launch(sched)
         if self.overlap_output_processing:
-            outputs.extend(self._process_pending())  # runs while the device computes
+            outputs.extend(self._outputs.process_pending())  # runs while the device computes
         result = launched.pending.resolve()
-        failed = self._fail_non_finite(launched.sample_seqs, result.non_finite_rows)
+        failed = self._outputs.fail_non_finite(launched.sample_seqs, result.non_finite_rows)
         if proposed:
-            emitted = self._verify(launched.sample_seqs, result.token_ids, result.logprobs)
+            emitted = speculation.verify(launched.sample_seqs, result.token_ids, result.logprobs)
         self.scheduler.on_step_done(sched)
         self._steps_total += 1
         now = time.monotonic()
         if proposed:
-            verified = {id(seq) for seq in proposed}
-            for seq, token_id, logprob in emitted:
-                if seq.is_finished:  # a stop string (or a stop token) ended it already
-                    continue
-                if id(seq) in verified:  # blocks full of accepted tokens, as they are appended
-                    self.block_manager.commit(seq, num_tokens=min(seq.num_computed_tokens, seq.num_tokens))
-                self._append_tokens([seq], [token_id], [logprob], now=now, outputs=None)
-            for seq in proposed:
-                if seq.status is SequenceStatus.RUNNING:
-                    self.block_manager.commit(seq)
+            self._append_verified(proposed, emitted, now=now)
         else:
-            self._append_tokens(launched.sample_seqs, result.token_ids, result.logprobs, now=now,
-                                outputs=None if self.overlap_output_processing else outputs)
+            self._outputs.append(
+                launched.sample_seqs,
+                result.token_ids,
+                result.logprobs,
+                now=now,
+                outputs=None if self.overlap_output_processing else outputs,
+            )
         if not self.overlap_output_processing:
-            outputs.extend(self._process_pending())
+            outputs.extend(self._outputs.process_pending())
         outputs.extend(failed)
         return outputs
+
+    def _append_verified(self, proposed: list[Sequence], emitted: list[Emitted], *, now: float) -> None:
+        """Append a verified step's tokens one at a time (their text waits, as with output
+        overlap), committing the blocks that accepted tokens fill as they are appended."""
+        verified = {id(seq) for seq in proposed}
+        for seq, token_id, logprob in emitted:
+            if seq.is_finished:  # a stop string (or a stop token) ended it already
+                continue
+            if id(seq) in verified:
+                self.block_manager.commit(seq, num_tokens=min(seq.num_computed_tokens, seq.num_tokens))
+            self._outputs.append([seq], [token_id], [logprob], now=now, outputs=None)
+        for seq in proposed:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq)
 
     def _step_async(self) -> list[RequestOutput]:
         """Keep one step in flight: schedule and launch the next, then finish the one before."""
@@ -401,7 +381,7 @@ class LLMEngine:
         self._inflight = None if sched.is_empty else self._launch_async(sched, after=inflight)
         # then `inflight`'s tokens, while the next step runs
         result = inflight.resolve()
-        failed = self._fail_non_finite(inflight.sample_seqs, result.non_finite_rows)
+        failed = self._outputs.fail_non_finite(inflight.sample_seqs, result.non_finite_rows)
         self._steps_total += 1
         self._finished_work.append(self._launched_work.popleft())
         bm = self.block_manager
@@ -412,8 +392,9 @@ class LLMEngine:
                     num_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
                     if num_tokens // bm.block_size > seq.num_registered_blocks:
                         bm.commit(seq, num_tokens=num_tokens)
-        self._append_tokens(inflight.sample_seqs, result.token_ids, result.logprobs,
-                            now=time.monotonic(), outputs=outputs)
+        self._outputs.append(
+            inflight.sample_seqs, result.token_ids, result.logprobs, now=time.monotonic(), outputs=outputs
+        )
         outputs.extend(failed)
         if self._inflight is not None and not self._requests:
             self._inflight.wait()  # only dropped rows of finished requests: nothing to wait for later
@@ -435,13 +416,22 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if not sched.finished:
             return outputs
-        outputs.extend(self._process_pending())
+        outputs.extend(self._outputs.process_pending())
         now = time.monotonic()
         for seq in sched.finished:
             request = self._requests.pop(seq.request_id)
             self._release_sampler(seq.request_id)
-            outputs.append(self._output(request, new_token_ids=[], new_logprobs=None,
-                                        finish_reason=seq.finish_reason, now=now, ttft=None, itl=[]))
+            outputs.append(
+                output_of(
+                    request,
+                    new_token_ids=[],
+                    new_logprobs=None,
+                    finish_reason=seq.finish_reason,
+                    now=now,
+                    ttft=None,
+                    itl=[],
+                )
+            )
         return outputs
 
     def _release_sampler(self, request_id: str) -> None:
@@ -452,159 +442,7 @@ class LLMEngine:
         else:
             sampler.release(request_id)
 
-    def _propose(self) -> list[Sequence]:
-        """Speculative proposals for this step's decodes (see :mod:`.speculative`), when
-        few enough sequences decode for the verification rows to be nearly free."""
-        if not self.speculative.enabled:
-            return []
-        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-        if len(decoding) > self.speculative.max_num_seqs:
-            return []
-        proposed: list[Sequence] = []
-        for seq in decoding:
-            params = seq.params
-            # at most max_tokens - 1 more tokens after this step's own, and room in the context
-            room = min(self.speculative.num_tokens, params.max_tokens - seq.num_output_tokens - 1,
-                       self.config.max_model_len - seq.num_tokens - 1)
-            if room <= 0 or not params.speculative or params.min_tokens > seq.num_output_tokens:
-                continue
-            drafts = (self._proposer.propose(seq.token_ids, max_tokens=room) if self._proposer is not None
-                      else [-1] * room)  # draft model: slots reserved now, tokens after scheduling
-            if drafts:
-                seq.spec_token_ids = tuple(drafts)
-                proposed.append(seq)
-        return proposed
-
-    def _verify(self, sample_seqs: list[Sequence], token_ids: list[int],
-                logprobs: list[TokenLogprob | None]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """The tokens each sampled sequence emits this step: one per plain row; for a sequence
-        with ``k`` proposals (``1 + k`` consecutive rows) the target's tokens up to and
-        including the first that differs from a proposal (see :mod:`.speculative`)."""
-        emitted: list[tuple[Sequence, int, TokenLogprob | None]] = []
-        row = 0
-        while row < len(sample_seqs):
-            seq = sample_seqs[row]
-            drafts = seq.spec_token_ids
-            if not drafts:
-                emitted.append((seq, token_ids[row], logprobs[row]))
-                row += 1
-                continue
-            accepted = 0
-            while accepted < len(drafts) and token_ids[row + accepted] == drafts[accepted]:
-                accepted += 1
-            seq.num_spec_accepted = accepted
-            # rows past the first rejection drew positions the next step draws again
-            self.runner.sampler.unwind_draws(seq.request_id, len(drafts) - accepted)
-            if self._draft is not None:
-                self._draft.after_verification(seq, num_proposed=len(drafts), num_accepted=accepted)
-            self._spec_proposed_total += len(drafts)
-            self._spec_accepted_total += accepted
-            for position in range(len(drafts)):
-                self._spec_proposed_by_position[position] += 1
-            for position in range(accepted):
-                self._spec_accepted_by_position[position] += 1
-            emitted.extend((seq, token_ids[row + i], logprobs[row + i]) for i in range(accepted + 1))
-            row += 1 + len(drafts)
-        return emitted
-
-    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int],
-                       logprobs: list[TokenLogprob | None], *, now: float,
-                       outputs: list[RequestOutput] | None) -> None:
-        """Append one sampled token to each of ``seqs`` (skipping those already finished), time
-        it and check its id for a stop. With ``outputs`` the text part and the output follow at
-        once (appended there); without, the token waits in ``_pending`` (output overlap).
-        Every sequence the scheduler holds is one of this engine's :class:`_Request`."""
-        num_generated = 0
-        requests = cast(list[_Request], seqs)
-        for seq, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
-            if seq.status is _FINISHED:  # ended while the step ran (aborted, or a stop on its
-                continue                 # previous token with the step already launched)
-            if not seq.prompt_counted:
-                seq.prompt_counted = True
-                self._prompt_tokens_total += seq.num_prompt_tokens
-            tokens = seq.token_ids
-            tokens.append(token_id)
-            if seq.num_pending_tokens:
-                seq.num_pending_tokens -= 1
-            num_generated += 1
-            ttft: float | None = None
-            itl: list[float] = []
-            if seq.first_token_time_s is None:
-                seq.first_token_time_s = now
-                ttft = now - seq.arrival_time_s
-            elif seq.last_token_time_s is not None:
-                itl = [now - seq.last_token_time_s]
-            seq.last_token_time_s = now
-            num_tokens = len(tokens)
-            num_output = num_tokens - seq.num_prompt_tokens
-            reason: str | None = None
-            stop_ids = seq.stop_token_ids
-            if stop_ids is not None and token_id in stop_ids and num_output >= seq.min_tokens:
-                reason = FINISH_STOP
-            elif num_tokens >= seq.token_limit:
-                reason = FINISH_LENGTH
-            if reason is not None:
-                self._finish(seq, reason=reason)
-            if outputs is None:
-                self._pending.append((seq, token_id, logprob, num_output, reason, now, ttft, itl))
-                continue
-            text = ""
-            if seq.needs_text:
-                stop = seq.stop
-                final = stop.append_text(token_id=token_id, num_output_tokens=num_output, token_reason=reason)
-                if final is not None and reason is None:
-                    self._finish(seq, reason=final)  # a stop string
-                elif final is not None:
-                    seq.finish_reason = final
-                reason = final
-                text = stop.take_new_text(finished=reason is not None)
-            outputs.append(new_output(
-                seq.request_id, [token_id], text, None if logprob is None else [logprob], reason,
-                seq.num_prompt_tokens, num_output, seq.num_cached_tokens, ttft, itl,
-                None if reason is None else now - seq.arrival_time_s))
-        self._generation_tokens_total += num_generated
-
-    def _process_pending(self) -> list[RequestOutput]:
-        """The text part of the appended tokens: detokenize, stop strings, outputs."""
-        pending, self._pending = self._pending, []
-        outputs: list[RequestOutput] = []
-        for request, token_id, logprob, num_output, token_reason, now, ttft, itl in pending:
-            reason = request.stop.append_text(token_id=token_id, num_output_tokens=num_output,
-                                              token_reason=token_reason)
-            if reason is not None and token_reason is None:
-                self._finish(request, reason=reason)  # a stop string
-            elif reason is not None:
-                request.finish_reason = reason
-            outputs.append(self._output(
-                request, new_token_ids=[token_id], new_logprobs=None if logprob is None else [logprob],
-                finish_reason=reason, now=now, ttft=ttft, itl=itl, num_output_tokens=num_output))
-        return outputs
-
-    def _fail_non_finite(self, seqs: list[Sequence], rows: tuple[int, ...]) -> list[RequestOutput]:
-        """End the requests of ``rows`` (sampled rows whose logits were NaN or infinite,
-        :mod:`.sampler`) with an error output each, before their tokens are appended (which then
-        skips them); the other rows of the step go on as if they were alone."""
-        outputs: list[RequestOutput] = []
-        for row in rows:
-            request = cast(_Request, seqs[row])
-            if request.status is _FINISHED:  # aborted meanwhile, or a second row of its own
-                continue
-            log.warning("request %s: the model produced non-finite logits at output token %d; "
-                        "the request ends with an error", request.request_id,
-                        request.num_output_tokens + 1)
-            self._drop_pending(request.request_id)
-            request.keep_kv = False  # nothing valid to hand over
-            self._finish(request, reason=FINISH_ERROR)
-            out = self._output(request, new_token_ids=[], new_logprobs=None,
-                               finish_reason=FINISH_ERROR, now=time.monotonic(), ttft=None, itl=[])
-            out.error = ("the model produced non-finite logits (NaN or infinity) for this request "
-                         f"at output token {request.num_output_tokens + 1}: a numerical overflow "
-                         "of the model on this server, not a fault of the request")
-            out.error_code = ERROR_NON_FINITE_LOGITS
-            outputs.append(out)
-        return outputs
-
-    def _finish(self, seq: _Request, *, reason: str) -> None:
+    def _finish(self, seq: EngineRequest, *, reason: str) -> None:
         if seq.keep_kv and seq.request_id in self._requests:
             if self._inflight is not None and seq.num_computed_tokens >= seq.num_tokens:
                 self._inflight.wait()  # its dropped row is still being written into its blocks
@@ -613,20 +451,16 @@ class LLMEngine:
         self._release_sampler(seq.request_id)
         self._requests.pop(seq.request_id, None)
 
-    def _drop_pending(self, request_id: str) -> None:
-        if any(p[0].request_id == request_id for p in self._pending):
-            self._pending = [p for p in self._pending if p[0].request_id != request_id]
-
-    def _output(self, seq: _Request, *, new_token_ids: list[int],
-                new_logprobs: list[TokenLogprob] | None, finish_reason: str | None, now: float,
-                ttft: float | None, itl: list[float],
-                num_output_tokens: int | None = None) -> RequestOutput:
-        finished = finish_reason is not None
-        return new_output(
-            seq.request_id, new_token_ids, seq.stop.take_new_text(finished=finished), new_logprobs,
-            finish_reason, seq.num_prompt_tokens,
-            seq.num_output_tokens if num_output_tokens is None else num_output_tokens,
-            seq.num_cached_tokens, ttft, itl, (now - seq.arrival_time_s) if finished else None)
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        return engine_stats(
+            scheduler=self.scheduler,
+            block_manager=self.block_manager,
+            outputs=self._outputs,
+            speculation=self.speculation,
+            steps_total=self._steps_total,
+            steps=self._step_counters,
+        )
 
     # ------------------------------------------------------------------ KV handoff
     def _keep_kv(self, seq: Sequence) -> None:
@@ -634,11 +468,14 @@ class LLMEngine:
         # the last token (the one that ended it) is never computed; with asynchronous
         # scheduling the step in flight may count it already
         num_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        block_ids = seq.block_table[:bm.num_blocks_for(num_tokens)]
+        block_ids = seq.block_table[: bm.num_blocks_for(num_tokens)]
         bm.pin_blocks(block_ids)
         self._kept_kv[seq.request_id] = KeptKV(
-            request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], block_ids=block_ids,
-            block_hashes=list(bm.block_hashes_of(seq)[:num_tokens // bm.block_size]))
+            request_id=seq.request_id,
+            token_ids=seq.token_ids[:num_tokens],
+            block_ids=block_ids,
+            block_hashes=list(bm.block_hashes_of(seq)[: num_tokens // bm.block_size]),
+        )
 
     def kept_kv(self, request_id: str) -> KeptKV | None:
         """The pinned KV of a finished ``keep_kv`` request, if not released yet."""
@@ -652,23 +489,32 @@ class LLMEngine:
         self.block_manager.unpin_blocks(kept.block_ids)
         return True
 
-    def reserve_imported_request(self, *, request_id: str, token_ids: list[int],
-                                 num_prompt_tokens: int, params: SamplingParams,
-                                 num_imported_tokens: int,
-                                 arrival_time_s: float | None = None) -> ImportReservation | None:
+    def reserve_imported_request(
+        self,
+        *,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        num_imported_tokens: int,
+        arrival_time_s: float | None = None,
+    ) -> ImportReservation | None:
         """Hold blocks for the first ``num_imported_tokens`` of ``token_ids`` (computed on
         another pod). ``token_ids`` is the prompt plus any tokens already generated there;
         at least the last token must stay uncomputed. Tokens after the prompt count toward
         ``max_tokens`` and are not streamed again. Returns None when the KV cache or the
         running batch is full (nothing reserved)."""
         if not 1 <= num_imported_tokens < len(token_ids):
-            raise ValueError(f"num_imported_tokens must be in [1, {len(token_ids) - 1}], "
-                             f"got {num_imported_tokens}")
+            raise ValueError(f"num_imported_tokens must be in [1, {len(token_ids) - 1}], got {num_imported_tokens}")
         if not 1 <= num_prompt_tokens <= len(token_ids):
             raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids)}]")
-        request = self._new_request(request_id=request_id, token_ids=token_ids,
-                                    num_prompt_tokens=num_prompt_tokens, params=params,
-                                    arrival_time_s=arrival_time_s)
+        request = self._new_request(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            params=params,
+            arrival_time_s=arrival_time_s,
+        )
         if self.scheduler.num_running + len(self._reserved) >= self.config.max_num_seqs:
             return None
         if self._inflight is not None:  # blocks it frees may still be written by the step in flight
@@ -683,23 +529,37 @@ class LLMEngine:
             raise
         request.num_cached_tokens = num_cached
         self._reserved[request_id] = (request, num_imported_tokens)
-        return ImportReservation(request_id=request_id, block_ids=list(request.block_table),
-                                 num_cached_tokens=num_cached, block_size=self.block_manager.block_size,
-                                 imported_text=imported_text)
+        return ImportReservation(
+            request_id=request_id,
+            block_ids=list(request.block_table),
+            num_cached_tokens=num_cached,
+            block_size=self.block_manager.block_size,
+            imported_text=imported_text,
+        )
 
-    def add_resumed_request(self, *, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                            params: SamplingParams, arrival_time_s: float | None = None) -> str:
+    def add_resumed_request(
+        self,
+        *,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        arrival_time_s: float | None = None,
+    ) -> str:
         """Queue a request whose first output tokens were generated on another pod but whose
         KV never arrived (decode role, a failed pull): ``token_ids`` is the prompt plus those
         tokens, all computed here as one prefill. The tokens after the prompt count toward
         ``max_tokens`` and are not streamed again; returns their text (as
         ``ImportReservation.imported_text``). Raises ValueError if they already finish it."""
         if not 1 <= num_prompt_tokens < len(token_ids):
-            raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids) - 1}], "
-                             f"got {num_prompt_tokens}")
-        request = self._new_request(request_id=request_id, token_ids=token_ids,
-                                    num_prompt_tokens=num_prompt_tokens, params=params,
-                                    arrival_time_s=arrival_time_s)
+            raise ValueError(f"num_prompt_tokens must be in [1, {len(token_ids) - 1}], got {num_prompt_tokens}")
+        request = self._new_request(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            params=params,
+            arrival_time_s=arrival_time_s,
+        )
         imported_text = self._replay_imported_tokens(request)
         self._mark_first_token_elsewhere(request)
         self._requests[request_id] = request
@@ -707,19 +567,18 @@ class LLMEngine:
         return imported_text
 
     @staticmethod
-    def _mark_first_token_elsewhere(request: _Request) -> None:
+    def _mark_first_token_elsewhere(request: EngineRequest) -> None:
         """The first token came from another pod and its TTFT was recorded with it
         (:class:`~.remote.HandoffEngine`): this engine's first token is an inter-token gap,
         measured from now, not a second TTFT."""
         request.first_token_time_s = request.last_token_time_s = time.monotonic()
 
-    def _replay_imported_tokens(self, request: _Request) -> str:
+    def _replay_imported_tokens(self, request: EngineRequest) -> str:
         """Feed the output tokens generated elsewhere (already streamed) through the stop
         checker; return their text. Raises ValueError if they already finish the request."""
         for index, token_id in enumerate(request.output_token_ids, start=1):
             reason = request.stop.check_token(token_id=token_id, num_output_tokens=index)
-            reason = request.stop.append_text(token_id=token_id, num_output_tokens=index,
-                                              token_reason=reason)
+            reason = request.stop.append_text(token_id=token_id, num_output_tokens=index, token_reason=reason)
             if reason is not None:
                 raise ValueError(f"the imported tokens already finish request {request.request_id!r} ({reason})")
         return request.stop.take_new_text(finished=False)
@@ -743,33 +602,3 @@ class LLMEngine:
             return False
         self.block_manager.free(reserved[0])
         return True
-
-    # ------------------------------------------------------------------ stats
-    def stats(self) -> EngineStats:
-        sched = self.scheduler
-        bm = self.block_manager
-        steps = self._step_counters
-        return EngineStats(
-            requests_waiting=sched.num_waiting, requests_running=sched.num_running,
-            prompt_tokens_waiting=sched.num_prompt_tokens_waiting(),
-            kv_cache_usage_ratio=bm.usage_ratio, kv_cache_blocks_total=bm.num_blocks,
-            kv_cache_blocks_cached=bm.num_cached_blocks, kv_cache_block_size=bm.block_size,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
-            prefix_cache_queried_tokens_total=sched.counters.prefix_cache_queried_tokens_total,
-            prefix_cache_hit_tokens_total=sched.counters.prefix_cache_hit_tokens_total,
-            preemptions_total=sched.counters.preemptions_total, steps_total=self._steps_total,
-            spec_decode_proposed_tokens_total=self._spec_proposed_total,
-            spec_decode_accepted_tokens_total=self._spec_accepted_total,
-            spec_decode_accepted_tokens_by_position=tuple(self._spec_accepted_by_position),
-            spec_decode_proposed_tokens_by_position=tuple(self._spec_proposed_by_position),
-            engine_steps_total=steps.steps, engine_step_seconds_total=steps.seconds,
-            engine_prefill_tokens_total=steps.prefill_tokens,
-            engine_prefill_attention_pairs_total=steps.prefill_attention_pairs,
-            engine_decode_rows_total=steps.decode_rows,
-            engine_decode_context_tokens_total=steps.decode_context_tokens,
-            engine_decode_only_steps_total=steps.decode_only_steps,
-            engine_decode_only_step_seconds_total=steps.decode_only_seconds,
-            engine_decode_only_rows_total=steps.decode_only_rows,
-            engine_decode_only_context_tokens_total=steps.decode_only_context_tokens)
-

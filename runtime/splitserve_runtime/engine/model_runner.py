@@ -7,28 +7,24 @@ the host (prefill chunks first, then decodes, as
 go, pinned and non-blocking on CUDA, so the only host/device synchronisation per step is
 reading the sampled token ids.
 
-Decode rows travel as columns (:class:`DecodeRows`: numpy arrays of token ids, positions and
-block-table rows gathered from the block manager's :class:`~.block_tables.BlockTables`), so
-a step of hundreds of decodes builds its slot mapping, context lengths and padded block
-tables with a few vectorised operations instead of Python work per sequence and block.
-Prefill chunks (few per step, long) stay rows of lists.
+Decode rows travel as columns (:class:`~.step_inputs.DecodeRows`, gathered from the block
+manager's :class:`~.block_tables.BlockTables`); the rows and the tensors they become are
+:mod:`.step_inputs`'s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
-from ..ops.interface import AttentionMetadata
 from .block_tables import BlockTables
+from .cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from .kv_budget import (
     KVCacheSpec,
     cpu_kv_budget_bytes,
@@ -39,196 +35,18 @@ from .sampler import PendingSample, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-
-if TYPE_CHECKING:
-    from .cuda_graphs import DecodeGraphs, GraphBackend
+from .step_inputs import (
+    CausalLM,
+    DecodeRow,
+    DecodeRows,
+    KVCaches,
+    PrefillRow,
+    StepInputs,
+    StepRows,
+    build_step_inputs,
+)
 
 log = logging.getLogger(__name__)
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class CausalLM(Protocol):
-    """What the runner needs from a model (the Llama model and the null model have it)."""
-
-    def forward(self, *, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: KVCaches, md: AttentionMetadata) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass(slots=True, kw_only=True)
-class PrefillRow:
-    token_ids: list[int]
-    start_position: int
-    block_table: list[int]
-
-
-@dataclass(slots=True, kw_only=True)
-class DecodeRow:
-    token_id: int
-    position: int
-    block_table: list[int]
-
-
-@dataclass(slots=True, kw_only=True)
-class DecodeRows:
-    """Decode rows as columns: ``token_ids`` and ``positions`` (int64, one per row) and
-    ``block_tables`` (int32 ``[rows, width]``, zero-padded). Sliced like a list of
-    :class:`DecodeRow` (a pipeline's micro-batches); iterating yields :class:`DecodeRow`."""
-
-    token_ids: npt.NDArray[np.int64]
-    positions: npt.NDArray[np.int64]
-    block_tables: npt.NDArray[np.int32]
-
-    def __post_init__(self) -> None:
-        n = len(self.positions)
-        if len(self.token_ids) != n or self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
-            raise ValueError("decode rows need one token id, position and block-table row each")
-
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def __getitem__(self, index: slice) -> DecodeRows:
-        return DecodeRows(token_ids=self.token_ids[index], positions=self.positions[index],
-                          block_tables=self.block_tables[index])
-
-    def __iter__(self) -> Iterator[DecodeRow]:
-        for token_id, position, table in zip(self.token_ids.tolist(), self.positions.tolist(),
-                                             self.block_tables.tolist(), strict=True):
-            yield DecodeRow(token_id=token_id, position=position, block_table=table)
-
-    @classmethod
-    def from_rows(cls, rows: Seq[DecodeRow]) -> DecodeRows:
-        width = max((len(r.block_table) for r in rows), default=0)
-        tables = np.zeros((len(rows), width), dtype=np.int32)
-        for i, r in enumerate(rows):
-            tables[i, :len(r.block_table)] = r.block_table
-        return cls(token_ids=np.array([r.token_id for r in rows], dtype=np.int64),
-                   positions=np.array([r.position for r in rows], dtype=np.int64), block_tables=tables)
-
-
-@dataclass(slots=True, kw_only=True)
-class StepRows:
-    """One step's batch on the host: what :func:`build_step_inputs` turns into tensors (and
-    what a tensor-parallel driver sends its ranks, so each builds the same inputs)."""
-
-    prefills: list[PrefillRow]
-    decodes: list[DecodeRow] | DecodeRows
-    sample_prefill: list[int]
-
-    def build(self, *, block_size: int, device: torch.device) -> StepInputs:
-        return build_step_inputs(prefills=self.prefills, decodes=self.decodes,
-                                 sample_prefill=self.sample_prefill, block_size=block_size, device=device)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    md: AttentionMetadata
-    logits_indices: torch.Tensor
-    """Rows of the hidden states whose logits are sampled, in :attr:`sample_seqs` order."""
-
-
-def decode_slot_mapping(rows: DecodeRows, *, block_size: int, out: npt.NDArray[np.int64]) -> None:
-    """Write each decode row's KV slot (``block * block_size + offset`` of its position) to ``out``."""
-    positions = rows.positions
-    blocks = rows.block_tables[np.arange(len(rows)), positions // block_size].astype(np.int64)
-    np.add(blocks * block_size, positions % block_size, out=out)
-
-
-def build_step_inputs(*, prefills: list[PrefillRow], decodes: Seq[DecodeRow] | DecodeRows,
-                      sample_prefill: list[int], block_size: int,
-                      device: torch.device) -> StepInputs:
-    """Flatten rows into model inputs; ``sample_prefill[i]`` is how many trailing rows of
-    chunk i are sampled: 0, 1 (a chunk that reaches the end of its sequence; ``True`` works),
-    or ``1 + k`` for a decode verifying ``k`` speculative proposals. Every decode row is sampled.
-
-    Every int64 input lands in one host buffer and every int32 one in another; the tensors are
-    views of the two (two conversions, and two copies to the device, per step)."""
-    dec = decodes if isinstance(decodes, DecodeRows) else DecodeRows.from_rows(decodes)
-    num_prefills = len(prefills)
-    num_decodes = len(dec)
-    q_lens = [len(row.token_ids) for row in prefills]
-    num_prefill_tokens = sum(q_lens)
-    num_tokens = num_prefill_tokens + num_decodes
-    num_sampled_prefill = sum(int(n) for n in sample_prefill)
-    if len(sample_prefill) != num_prefills:
-        raise ValueError(f"{len(sample_prefill)} sample counts for {num_prefills} prefill rows")
-    num_logits = num_sampled_prefill + num_decodes
-    prefill_width = max((len(r.block_table) for r in prefills), default=1)
-    decode_width = dec.block_tables.shape[1] if num_decodes else 1
-
-    # int64: input ids | positions | slot mapping | logits indices
-    wide = np.empty(3 * num_tokens + num_logits, dtype=np.int64)
-    ids, pos, slots, logits = (wide[:num_tokens], wide[num_tokens:2 * num_tokens],
-                               wide[2 * num_tokens:3 * num_tokens], wide[3 * num_tokens:])
-    # int32: cu_seqlens | prefill context lens | decode context lens | prefill tables | decode tables
-    p_end = 2 * num_prefills + 1
-    d_end = p_end + num_decodes
-    pt_end = d_end + num_prefills * prefill_width
-    narrow = np.empty(pt_end + num_decodes * decode_width, dtype=np.int32)
-    cu_seqlens, prefill_ctx = narrow[:num_prefills + 1], narrow[num_prefills + 1:p_end]
-    decode_ctx = narrow[p_end:d_end]
-    prefill_tables = narrow[d_end:pt_end].reshape(num_prefills, prefill_width)
-    decode_tables = narrow[pt_end:].reshape(num_decodes, decode_width)
-
-    cu_seqlens[0] = 0
-    offset = logit = 0
-    max_context = 0
-    for i, (row, samples) in enumerate(zip(prefills, sample_prefill, strict=True)):
-        n = q_lens[i]
-        start = row.start_position
-        end = offset + n
-        ids[offset:end] = row.token_ids
-        p = pos[offset:end]
-        p[:] = np.arange(start, start + n)
-        table = np.asarray(row.block_table, dtype=np.int64)
-        slots[offset:end] = table[p // block_size] * block_size + p % block_size
-        cu_seqlens[i + 1] = end
-        prefill_ctx[i] = start + n
-        max_context = max(max_context, start + n)
-        k = int(samples)
-        logits[logit:logit + k] = np.arange(end - k, end)
-        logit += k
-        prefill_tables[i, :len(row.block_table)] = row.block_table
-        prefill_tables[i, len(row.block_table):] = 0
-        offset = end
-    if num_decodes:
-        d_pos = dec.positions
-        ids[offset:] = dec.token_ids
-        pos[offset:] = d_pos
-        decode_slot_mapping(dec, block_size=block_size, out=slots[offset:])
-        np.add(d_pos, 1, out=decode_ctx, casting="unsafe")
-        logits[logit:] = np.arange(offset, offset + num_decodes)
-        decode_tables[:] = dec.block_tables
-    host_wide = torch.from_numpy(wide)
-    host_narrow = torch.from_numpy(narrow)
-    if device.type == "cuda":
-        host_wide = host_wide.pin_memory().to(device, non_blocking=True)
-        host_narrow = host_narrow.pin_memory().to(device, non_blocking=True)
-    t_ids, t_pos = host_wide[:num_tokens], host_wide[num_tokens:2 * num_tokens]
-    t_slots, t_logits = host_wide[2 * num_tokens:3 * num_tokens], host_wide[3 * num_tokens:]
-    t_cu, t_pctx, t_dctx = host_narrow[:num_prefills + 1], host_narrow[num_prefills + 1:p_end], host_narrow[p_end:d_end]
-    t_ptab, t_dtab = host_narrow[d_end:pt_end], host_narrow[pt_end:]
-    md = AttentionMetadata(
-        slot_mapping=t_slots,
-        num_prefills=num_prefills,
-        num_prefill_tokens=num_prefill_tokens,
-        prefill_cu_seqlens_q=t_cu,
-        prefill_context_lens=t_pctx,
-        prefill_block_tables=t_ptab.view(num_prefills, prefill_width),
-        prefill_max_q_len=max(q_lens, default=0),
-        prefill_max_context_len=max_context,
-        num_decodes=num_decodes,
-        decode_context_lens=t_dctx,
-        decode_block_tables=t_dtab.view(num_decodes, decode_width),
-        decode_max_context_len=int(dec.positions.max()) + 1 if num_decodes else 0,
-        block_size=block_size,
-    )
-    return StepInputs(input_ids=t_ids, positions=t_pos, md=md, logits_indices=t_logits)
-
 
 _num_computed = attrgetter("num_computed_tokens")
 _block_row = attrgetter("block_row")
@@ -236,28 +54,39 @@ _request_id = attrgetter("request_id")
 _params = attrgetter("params")
 
 
-def allocate_kv_caches(*, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                       device: torch.device) -> KVCaches:
+def allocate_kv_caches(*, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> KVCaches:
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     # Zeroed, not empty: padded block-table entries point at block 0 and must not hold NaN.
     return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device),
-         torch.zeros(shape, dtype=spec.dtype, device=device))
+        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
         for _ in range(spec.num_layers)
     ]
 
 
-def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.device,
-                          block_size: int, kv_memory_fraction: float,
-                          max_num_batched_tokens: int, max_num_seqs: int,
-                          max_model_len: int, extra_bytes_per_block: int = 0) -> int:
+def measure_num_kv_blocks(
+    *,
+    model: CausalLM,
+    spec: KVCacheSpec,
+    device: torch.device,
+    block_size: int,
+    kv_memory_fraction: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    extra_bytes_per_block: int = 0,
+) -> int:
     """The KV pool size for this device (see :mod:`.kv_budget`); ``extra_bytes_per_block``:
     another model's KV laid over the same blocks (a speculative draft model)."""
     max_useful = max_num_seqs * -(-max_model_len // block_size) + 1
     if device.type != "cuda":
         budget = cpu_kv_budget_bytes(kv_memory_fraction=kv_memory_fraction)
-        return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
-                                     max_useful_blocks=max_useful, extra_bytes_per_block=extra_bytes_per_block)
+        return num_blocks_for_budget(
+            budget_bytes=budget,
+            spec=spec,
+            block_size=block_size,
+            max_useful_blocks=max_useful,
+            extra_bytes_per_block=extra_bytes_per_block,
+        )
     num_tokens = min(max_num_batched_tokens, max_model_len)
     num_blocks = -(-num_tokens // block_size)
     torch.cuda.synchronize(device)
@@ -266,12 +95,14 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
     base = torch.cuda.memory_allocated(device)
     caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks, block_size=block_size, device=device)
     inputs = build_step_inputs(
-        prefills=[PrefillRow(token_ids=[0] * num_tokens, start_position=0,
-                             block_table=list(range(num_blocks)))],
-        decodes=[], sample_prefill=[1], block_size=block_size, device=device)
+        prefills=[PrefillRow(token_ids=[0] * num_tokens, start_position=0, block_table=list(range(num_blocks)))],
+        decodes=[],
+        sample_prefill=[1],
+        block_size=block_size,
+        device=device,
+    )
     with torch.inference_mode():
-        hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                               kv_caches=caches, md=inputs.md)
+        hidden = model.forward(input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches, md=inputs.md)
         if getattr(model, "has_head", True):  # a pipeline stage before the last has no LM head
             model.compute_logits(hidden[:1].expand(min(max_num_seqs, num_tokens), -1).contiguous())
     torch.cuda.synchronize(device)
@@ -280,11 +111,17 @@ def measure_num_kv_blocks(*, model: CausalLM, spec: KVCacheSpec, device: torch.d
     del caches, inputs, hidden
     torch.cuda.empty_cache()
     activation_peak = max(peak - cache_bytes, 0)
-    budget = cuda_kv_budget_bytes(device=device, kv_memory_fraction=kv_memory_fraction,
-                                  activation_peak_bytes=activation_peak)
+    budget = cuda_kv_budget_bytes(
+        device=device, kv_memory_fraction=kv_memory_fraction, activation_peak_bytes=activation_peak
+    )
     log.info("KV budget: %.2f GiB (activation peak %.2f GiB)", budget / 2**30, activation_peak / 2**30)
-    return num_blocks_for_budget(budget_bytes=budget, spec=spec, block_size=block_size,
-                                 max_useful_blocks=max_useful, extra_bytes_per_block=extra_bytes_per_block)
+    return num_blocks_for_budget(
+        budget_bytes=budget,
+        spec=spec,
+        block_size=block_size,
+        max_useful_blocks=max_useful,
+        extra_bytes_per_block=extra_bytes_per_block,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,8 +135,16 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler."""
 
-    def __init__(self, *, model: CausalLM, spec: KVCacheSpec, device: torch.device,
-                 block_size: int, num_blocks: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        *,
+        model: CausalLM,
+        spec: KVCacheSpec,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.model = model
         self.eos_token_ids = sorted(eos_token_ids)
         self.spec = spec
@@ -309,8 +154,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks,
-                                            block_size=block_size, device=device)
+        self.kv_caches = allocate_kv_caches(spec=spec, num_blocks=num_blocks, block_size=block_size, device=device)
         self.sampler = Sampler(device=device)
         self.block_tables: BlockTables | None = None
         """The block manager's table mirror (set by the engine); without it decode tables are
@@ -325,10 +169,9 @@ class ModelRunner:
         fp8 block travels as its fp8 bytes, never re-encoded.
         """
         self._check_block_id(block_id)
-        parts = torch.stack([
-            torch.stack((k[block_id].view(torch.uint8), v[block_id].view(torch.uint8)))
-            for k, v in self.kv_caches
-        ])
+        parts = torch.stack(
+            [torch.stack((k[block_id].view(torch.uint8), v[block_id].view(torch.uint8))) for k, v in self.kv_caches]
+        )
         return parts.contiguous().cpu().numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes | memoryview) -> None:
@@ -365,9 +208,13 @@ class ModelRunner:
         for chunk in sched.prefills:
             seq = chunk.seq
             start = chunk.start_position
-            prefills.append(PrefillRow(
-                token_ids=seq.token_ids[start:start + chunk.num_tokens], start_position=start,
-                block_table=seq.block_table))
+            prefills.append(
+                PrefillRow(
+                    token_ids=seq.token_ids[start : start + chunk.num_tokens],
+                    start_position=start,
+                    block_table=seq.block_table,
+                )
+            )
             samples = chunk.samples
             sample_prefill.append(int(samples))
             if samples:
@@ -379,15 +226,22 @@ class ModelRunner:
             plain = []
             for seq in sched.decodes:
                 if seq.spec_token_ids:
-                    prefills.append(PrefillRow(token_ids=[seq.token_ids[-1], *seq.spec_token_ids],
-                                               start_position=seq.num_tokens - 1, block_table=seq.block_table))
+                    prefills.append(
+                        PrefillRow(
+                            token_ids=[seq.token_ids[-1], *seq.spec_token_ids],
+                            start_position=seq.num_tokens - 1,
+                            block_table=seq.block_table,
+                        )
+                    )
                     sample_prefill.append(1 + len(seq.spec_token_ids))
                     sample_seqs.extend([seq] * (1 + len(seq.spec_token_ids)))
                 else:
                     plain.append(seq)
         sample_seqs.extend(plain)
-        return (StepRows(prefills=prefills, decodes=self.decode_rows(plain), sample_prefill=sample_prefill),
-                sample_seqs)
+        return (
+            StepRows(prefills=prefills, decodes=self.decode_rows(plain), sample_prefill=sample_prefill),
+            sample_seqs,
+        )
 
     def decode_rows(self, seqs: list[Sequence]) -> DecodeRows:
         """The decode rows of ``seqs`` (each with one uncomputed token, at position
@@ -397,8 +251,12 @@ class ModelRunner:
         token_ids = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
         tables = self.block_tables
         if tables is None:
-            return DecodeRows.from_rows([DecodeRow(token_id=int(t), position=int(p), block_table=seq.block_table)
-                                         for t, p, seq in zip(token_ids, positions, seqs, strict=True)])
+            return DecodeRows.from_rows(
+                [
+                    DecodeRow(token_id=int(t), position=int(p), block_table=seq.block_table)
+                    for t, p, seq in zip(token_ids, positions, seqs, strict=True)
+                ]
+            )
         rows = np.fromiter(map(_block_row, seqs), dtype=np.intp, count=n)
         width = int(positions.max()) // self.block_size + 1 if n else 0
         return DecodeRows(token_ids=token_ids, positions=positions, block_tables=tables.gather(rows, width=width))
@@ -424,16 +282,16 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.forward_logits(rows)
             if logits is None or not sample_seqs:
-                return LaunchedStep(sample_seqs=[], pending=PendingSample(
-                    token_ids=torch.empty(0, dtype=torch.long), params=[]))
+                return LaunchedStep(
+                    sample_seqs=[], pending=PendingSample(token_ids=torch.empty(0, dtype=torch.long), params=[])
+                )
             pending = self.sample(logits, sample_seqs)
         return LaunchedStep(sample_seqs=sample_seqs, pending=pending)
 
     def sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]) -> PendingSample:
         """Queue sampling of one logits row per entry of ``sample_seqs``."""
         request_ids, params, banned = self.sample_args(sample_seqs)
-        return self.sampler.launch(logits=logits, request_ids=request_ids, params=params,
-                                   banned_token_ids=banned)
+        return self.sampler.launch(logits=logits, request_ids=request_ids, params=params, banned_token_ids=banned)
 
     def sample_args(self, seqs: list[Sequence]) -> tuple[list[str], list[SamplingParams], list[list[int]] | None]:
         """The sampler's per-row arguments for ``seqs``: request ids, params, banned ids."""
@@ -448,20 +306,20 @@ class ModelRunner:
             if graphs.fits(decodes):
                 return self.model.compute_logits(graphs.forward(decodes))
         inputs = rows.build(block_size=self.block_size, device=self.device)
-        hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                    kv_caches=self.kv_caches, md=inputs.md)
+        hidden = self.model.forward(
+            input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=self.kv_caches, md=inputs.md
+        )
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def capture_decode_graphs(self, *, max_model_len: int, buckets: Seq[int],
-                              backend: GraphBackend | None = None) -> None:
+    def capture_decode_graphs(
+        self, *, max_model_len: int, buckets: Seq[int], backend: GraphBackend | None = None
+    ) -> None:
         """Capture one decode graph per batch size in ``buckets`` (:mod:`.cuda_graphs`) and
         route pure-decode steps through them. ``backend``: how forwards are captured (default:
         CUDA graphs, an error off CUDA or with a backend whose kernels sync with the host;
         :class:`~.cuda_graphs.EagerReplay` runs the same padded static-buffer path without graphs)."""
-        from .cuda_graphs import CudaGraphBackend, DecodeGraphs
-
         if type(self).forward_logits is not ModelRunner.forward_logits:
             raise ValueError("CUDA graphs are not available with tensor or pipeline parallelism yet")
         if backend is None:
@@ -469,12 +327,20 @@ class ModelRunner:
                 raise ValueError(f"CUDA graphs need a CUDA device, this engine runs on {self.device}")
             ops_name = getattr(getattr(self.model, "ops", None), "name", "triton")
             if ops_name != "triton":
-                raise ValueError(f"CUDA graphs need the triton attention backend, not {ops_name!r} "
-                                 "(its KV write synchronises with the host)")
+                raise ValueError(
+                    f"CUDA graphs need the triton attention backend, not {ops_name!r} "
+                    "(its KV write synchronises with the host)"
+                )
             backend = CudaGraphBackend(self.device)
-        graphs = DecodeGraphs(model=self.model, kv_caches=self.kv_caches, buckets=buckets,
-                              max_model_len=max_model_len, block_size=self.block_size,
-                              device=self.device, backend=backend)
+        graphs = DecodeGraphs(
+            model=self.model,
+            kv_caches=self.kv_caches,
+            buckets=buckets,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            backend=backend,
+        )
         graphs.capture()
         self.decode_graphs = graphs
 

@@ -30,9 +30,17 @@ def null_next_token(token_id: int, *, vocab_size: int) -> int:
 class NullModel:
     """Deterministic logits from input ids; ignores the KV cache."""
 
-    def __init__(self, *, vocab_size: int = 1024, num_layers: int = 1, num_kv_heads: int = 1,
-                 head_dim: int = 8, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, forward_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 1024,
+        num_layers: int = 1,
+        num_kv_heads: int = 1,
+        head_dim: int = 8,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        forward_seconds: float = 0.0,
+    ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         if forward_seconds < 0:
@@ -46,9 +54,14 @@ class NullModel:
         self.device = device or torch.device("cpu")
         self.num_forward_calls = 0
 
-    def forward(self, *, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         if input_ids.shape != positions.shape:
             raise ValueError("input_ids and positions must have the same shape")
         if md.num_prefill_tokens + md.num_decodes != input_ids.shape[0]:
@@ -68,11 +81,12 @@ class NullModel:
         return logits
 
 
-def build_null_engine(*, config: EngineConfig, vocab_size: int = 1024,
-                      forward_seconds: float = 0.0) -> LLMEngine:
+def build_null_engine(*, config: EngineConfig, vocab_size: int = 1024, forward_seconds: float = 0.0) -> LLMEngine:
     """An :class:`LLMEngine` over a :class:`NullModel` (CPU, no tokenizer, eos = none)."""
     model = NullModel(vocab_size=vocab_size, forward_seconds=forward_seconds)
-    spec = KVCacheSpec(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, dtype=model.dtype)
-    return LLMEngine(model=model, kv_spec=spec, vocab_size=vocab_size, config=config,
-                     device=torch.device("cpu"), model_name="null")
+    spec = KVCacheSpec(
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype
+    )
+    return LLMEngine(
+        model=model, kv_spec=spec, vocab_size=vocab_size, config=config, device=torch.device("cpu"), model_name="null"
+    )

@@ -70,11 +70,19 @@ class RequestOutput:
 _new = object.__new__
 
 
-def new_output(request_id: str, new_token_ids: list[int], new_text: str,
-               new_logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-               num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int,
-               ttft_seconds: float | None, itl_seconds: list[float],
-               e2e_seconds: float | None) -> RequestOutput:
+def new_output(
+    request_id: str,
+    new_token_ids: list[int],
+    new_text: str,
+    new_logprobs: list[TokenLogprob] | None,
+    finish_reason: str | None,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    num_cached_tokens: int,
+    ttft_seconds: float | None,
+    itl_seconds: list[float],
+    e2e_seconds: float | None,
+) -> RequestOutput:
     """A :class:`RequestOutput` (``finished`` follows ``finish_reason``; no error), built
     without keyword-argument binding: the engine makes one per request and step."""
     out: RequestOutput = _new(RequestOutput)

@@ -68,8 +68,7 @@ class SamplerOutput:
     nothing, and their requests must end with an error."""
 
 
-def to_device(data: list[int] | list[float], *, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+def to_device(data: list[int] | list[float], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on ``device`` without stalling the host: a plain ``torch.tensor(...,
     device="cuda")`` copies from pageable memory and waits for all queued GPU work."""
     if device.type != "cuda":
@@ -148,17 +147,28 @@ class Sampler:
             stream = self._generators[request_id] = SeedStream(seed)
         return stream
 
-    def sample(self, *, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams],
-               banned_token_ids: list[list[int]] | None = None) -> SamplerOutput:
+    def sample(
+        self,
+        *,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        banned_token_ids: list[list[int]] | None = None,
+    ) -> SamplerOutput:
         """:meth:`launch` and :meth:`PendingSample.resolve` in one call."""
-        return self.launch(logits=logits, request_ids=request_ids, params=params,
-                           banned_token_ids=banned_token_ids).resolve()
+        return self.launch(
+            logits=logits, request_ids=request_ids, params=params, banned_token_ids=banned_token_ids
+        ).resolve()
 
     @torch.inference_mode()
-    def launch(self, *, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams],
-               banned_token_ids: list[list[int]] | None = None) -> PendingSample:
+    def launch(
+        self,
+        *,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        banned_token_ids: list[list[int]] | None = None,
+    ) -> PendingSample:
         """Queue sampling for ``logits [num_rows, vocab]`` (one row per request) without
         waiting for the device.
 
@@ -176,34 +186,38 @@ class Sampler:
             rows = [i for i, ids in enumerate(banned_token_ids) for _ in ids]
             cols = [t for ids in banned_token_ids for t in ids]
             logits = logits.clone()
-            logits[to_device(rows, dtype=torch.long, device=device),
-                   to_device(cols, dtype=torch.long, device=device)] = float("-inf")
+            logits[
+                to_device(rows, dtype=torch.long, device=device), to_device(cols, dtype=torch.long, device=device)
+            ] = float("-inf")
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             token_ids = logits.argmax(dim=-1)
         elif len(sampled) == num_rows:
             token_ids = self._sample_rows(logits, request_ids=request_ids, params=params)
         else:
-            greedy_index = to_device([i for i, p in enumerate(params) if p.is_greedy],
-                                     dtype=torch.long, device=device)
+            greedy_index = to_device([i for i, p in enumerate(params) if p.is_greedy], dtype=torch.long, device=device)
             sampled_index = to_device(sampled, dtype=torch.long, device=device)
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
             # index_select copies rows; logits[index] gathers element by element on the CPU
             token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
             token_ids[sampled_index] = self._sample_rows(
-                logits.index_select(0, sampled_index), request_ids=[request_ids[i] for i in sampled],
-                params=[params[i] for i in sampled])
+                logits.index_select(0, sampled_index),
+                request_ids=[request_ids[i] for i in sampled],
+                params=[params[i] for i in sampled],
+            )
         finite = torch.isfinite(raw_logits.amax(dim=-1))  # NaN and +inf propagate; all -inf too
         token_ids = token_ids.masked_fill(~finite, 0)
         return _with_logprobs(raw_logits, token_ids=token_ids, params=params, finite=finite)
 
-    def _sample_rows(self, logits: torch.Tensor, *, request_ids: list[str],
-                     params: list[SamplingParams]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, *, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
         """One draw per row of ``logits`` (all of them sampled rows)."""
         device = logits.device
         draws: list[tuple[int, int] | None] = [
             None if p.seed is None else (p.seed, self._stream(request_ids[i], p.seed).next())
-            for i, p in enumerate(params)]
+            for i, p in enumerate(params)
+        ]
 
         def uniforms(rows: list[int], attempt: int) -> torch.Tensor:
             values: list[float] = torch.rand(len(rows), dtype=torch.float64).tolist()
@@ -215,18 +229,23 @@ class Sampler:
 
         temperature = to_device([p.temperature for p in params], dtype=torch.float32, device=device)
         weights = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1)).exp_()
-        nucleus = filter_weights(logits=logits, weights=weights, top_k=[p.top_k for p in params],
-                                 top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-                                 top_p_by_rejection=self.top_p_by_rejection)
+        nucleus = filter_weights(
+            logits=logits,
+            weights=weights,
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            top_p_by_rejection=self.top_p_by_rejection,
+        )
         tokens = draw(weights, uniforms(list(range(len(params))), 0))
         if nucleus is None:
             return tokens
-        return redraw_outside_nucleus(weights=weights, bound=nucleus, tokens=tokens,
-                                      uniforms=uniforms)
+        return redraw_outside_nucleus(weights=weights, bound=nucleus, tokens=tokens, uniforms=uniforms)
 
 
-def _with_logprobs(raw_logits: torch.Tensor, *, token_ids: torch.Tensor,
-                   params: list[SamplingParams], finite: torch.Tensor) -> PendingSample:
+def _with_logprobs(
+    raw_logits: torch.Tensor, *, token_ids: torch.Tensor, params: list[SamplingParams], finite: torch.Tensor
+) -> PendingSample:
     """The pending sample, with the log-probabilities of the rows that ask for them."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
@@ -240,16 +259,30 @@ def _with_logprobs(raw_logits: torch.Tensor, *, token_ids: torch.Tensor,
     chosen = log_probs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
     max_n = min(max(params[i].logprobs or 0 for i in rows), log_probs.shape[1])
     if max_n == 0:
-        return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
-                             logprob_rows=rows, finite=finite)
+        return PendingSample(
+            token_ids=token_ids, params=params, chosen_logprobs=chosen, logprob_rows=rows, finite=finite
+        )
     values, indices = top_values(log_probs, max_n)
-    return PendingSample(token_ids=token_ids, params=params, chosen_logprobs=chosen,
-                         top_values=values, top_indices=indices, logprob_rows=rows, finite=finite)
+    return PendingSample(
+        token_ids=token_ids,
+        params=params,
+        chosen_logprobs=chosen,
+        top_values=values,
+        top_indices=indices,
+        logprob_rows=rows,
+        finite=finite,
+    )
 
 
-def filter_weights(*, logits: torch.Tensor, weights: torch.Tensor, top_k: list[int],
-                   top_p: list[float], min_p: list[float],
-                   top_p_by_rejection: bool = False) -> torch.Tensor | None:
+def filter_weights(
+    *,
+    logits: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    top_p_by_rejection: bool = False,
+) -> torch.Tensor | None:
     """Zero, in place, the ``weights`` (unnormalised probabilities of ``logits``, the row's
     best at 1) of tokens outside each row's top-k, top-p nucleus and min-p floor.
 
@@ -271,8 +304,7 @@ def filter_weights(*, logits: torch.Tensor, weights: torch.Tensor, top_k: list[i
         weights.masked_fill_(logits < cutoff, 0.0)
     bound = None
     if use_top_p:
-        share = to_device([p if p < 1.0 else float("inf") for p in top_p], dtype=torch.float64,
-                          device=device)
+        share = to_device([p if p < 1.0 else float("inf") for p in top_p], dtype=torch.float64, device=device)
         bound = share.unsqueeze(1) * block_masses(weights).sum(dim=-1, keepdim=True)
         if candidates is not None and sort_top_p:
             values, columns = candidates
@@ -285,8 +317,7 @@ def filter_weights(*, logits: torch.Tensor, weights: torch.Tensor, top_k: list[i
     return bound
 
 
-def apply_filters(*, logits: torch.Tensor, top_k: list[int], top_p: list[float],
-                  min_p: list[float]) -> torch.Tensor:
+def apply_filters(*, logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """``logits`` (temperature already applied) with the tokens :func:`filter_weights` drops
     set to ``-inf`` (and any too unlikely to be drawn in float32); top-p by sorting."""
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()

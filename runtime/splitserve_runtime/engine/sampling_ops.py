@@ -60,7 +60,7 @@ def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         values, columns = x.topk(k, dim=-1)
         return values, columns
     full = vocab // TOPK_BLOCK
-    block_max = x[:, :full * TOPK_BLOCK].reshape(rows, full, TOPK_BLOCK).amax(dim=-1)
+    block_max = x[:, : full * TOPK_BLOCK].reshape(rows, full, TOPK_BLOCK).amax(dim=-1)
     blocks = block_max.topk(k, dim=-1).indices
     offsets = torch.arange(TOPK_BLOCK, device=x.device)
     columns = (blocks.unsqueeze(-1) * TOPK_BLOCK + offsets).flatten(1)
@@ -78,8 +78,7 @@ def top_k_cutoff(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return kth.masked_fill(top_k.unsqueeze(1) == 0, float("-inf"))
 
 
-def top_p_cutoff(*, values: torch.Tensor, weights: torch.Tensor,
-                 bound: torch.Tensor) -> torch.Tensor:
+def top_p_cutoff(*, values: torch.Tensor, weights: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """``[rows, 1]``: each row's top-p cut-off, ``-inf`` where ``bound`` is infinite (off).
 
     ``values [rows, vocab]``: the row's logits, descending; ``weights``: their unnormalised
@@ -101,9 +100,9 @@ def block_masses(weights: torch.Tensor) -> torch.Tensor:
     full = vocab // DRAW_BLOCK
     parts = []
     if full:
-        parts.append(weights[:, :full * DRAW_BLOCK].reshape(rows, full, DRAW_BLOCK).sum(dim=-1))
+        parts.append(weights[:, : full * DRAW_BLOCK].reshape(rows, full, DRAW_BLOCK).sum(dim=-1))
     if vocab > full * DRAW_BLOCK:
-        parts.append(weights[:, full * DRAW_BLOCK:].sum(dim=-1, keepdim=True))
+        parts.append(weights[:, full * DRAW_BLOCK :].sum(dim=-1, keepdim=True))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).double()
 
 
@@ -116,8 +115,7 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms.unsqueeze(1) * cumulative[:, -1:]
     # argmax of a non-decreasing row: its first maximum, the last block with weight (rounding
     # can put the target at the total)
-    block = torch.minimum(torch.searchsorted(cumulative, target, right=True),
-                          cumulative.argmax(dim=-1, keepdim=True))
+    block = torch.minimum(torch.searchsorted(cumulative, target, right=True), cumulative.argmax(dim=-1, keepdim=True))
     start = block * DRAW_BLOCK
     columns = start + torch.arange(DRAW_BLOCK, device=weights.device)
     inner = weights.gather(1, columns.clamp(max=vocab - 1)).double()
@@ -125,8 +123,9 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         inner.masked_fill_(columns >= vocab, 0.0)
     before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
     inner_cumulative = inner.cumsum(dim=-1)
-    offset = torch.minimum(torch.searchsorted(inner_cumulative, target - before, right=True),
-                           inner_cumulative.argmax(dim=-1, keepdim=True))
+    offset = torch.minimum(
+        torch.searchsorted(inner_cumulative, target - before, right=True), inner_cumulative.argmax(dim=-1, keepdim=True)
+    )
     return (start + offset).squeeze(1).clamp(max=vocab - 1)
 
 
@@ -134,8 +133,9 @@ UniformsFor = Callable[[list[int], int], torch.Tensor]
 """``(rows, attempt) -> [len(rows)]`` float64 uniforms for those rows' attempt ``attempt``."""
 
 
-def redraw_outside_nucleus(*, weights: torch.Tensor, bound: torch.Tensor, tokens: torch.Tensor,
-                           uniforms: UniformsFor) -> torch.Tensor:
+def redraw_outside_nucleus(
+    *, weights: torch.Tensor, bound: torch.Tensor, tokens: torch.Tensor, uniforms: UniformsFor
+) -> torch.Tensor:
     """Top-p by rejection: ``tokens`` (a :func:`draw` from ``weights``, attempt 0) with each
     token outside its row's nucleus replaced by a draw from inside it.
 

@@ -230,7 +230,8 @@ class Scheduler:
         """Schedule a decode with proposals (dropping them when the budget or the free blocks
         do not allow them); False if ``seq`` itself had to be preempted."""
         if 1 + len(seq.spec_token_ids) > budget or not self.block_manager.allocate_slots(
-                seq=seq, num_new_tokens=1 + len(seq.spec_token_ids)):
+            seq=seq, num_new_tokens=1 + len(seq.spec_token_ids)
+        ):
             seq.spec_token_ids = ()
         if self._reserve(seq=seq, num_new_tokens=1, out=out):
             out.decodes.append(seq)

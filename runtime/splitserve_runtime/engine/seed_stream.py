@@ -32,7 +32,7 @@ _GAMMA: Final = 0x9E3779B97F4A7C15
 _ATTEMPT: Final = 0xD1B54A32D192ED03
 """Step between a draw's attempts: another odd constant, so attempts do not fall on the
 stream's next draws."""
-_UNIT: Final = 2.0 ** -53
+_UNIT: Final = 2.0**-53
 
 
 def mix64(z: int) -> int:

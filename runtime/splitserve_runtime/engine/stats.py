@@ -1,12 +1,21 @@
 """A point-in-time snapshot of the engine's gauges and counters (docs/architecture.md, "Metrics").
 
 The server exports these as the ``splitserve_*`` metrics; field names match the metric
-names without prefix. Counters only grow for the engine's lifetime.
+names without prefix. Counters only grow for the engine's lifetime. :func:`engine_stats` reads
+them off the engine's parts (scheduler, block manager, token outputs, speculation, step counters).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the server imports this module for the type alone, without torch
+    from .block_manager import BlockManager
+    from .engine_request import TokenOutputs
+    from .scheduler import Scheduler
+    from .speculative import SpeculativeDecoder
+    from .step_work import StepCounters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,3 +64,46 @@ class EngineStats:
     """Their part of ``engine_decode_rows_total``."""
     engine_decode_only_context_tokens_total: int = 0
     """Their part of ``engine_decode_context_tokens_total``."""
+
+
+def engine_stats(
+    *,
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    outputs: TokenOutputs,
+    speculation: SpeculativeDecoder,
+    steps_total: int,
+    steps: StepCounters,
+) -> EngineStats:
+    """The snapshot of one engine now (``steps_total``: the model steps it ran)."""
+    sched = scheduler
+    bm = block_manager
+    return EngineStats(
+        requests_waiting=sched.num_waiting,
+        requests_running=sched.num_running,
+        prompt_tokens_waiting=sched.num_prompt_tokens_waiting(),
+        kv_cache_usage_ratio=bm.usage_ratio,
+        kv_cache_blocks_total=bm.num_blocks,
+        kv_cache_blocks_cached=bm.num_cached_blocks,
+        kv_cache_block_size=bm.block_size,
+        prompt_tokens_total=outputs.prompt_tokens_total,
+        generation_tokens_total=outputs.generation_tokens_total,
+        prefix_cache_queried_tokens_total=sched.counters.prefix_cache_queried_tokens_total,
+        prefix_cache_hit_tokens_total=sched.counters.prefix_cache_hit_tokens_total,
+        preemptions_total=sched.counters.preemptions_total,
+        steps_total=steps_total,
+        spec_decode_proposed_tokens_total=speculation.proposed_total,
+        spec_decode_accepted_tokens_total=speculation.accepted_total,
+        spec_decode_accepted_tokens_by_position=tuple(speculation.accepted_by_position),
+        spec_decode_proposed_tokens_by_position=tuple(speculation.proposed_by_position),
+        engine_steps_total=steps.steps,
+        engine_step_seconds_total=steps.seconds,
+        engine_prefill_tokens_total=steps.prefill_tokens,
+        engine_prefill_attention_pairs_total=steps.prefill_attention_pairs,
+        engine_decode_rows_total=steps.decode_rows,
+        engine_decode_context_tokens_total=steps.decode_context_tokens,
+        engine_decode_only_steps_total=steps.decode_only_steps,
+        engine_decode_only_step_seconds_total=steps.decode_only_seconds,
+        engine_decode_only_rows_total=steps.decode_only_rows,
+        engine_decode_only_context_tokens_total=steps.decode_only_context_tokens,
+    )

@@ -37,7 +37,7 @@ to the other ranks must stay in step order on the engine thread).
 
 Off by default (``EngineConfig.async_scheduling=None``); ``True`` turns it on. It is correct
 (the whole runtime and disaggregation test suites pass with it on, and
-``tests/runtime/test_engine_step_bookkeeping.py`` checks it gives the synchronous tokens), and
+``tests/runtime/engine/test_engine_step_bookkeeping.py`` checks it gives the synchronous tokens), and
 it hides the host's work behind a forward that leaves the GIL (``bench/cpu_engine.py`` (c)).
 It is not the default yet because: on the CPU the forward thread's Python (the model's glue
 between kernels, the sampler) takes turns with the engine thread for the GIL, and when the
@@ -57,12 +57,30 @@ from typing import TypeVar
 
 import torch
 
-from .model_runner import ModelRunner, StepInputs
+from .model_runner import ModelRunner
 from .sampler import PendingSample, SamplerOutput
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .speculative import SpeculativeConfig
+from .step_inputs import StepInputs
 
 T = TypeVar("T")
+
+
+def resolve_async_scheduling(requested: bool | None, *, speculative: SpeculativeConfig, runner: ModelRunner) -> bool:
+    """``requested`` (None: off, see the module docstring) against what an engine with this
+    speculation and runner can do; raises if it was asked for and cannot work."""
+    why_not = None
+    if speculative.enabled:
+        why_not = "speculative decoding proposes from the previous step's tokens"
+    elif (
+        type(runner).forward_logits is not ModelRunner.forward_logits
+        or type(runner).before_forward is not ModelRunner.before_forward
+    ):
+        why_not = "this runner drives other ranks in step order (tensor or pipeline parallelism)"
+    if requested and why_not:
+        raise ValueError(f"asynchronous scheduling is not available: {why_not}")
+    return bool(requested)
 
 
 class ForwardThread:
@@ -153,9 +171,16 @@ class SampledIds:
 class InFlightStep:
     """A launched step: its schedule, sampled sequences, and tokens still being computed."""
 
-    def __init__(self, *, sched: SchedulerOutput, sample_seqs: list[Sequence],
-                 future: Future[PendingSample], sampled: SampledIds,
-                 host: PendingSample | None = None, copied: torch.cuda.Event | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sched: SchedulerOutput,
+        sample_seqs: list[Sequence],
+        future: Future[PendingSample],
+        sampled: SampledIds,
+        host: PendingSample | None = None,
+        copied: torch.cuda.Event | None = None,
+    ) -> None:
         self.sched = sched
         self.sampled = sampled
         """The sampled ids on the device, for work ordered after this step's (the next step's
@@ -184,8 +209,9 @@ class InFlightStep:
         return (self._host or self._future.result()).resolve()
 
 
-def launch(runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep | None,
-           thread: ForwardThread | None) -> InFlightStep:
+def launch(
+    runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep | None, thread: ForwardThread | None
+) -> InFlightStep:
     """Build ``sched``'s inputs here and run its forward and sampling after ``after``'s (on
     ``thread``, or queued on the device when there is none). Decodes whose input token is
     pending are read from ``after``'s sampled ids."""
@@ -220,11 +246,11 @@ def launch(runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep |
             with torch.inference_mode():
                 logits = _logits(runner, inputs)
                 if logits is None or not sample_seqs:
-                    pending = PendingSample(token_ids=torch.empty(0, dtype=torch.long, device=runner.device),
-                                            params=[])
+                    pending = PendingSample(token_ids=torch.empty(0, dtype=torch.long, device=runner.device), params=[])
                 else:
-                    pending = runner.sampler.launch(logits=logits, request_ids=request_ids, params=params,
-                                                    banned_token_ids=banned)
+                    pending = runner.sampler.launch(
+                        logits=logits, request_ids=request_ids, params=params, banned_token_ids=banned
+                    )
         except BaseException as error:
             sampled.fail(error)
             raise
@@ -235,13 +261,15 @@ def launch(runner: ModelRunner, sched: SchedulerOutput, *, after: InFlightStep |
         return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=thread.submit(run), sampled=sampled)
     pending = run()
     host, copied = _copy_to_host(pending)
-    return InFlightStep(sched=sched, sample_seqs=sample_seqs, future=_done(pending), sampled=sampled,
-                        host=host, copied=copied)
+    return InFlightStep(
+        sched=sched, sample_seqs=sample_seqs, future=_done(pending), sampled=sampled, host=host, copied=copied
+    )
 
 
 def _logits(runner: ModelRunner, inputs: StepInputs) -> torch.Tensor | None:
-    hidden = runner.model.forward(input_ids=inputs.input_ids, positions=inputs.positions,
-                                  kv_caches=runner.kv_caches, md=inputs.md)
+    hidden = runner.model.forward(
+        input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=runner.kv_caches, md=inputs.md
+    )
     if not inputs.logits_indices.numel():
         return None
     return runner.model.compute_logits(hidden[inputs.logits_indices])

@@ -65,15 +65,20 @@ def step_work(sched: SchedulerOutput) -> StepWork:
         pairs += n * c + n * (n + 1) // 2
     decodes = sched.decodes
     if not sched.num_speculative:  # the hot path: one row per decode, summed without a Python loop
-        return StepWork(prefill_tokens=prefill_tokens, prefill_attention_pairs=pairs,
-                        decode_rows=len(decodes), decode_context_tokens=sum(map(_num_computed, decodes)))
+        return StepWork(
+            prefill_tokens=prefill_tokens,
+            prefill_attention_pairs=pairs,
+            decode_rows=len(decodes),
+            decode_context_tokens=sum(map(_num_computed, decodes)),
+        )
     rows = context = 0
     for seq in decodes:
         k = len(seq.spec_token_ids)
         rows += 1 + k
         context += (1 + k) * seq.num_computed_tokens + k * (k + 1) // 2
-    return StepWork(prefill_tokens=prefill_tokens, prefill_attention_pairs=pairs, decode_rows=rows,
-                    decode_context_tokens=context)
+    return StepWork(
+        prefill_tokens=prefill_tokens, prefill_attention_pairs=pairs, decode_rows=rows, decode_context_tokens=context
+    )
 
 
 @dataclass(slots=True)

@@ -38,8 +38,9 @@ class StopChecker:
     :meth:`append_text` for requests without text; they are fixed for the request's life.
     """
 
-    def __init__(self, *, params: SamplingParams, eos_token_ids: frozenset[int],
-                 detokenizer: Detokenizer | None) -> None:
+    def __init__(
+        self, *, params: SamplingParams, eos_token_ids: frozenset[int], detokenizer: Detokenizer | None
+    ) -> None:
         self.params = params
         self._stop_ids = frozenset(params.stop_token_ids)
         self._eos_ids = frozenset() if params.ignore_eos else eos_token_ids
@@ -63,8 +64,7 @@ class StopChecker:
             return FINISH_LENGTH
         return None
 
-    def append_text(self, *, token_id: int, num_output_tokens: int,
-                    token_reason: str | None) -> str | None:
+    def append_text(self, *, token_id: int, num_output_tokens: int, token_reason: str | None) -> str | None:
         """Add the token's text and look for stop strings; returns the final finish reason.
 
         ``token_reason`` is what :meth:`check_token` said. A stop token's own text is not
@@ -84,8 +84,7 @@ class StopChecker:
     def append(self, *, token_id: int, num_output_tokens: int) -> str | None:
         """:meth:`check_token` then :meth:`append_text`; returns a finish reason or None."""
         token_reason = self.check_token(token_id=token_id, num_output_tokens=num_output_tokens)
-        return self.append_text(token_id=token_id, num_output_tokens=num_output_tokens,
-                                token_reason=token_reason)
+        return self.append_text(token_id=token_id, num_output_tokens=num_output_tokens, token_reason=token_reason)
 
     def flush(self) -> None:
         """Append text the detokenizer still holds (the request ended without a stop)."""
@@ -97,7 +96,7 @@ class StopChecker:
         end = len(self.text) if finished else len(self.text) - self._held_back_chars()
         if end <= self._num_emitted_chars:
             return ""
-        new = self.text[self._num_emitted_chars:end]
+        new = self.text[self._num_emitted_chars : end]
         self._num_emitted_chars = end
         return new
 
@@ -116,7 +115,7 @@ class StopChecker:
     def _held_back_chars(self) -> int:
         if not self._stops:
             return 0
-        tail = self.text[-(self._max_stop_chars - 1):] if self._max_stop_chars > 1 else ""
+        tail = self.text[-(self._max_stop_chars - 1) :] if self._max_stop_chars > 1 else ""
         for length in range(len(tail), 0, -1):
             suffix = tail[-length:]
             if any(stop.startswith(suffix) for stop in self._stops):

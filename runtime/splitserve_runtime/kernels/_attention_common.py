@@ -30,21 +30,25 @@ class PagedShapes:
 
 
 def check_paged_inputs(
-    *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-    scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> PagedShapes:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                      context_lens=context_lens)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
     if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
-        )
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     kv_fp8 = is_fp8_kv(k_cache.dtype)
@@ -66,8 +70,7 @@ def check_paged_inputs(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if context_lens.shape[0] != block_tables.shape[0]:
         raise ValueError(
-            f"context_lens has {context_lens.shape[0]} entries, block_tables has "
-            f"{block_tables.shape[0]} rows"
+            f"context_lens has {context_lens.shape[0]} entries, block_tables has {block_tables.shape[0]} rows"
         )
     if max_context_len < 0:
         raise ValueError(f"max_context_len must be >= 0, got {max_context_len}")
@@ -82,8 +85,14 @@ def check_paged_inputs(
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(3) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim")
-    return PagedShapes(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       block_size=block_size, group=num_heads // num_kv_heads, kv_fp8=kv_fp8)
+    return PagedShapes(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        group=num_heads // num_kv_heads,
+        kv_fp8=kv_fp8,
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

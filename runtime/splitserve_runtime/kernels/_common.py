@@ -27,7 +27,11 @@ def interpreting() -> bool:
 
 
 def check_tensor(
-    name: str, t: torch.Tensor, *, ndim: int, dtypes: Sequence[torch.dtype],
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
     last_dim_contiguous: bool = True,
 ) -> None:
     if not isinstance(t, torch.Tensor):

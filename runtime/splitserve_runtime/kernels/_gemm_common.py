@@ -51,9 +51,17 @@ class GemmConfig:
 
 
 def gemm_config(
-    *, m: int, n: int, k: int, default_block_k: tuple[int, int], min_block_k: int = 16,
-    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    *,
+    m: int,
+    n: int,
+    k: int,
+    default_block_k: tuple[int, int],
+    min_block_k: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> GemmConfig:
     """Launch configuration for an ``[m, k] x [k, n]`` GEMM; any field can be overridden.
 
@@ -73,8 +81,14 @@ def gemm_config(
         num_warps = 8 if block_m >= 128 and block_n >= 128 else 4
     if num_stages is None:
         num_stages = 4
-    return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                      group_m=1 if decode else 8, num_warps=num_warps, num_stages=num_stages)
+    return GemmConfig(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        group_m=1 if decode else 8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 def grid(cfg: GemmConfig, m: int, n: int) -> tuple[int]:
@@ -82,7 +96,11 @@ def grid(cfg: GemmConfig, m: int, n: int) -> tuple[int]:
 
 
 def check_activation_and_bias(
-    x: torch.Tensor, bias: torch.Tensor | None, *, in_features: int, out_features: int,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    in_features: int,
+    out_features: int,
     weights: dict[str, torch.Tensor],
 ) -> None:
     """``x [M, in_features]`` floating with unit last stride, ``bias [out_features]`` or None,
@@ -124,5 +142,4 @@ def store_tile(out_ptr, out, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))

@@ -50,9 +50,17 @@ def _round_to_e4m3_grid(v):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K,
-    QMAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, TO_FP8: tl.constexpr,
-    INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    stride_q,
+    K,
+    QMAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    TO_FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -79,7 +87,9 @@ def _act_quant_kernel(
 
 
 def quantize_per_token(
-    *, x: torch.Tensor, dtype: torch.dtype,
+    *,
+    x: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` → (``dtype [M, K]`` contiguous, fp32 row scales ``[M]``) with
     ``x ≈ q * scale[:, None]``; ``dtype`` is ``torch.float8_e4m3fn`` or ``torch.int8``."""
@@ -100,9 +110,17 @@ def quantize_per_token(
         return q, scale
     block_k = min(next_power_of_2(k), 4096)
     _act_quant_kernel[(m,)](
-        x, q, scale, x.stride(0), q.stride(0), k,
-        QMAX=qmax, AMAX_FLOOR=ACT_AMAX_FLOOR, TO_FP8=dtype == torch.float8_e4m3fn,
-        INTERPRET=interpreting(), BLOCK_K=block_k,
+        x,
+        q,
+        scale,
+        x.stride(0),
+        q.stride(0),
+        k,
+        QMAX=qmax,
+        AMAX_FLOOR=ACT_AMAX_FLOOR,
+        TO_FP8=dtype == torch.float8_e4m3fn,
+        INTERPRET=interpreting(),
+        BLOCK_K=block_k,
         num_warps=8 if block_k >= 2048 else 4,
     )
     return q, scale

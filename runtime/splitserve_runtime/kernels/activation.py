@@ -17,7 +17,12 @@ from ._common import FLOAT_DTYPES, check_tensor, next_power_of_2
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    n_cols,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -25,8 +30,7 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(*, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +48,12 @@ def silu_and_mul(*, x: torch.Tensor) -> torch.Tensor:
         block = min(next_power_of_2(half), 1024)
         grid = (x2d.shape[0], triton.cdiv(half, block))
         _silu_and_mul_kernel[grid](
-            x2d, out, x2d.stride(0), out.stride(0), half, BLOCK=block,
+            x2d,
+            out,
+            x2d.stride(0),
+            out.stride(0),
+            half,
+            BLOCK=block,
             num_warps=4 if block >= 512 else 2,
         )
     return out.view(*x.shape[:-1], half)

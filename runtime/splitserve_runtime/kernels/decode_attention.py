@@ -40,18 +40,39 @@ MIN_TILES_PER_SPLIT = 2
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_out_ptr, part_lse_ptr,
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    num_splits, qk_scale, v_scale,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    num_splits,
+    qk_scale,
+    v_scale,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -68,8 +89,11 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -109,20 +133,27 @@ def _decode_split_kernel(
     if KV_FP8:
         out = out * v_scale
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    out_ptrs = (part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-                + d[None, :])
+    out_ptrs = part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
     tl.store(out_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -130,17 +161,18 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
     d_mask = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=s_mask,
-                  other=float("-inf"))
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp2(lse - m)
     total = tl.sum(w, axis=0)
-    parts = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps
-                    + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.cache
@@ -149,7 +181,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(
-    *, batch: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int,
+    *,
+    batch: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    block_n: int,
+    num_sms: int,
 ) -> int:
     """Splits per sequence so that ``batch * kv_heads * splits`` covers ~2 waves of SMs.
 
@@ -164,11 +201,21 @@ def choose_num_splits(
 
 
 def decode_attention(
-    *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-    scale: float, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
-    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q [batch, num_heads, head_dim]`` over each sequence's paged context.
 
@@ -179,10 +226,17 @@ def decode_attention(
     (benchmarks, tests). ``k_scale``/``v_scale``: per-tensor scales of an fp8 cache (ignored
     for 16/32-bit caches).
     """
-    shapes = check_paged_inputs(q=q, k_cache=k_cache, v_cache=v_cache,
-                                block_tables=block_tables, context_lens=context_lens,
-                                max_context_len=max_context_len, scale=scale,
-                                k_scale=k_scale, v_scale=v_scale)
+    shapes = check_paged_inputs(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        max_context_len=max_context_len,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     batch = q.shape[0]
     if block_tables.shape[0] != batch:
         raise ValueError(f"q has {batch} rows but block_tables has {block_tables.shape[0]}")
@@ -202,40 +256,68 @@ def decode_attention(
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if q.device.type == "cuda" else 8
-        num_splits = choose_num_splits(batch=batch, num_kv_heads=shapes.num_kv_heads,
-                                       max_context_len=max_context_len, block_n=block_n,
-                                       num_sms=sms)
+        num_splits = choose_num_splits(
+            batch=batch, num_kv_heads=shapes.num_kv_heads, max_context_len=max_context_len, block_n=block_n, num_sms=sms
+        )
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in 1..1024, got {num_splits}")
 
     head_dim = shapes.head_dim
     block_d = next_power_of_2(head_dim)
-    part_out = torch.empty((batch, shapes.num_heads, num_splits, head_dim),
-                           dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, shapes.num_heads, num_splits),
-                           dtype=torch.float32, device=q.device)
+    part_out = torch.empty((batch, shapes.num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, shapes.num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, shapes.num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        num_splits, scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0), v_scale,
-        GROUP=shapes.group, BLOCK_G=max(16, next_power_of_2(shapes.group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=shapes.block_size, BLOCK_N=block_n,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        num_splits,
+        scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0),
+        v_scale,
+        GROUP=shapes.group,
+        BLOCK_G=max(16, next_power_of_2(shapes.group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=shapes.block_size,
+        BLOCK_N=block_n,
         DOT_FP32=interp or q.dtype == torch.float32,
-        INPUT_PRECISION=dot_precision(q.dtype), KV_FP8=shapes.kv_fp8,
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        INPUT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=shapes.kv_fp8,
+        num_warps=num_warps or 4,
+        num_stages=num_stages or 2,
     )
     _decode_reduce_kernel[(batch, shapes.num_heads)](
-        part_out, part_lse, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
+        part_out,
+        part_lse,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=next_power_of_2(num_splits),
         num_warps=2 if head_dim <= 64 else 4,
     )
     return out

@@ -29,11 +29,23 @@ from ._fp8 import KV_CACHE_DTYPES, check_kv_scale, is_fp8_kv, quantize_fp8
 
 @triton.jit
 def _kv_cache_write_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_slot, inv_k_scale, inv_v_scale,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
-    KV_FP8: tl.constexpr, EXACT_FP8_ROUNDING: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_slot,
+    inv_k_scale,
+    inv_v_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EXACT_FP8_ROUNDING: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -54,8 +66,14 @@ def _kv_cache_write_kernel(
 
 
 def write_kv_cache(
-    *, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+    *,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the caches in place.
 
@@ -68,14 +86,11 @@ def write_kv_cache(
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES)
-    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                      slot_mapping=slot_mapping)
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
-        )
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     check_kv_scale("k_scale", k_scale)
@@ -91,17 +106,27 @@ def write_kv_cache(
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value must be contiguous in head_dim")
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
-        )
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     if num_tokens == 0:
         return
     block_hd = next_power_of_2(num_kv_heads * head_dim)
     _kv_cache_write_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        num_kv_heads * head_dim, 1.0 / k_scale, 1.0 / v_scale,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=block_hd,
-        KV_FP8=is_fp8_kv(k_cache.dtype), EXACT_FP8_ROUNDING=interpreting(),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        num_kv_heads * head_dim,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_HD=block_hd,
+        KV_FP8=is_fp8_kv(k_cache.dtype),
+        EXACT_FP8_ROUNDING=interpreting(),
         num_warps=4 if block_hd >= 1024 else 2,
     )

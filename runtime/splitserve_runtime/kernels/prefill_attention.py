@@ -30,11 +30,32 @@ from ._common import INDEX_DTYPES, check_tensor, interpreting, next_power_of_2
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, tile_start, table_row, k_cache_ptr, v_cache_ptr,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
-    q_pos, kv_end, qk_scale, d, d_mask,
-    MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    q,
+    acc,
+    m_i,
+    l_i,
+    tile_start,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    kv_head,
+    q_pos,
+    kv_end,
+    qk_scale,
+    d,
+    d_mask,
+    MASKED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     offs = tile_start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -73,15 +94,35 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
     cu_seqlens_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, qk_scale, v_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    qk_scale,
+    v_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Heaviest (last, longest-causal-range) query blocks first: better tail balance.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -101,8 +142,7 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q_rows = (q_start + rows) * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_mask[:, None] & d_mask[None, :],
-                other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     q_pos = prefix_len + rows
@@ -116,32 +156,90 @@ def _prefill_kernel(
     kv_end = tl.minimum(prefix_len + block_first + BLOCK_M, context_len)
     for tile_start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, tile_start, table_row, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
-            q_pos, kv_end, qk_scale, d, d_mask,
-            False, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION, KV_FP8)
+            q,
+            acc,
+            m_i,
+            l_i,
+            tile_start,
+            table_row,
+            k_cache_ptr,
+            v_cache_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            kv_head,
+            q_pos,
+            kv_end,
+            qk_scale,
+            d,
+            d_mask,
+            False,
+            BLOCK_SIZE,
+            BLOCK_N,
+            DOT_FP32,
+            INPUT_PRECISION,
+            KV_FP8,
+        )
     for tile_start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, tile_start, table_row, k_cache_ptr, v_cache_ptr,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kv_head,
-            q_pos, kv_end, qk_scale, d, d_mask,
-            True, BLOCK_SIZE, BLOCK_N, DOT_FP32, INPUT_PRECISION, KV_FP8)
+            q,
+            acc,
+            m_i,
+            l_i,
+            tile_start,
+            table_row,
+            k_cache_ptr,
+            v_cache_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            kv_head,
+            q_pos,
+            kv_end,
+            qk_scale,
+            d,
+            d_mask,
+            True,
+            BLOCK_SIZE,
+            BLOCK_N,
+            DOT_FP32,
+            INPUT_PRECISION,
+            KV_FP8,
+        )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:
         out = out * v_scale
     o_rows = (q_start + rows) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
+    )
 
 
 def prefill_attention(
-    *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    max_q_len: int, max_context_len: int, scale: float,
-    block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
-    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q_len: int,
+    max_context_len: int,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the flattened ``q [num_tokens, num_heads, head_dim]`` rows.
 
@@ -151,24 +249,27 @@ def prefill_attention(
     shaped like q. Block sizes and launch options can be overridden (benchmarks, tests).
     ``k_scale``/``v_scale``: per-tensor scales of an fp8 cache (ignored for 16/32-bit caches).
     """
-    shapes = check_paged_inputs(q=q, k_cache=k_cache, v_cache=v_cache,
-                                block_tables=block_tables, context_lens=context_lens,
-                                max_context_len=max_context_len, scale=scale,
-                                k_scale=k_scale, v_scale=v_scale)
+    shapes = check_paged_inputs(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        max_context_len=max_context_len,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES)
     num_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"cu_seqlens_q must have {num_seqs + 1} entries, got {cu_seqlens_q.shape[0]}"
-        )
+        raise ValueError(f"cu_seqlens_q must have {num_seqs + 1} entries, got {cu_seqlens_q.shape[0]}")
     if cu_seqlens_q.device != q.device:
         raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
     if q.stride(2) != 1:
         raise ValueError("q must be contiguous in head_dim")
     if max_q_len < 0 or max_q_len > max(max_context_len, 0):
-        raise ValueError(
-            f"max_q_len {max_q_len} must be in 0..max_context_len ({max_context_len})"
-        )
+        raise ValueError(f"max_q_len {max_q_len} must be in 0..max_context_len ({max_context_len})")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -191,15 +292,36 @@ def prefill_attention(
         num_stages = 3 if head_dim <= 128 else 2
     grid = (triton.cdiv(max_q_len, block_m), shapes.num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0), v_scale,
-        GROUP=shapes.group, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_SIZE=shapes.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        scale * LOG2E * (k_scale if shapes.kv_fp8 else 1.0),
+        v_scale,
+        GROUP=shapes.group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=shapes.block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         DOT_FP32=interp or q.dtype == torch.float32,
-        INPUT_PRECISION=dot_precision(q.dtype), KV_FP8=shapes.kv_fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        INPUT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=shapes.kv_fp8,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -20,10 +20,19 @@ MAX_HIDDEN = 65536
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_out, stride_rout,
-    n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_out,
+    stride_rout,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -38,8 +47,7 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, int]:
@@ -71,15 +79,30 @@ def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     if x2d.shape[0] > 0:
         block, num_warps = _launch_config(hidden)
         _rms_norm_kernel[(x2d.shape[0],)](
-            x2d, x2d, weight, out, out,
-            x2d.stride(0), x2d.stride(0), out.stride(0), out.stride(0),
-            hidden, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=num_warps,
+            x2d,
+            x2d,
+            weight,
+            out,
+            out,
+            x2d.stride(0),
+            x2d.stride(0),
+            out.stride(0),
+            out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=False,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return out.view(x.shape)
 
 
 def fused_add_rms_norm(
-    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    *,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + residual``; return ``(rms_norm(s) * weight, s)`` as new tensors."""
     x2d, hidden = _check(x, weight, eps)
@@ -93,8 +116,19 @@ def fused_add_rms_norm(
     if x2d.shape[0] > 0:
         block, num_warps = _launch_config(hidden)
         _rms_norm_kernel[(x2d.shape[0],)](
-            x2d, r2d, weight, out, residual_out,
-            x2d.stride(0), r2d.stride(0), out.stride(0), residual_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=num_warps,
+            x2d,
+            r2d,
+            weight,
+            out,
+            residual_out,
+            x2d.stride(0),
+            r2d.stride(0),
+            out.stride(0),
+            residual_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=True,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return out.view(x.shape), residual_out.view(x.shape)

@@ -22,8 +22,18 @@ from ._common import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
 @triton.jit
 def _rotate_heads(
-    src_ptr, dst_ptr, stride_st, stride_sh, stride_dt, stride_dh, token, cos, sin,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    stride_st,
+    stride_sh,
+    stride_dt,
+    stride_dh,
+    token,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -41,30 +51,75 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
-    stride_cs, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_qot, stride_qoh, stride_kot, stride_koh,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    pos_ptr,
+    cos_sin_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_cs,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     dmask = dims < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + dims, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims, mask=dmask,
-                  other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims, mask=dmask, other=0.0).to(tl.float32)
     cos = cos[None, :]
     sin = sin[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token,
-                  cos, sin, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token,
-                  cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+    _rotate_heads(
+        q_ptr,
+        q_out_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        token,
+        cos,
+        sin,
+        NUM_Q_HEADS,
+        HALF,
+        BLOCK_QH,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr,
+        k_out_ptr,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        token,
+        cos,
+        sin,
+        NUM_K_HEADS,
+        HALF,
+        BLOCK_KH,
+        BLOCK_HALF,
+    )
 
 
 def rotary_embedding(
-    *, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-    cos_sin_cache: torch.Tensor, inplace: bool = False,
+    *,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``.
 
@@ -84,9 +139,7 @@ def rotary_embedding(
     if head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     if cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(
-            f"cos_sin_cache must be [max_pos, {head_dim}], got {tuple(cos_sin_cache.shape)}"
-        )
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}], got {tuple(cos_sin_cache.shape)}")
     if inplace:
         q_out, k_out = q, k
     else:
@@ -97,11 +150,26 @@ def rotary_embedding(
     half = head_dim // 2
     block_qh = next_power_of_2(num_q_heads)
     _rotary_kernel[(num_tokens,)](
-        positions, cos_sin_cache, q, k, q_out, k_out,
-        cos_sin_cache.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF=half,
-        BLOCK_QH=block_qh, BLOCK_KH=next_power_of_2(k.shape[1]),
+        positions,
+        cos_sin_cache,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos_sin_cache.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=k.shape[1],
+        HALF=half,
+        BLOCK_QH=block_qh,
+        BLOCK_KH=next_power_of_2(k.shape[1]),
         BLOCK_HALF=next_power_of_2(half),
         num_warps=4 if block_qh * half >= 1024 else 2,
     )

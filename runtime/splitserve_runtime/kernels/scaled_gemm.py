@@ -36,11 +36,25 @@ _OPERAND_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 @triton.jit
 def _scaled_gemm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_bn, stride_om,
-    HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
     EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -69,8 +83,14 @@ def _scaled_gemm_kernel(
 
 
 def scaled_gemm(
-    *, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig | None = None,
+    *,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
     fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a [M, K] @ b [N, K].T) * a_scale[:, None] * b_scale[None, :] (+ bias)`` as
@@ -87,8 +107,9 @@ def scaled_gemm(
     check_tensor("a_scale", a_scale, ndim=1, dtypes=(torch.float32,))
     check_tensor("b_scale", b_scale, ndim=1, dtypes=(torch.float32,))
     if a_scale.shape[0] != m or b_scale.shape[0] != n:
-        raise ValueError(f"a_scale must be [{m}] and b_scale [{n}], got "
-                         f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+        raise ValueError(
+            f"a_scale must be [{m}] and b_scale [{n}], got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}"
+        )
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(torch.float16, torch.bfloat16, torch.float32))
         if bias.shape[0] != n:
@@ -107,32 +128,65 @@ def scaled_gemm(
         raise ValueError(f"8-bit dots need block_k >= 32, got {cfg.block_k}")
     int8 = a.dtype == torch.int8
     _scaled_gemm_kernel[grid(cfg, m, n)](
-        a, b, a_scale, b_scale, bias if bias is not None else b_scale, out,
-        m, n, k, a.stride(0), b.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, ACC_DTYPE=tl.int32 if int8 else tl.float32,
-        IMPRECISE_ACC=None if int8 or fast_accum else cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a,
+        b,
+        a_scale,
+        b_scale,
+        bias if bias is not None else b_scale,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=tl.int32 if int8 else tl.float32,
+        IMPRECISE_ACC=None if int8 or fast_accum else cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
 
 def w8a8_linear(
-    *, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, config: GemmConfig | None = None, fast_accum: bool = False,
+    *,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """W8A8 linear layer: quantize ``x [M, K]`` per token to ``qweight``'s dtype (fp8 e4m3 or
     int8), then :func:`scaled_gemm` with ``qweight [N, K]`` and its per-channel fp32 scales.
     Returns ``[M, N]`` in ``x``'s dtype."""
     check_tensor("qweight", qweight, ndim=2, dtypes=_OPERAND_DTYPES)
     check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,))
-    check_activation_and_bias(x, bias, in_features=qweight.shape[1],
-                              out_features=qweight.shape[0],
-                              weights={"qweight": qweight, "weight_scale": weight_scale})
+    check_activation_and_bias(
+        x,
+        bias,
+        in_features=qweight.shape[1],
+        out_features=qweight.shape[0],
+        weights={"qweight": qweight, "weight_scale": weight_scale},
+    )
     _check_fp8_support(qweight)
     xq, x_scale = quantize_per_token(x=x, dtype=qweight.dtype)
-    return scaled_gemm(a=xq, a_scale=x_scale, b=qweight, b_scale=weight_scale, bias=bias,
-                       out_dtype=x.dtype, config=config, fast_accum=fast_accum)
+    return scaled_gemm(
+        a=xq,
+        a_scale=x_scale,
+        b=qweight,
+        b_scale=weight_scale,
+        bias=bias,
+        out_dtype=x.dtype,
+        config=config,
+        fast_accum=fast_accum,
+    )
 
 
 def _check_fp8_support(operand: torch.Tensor) -> None:

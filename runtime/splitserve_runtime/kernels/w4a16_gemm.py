@@ -40,12 +40,29 @@ PACK = 8
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, qw_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qk, stride_sg, stride_og, stride_om,
-    GROUP_SIZE: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    x_ptr,
+    qw_ptr,
+    scales_ptr,
+    offsets_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_og,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -99,24 +116,29 @@ def default_block_k(group_size: int, *, decode: bool) -> int:
 
 
 def w4a16_linear(
-    *, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-    group_size: int, bias: torch.Tensor | None, config: GemmConfig | None = None,
+    *,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ w.T (+ bias)`` → ``[M, N]`` in ``x``'s dtype for the packed 4-bit weight
     ``qweight int32 [K / 8, N]`` with ``scales`` / ``offsets`` ``[K / group_size, N]``."""
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     if group_size <= 0 or group_size % PACK != 0 or k % group_size != 0:
-        raise ValueError(f"group_size {group_size} must be a positive multiple of {PACK} "
-                         f"dividing K={k}")
+        raise ValueError(f"group_size {group_size} must be a positive multiple of {PACK} dividing K={k}")
     groups = k // group_size
     for name, t in (("scales", scales), ("offsets", offsets)):
         check_tensor(name, t, ndim=2, dtypes=FLOAT_DTYPES)
         if tuple(t.shape) != (groups, n):
             raise ValueError(f"{name} must be [{groups}, {n}], got {tuple(t.shape)}")
-    check_activation_and_bias(x, bias, in_features=k, out_features=n,
-                              weights={"qweight": qweight, "scales": scales,
-                                       "offsets": offsets})
+    check_activation_and_bias(
+        x, bias, in_features=k, out_features=n, weights={"qweight": qweight, "scales": scales, "offsets": offsets}
+    )
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -128,13 +150,31 @@ def w4a16_linear(
     cfg = config or gemm_config(m=m, n=n, k=k, default_block_k=(block_k, block_k))
     interp = interpreting()
     _w4a16_kernel[grid(cfg, m, n)](
-        x, qweight, scales, offsets, bias if bias is not None else scales, out,
-        m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), offsets.stride(0),
+        x,
+        qweight,
+        scales,
+        offsets,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        offsets.stride(0),
         out.stride(0),
-        GROUP_SIZE=group_size, ONE_GROUP_PER_TILE=group_size % cfg.block_k == 0,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        DOT_FP32=interp or x.dtype == torch.float32, INPUT_PRECISION=dot_precision(x.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_SIZE=group_size,
+        ONE_GROUP_PER_TILE=group_size % cfg.block_k == 0,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        DOT_FP32=interp or x.dtype == torch.float32,
+        INPUT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

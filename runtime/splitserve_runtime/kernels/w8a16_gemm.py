@@ -25,11 +25,24 @@ from ._gemm_common import tile_coords as _tile_coords
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -49,8 +62,7 @@ def _w8a16_kernel(
             x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0)
         if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc,
-                         input_precision=INPUT_PRECISION)
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=INPUT_PRECISION)
         else:
             acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
         x_ptrs += BLOCK_K
@@ -60,8 +72,12 @@ def _w8a16_kernel(
 
 
 def w8a16_linear(
-    *, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, config: GemmConfig | None = None,
+    *,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ (qweight [N, K] * weight_scale[:, None]).T (+ bias)`` → ``[M, N]`` in
     ``x``'s dtype; ``qweight`` int8, ``weight_scale`` fp32 per output channel."""
@@ -70,8 +86,9 @@ def w8a16_linear(
     n, k = qweight.shape
     if weight_scale.shape[0] != n:
         raise ValueError(f"weight_scale must be [{n}], got {tuple(weight_scale.shape)}")
-    check_activation_and_bias(x, bias, in_features=k, out_features=n,
-                              weights={"qweight": qweight, "weight_scale": weight_scale})
+    check_activation_and_bias(
+        x, bias, in_features=k, out_features=n, weights={"qweight": qweight, "weight_scale": weight_scale}
+    )
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -81,11 +98,26 @@ def w8a16_linear(
     cfg = config or gemm_config(m=m, n=n, k=k, default_block_k=(128, 64))
     interp = interpreting()
     _w8a16_kernel[grid(cfg, m, n)](
-        x, qweight, weight_scale, bias if bias is not None else weight_scale, out,
-        m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        DOT_FP32=interp or x.dtype == torch.float32, INPUT_PRECISION=dot_precision(x.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        qweight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        DOT_FP32=interp or x.dtype == torch.float32,
+        INPUT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

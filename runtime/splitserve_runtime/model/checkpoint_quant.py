@@ -72,18 +72,30 @@ class CheckpointQuantization:
                 return False
         return True
 
-    def decode(self, *, module: str, tensors: Mapping[str, torch.Tensor], out_features: int,
-               in_features: int, dtype: torch.dtype) -> LinearWeight:
+    def decode(
+        self,
+        *,
+        module: str,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+    ) -> LinearWeight:
         """The runtime layout of one module's stored tensors (``[out, in]`` as config.json says)."""
         try:
             decoded = _DECODERS[self.decoder](self, tensors, out_features, in_features, dtype)
         except (ValueError, RuntimeError, KeyError) as exc:
             raise ModelLoadError(f"{module}: cannot decode {self.description} tensors: {exc}") from exc
-        shape = (decoded.out_features, decoded.in_features) if not isinstance(decoded, torch.Tensor) \
+        shape = (
+            (decoded.out_features, decoded.in_features)
+            if not isinstance(decoded, torch.Tensor)
             else tuple(decoded.shape)
+        )
         if shape != (out_features, in_features):
-            raise ModelLoadError(f"{module}: {self.description} tensors decode to shape {shape}, "
-                                 f"expected {(out_features, in_features)} from config.json")
+            raise ModelLoadError(
+                f"{module}: {self.description} tensors decode to shape {shape}, "
+                f"expected {(out_features, in_features)} from config.json"
+            )
         return decoded
 
 
@@ -102,8 +114,10 @@ def parse_quantization_config(raw: Mapping[str, Any] | None, *, source: str) -> 
         return _awq(raw, source)
     if method == "gptq":
         return _gptq(raw, source)
-    raise ModelLoadError(f"{source}: quantization_config.quant_method {method or '(missing)'!r} is not supported "
-                         "(supported: compressed-tensors, fp8, awq, gptq)")
+    raise ModelLoadError(
+        f"{source}: quantization_config.quant_method {method or '(missing)'!r} is not supported "
+        "(supported: compressed-tensors, fp8, awq, gptq)"
+    )
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -114,8 +128,11 @@ def _unsupported(source: str, what: str) -> ModelLoadError:
 def _compressed_tensors(raw: Mapping[str, Any], source: str) -> CheckpointQuantization:
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, Mapping) or len(groups) != 1:
-        raise _unsupported(source, f"compressed-tensors with {len(groups) if isinstance(groups, Mapping) else 0} "
-                                   "config_groups (exactly one, targeting Linear, is)")
+        raise _unsupported(
+            source,
+            f"compressed-tensors with {len(groups) if isinstance(groups, Mapping) else 0} "
+            "config_groups (exactly one, targeting Linear, is)",
+        )
     group = next(iter(groups.values()))
     targets = group.get("targets") or []
     if "Linear" not in targets:
@@ -133,55 +150,84 @@ def _compressed_tensors(raw: Mapping[str, Any], source: str) -> CheckpointQuanti
     if acts and (int(acts.get("num_bits", 8)) != 8 or (not static_acts and acts.get("strategy") != "token")):
         raise _unsupported(source, f"compressed-tensors input activations {dict(acts)}")
     if static_acts:
-        log.warning("%s: static activation scales are not used; activations are quantized per token at run time",
-                    source)
+        log.warning(
+            "%s: static activation scales are not used; activations are quantized per token at run time", source
+        )
     ignore = tuple(str(x) for x in raw.get("ignore") or ())
     act_suffix = frozenset({"input_scale"}) if static_acts else frozenset()
     if acts and not static_acts and acts.get("type", "int") != kind:
         raise _unsupported(source, f"compressed-tensors {kind} weights with {acts.get('type')} activations")
     if kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized"):
         if strategy not in ("tensor", "channel"):
-            raise _unsupported(source, f"compressed-tensors FP8 with {strategy!r} weight scales (tensor and channel are)")
+            raise _unsupported(
+                source, f"compressed-tensors FP8 with {strategy!r} weight scales (tensor and channel are)"
+            )
         if not acts:
-            log.warning("%s: FP8 weight-only checkpoint: activations are quantized to FP8 per token at run time",
-                        source)
+            log.warning(
+                "%s: FP8 weight-only checkpoint: activations are quantized to FP8 per token at run time", source
+            )
         return CheckpointQuantization(
-            family="fp8", description=f"compressed-tensors FP8 ({strategy} weight scales)",
-            tensor_suffixes=frozenset({"weight", "weight_scale"}) | act_suffix, decoder="fp8", params={},
-            ignore=ignore)
+            family="fp8",
+            description=f"compressed-tensors FP8 ({strategy} weight scales)",
+            tensor_suffixes=frozenset({"weight", "weight_scale"}) | act_suffix,
+            decoder="fp8",
+            params={},
+            ignore=ignore,
+        )
     if kind == "int" and bits == 8 and fmt in ("int-quantized", "naive-quantized"):
         if strategy not in ("tensor", "channel") or not symmetric:
-            raise _unsupported(source, f"compressed-tensors INT8 with {strategy!r} "
-                                       f"{'symmetric' if symmetric else 'asymmetric'} weights "
-                                       "(symmetric tensor/channel scales are)")
+            raise _unsupported(
+                source,
+                f"compressed-tensors INT8 with {strategy!r} "
+                f"{'symmetric' if symmetric else 'asymmetric'} weights "
+                "(symmetric tensor/channel scales are)",
+            )
         mode = "W8A8" if acts else "W8A16"
         return CheckpointQuantization(
-            family="int8", description=f"compressed-tensors INT8 {mode} ({strategy} weight scales)",
-            tensor_suffixes=frozenset({"weight", "weight_scale"}) | act_suffix, decoder="int8",
-            params={"act_quant": bool(acts)}, ignore=ignore)
+            family="int8",
+            description=f"compressed-tensors INT8 {mode} ({strategy} weight scales)",
+            tensor_suffixes=frozenset({"weight", "weight_scale"}) | act_suffix,
+            decoder="int8",
+            params={"act_quant": bool(acts)},
+            ignore=ignore,
+        )
     if kind == "int" and bits == 8 and fmt == "pack-quantized":
         if acts or strategy not in ("tensor", "channel") or not symmetric:
-            raise _unsupported(source, f"compressed-tensors packed INT8 with {strategy!r} "
-                                       f"{'symmetric' if symmetric else 'asymmetric'} weights"
-                                       f"{' and quantized activations' if acts else ''} "
-                                       "(symmetric tensor/channel weight-only is)")
+            raise _unsupported(
+                source,
+                f"compressed-tensors packed INT8 with {strategy!r} "
+                f"{'symmetric' if symmetric else 'asymmetric'} weights"
+                f"{' and quantized activations' if acts else ''} "
+                "(symmetric tensor/channel weight-only is)",
+            )
         return CheckpointQuantization(
-            family="int8", description=f"compressed-tensors INT8 W8A16 (packed, {strategy} weight scales)",
-            tensor_suffixes=frozenset({"weight_packed", "weight_scale", "weight_shape"}), decoder="ct_int8_packed",
-            params={}, ignore=ignore)
+            family="int8",
+            description=f"compressed-tensors INT8 W8A16 (packed, {strategy} weight scales)",
+            tensor_suffixes=frozenset({"weight_packed", "weight_scale", "weight_shape"}),
+            decoder="ct_int8_packed",
+            params={},
+            ignore=ignore,
+        )
     if kind == "int" and bits == 4 and fmt == "pack-quantized":
         if acts:
             raise _unsupported(source, "compressed-tensors INT4 with quantized activations (W4A8)")
         if strategy not in ("group", "channel"):
-            raise _unsupported(source, f"compressed-tensors INT4 with {strategy!r} weight scales (group and channel are)")
+            raise _unsupported(
+                source, f"compressed-tensors INT4 with {strategy!r} weight scales (group and channel are)"
+            )
         if weights.get("actorder"):
             raise _unsupported(source, "compressed-tensors INT4 with activation ordering (actorder)")
-        suffixes = {"weight_packed", "weight_scale", "weight_shape"} | ({"weight_zero_point"} if not symmetric else set())
+        suffixes = {"weight_packed", "weight_scale", "weight_shape"} | (
+            {"weight_zero_point"} if not symmetric else set()
+        )
         return CheckpointQuantization(
-            family="int4", description=f"compressed-tensors INT4 W4A16 ({strategy}, "
-                                       f"{'symmetric' if symmetric else 'zero points'})",
-            tensor_suffixes=frozenset(suffixes), decoder="ct_int4",
-            params={"symmetric": symmetric}, ignore=ignore)
+            family="int4",
+            description=f"compressed-tensors INT4 W4A16 ({strategy}, {'symmetric' if symmetric else 'zero points'})",
+            tensor_suffixes=frozenset(suffixes),
+            decoder="ct_int4",
+            params={"symmetric": symmetric},
+            ignore=ignore,
+        )
     raise _unsupported(source, f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights")
 
 
@@ -192,12 +238,17 @@ def _autofp8(raw: Mapping[str, Any], source: str) -> CheckpointQuantization:
     if scheme not in ("dynamic", "static"):
         raise _unsupported(source, f"fp8 activation_scheme {scheme!r}")
     if scheme == "static":
-        log.warning("%s: static activation scales are not used; activations are quantized per token at run time",
-                    source)
+        log.warning(
+            "%s: static activation scales are not used; activations are quantized per token at run time", source
+        )
     return CheckpointQuantization(
-        family="fp8", description="fp8 (per-tensor weight scales)",
+        family="fp8",
+        description="fp8 (per-tensor weight scales)",
         tensor_suffixes=frozenset({"weight", "weight_scale"} | ({"input_scale"} if scheme == "static" else set())),
-        decoder="fp8", params={}, ignore=tuple(str(x) for x in raw.get("ignored_layers") or ()))
+        decoder="fp8",
+        params={},
+        ignore=tuple(str(x) for x in raw.get("ignored_layers") or ()),
+    )
 
 
 def _int4_common(raw: Mapping[str, Any], source: str, method: str) -> int:
@@ -215,10 +266,13 @@ def _awq(raw: Mapping[str, Any], source: str) -> CheckpointQuantization:
     if not raw.get("zero_point", True):
         raise _unsupported(source, "awq without zero points")
     return CheckpointQuantization(
-        family="int4", description=f"awq (gemm, group size {group_size})",
-        tensor_suffixes=frozenset({"qweight", "qzeros", "scales"}), decoder="awq",
+        family="int4",
+        description=f"awq (gemm, group size {group_size})",
+        tensor_suffixes=frozenset({"qweight", "qzeros", "scales"}),
+        decoder="awq",
         params={"group_size": group_size},
-        ignore=tuple(str(x) for x in raw.get("modules_to_not_convert") or ()))
+        ignore=tuple(str(x) for x in raw.get("modules_to_not_convert") or ()),
+    )
 
 
 def _gptq(raw: Mapping[str, Any], source: str) -> CheckpointQuantization:
@@ -228,11 +282,13 @@ def _gptq(raw: Mapping[str, Any], source: str) -> CheckpointQuantization:
         raise _unsupported(source, f"gptq checkpoint_format {fmt!r} (gptq and gptq_v2 are)")
     sym = bool(raw.get("sym", True))
     return CheckpointQuantization(
-        family="int4", description=f"gptq ({'symmetric' if sym else 'asymmetric'}, group size {group_size})",
-        tensor_suffixes=frozenset({"qweight", "qzeros", "scales", "g_idx"}), decoder="gptq",
-        params={"group_size": group_size, "zero_plus_one": fmt == "gptq",
-                "desc_act": bool(raw.get("desc_act", False))},
-        ignore=tuple(str(x) for x in raw.get("modules_to_not_convert") or ()))
+        family="int4",
+        description=f"gptq ({'symmetric' if sym else 'asymmetric'}, group size {group_size})",
+        tensor_suffixes=frozenset({"qweight", "qzeros", "scales", "g_idx"}),
+        decoder="gptq",
+        params={"group_size": group_size, "zero_plus_one": fmt == "gptq", "desc_act": bool(raw.get("desc_act", False))},
+        ignore=tuple(str(x) for x in raw.get("modules_to_not_convert") or ()),
+    )
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -245,21 +301,26 @@ def _channel_scale(scale: torch.Tensor, out_features: int) -> torch.Tensor:
     return s.contiguous()
 
 
-def _decode_fp8(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                dtype: torch.dtype) -> LinearWeight:
+def _decode_fp8(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     weight = t["weight"]
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"weight has dtype {weight.dtype}, expected float8_e4m3fn")
     return Fp8Weight(qweight=weight.contiguous(), weight_scale=_channel_scale(t["weight_scale"], n))
 
 
-def _decode_int8(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                 dtype: torch.dtype) -> LinearWeight:
+def _decode_int8(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     weight = t["weight"]
     if weight.dtype != torch.int8:
         raise ValueError(f"weight has dtype {weight.dtype}, expected int8")
-    return Int8Weight(qweight=weight.contiguous(), weight_scale=_channel_scale(t["weight_scale"], n),
-                      act_quant=bool(scheme.params["act_quant"]))
+    return Int8Weight(
+        qweight=weight.contiguous(),
+        weight_scale=_channel_scale(t["weight_scale"], n),
+        act_quant=bool(scheme.params["act_quant"]),
+    )
 
 
 def _unpack_rows(words: torch.Tensor, *, count: int) -> torch.Tensor:
@@ -270,13 +331,18 @@ def _unpack_rows(words: torch.Tensor, *, count: int) -> torch.Tensor:
     return nibbles[:, :count]
 
 
-def _affine(q_unsigned_kn: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: torch.Tensor, group_size: int,
-            dtype: torch.dtype) -> Int4Weight:
+def _affine(
+    q_unsigned_kn: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> Int4Weight:
     """``w = (q - zero) * scale`` → the runtime's ``q * scale + offset`` layout."""
     scales = scales_gn.float()
     offsets = -zeros_gn.float() * scales
-    return Int4Weight(qweight=pack_int4(q_unsigned_kn), scales=scales.to(dtype).contiguous(),
-                      offsets=offsets.to(dtype).contiguous(), group_size=group_size)
+    return Int4Weight(
+        qweight=pack_int4(q_unsigned_kn),
+        scales=scales.to(dtype).contiguous(),
+        offsets=offsets.to(dtype).contiguous(),
+        group_size=group_size,
+    )
 
 
 def _group_size(k: int, configured: int) -> int:
@@ -286,8 +352,9 @@ def _group_size(k: int, configured: int) -> int:
     return size
 
 
-def _decode_ct_int4(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                    dtype: torch.dtype) -> LinearWeight:
+def _decode_ct_int4(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     shape = tuple(int(x) for x in t["weight_shape"].reshape(-1).tolist())
     if shape != (n, k):
         raise ValueError(f"weight_shape {shape} differs from {(n, k)}")
@@ -309,8 +376,9 @@ def _decode_ct_int4(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor
     return _affine(q.t().contiguous(), scale.t().contiguous(), zeros_gn.contiguous(), group_size, dtype)
 
 
-def _decode_ct_int8_packed(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                           dtype: torch.dtype) -> LinearWeight:
+def _decode_ct_int8_packed(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     """``weight_packed`` int32 ``[N, K/4]``: four values per word, value ``j`` in bits ``8 j``,
     each the signed int8 plus 128."""
     shape = tuple(int(x) for x in t["weight_shape"].reshape(-1).tolist())
@@ -320,12 +388,12 @@ def _decode_ct_int8_packed(scheme: CheckpointQuantization, t: Mapping[str, torch
     shifts = torch.arange(0, 32, 8, dtype=torch.int64)
     unsigned = (words.unsqueeze(-1) >> shifts) & 0xFF  # [N, K/4, 4]
     signed = (unsigned.reshape(n, -1)[:, :k] - 128).to(torch.int8)
-    return Int8Weight(qweight=signed.contiguous(), weight_scale=_channel_scale(t["weight_scale"], n),
-                      act_quant=False)
+    return Int8Weight(qweight=signed.contiguous(), weight_scale=_channel_scale(t["weight_scale"], n), act_quant=False)
 
 
-def _decode_awq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                dtype: torch.dtype) -> LinearWeight:
+def _decode_awq(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     order = torch.tensor(AWQ_ORDER)
     inverse = torch.argsort(order)  # column offset j sits at nibble inverse[j]
 
@@ -342,13 +410,18 @@ def _decode_awq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n
     return _affine(q, scales, zeros[:, :n], group_size, dtype)
 
 
-def _decode_gptq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int,
-                 dtype: torch.dtype) -> LinearWeight:
+def _decode_gptq(
+    scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], n: int, k: int, dtype: torch.dtype
+) -> LinearWeight:
     group_size = _group_size(k, int(scheme.params["group_size"]))
     g_idx = t["g_idx"].long().reshape(-1)
     trivial = torch.arange(k) // group_size
     if g_idx.numel() != k or not torch.equal(g_idx, trivial):
-        what = "act-order (desc_act) with a permuted g_idx" if scheme.params["desc_act"] else "a g_idx that is not k // group_size"
+        what = (
+            "act-order (desc_act) with a permuted g_idx"
+            if scheme.params["desc_act"]
+            else "a g_idx that is not k // group_size"
+        )
         raise ValueError(f"gptq {what} is not supported; quantize with desc_act=false")
     q = unpack_int4(t["qweight"])  # [K, N]
     zeros = _unpack_rows(t["qzeros"], count=n).float()
@@ -360,7 +433,10 @@ def _decode_gptq(scheme: CheckpointQuantization, t: Mapping[str, torch.Tensor], 
 
 
 _DECODERS: Final = {
-    "fp8": _decode_fp8, "int8": _decode_int8, "ct_int4": _decode_ct_int4, "awq": _decode_awq,
+    "fp8": _decode_fp8,
+    "int8": _decode_int8,
+    "ct_int4": _decode_ct_int4,
+    "awq": _decode_awq,
     "ct_int8_packed": _decode_ct_int8_packed,
     "gptq": _decode_gptq,
 }

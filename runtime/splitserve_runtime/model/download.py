@@ -69,11 +69,21 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT: Final = "https://huggingface.co"
 CONFIG_FILE: Final = "config.json"
-RUNTIME_FILES: Final = frozenset({
-    CONFIG_FILE, "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-})
+RUNTIME_FILES: Final = frozenset(
+    {
+        CONFIG_FILE,
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 """Files the runtime reads besides the weights (config, generation defaults, tokenizer)."""
 WEIGHT_SUFFIXES: Final = (".safetensors", ".safetensors.index.json")
 MAX_PARALLEL_FILES: Final = 8
@@ -120,8 +130,11 @@ class HubTimeouts:
             return value
 
         request = seconds(ENV_REQUEST_TIMEOUT, REQUEST_TIMEOUT_SECONDS)
-        return cls(connect_seconds=min(CONNECT_TIMEOUT_SECONDS, request), request_seconds=request,
-                   stall_seconds=seconds(ENV_STALL_TIMEOUT, STALL_TIMEOUT_SECONDS))
+        return cls(
+            connect_seconds=min(CONNECT_TIMEOUT_SECONDS, request),
+            request_seconds=request,
+            stall_seconds=seconds(ENV_STALL_TIMEOUT, STALL_TIMEOUT_SECONDS),
+        )
 
 
 def wanted(path: str) -> bool:
@@ -143,8 +156,7 @@ class HubSettings:
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("http://", "https://")):
-            raise ModelLoadError(
-                f"{ENV_HUB_ENDPOINT}={self.endpoint!r} is not an http:// or https:// URL")
+            raise ModelLoadError(f"{ENV_HUB_ENDPOINT}={self.endpoint!r} is not an http:// or https:// URL")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HubSettings:
@@ -152,8 +164,7 @@ class HubSettings:
         endpoint = (env.get(ENV_HUB_ENDPOINT) or DEFAULT_ENDPOINT).rstrip("/")
         token = env.get(ENV_HUB_TOKEN) or None
         source = env.get(ENV_HUB_TOKEN_SOURCE) or ""
-        return cls(endpoint=endpoint, token=token, token_source=source,
-                   timeouts=HubTimeouts.from_env(env))
+        return cls(endpoint=endpoint, token=token, token_source=source, timeouts=HubTimeouts.from_env(env))
 
     def describe_token(self) -> str:
         if self.token is None:
@@ -163,19 +174,22 @@ class HubSettings:
 
 
 def download_hf_model(
-    *, uri: str, repo_id: str, revision: str, cache_root: Path, hub: HubSettings,
+    *,
+    uri: str,
+    repo_id: str,
+    revision: str,
+    cache_root: Path,
+    hub: HubSettings,
     weights: bool = True,
 ) -> Path:
     """Fetch the runtime's files of ``repo_id`` at ``revision`` (empty: ``main``) into
     ``cache_root`` and return the snapshot directory. ``weights=False`` fetches the config and
     tokenizer only (what the router reads)."""
     revision = _checked_revision(revision, uri=uri)
-    prefix = (f"model {uri!r} is not in the local cache {cache_root} and could not be "
-              f"downloaded from {hub.endpoint}")
+    prefix = f"model {uri!r} is not in the local cache {cache_root} and could not be downloaded from {hub.endpoint}"
     try:
         with _bounded(hub):
-            return _download(repo_id=repo_id, revision=revision, cache_root=cache_root, hub=hub,
-                             weights=weights)
+            return _download(repo_id=repo_id, revision=revision, cache_root=cache_root, hub=hub, weights=weights)
     except ModelLoadError as error:
         raise ModelLoadError(f"{prefix}: {error}") from error
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear message
@@ -184,17 +198,16 @@ def download_hf_model(
         ) from error
 
 
-def download_hf_file(*, uri: str, repo_id: str, filename: str, revision: str, cache_root: Path,
-                     hub: HubSettings) -> Path:
+def download_hf_file(
+    *, uri: str, repo_id: str, filename: str, revision: str, cache_root: Path, hub: HubSettings
+) -> Path:
     """Fetch one file (a ``.gguf`` model) of ``repo_id`` at ``revision`` into ``cache_root``'s
     hub layout; returns its path in the snapshot. Failures as :func:`download_hf_model`'s."""
     revision = _checked_revision(revision, uri=uri)
-    prefix = (f"model {uri!r} is not in the local cache {cache_root} and could not be "
-              f"downloaded from {hub.endpoint}")
+    prefix = f"model {uri!r} is not in the local cache {cache_root} and could not be downloaded from {hub.endpoint}"
     try:
         with _bounded(hub):
-            return _download_file(repo_id=repo_id, filename=filename, revision=revision,
-                                  cache_root=cache_root, hub=hub)
+            return _download_file(repo_id=repo_id, filename=filename, revision=revision, cache_root=cache_root, hub=hub)
     except ModelLoadError as error:
         raise ModelLoadError(f"{prefix}: {error}") from error
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear message
@@ -216,11 +229,17 @@ def _model_info(*, repo_id: str, revision: str, hub: HubSettings) -> Any:
     """The repository's file list at ``revision``, within the request bound."""
     from huggingface_hub import HfApi
 
-    log.info("asking the hub at %s for %s@%s (answer expected within %.0f s)",
-             hub.endpoint, repo_id, revision, hub.timeouts.request_seconds)
+    log.info(
+        "asking the hub at %s for %s@%s (answer expected within %.0f s)",
+        hub.endpoint,
+        repo_id,
+        revision,
+        hub.timeouts.request_seconds,
+    )
     _WATCH.start_call()
     return HfApi(endpoint=hub.endpoint, token=hub.token or False).model_info(
-        repo_id, revision=revision, files_metadata=True, timeout=hub.timeouts.request_seconds)
+        repo_id, revision=revision, files_metadata=True, timeout=hub.timeouts.request_seconds
+    )
 
 
 def _commit_of(info: Any, *, repo_id: str, revision: str) -> str:
@@ -234,18 +253,26 @@ def _commit_of(info: Any, *, repo_id: str, revision: str) -> str:
     return commit
 
 
-def _download_file(*, repo_id: str, filename: str, revision: str, cache_root: Path,
-                   hub: HubSettings) -> Path:
+def _download_file(*, repo_id: str, filename: str, revision: str, cache_root: Path, hub: HubSettings) -> Path:
     started = time.monotonic()
     info = _model_info(repo_id=repo_id, revision=revision, hub=hub)
     commit = _commit_of(info, repo_id=repo_id, revision=revision)
     names = sorted(s.rfilename for s in info.siblings or [])
     if filename not in names:
         ggufs = [n for n in names if n.endswith(".gguf")]
-        raise ModelLoadError(f"{repo_id}@{revision} (commit {commit}) has no file {filename!r} "
-                             f"(GGUF files: {', '.join(ggufs) or 'none'})")
-    log.info("downloading %s from %s@%s (commit %s) at %s into %s",
-             filename, repo_id, revision, commit, hub.endpoint, cache_root)
+        raise ModelLoadError(
+            f"{repo_id}@{revision} (commit {commit}) has no file {filename!r} "
+            f"(GGUF files: {', '.join(ggufs) or 'none'})"
+        )
+    log.info(
+        "downloading %s from %s@%s (commit %s) at %s into %s",
+        filename,
+        repo_id,
+        revision,
+        commit,
+        hub.endpoint,
+        cache_root,
+    )
     cache_root.mkdir(parents=True, exist_ok=True)
     size = _fetch_file(repo_id=repo_id, filename=filename, commit=commit, cache_root=cache_root, hub=hub)
     repo_dir = cache_root / ("models--" + repo_id.replace("/", "--"))
@@ -255,8 +282,7 @@ def _download_file(*, repo_id: str, filename: str, revision: str, cache_root: Pa
     return repo_dir / "snapshots" / commit / filename
 
 
-def _download(*, repo_id: str, revision: str, cache_root: Path, hub: HubSettings,
-              weights: bool) -> Path:
+def _download(*, repo_id: str, revision: str, cache_root: Path, hub: HubSettings, weights: bool) -> Path:
     started = time.monotonic()
     info = _model_info(repo_id=repo_id, revision=revision, hub=hub)
     commit = _commit_of(info, repo_id=repo_id, revision=revision)
@@ -268,19 +294,32 @@ def _download(*, repo_id: str, revision: str, cache_root: Path, hub: HubSettings
     if not any(name.endswith(".safetensors") for name in files):
         raise ModelLoadError(
             f"{repo_id}@{revision} (commit {commit}) has no *.safetensors weights "
-            f"(files: {', '.join(sorted(siblings)) or 'none'}); this runtime loads safetensors only")
+            f"(files: {', '.join(sorted(siblings)) or 'none'}); this runtime loads safetensors only"
+        )
     if not weights:
         files = [name for name in files if not name.endswith(WEIGHT_SUFFIXES)]
     planned = sum(siblings[name] or 0 for name in files)
-    log.info("downloading %s@%s (commit %s) from %s into %s: %d files, %s%s",
-             repo_id, revision, commit, hub.endpoint, cache_root, len(files), _size(planned),
-             f"; not fetched: {', '.join(skipped)}" if skipped else "")
+    log.info(
+        "downloading %s@%s (commit %s) from %s into %s: %d files, %s%s",
+        repo_id,
+        revision,
+        commit,
+        hub.endpoint,
+        cache_root,
+        len(files),
+        _size(planned),
+        f"; not fetched: {', '.join(skipped)}" if skipped else "",
+    )
     cache_root.mkdir(parents=True, exist_ok=True)
     rest = [name for name in files if name != CONFIG_FILE]
     total = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_FILES, len(rest) or 1)) as pool:
-        futures = {pool.submit(_fetch_file, repo_id=repo_id, filename=name, commit=commit,
-                               cache_root=cache_root, hub=hub): name for name in rest}
+        futures = {
+            pool.submit(
+                _fetch_file, repo_id=repo_id, filename=name, commit=commit, cache_root=cache_root, hub=hub
+            ): name
+            for name in rest
+        }
         for future in concurrent.futures.as_completed(futures):
             total += future.result()
     total += _fetch_file(repo_id=repo_id, filename=CONFIG_FILE, commit=commit, cache_root=cache_root, hub=hub)
@@ -288,8 +327,16 @@ def _download(*, repo_id: str, revision: str, cache_root: Path, hub: HubSettings
     if revision != commit:
         _write_ref(repo_dir / "refs" / revision, commit)
     seconds = time.monotonic() - started
-    log.info("downloaded %s@%s (commit %s): %d files, %d bytes in %.2f s (%s/s)",
-             repo_id, revision, commit, len(files), total, seconds, _size(total / max(seconds, 1e-6)))
+    log.info(
+        "downloaded %s@%s (commit %s): %d files, %d bytes in %.2f s (%s/s)",
+        repo_id,
+        revision,
+        commit,
+        len(files),
+        total,
+        seconds,
+        _size(total / max(seconds, 1e-6)),
+    )
     return repo_dir / "snapshots" / commit
 
 
@@ -298,14 +345,22 @@ def _fetch_file(*, repo_id: str, filename: str, commit: str, cache_root: Path, h
     from huggingface_hub.utils.tqdm import silent_tqdm
 
     started = time.monotonic()
-    log.info("fetching %s from %s (giving up after %.0f s without data)", filename, hub.endpoint,
-             hub.timeouts.stall_seconds)
+    log.info(
+        "fetching %s from %s (giving up after %.0f s without data)", filename, hub.endpoint, hub.timeouts.stall_seconds
+    )
     _WATCH.start_call()
-    path = Path(hf_hub_download(
-        repo_id, filename, revision=commit, cache_dir=cache_root, endpoint=hub.endpoint,
-        token=hub.token or False, etag_timeout=hub.timeouts.request_seconds,
-        tqdm_class=silent_tqdm,  # no progress bars in pod logs
-    ))
+    path = Path(
+        hf_hub_download(
+            repo_id,
+            filename,
+            revision=commit,
+            cache_dir=cache_root,
+            endpoint=hub.endpoint,
+            token=hub.token or False,
+            etag_timeout=hub.timeouts.request_seconds,
+            tqdm_class=silent_tqdm,  # no progress bars in pod logs
+        )
+    )
     size = path.stat().st_size
     log.info("fetched %s (%s, %d bytes) in %.2f s", filename, _size(size), size, time.monotonic() - started)
     return size
@@ -362,7 +417,8 @@ class _Watch:
             raise HubStalledError(
                 f"the hub endpoint {self.endpoint or url} sent nothing for {silent:.0f} s "
                 f"(limit {self.timeouts.stall_seconds:g} s, {ENV_STALL_TIMEOUT}); check "
-                f"{ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)")
+                f"{ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)"
+            )
 
 
 _WATCH: Final = _Watch()
@@ -399,8 +455,12 @@ def _bounded_client() -> httpx2.Client:
     import httpx2
     from huggingface_hub.utils._http import hf_request_event_hook
 
-    return httpx2.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
-                         timeout=None, transport=_bounded_transport(httpx2.HTTPTransport(), watch=_WATCH))
+    return httpx2.Client(
+        event_hooks={"request": [hf_request_event_hook]},
+        follow_redirects=True,
+        timeout=None,
+        transport=_bounded_transport(httpx2.HTTPTransport(), watch=_WATCH),
+    )
 
 
 def _capped(timeouts: Mapping[str, Any], *, connect: float, read: float) -> dict[str, float]:
@@ -439,8 +499,9 @@ def _bounded_transport(inner: httpx2.BaseTransport, *, watch: _Watch) -> httpx2.
             timeouts = watch.timeouts
             download = request.method == "GET" and _RESOLVE_PATH in request.url.path
             read = timeouts.stall_seconds if download else timeouts.request_seconds
-            request.extensions["timeout"] = _capped(request.extensions.get("timeout") or {},
-                                                    connect=timeouts.connect_seconds, read=read)
+            request.extensions["timeout"] = _capped(
+                request.extensions.get("timeout") or {}, connect=timeouts.connect_seconds, read=read
+            )
             response = inner.handle_request(request)
             watch.progress()
             assert isinstance(response.stream, httpx2.SyncByteStream)
@@ -487,25 +548,33 @@ def _explain(error: BaseException, *, repo_id: str, revision: str, hub: HubSetti
         return next((e for e in chain if isinstance(e, types)), None)
 
     if (cause := find(httpx2.TimeoutException)) is not None and not isinstance(cause, httpx2.ConnectTimeout):
-        return (f"the hub endpoint {hub.endpoint} accepted the connection but did not answer in time "
-                f"({type(cause).__name__}; limits: {hub.timeouts.request_seconds:g} s for metadata, "
-                f"{hub.timeouts.stall_seconds:g} s without data for a download: {ENV_REQUEST_TIMEOUT}, "
-                f"{ENV_STALL_TIMEOUT}); check {ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)")
+        return (
+            f"the hub endpoint {hub.endpoint} accepted the connection but did not answer in time "
+            f"({type(cause).__name__}; limits: {hub.timeouts.request_seconds:g} s for metadata, "
+            f"{hub.timeouts.stall_seconds:g} s without data for a download: {ENV_REQUEST_TIMEOUT}, "
+            f"{ENV_STALL_TIMEOUT}); check {ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)"
+        )
     if (cause := find(httpx2.ConnectError, httpx2.TimeoutException)) is not None:
-        return (f"the hub endpoint {hub.endpoint} is unreachable ({type(cause).__name__}: "
-                f"{_first_line(cause)}); check {ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)")
+        return (
+            f"the hub endpoint {hub.endpoint} is unreachable ({type(cause).__name__}: "
+            f"{_first_line(cause)}); check {ENV_HUB_ENDPOINT} (spec.model.hubEndpoint)"
+        )
     if find(RevisionNotFoundError) is not None:
         return f"HTTP 404: repository {repo_id} has no revision {revision!r}"
     if (cause := find(RemoteEntryNotFoundError)) is not None:
         return f"HTTP 404: a file of {repo_id}@{revision} is missing on the hub ({_first_line(cause)})"
     if (cause := find(GatedRepoError)) is not None:
-        return (f"HTTP {_status(cause)}: {repo_id} is gated and {hub.describe_token()} "
-                "(accept the model's terms with the token's account)")
+        return (
+            f"HTTP {_status(cause)}: {repo_id} is gated and {hub.describe_token()} "
+            "(accept the model's terms with the token's account)"
+        )
     if (cause := find(RepositoryNotFoundError)) is not None:
         status = _status(cause)
         if status in (401, 403):
-            return (f"HTTP {status}: no repository {repo_id} is visible: {hub.describe_token()}, "
-                    "or the repository does not exist")
+            return (
+                f"HTTP {status}: no repository {repo_id} is visible: {hub.describe_token()}, "
+                "or the repository does not exist"
+            )
         return f"HTTP {status}: no repository {repo_id} on the hub"
     if (cause := find(HfHubHTTPError)) is not None:
         status = _status(cause)

@@ -23,7 +23,7 @@ def parser_message(error: BaseException) -> str:
     replaced by ``<...>`` (and cut to 200 characters): what went wrong and where, not what the file holds."""
     lines = [line for line in str(error).splitlines() if line.strip()]
     text = _QUOTED.sub("<...>", lines[0]) if lines else type(error).__name__
-    cut = min((text.index(q) for q in "`\"" if q in text), default=None)
+    cut = min((text.index(q) for q in '`"' if q in text), default=None)
     if cut is not None:  # an unpaired quote: the rest may be content
         text = text[:cut] + "<...>"
     return text if len(text) <= _MAX_CHARACTERS else text[:_MAX_CHARACTERS] + "..."

@@ -113,18 +113,23 @@ def _byte_level() -> pre_tokenizers.PreTokenizer:
 
 def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
     """StarCoder/SmolLM: every digit on its own, then GPT-2's split."""
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
     def build() -> pre_tokenizers.PreTokenizer:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
     return build
 
 
@@ -159,9 +164,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
         import gguf
     except ImportError as exc:
-        raise ModelLoadError(
-            f"{path}: reading GGUF files needs the Python package 'gguf' (pip install gguf)"
-        ) from exc
+        raise ModelLoadError(f"{path}: reading GGUF files needs the Python package 'gguf' (pip install gguf)") from exc
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
@@ -200,8 +203,10 @@ def _why_unreadable(path: Path, exc: BaseException) -> str:
         return f"the file is {size} bytes, shorter than a GGUF header ({_GGUF_HEADER_BYTES} bytes)"
     if isinstance(exc, KeyError):
         return "its metadata holds a key twice"
-    return (f"its metadata, tensor index or tensor data do not fit in the file's {size} bytes "
-            "(an interrupted download or copy?)")
+    return (
+        f"its metadata, tensor index or tensor data do not fit in the file's {size} bytes "
+        "(an interrupted download or copy?)"
+    )
 
 
 def _quoted(value: object) -> str:
@@ -218,8 +223,7 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
         return field.contents()
     except (ValueError, IndexError, TypeError, OverflowError) as exc:  # e.g. a string that is not UTF-8
         where = getattr(reader.data, "filename", None) or "(memory)"
-        raise ModelLoadError(f"{CORRUPT} {where}: metadata {key!r} cannot be decoded "
-                             f"({type(exc).__name__})") from exc
+        raise ModelLoadError(f"{CORRUPT} {where}: metadata {key!r} cannot be decoded ({type(exc).__name__})") from exc
 
 
 def _architecture(reader: gguf.GGUFReader, source: str) -> str:
@@ -232,9 +236,7 @@ def _architecture(reader: gguf.GGUFReader, source: str) -> str:
         )
     experts = _field(reader, f"{arch}.expert_count", 0)
     if experts:
-        raise ModelLoadError(
-            f"{source}: mixture-of-experts GGUF ({arch}.expert_count={experts}) is not supported"
-        )
+        raise ModelLoadError(f"{source}: mixture-of-experts GGUF ({arch}.expert_count={experts}) is not supported")
     return arch
 
 
@@ -289,8 +291,9 @@ def gguf_config_dicts(reader: gguf.GGUFReader, *, source: str) -> tuple[dict[str
     if eos is not None:
         raw["eos_token_id"] = int(eos)
     # llama.cpp stops at any end-of-generation token: EOS, end-of-turn, end-of-message.
-    stops = [int(v) for key in ("eos", "eot", "eom")
-             if (v := _field(reader, f"tokenizer.ggml.{key}_token_id")) is not None]
+    stops = [
+        int(v) for key in ("eos", "eot", "eom") if (v := _field(reader, f"tokenizer.ggml.{key}_token_id")) is not None
+    ]
     generation = {"eos_token_id": list(dict.fromkeys(stops))} if stops else {}
     return raw, generation
 
@@ -327,7 +330,12 @@ def _float_dtype(reader: gguf.GGUFReader) -> str | None:
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any], *, theta: float, head_dim: int,
+    reader: gguf.GGUFReader,
+    arch: str,
+    tensors: dict[str, Any],
+    *,
+    theta: float,
+    head_dim: int,
     source: str,
 ) -> dict[str, Any] | None:
     kind = _field(reader, f"{arch}.rope.scaling.type")
@@ -336,8 +344,9 @@ def _rope_scaling(
     if freqs is not None:
         if kind not in (None, "none"):
             raise ModelLoadError(f"{source}: both rope_freqs.weight and rope.scaling.type={kind!r}")
-        return _llama3_from_freqs(np.asarray(freqs.data, dtype=np.float32), theta=theta,
-                                  head_dim=head_dim, source=source)
+        return _llama3_from_freqs(
+            np.asarray(freqs.data, dtype=np.float32), theta=theta, head_dim=head_dim, source=source
+        )
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return None
     scaling: dict[str, Any] = {"rope_type": kind}
@@ -356,8 +365,7 @@ _LLAMA3_CANDIDATES: Final = tuple(
 )
 
 
-def _llama3_from_freqs(freqs: npt.NDArray[np.float32], *, theta: float, head_dim: int,
-                       source: str) -> dict[str, Any]:
+def _llama3_from_freqs(freqs: npt.NDArray[np.float32], *, theta: float, head_dim: int, source: str) -> dict[str, Any]:
     """``llama3`` RoPE parameters that reproduce llama.cpp's ``rope_freqs`` (the factor its
     converter divides each frequency by): the factor is their maximum, the band settings the
     first usual ones whose factors match."""
@@ -371,11 +379,15 @@ def _llama3_from_freqs(freqs: npt.NDArray[np.float32], *, theta: float, head_dim
         medium = 1 / ((1 - smooth) / factor + smooth)
         expected = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
         if np.allclose(expected, freqs, rtol=1e-4, atol=1e-6):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": original}
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
     raise ModelLoadError(
-        f"{source}: rope_freqs.weight (per-frequency RoPE factors) matches no llama3 RoPE "
-        "scaling this runtime can run"
+        f"{source}: rope_freqs.weight (per-frequency RoPE factors) matches no llama3 RoPE scaling this runtime can run"
     )
 
 
@@ -384,8 +396,7 @@ def _llama3_from_freqs(freqs: npt.NDArray[np.float32], *, theta: float, head_dim
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet byte-level vocabularies use)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -400,8 +411,7 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader, *, source: str) -> tuple[HFTok
     model_type = _field(reader, "tokenizer.ggml.model")
     if model_type != "gpt2":
         raise ModelLoadError(
-            f"{source}: GGUF tokenizer model {_quoted(model_type)} is not supported; supported: 'gpt2' "
-            "(byte-level BPE)"
+            f"{source}: GGUF tokenizer model {_quoted(model_type)} is not supported; supported: 'gpt2' (byte-level BPE)"
         )
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -447,8 +457,13 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader, *, source: str) -> tuple[HFTok
         return tokens[int(token_id)] if token_id is not None and 0 <= int(token_id) < len(tokens) else None
 
     config: dict[str, Any] = {
-        name: value for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
-                                      ("pad_token", "padding"))
+        name: value
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        )
         if (value := text(key)) is not None
     }
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
@@ -501,8 +516,11 @@ def materialize_gguf_dir(path: Path, *, cache_root: Path, reader: gguf.GGUFReade
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         staging.chmod(0o755)
-        for name, data in (("config.json", raw), ("generation_config.json", generation),
-                           ("tokenizer_config.json", tok_config)):
+        for name, data in (
+            ("config.json", raw),
+            ("generation_config.json", generation),
+            ("tokenizer_config.json", tok_config),
+        ):
             (staging / name).write_text(json.dumps(data, indent=2), encoding="utf-8")
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / SOURCE_STAMP).write_text(json.dumps({"gguf": str(path)}), encoding="utf-8")
@@ -589,8 +607,11 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (hidden, inter),
         }
         if config.attention_bias:
-            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,)}
+            out |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
     return out
 
 
@@ -605,7 +626,9 @@ class _Plan:
 
 
 def read_gguf_tensors(
-    path: Path, config: ModelConfig, reader: gguf.GGUFReader | None = None,
+    path: Path,
+    config: ModelConfig,
+    reader: gguf.GGUFReader | None = None,
 ) -> dict[str, torch.Tensor | Int4Weight]:
     """Every tensor of the GGUF file under its HF name, ``[out, in]``, all decoded at once (see
     :func:`lazy_gguf_tensors`, which the loader uses to decode one at a time)."""
@@ -613,7 +636,9 @@ def read_gguf_tensors(
 
 
 def lazy_gguf_tensors(
-    path: Path, config: ModelConfig, reader: gguf.GGUFReader | None = None,
+    path: Path,
+    config: ModelConfig,
+    reader: gguf.GGUFReader | None = None,
 ) -> dict[str, Callable[[], torch.Tensor | Int4Weight]]:
     """Every tensor of the GGUF file under its HF name, as a function that decodes it, ``[out,
     in]`` (see the module docstring): Q4_0/Q4_1 linear weights as :class:`Int4Weight`,
@@ -640,7 +665,9 @@ def lazy_gguf_tensors(
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne[0] (in) first
         want = expected.get(plan.hf_name)
         if want is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {_quoted(tensor.name)} ({plan.hf_name}) for {config.architecture}")
+            raise ModelLoadError(
+                f"{path}: unexpected tensor {_quoted(tensor.name)} ({plan.hf_name}) for {config.architecture}"
+            )
         if shape != want:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} ({plan.hf_name}) has shape {shape}, expected {want} "
@@ -654,20 +681,29 @@ def lazy_gguf_tensors(
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: GGUF is missing tensors: {shown}")
-    log.info("read %s: %d tensors; kept as int4 (group %d): %s; dequantized to float32: %s",
-             path.name, len(out), INT4_GROUP_SIZE, _counts(kept), _counts(dense))
+    log.info(
+        "read %s: %d tensors; kept as int4 (group %d): %s; dequantized to float32: %s",
+        path.name,
+        len(out),
+        INT4_GROUP_SIZE,
+        _counts(kept),
+        _counts(dense),
+    )
     return out
 
 
-def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...],
-            path: Path) -> torch.Tensor | Int4Weight:
+def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...], path: Path) -> torch.Tensor | Int4Weight:
     """One tensor of :func:`lazy_gguf_tensors`, decoded from the mapped file."""
     import gguf
     import torch
 
     if plan.int4:
-        weight = decode_q4(np.asarray(tensor.data), tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1,
-                           out_features=shape[0], in_features=shape[1])
+        weight = decode_q4(
+            np.asarray(tensor.data),
+            tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1,
+            out_features=shape[0],
+            in_features=shape[1],
+        )
         if plan.heads is not None:
             weight = _permute_int4_columns(weight, _reverse_permutation(shape[0], plan.heads))
         return weight
@@ -675,11 +711,12 @@ def _decode(tensor: gguf.ReaderTensor, plan: _Plan, *, shape: tuple[int, ...],
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         array = np.array(values, dtype=np.float32).reshape(shape)
     except NotImplementedError as exc:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}") from exc
     except (ValueError, IndexError) as exc:
-        raise ModelLoadError(f"{CORRUPT} {path}: tensor {tensor.name!r} holds {np.asarray(tensor.data).nbytes} "
-                             f"bytes, which do not decode to shape {shape}") from exc
+        raise ModelLoadError(
+            f"{CORRUPT} {path}: tensor {tensor.name!r} holds {np.asarray(tensor.data).nbytes} "
+            f"bytes, which do not decode to shape {shape}"
+        ) from exc
     dense_tensor = torch.from_numpy(array)
     if plan.heads is not None:
         dense_tensor = dense_tensor[torch.from_numpy(_reverse_permutation(shape[0], plan.heads))]
@@ -721,10 +758,12 @@ def _permute_int4_columns(weight: Int4Weight, perm: npt.NDArray[np.int64]) -> In
     from ..quant.formats import Int4Weight
 
     index = torch.from_numpy(perm)
-    return Int4Weight(qweight=weight.qweight[:, index].contiguous(),
-                      scales=weight.scales[:, index].contiguous(),
-                      offsets=weight.offsets[:, index].contiguous(),
-                      group_size=weight.group_size)
+    return Int4Weight(
+        qweight=weight.qweight[:, index].contiguous(),
+        scales=weight.scales[:, index].contiguous(),
+        offsets=weight.offsets[:, index].contiguous(),
+        group_size=weight.group_size,
+    )
 
 
 def decode_q4(blocks: npt.NDArray[Any], with_min: bool, *, out_features: int, in_features: int) -> Int4Weight:
@@ -759,4 +798,3 @@ def decode_q4(blocks: npt.NDArray[Any], with_min: bool, *, out_features: int, in
         offsets=torch.from_numpy(np.ascontiguousarray(offsets.T)),
         group_size=INT4_GROUP_SIZE,
     )
-

@@ -46,17 +46,21 @@ class LlamaDecoderLayer(nn.Module):
     gate_up_proj: LinearWeight
     down_proj: LinearWeight
 
-    def __init__(self, *, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 linear_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        linear_device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         qkv_rows = config.q_size + 2 * config.kv_size
         linear_device = linear_device or device
         self.input_layernorm = _param((hidden,), dtype=dtype, device=device)
         self.qkv_proj = _param((qkv_rows, hidden), dtype=dtype, device=linear_device)
-        self.qkv_bias = (
-            _param((qkv_rows,), dtype=dtype, device=device) if config.attention_bias else None
-        )
+        self.qkv_bias = _param((qkv_rows,), dtype=dtype, device=device) if config.attention_bias else None
         self.o_proj = _param((hidden, config.q_size), dtype=dtype, device=linear_device)
         self.post_attention_layernorm = _param((hidden,), dtype=dtype, device=device)
         self.gate_up_proj = _param((2 * config.intermediate_size, hidden), dtype=dtype, device=linear_device)
@@ -101,7 +105,12 @@ class LlamaForCausalLM(nn.Module):
     the last stage, which returns the normed hidden states like an unsplit model."""
 
     def __init__(
-        self, *, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
+        self,
+        *,
+        config: ModelConfig,
+        ops: Ops,
+        dtype: torch.dtype,
+        device: torch.device,
         quantized_linears: bool = False,
         parallel: tuple[TensorParallelLayout, Collectives] | None = None,
         stage: PipelineStage | None = None,
@@ -117,26 +126,37 @@ class LlamaForCausalLM(nn.Module):
         self.scale = config.head_dim**-0.5
         self.embed_tokens: nn.Parameter | None = (
             _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
-            if stage is None or stage.holds_embedding else None)
+            if stage is None or stage.holds_embedding
+            else None
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config=config, dtype=dtype, device=device,
-                              linear_device=torch.device("meta") if quantized_linears else device)
+            LlamaDecoderLayer(
+                config=config,
+                dtype=dtype,
+                device=device,
+                linear_device=torch.device("meta") if quantized_linears else device,
+            )
             for _ in range(config.num_hidden_layers)
         )
         self.has_head = stage is None or stage.is_last
         """Whether this model ends in the LM head (every model but a non-last pipeline stage)."""
         self.norm: nn.Parameter | None = (
-            _param((config.hidden_size,), dtype=dtype, device=device) if self.has_head else None)
+            _param((config.hidden_size,), dtype=dtype, device=device) if self.has_head else None
+        )
         self.lm_head: nn.Parameter | None = (
-            None if config.tie_word_embeddings or not self.has_head
+            None
+            if config.tie_word_embeddings or not self.has_head
             else _param((config.vocab_size, config.hidden_size), dtype=dtype, device=device)
         )
         self.cos_sin_cache: torch.Tensor
         self.register_buffer(
             "cos_sin_cache",
             build_cos_sin_cache(
-                head_dim=config.head_dim, max_positions=config.max_position_embeddings,
-                rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, device=device,
+                head_dim=config.head_dim,
+                max_positions=config.max_position_embeddings,
+                rope_theta=config.rope_theta,
+                rope_scaling=config.rope_scaling,
+                device=device,
             ),
             persistent=False,
         )
@@ -148,14 +168,19 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of every weight as held (quantized projections at their packed size)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters() if p.device.type != "meta")
         for layer in self.decoder_layers():
-            total += sum(weight_nbytes(w) for name in LINEAR_NAMES
-                         if not isinstance(w := getattr(layer, name), torch.Tensor))
+            total += sum(
+                weight_nbytes(w) for name in LINEAR_NAMES if not isinstance(w := getattr(layer, name), torch.Tensor)
+            )
         return total
 
     @torch.inference_mode()
     def forward(
-        self, *, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
         carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm (a non-last
@@ -174,9 +199,7 @@ class LlamaForCausalLM(nn.Module):
         num_prefill = md.num_prefill_tokens
         num_attended = num_prefill + md.num_decodes
         if num_attended > num_tokens:
-            raise ValueError(
-                f"metadata describes {num_attended} rows but the step has {num_tokens} tokens"
-            )
+            raise ValueError(f"metadata describes {num_attended} rows but the step has {num_tokens} tokens")
         residual: torch.Tensor | None = None
         if self.stage is None or self.stage.is_first:
             hidden = self._embed(input_ids)
@@ -191,7 +214,10 @@ class LlamaForCausalLM(nn.Module):
                 hidden = ops.rms_norm(hidden, layer.input_layernorm, cfg.rms_norm_eps)
             else:
                 hidden, residual = ops.fused_add_rms_norm(
-                    hidden, residual, layer.input_layernorm, cfg.rms_norm_eps,
+                    hidden,
+                    residual,
+                    layer.input_layernorm,
+                    cfg.rms_norm_eps,
                 )
             qkv = ops.linear(hidden, layer.qkv_proj, layer.qkv_bias)
             q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -199,13 +225,16 @@ class LlamaForCausalLM(nn.Module):
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping,
-                               k_scale=layer.k_scale, v_scale=layer.v_scale)
-            attn = self._attention(q=q, k_cache=k_cache, v_cache=v_cache, md=md,
-                                   k_scale=layer.k_scale, v_scale=layer.v_scale)
+            ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, k_scale=layer.k_scale, v_scale=layer.v_scale)
+            attn = self._attention(
+                q=q, k_cache=k_cache, v_cache=v_cache, md=md, k_scale=layer.k_scale, v_scale=layer.v_scale
+            )
             hidden = self._reduce(ops.linear(attn.reshape(num_tokens, cfg.q_size), layer.o_proj, None))
             hidden, residual = ops.fused_add_rms_norm(
-                hidden, residual, layer.post_attention_layernorm, cfg.rms_norm_eps,
+                hidden,
+                residual,
+                layer.post_attention_layernorm,
+                cfg.rms_norm_eps,
             )
             gate_up = ops.linear(hidden, layer.gate_up_proj, None)
             hidden = self._reduce(ops.linear(ops.silu_and_mul(gate_up), layer.down_proj, None))
@@ -231,27 +260,41 @@ class LlamaForCausalLM(nn.Module):
         return partial if self.collectives is None else self.collectives.all_reduce(partial)
 
     def _attention(
-        self, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, k_scale: float, v_scale: float,
+        self,
+        *,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         num_prefill = md.num_prefill_tokens
         num_attended = num_prefill + md.num_decodes
         if md.num_decodes == 0 and num_prefill == q.shape[0]:
-            return self.ops.prefill_attention(q, k_cache, v_cache, md, self.scale,
-                                              k_scale=k_scale, v_scale=v_scale)
+            return self.ops.prefill_attention(q, k_cache, v_cache, md, self.scale, k_scale=k_scale, v_scale=v_scale)
         if num_prefill == 0 and md.num_decodes == q.shape[0]:
-            return self.ops.decode_attention(q, k_cache, v_cache, md, self.scale,
-                                             k_scale=k_scale, v_scale=v_scale)
+            return self.ops.decode_attention(q, k_cache, v_cache, md, self.scale, k_scale=k_scale, v_scale=v_scale)
         out = torch.zeros_like(q)
         if num_prefill > 0:
             out[:num_prefill] = self.ops.prefill_attention(
-                q[:num_prefill], k_cache, v_cache, md, self.scale,
-                k_scale=k_scale, v_scale=v_scale,
+                q[:num_prefill],
+                k_cache,
+                v_cache,
+                md,
+                self.scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if md.num_decodes > 0:
             out[num_prefill:num_attended] = self.ops.decode_attention(
-                q[num_prefill:num_attended], k_cache, v_cache, md, self.scale,
-                k_scale=k_scale, v_scale=v_scale,
+                q[num_prefill:num_attended],
+                k_cache,
+                v_cache,
+                md,
+                self.scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
 

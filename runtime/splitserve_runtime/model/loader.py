@@ -70,7 +70,9 @@ def _targets(config: ModelConfig) -> dict[str, _Target]:
         ours = f"layers.{i}."
         out[hf + "input_layernorm.weight"] = _Target(ours + "input_layernorm", 0, (hidden,))
         out[hf + "post_attention_layernorm.weight"] = _Target(
-            ours + "post_attention_layernorm", 0, (hidden,),
+            ours + "post_attention_layernorm",
+            0,
+            (hidden,),
         )
         for name, offset, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
             out[hf + f"self_attn.{name}.weight"] = _Target(ours + "qkv_proj", offset, (rows, hidden))
@@ -96,8 +98,10 @@ def weight_files(*, model_dir: Path) -> list[Path]:
         if not all(isinstance(name, str) and _SHARD_NAME.fullmatch(name) for name in names):
             # a shard is a file beside the index: never a path elsewhere (nor quoted: the index
             # is a file's content)
-            raise ModelLoadError(f"{index_path}: its weight_map names a shard that is not a plain "
-                                 "*.safetensors file name in the model directory")
+            raise ModelLoadError(
+                f"{index_path}: its weight_map names a shard that is not a plain "
+                "*.safetensors file name in the model directory"
+            )
         files = [model_dir / name for name in names]
         for path in files:
             if not path.is_file():
@@ -110,8 +114,13 @@ def weight_files(*, model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    *, model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.device,
-    config: ModelConfig | None = None, quantization: str = "none",
+    *,
+    model_dir: Path,
+    ops: Ops,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: ModelConfig | None = None,
+    quantization: str = "none",
     parallel: tuple[TensorParallelLayout, Collectives] | None = None,
     stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
@@ -131,23 +140,32 @@ def load_model(
     gguf_file = gguf_source(model_dir)
     layout = parallel[0] if parallel is not None else None
     if gguf_file is not None and quantization != "none":
-        raise ModelLoadError(f"{gguf_file}: a GGUF file is served as stored (its Q4_0/Q4_1 tensors as int4); "
-                             f"quantization {quantization} cannot be applied to it: set quantization to none")
+        raise ModelLoadError(
+            f"{gguf_file}: a GGUF file is served as stored (its Q4_0/Q4_1 tensors as int4); "
+            f"quantization {quantization} cannot be applied to it: set quantization to none"
+        )
     scheme = resolve_scheme(config=config, quantization=quantization, source=str(model_dir))
     load_time = load_time_method(scheme=scheme, quantization=quantization)
     quantized = scheme is not None or load_time is not None or gguf_file is not None
     staged = stage.local_config() if stage is not None else config
     local = layout.local_config() if layout is not None else staged
-    model = LlamaForCausalLM(config=local, ops=ops, dtype=dtype, device=device, quantized_linears=quantized,
-                             parallel=parallel, stage=stage)
-    assembler = (LinearAssembler(model=model, config=staged, scheme=scheme, load_time=load_time,
-                                 dtype=dtype, device=device, layout=layout) if quantized else None)
+    model = LlamaForCausalLM(
+        config=local, ops=ops, dtype=dtype, device=device, quantized_linears=quantized, parallel=parallel, stage=stage
+    )
+    assembler = (
+        LinearAssembler(
+            model=model, config=staged, scheme=scheme, load_time=load_time, dtype=dtype, device=device, layout=layout
+        )
+        if quantized
+        else None
+    )
     filler = _Filler(model=model, config=staged, assembler=assembler, layout=layout, stage=stage)
 
     def offer(name: str, get: Callable[[], LinearWeight], path: Path) -> None:
         local_name = stage.local_name(name) if stage is not None else name
         if local_name is not None:
             filler.offer(name=local_name, get=get, path=path)
+
     if gguf_file is not None:
         for name, decode in lazy_gguf_tensors(gguf_file, config).items():
             offer(name, decode, gguf_file)  # decoded when placed: one tensor at a time
@@ -167,16 +185,26 @@ class _Filler:
     """Routes each checkpoint tensor to its place: a layer projection (the assembler, when the
     model is quantized), a KV scale, or a dense parameter's rows; tracks what is missing."""
 
-    def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, assembler: LinearAssembler | None,
-                 layout: TensorParallelLayout | None = None, stage: PipelineStage | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        assembler: LinearAssembler | None,
+        layout: TensorParallelLayout | None = None,
+        stage: PipelineStage | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.assembler = assembler
         self.layout = layout
         self.params = dict(model.named_parameters())
         local = _targets(layout.local_config()) if layout is not None else None
-        self.targets = {name: (t, local[name] if local is not None else t) for name, t in _targets(config).items()
-                        if (assembler is None or not assembler.owns(name)) and _held(name, stage)}
+        self.targets = {
+            name: (t, local[name] if local is not None else t)
+            for name, t in _targets(config).items()
+            if (assembler is None or not assembler.owns(name)) and _held(name, stage)
+        }
         self.loaded: dict[str, Path] = {}
 
     def offer(self, *, name: str, get: Callable[[], LinearWeight], path: Path) -> None:
@@ -185,8 +213,16 @@ class _Filler:
         elif _KV_SCALE.match(name):
             _set_kv_scale(model=self.model, name=name, tensor=_dense(get(), name), path=path)
         else:
-            _load_one(name=name, path=path, get=get, targets=self.targets, params=self.params,
-                      loaded=self.loaded, config=self.config, layout=self.layout)
+            _load_one(
+                name=name,
+                path=path,
+                get=get,
+                targets=self.targets,
+                params=self.params,
+                loaded=self.loaded,
+                config=self.config,
+                layout=self.layout,
+            )
 
     def finish(self, *, model_dir: Path) -> None:
         missing = [name for name in self.targets if name not in self.loaded]
@@ -236,8 +272,14 @@ def _set_kv_scale(*, model: LlamaForCausalLM, name: str, tensor: torch.Tensor, p
 
 
 def _load_one(
-    *, name: str, path: Path, get: Callable[[], LinearWeight], targets: dict[str, tuple[_Target, _Target]],
-    params: dict[str, torch.nn.Parameter], loaded: dict[str, Path], config: ModelConfig,
+    *,
+    name: str,
+    path: Path,
+    get: Callable[[], LinearWeight],
+    targets: dict[str, tuple[_Target, _Target]],
+    params: dict[str, torch.nn.Parameter],
+    loaded: dict[str, Path],
+    config: ModelConfig,
     layout: TensorParallelLayout | None,
 ) -> None:
     """Check ``name`` against its full-checkpoint target, narrow it to this rank's piece (tensor
@@ -254,8 +296,7 @@ def _load_one(
     tensor = _dense(get(), name)
     if tuple(tensor.shape) != target.shape:
         raise ModelLoadError(
-            f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
-            f"expected {target.shape} from config.json"
+            f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, expected {target.shape} from config.json"
         )
     if layout is not None:
         tensor = layout.shard_checkpoint_tensor(name, tensor)

@@ -39,8 +39,9 @@ class PipelineStage:
         if self.num_stages < 1 or not 0 <= self.stage < self.num_stages:
             raise PipelineError(f"stage {self.stage} outside a pipeline of {self.num_stages}")
         if self.num_stages > self.config.num_hidden_layers:
-            raise PipelineError(f"pipeline-parallel size {self.num_stages} exceeds the model's "
-                                f"{self.config.num_hidden_layers} layers")
+            raise PipelineError(
+                f"pipeline-parallel size {self.num_stages} exceeds the model's {self.config.num_hidden_layers} layers"
+            )
 
     def layer_range(self, stage: int | None = None) -> tuple[int, int]:
         """Global ``[start, end)`` of ``stage``'s layers (default: this stage)."""

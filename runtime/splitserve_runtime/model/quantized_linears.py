@@ -56,8 +56,10 @@ def _fused_groups(config: ModelConfig) -> dict[str, tuple[int, list[_Part]]]:
     """Fused projection → (in_features, its HF modules in row order)."""
     q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
     return {
-        "qkv_proj": (hidden, [_Part("self_attn.q_proj", q), _Part("self_attn.k_proj", kv),
-                              _Part("self_attn.v_proj", kv)]),
+        "qkv_proj": (
+            hidden,
+            [_Part("self_attn.q_proj", q), _Part("self_attn.k_proj", kv), _Part("self_attn.v_proj", kv)],
+        ),
         "o_proj": (q, [_Part("self_attn.o_proj", hidden)]),
         "gate_up_proj": (hidden, [_Part("mlp.gate_proj", inter), _Part("mlp.up_proj", inter)]),
         "down_proj": (inter, [_Part("mlp.down_proj", hidden)]),
@@ -72,7 +74,8 @@ def resolve_scheme(*, config: ModelConfig, quantization: str, source: str) -> Ch
     if scheme is not None and quantization not in ("none", scheme.family):
         raise ModelLoadError(
             f"{source}: the checkpoint is already quantized ({scheme.description}, a {scheme.family} method); "
-            f"quantization {quantization} contradicts it: set quantization to none or {scheme.family}")
+            f"quantization {quantization} contradicts it: set quantization to none or {scheme.family}"
+        )
     if scheme is not None:
         log.info("%s: pre-quantized checkpoint: %s", source, scheme.description)
     elif quantization != "none":
@@ -88,9 +91,17 @@ def load_time_method(*, scheme: CheckpointQuantization | None, quantization: str
 class LinearAssembler:
     """Collects, decodes and installs the decoder layers' linear projections (module docstring)."""
 
-    def __init__(self, *, model: LlamaForCausalLM, config: ModelConfig, scheme: CheckpointQuantization | None,
-                 load_time: str | None, dtype: torch.dtype, device: torch.device,
-                 layout: TensorParallelLayout | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        scheme: CheckpointQuantization | None,
+        load_time: str | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: TensorParallelLayout | None = None,
+    ) -> None:
         """``config`` describes the checkpoint's projections (whole, as stored); with a
         tensor-parallel ``layout`` each decoded projection is then cut to this rank's share
         (:meth:`~.tensor_parallel.TensorParallelLayout.projection_slice`) in its quantized
@@ -129,14 +140,17 @@ class LinearAssembler:
         assert match is not None
         layer, module, suffix = int(match.group(1)), match.group(2), match.group(3)
         if layer >= self._config.num_hidden_layers:
-            raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}: the model has "
-                                 f"{self._config.num_hidden_layers} layers")
+            raise ModelLoadError(
+                f"unexpected tensor {name!r} in {path.name}: the model has {self._config.num_hidden_layers} layers"
+            )
         fused = self._owner[module]
         key = (layer, fused)
         hf_module = f"model.layers.{layer}.{module}"
         if suffix not in self._expected(hf_module):
-            raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for "
-                                 f"{self._scheme.description if self._scheme else 'a dense checkpoint'}")
+            raise ModelLoadError(
+                f"unexpected tensor {name!r} in {path.name} for "
+                f"{self._scheme.description if self._scheme else 'a dense checkpoint'}"
+            )
         if key in self._done:
             raise ModelLoadError(f"tensor {name!r} in {path.name} arrives after {hf_module} was loaded")
         stored = self._pending.setdefault(key, {}).setdefault(module, {})
@@ -175,19 +189,23 @@ class LinearAssembler:
         layer, fused = key
         in_features, parts = self._groups[fused]
         stored = self._pending.pop(key)
-        weights = [self._decode_share(layer=layer, part=part, tensors=stored[part.module], in_features=in_features)
-                   for part in parts]
+        weights = [
+            self._decode_share(layer=layer, part=part, tensors=stored[part.module], in_features=in_features)
+            for part in parts
+        ]
         if len({type(w) for w in weights}) > 1:
             log.warning("layer %d %s: mixed quantized and dense parts; the group is served dense", layer, fused)
             weights = [dequantize(w, dtype=self._dtype) for w in weights]
-        weight = self._row_parallel_scales(fused, _to_device(concat_out_features(weights), device=self._device,
-                                                             dtype=self._dtype))
+        weight = self._row_parallel_scales(
+            fused, _to_device(concat_out_features(weights), device=self._device, dtype=self._dtype)
+        )
         self._model.decoder_layers()[layer].set_linear(fused, weight)
         self._kinds[_kind(weight)] += 1
         self._done.add(key)
 
-    def _decode_share(self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight],
-                      in_features: int) -> LinearWeight:
+    def _decode_share(
+        self, *, layer: int, part: _Part, tensors: dict[str, LinearWeight], in_features: int
+    ) -> LinearWeight:
         """The projection decoded (or quantized) whole, then this rank's share of it. An int4
         slice that does not cut at group boundaries is refused, stored or quantized at load
         time alike: quantizing the rank's share with groups of its own would make the weights
@@ -199,18 +217,25 @@ class LinearAssembler:
         try:
             return narrow_features(weight, dim=dim, start=start, length=length)
         except ValueError as exc:
-            raise ModelLoadError(f"model.layers.{layer}.{part.module} ({part.rows} x {in_features}) cannot be "
-                                 f"split for tensor-parallel rank {self._layout.rank} of {self._layout.size}: "
-                                 f"{exc}; serve it at a tensor-parallel size whose input slices are whole "
-                                 "groups") from None
+            raise ModelLoadError(
+                f"model.layers.{layer}.{part.module} ({part.rows} x {in_features}) cannot be "
+                f"split for tensor-parallel rank {self._layout.rank} of {self._layout.size}: "
+                f"{exc}; serve it at a tensor-parallel size whose input slices are whole "
+                "groups"
+            ) from None
 
     def _row_parallel_scales(self, fused: str, weight: LinearWeight) -> LinearWeight:
         """``weight`` with its activation amax reduced over the ranks, for a W8A8 row-parallel
         share (a rank sees only its slice of the input row; the scale must be the row's)."""
         collectives = self._model.collectives
-        if (fused not in _ROW_PARALLEL or self._layout is None or self._layout.size == 1 or collectives is None
-                or not isinstance(weight, Fp8Weight | Int8Weight)
-                or (isinstance(weight, Int8Weight) and not weight.act_quant)):
+        if (
+            fused not in _ROW_PARALLEL
+            or self._layout is None
+            or self._layout.size == 1
+            or collectives is None
+            or not isinstance(weight, Fp8Weight | Int8Weight)
+            or (isinstance(weight, Int8Weight) and not weight.act_quant)
+        ):
             return weight
         reduce = functools.partial(all_reduce_max, collectives, rank=self._layout.rank, size=self._layout.size)
         return dataclasses.replace(weight, act_amax_reduce=reduce)
@@ -219,13 +244,15 @@ class LinearAssembler:
         hf_module = f"model.layers.{layer}.{part.module}"
         if self._scheme is not None and self._scheme.quantizes(hf_module):
             stored = {suffix: t for suffix, t in tensors.items() if isinstance(t, torch.Tensor)}
-            return self._scheme.decode(module=hf_module, tensors=stored, out_features=part.rows,
-                                       in_features=in_features, dtype=self._dtype)
+            return self._scheme.decode(
+                module=hf_module, tensors=stored, out_features=part.rows, in_features=in_features, dtype=self._dtype
+            )
         dense = tensors["weight"]
         shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else (dense.out_features, dense.in_features)
         if shape != (part.rows, in_features):
-            raise ModelLoadError(f"tensor {hf_module}.weight has shape {shape}, "
-                                 f"expected {(part.rows, in_features)} from config.json")
+            raise ModelLoadError(
+                f"tensor {hf_module}.weight has shape {shape}, expected {(part.rows, in_features)} from config.json"
+            )
         if not isinstance(dense, torch.Tensor):
             return dense  # decoded by the GGUF reader
         if self._load_time is None:
@@ -244,10 +271,15 @@ def _to_device(weight: LinearWeight, *, device: torch.device, dtype: torch.dtype
     if isinstance(weight, Fp8Weight):
         return Fp8Weight(qweight=weight.qweight.to(device), weight_scale=weight.weight_scale.to(device))
     if isinstance(weight, Int8Weight):
-        return Int8Weight(qweight=weight.qweight.to(device), weight_scale=weight.weight_scale.to(device),
-                          act_quant=weight.act_quant)
-    return Int4Weight(qweight=weight.qweight.to(device), scales=weight.scales.to(device=device, dtype=dtype),
-                      offsets=weight.offsets.to(device=device, dtype=dtype), group_size=weight.group_size)
+        return Int8Weight(
+            qweight=weight.qweight.to(device), weight_scale=weight.weight_scale.to(device), act_quant=weight.act_quant
+        )
+    return Int4Weight(
+        qweight=weight.qweight.to(device),
+        scales=weight.scales.to(device=device, dtype=dtype),
+        offsets=weight.offsets.to(device=device, dtype=dtype),
+        group_size=weight.group_size,
+    )
 
 
 def _kind(weight: LinearWeight) -> str:

@@ -17,7 +17,10 @@ from splitserve_contract.model_config import RopeScaling
 
 
 def inverse_frequencies(
-    *, head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None,
+    *,
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None,
 ) -> torch.Tensor:
     """fp32 ``[head_dim / 2]`` inverse frequencies after scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -43,8 +46,12 @@ def inverse_frequencies(
 
 
 def build_cos_sin_cache(
-    *, head_dim: int, max_positions: int, rope_theta: float,
-    rope_scaling: RopeScaling | None, device: torch.device,
+    *,
+    head_dim: int,
+    max_positions: int,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None,
+    device: torch.device,
 ) -> torch.Tensor:
     """fp32 ``[max_positions, head_dim]`` table ``cat(cos, sin)`` for the Ops rotary kernel."""
     inv_freq = inverse_frequencies(head_dim=head_dim, rope_theta=rope_theta, rope_scaling=rope_scaling)

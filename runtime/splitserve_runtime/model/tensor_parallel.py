@@ -133,8 +133,11 @@ class TensorParallelLayout:
             raise ValueError(f"KV head {head} outside [0, {kv})")
         if kv < self.size:
             return head * self._replicas
-        return next(r for r in range(self.size)
-                    if self.kv_head_start(r) <= head < self.kv_head_start(r) + self.num_kv_heads_of(r))
+        return next(
+            r
+            for r in range(self.size)
+            if self.kv_head_start(r) <= head < self.kv_head_start(r) + self.num_kv_heads_of(r)
+        )
 
     # ------------------------------------------------------------------ MLP, vocabulary
     @property
@@ -153,8 +156,12 @@ class TensorParallelLayout:
     def local_config(self) -> ModelConfig:
         """The config of this rank's model: its heads, KV heads, MLP width and vocabulary rows."""
         return dataclasses.replace(
-            self.config, num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size, vocab_size=self.vocab_rows)
+            self.config,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_rows,
+        )
 
     # ------------------------------------------------------------------ checkpoint tensors
     def projection_slice(self, module: str) -> tuple[int, int, int]:
@@ -190,12 +197,14 @@ class TensorParallelLayout:
         # embed_tokens / lm_head: vocabulary rows, the last rank's padding zero
         rows = min(self.vocab_rows, max(0, self.config.vocab_size - self.vocab_start))
         out = tensor.new_zeros((self.vocab_rows, *tensor.shape[1:]))
-        out[:rows].copy_(tensor[self.vocab_start:self.vocab_start + rows])
+        out[:rows].copy_(tensor[self.vocab_start : self.vocab_start + rows])
         return out
 
 
-_PIECE = re.compile(r"(?:self_attn|mlp)\.(?P<piece>[qkvo]_proj\.(?:weight|bias)|(?:gate|up|down)_proj\.weight)$"
-                    r"|(?:^model\.embed_tokens\.weight|^lm_head\.weight)$")
+_PIECE = re.compile(
+    r"(?:self_attn|mlp)\.(?P<piece>[qkvo]_proj\.(?:weight|bias)|(?:gate|up|down)_proj\.weight)$"
+    r"|(?:^model\.embed_tokens\.weight|^lm_head\.weight)$"
+)
 
 
 def _narrow(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:

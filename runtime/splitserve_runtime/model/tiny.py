@@ -109,8 +109,12 @@ _FLAVOURS = {
         architecture="LlamaForCausalLM",
         model_type="llama",
         special_tokens=(
-            "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|finetune_right_pad_id|>",
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|finetune_right_pad_id|>",
         ),
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
@@ -164,8 +168,15 @@ def _train_tokenizer(*, flavour: _Flavour, vocab_size: int) -> Tokenizer:
 
 
 def _tensor_shapes(
-    *, flavour: _Flavour, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-    num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
+    *,
+    flavour: _Flavour,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    tie_word_embeddings: bool,
 ) -> list[tuple[str, tuple[int, ...]]]:
     head_dim = hidden_size // num_heads
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
@@ -198,7 +209,9 @@ def _tensor_shapes(
 
 
 def _random_weights(
-    *, shapes: list[tuple[str, tuple[int, ...]]], seed: int,
+    *,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    seed: int,
 ) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
@@ -237,8 +250,14 @@ def _write_weights(*, out_dir: Path, weights: dict[str, torch.Tensor], num_shard
 
 
 def _check_arguments(
-    *, arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-    num_kv_heads: int, num_shards: int,
+    *,
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_shards: int,
 ) -> _Flavour:
     """Validate ``write_tiny_model``'s arguments; return the flavour of ``arch``."""
     if arch not in _FLAVOURS:
@@ -264,9 +283,19 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
 
 
 def _model_config(
-    *, flavour: _Flavour, bos_id: int | None, eos_id: int, vocab_size: int, hidden_size: int,
-    num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-    max_position_embeddings: int, rope_scaling: dict[str, Any] | None, tie_word_embeddings: bool,
+    *,
+    flavour: _Flavour,
+    bos_id: int | None,
+    eos_id: int,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    rope_scaling: dict[str, Any] | None,
+    tie_word_embeddings: bool,
 ) -> dict[str, Any]:
     """The ``config.json`` of the checkpoint (Hugging Face names)."""
     config: dict[str, Any] = {
@@ -318,8 +347,7 @@ def _write_tokenizer_config(*, out_dir: Path, flavour: _Flavour, max_position_em
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
 
 
-def _write_generation_config(*, out_dir: Path, tokenizer: Tokenizer, flavour: _Flavour,
-                             bos_id: int | None) -> None:
+def _write_generation_config(*, out_dir: Path, tokenizer: Tokenizer, flavour: _Flavour, bos_id: int | None) -> None:
     _write_json(
         out_dir / "generation_config.json",
         {
@@ -331,35 +359,62 @@ def _write_generation_config(*, out_dir: Path, tokenizer: Tokenizer, flavour: _F
 
 
 def write_tiny_model(
-    *, out_dir: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512,
-    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-    intermediate_size: int = 128, max_position_embeddings: int = 2048, num_shards: int = 1,
-    rope_scaling: dict[str, Any] | None = None, tie_word_embeddings: bool = False,
+    *,
+    out_dir: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    num_shards: int = 1,
+    rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """Write a random ``arch`` checkpoint with a trained tokenizer into ``out_dir``; return it."""
-    flavour = _check_arguments(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
-                               num_layers=num_layers, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, num_shards=num_shards)
+    flavour = _check_arguments(
+        arch=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_shards=num_shards,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _train_tokenizer(flavour=flavour, vocab_size=vocab_size)
     _write_tokenizer(out_dir=out_dir, tokenizer=tokenizer)
     bos_id = None if flavour.bos_token is None else _token_id(tokenizer, flavour.bos_token)
     config = _model_config(
-        flavour=flavour, bos_id=bos_id, eos_id=_token_id(tokenizer, flavour.eos_token),
-        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
+        flavour=flavour,
+        bos_id=bos_id,
+        eos_id=_token_id(tokenizer, flavour.eos_token),
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
     )
     _write_json(out_dir / "config.json", config)
     _write_generation_config(out_dir=out_dir, tokenizer=tokenizer, flavour=flavour, bos_id=bos_id)
-    _write_tokenizer_config(out_dir=out_dir, flavour=flavour,
-                            max_position_embeddings=max_position_embeddings)
+    _write_tokenizer_config(out_dir=out_dir, flavour=flavour, max_position_embeddings=max_position_embeddings)
 
     shapes = _tensor_shapes(
-        flavour=flavour, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        flavour=flavour,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
         tie_word_embeddings=tie_word_embeddings,
     )
     _write_weights(out_dir=out_dir, weights=_random_weights(shapes=shapes, seed=seed), num_shards=num_shards)
@@ -387,10 +442,17 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         path = write_tiny_model(
-            out_dir=args.out_dir, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size,
-            hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-            max_position_embeddings=args.max_position_embeddings, num_shards=args.num_shards,
+            out_dir=args.out_dir,
+            arch=args.arch,
+            seed=args.seed,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=args.max_position_embeddings,
+            num_shards=args.num_shards,
             tie_word_embeddings=args.tie_word_embeddings,
         )
     except (ValueError, OSError) as exc:

@@ -14,7 +14,7 @@ once the window decodes without a trailing U+FFFD, so concatenated deltas equal 
 decode.
 
 Two things serve the HTTP server's promise that one large prompt never stalls the others
-(issue 12): :meth:`Tokenizer.encode` goes through ``encode_batch_fast``, which releases the GIL
+(nor ``/health``, whose stall makes a liveness probe restart the pod): :meth:`Tokenizer.encode` goes through ``encode_batch_fast``, which releases the GIL
 while the Rust tokenizer works (plain ``encode`` holds it, about 1 s per MB of text), so
 encoding on a worker thread leaves the event loop running; and :attr:`Tokenizer.max_chars_per_token` bounds
 how much text one token can cover, so a prompt that cannot fit the context is refused from its
@@ -81,8 +81,11 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -90,7 +93,9 @@ def _tojson(
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile ``source`` in the same sandbox and with the same helpers as HF."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -125,8 +130,7 @@ def max_chars_per_token(tokenizer: HFTokenizer) -> int | None:
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         return None
-    if not _keeps_every_character(spec.get("pre_tokenizer")) or \
-            not _never_shortens(spec.get("normalizer")):
+    if not _keeps_every_character(spec.get("pre_tokenizer")) or not _never_shortens(spec.get("normalizer")):
         return None
     if any(tokenizer.token_to_id(symbol) is None for symbol in pre_tokenizers.ByteLevel.alphabet()):
         return None  # a byte without a token would be dropped
@@ -148,8 +152,7 @@ def _keeps_every_character(spec: Any) -> bool:
     parts = _components(spec, key="pretokenizers")
     if not any(p.get("type") == "ByteLevel" for p in parts):
         return False
-    return all(p.get("type") in _KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed"
-               for p in parts)
+    return all(p.get("type") in _KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed" for p in parts)
 
 
 def _never_shortens(spec: Any) -> bool:
@@ -169,8 +172,12 @@ class Tokenizer:
     """A model directory's tokenizer, special tokens and chat template."""
 
     def __init__(
-        self, *, tokenizer: HFTokenizer, special_tokens: Mapping[str, str],
-        eos_token_ids: Sequence[int], chat_template: str | None,
+        self,
+        *,
+        tokenizer: HFTokenizer,
+        special_tokens: Mapping[str, str],
+        eos_token_ids: Sequence[int],
+        chat_template: str | None,
     ) -> None:
         self._tok = tokenizer
         self.special_tokens = dict(special_tokens)
@@ -205,9 +212,7 @@ class Tokenizer:
                 # BOS/EOS must be real tokens; pad/unk texts are only template variables.
                 if key in ("bos_token", "eos_token") and tokenizer.token_to_id(text) is None:
                     shown = text if len(text) <= 48 else text[:48] + "..."
-                    raise ModelLoadError(
-                        f"{TOKENIZER_CONFIG_FILE}: {key} {shown!r} is not in {TOKENIZER_FILE}"
-                    )
+                    raise ModelLoadError(f"{TOKENIZER_CONFIG_FILE}: {key} {shown!r} is not in {TOKENIZER_FILE}")
                 special[key] = text
         eos: list[int] = []
         for name in ("config.json", "generation_config.json"):
@@ -223,7 +228,9 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         return cls(
-            tokenizer=tokenizer, special_tokens=special, eos_token_ids=eos,
+            tokenizer=tokenizer,
+            special_tokens=special,
+            eos_token_ids=eos,
             chat_template=template if isinstance(template, str) else None,
         )
 
@@ -235,8 +242,9 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (BOS)."""
         return list(self._encoding(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_bounded(self, text: str, *, add_special_tokens: bool = True,
-                       max_tokens: int | None = None) -> tuple[int, list[int] | None]:
+    def encode_bounded(
+        self, text: str, *, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> tuple[int, list[int] | None]:
         """``(number of tokens, token ids)``, the ids None when there are more than
         ``max_tokens``: an oversized prompt costs no Python list of millions of ints."""
         encoding = self._encoding(text, add_special_tokens=add_special_tokens)
@@ -264,8 +272,12 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any,
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) to the prompt text."""
         if self.chat_template is None:
@@ -293,7 +305,10 @@ class IncrementalDetokenizer:
     _CONTEXT_TOKENS = 5
 
     def __init__(
-        self, *, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+        self,
+        *,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
         context_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer

@@ -49,7 +49,9 @@ TOKENIZER_ONLY_DIR = "tokenizer-only"
 """Under the cache root: snapshots downloaded without weights (for the router)."""
 _HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_HF_GGUF = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)/((?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\.gguf)$")
+_HF_GGUF = re.compile(
+    r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)/((?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\.gguf)$"
+)
 
 
 def hf_cache_root(*, cache_dir: Path | None) -> Path:
@@ -164,8 +166,9 @@ def split_hf_gguf(uri: str) -> tuple[str, str] | None:
     return f"hf://{match.group(1)}{at}{revision}", match.group(2)
 
 
-def _resolve_hf_gguf(uri: str, *, repo_uri: str, filename: str, revision: str, cache_dir: Path | None,
-                     offline: bool | None) -> Path:
+def _resolve_hf_gguf(
+    uri: str, *, repo_uri: str, filename: str, revision: str, cache_dir: Path | None, offline: bool | None
+) -> Path:
     """One GGUF file of a hub repository: from the cache, else downloaded into it (the router
     needs it too: the tokenizer is inside), then translated like a local GGUF file."""
     name, revision = parse_hf_uri(repo_uri, revision=revision)
@@ -176,20 +179,22 @@ def _resolve_hf_gguf(uri: str, *, repo_uri: str, filename: str, revision: str, c
     if hub_offline() if offline is None else offline:
         why = snapshot if isinstance(snapshot, str) else f"model {uri!r}: {snapshot / filename} is not in the cache"
         raise ModelLoadError(
-            f"{why}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache or set {ENV_MODEL_CACHE}")
+            f"{why}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache or set {ENV_MODEL_CACHE}"
+        )
     from .download import HubSettings, download_hf_file
 
-    path = download_hf_file(uri=uri, repo_id=name, filename=filename, revision=revision, cache_root=root,
-                            hub=HubSettings.from_env())
+    path = download_hf_file(
+        uri=uri, repo_id=name, filename=filename, revision=revision, cache_root=root, hub=HubSettings.from_env()
+    )
     return _require_model_dir(path, uri, cache_dir=cache_dir)
 
 
-def _resolve_hf(uri: str, *, revision: str, cache_dir: Path | None, offline: bool | None,
-                weights: bool) -> Path:
+def _resolve_hf(uri: str, *, revision: str, cache_dir: Path | None, offline: bool | None, weights: bool) -> Path:
     gguf_file = split_hf_gguf(uri)
     if gguf_file is not None:
-        return _resolve_hf_gguf(uri, repo_uri=gguf_file[0], filename=gguf_file[1], revision=revision,
-                                cache_dir=cache_dir, offline=offline)
+        return _resolve_hf_gguf(
+            uri, repo_uri=gguf_file[0], filename=gguf_file[1], revision=revision, cache_dir=cache_dir, offline=offline
+        )
     name, revision = parse_hf_uri(uri, revision=revision)
     root = hf_cache_root(cache_dir=cache_dir)
     cached = _cached_hf(name, uri=uri, revision=revision, root=root)
@@ -204,20 +209,24 @@ def _resolve_hf(uri: str, *, revision: str, cache_dir: Path | None, offline: boo
             return cached
     if hub_offline() if offline is None else offline:
         raise ModelLoadError(
-            f"{cached}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache "
-            f"or set {ENV_MODEL_CACHE}"
+            f"{cached}; {ENV_HUB_OFFLINE} is set, so nothing is downloaded: pre-fill the cache or set {ENV_MODEL_CACHE}"
         )
     from .download import HubSettings, download_hf_model
 
     snapshot = download_hf_model(
-        uri=uri, repo_id=name, revision=revision, cache_root=root, hub=HubSettings.from_env(),
-        weights=weights)
+        uri=uri, repo_id=name, revision=revision, cache_root=root, hub=HubSettings.from_env(), weights=weights
+    )
     return _require_model_dir(snapshot, uri)
 
 
 def resolve_model_uri(
-    uri: str, *, cache_dir: Path | None, revision: str = "", pvc_mount_root: Path = PVC_MOUNT_ROOT,
-    offline: bool | None = None, weights: bool = True,
+    uri: str,
+    *,
+    cache_dir: Path | None,
+    revision: str = "",
+    pvc_mount_root: Path = PVC_MOUNT_ROOT,
+    offline: bool | None = None,
+    weights: bool = True,
 ) -> Path:
     """Local directory for ``uri`` (``revision`` only applies to ``hf://``). An ``hf://`` model
     missing from the cache is downloaded into it unless ``offline`` (default: from
@@ -227,8 +236,7 @@ def resolve_model_uri(
     if not uri:
         raise ModelLoadError("no model given (expected hf://org/name, pvc://claim/path, file:///path or a path)")
     if uri.startswith("hf://"):
-        return _resolve_hf(uri, revision=revision, cache_dir=cache_dir, offline=offline,
-                           weights=weights)
+        return _resolve_hf(uri, revision=revision, cache_dir=cache_dir, offline=offline, weights=weights)
     if revision:
         raise ModelLoadError(f"model {uri!r}: a revision only applies to hf:// URIs")
     if uri.startswith("pvc://"):
@@ -242,7 +250,5 @@ def resolve_model_uri(
             raise ModelLoadError(f"model {uri!r}: file:// URIs need an absolute path (file:///...)")
         return _require_model_dir(Path(path), uri, cache_dir=cache_dir)
     if "://" in uri:
-        raise ModelLoadError(
-            f"model {uri!r}: unsupported scheme; use hf://, pvc://, file:// or a plain path"
-        )
+        raise ModelLoadError(f"model {uri!r}: unsupported scheme; use hf://, pvc://, file:// or a plain path")
     return _require_model_dir(Path(uri).expanduser(), uri, cache_dir=cache_dir)

@@ -21,9 +21,7 @@ __all__ = ["BACKEND_NAMES", "AttentionMetadata", "Ops", "get_ops"]
 def get_ops(*, name: str, device: torch.device) -> Ops:
     """Return the kernel backend ``name`` (one of :data:`BACKEND_NAMES`) for ``device``."""
     if name not in BACKEND_NAMES:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of: {', '.join(BACKEND_NAMES)}"
-        )
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(BACKEND_NAMES)}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -31,9 +29,7 @@ def get_ops(*, name: str, device: torch.device) -> Ops:
 
         return TorchOps()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1), got {device}"
-        )
+        raise ValueError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
     from .triton_backend import TritonOps
 
     return TritonOps()

@@ -64,34 +64,61 @@ class Ops(Protocol):
     name: str
 
     def write_kv_cache(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
         """Scatter key/value ``[num_tokens, num_kv_heads, head_dim]`` into the cache."""
 
     def prefill_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal varlen attention of ``q [num_prefill_tokens, num_heads, head_dim]`` over the
         paged cache (prefix-cached blocks included). Returns the same shape as q."""
 
     def decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Paged attention of one query row per sequence ``q [num_decodes, num_heads, head_dim]``."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual = x + residual; return rms_norm(residual) * weight, residual``."""
 
     def rotary_embedding(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Neox-style (rotate-half, as HF Llama) RoPE. ``q [T, Hq, D]``, ``k [T, Hkv, D]``,

@@ -35,7 +35,11 @@ def decode_kv(x: torch.Tensor, *, dtype: torch.dtype, scale: float) -> torch.Ten
 
 
 def scatter_kv_rows(
-    *, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float,
+    *,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
 ) -> None:
     """Write ``rows [n, num_kv_heads, head_dim]`` to flat ``slots`` of ``cache`` in place."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]

@@ -27,8 +27,13 @@ from .kv_fp8 import decode_kv, scatter_kv_rows
 
 
 def _gather_kv(
-    *, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, block_size: int,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return K, V as ``[B, num_kv_heads, max_context_len, D]`` and the validity mask ``[B, L]``."""
     device = k_cache.device
@@ -52,8 +57,14 @@ class TorchOps:
     name = "torch"
 
     def write_kv_cache(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
         keep = slot_mapping >= 0
@@ -62,8 +73,15 @@ class TorchOps:
         scatter_kv_rows(cache=v_cache, slots=slots, rows=value[keep], scale=v_scale)
 
     def prefill_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_seqs = md.num_prefills
         if num_seqs == 0 or md.num_prefill_tokens == 0:
@@ -79,8 +97,11 @@ class TorchOps:
         token_index = torch.where(row_valid, cu[:-1].unsqueeze(1) + rows, torch.zeros_like(rows))
         q_padded = q[token_index].transpose(1, 2)  # [B, H, max_q, D]
         k, v, col_valid = _gather_kv(
-            k_cache=k_cache, v_cache=v_cache, block_tables=md.prefill_block_tables.to(device),
-            context_lens=context_lens, max_context_len=md.prefill_max_context_len,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            block_tables=md.prefill_block_tables.to(device),
+            context_lens=context_lens,
+            max_context_len=md.prefill_max_context_len,
             block_size=md.block_size,
         )
         k, v = decode_kv(k, dtype=q.dtype, scale=k_scale), decode_kv(v, dtype=q.dtype, scale=v_scale)
@@ -90,7 +111,12 @@ class TorchOps:
             # causal mask is exact for every real row (padding rows/columns come last and are
             # dropped), and SDPA's causal path skips the masked half of the work.
             out = F.scaled_dot_product_attention(
-                q_padded, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=gqa,
+                q_padded,
+                k.to(q.dtype),
+                v.to(q.dtype),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
             )
         else:
             # Query row i sits at absolute position context_len - q_len + i.
@@ -98,26 +124,42 @@ class TorchOps:
             cols = torch.arange(md.prefill_max_context_len, device=device)
             mask = (cols.view(1, 1, -1) <= q_positions.unsqueeze(2)) & col_valid.unsqueeze(1)
             out = F.scaled_dot_product_attention(
-                q_padded, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1), scale=scale,
+                q_padded,
+                k.to(q.dtype),
+                v.to(q.dtype),
+                attn_mask=mask.unsqueeze(1),
+                scale=scale,
                 enable_gqa=gqa,
             )  # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(num_seqs * max_q_len, q.shape[1], q.shape[2])
         seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=device), q_lens, output_size=md.num_prefill_tokens,
+            torch.arange(num_seqs, device=device),
+            q_lens,
+            output_size=md.num_prefill_tokens,
         )
         row_of_token = torch.arange(md.num_prefill_tokens, device=device) - cu[seq_of_token]
         return out[seq_of_token * max_q_len + row_of_token]
 
     def decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if md.num_decodes == 0:
             return q.new_empty(q.shape)
         k, v, col_valid = _gather_kv(
-            k_cache=k_cache, v_cache=v_cache, block_tables=md.decode_block_tables.to(q.device),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            block_tables=md.decode_block_tables.to(q.device),
             context_lens=md.decode_context_lens.to(q.device),
-            max_context_len=md.decode_max_context_len, block_size=md.block_size,
+            max_context_len=md.decode_max_context_len,
+            block_size=md.block_size,
         )
         k, v = decode_kv(k, dtype=q.dtype, scale=k_scale), decode_kv(v, dtype=q.dtype, scale=v_scale)
         num_seqs, num_heads, head_dim = q.shape
@@ -126,8 +168,11 @@ class TorchOps:
         # KV head's queries: [B, Hkv, H/Hkv, D] against [B, Hkv, L, D], no KV expansion.
         grouped_q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            grouped_q, k.to(q.dtype), v.to(q.dtype),
-            attn_mask=col_valid.view(num_seqs, 1, 1, -1), scale=scale,
+            grouped_q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=col_valid.view(num_seqs, 1, 1, -1),
+            scale=scale,
         )
         return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -137,13 +182,20 @@ class TorchOps:
         return weight * (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         summed = x + residual
         return self.rms_norm(summed, weight, eps), summed
 
     def rotary_embedding(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
@@ -156,7 +208,10 @@ class TorchOps:
         return F.silu(x[..., :half]) * x[..., half:]
 
     def linear(
-        self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
+        self,
+        x: torch.Tensor,
+        weight: LinearWeight,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)

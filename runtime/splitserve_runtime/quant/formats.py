@@ -55,12 +55,16 @@ class _PerChannelWeight:
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
-        _check(self.qweight.dtype == self.STORED and self.qweight.dim() == 2,
-               f"{kind}.qweight must be {str(self.STORED).removeprefix('torch.')} [N, K], got "
-               f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
-        _check(tuple(self.weight_scale.shape) == (self.qweight.shape[0],) and self.weight_scale.dtype == torch.float32,
-               f"{kind}.weight_scale must be float32 [{self.qweight.shape[0]}], got "
-               f"{self.weight_scale.dtype} {tuple(self.weight_scale.shape)}")
+        _check(
+            self.qweight.dtype == self.STORED and self.qweight.dim() == 2,
+            f"{kind}.qweight must be {str(self.STORED).removeprefix('torch.')} [N, K], got "
+            f"{self.qweight.dtype} {tuple(self.qweight.shape)}",
+        )
+        _check(
+            tuple(self.weight_scale.shape) == (self.qweight.shape[0],) and self.weight_scale.dtype == torch.float32,
+            f"{kind}.weight_scale must be float32 [{self.qweight.shape[0]}], got "
+            f"{self.weight_scale.dtype} {tuple(self.weight_scale.shape)}",
+        )
 
     @property
     def out_features(self) -> int:
@@ -105,16 +109,22 @@ class Int4Weight:
     group_size: int
 
     def __post_init__(self) -> None:
-        _check(self.qweight.dtype == torch.int32 and self.qweight.dim() == 2,
-               f"Int4Weight.qweight must be int32 [K/8, N], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        _check(
+            self.qweight.dtype == torch.int32 and self.qweight.dim() == 2,
+            f"Int4Weight.qweight must be int32 [K/8, N], got {self.qweight.dtype} {tuple(self.qweight.shape)}",
+        )
         k, n = self.in_features, self.out_features
-        _check(self.group_size > 0 and self.group_size % INT4_PACK == 0 and k % self.group_size == 0,
-               f"Int4Weight.group_size {self.group_size} must be a multiple of 8 dividing K={k}")
+        _check(
+            self.group_size > 0 and self.group_size % INT4_PACK == 0 and k % self.group_size == 0,
+            f"Int4Weight.group_size {self.group_size} must be a multiple of 8 dividing K={k}",
+        )
         groups = k // self.group_size
         for name in ("scales", "offsets"):
             t = getattr(self, name)
-            _check(tuple(t.shape) == (groups, n) and t.is_floating_point(),
-                   f"Int4Weight.{name} must be floating [{groups}, {n}], got {t.dtype} {tuple(t.shape)}")
+            _check(
+                tuple(t.shape) == (groups, n) and t.is_floating_point(),
+                f"Int4Weight.{name} must be floating [{groups}, {n}], got {t.dtype} {tuple(t.shape)}",
+            )
 
     @property
     def out_features(self) -> int:
@@ -174,22 +184,28 @@ def concat_out_features(parts: list[LinearWeight]) -> LinearWeight:
         return torch.cat([_same(p, torch.Tensor) for p in parts], dim=0)
     if isinstance(first, Fp8Weight):
         fp8 = [_same(p, Fp8Weight) for p in parts]
-        return Fp8Weight(qweight=torch.cat([p.qweight for p in fp8], dim=0),
-                         weight_scale=torch.cat([p.weight_scale for p in fp8], dim=0))
+        return Fp8Weight(
+            qweight=torch.cat([p.qweight for p in fp8], dim=0),
+            weight_scale=torch.cat([p.weight_scale for p in fp8], dim=0),
+        )
     if isinstance(first, Int8Weight):
         int8 = [_same(p, Int8Weight) for p in parts]
         if len({p.act_quant for p in int8}) != 1:
             raise ValueError("cannot fuse W8A8 and W8A16 projections")
-        return Int8Weight(qweight=torch.cat([p.qweight for p in int8], dim=0),
-                          weight_scale=torch.cat([p.weight_scale for p in int8], dim=0),
-                          act_quant=first.act_quant)
+        return Int8Weight(
+            qweight=torch.cat([p.qweight for p in int8], dim=0),
+            weight_scale=torch.cat([p.weight_scale for p in int8], dim=0),
+            act_quant=first.act_quant,
+        )
     int4 = [_same(p, Int4Weight) for p in parts]
     if len({p.group_size for p in int4}) != 1:
         raise ValueError(f"cannot fuse int4 projections with group sizes {sorted({p.group_size for p in int4})}")
-    return Int4Weight(qweight=torch.cat([p.qweight for p in int4], dim=1),
-                      scales=torch.cat([p.scales for p in int4], dim=1),
-                      offsets=torch.cat([p.offsets for p in int4], dim=1),
-                      group_size=first.group_size)
+    return Int4Weight(
+        qweight=torch.cat([p.qweight for p in int4], dim=1),
+        scales=torch.cat([p.scales for p in int4], dim=1),
+        offsets=torch.cat([p.offsets for p in int4], dim=1),
+        group_size=first.group_size,
+    )
 
 
 def narrow_features(weight: LinearWeight, *, dim: int, start: int, length: int) -> LinearWeight:
@@ -203,19 +219,28 @@ def narrow_features(weight: LinearWeight, *, dim: int, start: int, length: int) 
         return weight.narrow(dim, start, length).contiguous()
     if isinstance(weight, _PerChannelWeight):
         scale = weight.weight_scale.narrow(0, start, length) if dim == 0 else weight.weight_scale
-        return dataclasses.replace(weight, qweight=weight.qweight.narrow(dim, start, length).contiguous(),
-                                   weight_scale=scale.contiguous())
+        return dataclasses.replace(
+            weight, qweight=weight.qweight.narrow(dim, start, length).contiguous(), weight_scale=scale.contiguous()
+        )
     if dim == 0:
-        return dataclasses.replace(weight, qweight=weight.qweight.narrow(1, start, length).contiguous(),
-                                   scales=weight.scales.narrow(1, start, length).contiguous(),
-                                   offsets=weight.offsets.narrow(1, start, length).contiguous())
+        return dataclasses.replace(
+            weight,
+            qweight=weight.qweight.narrow(1, start, length).contiguous(),
+            scales=weight.scales.narrow(1, start, length).contiguous(),
+            offsets=weight.offsets.narrow(1, start, length).contiguous(),
+        )
     group = weight.group_size
     if start % group or length % group:
-        raise ValueError(f"int4 groups of {group} input features do not align with the slice "
-                         f"[{start}, {start + length}) of the {weight.in_features} input features")
-    return dataclasses.replace(weight, qweight=weight.qweight.narrow(0, start // INT4_PACK, length // INT4_PACK).contiguous(),
-                               scales=weight.scales.narrow(0, start // group, length // group).contiguous(),
-                               offsets=weight.offsets.narrow(0, start // group, length // group).contiguous())
+        raise ValueError(
+            f"int4 groups of {group} input features do not align with the slice "
+            f"[{start}, {start + length}) of the {weight.in_features} input features"
+        )
+    return dataclasses.replace(
+        weight,
+        qweight=weight.qweight.narrow(0, start // INT4_PACK, length // INT4_PACK).contiguous(),
+        scales=weight.scales.narrow(0, start // group, length // group).contiguous(),
+        offsets=weight.offsets.narrow(0, start // group, length // group).contiguous(),
+    )
 
 
 def weight_nbytes(weight: LinearWeight) -> int:

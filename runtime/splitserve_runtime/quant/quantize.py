@@ -46,8 +46,9 @@ def int4_group_size(in_features: int, *, preferred: int = INT4_GROUP_SIZE) -> in
     raise ValueError(f"int4: in_features {in_features} is not a multiple of 32")
 
 
-def quantize_int4(weight: torch.Tensor, *, group_size: int = INT4_GROUP_SIZE,
-                  scale_dtype: torch.dtype | None = None) -> Int4Weight:
+def quantize_int4(
+    weight: torch.Tensor, *, group_size: int = INT4_GROUP_SIZE, scale_dtype: torch.dtype | None = None
+) -> Int4Weight:
     """Asymmetric RTN per group: ``q = round((w - min) / s)`` in 0..15 with ``s = (max - min) / 15``;
     scales and offsets (``= min``) in ``scale_dtype`` (default: the weight's dtype)."""
     n, k = weight.shape
@@ -59,5 +60,9 @@ def quantize_int4(weight: torch.Tensor, *, group_size: int = INT4_GROUP_SIZE,
     scale = ((high - low) / 15.0).clamp(min=_TINY)
     q = torch.round((w - low[:, None, :]) / scale[:, None, :]).clamp(0, 15).to(torch.int32)
     dtype = scale_dtype or weight.dtype
-    return Int4Weight(qweight=pack_int4(q.reshape(k, n)), scales=scale.to(dtype).contiguous(),
-                      offsets=low.to(dtype).contiguous(), group_size=group_size)
+    return Int4Weight(
+        qweight=pack_int4(q.reshape(k, n)),
+        scales=scale.to(dtype).contiguous(),
+        offsets=low.to(dtype).contiguous(),
+        group_size=group_size,
+    )

@@ -68,7 +68,9 @@ def quantize_per_token_fp8(x: torch.Tensor, amax_reduce: AmaxReduce | None = Non
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def quantize_per_token_int8(x: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_int8(
+    x: torch.Tensor, amax_reduce: AmaxReduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` → (``int8 [M, K]``, fp32 scales ``[M, 1]``), symmetric, round half to even;
     ``amax_reduce`` as for :func:`quantize_per_token_fp8`."""
     xf = x.float()
@@ -83,8 +85,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     qweight = weight.qweight
     # fp8 x fp8 products are exact in fp32, so an fp32 matmul of the upcast operands is the
     # tensor core's computation up to summation order.
-    acc = _matmul_by_chunks(xq.float(), qweight.shape[0], qweight.shape[1],
-                            lambda lo, hi: qweight[lo:hi].float())
+    acc = _matmul_by_chunks(xq.float(), qweight.shape[0], qweight.shape[1], lambda lo, hi: qweight[lo:hi].float())
     return _epilogue(acc, sx, weight.weight_scale, bias, x.dtype)
 
 
@@ -95,8 +96,10 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     qweight, scale = weight.qweight, weight.weight_scale
     if not weight.act_quant:
         # The scale is per output channel: applied to the product, as the kernel's epilogue does.
-        out = _matmul_by_chunks(x.float(), qweight.shape[0], qweight.shape[1],
-                                lambda lo, hi: qweight[lo:hi].float()) * scale
+        out = (
+            _matmul_by_chunks(x.float(), qweight.shape[0], qweight.shape[1], lambda lo, hi: qweight[lo:hi].float())
+            * scale
+        )
         return _add_bias(out, bias).to(x.dtype)
     xq, sx = quantize_per_token_int8(x, weight.act_amax_reduce)
     return _epilogue(_int8_matmul(xq, qweight), sx, scale, bias, x.dtype)
@@ -141,8 +144,7 @@ def _row_amax(xf: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> torch.
     return amax if amax_reduce is None else amax_reduce(amax)
 
 
-def _matmul_by_chunks(a: torch.Tensor, n: int, k: int,
-                      weight_rows: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+def _matmul_by_chunks(a: torch.Tensor, n: int, k: int, weight_rows: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """``a [M, K] @ W.T`` with fp32 ``W [N, K]`` produced a slab of rows at a time."""
     step = max(1, DEQUANT_CHUNK_ELEMENTS // max(k, 1))
     if n <= step:
@@ -170,8 +172,9 @@ def _int8_matmul_f64(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     return _matmul_by_chunks(xq.double(), n, k, lambda lo, hi: qweight[lo:hi].double()).float()
 
 
-def _epilogue(acc: torch.Tensor, sx: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _epilogue(
+    acc: torch.Tensor, sx: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     return _add_bias(acc * sx * weight_scale, bias).to(dtype)
 
 
@@ -179,8 +182,7 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else out + bias.float()
 
 
-def _check_inputs(x: torch.Tensor, *, in_features: int, out_features: int,
-                  bias: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, *, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a floating [M, K] tensor, got {what}")

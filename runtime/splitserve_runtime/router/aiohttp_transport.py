@@ -66,12 +66,12 @@ class _Body(httpx.AsyncByteStream):
             self._response.close()  # not read to the end: the connection cannot be reused
 
 
-def _timeout(*, connect_seconds: float | None, read_seconds: float | None,
-                pool_seconds: float | None = None) -> aiohttp.ClientTimeout:
+def _timeout(
+    *, connect_seconds: float | None, read_seconds: float | None, pool_seconds: float | None = None
+) -> aiohttp.ClientTimeout:
     """No total limit (a stream lasts as long as it generates): a connect limit, a pool wait
     limit (aiohttp's ``connect``, which also covers connecting) and a limit between reads."""
-    return aiohttp.ClientTimeout(total=None, connect=pool_seconds, sock_connect=connect_seconds,
-                                 sock_read=read_seconds)
+    return aiohttp.ClientTimeout(total=None, connect=pool_seconds, sock_connect=connect_seconds, sock_read=read_seconds)
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -84,39 +84,55 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                         keepalive_timeout=KEEPALIVE_SECONDS)
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
+        )
         self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept-Encoding"), timeout=aiohttp.ClientTimeout())
+            connector=connector,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            timeout=aiohttp.ClientTimeout(),
+        )
         return self._session
 
-    async def _request(self, method: str, url: yarl.URL, *, content: bytes | None,
-                       headers: Mapping[str, str] | list[tuple[str, str]],
-                       timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def _request(
+        self,
+        method: str,
+        url: yarl.URL,
+        *,
+        content: bytes | None,
+        headers: Mapping[str, str] | list[tuple[str, str]],
+        timeout: aiohttp.ClientTimeout,
+    ) -> aiohttp.ClientResponse:
         session = self._session or self._open()
         try:
-            return await session.request(method, url, data=content or None, headers=headers,
-                                         timeout=timeout, allow_redirects=False)
+            return await session.request(
+                method, url, data=content or None, headers=headers, timeout=timeout, allow_redirects=False
+            )
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise _mapped(exc) from exc
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         limits = request.extensions.get("timeout", {})
-        timeout = _timeout(connect_seconds=limits.get("connect"), read_seconds=limits.get("read"),
-                              pool_seconds=limits.get("pool"))
+        timeout = _timeout(
+            connect_seconds=limits.get("connect"), read_seconds=limits.get("read"), pool_seconds=limits.get("pool")
+        )
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _NOT_SENT]
         try:
-            answer = await self._request(request.method, _url(str(request.url)),
-                                         content=await request.aread(), headers=headers,
-                                         timeout=timeout)
+            answer = await self._request(
+                request.method, _url(str(request.url)), content=await request.aread(), headers=headers, timeout=timeout
+            )
         except httpx.TransportError as exc:
             exc.request = request
             raise
         return httpx.Response(
-            status_code=answer.status, headers=list(answer.raw_headers),
-            stream=_Body(answer), request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (answer.reason or "").encode()})
+            status_code=answer.status,
+            headers=list(answer.raw_headers),
+            stream=_Body(answer),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (answer.reason or "").encode()},
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:

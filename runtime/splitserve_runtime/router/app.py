@@ -87,8 +87,7 @@ def make_tokenize(*, model: str) -> Tokenize:
 
         cache = os.environ.get(ENV_MODEL_CACHE)
         # the tokenizer is all the router reads: a download skips the weights
-        model_dir = resolve_model_uri(model, cache_dir=Path(cache) if cache else None,
-                                      weights=False)
+        model_dir = resolve_model_uri(model, cache_dir=Path(cache) if cache else None, weights=False)
         tokenizer = Tokenizer.from_dir(model_dir=model_dir)
 
     def tokenize(path: str, body: dict[str, Any]) -> list[int]:
@@ -128,9 +127,15 @@ def _static_pods(args: RouterArgs) -> PodSet:
     return pods
 
 
-def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector, tokenize: Tokenize | None,
-                   model_label: str, state: dict[str, Any],
-                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+def _make_lifespan(
+    *,
+    args: RouterArgs,
+    pods: PodSet,
+    selector: PrefillSelector,
+    tokenize: Tokenize | None,
+    model_label: str,
+    state: dict[str, Any],
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """The app's lifespan: the HTTP client, health polling, discovery and the Router in ``state``."""
 
     @contextlib.asynccontextmanager
@@ -140,16 +145,24 @@ def _make_lifespan(*, args: RouterArgs, pods: PodSet, selector: PrefillSelector,
             poller = HealthPoller(pods=pods, client=client, interval_seconds=args.health_interval_seconds)
             discovery = None
             if args.discovery == "kubernetes":
-                discovery = KubernetesDiscovery(namespace=args.namespace, inference_service=args.inference_service, pods=pods)
+                discovery = KubernetesDiscovery(
+                    namespace=args.namespace, inference_service=args.inference_service, pods=pods
+                )
                 discovery.start()
             await poller.poll_once()
             poller.start()
             state["router"] = Router(
-                pods=pods, selector=selector, pod_client=pod_client, tokenize=tokenize or make_tokenize(model=args.model),
+                pods=pods,
+                selector=selector,
+                pod_client=pod_client,
+                tokenize=tokenize or make_tokenize(model=args.model),
                 config=RouterConfig(
-                    served_model_name=args.served_model_name, block_size=args.block_size,
-                    short_prompt_threshold=args.short_prompt_threshold, session_header=args.session_header,
-                    request_timeout_seconds=args.request_timeout_seconds, model_label=model_label,
+                    served_model_name=args.served_model_name,
+                    block_size=args.block_size,
+                    short_prompt_threshold=args.short_prompt_threshold,
+                    session_header=args.session_header,
+                    request_timeout_seconds=args.request_timeout_seconds,
+                    model_label=model_label,
                     prefill_timeout_seconds=args.prefill_timeout_seconds,
                     prefill_overflow_tokens=args.prefill_overflow_tokens,
                 ),
@@ -218,8 +231,7 @@ def _add_health_routes(app: FastAPI, *, pods: PodSet, gauges: CollectorRegistry)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.REGISTRY) + generate_latest(gauges),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.REGISTRY) + generate_latest(gauges), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> None:
@@ -235,7 +247,9 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
         try:
             upstream = await client.get(f"{pool[0].url}/v1/models", headers=headers, timeout=5.0)
         except httpx.HTTPError as exc:
-            return error_response(status=502, message=f"model listing failed: {type(exc).__name__}", type_="upstream_error")
+            return error_response(
+                status=502, message=f"model listing failed: {type(exc).__name__}", type_="upstream_error"
+            )
         return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
 
     # The proxied routes are plain ASGI (:mod:`.hot_path`); registered here as well so another
@@ -244,8 +258,15 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
         app.router.routes.append(Route(path, ProxyEndpoint(path=path, state=state), methods=["POST"]))
 
 
-def _add_layers(app: RouterApp, *, args: RouterArgs, api_key: str | None, counter: dict[str, int],
-                state: dict[str, Any], model_label: str) -> None:
+def _add_layers(
+    app: RouterApp,
+    *,
+    args: RouterArgs,
+    api_key: str | None,
+    counter: dict[str, int],
+    state: dict[str, Any],
+    model_label: str,
+) -> None:
     """The pure-ASGI layers, innermost first: body limit, in-flight count, API key (when one is
     set), errors (so it covers the key check too), the answer count (outermost, so it counts
     the errors' 500s). FastAPI adds them around its stack, and the same layers wrap each
@@ -275,8 +296,9 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
     pods.on_removed.append(selector.forget)
     model_label = args.served_model_name or args.model or "unknown"
     state: dict[str, Any] = {}
-    lifespan = _make_lifespan(args=args, pods=pods, selector=selector, tokenize=tokenize,
-                              model_label=model_label, state=state)
+    lifespan = _make_lifespan(
+        args=args, pods=pods, selector=selector, tokenize=tokenize, model_label=model_label, state=state
+    )
     app = RouterApp(title="splitserve router", lifespan=lifespan)
     app.state.pods = pods
     app.state.selector = selector
@@ -290,8 +312,9 @@ def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokeniz
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__,
-                                     allow_abbrev=False)  # only a flag's full spelling sets it
+    parser = argparse.ArgumentParser(
+        prog="splitserve router", description=__doc__, allow_abbrev=False
+    )  # only a flag's full spelling sets it
     add_router_arguments(parser)
     args = router_args_from_namespace(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -308,8 +331,15 @@ def main(argv: list[str]) -> int:
     gc.freeze()
     # loop "auto": uvloop where installed; the HTTP parser is httptools', with the read
     # deadlines of splitserve_runtime.read_timeouts
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=int(args.request_timeout_seconds),
-                http=http_protocol(header_timeout_seconds=args.header_timeout_seconds,
-                                   body_idle_timeout_seconds=args.body_idle_timeout_seconds))
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(args.request_timeout_seconds),
+        http=http_protocol(
+            header_timeout_seconds=args.header_timeout_seconds, body_idle_timeout_seconds=args.body_idle_timeout_seconds
+        ),
+    )
     return 0

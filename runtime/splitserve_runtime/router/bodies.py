@@ -2,7 +2,7 @@
 
 The router forwards a body it has decoded (it strips the client's ``kv_transfer_params``, reads
 the prompt for affinity and adds the handoff), so it decodes every body. A large one is decoded
-in :class:`~splitserve_runtime.json_bodies.BodyDecoder`'s process (issue 12: 8 MiB of tiny
+in :class:`~splitserve_runtime.json_bodies.BodyDecoder`'s process (decoded on the loop, 8 MiB of tiny
 arrays held the router's loop about 1 s), and :func:`decode_client_body` refuses there what the
 router must not forward: a body that is not JSON (``invalid_json``, as the pods say: nested too
 deep or an over-long integer included, :func:`~splitserve_runtime.json_bodies.decode_body`) or
@@ -55,6 +55,7 @@ def decode_client_body(raw: bytes) -> dict[str, Any] | BodyRefusal:
     if not isinstance(body, dict):
         return BodyRefusal("request body must be a JSON object")
     if _holds_lone_surrogate(raw, body):
-        return BodyRefusal("request body is not valid Unicode text: it holds a lone UTF-16 surrogate",
-                           code="invalid_text")
+        return BodyRefusal(
+            "request body is not valid Unicode text: it holds a lone UTF-16 surrogate", code="invalid_text"
+        )
     return body

@@ -41,7 +41,9 @@ def parse_static(*, role: Role, endpoints: str) -> list[Target]:
     return targets
 
 
-def targets_from_slices(*, slices: Iterable[dict[str, Any]], service_roles: dict[str, Role]) -> dict[Role, list[Target]]:
+def targets_from_slices(
+    *, slices: Iterable[dict[str, Any]], service_roles: dict[str, Role]
+) -> dict[Role, list[Target]]:
     """Ready endpoints of EndpointSlice objects (as dicts) grouped by role."""
     found: dict[Role, list[Target]] = {role: [] for role in service_roles.values()}
     for eps in slices:
@@ -50,7 +52,8 @@ def targets_from_slices(*, slices: Iterable[dict[str, Any]], service_roles: dict
         if role is None:
             continue
         port = next(
-            (p.get("port") for p in eps.get("ports") or [] if p.get("name") == HTTP_PORT_NAME), HTTP_PORT,
+            (p.get("port") for p in eps.get("ports") or [] if p.get("name") == HTTP_PORT_NAME),
+            HTTP_PORT,
         )
         for endpoint in eps.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
@@ -109,12 +112,17 @@ class KubernetesDiscovery:
         selector = f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self._service_roles))})"
         while not self._stop.is_set():
             try:
-                listed: dict[str, Any] = to_dict(api.list_namespaced_endpoint_slice(self._namespace, label_selector=selector))
+                listed: dict[str, Any] = to_dict(
+                    api.list_namespaced_endpoint_slice(self._namespace, label_selector=selector)
+                )
                 slices: dict[str, dict[str, Any]] = {s["metadata"]["name"]: s for s in listed.get("items", [])}
                 self._publish(slices)
                 stream = watch.Watch().stream(
-                    api.list_namespaced_endpoint_slice, self._namespace, label_selector=selector,
-                    resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=60,
+                    api.list_namespaced_endpoint_slice,
+                    self._namespace,
+                    label_selector=selector,
+                    resource_version=listed["metadata"]["resourceVersion"],
+                    timeout_seconds=60,
                 )
                 for event in stream:
                     if self._stop.is_set():

@@ -97,14 +97,10 @@ class ProxyEndpoint:
             )
         else:
             if isinstance(body, BodyRefusal):
-                answer = error_response(
-                    status=400, message=body.message, type_="invalid_request_error", code=body.code
-                )
+                answer = error_response(status=400, message=body.message, type_="invalid_request_error", code=body.code)
             else:
                 router: Router = self._state["router"]
-                headers = {
-                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
-                }
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
                 answer = await router.handle(path=self._path, body=body, headers=headers, raw=raw)
                 scope[metrics.COUNTED_BY_ROUTER] = True  # the Router counts what it answers
         await answer(scope, receive, send)

@@ -36,46 +36,77 @@ class _Bound:
         return child
 
 
-REQUESTS = _Bound(Counter(
-    "splitserve_router_requests_total",
-    "Client requests (/v1/ routes) the router answered, by outcome: success, client_error, "
-    "upstream_error, unavailable, or internal_error (the router's own failure, a 500)",
-    (*_LABELS, "outcome"), registry=REGISTRY,
-))
+REQUESTS = _Bound(
+    Counter(
+        "splitserve_router_requests_total",
+        "Client requests (/v1/ routes) the router answered, by outcome: success, client_error, "
+        "upstream_error, unavailable, or internal_error (the router's own failure, a 500)",
+        (*_LABELS, "outcome"),
+        registry=REGISTRY,
+    )
+)
 """Every answer counts once: the :class:`~.proxy.Router` counts the requests it took (it knows
 outcomes the status does not show, as a stream a pod cut off); :class:`CountAnswers` counts
 every other answer (the router's refusals and its own 500s) by its status."""
 COUNTED_BY_ROUTER = "splitserve.router.counted"
 """ASGI scope key the proxied endpoint sets once the Router has answered: it counted the answer."""
-ROUTES = _Bound(Counter(
-    "splitserve_router_routes_total", "Requests by route: disaggregated (prefill then decode), direct (a short prompt), fallback (prefill failed) or overflow (the prefill pool is full)",
-    (*_LABELS, "route"), registry=REGISTRY,
-))
-UPSTREAM_ERRORS = _Bound(Counter(
-    "splitserve_router_upstream_errors_total", "Failed calls to runtime pods, by upstream role",
-    (*_LABELS, "upstream"), registry=REGISTRY,
-))
-PREFILL_RETRIES = _Bound(Counter(
-    "splitserve_router_prefill_retries_total", "Prefill attempts repeated on another pod", _LABELS, registry=REGISTRY,
-))
-FORWARD_RETRIES = _Bound(Counter(
-    "splitserve_router_forward_retries_total",
-    "Decode/aggregated sends repeated on another pod after a 503 (draining) or 429 (queue full)",
-    (*_LABELS, "status"), registry=REGISTRY,
-))
-PREFIX_QUERIED_BLOCKS = _Bound(Counter(
-    "splitserve_router_prefix_queried_blocks_total", "Leading prompt blocks considered for affinity",
-    _LABELS, registry=REGISTRY,
-))
-PREFIX_MATCHED_BLOCKS = _Bound(Counter(
-    "splitserve_router_prefix_matched_blocks_total",
-    "Leading prompt blocks already routed to the chosen pod (affinity hits)", _LABELS, registry=REGISTRY,
-))
-REQUEST_SECONDS = _Bound(Histogram(
-    "splitserve_router_request_seconds", "Time from request to the upstream's response headers or stream end",
-    _LABELS, registry=REGISTRY,
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-))
+ROUTES = _Bound(
+    Counter(
+        "splitserve_router_routes_total",
+        "Requests by route: disaggregated (prefill then decode), direct (a short prompt), fallback (prefill failed) or overflow (the prefill pool is full)",
+        (*_LABELS, "route"),
+        registry=REGISTRY,
+    )
+)
+UPSTREAM_ERRORS = _Bound(
+    Counter(
+        "splitserve_router_upstream_errors_total",
+        "Failed calls to runtime pods, by upstream role",
+        (*_LABELS, "upstream"),
+        registry=REGISTRY,
+    )
+)
+PREFILL_RETRIES = _Bound(
+    Counter(
+        "splitserve_router_prefill_retries_total",
+        "Prefill attempts repeated on another pod",
+        _LABELS,
+        registry=REGISTRY,
+    )
+)
+FORWARD_RETRIES = _Bound(
+    Counter(
+        "splitserve_router_forward_retries_total",
+        "Decode/aggregated sends repeated on another pod after a 503 (draining) or 429 (queue full)",
+        (*_LABELS, "status"),
+        registry=REGISTRY,
+    )
+)
+PREFIX_QUERIED_BLOCKS = _Bound(
+    Counter(
+        "splitserve_router_prefix_queried_blocks_total",
+        "Leading prompt blocks considered for affinity",
+        _LABELS,
+        registry=REGISTRY,
+    )
+)
+PREFIX_MATCHED_BLOCKS = _Bound(
+    Counter(
+        "splitserve_router_prefix_matched_blocks_total",
+        "Leading prompt blocks already routed to the chosen pod (affinity hits)",
+        _LABELS,
+        registry=REGISTRY,
+    )
+)
+REQUEST_SECONDS = _Bound(
+    Histogram(
+        "splitserve_router_request_seconds",
+        "Time from request to the upstream's response headers or stream end",
+        _LABELS,
+        registry=REGISTRY,
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    )
+)
 
 
 def outcome_of(status: int) -> str:
@@ -152,20 +183,23 @@ class InFlightCollector(Collector):
         requests = GaugeMetricFamily(
             "splitserve_router_requests_in_flight",
             "Client requests inside the router (a stream until its last byte)",
-            labels=["role", "model"])
+            labels=["role", "model"],
+        )
         requests.add_metric(["router", self._model], self._counter["in_flight"])
         yield requests
         upstream = GaugeMetricFamily(
             "splitserve_router_upstream_requests_in_flight",
             "The router's requests to each pod that have not finished",
-            labels=["role", "model", "pod"])
+            labels=["role", "model", "pod"],
+        )
         for pod in self._pods.all():
             upstream.add_metric(["router", self._model, pod.name], pod.load.in_flight)
         yield upstream
         healthy = GaugeMetricFamily(
             "splitserve_router_healthy_pods",
             "The pods of each role the router sends to now (discovered and answering its health polls)",
-            labels=["role", "model", "upstream"])
+            labels=["role", "model", "upstream"],
+        )
         for upstream_role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED):
             healthy.add_metric(["router", self._model, upstream_role.value], len(self._pods.healthy(upstream_role)))
         yield healthy

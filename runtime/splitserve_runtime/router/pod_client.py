@@ -100,9 +100,22 @@ class PodResponse:
     :meth:`aclose`, which hands the connection back (or closes it when the answer was not
     read to its end)."""
 
-    __slots__ = ("__weakref__", "_buffered", "_chunks", "_closed", "_connection", "_error",
-                 "_head_done", "_paused", "_read_seconds", "_waiter", "content", "done", "headers",
-                 "status_code")
+    __slots__ = (
+        "__weakref__",
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_connection",
+        "_error",
+        "_head_done",
+        "_paused",
+        "_read_seconds",
+        "_waiter",
+        "content",
+        "done",
+        "headers",
+        "status_code",
+    )
 
     def __init__(self, connection: _Connection, read_seconds: float | None) -> None:
         self.status_code = 0
@@ -337,20 +350,23 @@ class PodClient:
         """The loop the connections run on (set with the first); a dropped response's
         finalizer schedules the end of its exchange there."""
 
-    async def post(self, url: str, *, content: bytes, headers: Mapping[str, str],
-                   timeout: PodTimeout, fresh: bool = False) -> PodResponse:
+    async def post(
+        self, url: str, *, content: bytes, headers: Mapping[str, str], timeout: PodTimeout, fresh: bool = False
+    ) -> PodResponse:
         """POST ``content`` to ``url``; the answer once its status and headers have arrived.
         ``fresh``: on a new connection, not a kept one (a retry after a kept one failed)."""
         host, port, target, host_header = _address(url)
         await self._acquire(timeout.pool_seconds)
         try:
             connection = (None if fresh else self._take_idle((host, port))) or await self._connect(
-                host, port, timeout.connect_seconds)
+                host, port, timeout.connect_seconds
+            )
         except BaseException:
             self._slots.release()
             raise
-        response = connection.send(_request_bytes(host=host_header, target=target, headers=headers, content=content),
-                                   timeout.read_seconds)
+        response = connection.send(
+            _request_bytes(host=host_header, target=target, headers=headers, content=content), timeout.read_seconds
+        )
         try:
             await response._read_head()
         except BaseException:
@@ -382,7 +398,8 @@ class PodClient:
         key = (host, port)
         try:
             _transport, connection = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), host, port), seconds)
+                loop.create_connection(lambda: _Connection(self, key), host, port), seconds
+            )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {seconds:g} s") from None
         except OSError as exc:

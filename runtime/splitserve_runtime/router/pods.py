@@ -110,8 +110,10 @@ class PodSet:
 
     def healthy(self, role: Role, *, compat_hash: str | None = None) -> list[Pod]:
         return [
-            p for p in self._pods.values()
-            if p.role is role and p.healthy
+            p
+            for p in self._pods.values()
+            if p.role is role
+            and p.healthy
             and (compat_hash is None or not compat_hash or not p.compat_hash or p.compat_hash == compat_hash)
         ]
 
@@ -123,8 +125,12 @@ class PodSet:
         if pod.consecutive_failures >= self._unhealthy_after or pod.healthy:
             # A request-path failure takes the pod out at once; polling brings it back.
             if pod.healthy:
-                log.warning("%s pod %s (%s) failed a request; out of rotation until it answers a poll",
-                            pod.role.value, pod.name, pod.url)
+                log.warning(
+                    "%s pod %s (%s) failed a request; out of rotation until it answers a poll",
+                    pod.role.value,
+                    pod.name,
+                    pod.url,
+                )
             pod.healthy = False
 
     def mark_ok(self, name: str) -> None:
@@ -136,8 +142,12 @@ class PodSet:
 
 def parse_load(text: str) -> PodLoad:
     """Sum the runtime's load gauges over all label sets of one pod's /metrics."""
-    values = {Metric.REQUESTS_WAITING: 0.0, Metric.REQUESTS_RUNNING: 0.0, Metric.KV_CACHE_USAGE_RATIO: 0.0,
-              Metric.PROMPT_TOKENS_WAITING: 0.0}
+    values = {
+        Metric.REQUESTS_WAITING: 0.0,
+        Metric.REQUESTS_RUNNING: 0.0,
+        Metric.KV_CACHE_USAGE_RATIO: 0.0,
+        Metric.PROMPT_TOKENS_WAITING: 0.0,
+    }
     for family in text_string_to_metric_families(text):
         if family.name in values:
             for sample in family.samples:
@@ -154,7 +164,9 @@ def parse_load(text: str) -> PodLoad:
 class HealthPoller:
     """Polls every pod's info, readiness and load on a fixed period."""
 
-    def __init__(self, *, pods: PodSet, client: httpx.AsyncClient, interval_seconds: float, timeout_seconds: float = 2.0) -> None:
+    def __init__(
+        self, *, pods: PodSet, client: httpx.AsyncClient, interval_seconds: float, timeout_seconds: float = 2.0
+    ) -> None:
         self._pods = pods
         self._client = client
         self._interval_seconds = interval_seconds
@@ -196,7 +208,9 @@ class HealthPoller:
                 pod.compat_hash = str(info.get("compat_hash", ""))
                 pod.kv_endpoint = str(info.get("kv_endpoint", ""))
                 limit = info.get("max_model_len")
-                pod.max_model_len = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+                pod.max_model_len = (
+                    limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+                )
             metrics = await self._client.get(f"{pod.url}/metrics", timeout=self._timeout_seconds)
             load = parse_load(metrics.text)
             load.in_flight = pod.load.in_flight
@@ -209,13 +223,23 @@ class HealthPoller:
             if was_healthy:
                 log.warning("%s pod %s (%s) is unhealthy: %s", pod.role.value, pod.name, pod.url, exc)
             else:
-                log.debug("poll %s pod %s: still unhealthy (%d failures): %s", pod.role.value,
-                          pod.name, pod.consecutive_failures, exc)
+                log.debug(
+                    "poll %s pod %s: still unhealthy (%d failures): %s",
+                    pod.role.value,
+                    pod.name,
+                    pod.consecutive_failures,
+                    exc,
+                )
             return
         if not pod.healthy:
             log.info("%s pod %s (%s) is healthy", pod.role.value, pod.name, pod.url)
-        log.debug("poll %s pod %s: ready, waiting=%g running=%g kv_usage=%.3f", pod.role.value,
-                  pod.name, pod.load.requests_waiting, pod.load.requests_running,
-                  pod.load.kv_cache_usage_ratio)
+        log.debug(
+            "poll %s pod %s: ready, waiting=%g running=%g kv_usage=%.3f",
+            pod.role.value,
+            pod.name,
+            pod.load.requests_waiting,
+            pod.load.requests_running,
+            pod.load.kv_cache_usage_ratio,
+        )
         pod.consecutive_failures = 0
         pod.healthy = True

@@ -59,7 +59,9 @@ class Candidate:
     load: PodLoad = field(default_factory=PodLoad)
 
 
-def prefix_block_hashes(token_ids: Sequence[int], *, block_size: int, max_blocks: int = MAX_AFFINITY_BLOCKS) -> list[bytes]:
+def prefix_block_hashes(
+    token_ids: Sequence[int], *, block_size: int, max_blocks: int = MAX_AFFINITY_BLOCKS
+) -> list[bytes]:
     """Chained hashes of the full leading blocks of `token_ids`: the engine's prefix-cache
     hash (:mod:`splitserve_contract.block_hash`), capped at ``max_blocks``."""
     return hash_token_blocks(token_ids=token_ids, block_size=block_size, max_blocks=max_blocks)
@@ -112,7 +114,11 @@ class PrefillSelector:
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     def choose(
-        self, *, candidates: Sequence[Candidate], hashes: Sequence[bytes], session: str | None,
+        self,
+        *,
+        candidates: Sequence[Candidate],
+        hashes: Sequence[bytes],
+        session: str | None,
         exclude: frozenset[str] = frozenset(),
     ) -> Choice | None:
         pods = [c for c in candidates if c.name not in exclude]
@@ -125,10 +131,14 @@ class PrefillSelector:
             return Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="Session")
         if self._policy is RoutingPolicy.ROUND_ROBIN:
             pod = pods[next(self._round_robin) % len(pods)].name
-            choice = Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="RoundRobin")
+            choice = Choice(
+                pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="RoundRobin"
+            )
         elif self._policy is RoutingPolicy.LEAST_LOAD or not hashes:
             pod = min(pods, key=lambda c: (c.load.queue, c.load.requests_running, c.name)).name
-            choice = Choice(pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="LeastLoad")
+            choice = Choice(
+                pod=pod, matched_blocks=self.index.matched_blocks(pod=pod, hashes=hashes), reason="LeastLoad"
+            )
         else:
             choice = self._by_affinity(pods=pods, hashes=hashes)
         if session:
@@ -167,8 +177,12 @@ def _pressure(c: Candidate) -> float:
     return c.load.kv_cache_usage_ratio + 0.1 * c.load.queue
 
 
-def choose_decode(*, candidates: Sequence[Candidate], exclude: frozenset[str] = frozenset(),
-                  matched_blocks: Callable[[str], int] | None = None) -> str | None:
+def choose_decode(
+    *,
+    candidates: Sequence[Candidate],
+    exclude: frozenset[str] = frozenset(),
+    matched_blocks: Callable[[str], int] | None = None,
+) -> str | None:
     """The decode pod with the most KV headroom, then the shortest queue. With ``matched_blocks``
     (a prompt the decode pod computes itself: short, overflowed, or its prefill failed), the pod
     within :data:`DECODE_AFFINITY_SLACK` of that with the most of the prompt's leading blocks

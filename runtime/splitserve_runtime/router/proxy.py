@@ -4,7 +4,7 @@ stream the answer back, and fail cleanly.
 Disaggregated flow (the pull protocol of contract.KV_TRANSFER_PARAMS_FIELD):
 1. the prompt goes to a prefill pod chosen by prefix affinity, as the client's own request with
    `max_tokens=1`, `stream=false` and `kv_transfer_params={"do_remote_decode": true}`
-   (:mod:`splitserve_runtime.prefill_request`, shared with decode pods that drive a prefill
+   (:mod:`splitserve_runtime.disagg.prefill_request`, shared with decode pods that drive a prefill
    themselves behind a Gateway); the pod computes the KV, samples the first token and answers
    with the handoff parameters;
 2. the original request plus those parameters goes to a decode pod with the same compat hash
@@ -59,11 +59,12 @@ import httpx
 from fastapi.responses import JSONResponse, Response
 
 from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role, defaults
+from splitserve_contract.handoff import HandoffParams
 from splitserve_contract.wire import (
     KV_TRANSFER_PARAMS_INVALID_CODE,
     KV_TRANSFER_PARAMS_REJECTED_CODE,
 )
-from splitserve_runtime.prefill_request import (
+from splitserve_runtime.disagg.prefill_request import (
     FORWARDED_HEADERS,
     handoff_params,
     prefill_request_body,
@@ -91,8 +92,9 @@ Tokenize = Callable[[str, dict[str, Any]], list[int]]
 """(path, body) -> prompt token ids, for prefix hashing only."""
 
 
-def error_response(*, status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    *, status: int, message: str, type_: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": type_, "param": None, "code": code}},
@@ -137,16 +139,24 @@ class Router:
     and do nothing for a proxy."""
 
     def __init__(
-        self, *, pods: PodSet, selector: PrefillSelector, pod_client: PodClient,
-        config: RouterConfig, tokenize: Tokenize,
+        self,
+        *,
+        pods: PodSet,
+        selector: PrefillSelector,
+        pod_client: PodClient,
+        config: RouterConfig,
+        tokenize: Tokenize,
     ) -> None:
         self._pods = pods
         self._selector = selector
         self._pod_client = pod_client
         self._config = config
         self._tokenize = tokenize
-        self._timeout = PodTimeout(connect_seconds=3.0, read_seconds=config.request_timeout_seconds,
-                                   pool_seconds=config.request_timeout_seconds)
+        self._timeout = PodTimeout(
+            connect_seconds=3.0,
+            read_seconds=config.request_timeout_seconds,
+            pool_seconds=config.request_timeout_seconds,
+        )
 
     # ------------------------------------------------------------------ helpers
     def _headers(self, incoming: dict[str, str], request_id: str) -> dict[str, str]:
@@ -155,14 +165,14 @@ class Router:
         headers["content-type"] = "application/json"
         return headers
 
-    async def _send(self, *, pod: Pod, url: str, content: bytes, headers: dict[str, str],
-                    stream: bool) -> PodResponse:
+    async def _send(self, *, pod: Pod, url: str, content: bytes, headers: dict[str, str], stream: bool) -> PodResponse:
         """POST ``content`` (a JSON body) to ``url``; a stale pooled connection is retried once
         (see the module docstring). Raises httpx.HTTPError when the pod really cannot be reached."""
         for attempt in (1, 2):
             try:
-                response = await self._pod_client.post(url, content=content, headers=headers,
-                                                       timeout=self._timeout, fresh=attempt == 2)
+                response = await self._pod_client.post(
+                    url, content=content, headers=headers, timeout=self._timeout, fresh=attempt == 2
+                )
                 if not stream:
                     try:
                         await response.aread()
@@ -172,8 +182,12 @@ class Router:
             except STALE_CONNECTION_ERRORS as exc:
                 if attempt == 2:
                     raise
-                log.info("%s pod %s closed the connection before answering (%s); sending again",
-                         pod.role.value, pod.name, type(exc).__name__)
+                log.info(
+                    "%s pod %s closed the connection before answering (%s); sending again",
+                    pod.role.value,
+                    pod.name,
+                    type(exc).__name__,
+                )
         raise AssertionError("unreachable")
 
     def _prompt(self, path: str, body: dict[str, Any]) -> tuple[int | None, list[bytes]]:
@@ -186,12 +200,15 @@ class Router:
         return len(token_ids), prefix_block_hashes(token_ids, block_size=self._config.block_size)
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, *, path: str, body: dict[str, Any], headers: dict[str, str],
-                     raw: bytes | None = None) -> Response:
+    async def handle(
+        self, *, path: str, body: dict[str, Any], headers: dict[str, str], raw: bytes | None = None
+    ) -> Response:
         """Answer one client request; ``raw`` is the body as the client sent it (``body``
         decoded), forwarded as is where the router sends the body unchanged."""
         started = time.perf_counter()
-        request_id = headers.get(HEADER_REQUEST_ID) or f"rt-{os.urandom(16).hex()}"  # 128 random bits, as uuid4 but without the UUID object
+        request_id = (
+            headers.get(HEADER_REQUEST_ID) or f"rt-{os.urandom(16).hex()}"
+        )  # 128 random bits, as uuid4 but without the UUID object
         if KV_TRANSFER_PARAMS_FIELD in body:  # only our prefill pods hand requests over
             log.debug("dropped the client's %s of request %s", KV_TRANSFER_PARAMS_FIELD, request_id)
             body = {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS_FIELD}
@@ -203,18 +220,27 @@ class Router:
         fwd_headers = self._headers(headers, request_id)
 
         if self._pods.healthy(Role.AGGREGATED):
+
             def pick_aggregated(exclude: frozenset[str]) -> Pod | None:
                 choice = self._selector.choose(
                     candidates=[p.candidate() for p in self._pods.healthy(Role.AGGREGATED)],
-                    hashes=hashes, session=session, exclude=exclude,
+                    hashes=hashes,
+                    session=session,
+                    exclude=exclude,
                 )
                 if choice is None:
                     return None
                 self._record(choice.pod, hashes, choice.matched_blocks)
                 return self._pods.get(choice.pod)
 
-            return await self._forward(pick=pick_aggregated, path=path, content=content, headers=fwd_headers,
-                                       started=started, unavailable="no aggregated pod is healthy")
+            return await self._forward(
+                pick=pick_aggregated,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
+                unavailable="no aggregated pod is healthy",
+            )
 
         prefill_pods = self._pods.healthy(Role.PREFILL)
         short = num_prompt_tokens is not None and num_prompt_tokens < self._config.short_prompt_threshold
@@ -224,7 +250,10 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
-                path=path, content=content, headers=fwd_headers, started=started,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
                 unavailable="no decode pod is healthy",
             )
 
@@ -235,7 +264,10 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="direct").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
-                path=path, content=content, headers=fwd_headers, started=started,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
                 unavailable="no decode pod is healthy",
             )
 
@@ -245,12 +277,22 @@ class Router:
             tokens = num_prompt_tokens or 0
             return await self._forward(
                 pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude | overflow),
-                path=path, content=content, headers=fwd_headers, started=started,
-                unavailable="no decode pod is healthy", prompt_tokens=tokens,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
+                unavailable="no decode pod is healthy",
+                prompt_tokens=tokens,
             )
 
-        handoff = await self._prefill(path=path, body=body, headers=fwd_headers, hashes=hashes, session=session,
-                                      prompt_tokens=num_prompt_tokens or 0)
+        handoff = await self._prefill(
+            path=path,
+            body=body,
+            headers=fwd_headers,
+            hashes=hashes,
+            session=session,
+            prompt_tokens=num_prompt_tokens or 0,
+        )
         if isinstance(handoff, Response):
             if handoff.status_code < 500:
                 return handoff
@@ -263,7 +305,10 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
-                path=path, content=content, headers=fwd_headers, started=started,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
                 unavailable="no decode pod is healthy",
             )
         prefill_pod, params = handoff
@@ -274,13 +319,18 @@ class Router:
             metrics.ROUTES.labels(model=self._config.model_label, route="fallback").inc()
             return await self._forward(
                 pick=lambda exclude: self._pick_decode_computing(hashes, exclude=exclude),
-                path=path, content=content, headers=fwd_headers, started=started,
+                path=path,
+                content=content,
+                headers=fwd_headers,
+                started=started,
                 unavailable="no decode pod is healthy",
             )
 
         return await self._forward(
             pick=lambda exclude: self._pick_decode(compat_hash=prefill_pod.compat_hash or None, exclude=exclude),
-            path=path, content=encode_body({**body, KV_TRANSFER_PARAMS_FIELD: params}), headers=fwd_headers,
+            path=path,
+            content=encode_body({**body, KV_TRANSFER_PARAMS_FIELD: params.to_json()}),
+            headers=fwd_headers,
             started=started,
             unavailable=f"no healthy decode pod matches compat hash {prefill_pod.compat_hash!r}",
             on_refused_handoff=compute_on_decode,
@@ -309,7 +359,9 @@ class Router:
         requested = body.get("max_tokens")
         if requested is None:
             requested = body.get("max_completion_tokens")
-        completion = requested if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0 else 1
+        completion = (
+            requested if isinstance(requested, int) and not isinstance(requested, bool) and requested > 0 else 1
+        )
         return num_prompt_tokens + completion > max(limit or 0 for limit in limits)
 
     def _overflow_exclusions(self, prefill_pods: Sequence[Pod], num_prompt_tokens: int | None) -> frozenset[str] | None:
@@ -336,8 +388,11 @@ class Router:
         slack (:func:`.policy.choose_decode`), recorded as the prefill pods' choices are, so an
         overflowed burst sharing a system prompt reuses one decode pod's prefix cache."""
         index = self._selector.index
-        name = choose_decode(candidates=[p.candidate() for p in self._pods.healthy(Role.DECODE)], exclude=exclude,
-                             matched_blocks=lambda pod: index.matched_blocks(pod=pod, hashes=hashes))
+        name = choose_decode(
+            candidates=[p.candidate() for p in self._pods.healthy(Role.DECODE)],
+            exclude=exclude,
+            matched_blocks=lambda pod: index.matched_blocks(pod=pod, hashes=hashes),
+        )
         if name is None:
             return None
         self._record(name, hashes, index.matched_blocks(pod=name, hashes=hashes))
@@ -349,9 +404,15 @@ class Router:
 
     # ------------------------------------------------------------------ prefill
     async def _prefill(
-        self, *, path: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
-        session: str | None, prompt_tokens: int,
-    ) -> tuple[Pod, dict[str, Any]] | Response:
+        self,
+        *,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        hashes: list[bytes],
+        session: str | None,
+        prompt_tokens: int,
+    ) -> tuple[Pod, HandoffParams] | Response:
         prefill_body = encode_body(prefill_request_body(body))
         tried: set[str] = set()
         last_error = "no prefill pod is healthy"
@@ -360,7 +421,9 @@ class Router:
         for attempt in range(MAX_PREFILL_ATTEMPTS):
             choice = self._selector.choose(
                 candidates=[p.candidate() for p in self._pods.healthy(Role.PREFILL)],
-                hashes=hashes, session=session, exclude=frozenset(tried),
+                hashes=hashes,
+                session=session,
+                exclude=frozenset(tried),
             )
             if choice is None:
                 break
@@ -375,8 +438,9 @@ class Router:
             _acquire(pod, uncached)
             try:
                 async with asyncio.timeout_at(deadline):
-                    response = await self._send(pod=pod, url=f"{pod.url}{path}", content=prefill_body,
-                                                headers=headers, stream=False)
+                    response = await self._send(
+                        pod=pod, url=f"{pod.url}{path}", content=prefill_body, headers=headers, stream=False
+                    )
             except TimeoutError:
                 # Stalled or dripping: the budget is spent, whatever is left of the attempts.
                 last_error = f"prefill pod {pod.name} did not answer within the prefill budget of {budget:g} s"
@@ -396,26 +460,38 @@ class Router:
                 continue
             if response.status_code >= 400:
                 metrics.REQUESTS.labels(model=self._config.model_label, outcome="client_error").inc()
-                return Response(content=response.content, status_code=response.status_code,
-                                media_type="application/json", headers=_passthrough_headers(response))
+                return Response(
+                    content=response.content,
+                    status_code=response.status_code,
+                    media_type="application/json",
+                    headers=_passthrough_headers(response),
+                )
             try:
                 params = handoff_params(response.json())
             except ValueError:
                 params = None
-            if params is None or (pod.kv_endpoint and params.get("remote_endpoint") != pod.kv_endpoint):
+            if params is None or (pod.kv_endpoint and params.remote_endpoint != pod.kv_endpoint):
                 last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD} for its own KV endpoint"
                 log.warning("%s; retrying elsewhere", last_error)
                 self._pods.mark_failed(pod.name)
                 continue
             self._record(pod.name, hashes, choice.matched_blocks)
             return pod, params
-        return error_response(status=502 if tried else 503, message=last_error,
-                              type_="upstream_error", code="prefill_failed")
+        return error_response(
+            status=502 if tried else 503, message=last_error, type_="upstream_error", code="prefill_failed"
+        )
 
     # ------------------------------------------------------------------ forward
     async def _forward(
-        self, *, pick: Callable[[frozenset[str]], Pod | None], path: str, content: bytes,
-        headers: dict[str, str], started: float, unavailable: str, prompt_tokens: int = 0,
+        self,
+        *,
+        pick: Callable[[frozenset[str]], Pod | None],
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        started: float,
+        unavailable: str,
+        prompt_tokens: int = 0,
         on_refused_handoff: Callable[[str], Awaitable[Response]] | None = None,
     ) -> Response:
         """Send to the pod `pick` chooses; a pod that cannot be reached, or answers 503
@@ -433,8 +509,9 @@ class Router:
             tried.add(pod.name)
             _acquire(pod, prompt_tokens)
             try:
-                upstream = await self._send(pod=pod, url=f"{pod.url}{path}", content=content,
-                                            headers=headers, stream=True)
+                upstream = await self._send(
+                    pod=pod, url=f"{pod.url}{path}", content=content, headers=headers, stream=True
+                )
             except httpx.HTTPError as exc:
                 _release(pod, prompt_tokens)
                 self._pods.mark_failed(pod.name)
@@ -448,8 +525,11 @@ class Router:
                     self._pods.mark_failed(pod.name)
                     metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
                     return error_response(
-                        status=502, message=f"{pod.role.value} pod {pod.name} died mid-response: "
-                                            f"{type(exc).__name__}", type_="upstream_error", code="decode_failed")
+                        status=502,
+                        message=f"{pod.role.value} pod {pod.name} died mid-response: {type(exc).__name__}",
+                        type_="upstream_error",
+                        code="decode_failed",
+                    )
                 finally:
                     _release(pod, prompt_tokens)
                     await upstream.aclose()
@@ -457,8 +537,12 @@ class Router:
                 if refusal is not None:
                     return await on_refused_handoff(f"decode pod {pod.name} refused the handoff: {refusal}")
                 self._finish(upstream.status_code, started)
-                return Response(content=answer, status_code=upstream.status_code,
-                                media_type="application/json", headers=_passthrough_headers(upstream))
+                return Response(
+                    content=answer,
+                    status_code=upstream.status_code,
+                    media_type="application/json",
+                    headers=_passthrough_headers(upstream),
+                )
             if upstream.status_code in RETRYABLE_STATUSES and pick(frozenset(tried)) is not None:
                 _release(pod, prompt_tokens)
                 await upstream.aclose()
@@ -481,15 +565,21 @@ class Router:
                 self._pods.mark_failed(pod.name)
                 metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
                 return error_response(
-                    status=502, message=f"{pod.role.value} pod {pod.name} died mid-response: {type(exc).__name__}",
-                    type_="upstream_error", code="decode_failed",
+                    status=502,
+                    message=f"{pod.role.value} pod {pod.name} died mid-response: {type(exc).__name__}",
+                    type_="upstream_error",
+                    code="decode_failed",
                 )
             finally:
                 _release(pod, prompt_tokens)
                 await upstream.aclose()
             self._finish(upstream.status_code, started)
-            return Response(content=content, status_code=upstream.status_code,
-                            media_type="application/json", headers=_passthrough_headers(upstream))
+            return Response(
+                content=content,
+                status_code=upstream.status_code,
+                media_type="application/json",
+                headers=_passthrough_headers(upstream),
+            )
 
         closed = False
 
@@ -520,8 +610,13 @@ class Router:
             finally:
                 await close(ok=ok)
 
-        return RelayResponse(relay(), on_close=close, status_code=upstream.status_code,
-                             media_type="text/event-stream", headers=_passthrough_headers(upstream))
+        return RelayResponse(
+            relay(),
+            on_close=close,
+            status_code=upstream.status_code,
+            media_type="text/event-stream",
+            headers=_passthrough_headers(upstream),
+        )
 
     def _finish(self, status: int, started: float) -> None:
         outcome = "success" if status < 400 else ("client_error" if status < 500 else "upstream_error")

@@ -27,9 +27,15 @@ from starlette.types import Receive, Scope, Send
 class RelayResponse(StreamingResponse):
     """A StreamingResponse for plain asyncio servers: see the module docstring."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
-                 status_code: int = 200, headers: Mapping[str, str] | None = None,
-                 media_type: str | None = None) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], Awaitable[None]],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+    ) -> None:
         super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
         self._on_close = on_close
 

@@ -16,10 +16,11 @@ request does blocks the event loop for long (a large body is decoded in a separa
   and ``[DONE]``; at most :data:`FAILED_ENGINE_FLUSH_SECONDS`); a broken tensor/pipeline
   group (a rank killed) ends the process itself, after the same wait
   (:mod:`splitserve_runtime.engine.parallel.exit_hooks`).
-``--role prefill|decode`` wraps the engine in :class:`~splitserve_runtime.engine.remote.HandoffEngine`
+``--role prefill|decode`` wraps the engine in :class:`~splitserve_runtime.disagg.engine.HandoffEngine`
 (prefill: the KV server on ``--kv-port``; decode: the pulling connector); which path a request
-takes is decided per request in :mod:`.handoff`. A decode pod behind a Gateway drives the
-prefill itself when an endpoint picker names the prefill pod in a header (:mod:`.prefiller`).
+takes is decided per request in :mod:`splitserve_runtime.disagg.routes`. A decode pod behind a
+Gateway drives the prefill itself when an endpoint picker names the prefill pod in a header
+(:mod:`splitserve_runtime.disagg.prefiller`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 import splitserve_contract as contract
 from splitserve_runtime.auth import APIKeyConfigError, api_key_from_env
 from splitserve_runtime.body_limit import BodySizeLimit
+from splitserve_runtime.disagg.prefiller import IdentityProver, Prefiller
 from splitserve_runtime.engine.parallel import exit_hooks
 from splitserve_runtime.engine.parallel.placement import PlacementError, pin, resolve_placement
 from splitserve_runtime.read_timeouts import http_protocol
@@ -50,7 +52,6 @@ from splitserve_runtime.server.auth import APIKeyMiddleware
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.errors import install_exception_handlers, unavailable
 from splitserve_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from splitserve_runtime.server.prefiller import IdentityProver, Prefiller
 from splitserve_runtime.server.prompt_workers import PromptWorkers
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
@@ -82,14 +83,23 @@ the exception handler after the request closed): the margin a process that ends 
 ``os._exit`` gives them, also when every request closed before the exit hook ran."""
 
 
-def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
-              api_key: str | None, engine_loader: EngineLoader | None = None,
-              compat_hash: str = "", kv_endpoint: str = "", block_size: int = contract.defaults.BLOCK_SIZE,
-              max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
-              prompt_workers: PromptWorkers | None = None,
-              request_reader: RequestReader | None = None, prefill_headers: bool = False,
-              http_endpoint: str = "",
-              prefill_timeout_seconds: float = contract.defaults.PREFILL_TIMEOUT_SECONDS) -> FastAPI:
+def build_app(
+    *,
+    engine: EngineClient | None,
+    served_model_name: str,
+    role: str,
+    api_key: str | None,
+    engine_loader: EngineLoader | None = None,
+    compat_hash: str = "",
+    kv_endpoint: str = "",
+    block_size: int = contract.defaults.BLOCK_SIZE,
+    max_request_body_bytes: int = contract.defaults.MAX_REQUEST_BODY_BYTES,
+    prompt_workers: PromptWorkers | None = None,
+    request_reader: RequestReader | None = None,
+    prefill_headers: bool = False,
+    http_endpoint: str = "",
+    prefill_timeout_seconds: float = contract.defaults.PREFILL_TIMEOUT_SECONDS,
+) -> FastAPI:
     """The ASGI app. Give either a constructed `engine` (started and shut down by the app's
     lifespan) or an `engine_loader` that builds one in the background after the listener is
     up. `api_key` empty or None disables authentication. `compat_hash`, `kv_endpoint` and
@@ -103,18 +113,21 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     if (engine is None) == (engine_loader is None):
         raise ValueError("give exactly one of engine and engine_loader")
     state = ServerState(served_model_name=served_model_name, role=role, prefill_headers=prefill_headers)
-    metrics = ServerMetrics(role=role, model=served_model_name, stats_source=lambda: (
-        state.engine_or_none.stats() if state.engine_or_none is not None else None))
+    metrics = ServerMetrics(
+        role=role,
+        model=served_model_name,
+        stats_source=lambda: state.engine_or_none.stats() if state.engine_or_none is not None else None,
+    )
     workers = prompt_workers if prompt_workers is not None else PromptWorkers()
     prompts = PromptReader(workers=workers, metrics=metrics)
     prefiller = Prefiller(metrics=metrics, budget_seconds=prefill_timeout_seconds)
     completions = CompletionsService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
     chat = ChatService(state=state, metrics=metrics, prompts=prompts, prefiller=prefiller)
     reader = request_reader if request_reader is not None else RequestReader()
-    lifespan = _make_lifespan(state=state, engine=engine, engine_loader=engine_loader,
-                              workers=workers, reader=reader, prefiller=prefiller)
-    app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    lifespan = _make_lifespan(
+        state=state, engine=engine, engine_loader=engine_loader, workers=workers, reader=reader, prefiller=prefiller
+    )
+    app = FastAPI(title="splitserve", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.metrics = metrics
     install_exception_handlers(app)
@@ -122,26 +135,40 @@ def build_app(*, engine: EngineClient | None, served_model_name: str, role: str,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_health_routes(app, state=state, metrics=metrics)
-    _add_info_route(app, state=state, role=role, served_model_name=served_model_name,
-                    compat_hash=compat_hash, kv_endpoint=kv_endpoint, block_size=block_size,
-                    http_endpoint=http_endpoint)
-    _add_openai_routes(app, state=state, served_model_name=served_model_name,
-                       completions=completions, chat=chat, reader=reader)
+    _add_info_route(
+        app,
+        state=state,
+        role=role,
+        served_model_name=served_model_name,
+        compat_hash=compat_hash,
+        kv_endpoint=kv_endpoint,
+        block_size=block_size,
+        http_endpoint=http_endpoint,
+    )
+    _add_openai_routes(
+        app, state=state, served_model_name=served_model_name, completions=completions, chat=chat, reader=reader
+    )
     return app
 
 
-def _make_lifespan(*, state: ServerState, engine: EngineClient | None,
-                   engine_loader: EngineLoader | None, workers: PromptWorkers,
-                   reader: RequestReader, prefiller: Prefiller,
-                   ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+def _make_lifespan(
+    *,
+    state: ServerState,
+    engine: EngineClient | None,
+    engine_loader: EngineLoader | None,
+    workers: PromptWorkers,
+    reader: RequestReader,
+    prefiller: Prefiller,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """Start the given engine (or load one in the background); shut it, the prompt workers,
     the body decoder and the prefill client down on exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading: asyncio.Task[None] | None = None
-        remove_exit_hook = exit_hooks.add(_flush_before_exit(state=state, loop=asyncio.get_running_loop()),
-                                          stage="flush")
+        remove_exit_hook = exit_hooks.add(
+            _flush_before_exit(state=state, loop=asyncio.get_running_loop()), stage="flush"
+        )
         if engine is not None:
             await engine.start()
             state.attach_engine(engine=engine)
@@ -173,8 +200,11 @@ def _flush_before_exit(*, state: ServerState, loop: asyncio.AbstractEventLoop) -
 
     async def flush() -> None:
         if state.num_in_flight:
-            logger.warning("the process is ending: %d request(s) in flight get up to %.0f s to "
-                           "send their error", state.num_in_flight, FAILED_ENGINE_FLUSH_SECONDS)
+            logger.warning(
+                "the process is ending: %d request(s) in flight get up to %.0f s to send their error",
+                state.num_in_flight,
+                FAILED_ENGINE_FLUSH_SECONDS,
+            )
             await state.wait_idle(timeout_seconds=FAILED_ENGINE_FLUSH_SECONDS)
         await asyncio.sleep(LAST_FRAMES_SECONDS)
 
@@ -186,6 +216,7 @@ def _flush_before_exit(*, state: ServerState, loop: asyncio.AbstractEventLoop) -
             future.result(timeout=FAILED_ENGINE_FLUSH_SECONDS + 2 * LAST_FRAMES_SECONDS)
         except Exception:  # late, or the loop is closing: the exit goes ahead
             future.cancel()
+
     return hook
 
 
@@ -202,8 +233,11 @@ def _add_health_routes(app: FastAPI, *, state: ServerState, metrics: ServerMetri
     async def ready() -> Response:
         if state.is_ready:
             return JSONResponse({"status": "ready"})
-        reason = "draining" if state.is_draining else (
-            "loading" if state.engine_or_none is None and state.is_alive else "unhealthy")
+        reason = (
+            "draining"
+            if state.is_draining
+            else ("loading" if state.engine_or_none is None and state.is_alive else "unhealthy")
+        )
         raise unavailable(f"not ready: {reason}", code=reason)
 
     @app.get(contract.METRICS_PATH)
@@ -211,35 +245,58 @@ def _add_health_routes(app: FastAPI, *, state: ServerState, metrics: ServerMetri
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _add_info_route(app: FastAPI, *, state: ServerState, role: str, served_model_name: str,
-                    compat_hash: str, kv_endpoint: str, block_size: int, http_endpoint: str) -> None:
+def _add_info_route(
+    app: FastAPI,
+    *,
+    state: ServerState,
+    role: str,
+    served_model_name: str,
+    compat_hash: str,
+    kv_endpoint: str,
+    block_size: int,
+    http_endpoint: str,
+) -> None:
     """contract.INFO_PATH: what the router needs to pair prefill and decode pods; asked with a
     nonce, the proof a decode pod needs before it sends this pod a client's request
-    (:meth:`.prefiller.Prefiller.identity_problem`), bound to ``http_endpoint``."""
+    (:meth:`splitserve_runtime.disagg.prefiller.Prefiller.identity_problem`), bound to ``http_endpoint``."""
 
     @app.get(contract.INFO_PATH)
     async def info(nonce: str | None = None) -> RuntimeInfo:
         running = state.engine_or_none
         auth = getattr(running, "auth", None)  # the handoff engine's key policy (prefill, decode)
-        proof = auth.identity_proof(nonce=nonce, role=role, endpoint=http_endpoint) \
-            if nonce is not None and isinstance(auth, IdentityProver) else None
-        return RuntimeInfo(role=role, model=served_model_name, compat_hash=compat_hash,
-                           kv_endpoint=kv_endpoint, block_size=block_size,
-                           max_model_len=running.max_model_len if running is not None else None,
-                           identity_proof=proof)
+        proof = (
+            auth.identity_proof(nonce=nonce, role=role, endpoint=http_endpoint)
+            if nonce is not None and isinstance(auth, IdentityProver)
+            else None
+        )
+        return RuntimeInfo(
+            role=role,
+            model=served_model_name,
+            compat_hash=compat_hash,
+            kv_endpoint=kv_endpoint,
+            block_size=block_size,
+            max_model_len=running.max_model_len if running is not None else None,
+            identity_proof=proof,
+        )
 
 
-def _add_openai_routes(app: FastAPI, *, state: ServerState, served_model_name: str,
-                       completions: CompletionsService, chat: ChatService,
-                       reader: RequestReader) -> None:
+def _add_openai_routes(
+    app: FastAPI,
+    *,
+    state: ServerState,
+    served_model_name: str,
+    completions: CompletionsService,
+    chat: ChatService,
+    reader: RequestReader,
+) -> None:
     """/v1/models, /v1/completions and /v1/chat/completions."""
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         running = state.engine_or_none
-        return ModelList(data=[ModelCard(
-            id=served_model_name,
-            max_model_len=running.max_model_len if running is not None else None)])
+        return ModelList(
+            data=[ModelCard(id=served_model_name, max_model_len=running.max_model_len if running is not None else None)]
+        )
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
@@ -264,8 +321,7 @@ async def _load(*, state: ServerState, loader: EngineLoader) -> None:
         state.load_error = log_startup_failure(exc, log=logger, what="loading the model failed")
         return
     state.attach_engine(engine=engine)
-    logger.info("ready: model %r loaded in %.1f s", state.served_model_name,
-                time.monotonic() - started)
+    logger.info("ready: model %r loaded in %.1f s", state.served_model_name, time.monotonic() - started)
 
 
 def _version() -> str:
@@ -282,8 +338,7 @@ class DrainingServer(uvicorn.Server):
     SIGTERM/SIGINT drain instead of closing the listener at once; a failed model load or
     a dead engine stops the server with `exit_code` 1."""
 
-    def __init__(self, config: uvicorn.Config, *, state: ServerState,
-                 drain_timeout_seconds: float) -> None:
+    def __init__(self, config: uvicorn.Config, *, state: ServerState, drain_timeout_seconds: float) -> None:
         super().__init__(config)
         self._state = state
         self._drain_timeout_seconds = drain_timeout_seconds
@@ -311,8 +366,9 @@ class DrainingServer(uvicorn.Server):
             now = time.monotonic()
             if self._drain_started is None:
                 self._drain_started = now
-                logger.info("draining: %d request(s) in flight, grace %.0f s",
-                            state.num_in_flight, self._drain_timeout_seconds)
+                logger.info(
+                    "draining: %d request(s) in flight, grace %.0f s", state.num_in_flight, self._drain_timeout_seconds
+                )
             # A prefill pod also waits for decode pods to pull the KV it exported (their
             # requests are in flight elsewhere); the drain timeout still bounds it.
             unclaimed = int(getattr(running, "num_unclaimed_exports", 0))
@@ -332,9 +388,12 @@ class DrainingServer(uvicorn.Server):
         now = time.monotonic()
         if self._engine_failed_at is None:
             self._engine_failed_at = now
-            logger.error("the engine is no longer healthy; exiting once the %d request(s) in flight "
-                         "have sent their error (at most %.0f s)", self._state.num_in_flight,
-                         FAILED_ENGINE_FLUSH_SECONDS)
+            logger.error(
+                "the engine is no longer healthy; exiting once the %d request(s) in flight "
+                "have sent their error (at most %.0f s)",
+                self._state.num_in_flight,
+                FAILED_ENGINE_FLUSH_SECONDS,
+            )
         waited = now - self._engine_failed_at
         group_exit = exit_hooks.started() and waited < 2 * FAILED_ENGINE_FLUSH_SECONDS
         if not group_exit and (self._state.num_in_flight == 0 or waited >= FAILED_ENGINE_FLUSH_SECONDS):
@@ -363,7 +422,7 @@ def _import_engine_class() -> Any:
 def _default_served_name(model: str) -> str:
     for prefix in ("hf://", "pvc://", "file://"):
         if model.startswith(prefix):
-            rest = model[len(prefix):]
+            rest = model[len(prefix) :]
             return rest if prefix == "hf://" else os.path.basename(rest.rstrip("/"))
     return os.path.basename(model.rstrip("/")) or model
 
@@ -384,9 +443,11 @@ def _kv_endpoint(args: contract.ServeArgs) -> str:
 
 def parse_args(argv: list[str]) -> contract.ServeArgs:
     parser = argparse.ArgumentParser(
-        prog="splitserve serve", allow_abbrev=False,  # --rol must not quietly mean --role
+        prog="splitserve serve",
+        allow_abbrev=False,  # --rol must not quietly mean --role
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions)"
-                    f"; the API key, if any, comes from ${contract.ENV_API_KEY}.")
+        f"; the API key, if any, comes from ${contract.ENV_API_KEY}.",
+    )
     contract.add_serve_arguments(parser)
     namespace = parser.parse_args(argv)
     args = contract.serve_args_from_namespace(namespace)
@@ -399,8 +460,7 @@ def main(argv: list[str]) -> int:
     """`splitserve serve`: listen at once, load the engine, drain on SIGTERM (a worker pod of
     a multi-pod group runs its ranks instead: :mod:`.worker_node`)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         placement = resolve_placement(args)
     except PlacementError as exc:
@@ -426,28 +486,48 @@ def main(argv: list[str]) -> int:
         engine_class = await asyncio.to_thread(_import_engine_class)
         engine: EngineClient = engine_class.from_args(args)  # loads the model in start()
         if args.role in (contract.Role.PREFILL.value, contract.Role.DECODE.value):
-            from splitserve_runtime.server.handoff import build_handoff_engine
+            from splitserve_runtime.disagg.routes import build_handoff_engine
 
-            return build_handoff_engine(engine=engine, args=args, kv_endpoint=kv_endpoint,
-                                        metrics=app.state.metrics)
+            return build_handoff_engine(engine=engine, args=args, kv_endpoint=kv_endpoint, metrics=app.state.metrics)
         return engine
 
     kv_endpoint = _kv_endpoint(args)
-    app = build_app(engine=None, engine_loader=load, served_model_name=served_name,
-                    role=args.role, api_key=api_key, compat_hash=args.compat_hash,
-                    kv_endpoint=kv_endpoint, block_size=args.block_size,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    prefill_headers=args.prefill_headers,
-                    prefill_timeout_seconds=args.prefill_timeout_seconds,
-                    http_endpoint=f"{_advertised_host(args)}:{args.port}")
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                            log_level="info", lifespan="on", timeout_graceful_shutdown=1,
-                            http=http_protocol(header_timeout_seconds=args.header_timeout_seconds,
-                                               body_idle_timeout_seconds=args.body_idle_timeout_seconds))
-    server = DrainingServer(config, state=app.state.server,
-                            drain_timeout_seconds=args.drain_timeout_seconds)
-    logger.info("serving %r as %r (role %s) on %s:%d, auth %s", args.model, served_name,
-                args.role, args.host, args.port, "on" if api_key else "off")
+    app = build_app(
+        engine=None,
+        engine_loader=load,
+        served_model_name=served_name,
+        role=args.role,
+        api_key=api_key,
+        compat_hash=args.compat_hash,
+        kv_endpoint=kv_endpoint,
+        block_size=args.block_size,
+        max_request_body_bytes=args.max_request_body_bytes,
+        prefill_headers=args.prefill_headers,
+        prefill_timeout_seconds=args.prefill_timeout_seconds,
+        http_endpoint=f"{_advertised_host(args)}:{args.port}",
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        access_log=False,
+        log_level="info",
+        lifespan="on",
+        timeout_graceful_shutdown=1,
+        http=http_protocol(
+            header_timeout_seconds=args.header_timeout_seconds, body_idle_timeout_seconds=args.body_idle_timeout_seconds
+        ),
+    )
+    server = DrainingServer(config, state=app.state.server, drain_timeout_seconds=args.drain_timeout_seconds)
+    logger.info(
+        "serving %r as %r (role %s) on %s:%d, auth %s",
+        args.model,
+        served_name,
+        args.role,
+        args.host,
+        args.port,
+        "on" if api_key else "off",
+    )
     server.run()
     if app.state.server.load_error is not None:
         write_termination_message(app.state.server.load_error)

@@ -55,16 +55,24 @@ class ErrorJSONResponse(JSONResponse):
     holding a lone surrogate, which is valid JSON as ``\\ud800`` but not encodable as UTF-8."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
-                          separators=(",", ":")).encode("ascii")
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None, separators=(",", ":")).encode(
+            "ascii"
+        )
 
 
 class APIError(Exception):
     """An error the server answers with; raise it anywhere below a route."""
 
-    def __init__(self, *, status_code: int, message: str, type: str,
-                 code: str | None = None, param: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        status_code: int,
+        message: str,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -74,16 +82,13 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return ErrorJSONResponse(self.body(), status_code=self.status_code,
-                                 headers=self.headers)
+        return ErrorJSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
-def bad_request(message: str, *, param: str | None = None,
-                code: str | None = None) -> APIError:
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(status_code=400, message=message, type=INVALID_REQUEST, param=param, code=code)
 
 
@@ -96,18 +101,25 @@ def check_text(text: str, *, param: str) -> None:
         raise bad_request(
             f"{param} is not valid Unicode text: it holds a lone UTF-16 surrogate "
             f"(U+{ord(text[exc.start]):04X}) at character {exc.start}",
-            param=param, code="invalid_text") from None
+            param=param,
+            code="invalid_text",
+        ) from None
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(status_code=404, type=INVALID_REQUEST, code="model_not_found", param="model",
-                    message=f"The model `{model}` does not exist.")
+    return APIError(
+        status_code=404,
+        type=INVALID_REQUEST,
+        code="model_not_found",
+        param="model",
+        message=f"The model `{model}` does not exist.",
+    )
 
 
-def unavailable(message: str, *, retry_after_seconds: int = 1,
-                code: str = "unavailable") -> APIError:
-    return APIError(status_code=503, type=UNAVAILABLE, code=code, message=message,
-                    headers={"Retry-After": str(retry_after_seconds)})
+def unavailable(message: str, *, retry_after_seconds: int = 1, code: str = "unavailable") -> APIError:
+    return APIError(
+        status_code=503, type=UNAVAILABLE, code=code, message=message, headers={"Retry-After": str(retry_after_seconds)}
+    )
 
 
 def from_engine_error(exc: EngineError, *, prompt_param: str) -> APIError:
@@ -118,13 +130,17 @@ def from_engine_error(exc: EngineError, *, prompt_param: str) -> APIError:
         return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, QueueFull):
         retry_after = max(1, math.ceil(exc.retry_after_seconds))
-        return APIError(status_code=429, type=RATE_LIMIT, code="rate_limit_exceeded",
-                        message=str(exc), headers={"Retry-After": str(retry_after)})
+        return APIError(
+            status_code=429,
+            type=RATE_LIMIT,
+            code="rate_limit_exceeded",
+            message=str(exc),
+            headers={"Retry-After": str(retry_after)},
+        )
     if isinstance(exc, EngineDead):
         return unavailable("the inference engine is not running", code="engine_dead")
     if isinstance(exc, KVTransferFailed):  # the prefill pod's KV never arrived intact
-        return APIError(status_code=502, type=SERVER_ERROR, code="kv_transfer_failed",
-                        message=str(exc))
+        return APIError(status_code=502, type=SERVER_ERROR, code="kv_transfer_failed", message=str(exc))
     if isinstance(exc, DuplicateRequestId):
         return bad_request(str(exc), code="duplicate_request_id")
     return bad_request(str(exc))
@@ -134,8 +150,7 @@ def _clean_loc(loc: Sequence[int | str]) -> list[str]:
     parts = list(loc)
     if parts and parts[0] == "body":
         parts = parts[1:]
-    return [str(p) for p in parts
-            if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    return [str(p) for p in parts if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -147,8 +162,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     for err in errors:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
-            return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "),
-                               code="invalid_json")
+            return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
     first_param: str | None = None
     messages: dict[str, None] = {}  # insertion-ordered set
     for err in errors[:MAX_ERRORS_READ]:
@@ -161,8 +175,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         elif err.get("type") == "extra_forbidden":
             text = f"Unrecognized request argument supplied: {where}"
         else:
-            text = f"{where}: {err.get('msg', 'invalid value')}" if where else \
-                str(err.get("msg", "invalid request"))
+            text = f"{where}: {err.get('msg', 'invalid value')}" if where else str(err.get("msg", "invalid request"))
         messages[text] = None
     shown = list(itertools.islice(messages, 3)) or ["invalid request"]
     num_errors = int(getattr(exc, "num_errors", len(errors)))  # a reader may hold only the first
@@ -187,8 +200,7 @@ async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code >= 500:
         kind = SERVER_ERROR
     detail = exc.detail if isinstance(exc.detail, str) else "request failed"
-    error = APIError(status_code=exc.status_code, message=detail, type=kind,
-                     headers=dict(exc.headers or {}))
+    error = APIError(status_code=exc.status_code, message=detail, type=kind, headers=dict(exc.headers or {}))
     return error.response()
 
 
@@ -201,10 +213,12 @@ async def _handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     """The catch-all: any exception no other handler took is a bug in the server. The client
     gets a 500 in the OpenAI error shape (never the internals); the traceback goes to the log.
     Starlette calls this from ServerErrorMiddleware, then re-raises for the ASGI server."""
-    logger.error("unhandled error on %s %s", request.method, request.url.path,
-                 exc_info=(type(exc), exc, exc.__traceback__))
-    return APIError(status_code=500, type=SERVER_ERROR, code="internal_error",
-                    message="internal server error").response()
+    logger.error(
+        "unhandled error on %s %s", request.method, request.url.path, exc_info=(type(exc), exc, exc.__traceback__)
+    )
+    return APIError(
+        status_code=500, type=SERVER_ERROR, code="internal_error", message="internal server error"
+    ).response()
 
 
 def install_exception_handlers(app: FastAPI) -> None:

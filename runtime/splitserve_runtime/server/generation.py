@@ -84,9 +84,17 @@ async def run_until_disconnect(*, request: Request, work: Coroutine[Any, Any, T]
 class Generation:
     """Drives one request through the engine; create, `await admit()`, iterate, `close()`."""
 
-    def __init__(self, *, state: ServerState, metrics: ServerMetrics, engine: EngineClient,
-                 request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt_param: str) -> None:
+    def __init__(
+        self,
+        *,
+        state: ServerState,
+        metrics: ServerMetrics,
+        engine: EngineClient,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_param: str,
+    ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self._state = state
@@ -107,21 +115,21 @@ class Generation:
         """Submit and wait for the first output; admission errors become APIError."""
         try:
             self._iterator = self._engine.generate(
-                request_id=self.request_id, prompt_token_ids=self._prompt_token_ids,
-                params=self._params)
+                request_id=self.request_id, prompt_token_ids=self._prompt_token_ids, params=self._params
+            )
             self._first = await self._iterator.__anext__()
             self._admitted = True
             if self._first.finish_reason == FINISH_ERROR:  # failed at its first token: the
-                self._finished = True                      # answer's status can still say so
+                self._finished = True  # answer's status can still say so
                 self._finish(self._first)
         except EngineError as exc:
-            self._set_outcome("error" if isinstance(exc, EngineDead | KVTransferFailed)
-                              else "rejected")
+            self._set_outcome("error" if isinstance(exc, EngineDead | KVTransferFailed) else "rejected")
             raise from_engine_error(exc, prompt_param=self._prompt_param) from None
         except StopAsyncIteration:
             self._set_outcome("error")
-            raise APIError(status_code=500, type=SERVER_ERROR, code="internal_error",
-                           message="the engine produced no output") from None
+            raise APIError(
+                status_code=500, type=SERVER_ERROR, code="internal_error", message="the engine produced no output"
+            ) from None
         except ValueError as exc:  # parameter problems the engine finds at admission
             self._set_outcome("rejected")
             raise bad_request(str(exc), param=self._prompt_param) from None
@@ -151,21 +159,29 @@ class Generation:
         raise unavailable("the engine stopped before the request finished", code="engine_dead")
 
     def _observe(self, output: RequestOutput) -> None:
-        self._metrics.observe_timings(ttft_seconds=output.ttft_seconds,
-                                      itl_seconds=output.itl_seconds,
-                                      e2e_seconds=output.e2e_seconds)
+        self._metrics.observe_timings(
+            ttft_seconds=output.ttft_seconds, itl_seconds=output.itl_seconds, e2e_seconds=output.e2e_seconds
+        )
 
     def _finish(self, output: RequestOutput) -> None:
         if output.finish_reason == FINISH_ERROR:
             self._set_outcome("error")
             logger.warning("request %s failed in the engine: %s", self.request_id, output.error)
             if output.error_code is not None:  # the engine's own words for this request
-                raise APIError(status_code=500, type=SERVER_ERROR, code=output.error_code,
-                               message=output.error or "generation failed inside the engine")
+                raise APIError(
+                    status_code=500,
+                    type=SERVER_ERROR,
+                    code=output.error_code,
+                    message=output.error or "generation failed inside the engine",
+                )
             if not self._engine.is_healthy:
                 raise unavailable("the inference engine failed", code="engine_dead")
-            raise APIError(status_code=500, type=SERVER_ERROR, code="generation_error",
-                           message="generation failed inside the engine")
+            raise APIError(
+                status_code=500,
+                type=SERVER_ERROR,
+                code="generation_error",
+                message="generation failed inside the engine",
+            )
         if output.finish_reason == FINISH_ABORT:
             self._set_outcome("aborted")
             raise unavailable("the request was aborted by the server", code="aborted")

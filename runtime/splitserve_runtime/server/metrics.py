@@ -32,14 +32,74 @@ from splitserve_runtime.engine.stats import EngineStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("role", "model")
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-               0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
-KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                       1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 StatsSource = Callable[[], EngineStats | None]
@@ -48,49 +108,85 @@ _GAUGES: Sequence[tuple[str, str, str]] = (
     (M.REQUESTS_WAITING, "requests_waiting", "requests queued, not yet scheduled"),
     (M.REQUESTS_RUNNING, "requests_running", "requests being prefilled or decoded"),
     (M.PROMPT_TOKENS_WAITING, "prompt_tokens_waiting", "uncached prompt tokens queued"),
-    (M.KV_CACHE_USAGE_RATIO, "kv_cache_usage_ratio",
-     "KV blocks held by live requests / total (cached-but-free blocks count as free)"),
+    (
+        M.KV_CACHE_USAGE_RATIO,
+        "kv_cache_usage_ratio",
+        "KV blocks held by live requests / total (cached-but-free blocks count as free)",
+    ),
     (M.KV_CACHE_BLOCKS, "kv_cache_blocks_total", "KV cache blocks in the pool"),
 )
 _COUNTERS: Sequence[tuple[str, str, str]] = (
     (M.PROMPT_TOKENS_TOTAL, "prompt_tokens_total", "prompt tokens admitted"),
     (M.GENERATION_TOKENS_TOTAL, "generation_tokens_total", "tokens generated"),
-    (M.PREFIX_CACHE_QUERIED_TOKENS_TOTAL, "prefix_cache_queried_tokens_total",
-     "prompt tokens looked up in the prefix cache"),
-    (M.PREFIX_CACHE_HIT_TOKENS_TOTAL, "prefix_cache_hit_tokens_total",
-     "prompt tokens found in the prefix cache"),
+    (
+        M.PREFIX_CACHE_QUERIED_TOKENS_TOTAL,
+        "prefix_cache_queried_tokens_total",
+        "prompt tokens looked up in the prefix cache",
+    ),
+    (M.PREFIX_CACHE_HIT_TOKENS_TOTAL, "prefix_cache_hit_tokens_total", "prompt tokens found in the prefix cache"),
     (M.PREEMPTIONS_TOTAL, "preemptions_total", "sequences preempted for lack of KV blocks"),
-    (M.SPEC_DECODE_PROPOSED_TOKENS_TOTAL, "spec_decode_proposed_tokens_total",
-     "speculative proposals verified"),
-    (M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, "spec_decode_accepted_tokens_total",
-     "speculative proposals accepted (each one a token without a step of its own)"),
+    (M.SPEC_DECODE_PROPOSED_TOKENS_TOTAL, "spec_decode_proposed_tokens_total", "speculative proposals verified"),
+    (
+        M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL,
+        "spec_decode_accepted_tokens_total",
+        "speculative proposals accepted (each one a token without a step of its own)",
+    ),
     # the SLO autoscaler's step model: increases over a window are one regression point
     (M.ENGINE_STEPS_TOTAL, "engine_steps_total", "engine steps run"),
-    (M.ENGINE_STEP_SECONDS_TOTAL, "engine_step_seconds_total",
-     "wall time spent inside engine steps (busy time, idle excluded)"),
-    (M.ENGINE_PREFILL_TOKENS_TOTAL, "engine_prefill_tokens_total",
-     "new (uncached) prompt tokens computed by engine steps"),
-    (M.ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL, "engine_prefill_attention_pairs_total",
-     "causal attention pairs of prefill chunks (n*c + n(n+1)/2 per chunk)"),
-    (M.ENGINE_DECODE_ROWS_TOTAL, "engine_decode_rows_total",
-     "decoding sequences summed over steps (speculative verification: 1 + proposals rows)"),
-    (M.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL, "engine_decode_context_tokens_total",
-     "KV-cache tokens the decode rows read (their computed context), summed over steps"),
+    (
+        M.ENGINE_STEP_SECONDS_TOTAL,
+        "engine_step_seconds_total",
+        "wall time spent inside engine steps (busy time, idle excluded)",
+    ),
+    (
+        M.ENGINE_PREFILL_TOKENS_TOTAL,
+        "engine_prefill_tokens_total",
+        "new (uncached) prompt tokens computed by engine steps",
+    ),
+    (
+        M.ENGINE_PREFILL_ATTENTION_PAIRS_TOTAL,
+        "engine_prefill_attention_pairs_total",
+        "causal attention pairs of prefill chunks (n*c + n(n+1)/2 per chunk)",
+    ),
+    (
+        M.ENGINE_DECODE_ROWS_TOTAL,
+        "engine_decode_rows_total",
+        "decoding sequences summed over steps (speculative verification: 1 + proposals rows)",
+    ),
+    (
+        M.ENGINE_DECODE_CONTEXT_TOKENS_TOTAL,
+        "engine_decode_context_tokens_total",
+        "KV-cache tokens the decode rows read (their computed context), summed over steps",
+    ),
     # their decode-only part (steps without a prefill chunk): two regression points per window
-    (M.ENGINE_DECODE_ONLY_STEPS_TOTAL, "engine_decode_only_steps_total",
-     "engine steps that computed no prefill chunk"),
-    (M.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL, "engine_decode_only_step_seconds_total",
-     "wall time spent inside engine steps that computed no prefill chunk"),
-    (M.ENGINE_DECODE_ONLY_ROWS_TOTAL, "engine_decode_only_rows_total",
-     "decoding sequences summed over the steps that computed no prefill chunk"),
-    (M.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL, "engine_decode_only_context_tokens_total",
-     "KV-cache tokens the decode rows of steps without a prefill chunk read, summed"),
+    (M.ENGINE_DECODE_ONLY_STEPS_TOTAL, "engine_decode_only_steps_total", "engine steps that computed no prefill chunk"),
+    (
+        M.ENGINE_DECODE_ONLY_STEP_SECONDS_TOTAL,
+        "engine_decode_only_step_seconds_total",
+        "wall time spent inside engine steps that computed no prefill chunk",
+    ),
+    (
+        M.ENGINE_DECODE_ONLY_ROWS_TOTAL,
+        "engine_decode_only_rows_total",
+        "decoding sequences summed over the steps that computed no prefill chunk",
+    ),
+    (
+        M.ENGINE_DECODE_ONLY_CONTEXT_TOKENS_TOTAL,
+        "engine_decode_only_context_tokens_total",
+        "KV-cache tokens the decode rows of steps without a prefill chunk read, summed",
+    ),
 )
 _POSITION_COUNTERS: Sequence[tuple[str, str, str]] = (
-    (M.SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL, "spec_decode_accepted_tokens_by_position",
-     "speculative proposals accepted, by position in the step's proposals (0: the first)"),
-    (M.SPEC_DECODE_PROPOSED_TOKENS_BY_POSITION_TOTAL, "spec_decode_proposed_tokens_by_position",
-     "speculative proposals verified, by position (accepted / proposed: that position's acceptance rate)"),
+    (
+        M.SPEC_DECODE_ACCEPTED_TOKENS_BY_POSITION_TOTAL,
+        "spec_decode_accepted_tokens_by_position",
+        "speculative proposals accepted, by position in the step's proposals (0: the first)",
+    ),
+    (
+        M.SPEC_DECODE_PROPOSED_TOKENS_BY_POSITION_TOTAL,
+        "spec_decode_proposed_tokens_by_position",
+        "speculative proposals verified, by position (accepted / proposed: that position's acceptance rate)",
+    ),
 )
 """Counters with one series per proposal position (label ``position``)."""
 
@@ -129,15 +225,22 @@ class _EngineStatsCollector(Collector):
 def _model_server_gauges(stats: EngineStats, *, model: str) -> Iterable[Metric]:
     """The protocol's gauges (module docstring) from the same snapshot as ours."""
     for name, value, help_text in (
-            (ModelServerMetric.NUM_REQUESTS_WAITING, stats.requests_waiting, "requests waiting to be scheduled"),
-            (ModelServerMetric.NUM_REQUESTS_RUNNING, stats.requests_running, "requests being processed"),
-            (ModelServerMetric.KV_CACHE_USAGE_PERC, stats.kv_cache_usage_ratio,
-             "KV cache usage as a fraction of the pool (1 means 100 percent)")):
+        (ModelServerMetric.NUM_REQUESTS_WAITING, stats.requests_waiting, "requests waiting to be scheduled"),
+        (ModelServerMetric.NUM_REQUESTS_RUNNING, stats.requests_running, "requests being processed"),
+        (
+            ModelServerMetric.KV_CACHE_USAGE_PERC,
+            stats.kv_cache_usage_ratio,
+            "KV cache usage as a fraction of the pool (1 means 100 percent)",
+        ),
+    ):
         gauge = GaugeMetricFamily(name, help_text, labels=("model_name",))
         gauge.add_metric([model], float(value))
         yield gauge
-    info = GaugeMetricFamily(ModelServerMetric.CACHE_CONFIG_INFO, "KV cache configuration",
-                             labels=("model_name", "block_size", "num_gpu_blocks"))
+    info = GaugeMetricFamily(
+        ModelServerMetric.CACHE_CONFIG_INFO,
+        "KV cache configuration",
+        labels=("model_name", "block_size", "num_gpu_blocks"),
+    )
     info.add_metric([model, str(stats.kv_cache_block_size), str(stats.kv_cache_blocks_total)], 1.0)
     yield info
 
@@ -148,26 +251,41 @@ class ServerMetrics:
     def __init__(self, *, role: str, model: str, stats_source: StatsSource) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = (role, model)
-        self._requests = Counter(M.REQUESTS_TOTAL, "finished requests by outcome",
-                                 (*LABELS, "outcome"), registry=self.registry)
+        self._requests = Counter(
+            M.REQUESTS_TOTAL, "finished requests by outcome", (*LABELS, "outcome"), registry=self.registry
+        )
         for outcome in OUTCOMES:
             self._requests.labels(role, model, outcome)
-        self._ttft = Histogram(M.TIME_TO_FIRST_TOKEN_SECONDS, "arrival to first token",
-                               LABELS, buckets=TTFT_BUCKETS, registry=self.registry
-                               ).labels(*labels)
-        self._itl = Histogram(M.INTER_TOKEN_LATENCY_SECONDS, "gap between output tokens",
-                              LABELS, buckets=ITL_BUCKETS, registry=self.registry
-                              ).labels(*labels)
-        self._e2e = Histogram(M.E2E_REQUEST_LATENCY_SECONDS, "arrival to last token",
-                              LABELS, buckets=E2E_BUCKETS, registry=self.registry
-                              ).labels(*labels)
-        self._kv_bytes = Counter(M.KV_TRANSFER_BYTES_TOTAL, "KV cache bytes sent or received",
-                                 LABELS, registry=self.registry).labels(*labels)
-        self._kv_failures = Counter(M.KV_TRANSFER_FAILURES_TOTAL, "failed KV transfers",
-                                    LABELS, registry=self.registry).labels(*labels)
-        self._kv_seconds = Histogram(M.KV_TRANSFER_SECONDS, "duration of one KV transfer",
-                                     LABELS, buckets=KV_TRANSFER_BUCKETS,
-                                     registry=self.registry).labels(*labels)
+        self._ttft = Histogram(
+            M.TIME_TO_FIRST_TOKEN_SECONDS,
+            "arrival to first token",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*labels)
+        self._itl = Histogram(
+            M.INTER_TOKEN_LATENCY_SECONDS,
+            "gap between output tokens",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(*labels)
+        self._e2e = Histogram(
+            M.E2E_REQUEST_LATENCY_SECONDS, "arrival to last token", LABELS, buckets=E2E_BUCKETS, registry=self.registry
+        ).labels(*labels)
+        self._kv_bytes = Counter(
+            M.KV_TRANSFER_BYTES_TOTAL, "KV cache bytes sent or received", LABELS, registry=self.registry
+        ).labels(*labels)
+        self._kv_failures = Counter(
+            M.KV_TRANSFER_FAILURES_TOTAL, "failed KV transfers", LABELS, registry=self.registry
+        ).labels(*labels)
+        self._kv_seconds = Histogram(
+            M.KV_TRANSFER_SECONDS,
+            "duration of one KV transfer",
+            LABELS,
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=self.registry,
+        ).labels(*labels)
         self._labels = labels
         self.registry.register(_EngineStatsCollector(stats_source=stats_source, labels=labels))
 
@@ -176,8 +294,9 @@ class ServerMetrics:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         self._requests.labels(*self._labels, outcome).inc()
 
-    def observe_timings(self, *, ttft_seconds: float | None, itl_seconds: Sequence[float],
-                        e2e_seconds: float | None) -> None:
+    def observe_timings(
+        self, *, ttft_seconds: float | None, itl_seconds: Sequence[float], e2e_seconds: float | None
+    ) -> None:
         if ttft_seconds is not None:
             self._ttft.observe(ttft_seconds)
         for gap in itl_seconds:

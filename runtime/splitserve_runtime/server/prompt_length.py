@@ -16,8 +16,7 @@ from splitserve_runtime.engine.errors import ContextLengthExceeded
 from splitserve_runtime.server.errors import APIError, bad_request, from_engine_error
 
 
-def resolve_max_tokens(*, requested: int | None, num_prompt_tokens: int,
-                       max_model_len: int) -> int:
+def resolve_max_tokens(*, requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
     """The client's max_tokens, or (when absent) whatever room the context leaves."""
     if requested is not None:
         return requested
@@ -31,9 +30,9 @@ def min_prompt_tokens(*, num_chars: int, max_chars_per_token: int | None) -> int
     return -(-num_chars // max_chars_per_token)
 
 
-def check_length_can_fit(*, num_chars: int, max_chars_per_token: int | None,
-                         requested_max_tokens: int | None, max_model_len: int,
-                         param: str) -> None:
+def check_length_can_fit(
+    *, num_chars: int, max_chars_per_token: int | None, requested_max_tokens: int | None, max_model_len: int, param: str
+) -> None:
     """Raise the 400 when a text of ``num_chars`` characters cannot fit, whatever its tokens."""
     at_least = min_prompt_tokens(num_chars=num_chars, max_chars_per_token=max_chars_per_token)
     completion = requested_max_tokens if requested_max_tokens is not None else 1
@@ -43,7 +42,9 @@ def check_length_can_fit(*, num_chars: int, max_chars_per_token: int | None,
             f"alone is at least {at_least} tokens ({num_chars} characters, and one token "
             f"covers at most {max_chars_per_token}), plus {completion} for the completion; "
             "shorten the prompt or lower max_tokens",
-            param=param, code="context_length_exceeded")
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def max_prompt_tokens(*, requested_max_tokens: int | None, max_model_len: int) -> int:
@@ -51,22 +52,27 @@ def max_prompt_tokens(*, requested_max_tokens: int | None, max_model_len: int) -
     return max_model_len - (requested_max_tokens if requested_max_tokens is not None else 1)
 
 
-def context_exceeded(*, num_prompt_tokens: int, requested_max_tokens: int | None,
-                     max_model_len: int, param: str) -> APIError:
+def context_exceeded(
+    *, num_prompt_tokens: int, requested_max_tokens: int | None, max_model_len: int, param: str
+) -> APIError:
     """The engine's 400 for a prompt of ``num_prompt_tokens`` that does not fit."""
-    max_tokens = resolve_max_tokens(requested=requested_max_tokens,
-                                    num_prompt_tokens=num_prompt_tokens,
-                                    max_model_len=max_model_len)
+    max_tokens = resolve_max_tokens(
+        requested=requested_max_tokens, num_prompt_tokens=num_prompt_tokens, max_model_len=max_model_len
+    )
     return from_engine_error(
-        ContextLengthExceeded(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
-                              max_model_len=max_model_len), prompt_param=param)
+        ContextLengthExceeded(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, max_model_len=max_model_len),
+        prompt_param=param,
+    )
 
 
-def check_tokens_fit(*, num_prompt_tokens: int, requested_max_tokens: int | None,
-                     max_model_len: int, param: str) -> None:
+def check_tokens_fit(
+    *, num_prompt_tokens: int, requested_max_tokens: int | None, max_model_len: int, param: str
+) -> None:
     """Raise the engine's 400 when the prompt's tokens and the completion do not fit."""
-    if num_prompt_tokens > max_prompt_tokens(requested_max_tokens=requested_max_tokens,
-                                             max_model_len=max_model_len):
-        raise context_exceeded(num_prompt_tokens=num_prompt_tokens,
-                               requested_max_tokens=requested_max_tokens,
-                               max_model_len=max_model_len, param=param)
+    if num_prompt_tokens > max_prompt_tokens(requested_max_tokens=requested_max_tokens, max_model_len=max_model_len):
+        raise context_exceeded(
+            num_prompt_tokens=num_prompt_tokens,
+            requested_max_tokens=requested_max_tokens,
+            max_model_len=max_model_len,
+            param=param,
+        )

@@ -1,4 +1,4 @@
-"""A bounded worker pool for the CPU-heavy part of reading a prompt (issue 12, defect 1).
+"""A bounded worker pool for the CPU-heavy part of reading a prompt, off the event loop.
 
 Tokenizing costs about 1 s per MB of text and a chat template renders in Python. Done on the
 event loop, one large prompt stalled every stream and ``/health`` with it (a liveness probe
@@ -35,15 +35,19 @@ INLINE_CHARS = 16_384
 class PromptWorkers:
     """``await workers.run(fn, size_chars=n)``: ``fn()`` inline when small, else on a thread."""
 
-    def __init__(self, *, max_workers: int = DEFAULT_MAX_WORKERS,
-                 max_waiting: int = DEFAULT_MAX_WAITING, inline_chars: int = INLINE_CHARS) -> None:
+    def __init__(
+        self,
+        *,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        inline_chars: int = INLINE_CHARS,
+    ) -> None:
         if max_workers < 1 or max_waiting < 0 or inline_chars < 0:
             raise ValueError("max_workers must be >= 1, max_waiting and inline_chars >= 0")
         self.max_workers = max_workers
         self.max_waiting = max_waiting
         self.inline_chars = inline_chars
-        self._executor = ThreadPoolExecutor(max_workers=max_workers,
-                                            thread_name_prefix="splitserve-prompt")
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="splitserve-prompt")
         # released from the worker thread when a job ends, so a thread-safe count
         self._slots = threading.BoundedSemaphore(max_workers + max_waiting)
         self._num_jobs = 0
@@ -62,9 +66,13 @@ class PromptWorkers:
         if size_chars <= self.inline_chars:
             return fn()
         if not self._slots.acquire(blocking=False):
-            raise APIError(status_code=429, type=RATE_LIMIT, code="rate_limit_exceeded",
-                           message=f"{self.max_waiting} prompts are already waiting to be "
-                                   "tokenized; retry shortly", headers={"Retry-After": "1"})
+            raise APIError(
+                status_code=429,
+                type=RATE_LIMIT,
+                code="rate_limit_exceeded",
+                message=f"{self.max_waiting} prompts are already waiting to be tokenized; retry shortly",
+                headers={"Retry-After": "1"},
+            )
         with self._lock:
             self._num_jobs += 1
         try:

@@ -70,8 +70,7 @@ class _Request(BaseModel):
         """Every unknown field is an error of its own: refuse an object with far more fields
         than the model has before validating any (600k unknown fields took seconds)."""
         if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_FIELDS:
-            raise ValueError(f"the object has {len(data)} fields; {cls.__name__} has "
-                             f"{len(cls.model_fields)}")
+            raise ValueError(f"the object has {len(data)} fields; {cls.__name__} has {len(cls.model_fields)}")
         return data
 
 
@@ -102,17 +101,17 @@ class SamplingFields(_Request):
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
     ignore_eos: bool | None = False
     speculative: bool | None = True  # false: never verify proposals for this request
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
-                              Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
-    # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see server.handoff
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None
+    ) = None
+    # router <-> pool handoff (contract.KV_TRANSFER_PARAMS_FIELD); see disagg.routes
     kv_transfer_params: Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
 
     def wants_usage(self) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a streamed answer."""
         if self.stream_options is None:
             return False, False
-        return (bool(self.stream_options.include_usage),
-                bool(self.stream_options.continuous_usage_stats))
+        return (bool(self.stream_options.include_usage), bool(self.stream_options.continuous_usage_stats))
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -123,11 +122,11 @@ class SamplingFields(_Request):
         """(param, message) for every field set to a value we cannot honour."""
         problems: list[tuple[str, str]] = []
         if self.n not in (None, 1):
-            problems.append(("n", f"n={self.n} is not supported: this server returns exactly one "
-                                  "choice per request (n must be 1)"))
+            problems.append(
+                ("n", f"n={self.n} is not supported: this server returns exactly one choice per request (n must be 1)")
+            )
         if self.stream_options is not None and not self.stream:
-            problems.append(("stream_options",
-                             "stream_options is only allowed when stream is true"))
+            problems.append(("stream_options", "stream_options is only allowed when stream is true"))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0.0):
@@ -139,8 +138,7 @@ class SamplingFields(_Request):
 
 PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, fail_fast=True)]
 BatchedPrompts = Annotated[list[str], Field(max_length=MAX_BATCHED_PROMPTS, fail_fast=True)]
-BatchedTokenPrompts = Annotated[list[PromptTokens],
-                                Field(max_length=MAX_BATCHED_PROMPTS, fail_fast=True)]
+BatchedTokenPrompts = Annotated[list[PromptTokens], Field(max_length=MAX_BATCHED_PROMPTS, fail_fast=True)]
 
 
 class CompletionRequest(SamplingFields):
@@ -161,10 +159,13 @@ class CompletionRequest(SamplingFields):
             problems.append(("suffix", "suffix is not supported by this server"))
         if self.best_of not in (None, 1):
             problems.append(("best_of", "best_of > 1 is not supported by this server"))
-        if (isinstance(self.prompt, list) and len(self.prompt) > 1
-                and not isinstance(self.prompt[0], int)):
-            problems.append(("prompt", "batched prompts are not supported: send one prompt "
-                                           "(a string or a list of token ids) per request"))
+        if isinstance(self.prompt, list) and len(self.prompt) > 1 and not isinstance(self.prompt[0], int):
+            problems.append(
+                (
+                    "prompt",
+                    "batched prompts are not supported: send one prompt (a string or a list of token ids) per request",
+                )
+            )
         if isinstance(self.prompt, list) and not self.prompt:
             problems.append(("prompt", "prompt must not be empty"))
         return problems
@@ -187,8 +188,7 @@ class TextContentPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextContentPart],
-                             Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
+    content: str | Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -203,14 +203,12 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage],
-                        Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: Annotated[list[dict[str, Any]],
-                     Field(max_length=MAX_MAP_ENTRIES, fail_fast=True)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_MAP_ENTRIES, fail_fast=True)] | None = None
     tool_choice: str | Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
     parallel_tool_calls: bool | None = None
     response_format: Annotated[dict[str, Any], Field(max_length=MAX_MAP_ENTRIES)] | None = None
@@ -226,15 +224,13 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none", "auto"):
             problems.append(("tool_choice", "tool calling is not supported by this server"))
         if self.response_format is not None and self.response_format.get("type") != "text":
-            problems.append(("response_format",
-                             "only response_format {\"type\": \"text\"} is supported"))
+            problems.append(("response_format", 'only response_format {"type": "text"} is supported'))
         if self.store:
             problems.append(("store", "store is not supported by this server"))
         return problems
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 # ----------------------------------------------------------------------------- responses

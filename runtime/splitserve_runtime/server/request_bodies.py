@@ -1,7 +1,7 @@
 """Turning a request body into its validated request model, off the event loop when large.
 
 FastAPI decodes and validates a body parameter on the event loop; for a large body that held
-``/health`` (issue 12; see :mod:`splitserve_runtime.json_bodies`). The routes therefore take the
+``/health`` (about 1 s for a crafted 8 MiB body; see :mod:`splitserve_runtime.json_bodies`). The routes therefore take the
 raw request, and :class:`RequestReader` runs :func:`parse_request` through a
 :class:`~splitserve_runtime.json_bodies.BodyDecoder`: inline for a small body, in the decoder
 process for a large one. :func:`parse_request` makes the decisions FastAPI made (JSON only for a
@@ -58,8 +58,7 @@ def _is_json(content_type: str | None) -> bool:
     message = email.message.Message()
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json"))
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _one_error(kind: str, msg: str, **ctx: str) -> InvalidBody:
@@ -87,8 +86,7 @@ def parse_request(body: bytes, *, content_type: str | None, model: type[M]) -> M
     except ValidationError as exc:
         errors = []
         for error in exc.errors(include_url=False, include_input=False)[:MAX_ERRORS_READ]:
-            item: dict[str, Any] = {"type": error["type"], "loc": ("body", *error["loc"]),
-                                    "msg": error["msg"]}
+            item: dict[str, Any] = {"type": error["type"], "loc": ("body", *error["loc"]), "msg": error["msg"]}
             if "ctx" in error:
                 item["ctx"] = {key: str(val) for key, val in error["ctx"].items()}
             errors.append(item)
@@ -102,13 +100,17 @@ class RequestReader:
         self.decoder = decoder if decoder is not None else BodyDecoder()
 
     async def read(self, request: Request, model: type[M]) -> M:
-        parse = functools.partial(parse_request, content_type=request.headers.get("content-type"),
-                                  model=model)
+        parse = functools.partial(parse_request, content_type=request.headers.get("content-type"), model=model)
         try:
             result = await self.decoder.run(parse, await request.body())
         except DecoderBusy as exc:
-            raise APIError(status_code=429, type=RATE_LIMIT, code="rate_limit_exceeded",
-                           message=str(exc), headers={"Retry-After": "1"}) from None
+            raise APIError(
+                status_code=429,
+                type=RATE_LIMIT,
+                code="rate_limit_exceeded",
+                message=str(exc),
+                headers={"Retry-After": "1"},
+            ) from None
         except DecoderFailed as exc:
             raise unavailable(str(exc), code="decoder_failed") from None
         if isinstance(result, InvalidBody):

@@ -16,12 +16,12 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
+from splitserve_runtime.disagg.prefiller import Prefiller
+from splitserve_runtime.disagg.routes import RoutedEngine
 from splitserve_runtime.engine.outputs import RequestOutput
 from splitserve_runtime.server.engine_client import EngineClient
 from splitserve_runtime.server.generation import Generation
-from splitserve_runtime.server.handoff import RoutedEngine
 from splitserve_runtime.server.metrics import ServerMetrics
-from splitserve_runtime.server.prefiller import Prefiller
 from splitserve_runtime.server.prompts import PromptReader
 from splitserve_runtime.server.protocol import (
     ChatChoice,
@@ -52,15 +52,15 @@ from splitserve_runtime.server.streaming import respond, sse_event
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: text content; OpenAI's "developer" role
     is the newer name of "system", which is the only one model templates know."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
 
 
 class ChatService:
     """Renders the chat prompt, runs it through a Generation, formats the answer."""
 
-    def __init__(self, *, state: ServerState, metrics: ServerMetrics,
-                 prompts: PromptReader, prefiller: Prefiller) -> None:
+    def __init__(
+        self, *, state: ServerState, metrics: ServerMetrics, prompts: PromptReader, prefiller: Prefiller
+    ) -> None:
         self._state = state
         self._metrics = metrics
         self._prompts = prompts
@@ -73,31 +73,44 @@ class ChatService:
         engine = self._state.admit()
         with self._state.preparing():  # a drain waits for a prompt being tokenized
             prompt_token_ids = await self._prompts.chat(
-                engine=engine, messages=template_messages(body),
-                requested_max_tokens=body.requested_max_tokens(), param="messages")
-            picked = await prefill_if_named(prefiller=self._prefiller, request=request, body=body,
-                                            endpoints=endpoints, engine=engine)
+                engine=engine,
+                messages=template_messages(body),
+                requested_max_tokens=body.requested_max_tokens(),
+                param="messages",
+            )
+            picked = await prefill_if_named(
+                prefiller=self._prefiller, request=request, body=body, endpoints=endpoints, engine=engine
+            )
             routed, generation = start_generation(
-                state=self._state, metrics=self._metrics, engine=engine, body=body,
+                state=self._state,
+                metrics=self._metrics,
+                engine=engine,
+                body=body,
                 prompt_token_ids=prompt_token_ids,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                requested_max_tokens=body.requested_max_tokens(), id_prefix="chatcmpl",
-                prompt_param="messages", picked=picked)
+                requested_max_tokens=body.requested_max_tokens(),
+                id_prefix="chatcmpl",
+                prompt_param="messages",
+                picked=picked,
+            )
         return await respond(
-            request=request, generation=generation, stream=bool(body.stream),
+            request=request,
+            generation=generation,
+            stream=bool(body.stream),
             events=lambda: self._events(body=body, engine=engine, generation=generation),
-            whole=lambda: self._whole(body=body, engine=engine, generation=generation,
-                                     routed=routed))
+            whole=lambda: self._whole(body=body, engine=engine, generation=generation, routed=routed),
+        )
 
-    def _logprobs(self, *, body: ChatCompletionRequest, engine: EngineClient,
-                  output: RequestOutput) -> list[ChatTokenLogprob] | None:
+    def _logprobs(
+        self, *, body: ChatCompletionRequest, engine: EngineClient, output: RequestOutput
+    ) -> list[ChatTokenLogprob] | None:
         if not body.logprobs or not output.new_logprobs:
             return None
-        return chat_logprobs(logprobs=output.new_logprobs, tokenizer=engine.tokenizer,
-                             num_top=body.top_logprobs or 0)
+        return chat_logprobs(logprobs=output.new_logprobs, tokenizer=engine.tokenizer, num_top=body.top_logprobs or 0)
 
-    async def _whole(self, *, body: ChatCompletionRequest, engine: EngineClient,
-                     generation: Generation, routed: RoutedEngine) -> Response:
+    async def _whole(
+        self, *, body: ChatCompletionRequest, engine: EngineClient, generation: Generation, routed: RoutedEngine
+    ) -> Response:
         try:
             await generation.admit()
             text: list[str] = []
@@ -112,41 +125,55 @@ class ChatService:
         if last is None:
             raise RuntimeError("outputs() ended without a finished output")
         answer = ChatCompletionResponse(
-            id=generation.request_id, model=body.model,
-            choices=[ChatChoice(message=ChatResponseMessage(content="".join(text)),
-                                logprobs=ChatLogprobs(content=content) if body.logprobs
-                                else None,
-                                finish_reason=finish_reason(last))],
-            usage=output_usage(last))
+            id=generation.request_id,
+            model=body.model,
+            choices=[
+                ChatChoice(
+                    message=ChatResponseMessage(content="".join(text)),
+                    logprobs=ChatLogprobs(content=content) if body.logprobs else None,
+                    finish_reason=finish_reason(last),
+                )
+            ],
+            usage=output_usage(last),
+        )
         return JSONResponse(routed.decorate(answer.model_dump(mode="json")))
 
-    async def _events(self, *, body: ChatCompletionRequest, engine: EngineClient,
-                      generation: Generation) -> AsyncIterator[str]:
+    async def _events(
+        self, *, body: ChatCompletionRequest, engine: EngineClient, generation: Generation
+    ) -> AsyncIterator[str]:
         created = now_seconds()
         include_usage, continuous = body.wants_usage()
 
-        def chunk(choice: ChatChunkChoice | None, output: RequestOutput | None
-                  ) -> ChatCompletionChunk:
+        def chunk(choice: ChatChunkChoice | None, output: RequestOutput | None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=generation.request_id, created=created, model=body.model,
+                id=generation.request_id,
+                created=created,
+                model=body.model,
                 choices=[] if choice is None else [choice],
-                usage=output_usage(output) if output is not None else None)
+                usage=output_usage(output) if output is not None else None,
+            )
 
-        yield sse_event(chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")),
-                              None))
+        yield sse_event(chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")), None))
         last: RequestOutput | None = None
         async for output in generation.outputs():
             last = output
             logprobs = self._logprobs(body=body, engine=engine, output=output)
             if output.new_text or logprobs:
-                yield sse_event(chunk(
-                    ChatChunkChoice(delta=ChatDelta(content=output.new_text),
-                                    logprobs=ChatLogprobs(content=logprobs)
-                                    if logprobs else None),
-                    output if continuous else None))
+                yield sse_event(
+                    chunk(
+                        ChatChunkChoice(
+                            delta=ChatDelta(content=output.new_text),
+                            logprobs=ChatLogprobs(content=logprobs) if logprobs else None,
+                        ),
+                        output if continuous else None,
+                    )
+                )
             if output.finished:
-                yield sse_event(chunk(
-                    ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason(output)),
-                    output if continuous else None))
+                yield sse_event(
+                    chunk(
+                        ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason(output)),
+                        output if continuous else None,
+                    )
+                )
         if include_usage and last is not None:
             yield sse_event(chunk(None, last))

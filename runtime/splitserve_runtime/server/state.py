@@ -48,8 +48,7 @@ class ServerState:
 
     @property
     def is_ready(self) -> bool:
-        return (self._engine is not None and self._engine.is_healthy
-                and not self._draining)
+        return self._engine is not None and self._engine.is_healthy and not self._draining
 
     @property
     def is_draining(self) -> bool:
@@ -81,11 +80,9 @@ class ServerState:
     def admit(self) -> EngineClient:
         """The engine for a new generation request, or a 503 while loading or draining."""
         if self._draining:
-            raise unavailable("the server is shutting down; retry on another replica",
-                              code="draining")
+            raise unavailable("the server is shutting down; retry on another replica", code="draining")
         if self._engine is None:
-            raise unavailable("the model is still loading", retry_after_seconds=5,
-                              code="loading")
+            raise unavailable("the model is still loading", retry_after_seconds=5, code="loading")
         return self._engine
 
     def request_started(self, *, request_id: str) -> None:

@@ -45,8 +45,7 @@ def sse_error(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
 
 
-def event_stream_response(*, events: AsyncIterator[str], generation: Generation
-                          ) -> StreamingResponse:
+def event_stream_response(*, events: AsyncIterator[str], generation: Generation) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -55,22 +54,29 @@ def event_stream_response(*, events: AsyncIterator[str], generation: Generation
             yield sse_error(error)
         except Exception:  # a bug: log it, and still end the stream in the error shape
             logger.exception("stream %s failed", generation.request_id)
-            yield sse_error(APIError(status_code=500, type=SERVER_ERROR, code="internal_error",
-                                     message="internal server error"))
+            yield sse_error(
+                APIError(status_code=500, type=SERVER_ERROR, code="internal_error", message="internal server error")
+            )
         finally:
             await generation.close()
         yield DONE
 
     return StreamingResponse(
-        body(), media_type="text/event-stream",
+        body(),
+        media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         background=BackgroundTask(generation.close),
     )
 
 
-async def respond(*, request: Request, generation: Generation, stream: bool,
-                  events: Callable[[], AsyncIterator[str]],
-                  whole: Callable[[], Coroutine[Any, Any, Response]]) -> Response:
+async def respond(
+    *,
+    request: Request,
+    generation: Generation,
+    stream: bool,
+    events: Callable[[], AsyncIterator[str]],
+    whole: Callable[[], Coroutine[Any, Any, Response]],
+) -> Response:
     """Answer with a stream or a whole body; either way the generation is closed (aborted if
     unfinished) when the client goes away or anything fails.
 
@@ -83,7 +89,8 @@ async def respond(*, request: Request, generation: Generation, stream: bool,
         else:
             response = await run_until_disconnect(request=request, work=whole())
         response.headers[HEADER_REQUEST_ID] = _correlation_id(
-            request.headers.get(HEADER_REQUEST_ID), default=generation.request_id)
+            request.headers.get(HEADER_REQUEST_ID), default=generation.request_id
+        )
         return response
     except ClientDisconnected:
         await generation.close()

@@ -41,10 +41,18 @@ def _handler(status: NodeStatus) -> type[BaseHTTPRequestHandler]:
                 ok, reason = status.alive, "unhealthy"
             elif path == "/ready":
                 ok = status.alive and status.joined and not status.draining
-                reason = ("unhealthy" if not status.alive else "draining" if status.draining else "loading")
+                reason = "unhealthy" if not status.alive else "draining" if status.draining else "loading"
             else:
-                self._answer(404, {"error": {"message": f"{path} is not served by a worker pod of a group "
-                                                        "(the group's leader serves the API)", "code": "not_found"}})
+                self._answer(
+                    404,
+                    {
+                        "error": {
+                            "message": f"{path} is not served by a worker pod of a group "
+                            "(the group's leader serves the API)",
+                            "code": "not_found",
+                        }
+                    },
+                )
                 return
             if ok:
                 self._answer(200, {"status": "ok" if path == "/health" else "ready"})
@@ -79,8 +87,13 @@ def serve_worker_node(args: contract.ServeArgs, placement: Placement) -> int:
 
     status = NodeStatus()
     server = start_health_server(args.host, args.port, status)
-    logger.info("worker pod: %s of a %d-pod group, probes on %s:%d", placement.describe_node(placement.node_rank),
-                placement.nnodes, args.host, args.port)
+    logger.info(
+        "worker pod: %s of a %d-pod group, probes on %s:%d",
+        placement.describe_node(placement.node_rank),
+        placement.nnodes,
+        args.host,
+        args.port,
+    )
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         if not status.joined:  # nothing to drain: the group is going away before it formed
@@ -89,6 +102,7 @@ def serve_worker_node(args: contract.ServeArgs, placement: Placement) -> int:
         if not status.draining:
             logger.info("signal %d: waiting for the group's leader to drain and stop the ranks", sig)
         status.draining = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:

@@ -13,7 +13,10 @@ mounts into the prefill and decode pods of one InferenceService):
 - the prefill pod signs the parameters it answers with: an HMAC-SHA256 over a canonical JSON
   encoding of every field (endpoint, request id, prompt length, first token, compat hash, the
   prompt's digest) plus an expiry (``expires_at``, Unix seconds: the KV lease), carried in
-  ``signature``;
+  ``signature``; the schema, the signed field set and those bytes are
+  :class:`splitserve_contract.handoff.HandoffParams`'s, and the decode pod checks the
+  signature over the bytes of the object as it arrived (:meth:`HandoffAuth.verify_params`),
+  once, where it parses them;
 - the decode pod checks the signature (constant-time compare), the expiry (allowing
   :data:`CLOCK_SKEW_SECONDS` between nodes) and that the compat hash is its own *before* it
   opens any connection; so it connects only to an endpoint one of our prefill pods named for
@@ -62,10 +65,10 @@ The key is never logged, echoed or shown in a ``repr``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
-import json
 import math
 import secrets
 import time
@@ -74,18 +77,26 @@ from pathlib import Path
 from typing import Any
 
 from splitserve_contract.block_hash import prompt_digest
-from splitserve_contract.wire import HANDOFF_PROMPT_DIGEST_FIELD
+from splitserve_contract.handoff import (
+    COMPAT_HASH,
+    EXPIRES_AT,
+    NONCE,
+    NUM_PROMPT_TOKENS,
+    PROMPT_DIGEST,
+    PROOF,
+    REMOTE_ENDPOINT,
+    SIGNATURE,
+    TOKEN,
+    HandoffParams,
+    HandoffParamsError,
+    canonical_json,
+    signed_bytes_of,
+)
 
 MIN_KEY_BYTES = 16
 """A shorter key file is refused at start-up (the operator writes 32 random bytes)."""
 CLOCK_SKEW_SECONDS = 30.0
 """How far a decode pod's clock may be behind or ahead of the signing prefill pod's."""
-SIGNATURE_FIELD = "signature"
-EXPIRY_FIELD = "expires_at"
-NONCE_FIELD = "nonce"
-TOKEN_FIELD = "token"
-PROOF_FIELD = "proof"
-PROMPT_DIGEST_FIELD = HANDOFF_PROMPT_DIGEST_FIELD
 MAX_NONCE_CHARS = 64
 _DOMAIN = b"splitserve/kv-handoff/v1"
 _MAC_HEX_CHARS = 2 * hashlib.sha256().digest_size
@@ -102,37 +113,45 @@ class HandoffRejected(Exception):
         self.message = message
 
 
-def canonical_json(body: Mapping[str, Any]) -> bytes:
-    """The one byte encoding a MAC covers: sorted keys, no spaces, ASCII, no NaN."""
+def _encoded(encode: Callable[[], bytes]) -> bytes:
+    """``encode()``'s canonical bytes; a body no encoding exists for is ``malformed``."""
     try:
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise HandoffRejected(code="malformed", message=f"cannot be encoded: {exc}") from None
+        return encode()
+    except HandoffParamsError as exc:
+        raise HandoffRejected(code="malformed", message=str(exc)) from None
 
 
-def check_prompt(params: Mapping[str, Any], *, prompt_token_ids: Sequence[int]) -> None:
-    """Raise HandoffRejected (``prompt_mismatch``) unless ``params`` name this prompt: the
-    same number of tokens and the same :func:`~splitserve_contract.block_hash.prompt_digest`.
-    Part of :meth:`HandoffAuth.check_params`; needs no key."""
-    digest = params.get(PROMPT_DIGEST_FIELD)
+def check_prompt(*, digest: object, num_prompt_tokens: object, prompt_token_ids: Sequence[int]) -> None:
+    """Raise HandoffRejected (``prompt_mismatch``) unless the handoff's ``digest`` and
+    ``num_prompt_tokens`` name this prompt: the same number of tokens and the same
+    :func:`~splitserve_contract.block_hash.prompt_digest`. Part of every handoff check; needs
+    no key."""
     if not isinstance(digest, str) or not digest:
-        raise HandoffRejected(code="prompt_mismatch", message=(
-            f"the handoff parameters carry no {PROMPT_DIGEST_FIELD}, so nothing says which prompt "
-            "their KV belongs to"))
-    num_prompt_tokens = params.get("num_prompt_tokens")
+        raise HandoffRejected(
+            code="prompt_mismatch",
+            message=(
+                f"the handoff parameters carry no {PROMPT_DIGEST}, so nothing says which prompt their KV belongs to"
+            ),
+        )
     if num_prompt_tokens != len(prompt_token_ids):
-        raise HandoffRejected(code="prompt_mismatch", message=(
-            f"the handoff parameters are for a prompt of {num_prompt_tokens!r} tokens; this "
-            f"request's prompt has {len(prompt_token_ids)}"))
+        raise HandoffRejected(
+            code="prompt_mismatch",
+            message=(
+                f"the handoff parameters are for a prompt of {num_prompt_tokens!r} tokens; this "
+                f"request's prompt has {len(prompt_token_ids)}"
+            ),
+        )
     try:
         expected = prompt_digest(prompt_token_ids)
     except ValueError as exc:
         raise HandoffRejected(code="prompt_mismatch", message=str(exc)) from None
     if digest != expected:
-        raise HandoffRejected(code="prompt_mismatch", message=(
-            "the handoff parameters were computed for another prompt of the same length "
-            f"({PROMPT_DIGEST_FIELD} differs)"))
+        raise HandoffRejected(
+            code="prompt_mismatch",
+            message=(
+                f"the handoff parameters were computed for another prompt of the same length ({PROMPT_DIGEST} differs)"
+            ),
+        )
 
 
 def canonical_endpoint(endpoint: str) -> str:
@@ -148,12 +167,11 @@ def canonical_endpoint(endpoint: str) -> str:
 
 
 def _identity_body(*, nonce: str, role: str, endpoint: str) -> dict[str, str]:
-    return {NONCE_FIELD: nonce, "role": role, "endpoint": canonical_endpoint(endpoint)}
+    return {NONCE: nonce, "role": role, "endpoint": canonical_endpoint(endpoint)}
 
 
 def _is_nonce(nonce: object) -> bool:
-    return isinstance(nonce, str) and 0 < len(nonce) <= MAX_NONCE_CHARS and nonce.isascii() \
-        and nonce.isalnum()
+    return isinstance(nonce, str) and 0 < len(nonce) <= MAX_NONCE_CHARS and nonce.isascii() and nonce.isalnum()
 
 
 def is_loopback_host(host: str) -> bool:
@@ -194,8 +212,9 @@ class HandoffKey:
         try:
             key = Path(path).read_bytes().removesuffix(b"\n")
         except OSError as exc:
-            raise ValueError(f"cannot read the KV handoff key file {str(path)!r}: "
-                             f"{exc.strerror or type(exc).__name__}") from None
+            raise ValueError(
+                f"cannot read the KV handoff key file {str(path)!r}: {exc.strerror or type(exc).__name__}"
+            ) from None
         try:
             return cls(key)
         except ValueError as exc:
@@ -206,14 +225,22 @@ class HandoffKey:
 
     def mac(self, purpose: str, body: Mapping[str, Any]) -> str:
         """Hex HMAC-SHA256 of ``body``'s canonical encoding, bound to ``purpose``."""
-        message = b"\0".join((_DOMAIN, purpose.encode("ascii"), canonical_json(body)))
+        return self.mac_bytes(purpose, _encoded(lambda: canonical_json(body)))
+
+    def mac_bytes(self, purpose: str, data: bytes) -> str:
+        """Hex HMAC-SHA256 of ``data`` (canonical bytes), bound to ``purpose``."""
+        message = b"\0".join((_DOMAIN, purpose.encode("ascii"), data))
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
     def verify(self, purpose: str, body: Mapping[str, Any], mac: object) -> bool:
         """Constant-time check of ``mac`` (anything a peer sent) against ``body``."""
+        return self.verify_bytes(purpose, _encoded(lambda: canonical_json(body)), mac)
+
+    def verify_bytes(self, purpose: str, data: bytes, mac: object) -> bool:
+        """Constant-time check of ``mac`` against the canonical bytes ``data``."""
         if not isinstance(mac, str) or len(mac) != _MAC_HEX_CHARS or not mac.isascii():
             return False
-        return hmac.compare_digest(self.mac(purpose, body).encode("ascii"), mac.encode("ascii"))
+        return hmac.compare_digest(self.mac_bytes(purpose, data).encode("ascii"), mac.encode("ascii"))
 
 
 class HandoffAuth:
@@ -231,47 +258,105 @@ class HandoffAuth:
         return self._key is not None
 
     # ------------------------------------------------------------------ handoff parameters
+    def sign_params(self, params: HandoffParams, *, lifetime_seconds: float) -> HandoffParams:
+        """Prefill side: ``params`` with an expiry and their signature over
+        :meth:`~HandoffParams.signed_bytes` (unsigned, no expiry, without a key)."""
+        unsigned = dataclasses.replace(params, expires_at=0, signature="", received=None)
+        if self._key is None:
+            return unsigned
+        dated = dataclasses.replace(unsigned, expires_at=math.ceil(self._clock() + lifetime_seconds))
+        return dataclasses.replace(dated, signature=self._key.mac_bytes("params", dated.signed_bytes()))
+
     def sign(self, params: Mapping[str, Any], *, lifetime_seconds: float) -> dict[str, Any]:
-        """Prefill side: ``params`` plus an expiry and their signature (unchanged without a key)."""
-        body = {k: v for k, v in params.items() if k not in (SIGNATURE_FIELD, EXPIRY_FIELD)}
+        """:meth:`sign_params` for a handoff object that is a plain JSON object (tests,
+        harnesses): ``params`` plus an expiry and their signature (unchanged without a key)."""
+        body = {k: v for k, v in params.items() if k not in (SIGNATURE, EXPIRES_AT)}
         if self._key is None:
             return body
-        body[EXPIRY_FIELD] = math.ceil(self._clock() + lifetime_seconds)
-        body[SIGNATURE_FIELD] = self._key.mac("params", body)
+        body[EXPIRES_AT] = math.ceil(self._clock() + lifetime_seconds)
+        body[SIGNATURE] = self._key.mac_bytes("params", _encoded(lambda: signed_bytes_of(body)))
         return body
 
-    def check_params(self, params: Mapping[str, Any], *, compat_hash: str,
-                     prompt_token_ids: Sequence[int]) -> None:
-        """Decode side, before any connection: raise HandoffRejected unless ``params`` come
-        from a prefill pod of this pool and were computed for ``prompt_token_ids``, the
-        prompt this pod was given (see the module docstring)."""
+    def verify_params(self, params: HandoffParams, *, compat_hash: str, prompt_token_ids: Sequence[int]) -> None:
+        """Decode side, once, where the parameters come in and before any connection: raise
+        HandoffRejected unless ``params`` come from a prefill pod of this pool (the signature
+        over the bytes that arrived) and were computed for ``prompt_token_ids``, the prompt
+        this pod was given (see the module docstring)."""
+        self._check(
+            endpoint=params.remote_endpoint,
+            signature=params.signature or None,
+            expires_at=params.expires_at,
+            signed=params.signed_bytes,
+            params_compat_hash=params.compat_hash,
+            compat_hash=compat_hash,
+        )
+        check_prompt(
+            digest=params.prompt_digest, num_prompt_tokens=params.num_prompt_tokens, prompt_token_ids=prompt_token_ids
+        )
+
+    def check_params(self, params: Mapping[str, Any], *, compat_hash: str, prompt_token_ids: Sequence[int]) -> None:
+        """:meth:`verify_params` for a handoff object that is a plain JSON object, not parsed
+        (any value of any field: what a fuzzer or a forger sends)."""
+        self._check(
+            endpoint=params.get(REMOTE_ENDPOINT),
+            signature=params.get(SIGNATURE),
+            expires_at=params.get(EXPIRES_AT),
+            signed=lambda: signed_bytes_of(params),
+            params_compat_hash=params.get(COMPAT_HASH, ""),
+            compat_hash=compat_hash,
+        )
+        check_prompt(
+            digest=params.get(PROMPT_DIGEST),
+            num_prompt_tokens=params.get(NUM_PROMPT_TOKENS),
+            prompt_token_ids=prompt_token_ids,
+        )
+
+    def _check(
+        self,
+        *,
+        endpoint: object,
+        signature: object,
+        expires_at: object,
+        signed: Callable[[], bytes],
+        params_compat_hash: object,
+        compat_hash: str,
+    ) -> None:
+        """Who may hand over: with a key, a valid unexpired signature over ``signed()``;
+        without one, a loopback endpoint; either way this pod's compat hash."""
         if self._key is None:
-            endpoint = params.get("remote_endpoint")
             if not isinstance(endpoint, str) or not is_loopback_host(endpoint_host(endpoint)):
-                raise HandoffRejected(code="endpoint_not_allowed", message=(
-                    f"remote_endpoint {endpoint!r} is not a loopback address, and this pod has "
-                    "no KV handoff key (--handoff-key-file) to authenticate a handoff with"))
+                raise HandoffRejected(
+                    code="endpoint_not_allowed",
+                    message=(
+                        f"{REMOTE_ENDPOINT} {endpoint!r} is not a loopback address, and this pod has "
+                        "no KV handoff key (--handoff-key-file) to authenticate a handoff with"
+                    ),
+                )
         else:
-            signature = params.get(SIGNATURE_FIELD)
             if signature is None:
-                raise HandoffRejected(code="unsigned", message=(
-                    f"the handoff parameters carry no {SIGNATURE_FIELD}; only this "
-                    "InferenceService's prefill pods can hand a request to this pod"))
-            body = {k: v for k, v in params.items() if k != SIGNATURE_FIELD}
-            if not self._key.verify("params", body, signature):
-                raise HandoffRejected(code="bad_signature", message=(
-                    "the handoff parameters are not signed with this InferenceService's key"))
-            expires_at = params.get(EXPIRY_FIELD)
+                raise HandoffRejected(
+                    code="unsigned",
+                    message=(
+                        f"the handoff parameters carry no {SIGNATURE}; only this "
+                        "InferenceService's prefill pods can hand a request to this pod"
+                    ),
+                )
+            if not self._key.verify_bytes("params", _encoded(signed), signature):
+                raise HandoffRejected(
+                    code="bad_signature",
+                    message=("the handoff parameters are not signed with this InferenceService's key"),
+                )
             if not isinstance(expires_at, int) or isinstance(expires_at, bool):
-                raise HandoffRejected(code="malformed", message=f"{EXPIRY_FIELD} must be an integer")
+                raise HandoffRejected(code="malformed", message=f"{EXPIRES_AT} must be an integer")
             if self._clock() > expires_at + CLOCK_SKEW_SECONDS:
-                raise HandoffRejected(code="expired", message=(
-                    f"the handoff parameters expired at {expires_at} (Unix time)"))
-        if params.get("compat_hash", "") != compat_hash:
-            raise HandoffRejected(code="compat_mismatch", message=(
-                f"the prefill pod's compat hash {params.get('compat_hash')!r} is not this "
-                f"pod's {compat_hash!r}"))
-        check_prompt(params, prompt_token_ids=prompt_token_ids)
+                raise HandoffRejected(
+                    code="expired", message=(f"the handoff parameters expired at {expires_at} (Unix time)")
+                )
+        if params_compat_hash != compat_hash:
+            raise HandoffRejected(
+                code="compat_mismatch",
+                message=(f"the prefill pod's compat hash {params_compat_hash!r} is not this pod's {compat_hash!r}"),
+            )
 
     # ------------------------------------------------------------------ a named prefill pod
     def identity_proof(self, *, nonce: str, role: str, endpoint: str) -> str | None:
@@ -292,18 +377,23 @@ class HandoffAuth:
         if self._key is None:
             self.check_endpoint(endpoint)
             return
-        if not self._key.verify("identity", _identity_body(nonce=nonce, role=role, endpoint=endpoint),
-                                proof):
-            raise HandoffRejected(code="unauthenticated", message=(
-                f"{endpoint!r} did not prove it is a {role} pod of this InferenceService serving "
-                "at that address (KV handoff key)"))
+        if not self._key.verify("identity", _identity_body(nonce=nonce, role=role, endpoint=endpoint), proof):
+            raise HandoffRejected(
+                code="unauthenticated",
+                message=(
+                    f"{endpoint!r} did not prove it is a {role} pod of this InferenceService serving "
+                    "at that address (KV handoff key)"
+                ),
+            )
 
     # ------------------------------------------------------------------ the KV connection
     def check_endpoint(self, endpoint: str) -> None:
         """Puller side, before connecting: without a key, loopback only."""
         if self._key is None and not is_loopback_host(endpoint_host(endpoint)):
-            raise HandoffRejected(code="endpoint_not_allowed", message=(
-                f"{endpoint!r} is not a loopback address and this pod has no KV handoff key"))
+            raise HandoffRejected(
+                code="endpoint_not_allowed",
+                message=(f"{endpoint!r} is not a loopback address and this pod has no KV handoff key"),
+            )
 
     @staticmethod
     def new_nonce() -> str:
@@ -313,41 +403,45 @@ class HandoffAuth:
         """Puller side: the fields FETCH carries to prove who asks (none without a key)."""
         if self._key is None:
             return {}
-        return {NONCE_FIELD: nonce,
-                TOKEN_FIELD: self._key.mac("fetch", {"request_id": request_id, NONCE_FIELD: nonce})}
+        return {NONCE: nonce, TOKEN: self._key.mac("fetch", {"request_id": request_id, NONCE: nonce})}
 
     def check_fetch(self, body: Mapping[str, Any], *, peer_host: str) -> str:
         """Server side, before anything is sent: the puller's nonce if it proved it holds the
         key (or, without a key, if it is on loopback); raises HandoffRejected otherwise."""
         if self._key is None:
             if not is_loopback_host(peer_host):
-                raise HandoffRejected(code="unauthorized", message=(
-                    f"peer {peer_host!r} is not on loopback and this pod has no KV handoff key"))
+                raise HandoffRejected(
+                    code="unauthorized",
+                    message=(f"peer {peer_host!r} is not on loopback and this pod has no KV handoff key"),
+                )
             return ""
-        nonce = body.get(NONCE_FIELD)
+        nonce = body.get(NONCE)
         request_id = body.get("request_id")
-        if (not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS
-                or not isinstance(request_id, str)
-                or not self._key.verify("fetch", {"request_id": request_id, NONCE_FIELD: nonce},
-                                        body.get(TOKEN_FIELD))):
-            raise HandoffRejected(code="unauthorized", message=(
-                "the FETCH carries no valid token for this InferenceService's key"))
+        if (
+            not isinstance(nonce, str)
+            or not 0 < len(nonce) <= MAX_NONCE_CHARS
+            or not isinstance(request_id, str)
+            or not self._key.verify("fetch", {"request_id": request_id, NONCE: nonce}, body.get(TOKEN))
+        ):
+            raise HandoffRejected(
+                code="unauthorized", message=("the FETCH carries no valid token for this InferenceService's key")
+            )
         return nonce
 
     def layout_proof(self, *, request_id: str, nonce: str, header: Mapping[str, Any]) -> dict[str, str]:
         """Server side: the field LAYOUT carries to prove it comes from a pod with the key."""
         if self._key is None:
             return {}
-        body = {"request_id": request_id, NONCE_FIELD: nonce, "layout": dict(header)}
-        return {PROOF_FIELD: self._key.mac("layout", body)}
+        body = {"request_id": request_id, NONCE: nonce, "layout": dict(header)}
+        return {PROOF: self._key.mac("layout", body)}
 
     def check_layout(self, header: Mapping[str, Any], *, request_id: str, nonce: str) -> None:
         """Puller side, before any block is accepted: LAYOUT must prove the server holds the
         key and answers this very FETCH (the nonce). No-op without a key."""
         if self._key is None:
             return
-        body = {"request_id": request_id, NONCE_FIELD: nonce,
-                "layout": {k: v for k, v in header.items() if k != PROOF_FIELD}}
-        if not self._key.verify("layout", body, header.get(PROOF_FIELD)):
-            raise HandoffRejected(code="unauthenticated", message=(
-                "the KV server did not prove it holds this InferenceService's key"))
+        body = {"request_id": request_id, NONCE: nonce, "layout": {k: v for k, v in header.items() if k != PROOF}}
+        if not self._key.verify("layout", body, header.get(PROOF)):
+            raise HandoffRejected(
+                code="unauthenticated", message=("the KV server did not prove it holds this InferenceService's key")
+            )

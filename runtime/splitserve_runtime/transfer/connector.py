@@ -46,7 +46,8 @@ class KVLayout:
         """What differs from ``other`` ("" if nothing), e.g. ``dtype float8_e4m3fn != bfloat16``."""
         return ", ".join(
             f"{f.name} {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
-            for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
         )
 
     @classmethod
@@ -102,9 +103,16 @@ class BlockDestination(Protocol):
 
 class KVConnector(Protocol):
     async def fetch(
-        self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None = None, slice: KVSlice | None = None,
+        self,
+        *,
+        endpoint: str,
+        request_id: str,
+        first_block: int,
+        layout: KVLayout,
+        on_block: BlockSink | BlockDestination,
+        timeout_seconds: float,
+        expected_num_tokens: int | None = None,
+        slice: KVSlice | None = None,
         release: bool = True,
     ) -> FetchResult:
         """Fetch blocks `first_block..` of `request_id` from `endpoint` ("host:port"); with

@@ -119,8 +119,10 @@ def decode_header(header: bytes | bytearray | memoryview, *, max_payload_bytes: 
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {magic!r}")
     if version != VERSION:
-        raise FrameError(f"unsupported frame version {version} (this side speaks {VERSION}; "
-                         "prefill and decode pods must run the same image)")
+        raise FrameError(
+            f"unsupported frame version {version} (this side speaks {VERSION}; "
+            "prefill and decode pods must run the same image)"
+        )
     try:
         frame_type = FrameType(raw_type)
     except ValueError as exc:
@@ -156,7 +158,10 @@ def write_block(writer: asyncio.StreamWriter, *, index: int, data: memoryview | 
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, *, timeout_seconds: float, max_payload_bytes: int,
+    reader: asyncio.StreamReader,
+    *,
+    timeout_seconds: float,
+    max_payload_bytes: int,
 ) -> Frame:
     """Read and verify one frame from a stream. Raises FrameError, asyncio.TimeoutError or
     asyncio.IncompleteReadError (peer closed mid-frame)."""

@@ -44,8 +44,16 @@ _CRC_OFFSET = HEADER_SIZE - 4  # the header's last field
 class BlockReceiver:
     """Receives blocks ``first_block..num_blocks - 1`` of one pull from ``channel``."""
 
-    def __init__(self, *, channel: Channel, block_nbytes: int, on_block: BlockSink | BlockDestination,
-                 timeout_seconds: float, first_block: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        *,
+        channel: Channel,
+        block_nbytes: int,
+        on_block: BlockSink | BlockDestination,
+        timeout_seconds: float,
+        first_block: int,
+        num_blocks: int,
+    ) -> None:
         """``block_nbytes``: the bytes of each block on the wire (a whole block, or the
         :class:`~.slices.KVSlice` of it that was asked for)."""
         self._channel = channel
@@ -60,14 +68,18 @@ class BlockReceiver:
             self._destination = on_block
         else:
             self._sink = on_block
-        self._ahead = min(max(2, min(RECEIVE_AHEAD_BYTES // self._block_nbytes, (MAX_IOVECS - 1) // 2)),
-                          max(1, num_blocks - first_block))
+        self._ahead = min(
+            max(2, min(RECEIVE_AHEAD_BYTES // self._block_nbytes, (MAX_IOVECS - 1) // 2)),
+            max(1, num_blocks - first_block),
+        )
         self._heads = [memoryview(bytearray(BLOCK_HEADER_SIZE)) for _ in range(self._ahead)]
         self._staging: list[memoryview] = []
         self._buffers: list[Sequence[memoryview]] = [()] * self._ahead
         self._crcs = [0] * self._ahead
         self._expected_head = encode_header(
-            frame_type=FrameType.BLOCK, payload_len=BLOCK_INDEX.size + self._block_nbytes, crc=0,
+            frame_type=FrameType.BLOCK,
+            payload_len=BLOCK_INDEX.size + self._block_nbytes,
+            crc=0,
         )[:_CRC_OFFSET]
 
     def _post(self, index: int) -> list[memoryview]:
@@ -94,9 +106,13 @@ class BlockReceiver:
                 raise TransferError(code="protocol", message=f"expected BLOCK {index}, got {header.type.name}")
             if header.payload_len == BLOCK_INDEX.size + self._block_nbytes:
                 raise TransferError(code="corrupt", message=f"BLOCK {index}'s header has reserved bits set")
-            raise TransferError(code="corrupt", message=(
-                f"a BLOCK frame of {header.payload_len} bytes where block {index} "
-                f"with {self._block_nbytes} bytes was due"))
+            raise TransferError(
+                code="corrupt",
+                message=(
+                    f"a BLOCK frame of {header.payload_len} bytes where block {index} "
+                    f"with {self._block_nbytes} bytes was due"
+                ),
+            )
         if complete:
             (sent_index,) = BLOCK_INDEX.unpack_from(head, HEADER_SIZE)
             if sent_index != index:
@@ -117,7 +133,7 @@ class BlockReceiver:
                 break
             following = offset + len(buffer)
             if start < following:
-                crc = crc32(buffer[max(start, offset) - offset:min(end, following) - offset], crc)
+                crc = crc32(buffer[max(start, offset) - offset : min(end, following) - offset], crc)
             offset = following
         self._crcs[slot] = crc
 

@@ -56,16 +56,26 @@ class KVSlice:
 
     def fits(self, layout: KVLayout) -> bool:
         """Non-empty and inside ``layout``."""
-        return (0 <= self.layer_start < self.layer_end <= layout.num_layers
-                and 0 <= self.head_start < self.head_end <= layout.num_kv_heads)
+        return (
+            0 <= self.layer_start < self.layer_end <= layout.num_layers
+            and 0 <= self.head_start < self.head_end <= layout.num_kv_heads
+        )
 
     def contains(self, other: KVSlice) -> bool:
-        return (self.layer_start <= other.layer_start and other.layer_end <= self.layer_end
-                and self.head_start <= other.head_start and other.head_end <= self.head_end)
+        return (
+            self.layer_start <= other.layer_start
+            and other.layer_end <= self.layer_end
+            and self.head_start <= other.head_start
+            and other.head_end <= self.head_end
+        )
 
     def intersect(self, other: KVSlice) -> KVSlice | None:
-        part = KVSlice(max(self.layer_start, other.layer_start), min(self.layer_end, other.layer_end),
-                       max(self.head_start, other.head_start), min(self.head_end, other.head_end))
+        part = KVSlice(
+            max(self.layer_start, other.layer_start),
+            min(self.layer_end, other.layer_end),
+            max(self.head_start, other.head_start),
+            min(self.head_end, other.head_end),
+        )
         return part if part.layer_start < part.layer_end and part.head_start < part.head_end else None
 
     def to_json(self) -> dict[str, list[int]]:
@@ -74,12 +84,17 @@ class KVSlice:
     @classmethod
     def from_json(cls, body: object) -> KVSlice:
         """Parse ``{"layers": [a, b], "heads": [c, d]}``; raises TransferError (protocol)."""
+
         def pair(name: str) -> tuple[int, int]:
             value = body.get(name) if isinstance(body, Mapping) else None
-            if (not isinstance(value, list) or len(value) != 2
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            if (
+                not isinstance(value, list)
+                or len(value) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            ):
                 raise TransferError(code="protocol", message=f"KV slice {name} is {value!r}, not [start, end]")
             return value[0], value[1]
+
         (layer_start, layer_end), (head_start, head_end) = pair("layers"), pair("heads")
         return cls(layer_start, layer_end, head_start, head_end)
 
@@ -87,8 +102,9 @@ class KVSlice:
         return f"layers {self.layer_start}..{self.layer_end - 1}, KV heads {self.head_start}..{self.head_end - 1}"
 
 
-def extract(data: memoryview, *, layout: KVLayout, held: KVSlice, wanted: KVSlice,
-            out: memoryview | None = None) -> memoryview:
+def extract(
+    data: memoryview, *, layout: KVLayout, held: KVSlice, wanted: KVSlice, out: memoryview | None = None
+) -> memoryview:
     """The bytes of ``wanted`` out of one block's bytes of ``held`` (which contains it): the
     block itself when they are equal, else a copy of the sub-rectangle, into ``out`` (writable,
     ``wanted.block_nbytes`` long) when given. Reusing ``out`` matters: a fresh megabyte per block
@@ -97,7 +113,8 @@ def extract(data: memoryview, *, layout: KVLayout, held: KVSlice, wanted: KVSlic
         return data
     dim_bytes = layout.head_dim * layout.dtype_bytes
     block = np.frombuffer(data, dtype=np.uint8).reshape(
-        held.num_layers, 2, layout.block_size, held.num_heads, dim_bytes)
+        held.num_layers, 2, layout.block_size, held.num_heads, dim_bytes
+    )
     layers = slice(wanted.layer_start - held.layer_start, wanted.layer_end - held.layer_start)
     heads = slice(wanted.head_start - held.head_start, wanted.head_end - held.head_start)
     part = block[layers, :, :, heads]
@@ -129,8 +146,9 @@ class RankSource:
             raise ValueError(exc.message) from None
 
 
-def plan_pulls(mine: KVSlice, sources: Sequence[RankSource], *, layout: KVLayout,
-               spread: int = 0) -> list[tuple[int, KVSlice]]:
+def plan_pulls(
+    mine: KVSlice, sources: Sequence[RankSource], *, layout: KVLayout, spread: int = 0
+) -> list[tuple[int, KVSlice]]:
     """Which slice of ``mine`` to pull from which source (its index), each (layer, head)
     exactly once. Ranks of one pool hold either the same heads or disjoint ones, on the same
     layers or disjoint ones, so each source's share is one rectangle; a slice that several
@@ -142,8 +160,10 @@ def plan_pulls(mine: KVSlice, sources: Sequence[RankSource], *, layout: KVLayout
         raise TransferError(code="layout_mismatch", message=f"{mine.describe()} is outside the KV layout")
     for index, source in enumerate(sources):
         if not source.slice.fits(layout):
-            raise TransferError(code="layout_mismatch", message=(
-                f"prefill rank {index} holds {source.slice.describe()}, outside the KV layout"))
+            raise TransferError(
+                code="layout_mismatch",
+                message=(f"prefill rank {index} holds {source.slice.describe()}, outside the KV layout"),
+            )
     replicas: dict[KVSlice, list[int]] = {}
     for index, source in enumerate(sources):
         replicas.setdefault(source.slice, []).append(index)
@@ -154,11 +174,12 @@ def plan_pulls(mine: KVSlice, sources: Sequence[RankSource], *, layout: KVLayout
         if part is None or any(taken.contains(part) for _, taken in plan):
             continue
         if any(part.intersect(taken) is not None for _, taken in plan):
-            raise TransferError(code="layout_mismatch", message=(
-                f"prefill rank {index}'s {held.describe()} overlaps another rank's part"))
+            raise TransferError(
+                code="layout_mismatch",
+                message=(f"prefill rank {index}'s {held.describe()} overlaps another rank's part"),
+            )
         plan.append((index, part))
     covered = sum(part.num_layers * part.num_heads for _, part in plan)
     if covered != mine.num_layers * mine.num_heads:
-        raise TransferError(code="layout_mismatch", message=(
-            f"the prefill ranks do not hold all of {mine.describe()}"))
+        raise TransferError(code="layout_mismatch", message=(f"the prefill ranks do not hold all of {mine.describe()}"))
     return plan

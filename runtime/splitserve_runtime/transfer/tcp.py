@@ -78,8 +78,9 @@ async def _listen(host: str, port: int) -> list[socket.socket]:
     """Listening sockets for ``host``:``port``, bound as ``asyncio.start_server`` would (every
     address ``host`` resolves to; all interfaces for ""), non-blocking."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host or None, port, family=socket.AF_UNSPEC,
-                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    infos = await loop.getaddrinfo(
+        host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
     listeners: list[socket.socket] = []
     try:
         for family, kind, proto, _name, address in dict.fromkeys(infos):
@@ -124,9 +125,16 @@ class TcpKVServer:
     """Serves exported KV blocks from `registry`; runs in the prefill pod's event loop."""
 
     def __init__(
-        self, *, registry: KVExportRegistry, layout: KVLayout, host: str, port: int,
-        io_timeout_seconds: float = 30.0, observer: TransferObserver | None = None,
-        auth: HandoffAuth | None = None, holds: KVSlice | None = None,
+        self,
+        *,
+        registry: KVExportRegistry,
+        layout: KVLayout,
+        host: str,
+        port: int,
+        io_timeout_seconds: float = 30.0,
+        observer: TransferObserver | None = None,
+        auth: HandoffAuth | None = None,
+        holds: KVSlice | None = None,
     ) -> None:
         """``holds``: the slice of every block this server's exports hold (a parallel rank's
         layers and heads; default: whole blocks)."""
@@ -240,7 +248,8 @@ class TcpKVServer:
         wanted = KVLayout.from_json(body.get("layout", {}))
         if wanted != self._layout:
             await self._send_error(
-                channel, code="layout_mismatch",
+                channel,
+                code="layout_mismatch",
                 message=f"KV layouts differ (decode vs prefill: {wanted.mismatch(self._layout)}); "
                 f"decode wants {wanted}, prefill holds {self._layout}",
             )
@@ -248,13 +257,15 @@ class TcpKVServer:
         exported = self._registry.get(request_id)
         if exported is None:
             await self._send_error(
-                channel, code="unknown_request",
+                channel,
+                code="unknown_request",
                 message=f"no KV held for request {request_id!r} (never prefilled here, released, or expired)",
             )
             return 0
         if not isinstance(first_block, int) or not 0 <= first_block <= exported.num_blocks:
             await self._send_error(
-                channel, code="protocol",
+                channel,
+                code="protocol",
                 message=f"first_block {first_block!r} outside 0..{exported.num_blocks}",
             )
             return 0
@@ -264,28 +275,38 @@ class TcpKVServer:
             await self._send_error(channel, code="protocol", message=exc.message)
             return 0
         if first_block < exported.num_blocks and not (
-                wanted_slice.fits(self._layout) and self._holds.contains(wanted_slice)):
+            wanted_slice.fits(self._layout) and self._holds.contains(wanted_slice)
+        ):
             await self._send_error(
-                channel, code="layout_mismatch",
+                channel,
+                code="layout_mismatch",
                 message=f"this endpoint holds {self._holds.describe()}, not {wanted_slice.describe()}",
             )
             return 0
         block_nbytes = wanted_slice.block_nbytes(self._layout)
-        header = {"num_blocks": exported.num_blocks, "num_tokens": exported.num_tokens,
-                  "first_block": first_block, "block_nbytes": block_nbytes}
-        layout = encode_json(FrameType.LAYOUT, {
-            **header, **self._auth.layout_proof(request_id=request_id, nonce=nonce, header=header)})
-        await channel.send_frames(self._frames(exported, first_block=first_block, layout=layout,
-                                               wanted=wanted_slice),
-                                  ahead_bytes=SEND_AHEAD_BYTES, stall_seconds=self._io_timeout_seconds)
+        header = {
+            "num_blocks": exported.num_blocks,
+            "num_tokens": exported.num_tokens,
+            "first_block": first_block,
+            "block_nbytes": block_nbytes,
+        }
+        layout = encode_json(
+            FrameType.LAYOUT, {**header, **self._auth.layout_proof(request_id=request_id, nonce=nonce, header=header)}
+        )
+        await channel.send_frames(
+            self._frames(exported, first_block=first_block, layout=layout, wanted=wanted_slice),
+            ahead_bytes=SEND_AHEAD_BYTES,
+            stall_seconds=self._io_timeout_seconds,
+        )
         num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + block_nbytes)
         ack = await self._read_control(channel)
         if ack.type is FrameType.RELEASE and ack.json().get("keep") is not True:
             self._registry.release(request_id)
         return num_bytes
 
-    def _frames(self, exported: ExportedKV, *, first_block: int, layout: bytes,
-                wanted: KVSlice) -> Iterator[Sequence[bytes | memoryview]]:
+    def _frames(
+        self, exported: ExportedKV, *, first_block: int, layout: bytes, wanted: KVSlice
+    ) -> Iterator[Sequence[bytes | memoryview]]:
         """LAYOUT, then each BLOCK frame as (header, the block's own bytes, or the slice of
         them that was asked for), then DONE; a block is read and checksummed only when the
         channel asks for it."""
@@ -294,15 +315,27 @@ class TcpKVServer:
         block_nbytes = wanted.block_nbytes(self._layout)
         # Slices are cut into a ring of buffers, each reused once the channel sent it: it
         # holds at most SEND_AHEAD_BYTES plus one frame not yet sent (see send_frames).
-        ring = ([] if wanted == self._holds else
-                [memoryview(bytearray(block_nbytes)) for _ in range(SEND_AHEAD_BYTES // block_nbytes + 3)])
+        ring = (
+            []
+            if wanted == self._holds
+            else [memoryview(bytearray(block_nbytes)) for _ in range(SEND_AHEAD_BYTES // block_nbytes + 3)]
+        )
         for index in range(first_block, exported.num_blocks):
             data = byte_view(exported.read_block(index))
             if len(data) != held_nbytes:
-                raise TransferError(code="protocol", message=(
-                    f"block {index} of {exported.request_id!r} has {len(data)} bytes, the layout {held_nbytes}"))
-            data = extract(data, layout=self._layout, held=self._holds, wanted=wanted,
-                           out=ring[index % len(ring)] if ring else None)
+                raise TransferError(
+                    code="protocol",
+                    message=(
+                        f"block {index} of {exported.request_id!r} has {len(data)} bytes, the layout {held_nbytes}"
+                    ),
+                )
+            data = extract(
+                data,
+                layout=self._layout,
+                held=self._holds,
+                wanted=wanted,
+                out=ring[index % len(ring)] if ring else None,
+            )
             yield block_header(index=index, data=data), data
         num_bytes = (exported.num_blocks - first_block) * (BLOCK_HEADER_SIZE + block_nbytes)
         yield (encode_json(FrameType.DONE, {"num_bytes": num_bytes}),)
@@ -311,15 +344,21 @@ class TcpKVServer:
 class TcpKVConnector:
     """Pulls one request's blocks over TCP; implements :class:`~.connector.KVConnector`."""
 
-    def __init__(self, *, observer: TransferObserver | None = None,
-                 auth: HandoffAuth | None = None) -> None:
+    def __init__(self, *, observer: TransferObserver | None = None, auth: HandoffAuth | None = None) -> None:
         self._observer = observer
         self._auth = auth if auth is not None else HandoffAuth(key=None)
 
     async def fetch(
-        self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None = None, slice: KVSlice | None = None,
+        self,
+        *,
+        endpoint: str,
+        request_id: str,
+        first_block: int,
+        layout: KVLayout,
+        on_block: BlockSink | BlockDestination,
+        timeout_seconds: float,
+        expected_num_tokens: int | None = None,
+        slice: KVSlice | None = None,
         release: bool = True,
     ) -> FetchResult:
         """See :meth:`.connector.KVConnector.fetch`. Raises ValueError (not TransferError)
@@ -327,9 +366,15 @@ class TcpKVConnector:
         started = time.perf_counter()
         try:
             result = await self._fetch(
-                endpoint=endpoint, request_id=request_id, first_block=first_block,
-                layout=layout, on_block=on_block, timeout_seconds=timeout_seconds,
-                expected_num_tokens=expected_num_tokens, slice=slice, release=release,
+                endpoint=endpoint,
+                request_id=request_id,
+                first_block=first_block,
+                layout=layout,
+                on_block=on_block,
+                timeout_seconds=timeout_seconds,
+                expected_num_tokens=expected_num_tokens,
+                slice=slice,
+                release=release,
             )
         except TransferError:
             if self._observer is not None:
@@ -340,9 +385,17 @@ class TcpKVConnector:
         return result
 
     async def _fetch(
-        self, *, endpoint: str, request_id: str, first_block: int, layout: KVLayout,
-        on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        expected_num_tokens: int | None, slice: KVSlice | None, release: bool,
+        self,
+        *,
+        endpoint: str,
+        request_id: str,
+        first_block: int,
+        layout: KVLayout,
+        on_block: BlockSink | BlockDestination,
+        timeout_seconds: float,
+        expected_num_tokens: int | None,
+        slice: KVSlice | None,
+        release: bool,
     ) -> FetchResult:
         if slice is not None and not slice.fits(layout):
             raise TransferError(code="layout_mismatch", message=f"{slice.describe()} is outside the KV layout")
@@ -360,25 +413,41 @@ class TcpKVConnector:
         nonce = self._auth.new_nonce()
         try:
             channel.expire_in(timeout_seconds)
-            await channel.send([encode_json(FrameType.FETCH, {
-                "request_id": request_id, "first_block": first_block, "layout": layout.to_json(),
-                **({"slice": slice.to_json()} if slice is not None else {}),
-                **self._auth.fetch_credentials(request_id=request_id, nonce=nonce),
-            })])
+            await channel.send(
+                [
+                    encode_json(
+                        FrameType.FETCH,
+                        {
+                            "request_id": request_id,
+                            "first_block": first_block,
+                            "layout": layout.to_json(),
+                            **({"slice": slice.to_json()} if slice is not None else {}),
+                            **self._auth.fetch_credentials(request_id=request_id, nonce=nonce),
+                        },
+                    )
+                ]
+            )
             return await self._receive(
-                channel=channel, request_id=request_id, nonce=nonce,
-                first_block=first_block, layout=layout, on_block=on_block,
-                timeout_seconds=timeout_seconds, started=started,
+                channel=channel,
+                request_id=request_id,
+                nonce=nonce,
+                first_block=first_block,
+                layout=layout,
+                on_block=on_block,
+                timeout_seconds=timeout_seconds,
+                started=started,
                 expected_num_tokens=expected_num_tokens,
-                block_nbytes=(slice or KVSlice.whole(layout)).block_nbytes(layout), release=release,
+                block_nbytes=(slice or KVSlice.whole(layout)).block_nbytes(layout),
+                release=release,
             )
         except FrameError as exc:
             raise TransferError(code="corrupt", message=str(exc)) from exc
         except HandoffRejected as exc:
             raise TransferError(code="unauthenticated", message=exc.message) from None
         except PeerClosed as exc:
-            raise TransferError(code="truncated", message=(
-                f"peer closed after {exc.received} of the {exc.expected} bytes due")) from exc
+            raise TransferError(
+                code="truncated", message=(f"peer closed after {exc.received} of the {exc.expected} bytes due")
+            ) from exc
         except TimeoutError as exc:
             raise TransferError(code="timeout", message=f"no data from {endpoint} within {timeout_seconds}s") from exc
         except OSError as exc:  # reset, broken pipe, ...
@@ -387,42 +456,67 @@ class TcpKVConnector:
             channel.close()
 
     async def _receive(
-        self, *, channel: Channel, request_id: str, nonce: str, first_block: int,
-        layout: KVLayout, on_block: BlockSink | BlockDestination, timeout_seconds: float,
-        started: float, expected_num_tokens: int | None, block_nbytes: int, release: bool,
+        self,
+        *,
+        channel: Channel,
+        request_id: str,
+        nonce: str,
+        first_block: int,
+        layout: KVLayout,
+        on_block: BlockSink | BlockDestination,
+        timeout_seconds: float,
+        started: float,
+        expected_num_tokens: int | None,
+        block_nbytes: int,
+        release: bool,
     ) -> FetchResult:
         channel.expire_in(timeout_seconds)
         frame = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
         if frame.type is FrameType.ERROR:
             body = frame.json()
             code = body.get("code")
-            raise TransferError(code=code if code in PEER_ERROR_CODES else "protocol",
-                                message=str(body.get("message", ""))[:MAX_PEER_MESSAGE_CHARS])
+            raise TransferError(
+                code=code if code in PEER_ERROR_CODES else "protocol",
+                message=str(body.get("message", ""))[:MAX_PEER_MESSAGE_CHARS],
+            )
         if frame.type is not FrameType.LAYOUT:
             raise TransferError(code="protocol", message=f"expected LAYOUT, got {frame.type.name}")
         header = frame.json()
         self._auth.check_layout(header, request_id=request_id, nonce=nonce)  # before any block
-        num_blocks, num_tokens = _check_layout_header(header, layout=layout, first_block=first_block,
-                                                      expected_num_tokens=expected_num_tokens,
-                                                      block_nbytes=block_nbytes)
+        num_blocks, num_tokens = _check_layout_header(
+            header,
+            layout=layout,
+            first_block=first_block,
+            expected_num_tokens=expected_num_tokens,
+            block_nbytes=block_nbytes,
+        )
         num_bytes = await BlockReceiver(
-            channel=channel, block_nbytes=block_nbytes, on_block=on_block, timeout_seconds=timeout_seconds,
-            first_block=first_block, num_blocks=num_blocks).receive()
+            channel=channel,
+            block_nbytes=block_nbytes,
+            on_block=on_block,
+            timeout_seconds=timeout_seconds,
+            first_block=first_block,
+            num_blocks=num_blocks,
+        ).receive()
         channel.expire_in(timeout_seconds)
         done = await channel.read_frame(max_payload_bytes=CONTROL_FRAME_MAX_BYTES)
         if done.type is not FrameType.DONE:
             raise TransferError(code="protocol", message=f"expected DONE, got {done.type.name}")
         channel.expire_in(timeout_seconds)
-        await channel.send([encode_json(FrameType.RELEASE, {"request_id": request_id,
-                                                            **({} if release else {"keep": True})})])
+        await channel.send(
+            [encode_json(FrameType.RELEASE, {"request_id": request_id, **({} if release else {"keep": True})})]
+        )
         return FetchResult(
-            num_blocks=num_blocks - first_block, num_bytes=num_bytes,
-            num_tokens=num_tokens, seconds=time.perf_counter() - started,
+            num_blocks=num_blocks - first_block,
+            num_bytes=num_bytes,
+            num_tokens=num_tokens,
+            seconds=time.perf_counter() - started,
         )
 
 
-def _check_layout_header(header: dict[str, object], *, layout: KVLayout, first_block: int,
-                         expected_num_tokens: int | None, block_nbytes: int) -> tuple[int, int]:
+def _check_layout_header(
+    header: dict[str, object], *, layout: KVLayout, first_block: int, expected_num_tokens: int | None, block_nbytes: int
+) -> tuple[int, int]:
     """(num_blocks, num_tokens) of a LAYOUT answer, which must describe exactly the pull that
     was asked for; raises TransferError otherwise."""
     values: dict[str, int] = {}
@@ -435,12 +529,17 @@ def _check_layout_header(header: dict[str, object], *, layout: KVLayout, first_b
         raise TransferError(code="layout_mismatch", message="block size in bytes differs between pods")
     num_blocks, num_tokens = values["num_blocks"], values["num_tokens"]
     if values["first_block"] != first_block or not first_block <= num_blocks:
-        raise TransferError(code="protocol", message=(
-            f"LAYOUT starts at block {values['first_block']} of {num_blocks}; block {first_block} was asked for"))
+        raise TransferError(
+            code="protocol",
+            message=(
+                f"LAYOUT starts at block {values['first_block']} of {num_blocks}; block {first_block} was asked for"
+            ),
+        )
     if num_tokens < 1 or num_blocks != -(-num_tokens // layout.block_size):
-        raise TransferError(code="protocol", message=(
-            f"LAYOUT announces {num_blocks} blocks for {num_tokens} tokens"))
+        raise TransferError(code="protocol", message=(f"LAYOUT announces {num_blocks} blocks for {num_tokens} tokens"))
     if expected_num_tokens is not None and num_tokens != expected_num_tokens:
-        raise TransferError(code="prompt_mismatch", message=(
-            f"the prefill pod holds {num_tokens} tokens, the prompt has {expected_num_tokens}"))
+        raise TransferError(
+            code="prompt_mismatch",
+            message=(f"the prefill pod holds {num_tokens} tokens, the prompt has {expected_num_tokens}"),
+        )
     return num_blocks, num_tokens

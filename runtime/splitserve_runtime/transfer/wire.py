@@ -137,15 +137,14 @@ class Channel:
         first = 0
         while first < len(views):
             try:
-                sent = self._sock.sendmsg(views[first:first + MAX_IOVECS])
+                sent = self._sock.sendmsg(views[first : first + MAX_IOVECS])
             except (BlockingIOError, InterruptedError):
                 await self._ready(write=True)
                 continue
             first = consume(views, first, sent)
         return total
 
-    async def send_frames(self, frames: Iterable[Sequence[Any]], *, ahead_bytes: int,
-                          stall_seconds: float) -> int:
+    async def send_frames(self, frames: Iterable[Sequence[Any]], *, ahead_bytes: int, stall_seconds: float) -> int:
         """Send the buffers of every item of ``frames`` in order; returns the bytes sent.
 
         Items are drawn from ``frames`` only as the socket takes bytes, until ``ahead_bytes``
@@ -177,7 +176,7 @@ class Channel:
                 self.expire_in(stall_seconds)
                 rearm_at = total + ahead_bytes
             try:
-                sent = self._sock.sendmsg(queue[first:first + MAX_IOVECS])
+                sent = self._sock.sendmsg(queue[first : first + MAX_IOVECS])
             except (BlockingIOError, InterruptedError):
                 await self._ready(write=True)
                 continue
@@ -199,14 +198,14 @@ class Channel:
             count = 0
             for view in views:
                 take = min(len(view), end - start)
-                view[:take] = self._spill[start:start + take]
+                view[:take] = self._spill[start : start + take]
                 start += take
                 count += take
                 if start == end:
                     break
             self._spill_start = start
             return count
-        targets = list(views[:MAX_IOVECS - 1])
+        targets = list(views[: MAX_IOVECS - 1])
         while True:
             try:
                 count = self._sock.recvmsg_into([*targets, self._spill])[0]
@@ -236,7 +235,7 @@ class Channel:
         start = self._spill_start
         if self._spill_end - start >= HEADER_SIZE:  # the usual case: it came with the last frame
             self._spill_start = start + HEADER_SIZE
-            return decode_header(self._spill[start:start + HEADER_SIZE], max_payload_bytes=max_payload_bytes)
+            return decode_header(self._spill[start : start + HEADER_SIZE], max_payload_bytes=max_payload_bytes)
         await self.recv_into([self._header])
         return decode_header(self._header, max_payload_bytes=max_payload_bytes)
 

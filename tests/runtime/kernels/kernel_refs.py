@@ -25,8 +25,14 @@ class PagedKV:
 
 
 def make_paged_kv(
-    *, context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, seed: int, extra_blocks: int = 3,
+    *,
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    extra_blocks: int = 3,
 ) -> PagedKV:
     """Random caches whose blocks are handed out in a shuffled (non-contiguous) order."""
     gen = torch.Generator().manual_seed(seed)
@@ -40,11 +46,15 @@ def make_paged_kv(
     table = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
     used = 0
     for b, nb in enumerate(blocks_per_seq):
-        table[b, :nb] = torch.tensor(perm[used:used + nb], dtype=torch.int32)
+        table[b, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
         used += nb
-    return PagedKV(k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE),
-                   block_tables=table.to(DEVICE), context_lens=list(context_lens),
-                   block_size=block_size)
+    return PagedKV(
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=table.to(DEVICE),
+        context_lens=list(context_lens),
+        block_size=block_size,
+    )
 
 
 def gather_seq(kv: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +69,12 @@ def gather_seq(kv: PagedKV, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dense_attention(
-    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: list[int], scale: float,
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: list[int],
+    scale: float,
 ) -> torch.Tensor:
     """``q [n, H, D]`` over ``k, v [L, Hkv, D]``; row i sees keys ``0..q_positions[i]``."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]

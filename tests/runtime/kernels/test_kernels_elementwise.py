@@ -50,8 +50,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
 
 def test_rms_norm_rejects_bad_weight() -> None:
     with pytest.raises(ValueError, match="weight"):
-        rms_norm(x=torch.randn(2, 8, device=DEVICE), weight=torch.ones(4, device=DEVICE),
-                 eps=1e-6)
+        rms_norm(x=torch.randn(2, 8, device=DEVICE), weight=torch.ones(4, device=DEVICE), eps=1e-6)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x=torch.randn(2, 8, device=DEVICE), weight=torch.ones(8, device=DEVICE), eps=0.0)
 
@@ -73,13 +72,12 @@ def _ref_rope(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 4, 1), (128, 6, 2)])
-def test_rotary_embedding(dtype: torch.dtype, head_dim: int, num_heads: int,
-                          num_kv_heads: int) -> None:
+def test_rotary_embedding(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
     cache = _cos_sin_cache(64, head_dim)
     positions = torch.tensor([0, 5, 63, 17, 17], device=DEVICE)
     # q and k as strided views of one fused projection output.
     fused = torch.randn((5, num_heads + 2 * num_kv_heads, head_dim), device=DEVICE).to(dtype)
-    q, k = fused[:, :num_heads], fused[:, num_heads:num_heads + num_kv_heads]
+    q, k = fused[:, :num_heads], fused[:, num_heads : num_heads + num_kv_heads]
     q_before, k_before = q.clone(), k.clone()
     q_out, k_out = rotary_embedding(positions=positions, q=q, k=k, cos_sin_cache=cache)
     assert_close(q_out.double(), _ref_rope(q, positions, cache), tol=TOL[dtype])
@@ -94,8 +92,12 @@ def test_rotary_embedding(dtype: torch.dtype, head_dim: int, num_heads: int,
 def test_rotary_rejects_wrong_cache_width() -> None:
     q = torch.randn((2, 2, 64), device=DEVICE)
     with pytest.raises(ValueError, match="cos_sin_cache"):
-        rotary_embedding(positions=torch.zeros(2, dtype=torch.int64, device=DEVICE), q=q, k=q,
-                         cos_sin_cache=torch.zeros((8, 32), device=DEVICE))
+        rotary_embedding(
+            positions=torch.zeros(2, dtype=torch.int64, device=DEVICE),
+            q=q,
+            k=q,
+            cos_sin_cache=torch.zeros((8, 32), device=DEVICE),
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -39,24 +39,49 @@ def test_write_kv_cache_int32_slots_and_empty() -> None:
     v_cache = torch.zeros((2, 4, 1, 16), device=DEVICE)
     key = torch.randn((2, 1, 16), device=DEVICE)
     value = torch.randn((2, 1, 16), device=DEVICE)
-    write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                   slot_mapping=torch.tensor([7, 0], dtype=torch.int32, device=DEVICE))
+    write_kv_cache(
+        key=key,
+        value=value,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=torch.tensor([7, 0], dtype=torch.int32, device=DEVICE),
+    )
     assert torch.equal(k_cache[1, 3], key[0]) and torch.equal(v_cache[0, 0], value[1])
     empty = torch.empty((0, 1, 16), device=DEVICE)
-    write_kv_cache(key=empty, value=empty, k_cache=k_cache, v_cache=v_cache,
-                   slot_mapping=torch.empty((0,), dtype=torch.int64, device=DEVICE))
+    write_kv_cache(
+        key=empty,
+        value=empty,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=torch.empty((0,), dtype=torch.int64, device=DEVICE),
+    )
 
 
 def test_write_kv_cache_rejects_bad_shapes() -> None:
     k_cache = torch.zeros((2, 4, 2, 16), device=DEVICE)
     key = torch.randn((3, 1, 16), device=DEVICE)
     with pytest.raises(ValueError, match="heads"):
-        write_kv_cache(key=key, value=key, k_cache=k_cache, v_cache=k_cache.clone(),
-                       slot_mapping=torch.zeros(3, dtype=torch.int64, device=DEVICE))
+        write_kv_cache(
+            key=key,
+            value=key,
+            k_cache=k_cache,
+            v_cache=k_cache.clone(),
+            slot_mapping=torch.zeros(3, dtype=torch.int64, device=DEVICE),
+        )
     key = torch.randn((3, 2, 16), device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
-        write_kv_cache(key=key, value=key, k_cache=k_cache, v_cache=k_cache.clone(),
-                       slot_mapping=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+        write_kv_cache(
+            key=key,
+            value=key,
+            k_cache=k_cache,
+            v_cache=k_cache.clone(),
+            slot_mapping=torch.zeros(2, dtype=torch.int64, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="dtype"):
-        write_kv_cache(key=key, value=key, k_cache=k_cache, v_cache=k_cache.clone(),
-                       slot_mapping=torch.zeros(3, dtype=torch.float32, device=DEVICE))
+        write_kv_cache(
+            key=key,
+            value=key,
+            k_cache=k_cache,
+            v_cache=k_cache.clone(),
+            slot_mapping=torch.zeros(3, dtype=torch.float32, device=DEVICE),
+        )

@@ -41,7 +41,7 @@ def test_write_stores_torchs_bytes_with_scales_and_saturation(dtype: torch.dtype
     # Magnitudes from 2^-14 (below the smallest subnormal once divided by the scale) to 2^10
     # (far past 448 * scale, so those saturate).
     exponents = torch.randint(-14, 11, (num_tokens, num_kv_heads, 1), generator=gen).float()
-    key = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen) * torch.exp2(exponents))
+    key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen) * torch.exp2(exponents)
     value = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen) * 600.0
     key, value = key.to(dtype).to(DEVICE), value.to(dtype).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
@@ -49,8 +49,9 @@ def test_write_stores_torchs_bytes_with_scales_and_saturation(dtype: torch.dtype
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.zeros(shape, dtype=FP8, device=DEVICE)
     v_cache = torch.zeros(shape, dtype=FP8, device=DEVICE)
-    write_kv_cache(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
-                   k_scale=K_SCALE, v_scale=V_SCALE)
+    write_kv_cache(
+        key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, k_scale=K_SCALE, v_scale=V_SCALE
+    )
 
     keep = slots >= 0
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -81,25 +82,42 @@ def test_write_rounds_to_nearest_even_like_torch() -> None:
     x = torch.cat([x, torch.zeros(rows * 64 - x.numel())])  # 64 values per token row
     key = x.view(rows, 1, 64).to(DEVICE)
     cache = torch.zeros((rows, 1, 1, 64), dtype=FP8, device=DEVICE)
-    write_kv_cache(key=key, value=key, k_cache=cache, v_cache=torch.zeros_like(cache),
-                   slot_mapping=torch.arange(rows, device=DEVICE))
+    write_kv_cache(
+        key=key,
+        value=key,
+        k_cache=cache,
+        v_cache=torch.zeros_like(cache),
+        slot_mapping=torch.arange(rows, device=DEVICE),
+    )
     stored = cache.flatten()
     mismatch = (_bytes(stored) != _bytes(x.clamp(-448, 448).to(FP8))).nonzero().flatten()
     assert mismatch.numel() == 0, f"{x[mismatch][:5].tolist()} -> {stored[mismatch[:5]].float().tolist()}"
 
 
-def _fp8_paged_kv(context_lens: list[int], *, num_kv_heads: int, head_dim: int,
-                  block_size: int, seed: int) -> tuple[PagedKV, PagedKV]:
+def _fp8_paged_kv(
+    context_lens: list[int], *, num_kv_heads: int, head_dim: int, block_size: int, seed: int
+) -> tuple[PagedKV, PagedKV]:
     """An fp8 cache (K stored as k / K_SCALE, V as v / V_SCALE) and its dequantized fp32 twin."""
-    base = make_paged_kv(context_lens=context_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         block_size=block_size, dtype=torch.float32, seed=seed)
+    base = make_paged_kv(
+        context_lens=context_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=seed,
+    )
     k8 = encode_kv(base.k_cache, cache_dtype=FP8, scale=K_SCALE)
     v8 = encode_kv(base.v_cache * 4.0, cache_dtype=FP8, scale=V_SCALE)
-    fp8 = PagedKV(k_cache=k8, v_cache=v8, block_tables=base.block_tables,
-                  context_lens=base.context_lens, block_size=block_size)
-    exact = PagedKV(k_cache=k8.float() * K_SCALE, v_cache=v8.float() * V_SCALE,
-                    block_tables=base.block_tables, context_lens=base.context_lens,
-                    block_size=block_size)
+    fp8 = PagedKV(
+        k_cache=k8, v_cache=v8, block_tables=base.block_tables, context_lens=base.context_lens, block_size=block_size
+    )
+    exact = PagedKV(
+        k_cache=k8.float() * K_SCALE,
+        v_cache=v8.float() * V_SCALE,
+        block_tables=base.block_tables,
+        context_lens=base.context_lens,
+        block_size=block_size,
+    )
     return fp8, exact
 
 
@@ -109,17 +127,24 @@ def test_decode_reads_fp8_blocks_with_scales(q_dtype: torch.dtype) -> None:
     fp8, exact = _fp8_paged_kv(lens, num_kv_heads=2, head_dim=64, block_size=16, seed=5)
     gen = torch.Generator().manual_seed(6)
     q = torch.randn((len(lens), 8, 64), generator=gen).to(q_dtype).to(DEVICE)
-    out = decode_attention(q=q, k_cache=fp8.k_cache, v_cache=fp8.v_cache,
-                           block_tables=fp8.block_tables,
-                           context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                           max_context_len=max(lens), scale=0.125, num_splits=2,
-                           k_scale=K_SCALE, v_scale=V_SCALE)
+    out = decode_attention(
+        q=q,
+        k_cache=fp8.k_cache,
+        v_cache=fp8.v_cache,
+        block_tables=fp8.block_tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        max_context_len=max(lens),
+        scale=0.125,
+        num_splits=2,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
     assert out.dtype == q_dtype
     tol = 2e-5 if q_dtype == torch.float32 else 6e-2  # bf16: output rounding of |out| ~ 4
     for b, n in enumerate(lens):
         k, v = gather_seq(exact, b)
-        ref = dense_attention(q=q[b:b + 1], k=k, v=v, q_positions=[n - 1], scale=0.125)
-        torch.testing.assert_close(out[b:b + 1].double().cpu(), ref, atol=tol, rtol=tol)
+        ref = dense_attention(q=q[b : b + 1], k=k, v=v, q_positions=[n - 1], scale=0.125)
+        torch.testing.assert_close(out[b : b + 1].double().cpu(), ref, atol=tol, rtol=tol)
 
 
 def test_prefill_reads_fp8_blocks_with_scales_and_prefix() -> None:
@@ -128,26 +153,39 @@ def test_prefill_reads_fp8_blocks_with_scales_and_prefix() -> None:
     gen = torch.Generator().manual_seed(8)
     q = torch.randn((sum(q_lens), 4, 64), generator=gen).to(DEVICE)
     cu = torch.tensor([0, 5, 25, 58], dtype=torch.int32, device=DEVICE)
-    out = prefill_attention(q=q, k_cache=fp8.k_cache, v_cache=fp8.v_cache,
-                            block_tables=fp8.block_tables,
-                            context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                            cu_seqlens_q=cu, max_q_len=max(q_lens), max_context_len=max(lens),
-                            scale=0.125, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = prefill_attention(
+        q=q,
+        k_cache=fp8.k_cache,
+        v_cache=fp8.v_cache,
+        block_tables=fp8.block_tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        cu_seqlens_q=cu,
+        max_q_len=max(q_lens),
+        max_context_len=max(lens),
+        scale=0.125,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
     for b, (q_len, n) in enumerate(zip(q_lens, lens, strict=True)):
         k, v = gather_seq(exact, b)
-        rows = q[int(cu[b]):int(cu[b + 1])]
+        rows = q[int(cu[b]) : int(cu[b + 1])]
         ref = dense_attention(q=rows, k=k, v=v, q_positions=list(range(n - q_len, n)), scale=0.125)
-        torch.testing.assert_close(out[int(cu[b]):int(cu[b + 1])].double().cpu(), ref,
-                                   atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out[int(cu[b]) : int(cu[b + 1])].double().cpu(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_scales_are_validated_and_kv_dtypes_must_match() -> None:
     lens = [4]
     fp8, _ = _fp8_paged_kv(lens, num_kv_heads=1, head_dim=16, block_size=4, seed=9)
     q = torch.randn((1, 1, 16), device=DEVICE)
-    args = dict(q=q, k_cache=fp8.k_cache, v_cache=fp8.v_cache, block_tables=fp8.block_tables,
-                context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                max_context_len=4, scale=0.25)
+    args = dict(
+        q=q,
+        k_cache=fp8.k_cache,
+        v_cache=fp8.v_cache,
+        block_tables=fp8.block_tables,
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        max_context_len=4,
+        scale=0.25,
+    )
     with pytest.raises(ValueError, match="k_scale must be a positive finite float"):
         decode_attention(**args, k_scale=0.0)
     with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
@@ -157,8 +195,14 @@ def test_scales_are_validated_and_kv_dtypes_must_match() -> None:
         decode_attention(**mixed)
     key = torch.randn((1, 1, 16), device=DEVICE)
     with pytest.raises(ValueError, match="k_scale"):
-        write_kv_cache(key=key, value=key, k_cache=fp8.k_cache, v_cache=fp8.v_cache,
-                       slot_mapping=torch.zeros(1, dtype=torch.int64, device=DEVICE), k_scale=-1.0)
+        write_kv_cache(
+            key=key,
+            value=key,
+            k_cache=fp8.k_cache,
+            v_cache=fp8.v_cache,
+            slot_mapping=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+            k_scale=-1.0,
+        )
 
 
 def _metadata(*, block_size: int) -> tuple[AttentionMetadata, list[int]]:
@@ -173,18 +217,21 @@ def _metadata(*, block_size: int) -> tuple[AttentionMetadata, list[int]]:
 
     def table_tensor(rows: list[list[int]]) -> torch.Tensor:
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32,
-                            device=DEVICE)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=DEVICE)
 
     md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE), num_prefills=2,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        num_prefills=2,
         num_prefill_tokens=sum(prefill_q),
         prefill_cu_seqlens_q=torch.tensor([0, 6, 15], dtype=torch.int32, device=DEVICE),
         prefill_context_lens=torch.tensor(prefill_ctx, dtype=torch.int32, device=DEVICE),
-        prefill_block_tables=table_tensor(tables[:2]), prefill_max_q_len=9,
-        prefill_max_context_len=15, num_decodes=2,
+        prefill_block_tables=table_tensor(tables[:2]),
+        prefill_max_q_len=9,
+        prefill_max_context_len=15,
+        num_decodes=2,
         decode_context_lens=torch.tensor(decode_ctx, dtype=torch.int32, device=DEVICE),
-        decode_block_tables=table_tensor(tables[2:]), decode_max_context_len=13,
+        decode_block_tables=table_tensor(tables[2:]),
+        decode_max_context_len=13,
         block_size=block_size,
     )
     return md, slots
@@ -205,13 +252,10 @@ def test_triton_backend_matches_the_torch_backend_on_fp8_caches() -> None:
     outs = {}
     for ops in (TorchOps(), TritonOps()):
         k_cache, v_cache = history.clone().to(DEVICE), history.clone().to(DEVICE)
-        ops.write_kv_cache(key, value, k_cache, v_cache, md.slot_mapping,
-                           k_scale=K_SCALE, v_scale=V_SCALE)
+        ops.write_kv_cache(key, value, k_cache, v_cache, md.slot_mapping, k_scale=K_SCALE, v_scale=V_SCALE)
         caches[ops.name] = (k_cache, v_cache)
-        pre = ops.prefill_attention(q[:15], k_cache, v_cache, md, 0.2, k_scale=K_SCALE,
-                                    v_scale=V_SCALE)
-        dec = ops.decode_attention(q[15:], k_cache, v_cache, md, 0.2, k_scale=K_SCALE,
-                                   v_scale=V_SCALE)
+        pre = ops.prefill_attention(q[:15], k_cache, v_cache, md, 0.2, k_scale=K_SCALE, v_scale=V_SCALE)
+        dec = ops.decode_attention(q[15:], k_cache, v_cache, md, 0.2, k_scale=K_SCALE, v_scale=V_SCALE)
         outs[ops.name] = torch.cat([pre, dec])
     for ref, got in zip(caches["torch"], caches["triton"], strict=True):
         assert torch.equal(_bytes(ref), _bytes(got))

@@ -39,7 +39,16 @@ Design, one module per job:
 * :mod:`.state` — everything learned (fits, forecaster, pod start times), one JSON
   document that survives restarts; unreadable → fresh (conservative) state.
 
-Pure Python (no numpy, no Kubernetes): the simulator imports this exact code.
+Bound to the operator (Kubernetes, Prometheus), and not re-exported here (importing this package stays pure):
+
+* :mod:`.round` — the SLO part of an autoscaling round (:mod:`..loop`): the spec as a
+  :class:`.inputs.SloTarget`, the load read from Prometheus, feeding :class:`.state.SloState`,
+  the controller's call;
+* :mod:`.store` — :class:`.state.SloState` kept in the ``<isvc>-slo-state`` ConfigMap.
+* :mod:`.measure` — what the controller reads from Prometheus (step counters, latency
+  quantiles, the load).
+
+The rest is pure Python (no numpy, no Kubernetes): the simulator imports this exact code.
 """
 
 from __future__ import annotations

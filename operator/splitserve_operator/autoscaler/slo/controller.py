@@ -129,8 +129,13 @@ ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_AGGREGATED: Final = "aggregated"
 
-_CAMEL = {"step": "step", "prefill_token": "prefillToken", "prefill_pair": "prefillPair",
-          "decode_row": "decodeRow", "decode_context": "decodeContext"}
+_CAMEL = {
+    "step": "step",
+    "prefill_token": "prefillToken",
+    "prefill_pair": "prefillPair",
+    "decode_row": "decodeRow",
+    "decode_context": "decodeContext",
+}
 
 
 @dataclasses.dataclass
@@ -176,8 +181,10 @@ class _Plan:
         """(TTFT, ITL) estimate/target of the metrics this pool answers for (None: not its
         metric); TTFT as sized, with the backlog drain beyond one pod start time."""
         ttft, itl = self.metrics()
-        return (estimate.ttft_ratio(slo, drain_allowance_seconds=self.horizon_seconds) if ttft else None,
-                estimate.itl_ratio(slo) if itl else None)
+        return (
+            estimate.ttft_ratio(slo, drain_allowance_seconds=self.horizon_seconds) if ttft else None,
+            estimate.itl_ratio(slo) if itl else None,
+        )
 
     def score(self, estimate: LatencyEstimate, slo: SloTarget) -> float:
         """The largest estimate/target ratio of this pool's metrics (inf when unstable)."""
@@ -209,15 +216,25 @@ def decide_slo(
     ``histories`` are appended to (stabilization); ``floors`` are target tracking's counts
     (None: no floors); ``gpu_budget`` caps the pools' GPUs together (None: no cap).
     """
-    plans = {name: _plan(name, pool, inputs=inputs, slo=slo, state=state, policy=policies[name])
-             for name, pool in sorted(inputs.pools.items())}
+    plans = {
+        name: _plan(name, pool, inputs=inputs, slo=slo, state=state, policy=policies[name])
+        for name, pool in sorted(inputs.pools.items())
+    }
     _attach_estimators(plans, slo=slo, max_num_batched_tokens=max_num_batched_tokens)
     measured_ttft = _worst(p.ttft_p99_seconds for p in inputs.pools.values())
     measured_itl = _worst(p.itl_p99_seconds for p in inputs.pools.values())
     decisions = [
-        _decide_pool(plan, inputs=inputs, slo=slo, history=histories[name], gpus=gpus_per_replica.get(name, 1),
-                     floor=(floors or {}).get(name), measured_ttft=measured_ttft, measured_itl=measured_itl,
-                     dry_run=dry_run)
+        _decide_pool(
+            plan,
+            inputs=inputs,
+            slo=slo,
+            history=histories[name],
+            gpus=gpus_per_replica.get(name, 1),
+            floor=(floors or {}).get(name),
+            measured_ttft=measured_ttft,
+            measured_itl=measured_itl,
+            dry_run=dry_run,
+        )
         for name, plan in plans.items()
     ]
     return _trade_budget(decisions, plans=plans, slo=slo, gpu_budget=gpu_budget)
@@ -229,8 +246,9 @@ def _worst(values: Iterable[float | None]) -> float | None:
     return max(found) if found else None
 
 
-def _plan_load(current: LoadObservation | None, forecast: LoadObservation | None, *,
-               deviation: float = 0.0, peak: float = 0.0) -> Workload | None:
+def _plan_load(
+    current: LoadObservation | None, forecast: LoadObservation | None, *, deviation: float = 0.0, peak: float = 0.0
+) -> Workload | None:
     """The planned load: the larger of the current, forecast and peak rate plus the burst margin,
     with the window's prompt and output lengths (the forecaster's for an empty window). The part
     of the rate above the window's is requests still to come, so it takes the newest requests'
@@ -251,23 +269,30 @@ def _plan_load(current: LoadObservation | None, forecast: LoadObservation | None
         prompt = (now * prompt + ahead * max(recent_prompt, 0.0)) / rate
         output = (now * output + ahead * max(recent_output, 1.0)) / rate
     return Workload(
-        request_rate=rate, prompt_tokens=prompt, output_tokens=output,
+        request_rate=rate,
+        prompt_tokens=prompt,
+        output_tokens=output,
         prefix_hit_ratio=min(1.0, max(0.0, min(current.prefix_hit_ratio, forecast.prefix_hit_ratio))),
     )
 
 
-def _plan(name: str, pool: PoolSloObservation, *, inputs: SloInputs, slo: SloTarget, state: SloState,
-          policy: PoolPolicy) -> _Plan:
+def _plan(
+    name: str, pool: PoolSloObservation, *, inputs: SloInputs, slo: SloTarget, state: SloState, policy: PoolPolicy
+) -> _Plan:
     fit = state.fits.get(name)
     theta = fit.coefficients if fit is not None else slo.prior
     horizon = state.pod_start_seconds(name if name in state.start_seconds else pool.role)
     forecast = state.forecaster.forecast(horizon_seconds=horizon)
     return _Plan(
-        name=name, pool=pool, policy=policy, fit=fit, theta=theta,
-        workload=_plan_load(inputs.load, forecast, deviation=state.forecaster.burstiness,
-                            peak=state.forecaster.peak),
+        name=name,
+        pool=pool,
+        policy=policy,
+        fit=fit,
+        theta=theta,
+        workload=_plan_load(inputs.load, forecast, deviation=state.forecaster.burstiness, peak=state.forecaster.peak),
         current_workload=Workload.from_load(inputs.load) if inputs.load is not None else None,
-        horizon_seconds=horizon, forecast_rate=forecast.request_rate if forecast is not None else None,
+        horizon_seconds=horizon,
+        forecast_rate=forecast.request_rate if forecast is not None else None,
         waiting_before=state.waiting_before.get(name),
     )
 
@@ -283,19 +308,37 @@ def _attach_estimators(plans: Mapping[str, _Plan], *, slo: SloTarget, max_num_ba
         if theta is None:
             continue
         if pool.role == ROLE_AGGREGATED:
-            def aggregated(n: int, load: Workload, theta: StepCoefficients = theta,
-                           pool: PoolSloObservation = pool, horizon: float = plan.horizon_seconds) -> LatencyEstimate:
+
+            def aggregated(
+                n: int,
+                load: Workload,
+                theta: StepCoefficients = theta,
+                pool: PoolSloObservation = pool,
+                horizon: float = plan.horizon_seconds,
+            ) -> LatencyEstimate:
                 return estimate_aggregated(
-                    theta, load, replicas=n, max_num_batched_tokens=budget, attainment=q,
-                    backlog=_backlog(pool), kv_tokens_per_replica=pool.kv_cache_tokens_per_replica,
-                    serving_replicas=_serving(pool), start_seconds=horizon)
+                    theta,
+                    load,
+                    replicas=n,
+                    max_num_batched_tokens=budget,
+                    attainment=q,
+                    backlog=_backlog(pool),
+                    kv_tokens_per_replica=pool.kv_cache_tokens_per_replica,
+                    serving_replicas=_serving(pool),
+                    start_seconds=horizon,
+                )
+
             plan.estimate = aggregated
         elif pool.role == ROLE_DECODE:
-            def decode(n: int, load: Workload, theta: StepCoefficients = theta,
-                       pool: PoolSloObservation = pool) -> LatencyEstimate:
-                d = estimate_decode(theta, load, replicas=n, attainment=q,
-                                    kv_tokens_per_replica=pool.kv_cache_tokens_per_replica)
+
+            def decode(
+                n: int, load: Workload, theta: StepCoefficients = theta, pool: PoolSloObservation = pool
+            ) -> LatencyEstimate:
+                d = estimate_decode(
+                    theta, load, replicas=n, attainment=q, kv_tokens_per_replica=pool.kv_cache_tokens_per_replica
+                )
                 return LatencyEstimate(ttft_seconds=d.step_seconds, itl_seconds=d.itl_seconds, decode=d)
+
             plan.estimate = decode
     for plan in plans.values():
         if plan.estimate is not None:
@@ -305,13 +348,26 @@ def _attach_estimators(plans: Mapping[str, _Plan], *, slo: SloTarget, max_num_ba
         if theta is None or pool.role != ROLE_PREFILL:
             continue
 
-        def prefill(n: int, load: Workload, theta: StepCoefficients = theta, pool: PoolSloObservation = pool,
-                    horizon: float = plan.horizon_seconds) -> LatencyEstimate:
-            p = estimate_prefill(theta, load, replicas=n, max_num_batched_tokens=budget, attainment=q,
-                                 backlog=_backlog(pool), serving_replicas=_serving(pool),
-                                 start_seconds=horizon)
+        def prefill(
+            n: int,
+            load: Workload,
+            theta: StepCoefficients = theta,
+            pool: PoolSloObservation = pool,
+            horizon: float = plan.horizon_seconds,
+        ) -> LatencyEstimate:
+            p = estimate_prefill(
+                theta,
+                load,
+                replicas=n,
+                max_num_batched_tokens=budget,
+                attainment=q,
+                backlog=_backlog(pool),
+                serving_replicas=_serving(pool),
+                start_seconds=horizon,
+            )
             first = _first_decode_step(decode_plans, load)
             return LatencyEstimate(ttft_seconds=p.ttft_seconds + first, itl_seconds=0.0, prefill=p)
+
         plan.estimate = prefill
         _search(plan, slo)
     if slo.prior is None:
@@ -370,8 +426,9 @@ def _serving(pool: PoolSloObservation) -> float:
 
 
 def _backlog(pool: PoolSloObservation) -> Backlog:
-    return Backlog(requests_waiting=max(0.0, pool.requests_waiting),
-                   prompt_tokens_waiting=max(0.0, pool.prompt_tokens_waiting))
+    return Backlog(
+        requests_waiting=max(0.0, pool.requests_waiting), prompt_tokens_waiting=max(0.0, pool.prompt_tokens_waiting)
+    )
 
 
 def _fewest(plan: _Plan, slo: SloTarget, workload: Workload) -> tuple[int, bool]:
@@ -394,8 +451,16 @@ def _search(plan: _Plan, slo: SloTarget) -> None:
 
 # ---------------------------------------------------------------------------- deciding
 def _decide_pool(
-    plan: _Plan, *, inputs: SloInputs, slo: SloTarget, history: RecommendationHistory, gpus: int,
-    floor: int | None, measured_ttft: float | None, measured_itl: float | None, dry_run: bool,
+    plan: _Plan,
+    *,
+    inputs: SloInputs,
+    slo: SloTarget,
+    history: RecommendationHistory,
+    gpus: int,
+    floor: int | None,
+    measured_ttft: float | None,
+    measured_itl: float | None,
+    dry_run: bool,
 ) -> Decision:
     pool, policy = plan.pool, plan.policy
     current, ready = pool.current_replicas, pool.ready_replicas
@@ -417,8 +482,18 @@ def _decide_pool(
     model = plan.model_replicas
     if model is None and reactive is None and (floor is None or floor <= current):
         why = "no load observed" if plan.workload is None else "no step model (no prior, too little data)"
-        return _hold(plan, slo=slo, now=inputs.now_seconds, history=history, gpus=gpus, signals=signals,
-                     measured_ratio=measured_ratio, why=why, dry_run=dry_run, stages=stages)
+        return _hold(
+            plan,
+            slo=slo,
+            now=inputs.now_seconds,
+            history=history,
+            gpus=gpus,
+            signals=signals,
+            measured_ratio=measured_ratio,
+            why=why,
+            dry_run=dry_run,
+            stages=stages,
+        )
 
     proposal = current
     if model is not None:
@@ -428,19 +503,24 @@ def _decide_pool(
     if reactive is not None:
         assert measured_ratio is not None
         factor = min(measured_ratio, REACTIVE_MAX_FACTOR)
-        stages.append(f"measured {_signal_terms(signals)} > target → reactive ceil({max(ready, 1)} ready × "
-                      f"{factor:.2f}) = {reactive}")
+        stages.append(
+            f"measured {_signal_terms(signals)} > target → reactive ceil({max(ready, 1)} ready × "
+            f"{factor:.2f}) = {reactive}"
+        )
     if model is not None and model > current and slo.prior is None and plan.confidence < MIN_CONFIDENCE_TO_SCALE_UP:
         # a fit from a few windows and no prior can be wildly off (e2e: 1.4 s per decode row
         # from a prefill pod's windows); it may not add pods on its own, measured latency may
-        stages.append(f"model {model} ignored for scale-up (no prior, confidence {plan.confidence:.2f} < "
-                      f"{MIN_CONFIDENCE_TO_SCALE_UP:g})")
+        stages.append(
+            f"model {model} ignored for scale-up (no prior, confidence {plan.confidence:.2f} < "
+            f"{MIN_CONFIDENCE_TO_SCALE_UP:g})"
+        )
         model = current
     if model is not None:
         proposal = model
         if model < current:
-            proposal, gate, evidence = _gate_scale_down(plan, slo=slo, model=model, signals=signals,
-                                                        measured_ratio=measured_ratio)
+            proposal, gate, evidence = _gate_scale_down(
+                plan, slo=slo, model=model, signals=signals, measured_ratio=measured_ratio
+            )
             if evidence is not None:
                 stages.append(f"scale-down on measurements ({evidence}) → {proposal}")
             if gate is not None:
@@ -451,17 +531,36 @@ def _decide_pool(
         stages.append(f"floor (target tracking) {floor}")
         proposal = floor
     stages.append(f"proposal {proposal}")
-    settled = settle(proposal=proposal, now_seconds=inputs.now_seconds, current_replicas=current,
-                     pending_replicas=pool.pending_replicas, policy=policy, history=history,
-                     gpus_per_replica=gpus)
-    reason = settled.limit_reason or _reason(plan, result=settled.result, proposal=proposal, reactive=reactive,
-                                             gate=gate, floor=floor)
+    settled = settle(
+        proposal=proposal,
+        now_seconds=inputs.now_seconds,
+        current_replicas=current,
+        pending_replicas=pool.pending_replicas,
+        policy=policy,
+        history=history,
+        gpus_per_replica=gpus,
+    )
+    reason = settled.limit_reason or _reason(
+        plan, result=settled.result, proposal=proposal, reactive=reactive, gate=gate, floor=floor
+    )
     return Decision(
-        pool=plan.name, time_seconds=inputs.now_seconds, current_replicas=current, ready_replicas=ready,
-        pending_replicas=pool.pending_replicas, min_replicas=policy.min_replicas, max_replicas=policy.max_replicas,
-        gpus_per_replica=gpus, signals=signals, ratio=_ratio_now(plan, slo, measured_ratio), proposal=proposal,
-        stabilized=settled.stabilized, step_limited=settled.step_limited, result=settled.result, reason=reason,
-        formula=" → ".join([*stages, *settled.stages]), dry_run=dry_run,
+        pool=plan.name,
+        time_seconds=inputs.now_seconds,
+        current_replicas=current,
+        ready_replicas=ready,
+        pending_replicas=pool.pending_replicas,
+        min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus,
+        signals=signals,
+        ratio=_ratio_now(plan, slo, measured_ratio),
+        proposal=proposal,
+        stabilized=settled.stabilized,
+        step_limited=settled.step_limited,
+        result=settled.result,
+        reason=reason,
+        formula=" → ".join([*stages, *settled.stages]),
+        dry_run=dry_run,
         model=_model_fields(plan, slo, settled.result),
     )
 
@@ -512,12 +611,15 @@ def _passed_violation(plan: _Plan, signals: Mapping[str, SignalValue], slo: SloT
         return f"no request waiting and {meets} (a passing cluster)"
     if plan.confidence < MIN_CONFIDENCE_TO_SCALE_DOWN or before is None or not waiting < before:
         return None
-    return (f"the queue is draining ({before:.0f} → {waiting:.0f} waiting since the last round) and {meets} "
-            "(what is left drains before a pod asked for now would start)")
+    return (
+        f"the queue is draining ({before:.0f} → {waiting:.0f} waiting since the last round) and {meets} "
+        "(what is left drains before a pod asked for now would start)"
+    )
 
 
-def _gate_scale_down(plan: _Plan, *, slo: SloTarget, model: int, signals: Mapping[str, SignalValue],
-                     measured_ratio: float | None) -> tuple[int, str | None, str | None]:
+def _gate_scale_down(
+    plan: _Plan, *, slo: SloTarget, model: int, signals: Mapping[str, SignalValue], measured_ratio: float | None
+) -> tuple[int, str | None, str | None]:
     """The count a model-driven scale-down may go to, why not when it may not, and the
     measured evidence when a fit of low confidence is overruled (:func:`_measured_scale_down`).
 
@@ -545,8 +647,11 @@ def _gate_scale_down(plan: _Plan, *, slo: SloTarget, model: int, signals: Mappin
         if worst > 1.0 + 1e-12:
             factor = max(correction)
             corrected = f", model × measured/estimated {factor:.2f}" if factor > 1.0 else ""
-            return current, (f"N-1 check: {n} replicas at {worst:.2f} of target (load ÷ {slo.headroom:g}"
-                             f"{corrected}) > 1"), None
+            return (
+                current,
+                (f"N-1 check: {n} replicas at {worst:.2f} of target (load ÷ {slo.headroom:g}{corrected}) > 1"),
+                None,
+            )
     return model, None, None
 
 
@@ -564,13 +669,16 @@ def _measured_scale_down(plan: _Plan, *, slo: SloTarget, measured_ratio: float |
     if current <= 1:
         return None
     idle = (plan.current_workload is None or plan.current_workload.request_rate <= 0.0) and (
-        plan.pool.requests_waiting <= 0.0 and plan.pool.requests_running <= 0.0)
+        plan.pool.requests_waiting <= 0.0 and plan.pool.requests_running <= 0.0
+    )
     if measured_ratio is None:
         return "idle: no request in the window" if idle else None
     scaled = measured_ratio * current / (current - 1)
     if scaled <= MEASURED_SCALE_DOWN_FRACTION * slo.headroom:
-        return (f"low confidence {plan.confidence:.2f}, but measured {measured_ratio:.2f} of target × "
-                f"{current}/{current - 1} = {scaled:.2f} <= {MEASURED_SCALE_DOWN_FRACTION:g} × headroom")
+        return (
+            f"low confidence {plan.confidence:.2f}, but measured {measured_ratio:.2f} of target × "
+            f"{current}/{current - 1} = {scaled:.2f} <= {MEASURED_SCALE_DOWN_FRACTION:g} × headroom"
+        )
     return None
 
 
@@ -589,16 +697,21 @@ def _correction(plan: _Plan, signals: Mapping[str, SignalValue]) -> tuple[float,
     return factors[0], factors[1]
 
 
-def _reason(plan: _Plan, *, result: int, proposal: int, reactive: int | None, gate: str | None,
-            floor: int | None) -> str:
+def _reason(
+    plan: _Plan, *, result: int, proposal: int, reactive: int | None, gate: str | None, floor: int | None
+) -> str:
     current = plan.pool.current_replicas
     if result > current:
         if reactive is not None and reactive >= proposal:
             return Reason.SLO_VIOLATED
         if plan.unattainable and plan.model_replicas == proposal:
             return Reason.SLO_UNATTAINABLE
-        if (plan.model_replicas is not None and plan.model_replicas_now is not None
-                and plan.model_replicas == proposal and plan.model_replicas_now < plan.model_replicas):
+        if (
+            plan.model_replicas is not None
+            and plan.model_replicas_now is not None
+            and plan.model_replicas == proposal
+            and plan.model_replicas_now < plan.model_replicas
+        ):
             return Reason.SLO_FORECAST
         if plan.model_replicas is not None and plan.model_replicas == proposal:
             return Reason.SLO_PREDICTED
@@ -616,22 +729,51 @@ def _reason(plan: _Plan, *, result: int, proposal: int, reactive: int | None, ga
     return Reason.SLO_MET
 
 
-def _hold(plan: _Plan, *, slo: SloTarget, now: float, history: RecommendationHistory, gpus: int,
-          signals: Mapping[str, SignalValue], measured_ratio: float | None, why: str, dry_run: bool,
-          stages: list[str]) -> Decision:
+def _hold(
+    plan: _Plan,
+    *,
+    slo: SloTarget,
+    now: float,
+    history: RecommendationHistory,
+    gpus: int,
+    signals: Mapping[str, SignalValue],
+    measured_ratio: float | None,
+    why: str,
+    dry_run: bool,
+    stages: list[str],
+) -> Decision:
     pool, policy = plan.pool, plan.policy
     current = pool.current_replicas
-    history.record(time_seconds=now, replicas=current, keep_seconds=max(
-        policy.behavior.scale_up_stabilization_seconds, policy.behavior.scale_down_stabilization_seconds))
+    history.record(
+        time_seconds=now,
+        replicas=current,
+        keep_seconds=max(
+            policy.behavior.scale_up_stabilization_seconds, policy.behavior.scale_down_stabilization_seconds
+        ),
+    )
     result = max(policy.min_replicas, min(policy.max_replicas, current))
     return Decision(
-        pool=plan.name, time_seconds=now, current_replicas=current, ready_replicas=pool.ready_replicas,
-        pending_replicas=pool.pending_replicas, min_replicas=policy.min_replicas,
-        max_replicas=policy.max_replicas, gpus_per_replica=gpus, signals=dict(signals), ratio=None,
-        proposal=current, stabilized=current, step_limited=current, result=result,
-        reason=Reason.SLO_MODEL_UNAVAILABLE, hold=True, dry_run=dry_run, message=why,
-        formula=" → ".join([*stages, f"hold {current} ({why})",
-                            f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"]),
+        pool=plan.name,
+        time_seconds=now,
+        current_replicas=current,
+        ready_replicas=pool.ready_replicas,
+        pending_replicas=pool.pending_replicas,
+        min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas,
+        gpus_per_replica=gpus,
+        signals=dict(signals),
+        ratio=None,
+        proposal=current,
+        stabilized=current,
+        step_limited=current,
+        result=result,
+        reason=Reason.SLO_MODEL_UNAVAILABLE,
+        hold=True,
+        dry_run=dry_run,
+        message=why,
+        formula=" → ".join(
+            [*stages, f"hold {current} ({why})", f"clamped [{policy.min_replicas},{policy.max_replicas}] {result}"]
+        ),
         model=_model_fields(plan, slo, result),
     )
 
@@ -654,20 +796,33 @@ def _seconds(value: float) -> str:
 
 
 def _describe_inputs(plan: _Plan, slo: SloTarget) -> str:
-    head = (f"slo ttft {slo.ttft_p99_seconds:g}s itl {slo.itl_p99_seconds:g}s @ q{slo.attainment:g}, "
-            f"headroom {slo.headroom:g}")
+    head = (
+        f"slo ttft {slo.ttft_p99_seconds:g}s itl {slo.itl_p99_seconds:g}s @ q{slo.attainment:g}, "
+        f"headroom {slo.headroom:g}"
+    )
     w = plan.workload
     if w is None:
         return f"{head}; load unknown"
-    forecast = (f" (forecast {plan.forecast_rate:.2f}/s @ {plan.horizon_seconds:.0f}s)"
-                if plan.forecast_rate is not None else "")
+    forecast = (
+        f" (forecast {plan.forecast_rate:.2f}/s @ {plan.horizon_seconds:.0f}s)"
+        if plan.forecast_rate is not None
+        else ""
+    )
     fit = plan.fit
     windows = fit.points if fit else 0
-    model = "θ none" if plan.theta is None else (
-        f"θ conf {plan.confidence:.2f} at the planned mix (fit {fit.confidence:.2f}, {windows} windows)"
-        if plan.mix is not None and fit is not None else f"θ conf {plan.confidence:.2f} ({windows} windows)")
-    return (f"{head}; plan λ {w.request_rate:.2f}/s{forecast}, prompt {w.prompt_tokens:.0f} "
-            f"(hit {w.prefix_hit_ratio:.2f}), output {w.output_tokens:.0f}; {model}")
+    model = (
+        "θ none"
+        if plan.theta is None
+        else (
+            f"θ conf {plan.confidence:.2f} at the planned mix (fit {fit.confidence:.2f}, {windows} windows)"
+            if plan.mix is not None and fit is not None
+            else f"θ conf {plan.confidence:.2f} ({windows} windows)"
+        )
+    )
+    return (
+        f"{head}; plan λ {w.request_rate:.2f}/s{forecast}, prompt {w.prompt_tokens:.0f} "
+        f"(hit {w.prefix_hit_ratio:.2f}), output {w.output_tokens:.0f}; {model}"
+    )
 
 
 def _describe_model(plan: _Plan, slo: SloTarget) -> str:
@@ -693,10 +848,16 @@ def _estimate_terms(plan: _Plan, estimate: LatencyEstimate, *, detail: bool = Tr
         parts.append(f"TTFT {_seconds(estimate.ttft_seconds)}")
         if detail and estimate.prefill is not None and math.isfinite(estimate.prefill.ttft_seconds):
             p = estimate.prefill
-            parts.append(f"= drain {_seconds(p.drain_seconds)} + wait {_seconds(p.queue_seconds)} + prefill "
-                         f"{_seconds(p.prefill_seconds)}" + (
-                             f" + first step {_seconds(estimate.ttft_seconds - p.ttft_seconds)}"
-                             if plan.pool.role == ROLE_PREFILL else "") + f", ρ {p.utilization:.2f}")
+            parts.append(
+                f"= drain {_seconds(p.drain_seconds)} + wait {_seconds(p.queue_seconds)} + prefill "
+                f"{_seconds(p.prefill_seconds)}"
+                + (
+                    f" + first step {_seconds(estimate.ttft_seconds - p.ttft_seconds)}"
+                    if plan.pool.role == ROLE_PREFILL
+                    else ""
+                )
+                + f", ρ {p.utilization:.2f}"
+            )
     if itl:
         parts.append(f"ITL {_seconds(estimate.itl_seconds)}")
         if detail and estimate.decode is not None and math.isfinite(estimate.decode.batch):
@@ -724,15 +885,21 @@ def _model_fields(plan: _Plan, slo: SloTarget, result: int) -> dict[str, float]:
         out["forecastRate"] = round(plan.forecast_rate, 4)
     if plan.workload is not None:
         w = plan.workload
-        out.update(planRate=round(w.request_rate, 4), promptTokens=round(w.prompt_tokens, 1),
-                   outputTokens=round(w.output_tokens, 1), prefixHitRatio=round(w.prefix_hit_ratio, 4))
+        out.update(
+            planRate=round(w.request_rate, 4),
+            promptTokens=round(w.prompt_tokens, 1),
+            outputTokens=round(w.output_tokens, 1),
+            prefixHitRatio=round(w.prefix_hit_ratio, 4),
+        )
     if plan.model_replicas is not None:
         out["modelReplicas"] = float(plan.model_replicas)
     if plan.estimate is not None and plan.workload is not None and result > 0:
         at = plan.estimate(result, plan.workload)
         ttft, itl = plan.metrics()
-        values = {"ttftEstimateSeconds": at.ttft_seconds if ttft else math.nan,
-                  "itlEstimateSeconds": at.itl_seconds if itl else math.nan}
+        values = {
+            "ttftEstimateSeconds": at.ttft_seconds if ttft else math.nan,
+            "itlEstimateSeconds": at.itl_seconds if itl else math.nan,
+        }
         if at.prefill is not None:
             values["prefillUtilization"] = at.prefill.utilization
         if at.decode is not None:
@@ -751,20 +918,29 @@ def _budget_score(plan: _Plan, slo: SloTarget, replicas: int, decision: Decision
         score = plan.score(estimate, slo)
         if math.isfinite(score):
             return min(score, SCORE_CAP)
-        utilization = max((e.utilization for e in (estimate.prefill, estimate.decode)
-                           if e is not None and math.isfinite(e.utilization)), default=SCORE_CAP)
+        utilization = max(
+            (
+                e.utilization
+                for e in (estimate.prefill, estimate.decode)
+                if e is not None and math.isfinite(e.utilization)
+            ),
+            default=SCORE_CAP,
+        )
         return SCORE_CAP * (1.0 + utilization)
     ratio = max((s.ratio for s in decision.signals.values()), default=1.0)
     return ratio * max(decision.ready_replicas, 1) / replicas
 
 
-def _trade_budget(decisions: list[Decision], *, plans: Mapping[str, _Plan], slo: SloTarget,
-                  gpu_budget: int | None) -> list[Decision]:
+def _trade_budget(
+    decisions: list[Decision], *, plans: Mapping[str, _Plan], slo: SloTarget, gpu_budget: int | None
+) -> list[Decision]:
     """Step 7 of the module docstring: :func:`~..decision.grant_gpu_budget` with the SLO gain per GPU as priority."""
+
     def gain(d: Decision, replicas: int) -> float:
         plan = plans[d.pool]
         return (_budget_score(plan, slo, replicas, d) - _budget_score(plan, slo, replicas + 1, d)) / max(
-            d.gpus_per_replica, 1)
+            d.gpus_per_replica, 1
+        )
 
     grants = grant_gpu_budget(decisions, gpu_budget=gpu_budget, priority=gain)
     if grants is None:
@@ -773,9 +949,15 @@ def _trade_budget(decisions: list[Decision], *, plans: Mapping[str, _Plan], slo:
     out: list[Decision] = []
     for d in decisions:
         trimmed = trimmed_to(d, granted)
-        out.append(d if trimmed is None else dataclasses.replace(
-            d, result=trimmed, reason=Reason.GPU_BUDGET_LIMITED,
-            formula=f"{d.formula} → joint gpu-budget {gpu_budget} (grants: {', '.join(trail) or 'none'}) {trimmed}",
-            model=_model_fields(plans[d.pool], slo, trimmed),
-        ))
+        out.append(
+            d
+            if trimmed is None
+            else dataclasses.replace(
+                d,
+                result=trimmed,
+                reason=Reason.GPU_BUDGET_LIMITED,
+                formula=f"{d.formula} → joint gpu-budget {gpu_budget} (grants: {', '.join(trail) or 'none'}) {trimmed}",
+                model=_model_fields(plans[d.pool], slo, trimmed),
+            )
+        )
     return out

@@ -87,9 +87,12 @@ class Workload:
 
     @classmethod
     def from_load(cls, load: LoadObservation) -> Workload:
-        return cls(request_rate=max(0.0, load.request_rate), prompt_tokens=max(0.0, load.prompt_tokens_mean),
-                   output_tokens=max(1.0, load.output_tokens_mean),
-                   prefix_hit_ratio=min(1.0, max(0.0, load.prefix_hit_ratio)))
+        return cls(
+            request_rate=max(0.0, load.request_rate),
+            prompt_tokens=max(0.0, load.prompt_tokens_mean),
+            output_tokens=max(1.0, load.output_tokens_mean),
+            prefix_hit_ratio=min(1.0, max(0.0, load.prefix_hit_ratio)),
+        )
 
     @property
     def uncached_tokens(self) -> float:
@@ -208,8 +211,15 @@ def erlang_c(servers: int, offered: float) -> float:
     return blocking / (1.0 - rho * (1.0 - blocking))
 
 
-def queue_wait_quantile(*, servers: int, rate: float, service_seconds: float, attainment: float,
-                        scv: float = PREFILL_SERVICE_SCV, committed: bool = False) -> float:
+def queue_wait_quantile(
+    *,
+    servers: int,
+    rate: float,
+    service_seconds: float,
+    attainment: float,
+    scv: float = PREFILL_SERVICE_SCV,
+    committed: bool = False,
+) -> float:
     """Wait in queue at quantile ``attainment``, M/G/c (Allen-Cunneen); inf when saturated.
 
     ``committed``: the router binds a request to one server on arrival (join the shortest
@@ -236,9 +246,18 @@ def _chunks(tokens: float, budget: int) -> int:
 
 
 def estimate_prefill(
-    theta: StepCoefficients, load: Workload, *, replicas: int, max_num_batched_tokens: int, attainment: float,
-    backlog: Backlog = NO_BACKLOG, serving_replicas: float | None = None, start_seconds: float = 0.0,
-    decode_share: float = 0.0, decode_rows: float = 0.0, decode_row_seconds: float = 0.0,
+    theta: StepCoefficients,
+    load: Workload,
+    *,
+    replicas: int,
+    max_num_batched_tokens: int,
+    attainment: float,
+    backlog: Backlog = NO_BACKLOG,
+    serving_replicas: float | None = None,
+    start_seconds: float = 0.0,
+    decode_share: float = 0.0,
+    decode_rows: float = 0.0,
+    decode_row_seconds: float = 0.0,
 ) -> PrefillEstimate:
     """TTFT at ``replicas`` (module docstring). ``decode_share``, ``decode_rows`` and
     ``decode_row_seconds`` (``d``, ``b``, ``k``) describe decode work sharing the steps
@@ -257,32 +276,55 @@ def estimate_prefill(
         return _unstable_prefill(replicas, utilization=rho, service=service)
     own = _chunks(p, budget) * (theta.step + decode_rows * decode_row_seconds) + work
     # the router commits each request to one pod on arrival (see queue_wait_quantile)
-    queue = queue_wait_quantile(servers=replicas, rate=load.request_rate, service_seconds=service,
-                                attainment=attainment, committed=True)
+    queue = queue_wait_quantile(
+        servers=replicas, rate=load.request_rate, service_seconds=service, attainment=attainment, committed=True
+    )
     drain = 0.0
     if backlog.prompt_tokens_waiting > 0 or backlog.requests_waiting > 0:
         waiting_p = backlog.prompt_tokens_waiting / backlog.requests_waiting if backlog.requests_waiting > 0 else 0.0
         waiting_pairs = waiting_p * load.cached_tokens + waiting_p * (waiting_p + 1.0) / 2.0
-        pending_work = (backlog.prompt_tokens_waiting * (theta.prefill_token + theta.step / budget)
-                        + backlog.requests_waiting * theta.prefill_pair * waiting_pairs) / (1.0 - decode_share)
+        pending_work = (
+            backlog.prompt_tokens_waiting * (theta.prefill_token + theta.step / budget)
+            + backlog.requests_waiting * theta.prefill_pair * waiting_pairs
+        ) / (1.0 - decode_share)
         if serving_replicas is not None and replicas > serving_replicas:
             # the pods beyond those serving now help only after the start time; meanwhile
             # the serving ones drain (or, overloaded, grow) the backlog
             pending_work = max(0.0, pending_work + (offered - serving_replicas) * max(0.0, start_seconds))
         drain = pending_work / (replicas * (1.0 - rho))
-    return PrefillEstimate(replicas=replicas, utilization=rho, service_seconds=service, drain_seconds=drain,
-                           queue_seconds=queue, prefill_seconds=own, ttft_seconds=drain + queue + own)
+    return PrefillEstimate(
+        replicas=replicas,
+        utilization=rho,
+        service_seconds=service,
+        drain_seconds=drain,
+        queue_seconds=queue,
+        prefill_seconds=own,
+        ttft_seconds=drain + queue + own,
+    )
 
 
 def _unstable_prefill(replicas: int, *, utilization: float = INFINITE, service: float = INFINITE) -> PrefillEstimate:
-    return PrefillEstimate(replicas=replicas, utilization=utilization, service_seconds=service,
-                           drain_seconds=INFINITE, queue_seconds=INFINITE, prefill_seconds=INFINITE,
-                           ttft_seconds=INFINITE)
+    return PrefillEstimate(
+        replicas=replicas,
+        utilization=utilization,
+        service_seconds=service,
+        drain_seconds=INFINITE,
+        queue_seconds=INFINITE,
+        prefill_seconds=INFINITE,
+        ttft_seconds=INFINITE,
+    )
 
 
 def estimate_decode(
-    theta: StepCoefficients, load: Workload, *, replicas: int, attainment: float, kv_tokens_per_replica: float = 0.0,
-    prefill_share: float = 0.0, chunk_seconds: float = 0.0, chunk_steps_rate: float = 0.0,
+    theta: StepCoefficients,
+    load: Workload,
+    *,
+    replicas: int,
+    attainment: float,
+    kv_tokens_per_replica: float = 0.0,
+    prefill_share: float = 0.0,
+    chunk_seconds: float = 0.0,
+    chunk_steps_rate: float = 0.0,
 ) -> DecodeEstimate:
     """ITL at ``replicas`` (module docstring). ``prefill_share`` (``ρ_p``), ``chunk_seconds``
     (one chunk's compute) and ``chunk_steps_rate`` (prefill chunks per second per pod) describe
@@ -305,34 +347,75 @@ def estimate_decode(
     kv = batch * load.decode_context
     if kv_tokens_per_replica > 0 and kv > KV_USABLE_FRACTION * kv_tokens_per_replica:
         return _unstable_decode(replicas, utilization=utilization, batch=batch)
-    return DecodeEstimate(replicas=replicas, utilization=utilization, batch=batch, batch_quantile=batch_q,
-                          step_seconds=theta.step + batch * k, itl_seconds=itl, kv_tokens=kv)
+    return DecodeEstimate(
+        replicas=replicas,
+        utilization=utilization,
+        batch=batch,
+        batch_quantile=batch_q,
+        step_seconds=theta.step + batch * k,
+        itl_seconds=itl,
+        kv_tokens=kv,
+    )
 
 
 def _unstable_decode(replicas: int, *, utilization: float = INFINITE, batch: float = INFINITE) -> DecodeEstimate:
-    return DecodeEstimate(replicas=replicas, utilization=utilization, batch=batch, batch_quantile=INFINITE,
-                          step_seconds=INFINITE, itl_seconds=INFINITE, kv_tokens=INFINITE)
+    return DecodeEstimate(
+        replicas=replicas,
+        utilization=utilization,
+        batch=batch,
+        batch_quantile=INFINITE,
+        step_seconds=INFINITE,
+        itl_seconds=INFINITE,
+        kv_tokens=INFINITE,
+    )
 
 
 def estimate_disaggregated(
-    prefill_theta: StepCoefficients, decode_theta: StepCoefficients, load: Workload, *, prefill_replicas: int,
-    decode_replicas: int, max_num_batched_tokens: int, attainment: float, backlog: Backlog = NO_BACKLOG,
-    kv_tokens_per_replica: float = 0.0, serving_prefill_replicas: float | None = None, start_seconds: float = 0.0,
+    prefill_theta: StepCoefficients,
+    decode_theta: StepCoefficients,
+    load: Workload,
+    *,
+    prefill_replicas: int,
+    decode_replicas: int,
+    max_num_batched_tokens: int,
+    attainment: float,
+    backlog: Backlog = NO_BACKLOG,
+    kv_tokens_per_replica: float = 0.0,
+    serving_prefill_replicas: float | None = None,
+    start_seconds: float = 0.0,
 ) -> LatencyEstimate:
     """Prefill pool's TTFT plus the decode pool's first step; ITL is the decode pool's."""
-    prefill = estimate_prefill(prefill_theta, load, replicas=prefill_replicas,
-                               max_num_batched_tokens=max_num_batched_tokens, attainment=attainment,
-                               backlog=backlog, serving_replicas=serving_prefill_replicas,
-                               start_seconds=start_seconds)
-    decode = estimate_decode(decode_theta, load, replicas=decode_replicas, attainment=attainment,
-                             kv_tokens_per_replica=kv_tokens_per_replica)
-    return LatencyEstimate(ttft_seconds=prefill.ttft_seconds + decode.step_seconds, itl_seconds=decode.itl_seconds,
-                           prefill=prefill, decode=decode)
+    prefill = estimate_prefill(
+        prefill_theta,
+        load,
+        replicas=prefill_replicas,
+        max_num_batched_tokens=max_num_batched_tokens,
+        attainment=attainment,
+        backlog=backlog,
+        serving_replicas=serving_prefill_replicas,
+        start_seconds=start_seconds,
+    )
+    decode = estimate_decode(
+        decode_theta, load, replicas=decode_replicas, attainment=attainment, kv_tokens_per_replica=kv_tokens_per_replica
+    )
+    return LatencyEstimate(
+        ttft_seconds=prefill.ttft_seconds + decode.step_seconds,
+        itl_seconds=decode.itl_seconds,
+        prefill=prefill,
+        decode=decode,
+    )
 
 
 def estimate_aggregated(
-    theta: StepCoefficients, load: Workload, *, replicas: int, max_num_batched_tokens: int, attainment: float,
-    backlog: Backlog = NO_BACKLOG, kv_tokens_per_replica: float = 0.0, serving_replicas: float | None = None,
+    theta: StepCoefficients,
+    load: Workload,
+    *,
+    replicas: int,
+    max_num_batched_tokens: int,
+    attainment: float,
+    backlog: Backlog = NO_BACKLOG,
+    kv_tokens_per_replica: float = 0.0,
+    serving_replicas: float | None = None,
     start_seconds: float = 0.0,
 ) -> LatencyEstimate:
     """One pool doing both: prefill chunks lengthen the decode steps (ITL) and decode rows
@@ -346,14 +429,31 @@ def estimate_aggregated(
     chunk = min(float(budget), p)
     chunk_seconds = theta.prefill_token * chunk + theta.prefill_pair * load.prefill_pairs * chunk / p
     chunk_rate = load.request_rate * _chunks(p, budget) / replicas
-    decode = estimate_decode(theta, load, replicas=replicas, attainment=attainment,
-                             kv_tokens_per_replica=kv_tokens_per_replica, prefill_share=prefill_share,
-                             chunk_seconds=chunk_seconds, chunk_steps_rate=chunk_rate)
+    decode = estimate_decode(
+        theta,
+        load,
+        replicas=replicas,
+        attainment=attainment,
+        kv_tokens_per_replica=kv_tokens_per_replica,
+        prefill_share=prefill_share,
+        chunk_seconds=chunk_seconds,
+        chunk_steps_rate=chunk_rate,
+    )
     k = theta.decode_row + theta.decode_context * load.decode_context
     decode_share = load.request_rate * load.output_tokens / replicas * k
     rows = decode.batch if math.isfinite(decode.batch) else 0.0
-    prefill = estimate_prefill(theta, load, replicas=replicas, max_num_batched_tokens=budget, attainment=attainment,
-                               backlog=backlog, serving_replicas=serving_replicas, start_seconds=start_seconds,
-                               decode_share=decode_share, decode_rows=rows, decode_row_seconds=k)
+    prefill = estimate_prefill(
+        theta,
+        load,
+        replicas=replicas,
+        max_num_batched_tokens=budget,
+        attainment=attainment,
+        backlog=backlog,
+        serving_replicas=serving_replicas,
+        start_seconds=start_seconds,
+        decode_share=decode_share,
+        decode_rows=rows,
+        decode_row_seconds=k,
+    )
     ttft = prefill.ttft_seconds if math.isfinite(decode.itl_seconds) else INFINITE
     return LatencyEstimate(ttft_seconds=ttft, itl_seconds=decode.itl_seconds, prefill=prefill, decode=decode)

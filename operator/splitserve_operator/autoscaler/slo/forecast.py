@@ -120,15 +120,22 @@ class LoadForecaster:
         return LoadObservation(
             window_seconds=self.window_seconds,
             request_rate=max(0.0, self.level + self.trend * max(0.0, horizon_seconds)),
-            prompt_tokens_mean=self.prompt_tokens_mean, output_tokens_mean=self.output_tokens_mean,
+            prompt_tokens_mean=self.prompt_tokens_mean,
+            output_tokens_mean=self.output_tokens_mean,
             prefix_hit_ratio=min(1.0, max(0.0, self.prefix_hit_ratio)),
         )
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "version": FORMAT_VERSION, "level": self.level, "trend": self.trend, "deviation": self.deviation,
-            "peak": self.peak, "promptTokensMean": self.prompt_tokens_mean, "outputTokensMean": self.output_tokens_mean,
-            "prefixHitRatio": self.prefix_hit_ratio, "windowSeconds": self.window_seconds,
+            "version": FORMAT_VERSION,
+            "level": self.level,
+            "trend": self.trend,
+            "deviation": self.deviation,
+            "peak": self.peak,
+            "promptTokensMean": self.prompt_tokens_mean,
+            "outputTokensMean": self.output_tokens_mean,
+            "prefixHitRatio": self.prefix_hit_ratio,
+            "windowSeconds": self.window_seconds,
             "lastSeconds": self.last_seconds,
         }
 

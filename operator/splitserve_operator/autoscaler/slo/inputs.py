@@ -25,8 +25,7 @@ from typing import Final
 
 from splitserve_contract import defaults
 
-COEFFICIENT_NAMES: tuple[str, ...] = (
-    "step", "prefill_token", "prefill_pair", "decode_row", "decode_context")
+COEFFICIENT_NAMES: tuple[str, ...] = ("step", "prefill_token", "prefill_pair", "decode_row", "decode_context")
 """Order of :class:`StepCoefficients` fields and of :meth:`StepSample.features`."""
 MAX_COEFFICIENT_SECONDS: Final = defaults.SLO_MAX_COEFFICIENT_SECONDS
 """The largest coefficient a prior is taken at (:meth:`StepCoefficients.bounded`), whatever the
@@ -62,6 +61,7 @@ class StepCoefficients:
         """These coefficients as a prior is used: each within :data:`MAX_COEFFICIENT_SECONDS`
         (an infinite one too), one below :data:`MIN_COEFFICIENT_SECONDS` (or NaN, or negative)
         as 0. What the CRD admits is not trusted to keep the fit finite."""
+
         def bound(value: float) -> float:
             if math.isnan(value) or value < MIN_COEFFICIENT_SECONDS:
                 return 0.0
@@ -94,11 +94,22 @@ class StepSample:
 
     def features(self) -> tuple[float, ...]:
         """The regressors, in :data:`COEFFICIENT_NAMES` order."""
-        return (self.steps, self.prefill_tokens, self.prefill_attention_pairs,
-                self.decode_rows, self.decode_context_tokens)
+        return (
+            self.steps,
+            self.prefill_tokens,
+            self.prefill_attention_pairs,
+            self.decode_rows,
+            self.decode_context_tokens,
+        )
 
-    def split(self, *, decode_only_steps: float, decode_only_seconds: float, decode_only_rows: float,
-              decode_only_context_tokens: float) -> list[StepSample]:
+    def split(
+        self,
+        *,
+        decode_only_steps: float,
+        decode_only_seconds: float,
+        decode_only_rows: float,
+        decode_only_context_tokens: float,
+    ) -> list[StepSample]:
         """This window as two regression points: its decode-only steps (the runtime's
         ``splitserve_engine_decode_only_*_total`` increases) and the rest (the totals minus
         those). On an aggregated pod prefill and decode work grow together from window to
@@ -108,15 +119,24 @@ class StepSample:
         (counters read at slightly different instants), is one point, unsplit."""
         if decode_only_steps <= 0 or decode_only_steps >= self.steps:
             return [self]  # no decode-only step, or nothing else: one mix
-        rest = StepSample(steps=self.steps - decode_only_steps, seconds=self.seconds - decode_only_seconds,
-                          prefill_tokens=self.prefill_tokens, prefill_attention_pairs=self.prefill_attention_pairs,
-                          decode_rows=self.decode_rows - decode_only_rows,
-                          decode_context_tokens=self.decode_context_tokens - decode_only_context_tokens)
+        rest = StepSample(
+            steps=self.steps - decode_only_steps,
+            seconds=self.seconds - decode_only_seconds,
+            prefill_tokens=self.prefill_tokens,
+            prefill_attention_pairs=self.prefill_attention_pairs,
+            decode_rows=self.decode_rows - decode_only_rows,
+            decode_context_tokens=self.decode_context_tokens - decode_only_context_tokens,
+        )
         if min(rest.seconds, rest.decode_rows, rest.decode_context_tokens) < 0:
             return [self]
-        decode_only = StepSample(steps=decode_only_steps, seconds=decode_only_seconds, prefill_tokens=0.0,
-                                 prefill_attention_pairs=0.0, decode_rows=decode_only_rows,
-                                 decode_context_tokens=decode_only_context_tokens)
+        decode_only = StepSample(
+            steps=decode_only_steps,
+            seconds=decode_only_seconds,
+            prefill_tokens=0.0,
+            prefill_attention_pairs=0.0,
+            decode_rows=decode_only_rows,
+            decode_context_tokens=decode_only_context_tokens,
+        )
         return [decode_only, rest]
 
 

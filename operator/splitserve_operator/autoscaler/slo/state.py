@@ -96,26 +96,34 @@ class SloState:
             return
         done = [w for w in writes if w[1] <= ready]
         self.pending_writes[role] = [
-            w for w in writes if w[1] > ready and now_seconds - w[0] <= PENDING_WRITE_EXPIRY_SECONDS]
+            w for w in writes if w[1] > ready and now_seconds - w[0] <= PENDING_WRITE_EXPIRY_SECONDS
+        ]
         if done:
             elapsed = now_seconds - max(w[0] for w in done)
             measured = min(MAX_POD_START_SECONDS, max(MIN_POD_START_SECONDS, elapsed))
             previous = self.start_seconds.get(role)
-            self.start_seconds[role] = measured if previous is None else (
-                START_ALPHA * measured + (1.0 - START_ALPHA) * previous)
+            self.start_seconds[role] = (
+                measured if previous is None else (START_ALPHA * measured + (1.0 - START_ALPHA) * previous)
+            )
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> str:
-        return json.dumps({
-            "version": FORMAT_VERSION,
-            "fits": {name: fit.to_dict() for name, fit in sorted(self.fits.items())},
-            "forecaster": self.forecaster.to_dict(),
-            "startSeconds": dict(sorted(self.start_seconds.items())),
-            "pendingWrites": {role: [list(w) for w in writes] for role, writes in sorted(self.pending_writes.items())},
-            "ready": dict(sorted(self.ready.items())),
-            "waiting": dict(sorted(self.waiting.items())),
-            "waitingBefore": dict(sorted(self.waiting_before.items())),
-        }, separators=(",", ":"), sort_keys=True)
+        return json.dumps(
+            {
+                "version": FORMAT_VERSION,
+                "fits": {name: fit.to_dict() for name, fit in sorted(self.fits.items())},
+                "forecaster": self.forecaster.to_dict(),
+                "startSeconds": dict(sorted(self.start_seconds.items())),
+                "pendingWrites": {
+                    role: [list(w) for w in writes] for role, writes in sorted(self.pending_writes.items())
+                },
+                "ready": dict(sorted(self.ready.items())),
+                "waiting": dict(sorted(self.waiting.items())),
+                "waitingBefore": dict(sorted(self.waiting_before.items())),
+            },
+            separators=(",", ":"),
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str | None) -> SloState:

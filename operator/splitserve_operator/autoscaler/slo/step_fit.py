@@ -130,8 +130,16 @@ class StepFit:
     """One pool's fitted step model (see the module docstring)."""
 
     def __init__(
-        self, *, prior: StepCoefficients | None, gram: Matrix, moment: list[float], yy: float, weight: float,
-        points: int, last_seconds: float | None, half_life_seconds: float = HALF_LIFE_SECONDS,
+        self,
+        *,
+        prior: StepCoefficients | None,
+        gram: Matrix,
+        moment: list[float],
+        yy: float,
+        weight: float,
+        points: int,
+        last_seconds: float | None,
+        half_life_seconds: float = HALF_LIFE_SECONDS,
         noise: float | None = None,
     ) -> None:
         self.prior = prior.bounded() if prior is not None else None
@@ -149,8 +157,16 @@ class StepFit:
     @classmethod
     def fresh(cls, *, prior: StepCoefficients | None, half_life_seconds: float = HALF_LIFE_SECONDS) -> StepFit:
         """No data yet: the coefficients are the prior's (or None), the confidence 0."""
-        return cls(prior=prior, gram=zeros(_N), moment=[0.0] * _N, yy=0.0, weight=0.0, points=0,
-                   last_seconds=None, half_life_seconds=half_life_seconds)
+        return cls(
+            prior=prior,
+            gram=zeros(_N),
+            moment=[0.0] * _N,
+            yy=0.0,
+            weight=0.0,
+            points=0,
+            last_seconds=None,
+            half_life_seconds=half_life_seconds,
+        )
 
     # ------------------------------------------------------------------ updating
     def set_prior(self, prior: StepCoefficients | None) -> None:
@@ -201,8 +217,9 @@ class StepFit:
         if theta is None or self._weight < CHANGE_MIN_WEIGHT:
             return False
         t = theta.as_tuple()
-        residuals = sorted(abs(s.seconds - sum(c * v for c, v in zip(t, s.features(), strict=True))) / s.seconds
-                           for s in samples)
+        residuals = sorted(
+            abs(s.seconds - sum(c * v for c, v in zip(t, s.features(), strict=True))) / s.seconds for s in samples
+        )
         median = residuals[len(residuals) // 2]
         noise = self.noise if self.noise is not None else (self.relative_error or 0.0)
         if median > max(CHANGE_ERROR_FACTOR * noise, CHANGE_MIN_ERROR):
@@ -307,8 +324,10 @@ class StepFit:
         if self.prior is not None:
             # Zellner-style: the prior is PRIOR_WINDOWS windows shaped like the data (k·G/n),
             # plus a little on the diagonal for directions the data has not excited.
-            precision = [[PRIOR_WINDOWS * self._gram[i][j] / n * (1.0 + (PRIOR_DIAGONAL if i == j else 0.0))
-                          for j in range(_N)] for i in range(_N)]
+            precision = [
+                [PRIOR_WINDOWS * self._gram[i][j] / n * (1.0 + (PRIOR_DIAGONAL if i == j else 0.0)) for j in range(_N)]
+                for i in range(_N)
+            ]
             # Floor from the prior itself: at least PRIOR_FLOOR_WINDOWS windows made of
             # feature j alone (u_j = 1/θ0_j), so a feature barely present in the data so far
             # cannot absorb the whole miss of the windows it is barely in.
@@ -317,8 +336,15 @@ class StepFit:
                     precision[j][j] = max(precision[j][j], PRIOR_FLOOR_WINDOWS / (theta0[j] * theta0[j]))
         else:
             per_row = {COEFFICIENT_NAMES.index("decode_row"), COEFFICIENT_NAMES.index("decode_context")}
-            precision = [[RIDGE_WITHOUT_PRIOR * (ROW_RIDGE_FACTOR if i in per_row else 1.0) * self._gram[i][j]
-                          if i == j else 0.0 for j in range(_N)] for i in range(_N)]
+            precision = [
+                [
+                    RIDGE_WITHOUT_PRIOR * (ROW_RIDGE_FACTOR if i in per_row else 1.0) * self._gram[i][j]
+                    if i == j
+                    else 0.0
+                    for j in range(_N)
+                ]
+                for i in range(_N)
+            ]
         return precision, theta0
 
     def _solve(self) -> StepCoefficients | None:
@@ -329,8 +355,13 @@ class StepFit:
         precision, theta0 = self._precision()
         # Normalised coordinates z_j = D_j θ_j so that the solve sees unit diagonals.
         diag = [math.sqrt(self._gram[j][j] + precision[j][j]) for j in range(_N)]
-        a = [[(self._gram[i][j] + precision[i][j]) / (diag[i] * diag[j]) if diag[i] > 0 and diag[j] > 0
-              else 0.0 for j in range(_N)] for i in range(_N)]
+        a = [
+            [
+                (self._gram[i][j] + precision[i][j]) / (diag[i] * diag[j]) if diag[i] > 0 and diag[j] > 0 else 0.0
+                for j in range(_N)
+            ]
+            for i in range(_N)
+        ]
         pull = [sum(precision[i][j] * theta0[j] for j in range(_N)) for i in range(_N)]
         b = [(self._moment[i] + pull[i]) / diag[i] if diag[i] > 0 else 0.0 for i in range(_N)]
         z = solve_nonnegative(a, b, fixed=[0.0] * _N) if all(map(math.isfinite, b)) else None
@@ -371,9 +402,13 @@ class StepFit:
             flat = _floats(data["gram"], _N * _N)
             last, noise = data.get("lastSeconds"), data.get("noise")
             return cls(
-                prior=prior, gram=[flat[i * _N:(i + 1) * _N] for i in range(_N)],
-                moment=_floats(data["moment"], _N), yy=_float(data["yy"]), weight=_float(data["weight"]),
-                points=int(_float(data["points"])), last_seconds=None if last is None else _float(last),
+                prior=prior,
+                gram=[flat[i * _N : (i + 1) * _N] for i in range(_N)],
+                moment=_floats(data["moment"], _N),
+                yy=_float(data["yy"]),
+                weight=_float(data["weight"]),
+                points=int(_float(data["points"])),
+                last_seconds=None if last is None else _float(last),
                 half_life_seconds=_float(data.get("halfLifeSeconds", HALF_LIFE_SECONDS)),
                 noise=None if noise is None else _float(noise),
             )
@@ -384,7 +419,9 @@ class StepFit:
 def _usable(sample: StepSample) -> bool:
     """A window that ran steps, with finite non-negative counters."""
     values = (*sample.features(), sample.seconds)
-    return sample.steps > 0 and sample.seconds >= MIN_WINDOW_SECONDS and all(math.isfinite(v) and v >= 0 for v in values)
+    return (
+        sample.steps > 0 and sample.seconds >= MIN_WINDOW_SECONDS and all(math.isfinite(v) and v >= 0 for v in values)
+    )
 
 
 def _float(value: object) -> float:

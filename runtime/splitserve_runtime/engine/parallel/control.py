@@ -25,7 +25,7 @@ import torch
 from ...model.pipeline import PipelineStage
 from ...model.tensor_parallel import TensorParallelLayout
 from ...transfer import KVSlice
-from ..model_runner import KVCaches, StepRows
+from ..step_inputs import KVCaches, StepRows
 from .group import ParallelGroup
 from .kv_slices import PullOrder
 
@@ -126,10 +126,12 @@ def receive(group: ParallelGroup) -> Message:
 def local_blocks(caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """This rank's part of ``block_ids`` as bytes on the host: ``[local layer, 2, n, token, local head, dim bytes]``."""
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0][0].device)
-    return torch.stack([
-        torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)))
-        for k, v in caches
-    ]).cpu()
+    return torch.stack(
+        [
+            torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)))
+            for k, v in caches
+        ]
+    ).cpu()
 
 
 def gather_blocks(group: ParallelGroup, part: KVPart, caches: KVCaches, block_ids: list[int]) -> list[bytes] | None:
@@ -161,7 +163,7 @@ def write_blocks(group: ParallelGroup, part: KVPart, caches: KVCaches, blocks: d
     shape = (part.num_layers, 2, block_size, part.layout.config.num_key_value_heads, head_bytes)
     for block_id, data in blocks.items():
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(shape)
-        values = values[first:last, :, :, start:start + local_heads].to(k0.device)
+        values = values[first:last, :, :, start : start + local_heads].to(k0.device)
         for layer, (k, v) in enumerate(caches):
             k[block_id].view(torch.uint8).copy_(values[layer, 0])
             v[block_id].view(torch.uint8).copy_(values[layer, 1])

@@ -19,8 +19,9 @@ import atexit
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlparse
 
 import torch
@@ -29,8 +30,10 @@ from splitserve_contract import ServeArgs
 from splitserve_contract.capabilities import UnsupportedError
 from splitserve_contract.model_config import ModelConfig
 
+from ...model.pipeline import PipelineStage
+from ...model.tensor_parallel import check_divisible
 from ..config import EngineConfig
-from ..llm_engine import LLMEngine
+from ..serve_settings import text_settings
 from . import exit_hooks, rendezvous
 from .failure import GroupFailure
 from .group import INIT_TIMEOUT, ParallelGroup, init_group
@@ -41,25 +44,34 @@ from .rendezvous import Rendezvous
 from .runner import ParallelRunner
 from .worker import load_rank, rank_device
 
+if TYPE_CHECKING:
+    from ..llm_engine import LLMEngine
+
 log = logging.getLogger(__name__)
 
 
-def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConfig,
-                    device: torch.device) -> LLMEngine:
-    """An engine whose model runs on ``tensor × pipeline`` ranks (this process is rank 0)."""
-    from ...model.pipeline import PipelineStage
-    from ...model.tensor_parallel import check_divisible
-    from ..loading import text_settings
-
+def parallel_engine(
+    args: ServeArgs,
+    *,
+    model_dir: Path,
+    model_config: ModelConfig,
+    device: torch.device,
+    engine_class: Callable[..., LLMEngine],
+) -> LLMEngine:
+    """An ``engine_class`` whose model runs on ``tensor × pipeline`` ranks (this process is rank 0)."""
     if args.speculative_method == "draft":
-        raise UnsupportedError("speculative decoding with a draft model is not supported with tensor or "
-                               "pipeline parallelism yet (ngram is)")
+        raise UnsupportedError(
+            "speculative decoding with a draft model is not supported with tensor or "
+            "pipeline parallelism yet (ngram is)"
+        )
     check_divisible(model_config, args.tensor_parallel_size)
     PipelineStage(config=model_config, stage=0, num_stages=args.pipeline_parallel_size)  # fits the layers
     placement = resolve_placement(args)
     if not placement.is_leader:
-        raise PlacementError(f"node rank {placement.node_rank} of a {placement.nnodes}-pod group runs only its "
-                             f"ranks (`splitserve serve` does that there), not an engine")
+        raise PlacementError(
+            f"node rank {placement.node_rank} of a {placement.nnodes}-pod group runs only its "
+            f"ranks (`splitserve serve` does that there), not an engine"
+        )
     args = pin(args, placement)
     meeting = rendezvous.multinode(args, placement) if placement.is_multinode else rendezvous.one_pod()
     if not placement.is_multinode:
@@ -80,27 +92,49 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
         exit_hooks.run(f"the parallel group broke: {symptom}")
         failure(symptom)
 
-    workers = start_workers(args, model_dir=model_dir, init_method=init_method, rendezvous=meeting,
-                            ranks=placement.local_ranks[1:], on_death=worker_died)
+    workers = start_workers(
+        args,
+        model_dir=model_dir,
+        init_method=init_method,
+        rendezvous=meeting,
+        ranks=placement.local_ranks[1:],
+        on_death=worker_died,
+    )
     failure.workers = workers
     try:
-        group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0),
-                      meeting=meeting)
+        group = _join(placement, args=args, init_method=init_method, device=rank_device(device, 0), meeting=meeting)
         if placement.is_multinode:
             store_host = urlparse(init_method).hostname
             assert store_host is not None
-            failure.heartbeat = Heartbeat(host=store_host, port=placement.rendezvous_port, node=0,
-                                          peers=placement.remote_nodes(), describe=placement.describe_node,
-                                          on_lost=broken, wait_for_first_beat=False).start()
+            failure.heartbeat = Heartbeat(
+                host=store_host,
+                port=placement.rendezvous_port,
+                node=0,
+                peers=placement.remote_nodes(),
+                describe=placement.describe_node,
+                on_lost=broken,
+                wait_for_first_beat=False,
+            ).start()
         loaded = load_rank(args, model_dir=model_dir, group=group)
-        config = EngineConfig.from_serve_args(dataclasses.replace(args, num_kv_blocks=loaded.num_blocks),
-                                              max_model_len=loaded.max_model_len)
-        engine = LLMEngine(model=loaded.model, kv_spec=loaded.spec, vocab_size=model_config.vocab_size,
-                           config=config, device=group.device,
-                           **text_settings(args, model_dir=model_dir, model_config=model_config),
-                           runner_factory=functools.partial(ParallelRunner, group=group, loaded=loaded,
-                                                            workers=workers, on_failure=broken,
-                                                            exit_on_forward_error=placement.is_multinode))
+        config = EngineConfig.from_serve_args(
+            dataclasses.replace(args, num_kv_blocks=loaded.num_blocks), max_model_len=loaded.max_model_len
+        )
+        engine = engine_class(
+            model=loaded.model,
+            kv_spec=loaded.spec,
+            vocab_size=model_config.vocab_size,
+            config=config,
+            device=group.device,
+            **text_settings(args, model_dir=model_dir, model_config=model_config),
+            runner_factory=functools.partial(
+                ParallelRunner,
+                group=group,
+                loaded=loaded,
+                workers=workers,
+                on_failure=broken,
+                exit_on_forward_error=placement.is_multinode,
+            ),
+        )
     except BaseException:
         if failure.heartbeat is not None:
             failure.heartbeat.stop()
@@ -115,6 +149,7 @@ def parallel_engine(args: ServeArgs, *, model_dir: Path, model_config: ModelConf
     def abandon() -> None:  # a process that ends without close() leaves no worker behind
         runner.abandon()
         workers.kill()
+
     atexit.register(abandon)
     return engine
 
@@ -125,18 +160,32 @@ def local_init_method(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def _join(placement: Placement, *, args: ServeArgs, init_method: str, device: torch.device,
-          meeting: Rendezvous) -> ParallelGroup:
+def _join(
+    placement: Placement, *, args: ServeArgs, init_method: str, device: torch.device, meeting: Rendezvous
+) -> ParallelGroup:
     """Rank 0 joins (and, as the store's host, waits for) every rank of the group."""
     if placement.is_multinode:
-        log.info("waiting up to %.0f s for the group's %d ranks on %d pods to join at port %d",
-                 INIT_TIMEOUT.total_seconds(), placement.world_size, placement.nnodes, placement.rendezvous_port)
+        log.info(
+            "waiting up to %.0f s for the group's %d ranks on %d pods to join at port %d",
+            INIT_TIMEOUT.total_seconds(),
+            placement.world_size,
+            placement.nnodes,
+            placement.rendezvous_port,
+        )
     try:
-        return init_group(rank=0, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                          init_method=init_method, device=device, rendezvous=meeting)
+        return init_group(
+            rank=0,
+            tp_size=args.tensor_parallel_size,
+            num_stages=args.pipeline_parallel_size,
+            init_method=init_method,
+            device=device,
+            rendezvous=meeting,
+        )
     except RuntimeError as exc:
         if not placement.is_multinode:
             raise
-        raise RuntimeError(f"the group's {placement.world_size} ranks on {placement.nnodes} pods did not all join "
-                           f"at rendezvous port {placement.rendezvous_port} within "
-                           f"{INIT_TIMEOUT.total_seconds():.0f} s: {exc}") from exc
+        raise RuntimeError(
+            f"the group's {placement.world_size} ranks on {placement.nnodes} pods did not all join "
+            f"at rendezvous port {placement.rendezvous_port} within "
+            f"{INIT_TIMEOUT.total_seconds():.0f} s: {exc}"
+        ) from exc

@@ -45,6 +45,7 @@ def add(hook: Hook, *, stage: Stage) -> Callable[[], None]:
         with _lock:
             if entry in _hooks:
                 _hooks.remove(entry)
+
     return remove
 
 

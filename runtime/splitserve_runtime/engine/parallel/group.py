@@ -111,8 +111,11 @@ class ParallelGroup:
         self.control.broadcast(size, 0).wait()
         if int(size.item()) < 0:
             raise RuntimeError(f"the parallel driver announced a control message of {int(size.item())} bytes")
-        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_driver
-                  else torch.empty(int(size.item()), dtype=torch.uint8))
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.is_driver
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
         self.control.broadcast(buffer, 0).wait()
         if self.is_driver:
             return obj
@@ -127,7 +130,7 @@ class ParallelGroup:
         self.control.allgather([sizes], [size]).wait()
         longest = max(int(s.item()) for s in sizes)
         buffer = torch.zeros(longest, dtype=torch.uint8)
-        buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
         self.control.allgather([parts], [buffer]).wait()
         out: list[Any] = []
@@ -138,8 +141,7 @@ class ParallelGroup:
             length = int(n.item())
             if not 0 <= length <= longest:
                 raise RuntimeError(f"rank {sender} announced a control message of {length} bytes")
-            out.append(pickle.loads(self.codec.open(part[:length].numpy().tobytes(), sender=sender,
-                                                    sequence=sequence)))
+            out.append(pickle.loads(self.codec.open(part[:length].numpy().tobytes(), sender=sender, sequence=sequence)))
         return out
 
 
@@ -165,8 +167,9 @@ def _store(*, host: str, port: int, rank: int, size: int, rendezvous: Rendezvous
         return TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=INIT_TIMEOUT)
     listener = _listening_socket(rendezvous.store_host, port)
     try:
-        store = TCPStore(host, port, world_size=size, is_master=True, timeout=INIT_TIMEOUT,
-                         master_listen_fd=listener.fileno())
+        store = TCPStore(
+            host, port, world_size=size, is_master=True, timeout=INIT_TIMEOUT, master_listen_fd=listener.fileno()
+        )
     except BaseException:
         listener.close()
         raise
@@ -185,8 +188,9 @@ def _gloo(store: Store, member: int, members: int, *, loopback: bool) -> Any:
     return ProcessGroupGloo(store, member, members, options)
 
 
-def init_group(*, rank: int, tp_size: int, num_stages: int, init_method: str,
-               device: torch.device, rendezvous: Rendezvous) -> ParallelGroup:
+def init_group(
+    *, rank: int, tp_size: int, num_stages: int, init_method: str, device: torch.device, rendezvous: Rendezvous
+) -> ParallelGroup:
     """Join the group at ``init_method`` (``tcp://host:port``; rank 0 listens there, or where
     ``rendezvous`` says). Every rank builds its backends in the same global order, so no two
     ranks wait on each other."""
@@ -209,6 +213,7 @@ def init_group(*, rank: int, tp_size: int, num_stages: int, init_method: str,
 
             return ProcessGroupNCCL(scoped, member, members, ProcessGroupNCCL.Options())
         return _gloo(scoped, member, members, loopback=rendezvous.loopback)
+
     devices = backend(f"tp{stage}", tp_rank, tp_size) if tp_size > 1 else None
     prev_link = backend(f"pp{stage - 1}.{tp_rank}", 1, 2) if stage > 0 else None
     next_link = backend(f"pp{stage}.{tp_rank}", 0, 2) if stage < num_stages - 1 else None
@@ -217,8 +222,30 @@ def init_group(*, rank: int, tp_size: int, num_stages: int, init_method: str,
         logits_link = backend("logits", 0, 2)
     elif num_stages > 1 and stage == num_stages - 1 and tp_rank == 0:
         logits_link = backend("logits", 1, 2)
-    log.info("parallel rank %d/%d joined (stage %d/%d, tensor rank %d/%d, %s on %s)", rank, size, stage,
-             num_stages, tp_rank, tp_size, "nccl" if device.type == "cuda" else "gloo", device)
-    return ParallelGroup(rank=rank, size=size, tp_rank=tp_rank, tp_size=tp_size, stage=stage,
-                         num_stages=num_stages, device=device, devices=devices, control=control, store=store,
-                         codec=ControlCodec(rendezvous.key), prev_link=prev_link, next_link=next_link, logits_link=logits_link)
+    log.info(
+        "parallel rank %d/%d joined (stage %d/%d, tensor rank %d/%d, %s on %s)",
+        rank,
+        size,
+        stage,
+        num_stages,
+        tp_rank,
+        tp_size,
+        "nccl" if device.type == "cuda" else "gloo",
+        device,
+    )
+    return ParallelGroup(
+        rank=rank,
+        size=size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        stage=stage,
+        num_stages=num_stages,
+        device=device,
+        devices=devices,
+        control=control,
+        store=store,
+        codec=ControlCodec(rendezvous.key),
+        prev_link=prev_link,
+        next_link=next_link,
+        logits_link=logits_link,
+    )

@@ -24,25 +24,34 @@ import torch
 from ...transfer import KVConnector, KVLayout, KVSlice, RankSource, TransferError, plan_pulls
 from ...transfer.wire import byte_view
 from ..kv_budget import KVCacheSpec
-from ..model_runner import KVCaches
+from ..step_inputs import KVCaches
 
 
 def wire_layout(spec: KVCacheSpec, *, block_size: int, compat_hash: str) -> KVLayout:
     """The whole-model wire layout of blocks with ``spec`` (a whole-model spec: every layer and
     KV head)."""
-    return KVLayout(num_layers=spec.num_layers, block_size=block_size, num_kv_heads=spec.num_kv_heads,
-                    head_dim=spec.head_dim, dtype=str(spec.dtype).removeprefix("torch."),
-                    dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(), compat_hash=compat_hash)
+    return KVLayout(
+        num_layers=spec.num_layers,
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
+        compat_hash=compat_hash,
+    )
 
 
 def snapshot(caches: KVCaches, block_ids: Sequence[int]) -> torch.Tensor:
     """This rank's part of ``block_ids`` on the host, one contiguous block after the other:
     ``[block][local layer][K, V][token][local head][dim bytes]`` (the wire order of its slice)."""
     index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0][0].device)
-    parts = torch.stack([
-        torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)), dim=1)
-        for k, v in caches
-    ], dim=1)
+    parts = torch.stack(
+        [
+            torch.stack((k.index_select(0, index).view(torch.uint8), v.index_select(0, index).view(torch.uint8)), dim=1)
+            for k, v in caches
+        ],
+        dim=1,
+    )
     return parts.cpu().contiguous()
 
 
@@ -99,14 +108,15 @@ class _Staging:
         start = (index - self.first_block) * self._block_nbytes
         if not 0 <= start < len(self._view):
             raise TransferError(code="protocol", message=f"block {index} outside the pull")
-        return [self._view[start:start + self._block_nbytes]]
+        return [self._view[start : start + self._block_nbytes]]
 
     def received(self, index: int) -> None:
         pass
 
 
-async def pull_part(order: PullOrder, *, connector: KVConnector, caches: KVCaches, mine: KVSlice,
-                    rank: int) -> PullReport:
+async def pull_part(
+    order: PullOrder, *, connector: KVConnector, caches: KVCaches, mine: KVSlice, rank: int
+) -> PullReport:
     """Pull ``mine`` (this rank's global layers and KV heads, which its caches hold) of every
     block of ``order`` from the prefill ranks that hold it, in parallel, then write it into
     ``caches``. Never raises for a failed transfer: the report says what failed."""
@@ -117,38 +127,73 @@ async def pull_part(order: PullOrder, *, connector: KVConnector, caches: KVCache
         return PullReport(rank=rank, ok=False, code=exc.code, message=exc.message)
     whole = KVSlice.whole(order.layout)
     device = caches[0][0].device
-    stagings = [_Staging(first_block=order.first_block, num_blocks=len(order.block_ids),
-                         block_nbytes=part.block_nbytes(order.layout), pin=device.type == "cuda")
-                for _, part in plan]
+    stagings = [
+        _Staging(
+            first_block=order.first_block,
+            num_blocks=len(order.block_ids),
+            block_nbytes=part.block_nbytes(order.layout),
+            pin=device.type == "cuda",
+        )
+        for _, part in plan
+    ]
 
     async def pull(source: int, part: KVSlice, staging: _Staging) -> int:
         result = await connector.fetch(
-            endpoint=order.sources[source].endpoint, request_id=order.request_id, first_block=order.first_block,
-            layout=order.layout, on_block=staging, timeout_seconds=order.timeout_seconds,
-            expected_num_tokens=order.num_tokens, slice=None if part == whole else part, release=False)
+            endpoint=order.sources[source].endpoint,
+            request_id=order.request_id,
+            first_block=order.first_block,
+            layout=order.layout,
+            on_block=staging,
+            timeout_seconds=order.timeout_seconds,
+            expected_num_tokens=order.num_tokens,
+            slice=None if part == whole else part,
+            release=False,
+        )
         if result.num_blocks != len(order.block_ids):
-            raise TransferError(code="prompt_mismatch", message=(
-                f"prefill rank {source} sent {result.num_blocks} blocks, {len(order.block_ids)} were due"))
+            raise TransferError(
+                code="prompt_mismatch",
+                message=(f"prefill rank {source} sent {result.num_blocks} blocks, {len(order.block_ids)} were due"),
+            )
         return result.num_bytes
 
-    results = await asyncio.gather(*(pull(source, part, staging)
-                                     for (source, part), staging in zip(plan, stagings, strict=True)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(pull(source, part, staging) for (source, part), staging in zip(plan, stagings, strict=True)),
+        return_exceptions=True,
+    )
     sources = tuple(source for source, _ in plan)
     for result in results:
         if isinstance(result, TransferError):
             return PullReport(rank=rank, ok=False, code=result.code, message=result.message, sources=sources)
         if isinstance(result, BaseException):
-            return PullReport(rank=rank, ok=False, code="protocol", message=f"{type(result).__name__}: {result}",
-                              sources=sources)
-    write_part(caches, mine=mine, plan=[part for _, part in plan], stagings=[s.tensor for s in stagings],
-               block_ids=order.block_ids, layout=order.layout)
-    return PullReport(rank=rank, ok=True, num_bytes=sum(r for r in results if isinstance(r, int)),
-                      sources=sources, seconds=time.perf_counter() - started)
+            return PullReport(
+                rank=rank, ok=False, code="protocol", message=f"{type(result).__name__}: {result}", sources=sources
+            )
+    write_part(
+        caches,
+        mine=mine,
+        plan=[part for _, part in plan],
+        stagings=[s.tensor for s in stagings],
+        block_ids=order.block_ids,
+        layout=order.layout,
+    )
+    return PullReport(
+        rank=rank,
+        ok=True,
+        num_bytes=sum(r for r in results if isinstance(r, int)),
+        sources=sources,
+        seconds=time.perf_counter() - started,
+    )
 
 
-def write_part(caches: KVCaches, *, mine: KVSlice, plan: Sequence[KVSlice], stagings: Sequence[torch.Tensor],
-               block_ids: Sequence[int], layout: KVLayout) -> None:
+def write_part(
+    caches: KVCaches,
+    *,
+    mine: KVSlice,
+    plan: Sequence[KVSlice],
+    stagings: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    layout: KVLayout,
+) -> None:
     """Scatter each pulled slice (``stagings[i]``: ``[block][plan[i]'s wire bytes]``) into
     ``block_ids`` of ``caches`` (which hold ``mine``)."""
     device = caches[0][0].device

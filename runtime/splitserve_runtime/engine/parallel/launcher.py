@@ -33,6 +33,7 @@ POLL_SECONDS = 0.2
 WORKER_EXIT_STATUS = 70
 """The server's exit status when a worker rank died (EX_SOFTWARE)."""
 
+
 def free_init_method(host: str = "127.0.0.1") -> str:
     """A ``tcp://`` rendezvous address on a free local port (rank 0 listens there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -43,8 +44,13 @@ def free_init_method(host: str = "127.0.0.1") -> str:
 class Workers:
     """The worker ranks of one pod and their supervisor."""
 
-    def __init__(self, processes: list[subprocess.Popen[bytes]], *, ranks: Sequence[int] | None = None,
-                 on_death: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        processes: list[subprocess.Popen[bytes]],
+        *,
+        ranks: Sequence[int] | None = None,
+        on_death: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.processes = processes
         self.ranks = list(ranks) if ranks is not None else list(range(1, len(processes) + 1))
         if len(self.ranks) != len(processes):
@@ -80,7 +86,6 @@ class Workers:
                 process.kill()
                 process.wait()
 
-
     def kill(self) -> None:
         """Stop supervising and kill the workers at once (rank 0 failed to start)."""
         self._stopping.set()
@@ -90,8 +95,10 @@ class Workers:
 
 
 def worker_died_message(rank: int, code: int) -> str:
-    return (f"parallel worker rank {rank} exited with status {code}: the server stops "
-            f"(the model cannot run without every rank)")
+    return (
+        f"parallel worker rank {rank} exited with status {code}: the server stops "
+        f"(the model cannot run without every rank)"
+    )
 
 
 def _exit_server(rank: int, code: int) -> None:
@@ -113,8 +120,15 @@ def exit_group(message: str) -> NoReturn:
     os._exit(WORKER_EXIT_STATUS)
 
 
-def start_workers(args: ServeArgs, *, model_dir: Path, init_method: str, rendezvous: Rendezvous,
-                  ranks: Sequence[int] | None = None, on_death: Callable[[int, int], None] | None = None) -> Workers:
+def start_workers(
+    args: ServeArgs,
+    *,
+    model_dir: Path,
+    init_method: str,
+    rendezvous: Rendezvous,
+    ranks: Sequence[int] | None = None,
+    on_death: Callable[[int, int], None] | None = None,
+) -> Workers:
     """Start ``ranks`` (default 1..size-1 of ``args.tensor_parallel_size ×
     args.pipeline_parallel_size``: a one-pod replica); they join at ``init_method`` and get the
     group's key in their environment (:mod:`.rendezvous`)."""
@@ -122,9 +136,11 @@ def start_workers(args: ServeArgs, *, model_dir: Path, init_method: str, rendezv
     ranks = list(range(1, size)) if ranks is None else list(ranks)
     env = {**os.environ, **rendezvous.worker_env()}
     processes = [
-        subprocess.Popen(worker_argv(args, model_dir=model_dir, rank=rank, init_method=init_method,
-                                     loopback=rendezvous.loopback),
-                         stdin=subprocess.DEVNULL, env=env)
+        subprocess.Popen(
+            worker_argv(args, model_dir=model_dir, rank=rank, init_method=init_method, loopback=rendezvous.loopback),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         for rank in ranks
     ]
     log.info("started parallel worker rank(s) %s: pids %s", ranks, [p.pid for p in processes])

@@ -60,8 +60,7 @@ def connect(host: str, port: int) -> TCPStore:
     return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=STORE_TIMEOUT)
 
 
-def wait_for_leader(host: str, port: int, *, timeout_s: float = LEADER_WAIT_SECONDS,
-                    log_every_s: float = 10.0) -> None:
+def wait_for_leader(host: str, port: int, *, timeout_s: float = LEADER_WAIT_SECONDS, log_every_s: float = 10.0) -> None:
     """Return once ``host:port`` accepts TCP connections; retry (the name may not resolve yet:
     the leader pod and its DNS record come and go with the group) with a log line every
     ``log_every_s``; raise :class:`TimeoutError` after ``timeout_s``."""
@@ -76,9 +75,11 @@ def wait_for_leader(host: str, port: int, *, timeout_s: float = LEADER_WAIT_SECO
             error = exc
         now = time.monotonic()
         if now - started >= timeout_s:
-            raise TimeoutError(f"the group's leader {host}:{port} did not accept connections within "
-                               f"{timeout_s:.0f} s (last error: {error}); is the leader pod running and "
-                               f"--rendezvous-port the same on every pod?")
+            raise TimeoutError(
+                f"the group's leader {host}:{port} did not accept connections within "
+                f"{timeout_s:.0f} s (last error: {error}); is the leader pod running and "
+                f"--rendezvous-port the same on every pod?"
+            )
         if now - last_log >= log_every_s:
             last_log = now
             log.info("waiting for the group's leader at %s:%d (%.0f s so far): %s", host, port, now - started, error)
@@ -94,9 +95,19 @@ class Heartbeat:
     up) or from its first beat on (True: the leader beats only after every rank has joined,
     which may take as long as the slowest pod takes to start)."""
 
-    def __init__(self, *, host: str, port: int, node: int, peers: Sequence[int], describe: Callable[[int], str],
-                 on_lost: Callable[[str], None], wait_for_first_beat: bool,
-                 beat_s: float = BEAT_SECONDS, peer_timeout_s: float = PEER_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        node: int,
+        peers: Sequence[int],
+        describe: Callable[[int], str],
+        on_lost: Callable[[str], None],
+        wait_for_first_beat: bool,
+        beat_s: float = BEAT_SECONDS,
+        peer_timeout_s: float = PEER_TIMEOUT_SECONDS,
+    ) -> None:
         self.address = f"{host}:{port}"
         self.node = node
         self.peers = tuple(peers)
@@ -172,8 +183,10 @@ class Heartbeat:
                 if counter != seen:
                     last[peer] = (counter, now)
                 elif (counter or not self._wait_for_first_beat) and now - since > self._peer_timeout_s:
-                    self._lose(f"{self._describe(peer)} sent no heartbeat for {now - since:.0f} s "
-                               f"(its node or network is down)")
+                    self._lose(
+                        f"{self._describe(peer)} sent no heartbeat for {now - since:.0f} s "
+                        f"(its node or network is down)"
+                    )
                     return
 
     def _lose(self, reason: str) -> None:

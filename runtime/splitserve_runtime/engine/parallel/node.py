@@ -52,8 +52,14 @@ def rank_exit_message(placement: Placement, rank: int, code: int) -> str:
     return f"{where}: parallel rank {rank} exited with status {code}: the group cannot run without every rank"
 
 
-def run_worker_node(args: ServeArgs, *, placement: Placement, model_dir: Path, status: NodeStatus,
-                    leader_wait_s: float = LEADER_WAIT_SECONDS) -> int:
+def run_worker_node(
+    args: ServeArgs,
+    *,
+    placement: Placement,
+    model_dir: Path,
+    status: NodeStatus,
+    leader_wait_s: float = LEADER_WAIT_SECONDS,
+) -> int:
     """Run this pod's ranks until the leader stops them (returns 0); a failure ends the process
     (:func:`~.launcher.exit_group`)."""
     if placement.is_leader:
@@ -89,14 +95,27 @@ def run_worker_node(args: ServeArgs, *, placement: Placement, model_dir: Path, s
         fail(f"{me}: {reason}")
 
     meeting = rendezvous.multinode(args, placement)  # refuses a keyless group beyond loopback
-    workers = start_workers(pin(args, placement), model_dir=model_dir, init_method=placement.init_method(),
-                            rendezvous=meeting, ranks=placement.local_ranks, on_death=on_death)
+    workers = start_workers(
+        pin(args, placement),
+        model_dir=model_dir,
+        init_method=placement.init_method(),
+        rendezvous=meeting,
+        ranks=placement.local_ranks,
+        on_death=on_death,
+    )
     status.detail = f"waiting for the group's leader at {host}:{port}"
     log.info("%s of a %d-pod group: %s", me, placement.nnodes, status.detail)
     try:
         wait_for_leader(host, port, timeout_s=leader_wait_s)
-        heartbeat = Heartbeat(host=host, port=port, node=placement.node_rank, peers=[0],
-                              describe=placement.describe_node, on_lost=on_lost, wait_for_first_beat=True).start()
+        heartbeat = Heartbeat(
+            host=host,
+            port=port,
+            node=placement.node_rank,
+            peers=[0],
+            describe=placement.describe_node,
+            on_lost=on_lost,
+            wait_for_first_beat=True,
+        ).start()
     except BaseException:
         workers.kill()
         raise

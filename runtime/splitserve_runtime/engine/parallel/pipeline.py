@@ -22,17 +22,25 @@ from typing import Protocol
 import torch
 
 from ...ops.interface import AttentionMetadata
-from ..model_runner import KVCaches, StepRows
+from ..step_inputs import KVCaches, StepRows
 from .group import ParallelGroup
 
 
 class StageModel(Protocol):
     """A pipeline stage's model (:class:`~splitserve_runtime.model.llama.LlamaForCausalLM`)."""
 
-    def forward(self, *, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                md: AttentionMetadata, carried: torch.Tensor | None = None) -> torch.Tensor: ...
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        md: AttentionMetadata,
+        carried: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 MICRO_BATCHES_PER_STAGE = 2
 
@@ -55,13 +63,27 @@ def split_rows(rows: StepRows, *, parts: int) -> list[StepRows]:
     for start, end in zip(edges, edges[1:], strict=False):
         p_start, p_end = min(start, num_prefills), min(end, num_prefills)
         d_start, d_end = max(start - num_prefills, 0), max(end - num_prefills, 0)
-        out.append(StepRows(prefills=rows.prefills[p_start:p_end], decodes=rows.decodes[d_start:d_end],
-                            sample_prefill=rows.sample_prefill[p_start:p_end]))
+        out.append(
+            StepRows(
+                prefills=rows.prefills[p_start:p_end],
+                decodes=rows.decodes[d_start:d_end],
+                sample_prefill=rows.sample_prefill[p_start:p_end],
+            )
+        )
     return out
 
 
-def run_step(group: ParallelGroup, *, model: StageModel, caches: KVCaches, rows: StepRows, block_size: int,
-             hidden_size: int, vocab_size: int, dtype: torch.dtype) -> torch.Tensor | None:
+def run_step(
+    group: ParallelGroup,
+    *,
+    model: StageModel,
+    caches: KVCaches,
+    rows: StepRows,
+    block_size: int,
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     """This rank's part of one step; on the driver the logits of every sampled row, in row
     order (None when no row is sampled); None elsewhere."""
     device = group.device
@@ -75,8 +97,9 @@ def run_step(group: ParallelGroup, *, model: StageModel, caches: KVCaches, rows:
         if not group.is_first_stage:
             carried = torch.empty((2, inputs.input_ids.numel(), hidden_size), dtype=dtype, device=device)
             group.prev_link.recv([carried], 0, tag).wait()
-        out = model.forward(input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches,
-                            md=inputs.md, carried=carried)
+        out = model.forward(
+            input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches, md=inputs.md, carried=carried
+        )
         if not group.is_last_stage:
             out = out.contiguous()
             pending.append((group.next_link.send([out], 1, tag), out))

@@ -110,11 +110,15 @@ def resolve_placement(args: ServeArgs, env: Mapping[str, str] | None = None) -> 
         raise PlacementError(f"--tensor-parallel-size × --pipeline-parallel-size must be at least 1, got {world_size}")
     group_size = _env_int(env, ENV_GROUP_SIZE)
     if group_size is not None and group_size != nnodes:
-        raise PlacementError(f"${ENV_GROUP_SIZE}={group_size} (pods in this LeaderWorkerSet group) but --nnodes "
-                             f"{nnodes}: render --nnodes {group_size}, or leaderWorkerTemplate.size {nnodes}")
+        raise PlacementError(
+            f"${ENV_GROUP_SIZE}={group_size} (pods in this LeaderWorkerSet group) but --nnodes "
+            f"{nnodes}: render --nnodes {group_size}, or leaderWorkerTemplate.size {nnodes}"
+        )
     if nnodes > 1 and world_size % nnodes:
-        raise PlacementError(f"--nnodes {nnodes} must divide tensor × pipeline = {args.tensor_parallel_size} × "
-                             f"{args.pipeline_parallel_size} = {world_size}: every pod holds the same number of ranks")
+        raise PlacementError(
+            f"--nnodes {nnodes} must divide tensor × pipeline = {args.tensor_parallel_size} × "
+            f"{args.pipeline_parallel_size} = {world_size}: every pod holds the same number of ranks"
+        )
     node_rank = args.node_rank
     if node_rank < -1:
         raise PlacementError(f"--node-rank must be -1 (from ${ENV_WORKER_INDEX}) or at least 0, got {node_rank}")
@@ -127,12 +131,19 @@ def resolve_placement(args: ServeArgs, env: Mapping[str, str] | None = None) -> 
         raise PlacementError(f"node rank {node_rank} is outside a group of --nnodes {nnodes} pods")
     leader_address = (args.leader_address or env.get(ENV_LEADER_ADDRESS, "")).strip()
     if node_rank > 0 and not leader_address:
-        raise PlacementError(f"node rank {node_rank} joins its group's leader, but neither --leader-address "
-                             f"nor ${ENV_LEADER_ADDRESS} names it")
+        raise PlacementError(
+            f"node rank {node_rank} joins its group's leader, but neither --leader-address "
+            f"nor ${ENV_LEADER_ADDRESS} names it"
+        )
     if not 0 < args.rendezvous_port < 65536:
         raise PlacementError(f"--rendezvous-port must be a TCP port (1-65535), got {args.rendezvous_port}")
-    return Placement(nnodes=nnodes, node_rank=node_rank, world_size=world_size, leader_address=leader_address,
-                     rendezvous_port=args.rendezvous_port)
+    return Placement(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        world_size=world_size,
+        leader_address=leader_address,
+        rendezvous_port=args.rendezvous_port,
+    )
 
 
 def pin(args: ServeArgs, placement: Placement) -> ServeArgs:

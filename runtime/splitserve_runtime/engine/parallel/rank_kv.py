@@ -37,7 +37,7 @@ from ...transfer import (
     TcpKVServer,
 )
 from ...transfer.wire import byte_view
-from ..model_runner import KVCaches
+from ..step_inputs import KVCaches
 from .control import KVPart
 from .group import ParallelGroup
 from .kv_slices import PullOrder, PullReport, pull_part, snapshot, wire_layout
@@ -69,8 +69,9 @@ def handoff_auth(args: ServeArgs) -> HandoffAuth:
 class RankKV:
     """One worker rank's KV endpoint and puller (see the module docstring)."""
 
-    def __init__(self, *, args: ServeArgs, group: ParallelGroup, part: KVPart, layout: KVLayout,
-                 local_index: int) -> None:
+    def __init__(
+        self, *, args: ServeArgs, group: ParallelGroup, part: KVPart, layout: KVLayout, local_index: int
+    ) -> None:
         self._args = args
         self._group = group
         self._layout = layout
@@ -86,18 +87,28 @@ class RankKV:
         self._thread.start()
 
     @classmethod
-    def for_rank(cls, args: ServeArgs, *, group: ParallelGroup, part: KVPart, dtype: torch.dtype, head_dim: int,
-                 local_index: int) -> RankKV | None:
+    def for_rank(
+        cls, args: ServeArgs, *, group: ParallelGroup, part: KVPart, dtype: torch.dtype, head_dim: int, local_index: int
+    ) -> RankKV | None:
         """The rank's handoff side for a prefill or decode pod (None when aggregated); a
         prefill rank's endpoint is listening when this returns."""
         if args.role not in (Role.PREFILL.value, Role.DECODE.value):
             return None
         from ..kv_budget import KVCacheSpec
 
-        spec = KVCacheSpec(num_layers=part.num_layers, num_kv_heads=part.layout.config.num_key_value_heads,
-                           head_dim=head_dim, dtype=dtype)
-        rank = cls(args=args, group=group, part=part, local_index=local_index,
-                   layout=wire_layout(spec, block_size=args.block_size, compat_hash=args.compat_hash))
+        spec = KVCacheSpec(
+            num_layers=part.num_layers,
+            num_kv_heads=part.layout.config.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+        rank = cls(
+            args=args,
+            group=group,
+            part=part,
+            local_index=local_index,
+            layout=wire_layout(spec, block_size=args.block_size, compat_hash=args.compat_hash),
+        )
         if args.role == Role.PREFILL.value:
             rank.serve()
         return rank
@@ -109,16 +120,23 @@ class RankKV:
         except OSError as exc:  # taken (several pods' ports on one host): any port will do, the export says which
             if not self._port:
                 raise
-            log.warning("rank %d cannot listen on KV port %d (%s); using a free port", self._group.rank,
-                        self._port, exc)
+            log.warning(
+                "rank %d cannot listen on KV port %d (%s); using a free port", self._group.rank, self._port, exc
+            )
             server = self._start_server(0)
         self._server = server
         self.endpoint = f"{advertised_host(self._args.host)}:{server.port}"
         log.info("rank %d serves %s of exported KV on %s", self._group.rank, self.mine.describe(), self.endpoint)
 
     def _start_server(self, port: int) -> TcpKVServer:
-        server = TcpKVServer(registry=self._registry, layout=self._layout, host=self._args.host, port=port,
-                             auth=self._auth, holds=self.mine)
+        server = TcpKVServer(
+            registry=self._registry,
+            layout=self._layout,
+            host=self._args.host,
+            port=port,
+            auth=self._auth,
+            holds=self.mine,
+        )
         asyncio.run_coroutine_threadsafe(server.start(), self._loop).result()
         return server
 
@@ -128,9 +146,15 @@ class RankKV:
         if self._server is None:
             raise RuntimeError(f"rank {self._group.rank} has no KV endpoint (role {self._args.role})")
         blocks = snapshot(caches, block_ids)
-        self._registry.add(ExportedKV(request_id=request_id, num_tokens=num_tokens, num_blocks=len(block_ids),
-                                      read_block=lambda index: byte_view(blocks[index].numpy()),
-                                      release=lambda: None))
+        self._registry.add(
+            ExportedKV(
+                request_id=request_id,
+                num_tokens=num_tokens,
+                num_blocks=len(block_ids),
+                read_block=lambda index: byte_view(blocks[index].numpy()),
+                release=lambda: None,
+            )
+        )
         return self.endpoint
 
     def drop(self, request_ids: list[str]) -> None:
@@ -144,13 +168,13 @@ class RankKV:
 
     async def _pull(self, order: PullOrder, caches: KVCaches) -> None:
         try:
-            report = await pull_part(order, connector=self._connector, caches=caches, mine=self.mine,
-                                     rank=self._group.rank)
+            report = await pull_part(
+                order, connector=self._connector, caches=caches, mine=self.mine, rank=self._group.rank
+            )
         except Exception as exc:  # a bug must not leave the driver waiting for ever
             log.exception("rank %d: KV pull %s failed", self._group.rank, order.pull_id)
             report = PullReport(rank=self._group.rank, ok=False, code="protocol", message=str(exc))
-        await asyncio.to_thread(self._group.store.set, report_key(order.pull_id, self._group.rank),
-                                report.to_json())
+        await asyncio.to_thread(self._group.store.set, report_key(order.pull_id, self._group.rank), report.to_json())
 
     def close(self) -> None:
         if self._server is not None:

@@ -80,11 +80,13 @@ def read_secret(path: str | Path) -> bytes:
     try:
         secret = Path(path).read_bytes().removesuffix(b"\n")
     except OSError as exc:
-        raise PlacementError(f"cannot read --rendezvous-key-file {str(path)!r}: "
-                             f"{exc.strerror or type(exc).__name__}") from None
+        raise PlacementError(
+            f"cannot read --rendezvous-key-file {str(path)!r}: {exc.strerror or type(exc).__name__}"
+        ) from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise PlacementError(f"--rendezvous-key-file {str(path)!r} holds {len(secret)} bytes; a key needs at "
-                             f"least {MIN_SECRET_BYTES}")
+        raise PlacementError(
+            f"--rendezvous-key-file {str(path)!r} holds {len(secret)} bytes; a key needs at least {MIN_SECRET_BYTES}"
+        )
     return secret
 
 
@@ -114,8 +116,7 @@ class Rendezvous:
 
 def one_pod() -> Rendezvous:
     """A replica whose ranks all run in this pod: a fresh random key, loopback only."""
-    return Rendezvous(key=secrets.token_bytes(KEY_BYTES), authenticated=True, loopback=True,
-                      store_host="127.0.0.1")
+    return Rendezvous(key=secrets.token_bytes(KEY_BYTES), authenticated=True, loopback=True, store_host="127.0.0.1")
 
 
 def multinode(args: ServeArgs, placement: Placement) -> Rendezvous:
@@ -127,10 +128,16 @@ def multinode(args: ServeArgs, placement: Placement) -> Rendezvous:
     leader = placement.leader_address
     if args.rendezvous_key_file:
         if not leader:
-            raise PlacementError("the group's key is derived from its leader's address, but neither "
-                                 "--leader-address nor $LWS_LEADER_ADDRESS names it on this pod")
-        return Rendezvous(key=derive_group_key(read_secret(args.rendezvous_key_file), leader),
-                          authenticated=True, loopback=False, store_host=None)
+            raise PlacementError(
+                "the group's key is derived from its leader's address, but neither "
+                "--leader-address nor $LWS_LEADER_ADDRESS names it on this pod"
+            )
+        return Rendezvous(
+            key=derive_group_key(read_secret(args.rendezvous_key_file), leader),
+            authenticated=True,
+            loopback=False,
+            store_host=None,
+        )
     # the leader may not know its own address (flags only): then where it listens, if loopback
     host = leader or (args.host if is_loopback_host(args.host) else "127.0.0.1")
     if not is_loopback_host(host):
@@ -138,10 +145,14 @@ def multinode(args: ServeArgs, placement: Placement) -> Rendezvous:
             f"a group of {placement.nnodes} pods meets at {host}:{placement.rendezvous_port}, and its ranks "
             f"run what the leader sends them: pass --rendezvous-key-file (a secret every pod of the group "
             f"holds; the operator mounts one) so that only the group's own pods take part, or, on one "
-            f"machine, a loopback --leader-address")
-    log.warning("the parallel group's control messages are not authenticated (no --rendezvous-key-file): "
-                "allowed because every pod meets on loopback (%s:%d); never expose this port",
-                host, placement.rendezvous_port)
+            f"machine, a loopback --leader-address"
+        )
+    log.warning(
+        "the parallel group's control messages are not authenticated (no --rendezvous-key-file): "
+        "allowed because every pod meets on loopback (%s:%d); never expose this port",
+        host,
+        placement.rendezvous_port,
+    )
     return Rendezvous(key=UNAUTHENTICATED_KEY, authenticated=False, loopback=True, store_host=host.strip("[]"))
 
 
@@ -197,17 +208,22 @@ class ControlCodec:
         anything of the payload is looked at."""
         view = memoryview(frame)
         if len(view) < MAC_BYTES + _HEADER.size:
-            raise ControlAuthError(f"a control message from rank {sender} is {len(view)} bytes, too short to "
-                                   f"carry a MAC: refused")
+            raise ControlAuthError(
+                f"a control message from rank {sender} is {len(view)} bytes, too short to carry a MAC: refused"
+            )
         mac, signed = view[:MAC_BYTES], view[MAC_BYTES:]
         if not hmac.compare_digest(mac, self._mac(signed)):
-            raise ControlAuthError(f"a control message from rank {sender} failed authentication (bad MAC): "
-                                   f"refused before decoding; do all pods of the group hold the same "
-                                   f"--rendezvous-key-file and leader address?")
+            raise ControlAuthError(
+                f"a control message from rank {sender} failed authentication (bad MAC): "
+                f"refused before decoding; do all pods of the group hold the same "
+                f"--rendezvous-key-file and leader address?"
+            )
         magic, version, got_sender, got_sequence = _HEADER.unpack_from(signed)
         if magic != _MAGIC or version != _VERSION:
             raise ControlAuthError(f"a control message from rank {sender} has format {version}, not {_VERSION}")
         if (got_sender, got_sequence) != (sender, sequence):
-            raise ControlAuthError(f"a control message claimed rank {got_sender}, message {got_sequence}; rank "
-                                   f"{sender}'s message {sequence} was due: refused (replayed or out of step)")
-        return bytes(signed[_HEADER.size:])
+            raise ControlAuthError(
+                f"a control message claimed rank {got_sender}, message {got_sequence}; rank "
+                f"{sender}'s message {sequence} was due: refused (replayed or out of step)"
+            )
+        return bytes(signed[_HEADER.size :])

@@ -35,7 +35,8 @@ import torch
 
 from ...transfer import KVConnector, KVSlice
 from ..kv_budget import KVCacheSpec
-from ..model_runner import CausalLM, ModelRunner, StepRows
+from ..model_runner import ModelRunner
+from ..step_inputs import CausalLM, StepRows
 from . import control, exit_hooks
 from .group import ParallelGroup
 from .kv_slices import PullOrder, PullReport, pull_part, snapshot
@@ -58,19 +59,39 @@ def _exit_process(symptom: str) -> NoReturn:
 class ParallelRunner(ModelRunner):
     """Rank 0's runner over its own part of the model; see the module docstring."""
 
-    def __init__(self, *, model: CausalLM, spec: KVCacheSpec, device: torch.device, block_size: int,
-                 num_blocks: int, eos_token_ids: frozenset[int] = frozenset(),
-                 group: ParallelGroup, loaded: RankModel, workers: Workers,
-                 on_failure: Callable[[str], NoReturn] = _exit_process, exit_on_forward_error: bool = False) -> None:
-        super().__init__(model=model, spec=spec, device=device, block_size=block_size,
-                         num_blocks=num_blocks, eos_token_ids=eos_token_ids)
+    def __init__(
+        self,
+        *,
+        model: CausalLM,
+        spec: KVCacheSpec,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        group: ParallelGroup,
+        loaded: RankModel,
+        workers: Workers,
+        on_failure: Callable[[str], NoReturn] = _exit_process,
+        exit_on_forward_error: bool = False,
+    ) -> None:
+        super().__init__(
+            model=model,
+            spec=spec,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            eos_token_ids=eos_token_ids,
+        )
         self.group = group
         self.loaded = loaded
         self.part = loaded.part
         self.workers = workers
-        self.wire_spec = KVCacheSpec(num_layers=self.part.num_layers,
-                                     num_kv_heads=self.part.layout.config.num_key_value_heads,
-                                     head_dim=spec.head_dim, dtype=spec.dtype)
+        self.wire_spec = KVCacheSpec(
+            num_layers=self.part.num_layers,
+            num_kv_heads=self.part.layout.config.num_key_value_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+        )
         self._lock = threading.Lock()
         self._pending_writes: dict[int, bytes] = {}
         self._pending_drops: list[str] = []
@@ -89,8 +110,7 @@ class ParallelRunner(ModelRunner):
 
     def forward_logits(self, rows: StepRows) -> torch.Tensor | None:
         try:
-            return self.loaded.forward_logits(self.group, rows=rows, caches=self.kv_caches,
-                                              block_size=self.block_size)
+            return self.loaded.forward_logits(self.group, rows=rows, caches=self.kv_caches, block_size=self.block_size)
         except RuntimeError as exc:
             if not self._exit_on_forward_error:
                 raise
@@ -134,10 +154,14 @@ class ParallelRunner(ModelRunner):
     # ------------------------------------------------------------------ the KV handoff, rank by rank
     def rank_slices(self) -> list[KVSlice]:
         """The global layers and KV heads each rank holds, in rank order."""
-        return [self.part.slice(stage=rank // self.group.tp_size, tp_rank=rank % self.group.tp_size)
-                for rank in range(self.group.size)]
+        return [
+            self.part.slice(stage=rank // self.group.tp_size, tp_rank=rank % self.group.tp_size)
+            for rank in range(self.group.size)
+        ]
 
-    def export_blocks(self, *, request_id: str, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, list[str]]:
+    def export_blocks(
+        self, *, request_id: str, block_ids: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, list[str]]:
         """Engine thread: every rank snapshots its part of ``block_ids`` and serves it as
         ``request_id`` on its KV endpoint. Returns rank 0's snapshot (``[block][its slice's
         bytes]``, which rank 0's endpoint serves) and the other ranks' endpoints, in rank
@@ -177,8 +201,9 @@ class ParallelRunner(ModelRunner):
         still writing into blocks the caller is about to free."""
         await asyncio.to_thread(self._start_pull, order)
         try:
-            mine = await pull_part(order, connector=connector, caches=self.kv_caches, rank=0,
-                                   mine=self.part.slice(stage=0, tp_rank=0))
+            mine = await pull_part(
+                order, connector=connector, caches=self.kv_caches, rank=0, mine=self.part.slice(stage=0, tp_rank=0)
+            )
         finally:  # even when rank 0's part raised: the caller frees the blocks after this
             others = await asyncio.to_thread(self._collect, order)
         return [mine, *others]

@@ -25,11 +25,16 @@ from pathlib import Path
 import torch
 
 from splitserve_contract import ServeArgs
+from splitserve_contract.model_config import load_model_config
 
+from ...model.loader import load_model
 from ...model.pipeline import PipelineStage
 from ...model.tensor_parallel import TensorParallelLayout
+from ...ops import get_ops
 from ..kv_budget import KVCacheSpec, resolve_kv_cache_dtype
-from ..model_runner import KVCaches, StepRows, allocate_kv_caches, measure_num_kv_blocks
+from ..model_runner import allocate_kv_caches, measure_num_kv_blocks
+from ..serve_settings import resolve_device, resolve_dtype
+from ..step_inputs import KVCaches, StepRows
 from . import control, pipeline
 from .group import ParallelGroup, init_group
 from .kv_slices import PullReport
@@ -54,17 +59,27 @@ class RankModel:
     vocab_size: int
     dtype: torch.dtype
 
-    def forward_logits(self, group: ParallelGroup, *, rows: StepRows, caches: KVCaches,
-                       block_size: int) -> torch.Tensor | None:
+    def forward_logits(
+        self, group: ParallelGroup, *, rows: StepRows, caches: KVCaches, block_size: int
+    ) -> torch.Tensor | None:
         """One step on this rank: the logits of the sampled rows on the driver (None elsewhere
         or when none is sampled). Without pipeline stages every rank runs the whole forward
         (the tensor-parallel collectives meet inside it) and computes the logits."""
         if group.num_stages > 1:
-            return pipeline.run_step(group, model=self.model, caches=caches, rows=rows, block_size=block_size,
-                                     hidden_size=self.hidden_size, vocab_size=self.vocab_size, dtype=self.dtype)
+            return pipeline.run_step(
+                group,
+                model=self.model,
+                caches=caches,
+                rows=rows,
+                block_size=block_size,
+                hidden_size=self.hidden_size,
+                vocab_size=self.vocab_size,
+                dtype=self.dtype,
+            )
         inputs = rows.build(block_size=block_size, device=group.device)
-        hidden = self.model.forward(input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches,
-                                    md=inputs.md)
+        hidden = self.model.forward(
+            input_ids=inputs.input_ids, positions=inputs.positions, kv_caches=caches, md=inputs.md
+        )
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])  # the vocabulary gather
@@ -78,17 +93,13 @@ def rank_device(device: torch.device, local_index: int) -> torch.device:
 def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> RankModel:
     """Load this rank's part of ``model_dir`` and agree on the KV block count (every rank
     calls this at the same point)."""
-    from splitserve_contract.model_config import load_model_config
-
-    from ...model.loader import load_model
-    from ...ops import get_ops
-    from ..loading import resolve_dtype
-
     device = group.device
     if device.type == "cpu":  # the pod's ranks share its host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, group.size // max(1, args.nnodes))))
     config = load_model_config(model_dir=model_dir)
-    stage = PipelineStage(config=config, stage=group.stage, num_stages=group.num_stages) if group.num_stages > 1 else None
+    stage = (
+        PipelineStage(config=config, stage=group.stage, num_stages=group.num_stages) if group.num_stages > 1 else None
+    )
     staged = stage.local_config() if stage is not None else config
     layout = TensorParallelLayout(config=staged, rank=group.tp_rank, size=group.tp_size)
     dtype = resolve_dtype(args.dtype, device=device, config_dtype=config.torch_dtype)
@@ -97,19 +108,40 @@ def load_rank(args: ServeArgs, *, model_dir: Path, group: ParallelGroup) -> Rank
     if not args.chunked_prefill:
         max_model_len = min(max_model_len, args.max_num_batched_tokens)
     ops = get_ops(name=args.attention_backend, device=device)
-    model = load_model(model_dir=model_dir, ops=ops, dtype=dtype, device=device, config=config,
-                       quantization=args.quantization, parallel=(layout, group) if group.tp_size > 1 else None,
-                       stage=stage)
-    spec = KVCacheSpec(num_layers=staged.num_hidden_layers, num_kv_heads=layout.num_kv_heads,
-                       head_dim=config.head_dim, dtype=kv_dtype)
+    model = load_model(
+        model_dir=model_dir,
+        ops=ops,
+        dtype=dtype,
+        device=device,
+        config=config,
+        quantization=args.quantization,
+        parallel=(layout, group) if group.tp_size > 1 else None,
+        stage=stage,
+    )
+    spec = KVCacheSpec(
+        num_layers=staged.num_hidden_layers, num_kv_heads=layout.num_kv_heads, head_dim=config.head_dim, dtype=kv_dtype
+    )
     num_blocks = args.num_kv_blocks or measure_num_kv_blocks(
-        model=model, spec=spec, device=device, block_size=args.block_size,
-        kv_memory_fraction=args.kv_memory_fraction, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+        model=model,
+        spec=spec,
+        device=device,
+        block_size=args.block_size,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+    )
     agreed = min(group.all_gather_object(num_blocks))
-    return RankModel(model=model, part=control.KVPart(layout=layout, stage=stage), spec=spec, num_blocks=agreed,
-                     max_model_len=max_model_len, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                     dtype=dtype)
+    return RankModel(
+        model=model,
+        part=control.KVPart(layout=layout, stage=stage),
+        spec=spec,
+        num_blocks=agreed,
+        max_model_len=max_model_len,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        dtype=dtype,
+    )
 
 
 DRIVER_GONE_STATUS = 69
@@ -119,20 +151,31 @@ DRIVER_GONE_STATUS = 69
 def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str, rendezvous: Rendezvous) -> int:
     """A worker rank's whole life: join, load, execute the driver's messages, leave. Returns
     the exit status: 0 when told to stop, :data:`DRIVER_GONE_STATUS` when the driver is gone."""
-    from ..loading import resolve_device
-
     placement = resolve_placement(args, env={})  # the launcher passes the placement in args
     device = rank_device(resolve_device(args.device), placement.local_index(rank))
     if not placement.is_leader:  # another pod's store: wait for it quietly (the store's own retries are loud),
         # a little longer than the pod's agent, whose message says more when the leader never comes
         wait_for_leader(placement.leader_address, placement.rendezvous_port, timeout_s=LEADER_WAIT_SECONDS + 60)
-    group = init_group(rank=rank, tp_size=args.tensor_parallel_size, num_stages=args.pipeline_parallel_size,
-                       init_method=init_method, device=device, rendezvous=rendezvous)
+    group = init_group(
+        rank=rank,
+        tp_size=args.tensor_parallel_size,
+        num_stages=args.pipeline_parallel_size,
+        init_method=init_method,
+        device=device,
+        rendezvous=rendezvous,
+    )
     loaded = load_rank(args, model_dir=model_dir, group=group)
-    caches = allocate_kv_caches(spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size,
-                                device=group.device)
-    rank_kv = RankKV.for_rank(args, group=group, part=loaded.part, dtype=loaded.spec.dtype,
-                              head_dim=loaded.spec.head_dim, local_index=placement.local_index(rank))
+    caches = allocate_kv_caches(
+        spec=loaded.spec, num_blocks=loaded.num_blocks, block_size=args.block_size, device=group.device
+    )
+    rank_kv = RankKV.for_rank(
+        args,
+        group=group,
+        part=loaded.part,
+        dtype=loaded.spec.dtype,
+        head_dim=loaded.spec.head_dim,
+        local_index=placement.local_index(rank),
+    )
     mark_ready(group.store, rank)
     log.info("parallel rank %d ready: %d KV blocks", rank, loaded.num_blocks)
     try:
@@ -142,8 +185,9 @@ def serve_worker(args: ServeArgs, *, model_dir: Path, rank: int, init_method: st
             rank_kv.close()
 
 
-def _execute(group: ParallelGroup, *, loaded: RankModel, caches: KVCaches, rank_kv: RankKV | None,
-             block_size: int) -> int:
+def _execute(
+    group: ParallelGroup, *, loaded: RankModel, caches: KVCaches, rank_kv: RankKV | None, block_size: int
+) -> int:
     """Execute the driver's messages until Stop (0) or the driver is gone."""
     while True:
         try:
@@ -170,8 +214,12 @@ def _execute(group: ParallelGroup, *, loaded: RankModel, caches: KVCaches, rank_
                 rank_kv.drop(message.request_ids)
         elif isinstance(message, control.PullBlocks):
             if rank_kv is None:  # the driver sends none to an aggregated pod; answer anyway
-                group.store.set(report_key(message.order.pull_id, group.rank), PullReport(
-                    rank=group.rank, ok=False, code="protocol", message="this rank takes no KV handoff").to_json())
+                group.store.set(
+                    report_key(message.order.pull_id, group.rank),
+                    PullReport(
+                        rank=group.rank, ok=False, code="protocol", message="this rank takes no KV handoff"
+                    ).to_json(),
+                )
             else:
                 rank_kv.pull(message.order, caches)
         else:
@@ -183,8 +231,9 @@ def _export(rank_kv: RankKV | None, message: control.ExportBlocks, caches: KVCac
     if rank_kv is None:
         return False, "this rank takes no KV handoff"
     try:
-        return True, rank_kv.export(request_id=message.request_id, block_ids=message.block_ids,
-                                    num_tokens=message.num_tokens, caches=caches)
+        return True, rank_kv.export(
+            request_id=message.request_id, block_ids=message.block_ids, num_tokens=message.num_tokens, caches=caches
+        )
     except (RuntimeError, ValueError) as exc:
         return False, str(exc)
 
@@ -201,16 +250,27 @@ def exit_with_parent() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_SECONDS)
         os._exit(1)
+
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_argv(args: ServeArgs, *, model_dir: Path, rank: int, init_method: str, loopback: bool) -> list[str]:
     """The command line :func:`main` parses (the group's shape comes with ``args``; its key
     comes in the environment, :mod:`.rendezvous`)."""
-    return [sys.executable, "-m", __name__, "--rank", str(rank),
-            "--init-method", init_method, "--model-dir", str(model_dir),
-            *(["--loopback"] if loopback else []),
-            "--serve-args", json.dumps(dataclasses.asdict(args))]
+    return [
+        sys.executable,
+        "-m",
+        __name__,
+        "--rank",
+        str(rank),
+        "--init-method",
+        init_method,
+        "--model-dir",
+        str(model_dir),
+        *(["--loopback"] if loopback else []),
+        "--serve-args",
+        json.dumps(dataclasses.asdict(args)),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,15 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--serve-args", required=True, help="ServeArgs as JSON")
-    parser.add_argument("--loopback", action="store_true",
-                        help="every rank of the group runs on this machine: listen on loopback only")
+    parser.add_argument(
+        "--loopback", action="store_true", help="every rank of the group runs on this machine: listen on loopback only"
+    )
     ns = parser.parse_args(argv)
     group_rendezvous = from_environment(loopback=ns.loopback)
     exit_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{ns.rank} %(levelname)s %(name)s: %(message)s")
     args = ServeArgs(**json.loads(ns.serve_args))
-    code = serve_worker(args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method,
-                        rendezvous=group_rendezvous)
+    code = serve_worker(
+        args, model_dir=ns.model_dir, rank=ns.rank, init_method=ns.init_method, rendezvous=group_rendezvous
+    )
     # Exit now: the interpreter's teardown of torch's modules takes seconds on a loaded host,
     # and the server (or the pod's agent) waits for its stopped ranks.
     logging.shutdown()
