@@ -115,3 +115,16 @@ def test_model_server_protocol_gauges_mirror_ours(scrape: str) -> None:
     info = samples[(ModelServerMetric.CACHE_CONFIG_INFO, MODEL_NAME)]
     assert info.value == 1.0
     assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "16"
+
+
+def test_the_engine_table_names_what_the_runtime_exports(scrape: str) -> None:
+    """The bundled runtime's row of :mod:`splitserve_contract.engine_metrics`: every signal's
+    series is here, of its type, labelled with the model (``tests/contract`` checks vLLM's)."""
+    from splitserve_contract.engine_metrics import SIGNAL_KINDS, SPLITSERVE_METRICS
+
+    families = {f.name: f for f in text_string_to_metric_families(scrape)}
+    for signal, kind in SIGNAL_KINDS.items():
+        series = getattr(SPLITSERVE_METRICS, signal)
+        family = families[series.removesuffix("_total") if kind == "counter" else series]
+        assert family.type == kind, (signal, family.type)
+        assert any(SPLITSERVE_METRICS.model_label in s.labels for s in family.samples), signal
