@@ -99,6 +99,7 @@ class SamplingFields(_Request):
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None  # only the neutral 1 (vLLM's client sends it)
     ignore_eos: bool | None = False
     speculative: bool | None = True  # false: never verify proposals for this request
     stop_token_ids: (
@@ -133,6 +134,8 @@ class SamplingFields(_Request):
                 problems.append((name, f"{name} is not supported by this server (use 0)"))
         if self.logit_bias:
             problems.append(("logit_bias", "logit_bias is not supported by this server"))
+        if self.repetition_penalty not in (None, 1.0):
+            problems.append(("repetition_penalty", "repetition_penalty is not supported by this server (use 1)"))
         return problems
 
 

@@ -150,3 +150,24 @@ def test_seed_outside_generator_range_is_400(server: InProcessServer, path: str,
 def test_seed_at_range_edges_is_accepted(server: InProcessServer, seed: int) -> None:
     response = _post(server, COMPLETIONS, _completion(seed=seed, temperature=1.0))
     assert response.status_code == 200, response.text
+
+
+# ----------------------------------------------------------------------------- repetition_penalty
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_neutral_repetition_penalty_is_accepted(server: InProcessServer, path: str) -> None:
+    """vLLM's benchmark client (`vllm bench serve`) sends ``repetition_penalty: 1.0`` with every request."""
+    for value in (1.0, 1, None):
+        body = (_completion if path == COMPLETIONS else _chat)(repetition_penalty=value)
+        response = _post(server, path, body)
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("value", [1.2, 0.5])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_another_repetition_penalty_is_refused_naming_it(server: InProcessServer, path: str, value: float) -> None:
+    body = (_completion if path == COMPLETIONS else _chat)(repetition_penalty=value)
+    response = _post(server, path, body)
+    _assert_error(response, status=400, type="invalid_request_error", param="repetition_penalty")
+    assert "not supported" in response.json()["error"]["message"]
