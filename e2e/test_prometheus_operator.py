@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "splitserve"
-RULES_TEST = REPO / "tests" / "operator" / "fixtures" / "prometheus-rules.test.yaml"
+RULES_TEST = REPO / "tests" / "operator" / "chart" / "fixtures" / "prometheus-rules.test.yaml"
 RELEASE = "rel"
 FULLNAME = "rel-splitserve"
 
