@@ -191,6 +191,19 @@ def ns(cluster: LocalCluster, image: str, model_hub: ModelHub) -> Iterator[str]:
         yield name
 
 
+async def _status_with_the_scale_up(cluster: LocalCluster, ns: str, pool: str) -> dict[str, Any]:
+    """The InferenceService once its status shows the scale-up of ``pool`` (bounded): the
+    autoscaler applies the replicas first and writes the decision to status just after, so a
+    read the moment the Deployment's replicas rise can still hold the round before (CI, loaded)."""
+    deadline = time.monotonic() + 30
+    while True:
+        isvc = await asyncio.to_thread(get_isvc, cluster=cluster, namespace=ns, name=NAME)
+        decisions = ((isvc.get("status") or {}).get(pool) or {}).get("recentDecisions") or []
+        if any(d["to"] > d["from"] for d in decisions) or time.monotonic() > deadline:
+            return isvc
+        await asyncio.sleep(0.5)
+
+
 async def _run_phase(
     cluster: LocalCluster, ns: str, out: Scenario, name: str, load: LoadBurst, *, scales: str | None
 ) -> None:
@@ -217,7 +230,7 @@ async def _run_phase(
         else:
             if math.isnan(phase.scaled_after) and pools[scales].desired > 1:
                 phase.scaled_after = now - start
-                phase.isvc_at_scale = await asyncio.to_thread(get_isvc, cluster=cluster, namespace=ns, name=NAME)
+                phase.isvc_at_scale = await _status_with_the_scale_up(cluster, ns, scales)
             if scaled_at is None and pools[scales].ready >= 2:
                 scaled_at = now
             if scaled_at is not None and now - scaled_at > 3 * INTERVAL_SECONDS:
