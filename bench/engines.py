@@ -158,8 +158,9 @@ def vllm_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def server(argv: list[str], *, port: int, env: dict[str, str], log: Path) -> Iterator[float]:
-    """Start ``argv``, wait until it lists the model; yields the seconds it took to start."""
+def server(argv: list[str], *, port: int, env: dict[str, str], log: Path, ready_path: str) -> Iterator[float]:
+    """Start ``argv``, wait until ``ready_path`` answers 200 (the engine's readiness: the bundled
+    server answers ``/v1/models`` before its model is loaded); yields the seconds that took."""
     started = time.monotonic()
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -169,7 +170,7 @@ def server(argv: list[str], *, port: int, env: dict[str, str], log: Path) -> Ite
             if process.poll() is not None:
                 raise RuntimeError(f"{argv[0]} exited ({process.returncode}); log {log}:\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=5).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not ready in {START_TIMEOUT_SECONDS:.0f} s; log {log}")
@@ -228,12 +229,12 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     port = free_port("127.0.0.1")
     if engine == "vllm":
-        argv, env = vllm_command(venv=venv, model=model, port=port, budget=budget), vllm_env()
+        argv, env, ready = vllm_command(venv=venv, model=model, port=port, budget=budget), vllm_env(), "/health"
     else:
-        argv, env = splitserve_command(model=model, port=port, budget=budget), dict(os.environ)
+        argv, env, ready = splitserve_command(model=model, port=port, budget=budget), dict(os.environ), "/ready"
     tag = f"{engine}{run}"
     figures: dict[str, dict[str, float]] = {}
-    with server(argv, port=port, env=env, log=out_dir / f"{tag}.log") as start_seconds:
+    with server(argv, port=port, env=env, log=out_dir / f"{tag}.log", ready_path=ready) as start_seconds:
         print(f"[{tag}] ready in {start_seconds:.0f} s", file=sys.stderr, flush=True)
         for workload in loads:
             figures[workload.name] = run_client(
