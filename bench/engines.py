@@ -92,55 +92,43 @@ class Budget:
     max_num_batched_tokens: int
 
 
+def budget_flags(*, model: Path, port: int, budget: Budget) -> list[str]:
+    """The flags both servers take alike (the same names in both CLIs)."""
+    return [
+        "--model",
+        str(model),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        budget.dtype,
+        "--max-model-len",
+        str(budget.max_model_len),
+        "--max-num-seqs",
+        str(budget.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(budget.max_num_batched_tokens),
+    ]
+
+
 def splitserve_command(*, model: Path, port: int, budget: Budget) -> list[str]:
     return [
         sys.executable,
         "-m",
         "splitserve_cli",
         "serve",
-        "--model",
-        str(model),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--device",
         "cpu",
-        "--dtype",
-        budget.dtype,
-        "--max-model-len",
-        str(budget.max_model_len),
-        "--max-num-seqs",
-        str(budget.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(budget.max_num_batched_tokens),
+        *budget_flags(model=model, port=port, budget=budget),
     ]
 
 
 def vllm_command(*, venv: Path, model: Path, port: int, budget: Budget) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        budget.dtype,
-        "--max-model-len",
-        str(budget.max_model_len),
-        "--max-num-seqs",
-        str(budget.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(budget.max_num_batched_tokens),
-    ]
+    python = str(venv / "bin" / "python")
+    return [python, "-m", "vllm.entrypoints.openai.api_server", *budget_flags(model=model, port=port, budget=budget)]
 
 
 def vllm_env() -> dict[str, str]:

@@ -24,9 +24,9 @@ ALSO_ELSEWHERE = {
 """Files where a handoff field's name is also the name of another object's field."""
 
 
-def literal_uses(path: Path) -> list[str]:
-    """``file:line name`` for each string constant in ``path`` equal to a handoff field name
-    (docstrings and comments aside: they are not constants, or not code)."""
+def literal_uses(path: Path, *, root: Path = ROOT) -> list[str]:
+    """``file:line name`` (relative to ``root``) for each string constant in ``path`` equal to a
+    handoff field name (docstrings and comments aside: they are not constants, or not code)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     docstrings = {
         id(node.body[0].value)
@@ -37,7 +37,7 @@ def literal_uses(path: Path) -> list[str]:
         and isinstance(node.body[0].value, ast.Constant)
     }
     return [
-        f"{path.relative_to(ROOT)}:{node.lineno} {node.value}"
+        f"{path.relative_to(root)}:{node.lineno} {node.value}"
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
@@ -75,9 +75,7 @@ def test_no_handoff_field_name_is_spelled_outside_the_schema() -> None:
 
 def test_the_scan_finds_a_literal(tmp_path: Path) -> None:
     """The check is not vacuous: a module that spells a field is reported."""
-    probe = ROOT / "runtime" / "splitserve_runtime" / "_handoff_probe.py"
+    probe = tmp_path / "runtime" / "splitserve_runtime" / "_handoff_probe.py"
+    probe.parent.mkdir(parents=True)
     probe.write_text('"""probe"""\nPARAMS = {"remote_endpoint": "h:1"}\n')
-    try:
-        assert literal_uses(probe) == ["runtime/splitserve_runtime/_handoff_probe.py:2 remote_endpoint"]
-    finally:
-        probe.unlink()
+    assert literal_uses(probe, root=tmp_path) == ["runtime/splitserve_runtime/_handoff_probe.py:2 remote_endpoint"]
