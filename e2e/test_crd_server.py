@@ -74,17 +74,17 @@ def test_examples_are_accepted(cluster: LocalCluster, crd: str, namespace: str) 
             {
                 "spec": {
                     "decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
-                    "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}},
+                    "scheduling": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}},
                 }
             },
             rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
         ),
         (
-            {"spec": {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
+            {"spec": {"scheduling": {"speculative": {"method": "ngram", "draftModel": "hf://org/draft"}}}},
             rules.DRAFT_MODEL_RULE_MESSAGE,
         ),
-        ({"spec": {"engine": {"speculative": {"method": "draft"}}}}, rules.DRAFT_METHOD_RULE_MESSAGE),
-        ({"spec": {"engine": {"speculative": {"numTokens": 17}}}}, "numTokens"),
+        ({"spec": {"scheduling": {"speculative": {"method": "draft"}}}}, rules.DRAFT_METHOD_RULE_MESSAGE),
+        ({"spec": {"scheduling": {"speculative": {"numTokens": 17}}}}, "numTokens"),
         ({"spec": {"kvCache": {"dtype": "int8"}}}, "dtype"),
         ({"spec": {"model": {"quantization": "fp4"}}}, "quantization"),
         ({"spec": {"autoscaling": {"gpuBudget": 1}}}, rules.GPU_BUDGET_RULE_MESSAGE),
@@ -116,10 +116,18 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
     spec = live["spec"]
     assert spec["mode"] == "Disaggregated"
     assert spec["kvCache"] == {"blockSize": 16, "memoryFraction": 0.9, "prefixCaching": True, "dtype": "auto"}
-    assert spec["engine"]["speculative"] == {"method": "none", "numTokens": 4, "maxNumSeqs": 16}
+    # spec.scheduling has no server default (spec.engine, its deprecated old name, must stay
+    # distinguishable from it on objects stored before the rename): the models' defaults apply.
+    assert "scheduling" not in spec and "engine" not in spec and spec["runtime"]["engine"] == "splitserve"
     assert spec["prefill"]["replicas"] == {"min": 1, "max": 4}
     assert spec["autoscaling"]["behavior"]["scaleDown"] == {"stabilizationSeconds": 300, "maxStep": 1}
     parsed = api.InferenceService.parse(live)
+    assert parsed.spec.scheduling_settings.speculative.model_dump() == {
+        "method": "none",
+        "num_tokens": 4,
+        "max_num_seqs": 16,
+        "draft_model": None,
+    }
     assert parsed.spec == api.InferenceService.parse(obj).spec
 
     # The status subresource takes the model's dump, and the printer columns show it.

@@ -161,7 +161,7 @@ def pool(stack: Stack, picker_image: str) -> Pool:
     manifest = isvc_for_node(stack, namespace=namespace, mode="Aggregated", cpu="300m")
     spec = manifest["spec"]
     spec["aggregated"]["replicas"] = {"min": ENGINES, "max": ENGINES}
-    spec["engine"] = {**spec.get("engine", {}), "maxNumSeqs": 1}
+    spec["scheduling"] = {**spec.get("scheduling", {}), "maxNumSeqs": 1}
     spec["router"] = {"mode": "InferencePool", "inferencePool": {"picker": {"image": picker_image}}}
     with explained(cluster, stack.namespaces):
         started = time.monotonic()

@@ -238,7 +238,7 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
     ("model-uri-scheme", {"spec": {"model": {"uri": "s3://bucket/model"}}}, ["spec.model.uri"]),
     (
         "speculative-draft-without-model",
-        {"spec": {"engine": {"speculative": {"method": "draft"}}}},
+        {"spec": {"scheduling": {"speculative": {"method": "draft"}}}},
         [rules.DRAFT_METHOD_RULE_MESSAGE],
     ),
     (
@@ -246,7 +246,7 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
         {
             "spec": {
                 "decode": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}},
-                "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}},
+                "scheduling": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}},
             }
         },
         [rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE],
@@ -788,7 +788,7 @@ def test_disaggregated_service_gets_its_handoff_key_secret(cluster: LocalCluster
             volumes = [v.get("secret", {}).get("secretName") for v in dep["spec"]["template"]["spec"]["volumes"]]
             assert (secret_name in volumes) == (role != "router"), (role, volumes)
         # A spec change reconciles again; the key stays the same.
-        _apply(cluster, _merge(manifest, {"spec": {"engine": {"maxNumSeqs": 32}}}))
+        _apply(cluster, _merge(manifest, {"spec": {"scheduling": {"maxNumSeqs": 32}}}))
         cluster.wait_for(lambda: _observed(cluster, ns, name), timeout_seconds=60, what="the new generation observed")
         again = _get_json(cluster, ns, "secret", secret_name)
         assert again is not None and again["data"] == secret["data"]

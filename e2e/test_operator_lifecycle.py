@@ -674,13 +674,13 @@ INVALID_CASES: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
         "pipeline parallel 2 with a draft model",
         {
             "decode": {"resources": {"gpus": 2}, "parallelism": {"pipeline": 2}},
-            "engine": {"speculative": {"method": "draft", "draftModel": "hf://a/d"}},
+            "scheduling": {"speculative": {"method": "draft", "draftModel": "hf://a/d"}},
         },
         rules.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
     ),
     (
         "draft model without draft",
-        {"engine": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
+        {"scheduling": {"speculative": {"method": "ngram", "draftModel": "hf://a/d"}}},
         rules.DRAFT_MODEL_RULE_MESSAGE,
     ),
     ("gpu budget", {"autoscaling": {"gpuBudget": 1}}, rules.GPU_BUDGET_RULE_MESSAGE),

@@ -80,6 +80,7 @@ KWOK = {"tolerations": [kwok_toleration()], "nodeSelector": {KWOK_NODE_LABEL: KW
 NEW_DEFAULTS = {
     ("kvCache", "dtype"): "auto",
     ("engine", "speculative"): {"method": "none", "numTokens": 4, "maxNumSeqs": 16},
+    ("runtime", "engine"): "splitserve",
 }
 """Fields today's CRD adds with defaults, and those defaults."""
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Final
 
 SUPPORT_NOTE: Final = "is not supported by this version of splitserve"
+ENGINE_SUPPORT_NOTE: Final = "is not supported by engine {engine}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +32,24 @@ class Capability:
     api_field: str = ""
     """camelCase field inside its API object (``quantization``, ``tensor``); empty when the
     setting is not in the CRD."""
+    by_engine: tuple[tuple[str, tuple[str | int, ...]], ...] = ()
+    """``(engine, values)`` for each engine that serves fewer values than ``supported`` (the
+    bundled runtime's): what the operator renders and tests for that engine."""
 
     def __post_init__(self) -> None:
         missing = [v for v in self.supported if v not in self.known]
+        missing += [v for _, values in self.by_engine for v in values if v not in self.supported]
         if missing:
             raise ValueError(f"{self.name}: supported values {missing} are not known values")
+
+    def supported_by(self, engine: str) -> tuple[str | int, ...]:
+        """The values ``engine`` serves."""
+        return dict(self.by_engine).get(engine, self.supported)
+
+    def engine_message(self, value: str | int, engine: str) -> str:
+        """The one sentence every side uses to refuse ``value`` for pools of ``engine``."""
+        note = ENGINE_SUPPORT_NOTE.format(engine=engine)
+        return f"{self.name} {value!s} {note} (supported: {', '.join(str(v) for v in self.supported_by(engine))})"
 
     def is_supported(self, value: str | int) -> bool:
         return value in self.supported
@@ -59,6 +73,9 @@ QUANTIZATION: Final = Capability(
     api_field="quantization",
     known=("none", "fp8", "int8", "int4"),
     supported=("none", "fp8", "int8", "int4"),
+    # vLLM serves a pre-quantized checkpoint by its own quantization_config (none) and
+    # quantizes a dense one at load time only to fp8 (--quantization fp8).
+    by_engine=(("vllm", ("none", "fp8")),),
 )
 TENSOR_PARALLEL_SIZE: Final = Capability(
     name="parallelism.tensor", api_field="tensor", known=(1, 2, 4, 8), supported=(1, 2, 4, 8)
@@ -96,11 +113,30 @@ KV_CACHE_DTYPE: Final = Capability(
 )
 """auto: the activation dtype; fp8: e4m3 with per-tensor scales (half the bytes of bf16)."""
 REPLICA_LAYOUT: Final = Capability(
-    name="replica layout", known=("single-node", "multi-node"), supported=("single-node", "multi-node")
+    name="replica layout",
+    known=("single-node", "multi-node"),
+    supported=("single-node", "multi-node"),
+    by_engine=(("vllm", ("single-node",)),),  # vLLM spans nodes with Ray, which is not rendered
 )
 """single-node: one pod holds all ranks of a replica; multi-node: a replica is a group of
 ``resources.gpus / resources.gpusPerNode`` pods (a LeaderWorkerSet), each holding its share of
 the tensor x pipeline ranks (``--nnodes``)."""
+
+SERVING_MODE: Final = Capability(
+    name="mode",
+    api_field="mode",
+    known=("Disaggregated", "Aggregated"),
+    supported=("Disaggregated", "Aggregated"),
+    by_engine=(("vllm", ("Aggregated",)),),
+)
+"""Disaggregated vLLM pools (NixlConnector) are not rendered yet: see docs/operator.md."""
+ROUTER_MODE: Final = Capability(
+    name="router.mode",
+    known=("Builtin", "InferencePool"),
+    supported=("Builtin", "InferencePool"),
+    by_engine=(("vllm", ("Builtin",)),),
+)
+"""vLLM pools behind a Gateway's endpoint picker are not tested yet."""
 
 ALL: Final[tuple[Capability, ...]] = (
     QUANTIZATION,
@@ -112,7 +148,14 @@ ALL: Final[tuple[Capability, ...]] = (
     DTYPE,
     KV_CACHE_DTYPE,
     REPLICA_LAYOUT,
+    SERVING_MODE,
+    ROUTER_MODE,
 )
+
+
+def engine_unsupported(engine: str, pairs: Iterable[tuple[Capability, str | int]]) -> list[str]:
+    """Messages for every (capability, value) pair that pools of ``engine`` cannot serve."""
+    return [cap.engine_message(value, engine) for cap, value in pairs if value not in cap.supported_by(engine)]
 
 
 def unsupported(pairs: Iterable[tuple[Capability, str | int]]) -> list[str]:

@@ -17,18 +17,10 @@ Standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Final
 
+from .engines import Engine
 from .metrics import Metric, ModelServerMetric
-
-
-class Engine(StrEnum):
-    """A serving engine a pool can run."""
-
-    SPLITSERVE = "splitserve"
-    """The bundled Triton-kernel runtime (``splitserve serve``)."""
-    VLLM = "vllm"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import capabilities as caps
 from . import defaults
+from .engines import DEFAULT_ENGINE, Engine
 from .wire import HTTP_PORT, KV_TRANSFER_PORT, Role, RoutingPolicy
 
 
@@ -274,6 +275,7 @@ class RouterArgs:
     max_request_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
     header_timeout_seconds: float = defaults.HEADER_TIMEOUT_SECONDS
     body_idle_timeout_seconds: float = defaults.BODY_IDLE_TIMEOUT_SECONDS
+    engine: str = DEFAULT_ENGINE.value  # the pods' engine (Engine): how they are polled
 
 
 ROUTER_FLAGS: tuple[Flag, ...] = (
@@ -317,6 +319,13 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         type=int,
     ),
     *_READ_TIMEOUT_FLAGS,
+    Flag(
+        "engine",
+        "engine",
+        "serving engine of the pods (one per InferenceService): which paths and gauges say a pod's "
+        "health and load; vllm serves aggregated pods only",
+        choices=tuple(e.value for e in Engine),
+    ),
 )
 
 

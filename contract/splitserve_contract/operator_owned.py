@@ -18,6 +18,7 @@ computes on the CPU (the local demo does), and nothing else in the service depen
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -37,6 +38,7 @@ _POD_IDENTITY: Final = "the downward API"
 
 RESERVED_ENV_NAMES: Final[Mapping[str, str]] = {
     ENV_API_KEY: "spec.runtime.apiKeySecretRef",
+    "VLLM_API_KEY": "spec.runtime.apiKeySecretRef",  # vLLM pods' name for it
     ENV_HUB_TOKEN: "spec.model.hubTokenSecretRef",
     "HUGGING_FACE_HUB_TOKEN": "spec.model.hubTokenSecretRef",  # the hub client's older name for HF_TOKEN
     ENV_HUB_TOKEN_SOURCE: "spec.model.hubTokenSecretRef",
@@ -95,16 +97,16 @@ OPERATOR_SERVE_FLAGS: Final[Mapping[str, str]] = {
     "kv-memory-fraction": "spec.kvCache.memoryFraction",
     "prefix-caching": "spec.kvCache.prefixCaching",
     "kv-cache-dtype": "spec.kvCache.dtype",
-    "max-num-seqs": "spec.engine.maxNumSeqs",
-    "max-num-batched-tokens": "spec.engine.maxBatchedTokens",
-    "chunked-prefill": "spec.engine.chunkedPrefill",
+    "max-num-seqs": "spec.scheduling.maxNumSeqs",
+    "max-num-batched-tokens": "spec.scheduling.maxBatchedTokens",
+    "chunked-prefill": "spec.scheduling.chunkedPrefill",
     "tensor-parallel-size": "the pool's parallelism.tensor",
     "pipeline-parallel-size": "the pool's parallelism.pipeline",
     "nnodes": "the pool's resources.gpusPerNode",
-    "speculative-method": "spec.engine.speculative.method",
-    "num-speculative-tokens": "spec.engine.speculative.numTokens",
-    "speculative-max-num-seqs": "spec.engine.speculative.maxNumSeqs",
-    "speculative-draft-model": "spec.engine.speculative.draftModel",
+    "speculative-method": "spec.scheduling.speculative.method",
+    "num-speculative-tokens": "spec.scheduling.speculative.numTokens",
+    "speculative-max-num-seqs": "spec.scheduling.speculative.maxNumSeqs",
+    "speculative-draft-model": "spec.scheduling.speculative.draftModel",
     "compat-hash": "the operator",
     "handoff-key-file": "the operator",
     "rendezvous-key-file": "the operator",
@@ -168,6 +170,80 @@ def extra_arg_problem(arg: str) -> str | None:
     )
 
 
+# --------------------------------------------------------------------------- vLLM pools
+VLLM_OPERATOR_FLAGS: Final[Mapping[str, str]] = {
+    "model": "spec.model.uri",
+    "served-model-name": "spec.model.servedName",
+    "revision": "spec.model.revision",
+    "host": "the operator",
+    "port": "the operator",
+    "api-key": "spec.runtime.apiKeySecretRef",
+    "config": "the operator",  # a YAML file of flags would set the others
+    "dtype": "spec.model.dtype",
+    "quantization": "spec.model.quantization",
+    "max-model-len": "spec.model.maxModelLen",
+    "block-size": "spec.kvCache.blockSize",
+    "gpu-memory-utilization": "spec.kvCache.memoryFraction",
+    "enable-prefix-caching": "spec.kvCache.prefixCaching",
+    "no-enable-prefix-caching": "spec.kvCache.prefixCaching",
+    "kv-cache-dtype": "spec.kvCache.dtype",
+    "max-num-seqs": "spec.scheduling.maxNumSeqs",
+    "max-num-batched-tokens": "spec.scheduling.maxBatchedTokens",
+    "enable-chunked-prefill": "spec.scheduling.chunkedPrefill",
+    "no-enable-chunked-prefill": "spec.scheduling.chunkedPrefill",
+    "tensor-parallel-size": "the pool's parallelism.tensor",
+    "pipeline-parallel-size": "the pool's parallelism.pipeline",
+    "speculative-config": "spec.scheduling.speculative",
+    "kv-transfer-config": "spec.mode",
+}
+"""Every ``vllm serve`` option the operator may render for a vLLM pool (by name, without
+``--``), and the field or party that sets it. vLLM's parser is more forgiving than the
+runtime's: it takes any unambiguous abbreviation (``--api-ke``), underscores for dashes
+(``--api_key``) and dotted sub-keys of JSON options (``--speculative-config.method``), so
+:func:`vllm_extra_arg_problem` refuses an option whose name, so spelled, starts any of these."""
+
+VLLM_SHORT_OPTION_REGEX: Final = r"^-(q|tp($|=)|pp($|=))"
+"""vLLM's single-dash aliases of options in :data:`VLLM_OPERATOR_FLAGS`: ``-q`` (quantization,
+also with its value attached: ``-qfp8``), ``-tp`` and ``-pp`` (parallel sizes, ``-tp=2``)."""
+_VLLM_SHORT_FLAGS: Final[Mapping[str, str]] = {
+    "q": "quantization",
+    "tp": "tensor-parallel-size",
+    "pp": "pipeline-parallel-size",
+}
+
+
+def vllm_option_name(arg: str) -> str | None:
+    """The long option ``arg`` spells as vLLM reads it (``--api_key=x`` -> ``api-key``,
+    ``--speculative-config.method`` -> ``speculative-config``), or None for a value."""
+    if not arg.startswith("--"):
+        return None
+    return arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+def vllm_reserved_flag_of(arg: str) -> str | None:
+    """The operator-rendered vLLM option ``arg`` would set, in full, or None."""
+    short = re.match(VLLM_SHORT_OPTION_REGEX, arg)
+    if short is not None:
+        return _VLLM_SHORT_FLAGS[short.group(1)[:2].rstrip("=")]
+    name = vllm_option_name(arg)
+    if name is None:
+        return None
+    # An abbreviation argparse would expand: any prefix of a reserved name (the empty name, a
+    # bare ``--``, ends vLLM's options, after which nothing the operator renders would parse).
+    return next((flag for flag in VLLM_OPERATOR_FLAGS if flag.startswith(name)), None)
+
+
+def vllm_extra_arg_problem(arg: str) -> str | None:
+    """Why the extraArgs of a vLLM pool must not hold ``arg``, or None."""
+    flag = vllm_reserved_flag_of(arg)
+    if flag is None:
+        return None
+    return (
+        f"extraArgs {arg.split('=', 1)[0]} sets --{flag}, an option the operator renders for engine vllm: "
+        f"{_instead(VLLM_OPERATOR_FLAGS[flag])}"
+    )
+
+
 __all__ = [
     "OPEN_FLAG_FORMS",
     "OPERATOR_SERVE_FLAGS",
@@ -180,4 +256,9 @@ __all__ = [
     "extra_arg_problem",
     "owners_in_words",
     "reserved_flag_of",
+    "VLLM_OPERATOR_FLAGS",
+    "VLLM_SHORT_OPTION_REGEX",
+    "vllm_extra_arg_problem",
+    "vllm_option_name",
+    "vllm_reserved_flag_of",
 ]

@@ -161,9 +161,11 @@ def real_node_stack(
     model_hub: ModelHub,
     workloads: Sequence[str],
     inference_pool: bool = False,
+    vllm_image: str | None = None,
 ) -> Iterator[Stack]:
     """The namespaces and the cluster-scoped operator (see the module; ``inference_pool``: the
-    chart's ``inferencePool.enabled``), removed on exit."""
+    chart's ``inferencePool.enabled``; ``vllm_image``: the chart's ``runtime.vllmImage``, the
+    image of vLLM pools), removed on exit."""
     if cluster.kubelet_node is None or not cluster.prometheus_url:
         raise RuntimeError("real_node_stack needs the cluster's kubelet node and Prometheus")
     found = registry_manifest(image.rsplit(":", 1)[1])
@@ -188,7 +190,11 @@ def real_node_stack(
                 release=RELEASE,
                 cluster_scope=True,
                 inference_pool=inference_pool,
-                extra_args=("--set", f"router.namespaces={{{','.join(stack.workloads)}}}"),
+                extra_args=(
+                    "--set",
+                    f"router.namespaces={{{','.join(stack.workloads)}}}",
+                    *(("--set-string", f"runtime.vllmImage={vllm_image}") if vllm_image else ()),
+                ),
             )
             operator = wait(cluster, lambda: operator_pod(cluster), timeout=60, what="the operator pod Ready")
             figures["helm install -> operator Ready"] = f"{time.monotonic() - started:.1f}s"

@@ -171,6 +171,7 @@ async def _lead(
         api=api,
         settings=reconcile.ReconcileSettings(
             runtime_image=args.runtime_image,
+            vllm_image=args.vllm_image,
             router_service_account=args.router_service_account,
             inference_pool=args.inference_pool,
         ),

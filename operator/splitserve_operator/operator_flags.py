@@ -15,6 +15,7 @@ import re
 from typing import Final
 
 from splitserve_contract import Flag, add_arguments, defaults
+from splitserve_contract.engines import VLLM_IMAGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class OperatorArgs:
 
     namespace: str = ""  # watch only these namespaces (comma-separated: watched_namespaces); empty: cluster-wide
     runtime_image: str = "ghcr.io/splitserve/splitserve:0.1.0"
+    vllm_image: str = VLLM_IMAGE  # pools of runtime.engine vllm that set no image
     router_service_account: str = ""  # serviceAccountName of router pods; empty: namespace default
     allowed_hub_endpoints: str = "https://huggingface.co"  # comma-separated (api.hub_policy); "*": any
     inference_pool: bool = False  # spec.router.mode InferencePool allowed (the chart's inferencePool.enabled)
@@ -40,6 +42,7 @@ class OperatorArgs:
 OPERATOR_FLAGS: tuple[Flag, ...] = (
     Flag("namespace", "namespace", "watch only these namespaces, comma-separated (empty: all namespaces)"),
     Flag("runtime-image", "runtime_image", "runtime image for InferenceServices that set none"),
+    Flag("vllm-image", "vllm_image", "image of vLLM pools (runtime.engine vllm) that set none"),
     Flag("router-service-account", "router_service_account", "serviceAccountName of router pods (empty: default)"),
     Flag(
         "allowed-hub-endpoints",

@@ -53,6 +53,7 @@ from typing import Any, Final
 
 import splitserve_contract as contract
 from splitserve_contract import ConditionType, Reason, Role
+from splitserve_contract.engines import VLLM_IMAGE
 
 from . import (
     apierrors,
@@ -102,6 +103,8 @@ class RetryableError(Exception):
 class ReconcileSettings:
     runtime_image: str
     router_service_account: str = ""
+    vllm_image: str = VLLM_IMAGE
+    """Image of vLLM pools that set no spec.runtime.image (``--vllm-image``)."""
     inference_pool: bool = True
     """Whether spec.router.mode InferencePool may be reconciled. The operator sets it from its
     flag ``--inference-pool`` (the chart's ``inferencePool.enabled``, off by default): without
@@ -388,7 +391,10 @@ def _parse(*, api: kube.KubeAPI, obj: Mapping[str, Any]) -> _Parsed | None:
 
 def _render(*, parsed: _Parsed, settings: ReconcileSettings) -> _Rendered:
     children = render.render_children(
-        isvc=parsed.isvc, runtime_image=settings.runtime_image, router_service_account=settings.router_service_account
+        isvc=parsed.isvc,
+        runtime_image=settings.runtime_image,
+        vllm_image=settings.vllm_image,
+        router_service_account=settings.router_service_account,
     )
     return _Rendered(children=children, comps=render.components(parsed.isvc.spec))
 
@@ -863,7 +869,9 @@ def _status_fields(*, parsed: _Parsed, settings: ReconcileSettings, observed: _O
         "endpoint": None
         if inference_pool.enabled(parsed.isvc.spec)
         else endpoint_of(name=parsed.name, namespace=parsed.namespace),
-        "compatHash": render.compat_hash_of(isvc=parsed.isvc, runtime_image=settings.runtime_image),
+        "compatHash": render.compat_hash_of(
+            isvc=parsed.isvc, runtime_image=settings.runtime_image, vllm_image=settings.vllm_image
+        ),
     }
     picker = inference_pool.enabled(parsed.isvc.spec)
     for role, o in observed.pools.items():

@@ -36,25 +36,22 @@ import yaml
 
 import splitserve_contract as contract
 from splitserve_contract import Role
+from splitserve_contract.engines import VLLM_IMAGE, Engine
 
-from . import handoff_key, inference_pool, leader_worker_set, naming
+from . import engines, inference_pool, leader_worker_set, naming
 from .api import InferenceService, InferenceServiceSpec, Mode, PoolSpec
+from .engines import pod
+from .engines import splitserve as engine_splitserve
 
 TEMPLATE_DIR: Final = Path(__file__).parent / "templates"
 
 MONITORING_NAMESPACE_LABEL: Final = "splitserve.dev/monitoring"
 """Namespaces labelled ``splitserve.dev/monitoring=true`` may scrape pods on the HTTP port."""
 
-MODEL_CACHE_DIR: Final = "/var/cache/splitserve/models"
-TRITON_CACHE_DIR: Final = "/var/cache/splitserve/triton"
 """``TRITON_CACHE_DIR`` of the image: compiled kernels; an emptyDir (the root is read-only)."""
-PVC_MOUNT_ROOT: Final = "/mnt/models"
-SHM_SIZE: Final = "2Gi"
 RUN_AS_USER: Final = 65532
 GPU_RESOURCE: Final = "nvidia.com/gpu"
-TERMINATION_GRACE_MARGIN_SECONDS: Final = 15
 ROUTER_DRAIN_SECONDS: Final = 30
-STARTUP_PROBE_BUDGET_SECONDS: Final = 1800
 """Model download + load may take this long before liveness starts counting."""
 
 _JINJA = jinja2.Environment(
@@ -94,138 +91,32 @@ def components(spec: InferenceServiceSpec) -> list[Component]:
     return [*out, Component(Role.ROUTER, None)]
 
 
-def image_of(*, isvc: InferenceService, runtime_image: str) -> str:
-    return isvc.spec.runtime.image or runtime_image
+def image_of(*, isvc: InferenceService, runtime_image: str, vllm_image: str = VLLM_IMAGE) -> str:
+    """The pools' image: spec.runtime.image, else the operator's default for the engine."""
+    if isvc.spec.runtime.image:
+        return isvc.spec.runtime.image
+    return vllm_image if isvc.spec.runtime.engine is Engine.VLLM else runtime_image
 
 
-def compat_hash_of(*, isvc: InferenceService, runtime_image: str) -> str:
-    spec = isvc.spec
-    return naming.compat_hash(
-        image=image_of(isvc=isvc, runtime_image=runtime_image),
-        model_uri=spec.model.uri,
-        revision=spec.model.revision,
-        dtype=spec.model.dtype,
-        quantization=spec.model.quantization,
-        block_size=spec.kv_cache.block_size,
-        kv_cache_dtype=spec.kv_cache.dtype,
-    )
+def router_image_of(*, isvc: InferenceService, runtime_image: str) -> str:
+    """The router runs the bundled image: the pools' for engine splitserve (one version of
+    both), the operator's runtime image for any other engine."""
+    if isvc.spec.runtime.engine is Engine.SPLITSERVE:
+        return image_of(isvc=isvc, runtime_image=runtime_image)
+    return runtime_image
 
 
-def served_name(isvc: InferenceService) -> str:
-    return isvc.spec.model.served_name or isvc.metadata.name
-
-
-def _model_location(
-    uri: str,
-    *,
-    volume_name: str = "model-pvc",
-) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
-    """The --model value plus, for pvc://claim/path, the read-only volume and its mount."""
-    if not uri.startswith("pvc://"):
-        return uri, None, None
-    claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
-    mount = f"{PVC_MOUNT_ROOT}/{claim}"
-    volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    volume_mount = {"name": volume_name, "mountPath": mount, "readOnly": True}
-    return f"file://{mount}/{sub_path}".rstrip("/"), volume, volume_mount
-
-
-def _draft_model_location(isvc: InferenceService) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
-    """--speculative-draft-model plus its volume and mount: none when the draft is not on a
-    claim, or on the claim that holds the model (mounted already, at the same path)."""
-    draft_model = isvc.spec.engine.speculative.draft_model or ""
-    path, volume, mount = _model_location(draft_model, volume_name="draft-model-pvc")
-    _, _, model_mount = _model_location(isvc.spec.model.uri)
-    if mount is not None and model_mount is not None and mount["mountPath"] == model_mount["mountPath"]:
-        return path, None, None
-    return path, volume, mount
-
-
-def serve_args(
-    *,
-    isvc: InferenceService,
-    role: Role,
-    pool: PoolSpec,
-    runtime_image: str,
-) -> contract.ServeArgs:
-    """The `splitserve serve` arguments of one pool (before runtime.extraArgs). The compat hash
-    goes on the command line too: pods report it and the router pairs only equal hashes.
-    Prefill and decode get the KV handoff key file (:mod:`.handoff_key`); decode and
-    aggregated pods the speculative decoding settings (:func:`speculates`)."""
-    spec = isvc.spec
-    model, _, _ = _model_location(spec.model.uri)
-    return contract.ServeArgs(
-        model=model,
-        served_model_name=served_name(isvc),
-        revision=spec.model.revision or "",
-        role=role.value,
-        host=f"$({contract.ENV_POD_IP})",
-        port=contract.HTTP_PORT,
-        kv_port=contract.KV_TRANSFER_PORT,
-        device="cuda" if pool.resources.gpus > 0 else "cpu",
-        dtype=spec.model.dtype,
-        quantization=spec.model.quantization,
-        max_model_len=spec.model.max_model_len or 0,
-        block_size=spec.kv_cache.block_size,
-        kv_memory_fraction=spec.kv_cache.memory_fraction,
-        prefix_caching=spec.kv_cache.prefix_caching,
-        kv_cache_dtype=spec.kv_cache.dtype,
-        max_num_seqs=spec.engine.max_num_seqs,
-        max_num_batched_tokens=spec.engine.max_batched_tokens,
-        chunked_prefill=spec.engine.chunked_prefill,
-        tensor_parallel_size=pool.parallelism.tensor,
-        pipeline_parallel_size=pool.parallelism.pipeline,
-        compat_hash=compat_hash_of(isvc=isvc, runtime_image=runtime_image),
-        handoff_key_file=handoff_key.KEY_FILE if uses_handoff_key(role) else "",
-        prefill_headers=role is Role.DECODE and inference_pool.enabled(spec),
-        **_speculative_args(isvc=isvc, role=role),
-        **_multi_node_args(pool),
-    )
-
-
-def _multi_node_args(pool: PoolSpec) -> dict[str, Any]:
-    """``--nnodes`` for a replica of several pods. Each pod's node rank and its group's leader
-    come from the env the LWS pod webhook injects (``LWS_WORKER_INDEX``,
-    ``LWS_LEADER_ADDRESS``), which the runtime reads when the flags are left out: one pod
-    template serves the leader and every worker."""
-    return (
-        {"nnodes": pool.resources.pods_per_replica, "rendezvous_key_file": leader_worker_set.RENDEZVOUS_KEY_FILE}
-        if pool.resources.multi_node
-        else {}
-    )
-
-
-def speculates(isvc: InferenceService, role: Role) -> bool:
-    """Whether pods of ``role`` get the speculative decoding flags (and a draft model's volume):
-    only pools that decode, and only when a method is set (so pods of a spec without
-    speculation render as before). A prefill pod only computes prompts, and speculation leaves
-    the model's KV layout alone (a draft keeps its own cache on the decode pod), so it is not in
-    the compat hash: prefill and decode pods pair whatever the setting."""
-    return isvc.spec.engine.speculative.enabled and role in (Role.DECODE, Role.AGGREGATED)
-
-
-def _speculative_args(*, isvc: InferenceService, role: Role) -> dict[str, Any]:
-    if not speculates(isvc, role):
-        return {}
-    speculative = isvc.spec.engine.speculative
-    args: dict[str, Any] = {
-        "speculative_method": speculative.method,
-        "num_speculative_tokens": speculative.num_tokens,
-        "speculative_max_num_seqs": speculative.max_num_seqs,
-    }
-    if speculative.draft_model:
-        args["speculative_draft_model"], _, _ = _draft_model_location(isvc)
-    return args
+def compat_hash_of(*, isvc: InferenceService, runtime_image: str, vllm_image: str = VLLM_IMAGE) -> str:
+    return pod.compat_hash(isvc=isvc, image=image_of(isvc=isvc, runtime_image=runtime_image, vllm_image=vllm_image))
 
 
 def uses_handoff_key(role: Role) -> bool:
-    """Prefill signs the KV handoff and decode verifies it; nobody else holds the key."""
-    return role in (Role.PREFILL, Role.DECODE)
+    return engine_splitserve.uses_handoff_key(role)
 
 
 def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
     spec = isvc.spec
-    model, _, _ = _model_location(spec.model.uri)
+    model, _, _ = pod.model_location(spec.model.uri)
     if model.startswith("hf://") and spec.model.revision:
         # The router has no --revision: it reads the pinned revision's tokenizer from the URI.
         model = f"{model}@{spec.model.revision}"
@@ -238,79 +129,12 @@ def router_args(*, isvc: InferenceService) -> contract.RouterArgs:
         namespace=isvc.metadata.namespace or "",
         inference_service=isvc.metadata.name,
         model=model,
-        served_model_name=served_name(isvc),
+        served_model_name=pod.served_name(isvc),
         block_size=spec.kv_cache.block_size,
         short_prompt_threshold=spec.router.short_prompt_threshold,
         prefill_overflow_tokens=spec.router.prefill_overflow_tokens,
+        engine=spec.runtime.engine.value,
     )
-
-
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
-
-
-def _env(*, isvc: InferenceService) -> list[dict[str, Any]]:
-    """Container env: pod identity from fieldRefs, the model cache and hub (every container
-    resolves the model: the router loads its tokenizer), secrets by reference (never read
-    here), then runtime.env. A user variable replaces ours of the same name (SSA keys env by name,
-    so duplicates would be rejected)."""
-    env: dict[str, dict[str, Any]] = {}
-    for var, path in (
-        (contract.ENV_POD_NAME, "metadata.name"),
-        (contract.ENV_POD_NAMESPACE, "metadata.namespace"),
-        (contract.ENV_POD_IP, "status.podIP"),
-    ):
-        env[var] = _field_env(var, path)
-    env[contract.ENV_MODEL_CACHE] = {"name": contract.ENV_MODEL_CACHE, "value": MODEL_CACHE_DIR}
-    model = isvc.spec.model
-    if model.hub_endpoint:
-        env[contract.ENV_HUB_ENDPOINT] = {"name": contract.ENV_HUB_ENDPOINT, "value": model.hub_endpoint}
-    hub = model.hub_token_secret_ref
-    if hub is not None:
-        env[contract.ENV_HUB_TOKEN] = {
-            "name": contract.ENV_HUB_TOKEN,
-            "valueFrom": {"secretKeyRef": {"name": hub.name, "key": hub.key}},
-        }
-        # Named by the runtime when the hub refuses the token, so the status says what to fix.
-        env[contract.ENV_HUB_TOKEN_SOURCE] = {
-            "name": contract.ENV_HUB_TOKEN_SOURCE,
-            "value": f"Secret {hub.name}, key {hub.key}",
-        }
-    api_key = isvc.spec.runtime.api_key_secret_ref
-    if api_key is not None:
-        env[contract.ENV_API_KEY] = {
-            "name": contract.ENV_API_KEY,
-            "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}},
-        }
-    for user_var in isvc.spec.runtime.env:
-        if user_var.name in (contract.ENV_POD_IP, contract.ENV_POD_NAME, contract.ENV_POD_NAMESPACE):
-            continue  # the pod's identity is not the user's to override
-        env[user_var.name] = {"name": user_var.name, "value": user_var.value}
-    return list(env.values())
-
-
-def _http_get(path: str) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": contract.HTTP_PORT_NAME}}
-
-
-def _probes(*, startup_budget_seconds: int) -> dict[str, Any]:
-    period = 10
-    return {
-        "startupProbe": {
-            **_http_get("/health"),
-            "periodSeconds": period,
-            "timeoutSeconds": 5,
-            "failureThreshold": max(1, startup_budget_seconds // period),
-        },
-        "readinessProbe": {
-            **_http_get("/ready"),
-            "periodSeconds": 5,
-            "timeoutSeconds": 3,
-            "failureThreshold": 2,
-            "successThreshold": 1,
-        },
-        "livenessProbe": {**_http_get("/health"), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
-    }
 
 
 def _resources(pool: PoolSpec | None) -> dict[str, Any]:
@@ -356,77 +180,63 @@ def _pod_spec(
     isvc: InferenceService,
     component: Component,
     runtime_image: str,
+    vllm_image: str,
     router_service_account: str,
 ) -> dict[str, Any]:
     spec = isvc.spec
-    image = image_of(isvc=isvc, runtime_image=runtime_image)
     # Every container resolves the model (the router loads its tokenizer for prefix hashing).
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "model-cache", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+        {"name": "model-cache", "mountPath": pod.MODEL_CACHE_DIR},
     ]
-    _, pvc_volume, pvc_mount = _model_location(spec.model.uri)
+    _, pvc_volume, pvc_mount = pod.model_location(spec.model.uri)
     if pvc_volume is not None and pvc_mount is not None:
         volumes.append(pvc_volume)
         mounts.append(pvc_mount)
     ports = [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.HTTP_PORT, "protocol": "TCP"}]
-    pod: dict[str, Any]
+    pod_fields: dict[str, Any]
+    command: list[str] | None = None
     if component.is_router:
+        image = router_image_of(isvc=isvc, runtime_image=runtime_image)
         argv = ["splitserve", "router", *contract.router_argv(router_args(isvc=isvc))]
-        grace = ROUTER_DRAIN_SECONDS + TERMINATION_GRACE_MARGIN_SECONDS
-        probes = _probes(startup_budget_seconds=300)
-        pod = {}
+        grace = ROUTER_DRAIN_SECONDS + pod.TERMINATION_GRACE_MARGIN_SECONDS
+        probes = pod.probes(engine=Engine.SPLITSERVE, startup_budget_seconds=300)
+        env = pod.env(isvc=isvc)
+        pod_fields = {}
         if router_service_account:
-            pod["serviceAccountName"] = router_service_account
+            pod_fields["serviceAccountName"] = router_service_account
         container_name = "router"
     else:
         pool = component.pool
         assert pool is not None
-        args = serve_args(isvc=isvc, role=component.role, pool=pool, runtime_image=runtime_image)
-        argv = ["splitserve", "serve", *contract.serve_argv(args), *spec.runtime.extra_args]
-        grace = int(args.drain_timeout_seconds) + TERMINATION_GRACE_MARGIN_SECONDS
-        probes = _probes(startup_budget_seconds=STARTUP_PROBE_BUDGET_SECONDS)
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "triton-cache", "emptyDir": {}})
-        mounts.append({"name": "triton-cache", "mountPath": TRITON_CACHE_DIR})
-        if component.role is not Role.AGGREGATED:
-            ports.append(
-                {"name": contract.KV_TRANSFER_PORT_NAME, "containerPort": contract.KV_TRANSFER_PORT, "protocol": "TCP"}
-            )
-        if pool.resources.multi_node:
-            ports.append(
-                {
-                    "name": leader_worker_set.RENDEZVOUS_PORT_NAME,
-                    "containerPort": args.rendezvous_port,
-                    "protocol": "TCP",
-                }
-            )
-        if uses_handoff_key(component.role) or pool.resources.multi_node:  # a group's rendezvous key too
-            volumes.append(handoff_key.volume(isvc.metadata.name))
-            mounts.append(handoff_key.volume_mount())
-        _, draft_volume, draft_mount = _draft_model_location(isvc)
-        if speculates(isvc, component.role) and draft_volume is not None and draft_mount is not None:
-            volumes.append(draft_volume)
-            mounts.append(draft_mount)
-        pod = {"automountServiceAccountToken": False}
+        image = image_of(isvc=isvc, runtime_image=runtime_image, vllm_image=vllm_image)
+        engine = engines.renderer(spec.runtime.engine).container(
+            isvc=isvc, role=component.role, pool=pool, compat_hash=pod.compat_hash(isvc=isvc, image=image)
+        )
+        command, argv, env, grace = engine.command, engine.args, engine.env, engine.grace_seconds
+        probes = pod.probes(engine=spec.runtime.engine, startup_budget_seconds=pod.STARTUP_PROBE_BUDGET_SECONDS)
+        ports += engine.ports
+        volumes += engine.volumes
+        mounts += engine.mounts
+        pod_fields = {"automountServiceAccountToken": False}
         if pool.node_selector:
-            pod["nodeSelector"] = dict(pool.node_selector)
+            pod_fields["nodeSelector"] = dict(pool.node_selector)
         if pool.tolerations:
-            pod["tolerations"] = [dict(t) for t in pool.tolerations]
+            pod_fields["tolerations"] = [dict(t) for t in pool.tolerations]
         if pool.affinity:
-            pod["affinity"] = dict(pool.affinity)
+            pod_fields["affinity"] = dict(pool.affinity)
         if pool.priority_class_name:
-            pod["priorityClassName"] = pool.priority_class_name
+            pod_fields["priorityClassName"] = pool.priority_class_name
         container_name = "runtime"
-    container: dict[str, Any] = {
-        "name": container_name,
-        "image": image,
-        # `args`, not `command`: the image's ENTRYPOINT (tini) stays PID 1, forwarding SIGTERM
+    container: dict[str, Any] = {"name": container_name, "image": image}
+    if command is not None:
+        container["command"] = command
+    container |= {
+        # `args` for the bundled image: its ENTRYPOINT (tini) stays PID 1, forwarding SIGTERM
         # (the runtime drains on it) and reaping Triton's compiler children.
         "args": argv,
-        "env": _env(isvc=isvc),
+        "env": env,
         "ports": ports,
         **probes,
         "resources": _resources(component.pool),
@@ -441,7 +251,7 @@ def _pod_spec(
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy
     return {
-        **pod,
+        **pod_fields,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": grace,
         "securityContext": _POD_SECURITY,
@@ -470,6 +280,7 @@ def _deployment(
     isvc: InferenceService,
     component: Component,
     runtime_image: str,
+    vllm_image: str,
     router_service_account: str,
     compat: str,
     include_replicas: bool,
@@ -477,7 +288,11 @@ def _deployment(
     name = isvc.metadata.name
     labels = naming.labels(name, component.role, compat_hash=compat)
     pod_spec = _pod_spec(
-        isvc=isvc, component=component, runtime_image=runtime_image, router_service_account=router_service_account
+        isvc=isvc,
+        component=component,
+        runtime_image=runtime_image,
+        vllm_image=vllm_image,
+        router_service_account=router_service_account,
     )
     replicas: int | None = None
     if include_replicas:
@@ -508,6 +323,7 @@ def _leader_worker_set(
     isvc: InferenceService,
     component: Component,
     runtime_image: str,
+    vllm_image: str,
     compat: str,
     include_replicas: bool,
 ) -> dict[str, Any]:
@@ -518,7 +334,9 @@ def _leader_worker_set(
     name = isvc.metadata.name
     leader_labels = naming.labels(name, component.role, compat_hash=compat)
     worker_labels = {k: v for k, v in leader_labels.items() if k != contract.LABEL_SCRAPE}
-    pod_spec = _pod_spec(isvc=isvc, component=component, runtime_image=runtime_image, router_service_account="")
+    pod_spec = _pod_spec(
+        isvc=isvc, component=component, runtime_image=runtime_image, vllm_image=vllm_image, router_service_account=""
+    )
     templates = {
         role: {"metadata": {"labels": labels, "annotations": {}}, "spec": pod_spec}
         for role, labels in (("leader", leader_labels), ("worker", worker_labels))
@@ -542,6 +360,7 @@ def _workload(
     isvc: InferenceService,
     component: Component,
     runtime_image: str,
+    vllm_image: str,
     router_service_account: str,
     compat: str,
     include_replicas: bool,
@@ -552,6 +371,7 @@ def _workload(
             isvc=isvc,
             component=component,
             runtime_image=runtime_image,
+            vllm_image=vllm_image,
             compat=compat,
             include_replicas=include_replicas,
         )
@@ -559,6 +379,7 @@ def _workload(
         isvc=isvc,
         component=component,
         runtime_image=runtime_image,
+        vllm_image=vllm_image,
         router_service_account=router_service_account,
         compat=compat,
         include_replicas=include_replicas,
@@ -721,7 +542,7 @@ def _config_map(
     comps: Sequence[Component],
     deployments: Sequence[Mapping[str, Any]],
     compat: str,
-    runtime_image: str,
+    image: str,
 ) -> dict[str, Any]:
     name = isvc.metadata.name
     engine: dict[str, Any] = {}
@@ -729,12 +550,11 @@ def _config_map(
         if c.pool is None:
             engine[c.role.value] = dataclasses.asdict(router_args(isvc=isvc))
         else:
-            engine[c.role.value] = {
-                "serveArgs": dataclasses.asdict(
-                    serve_args(isvc=isvc, role=c.role, pool=c.pool, runtime_image=runtime_image)
-                ),
-                "extraArgs": list(isvc.spec.runtime.extra_args),
-            }
+            engine[c.role.value] = (
+                engines.renderer(isvc.spec.runtime.engine)
+                .container(isvc=isvc, role=c.role, pool=c.pool, compat_hash=compat)
+                .config
+            )
     hashes = {
         str(d["metadata"]["labels"][contract.LABEL_ROLE]): str(
             pod_template(d)["metadata"]["annotations"][contract.ANNOTATION_CONFIG_HASH]
@@ -759,7 +579,7 @@ def _config_map(
         data={
             "engine.json": json.dumps(engine, indent=2, sort_keys=True),
             "config-hashes.json": json.dumps(hashes, indent=2, sort_keys=True),
-            "image": image_of(isvc=isvc, runtime_image=runtime_image),
+            "image": image,
         },
     )
 
@@ -779,7 +599,7 @@ def _picker_pod_spec(isvc: InferenceService) -> dict[str, Any]:
         "name": "epp",
         "image": inference_pool.picker_image(isvc),
         "args": inference_pool.picker_args(isvc),
-        "env": [_field_env("NAMESPACE", "metadata.namespace"), _field_env("POD_NAME", "metadata.name")],
+        "env": [pod.field_env("NAMESPACE", "metadata.namespace"), pod.field_env("POD_NAME", "metadata.name")],
         "ports": [
             {"name": "grpc", "containerPort": inference_pool.GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": inference_pool.GRPC_HEALTH_PORT, "protocol": "TCP"},
@@ -864,6 +684,7 @@ def render_children(
     runtime_image: str,
     router_service_account: str,
     include_replicas: bool = False,
+    vllm_image: str = VLLM_IMAGE,
 ) -> list[dict[str, Any]]:
     """Every child object of ``isvc``, without owner references, in apply order
     (ConfigMap, then per component Deployment or LeaderWorkerSet/Service/PDB, then in router mode InferencePool
@@ -875,13 +696,15 @@ def render_children(
     This is also how to see what an InferenceService renders without a cluster, e.g. for a
     server-side dry run: ``render_children(isvc=InferenceService.parse(obj), runtime_image=...,
     router_service_account="")``."""
-    compat = compat_hash_of(isvc=isvc, runtime_image=runtime_image)
+    image = image_of(isvc=isvc, runtime_image=runtime_image, vllm_image=vllm_image)
+    compat = pod.compat_hash(isvc=isvc, image=image)
     comps = components(isvc.spec)
     deployments = [
         _workload(
             isvc=isvc,
             component=c,
             runtime_image=runtime_image,
+            vllm_image=vllm_image,
             router_service_account=router_service_account,
             compat=compat,
             include_replicas=include_replicas,
@@ -889,7 +712,7 @@ def render_children(
         for c in comps
     ]
     out: list[dict[str, Any]] = [
-        _config_map(isvc=isvc, comps=comps, deployments=deployments, compat=compat, runtime_image=runtime_image)
+        _config_map(isvc=isvc, comps=comps, deployments=deployments, compat=compat, image=image)
     ]
     for c, deployment in zip(comps, deployments, strict=True):
         out += [

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from splitserve_contract import API_GROUP, API_VERSION, KIND, PLURAL
 from splitserve_contract import capabilities as caps
+from splitserve_contract.engines import VLLM_VERSION
 from splitserve_operator import api
 
 SHORT_NAMES: Final = ["sis"]
@@ -56,7 +57,7 @@ HEADER: Final = (
 )
 
 CEL_RULES_BY_MODEL: Final[dict[str, tuple[api.CelRule, ...]]] = {
-    api.InferenceServiceSpec.__name__: api.SPEC_CEL_RULES,
+    api.InferenceServiceSpec.__name__: (*api.SPEC_CEL_RULES, *api.ENGINE_CEL_RULES),
     api.AutoscalingSpec.__name__: api.AUTOSCALING_CEL_RULES,
     api.PoolSpec.__name__: api.POOL_CEL_RULES,
     api.ReplicasSpec.__name__: api.REPLICAS_CEL_RULES,
@@ -83,10 +84,16 @@ PRINTER_COLUMNS: Final[list[dict[str, Any]]] = [
         "description": "Decode pods ready/desired.",
     },
     {
-        "name": "Engine",
+        "name": "Aggregated",
         "type": "string",
         "jsonPath": ".status.aggregated.summary",
         "description": "Aggregated pods ready/desired.",
+    },
+    {
+        "name": "Engine",
+        "type": "string",
+        "jsonPath": ".spec.runtime.engine",
+        "description": "Serving engine (runtime.engine).",
     },
     {
         "name": "Ready",
@@ -139,7 +146,7 @@ PRINTER_COLUMNS: Final[list[dict[str, Any]]] = [
         "priority": 1,
     },
     {
-        "name": "Engine-Scaling",
+        "name": "Aggregated-Scaling",
         "type": "string",
         "jsonPath": ".status.aggregated.lastDecision.reason",
         "description": "Reason of the aggregated pool's last scaling decision.",
@@ -253,12 +260,32 @@ def openapi_schema() -> dict[str, Any]:
             "kind": {"description": "Kind of this object.", "type": "string"},
             # The API server allows nothing but `type` here (metadata is validated natively).
             "metadata": {"type": "object"},
-            "spec": structural(api.InferenceServiceSpec),
+            "spec": _with_terse_deprecated_fields(structural(api.InferenceServiceSpec)),
             "status": structural(api.InferenceServiceStatus),
         },
         "required": ["spec"],
         "x-kubernetes-validations": [dict(rule) for rule in api.ROOT_CEL_RULES],
     }
+
+
+DEPRECATED_SPEC_FIELDS: Final = ("engine",)
+"""Old names kept so stored objects keep validating: their schema keeps its rules and bounds but
+not the nested descriptions (the field's own description points to the new name)."""
+
+
+def _with_terse_deprecated_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    for name in DEPRECATED_SPEC_FIELDS:
+        field = spec["properties"][name]
+        spec["properties"][name] = {"description": field["description"], **_without_descriptions(field)}
+    return spec
+
+
+def _without_descriptions(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_descriptions(v) for k, v in node.items() if k != "description"}
+    if isinstance(node, list):
+        return [_without_descriptions(v) for v in node]
+    return node
 
 
 def crd() -> dict[str, Any]:
@@ -360,6 +387,7 @@ def api_reference() -> str:
     rules = [
         *api.ROOT_CEL_RULES,
         *api.SPEC_CEL_RULES,
+        *api.ENGINE_CEL_RULES,
         *api.AUTOSCALING_CEL_RULES,
         *api.POOL_CEL_RULES,
         *api.REPLICAS_CEL_RULES,
@@ -376,21 +404,29 @@ def api_reference() -> str:
         'but unsupported values are refused at admission with "... is not supported by '
         'this version of splitserve".',
         "",
-        "| Setting | Known values | Supported by this version |",
-        "| --- | --- | --- |",
+        "| Setting | Known values | Supported: splitserve (the bundled runtime) | Supported: vllm |",
+        "| --- | --- | --- | --- |",
     ]
     out += [
-        f"| {cap.name} | {', '.join(str(v) for v in cap.known)} | {', '.join(str(v) for v in cap.supported)} |"
+        f"| {cap.name} | {', '.join(str(v) for v in cap.known)} | {', '.join(str(v) for v in cap.supported)} "
+        f"| {_vllm_support(cap)} |"
         for cap in caps.ALL
     ]
     out += [
         "| hf:// download from a hub | yes, no | yes (models missing from the runtime's "
-        "model cache are downloaded into it; HF_HUB_OFFLINE=1: cache only) |"
+        "model cache are downloaded into it; HF_HUB_OFFLINE=1: cache only) | yes (vLLM's own download) |"
     ]
     out += ["", "#### Cross-field rules (CEL, enforced by the API server)", ""]
     out += [f"- {rule['message']}" for rule in rules]
     out.append(DOC_END)
     return "\n".join(out) + "\n"
+
+
+def _vllm_support(cap: caps.Capability) -> str:
+    """What vLLM pools serve of ``cap``: vLLM checks the architecture itself at start-up."""
+    if cap is caps.ARCHITECTURE:
+        return f"any that vLLM {VLLM_VERSION} serves"
+    return ", ".join(str(v) for v in cap.supported_by("vllm"))
 
 
 def argocd_health_snippet(lua: str) -> str:

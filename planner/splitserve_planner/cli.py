@@ -28,7 +28,7 @@ pool over time, the GPU-hours and the attainment, and ``--emit-manifest`` writes
 ``--speculative ngram`` prices speculative decoding on decode and aggregated pods
 (:mod:`.speculation`): ``--spec-acceptance`` is the workload's per-position acceptance,
 ``--num-speculative-tokens`` and ``--speculative-max-num-seqs`` the runtime's flags, written
-to the manifest as ``spec.engine.speculative``.
+to the manifest as ``spec.scheduling.speculative``.
 """
 
 from __future__ import annotations
@@ -228,13 +228,13 @@ def _parser() -> argparse.ArgumentParser:
         "--speculative",
         choices=SPECULATIVE_METHODS,
         default="none",
-        help="speculative decoding of decode/aggregated pods (spec.engine.speculative.method): ngram = prompt lookup",
+        help="speculative decoding of decode/aggregated pods (spec.scheduling.speculative.method): ngram = prompt lookup",
     )
     e.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=DEFAULT_NUM_TOKENS,
-        help="proposals verified per sequence and forward (spec.engine.speculative.numTokens)",
+        help="proposals verified per sequence and forward (spec.scheduling.speculative.numTokens)",
     )
     e.add_argument(
         "--spec-acceptance",
@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
         "--speculative-max-num-seqs",
         type=int,
         default=DEFAULT_SPEC_MAX_NUM_SEQS,
-        help="speculate only in steps with at most this many decoding sequences (spec.engine.speculative.maxNumSeqs)",
+        help="speculate only in steps with at most this many decoding sequences (spec.scheduling.speculative.maxNumSeqs)",
     )
     o = p.add_argument_group("outputs")
     o.add_argument("--emit-manifest", type=Path, default=None, help="write an InferenceService YAML for the choice")

@@ -8,7 +8,7 @@ table's message, even when ``splitserve plan --what-if`` priced them. Each pod g
 tensor-parallel size as both ``parallelism.tensor`` and ``resources.gpus``. The
 precision the plan was priced at is written as ``spec.model.dtype``, ``spec.model.quantization``
 and, for an fp8 KV cache only, ``spec.kvCache.dtype`` (``auto``, the API default, is left out);
-speculative decoding, when planned with it, as ``spec.engine.speculative`` (method, numTokens,
+speculative decoding, when planned with it, as ``spec.scheduling.speculative`` (method, numTokens,
 maxNumSeqs; the acceptance is a property of the workload, not a setting, and is not written).
 Replica bounds: ``max`` is the planned count at the peak rate; ``min`` the (analytic) count for the off-peak rate, so the autoscaler can shrink the
 fleet when traffic falls. ``autoscaling.gpuBudget`` caps both pools at the planned peak.
@@ -72,11 +72,11 @@ def build_manifest(
         "mode": "Aggregated" if plan.mode == AGGREGATED else "Disaggregated",
         "router": {"policy": ROUTER_POLICY_NAMES[router_policy]},
         "kvCache": kv_cache,
-        "engine": {"maxNumSeqs": max_num_seqs, "maxBatchedTokens": plan.max_batched_tokens, "chunkedPrefill": True},
+        "scheduling": {"maxNumSeqs": max_num_seqs, "maxBatchedTokens": plan.max_batched_tokens, "chunkedPrefill": True},
         "autoscaling": {"enabled": True, "gpuBudget": plan.num_gpus},
     }
     if speculation.enabled:
-        spec["engine"]["speculative"] = {
+        spec["scheduling"]["speculative"] = {
             "method": speculation.method,
             "numTokens": speculation.num_tokens,
             "maxNumSeqs": speculation.max_num_seqs,

@@ -68,7 +68,7 @@ def expected_tokens_per_forward(*, acceptance: float, num_tokens: int) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class Speculation:
-    """``spec.engine.speculative`` plus the acceptance the workload is expected to reach."""
+    """``spec.scheduling.speculative`` plus the acceptance the workload is expected to reach."""
 
     method: str = "none"
     num_tokens: int = DEFAULT_NUM_TOKENS

@@ -38,7 +38,7 @@ def test_defaults_agree_across_api_runtime_and_router() -> None:
     )
     assert spec.kv_cache.block_size == ServeArgs().block_size == RouterArgs().block_size == defaults.BLOCK_SIZE
     assert spec.kv_cache.memory_fraction == ServeArgs().kv_memory_fraction == defaults.KV_MEMORY_FRACTION
-    assert spec.engine.max_num_seqs == ServeArgs().max_num_seqs == defaults.MAX_NUM_SEQS
+    assert spec.scheduling_settings.max_num_seqs == ServeArgs().max_num_seqs == defaults.MAX_NUM_SEQS
     assert spec.autoscaling.interval == defaults.AUTOSCALING_INTERVAL
 
 
@@ -58,7 +58,7 @@ def test_speculative_defaults_and_bounds_agree_across_api_flags_and_engine() -> 
 
     spec = api.InferenceServiceSpec.model_validate(
         {"model": {"uri": "hf://a/b"}, "mode": "Aggregated", "aggregated": {}}
-    ).engine.speculative
+    ).scheduling_settings.speculative
     serve = ServeArgs()
     engine = engine_speculative.SpeculativeConfig()
     assert spec.method == serve.speculative_method == engine.method == "none"

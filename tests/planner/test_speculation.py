@@ -191,10 +191,10 @@ def test_cli_plans_with_speculation_and_writes_it_to_the_manifest(
     assert code == 0
     assert "speculation ngram k=3, acceptance 0.6 (2.18 tokens/forward) at <= 8 decoding sequences" in out
     isvc = InferenceService.parse(yaml.safe_load(manifest.read_text()))
-    spec = isvc.spec.engine.speculative
+    spec = isvc.spec.scheduling_settings.speculative
     assert (spec.method, spec.num_tokens, spec.max_num_seqs, spec.draft_model) == ("ngram", 3, 8, None)
     main(["--rate", "2", "--duration-s", "30", "--emit-manifest", str(manifest)])
-    assert "speculative" not in yaml.safe_load(manifest.read_text())["spec"]["engine"]  # off: left out
+    assert "speculative" not in yaml.safe_load(manifest.read_text())["spec"]["scheduling"]  # off: left out
 
 
 @pytest.mark.parametrize(

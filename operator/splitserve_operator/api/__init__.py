@@ -26,6 +26,7 @@ from splitserve_contract import ConditionType, Reason
 
 from ..naming import child_name
 from . import hub_policy
+from .engine_rules import ENGINE_CEL_RULES, ENGINE_IMMUTABLE_RULE_MESSAGE
 from .fields import (
     API_VERSION_STRING,
     DURATION_PATTERN,
@@ -112,13 +113,14 @@ from .spec import (
     ApiKeySecretRef,
     AutoscalingSpec,
     DecodeScalingSpec,
-    EngineSpec,
     EnvVar,
     InferenceServiceSpec,
     KVCacheSpec,
     Mode,
     ModelSpec,
     ParallelismSpec,
+    PoolScheduling,
+    PoolSchedulingSpec,
     PoolSpec,
     PrefillScalingSpec,
     ReplicasSpec,
@@ -128,6 +130,7 @@ from .spec import (
     ScaleDownBehavior,
     ScaleUpBehavior,
     ScalingBehavior,
+    SchedulingSpec,
     SecretKeyRef,
     SpeculativeSpec,
 )
@@ -142,6 +145,11 @@ from .status import (
 )
 
 __all__ = [
+    "ENGINE_CEL_RULES",
+    "ENGINE_IMMUTABLE_RULE_MESSAGE",
+    "PoolScheduling",
+    "PoolSchedulingSpec",
+    "SchedulingSpec",
     "Affinity",
     "IMAGE_PATTERN",
     "LABEL_KEY_PATTERN",
@@ -185,7 +193,6 @@ __all__ = [
     "DecodeScalingSpec",
     "DtypeName",
     "ENV_NAME_PATTERN",
-    "EngineSpec",
     "EnvVar",
     "FreeFormObject",
     "GPU_BUDGET_RULE_MESSAGE",

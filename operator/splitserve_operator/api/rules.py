@@ -44,7 +44,7 @@ NAME_PATTERN_RULE_MESSAGE: Final = (
 )
 
 DRAFT_TENSOR_PARALLEL_RULE_MESSAGE: Final = (
-    "speculative decoding with a draft model (engine.speculative.method draft) is not supported with "
+    "speculative decoding with a draft model (scheduling.speculative.method draft) is not supported with "
     "tensor or pipeline parallelism yet (ngram is): set parallelism.tensor and parallelism.pipeline 1 "
     "on the decode and aggregated pools, or use method ngram"
 )
@@ -96,6 +96,15 @@ _POOL_TENSOR_ONE = (
     "(!has(self.{p}.parallelism.tensor) || self.{p}.parallelism.tensor == 1) && "
     "(!has(self.{p}.parallelism.pipeline) || self.{p}.parallelism.pipeline == 1)))"
 )
+_METHOD_OF = "(has({s}.speculative) && has({s}.speculative.method) ? {s}.speculative.method : 'none')"
+_SPECULATIVE_METHOD = (
+    "(has(self.scheduling) ? "
+    + _METHOD_OF.format(s="self.scheduling")
+    + " : (has(self.engine) ? "
+    + _METHOD_OF.format(s="self.engine")
+    + " : 'none'))"
+)
+"""The speculative method in effect: spec.scheduling's, else the deprecated spec.engine's."""
 _ROUTER_MODE = "((has({o}.router) && has({o}.router.mode)) ? {o}.router.mode : 'Builtin')"
 MIN_AUTOSCALING_INTERVAL_SECONDS: Final = 1.0
 MAX_AUTOSCALING_INTERVAL_SECONDS: Final = 86_400.0
@@ -130,8 +139,8 @@ SPEC_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         # The runtime refuses --speculative-method draft with --tensor-parallel-size > 1 at start-up;
         # refusing it here shows the reason at kubectl apply instead of in a crash-looping pod.
-        "rule": "!has(self.engine) || !has(self.engine.speculative) || !has(self.engine.speculative.method)"
-        " || self.engine.speculative.method != 'draft' || ("
+        "rule": _SPECULATIVE_METHOD
+        + " != 'draft' || ("
         + " && ".join(_POOL_TENSOR_ONE.format(p=p) for p in SPECULATING_POOLS)
         + ")",
         "message": DRAFT_TENSOR_PARALLEL_RULE_MESSAGE,
@@ -268,7 +277,7 @@ RESERVED_ENV_RULE_MESSAGE: Final = (
     )
 )
 _FLAG_FORMS = f"[{', '.join(cel_string(f) for f in owned.RESERVED_FLAG_FORMS)}]"
-_RESERVED_ARG = f"self in {_FLAG_FORMS} || {_FLAG_FORMS}.exists(f, self.startsWith(f + '='))"
+_RESERVED_ARG = f"{_FLAG_FORMS}.exists(f, self == f || self.startsWith(f + '='))"
 RESERVED_ARG_RULE_MESSAGE: Final = (
     "runtime.extraArgs must not set a flag the operator renders, alone or as --flag=value (the "
     "last value would win): set its field instead: " + owned.owners_in_words(owned.OPERATOR_SERVE_FLAGS, spell="--{}")
@@ -307,8 +316,10 @@ ENV_VAR_CEL_RULES: Final[tuple[CelRule, ...]] = (
 EXTRA_ARG_CEL_RULES: Final[tuple[CelRule, ...]] = (
     {
         "rule": f"!({_RESERVED_ARG})",
-        "messageExpression": "'runtime.extraArgs ' + self + ' sets a flag the operator renders: ' + "
-        + cel_string(RESERVED_ARG_RULE_MESSAGE.split(": ", 1)[1]),
+        # The owners of each flag are in the models' message and docs/operator.md: spelled out
+        # here, on runtime.extraArgs and on each pool's, they were a tenth of the CRD.
+        "messageExpression": "'extraArgs ' + self + ' sets a flag the operator renders: set its field "
+        "instead (docs/operator.md, runtime.extraArgs)'",
         "message": RESERVED_ARG_SHORT_MESSAGE,
     },
     {"rule": f"!self.matches({cel_string(ARG_CONTROL_REGEX)})", "message": ARG_CONTROL_RULE_MESSAGE},
@@ -354,10 +365,8 @@ totals on the lists."""
 PARALLELISM_CEL_RULES: Final[tuple[CelRule, ...]] = _capability_rules(
     caps.TENSOR_PARALLEL_SIZE, caps.PIPELINE_PARALLEL_SIZE
 )
-DRAFT_MODEL_RULE_MESSAGE: Final = (
-    "engine.speculative.draftModel is only used with engine.speculative.method draft: remove it or set method draft"
-)
-DRAFT_METHOD_RULE_MESSAGE: Final = "engine.speculative.method draft requires engine.speculative.draftModel"
+DRAFT_MODEL_RULE_MESSAGE: Final = "scheduling.speculative.draftModel is only used with scheduling.speculative.method draft: remove it or set method draft"
+DRAFT_METHOD_RULE_MESSAGE: Final = "scheduling.speculative.method draft requires scheduling.speculative.draftModel"
 SPECULATIVE_CEL_RULES: Final[tuple[CelRule, ...]] = (
     *_capability_rules(caps.SPECULATIVE_METHOD),
     {

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -19,9 +20,10 @@ from splitserve_contract import (
     operator_owned,
 )
 from splitserve_contract import capabilities as caps
+from splitserve_contract.engines import DEFAULT_ENGINE, VLLM_IMAGE, Engine
 from splitserve_contract.model_revision import MAX_REVISION_LENGTH, REVISION_PATTERN
 
-from . import hub_policy
+from . import engine_rules, hub_policy
 from .fields import (
     DURATION_PATTERN,
     ENV_NAME_PATTERN,
@@ -119,6 +121,35 @@ def _env_value(value: str) -> str:
     if re.search(ENV_VALUE_CONTROL_REGEX, value):
         raise ValueError(ENV_VALUE_CONTROL_RULE_MESSAGE)
     return value
+
+
+ExtraArg = Annotated[
+    str,
+    Field(
+        max_length=MAX_EXTRA_ARG_LENGTH,
+        json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARG_CEL_RULES]},
+    ),
+    AfterValidator(_extra_arg),
+]
+"""One extra argument of the engine's command line (``runtime.extraArgs``, a pool's ``extraArgs``)."""
+
+
+def _extra_args_field(description: str) -> Any:
+    return Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_ARGS,
+        json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARGS_LIST_CEL_RULES]},
+        description=(
+            f"{description} Not an option the operator renders from another field (--port, --model, "
+            f"...). At most {MAX_EXTRA_ARGS} of at most {MAX_EXTRA_ARG_LENGTH} characters, "
+            f"{MAX_EXTRA_ARGS_TOTAL} together; no control characters but tab, newline and carriage return."
+        ),
+    )
+
+
+def _check_extra_args_total(args: list[str]) -> None:
+    if sum(len(a) for a in args) > MAX_EXTRA_ARGS_TOTAL:
+        raise ValueError(EXTRA_ARGS_TOTAL_RULE_MESSAGE)
 
 
 # =========================================================================== spec
@@ -244,14 +275,26 @@ class EnvVar(ApiModel):
 
 
 class RuntimeSpec(ApiModel):
-    """The runtime container shared by all pools."""
+    """The serving engine and its container, shared by all pools."""
 
+    engine: Engine = Field(
+        default=DEFAULT_ENGINE,
+        description=(
+            "The serving engine every pool runs. splitserve: the bundled runtime (splitserve serve). "
+            "vllm: vLLM's OpenAI server (vllm serve), Aggregated mode with the built-in router; the "
+            "settings it serves are in docs/operator.md. Fixed at creation."
+        ),
+    )
     image: str | None = Field(
         default=None,
         min_length=1,
         max_length=512,
         pattern=IMAGE_PATTERN,
-        description="Runtime image. Empty: the operator's default runtime image (--runtime-image).",
+        description=(
+            "Engine image. Empty: the operator's default for the engine: the bundled runtime's "
+            f"(--runtime-image) for splitserve, {VLLM_IMAGE} (--vllm-image) for vllm. The router "
+            "always runs the operator's runtime image."
+        ),
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy. Empty: the Kubernetes default."
@@ -269,25 +312,9 @@ class RuntimeSpec(ApiModel):
             "x-kubernetes-validations": [dict(rule) for rule in ENV_LIST_CEL_RULES],
         },
     )
-    extra_args: list[
-        Annotated[
-            str,
-            Field(
-                max_length=MAX_EXTRA_ARG_LENGTH,
-                json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARG_CEL_RULES]},
-            ),
-            AfterValidator(_extra_arg),
-        ]
-    ] = Field(
-        default_factory=list,
-        max_length=MAX_EXTRA_ARGS,
-        json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARGS_LIST_CEL_RULES]},
-        description=(
-            "Extra `splitserve serve` arguments appended after the rendered ones; not a flag the "
-            "operator renders from another field (--role, --port, --model, ...). At most "
-            f"{MAX_EXTRA_ARGS} of at most {MAX_EXTRA_ARG_LENGTH} characters, {MAX_EXTRA_ARGS_TOTAL} together; no "
-            "control characters but tab, newline and carriage return."
-        ),
+    extra_args: list[ExtraArg] = _extra_args_field(
+        "Extra engine arguments for every pool (splitserve serve or vllm serve), after the rendered ones "
+        "and before the pool's own extraArgs."
     )
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
@@ -300,8 +327,7 @@ class RuntimeSpec(ApiModel):
     def _totals(self) -> RuntimeSpec:
         if sum(len(e.value) for e in self.env) > MAX_ENV_VALUES_TOTAL:
             raise ValueError(ENV_TOTAL_RULE_MESSAGE)
-        if sum(len(a) for a in self.extra_args) > MAX_EXTRA_ARGS_TOTAL:
-            raise ValueError(EXTRA_ARGS_TOTAL_RULE_MESSAGE)
+        _check_extra_args_total(self.extra_args)
         return self
 
 
@@ -377,6 +403,17 @@ class ParallelismSpec(ApiModel):
     )
 
 
+class PoolSchedulingSpec(ApiModel):
+    """A pool's own scheduler limits: each field set here replaces spec.scheduling's for this pool
+    (prefill pools usually want a larger token budget, decode pools more sequences per step)."""
+
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, description="Most sequences per engine step.")
+    max_batched_tokens: int | None = Field(
+        default=None, ge=16, le=1_048_576, description="Token budget per engine step."
+    )
+    chunked_prefill: bool | None = Field(default=None, description="Split long prompts across engine steps.")
+
+
 class PoolSpec(ApiModel):
     """One pool of identical runtime pods (prefill, decode or aggregated)."""
 
@@ -404,6 +441,20 @@ class PoolSpec(ApiModel):
         pattern=K8S_NAME_PATTERN,
         description="PriorityClass of the pods.",
     )
+    scheduling: PoolSchedulingSpec | None = Field(
+        default=None, description="This pool's scheduler limits, over spec.scheduling's. Empty: spec.scheduling's."
+    )
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_ARGS,
+        json_schema_extra={"x-kubernetes-validations": [dict(rule) for rule in EXTRA_ARGS_LIST_CEL_RULES]},
+        description="Extra engine arguments of this pool, after runtime.extraArgs and bounded like them.",
+    )
+
+    @model_validator(mode="after")
+    def _extra_args_total(self) -> PoolSpec:
+        _check_extra_args_total(self.extra_args)
+        return self
 
     @model_validator(mode="after")
     def _node_selector_keys(self) -> PoolSpec:
@@ -634,8 +685,9 @@ class SpeculativeSpec(ApiModel):
         return self.method != "none"
 
 
-class EngineSpec(ApiModel):
-    """Scheduler limits of each runtime engine."""
+class SchedulingSpec(ApiModel):
+    """Scheduler limits of every pool's engine (a pool's own scheduling replaces them field by
+    field), and speculative decoding."""
 
     max_num_seqs: int = Field(
         default=defaults.MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences per engine step."
@@ -823,8 +875,15 @@ class InferenceServiceSpec(ApiModel):
     )
     router: RouterSpec = _object(RouterSpec, "The router.")
     kv_cache: KVCacheSpec = _object(KVCacheSpec, "KV cache settings of every pool.")
-    engine: EngineSpec = _object(
-        EngineSpec, "Engine scheduler settings of every pool (speculative decoding: decode and aggregated pools)."
+    scheduling: SchedulingSpec | None = Field(
+        default=None,
+        description="Scheduler settings of every pool (a pool's scheduling overrides them; speculative "
+        "decoding: decode and aggregated pools). Empty: the defaults, or the deprecated spec.engine.",
+    )
+    engine: SchedulingSpec | None = Field(
+        default=None,
+        description="Deprecated: the old name of spec.scheduling, still honoured when spec.scheduling is "
+        "empty (objects written before the rename keep working); spec.scheduling wins when both are set.",
     )
     autoscaling: AutoscalingSpec = _object(AutoscalingSpec, "Autoscaling of the pools.")
 
@@ -847,14 +906,14 @@ class InferenceServiceSpec(ApiModel):
                 raise ValueError(f"{GPU_BUDGET_RULE_MESSAGE} (budget {budget}, minimum use {floor})")
         if self.model.hub_endpoint is None:
             downloads = hub_policy.default_endpoint_problems(
-                [self.model.uri, self.engine.speculative.draft_model or ""]
+                [self.model.uri, self.scheduling_settings.speculative.draft_model or ""]
             )
             if downloads:
                 raise ValueError(
                     f"model.hubEndpoint is empty, so hf:// models come from {hub_policy.DEFAULT_HUB_ENDPOINT}: "
                     + "; ".join(downloads)
                 )
-        if self.engine.speculative.method == "draft":
+        if self.scheduling_settings.speculative.method == "draft":
             pools: dict[str, PoolSpec | None] = {name: getattr(self, name) for name in SPECULATING_POOLS}
             split = [
                 f"{name}.parallelism.{axis} {size}"
@@ -865,4 +924,54 @@ class InferenceServiceSpec(ApiModel):
             ]
             if split:
                 raise ValueError(f"{DRAFT_TENSOR_PARALLEL_RULE_MESSAGE} ({', '.join(split)})")
+        engine_problems = engine_rules.problems(self._engine_request())
+        if engine_problems:
+            raise ValueError("; ".join(engine_problems))
         return self
+
+    @property
+    def pools(self) -> dict[str, PoolSpec]:
+        """The runtime pools this spec names, by their field name (prefill, decode, aggregated)."""
+        named = {"prefill": self.prefill, "decode": self.decode, "aggregated": self.aggregated}
+        return {name: pool for name, pool in named.items() if pool is not None}
+
+    @property
+    def scheduling_settings(self) -> SchedulingSpec:
+        """spec.scheduling, else the deprecated spec.engine, else the defaults."""
+        return self.scheduling or self.engine or SchedulingSpec()
+
+    def pool_scheduling(self, pool: PoolSpec) -> PoolScheduling:
+        """The scheduler limits ``pool``'s pods run with: its own, else the service's."""
+        service = self.scheduling_settings
+        own = pool.scheduling or PoolSchedulingSpec()
+        return PoolScheduling(
+            max_num_seqs=own.max_num_seqs if own.max_num_seqs is not None else service.max_num_seqs,
+            max_batched_tokens=(
+                own.max_batched_tokens if own.max_batched_tokens is not None else service.max_batched_tokens
+            ),
+            chunked_prefill=own.chunked_prefill if own.chunked_prefill is not None else service.chunked_prefill,
+        )
+
+    def _engine_request(self) -> engine_rules.EngineRequest:
+        speculative = self.scheduling_settings.speculative
+        return engine_rules.EngineRequest(
+            engine=self.runtime.engine,
+            quantization=self.model.quantization,
+            mode=self.mode.value,
+            router_mode=self.router.mode.value,
+            multi_node=any(pool.resources.multi_node for pool in self.pools.values()),
+            model_uris=[self.model.uri, speculative.draft_model or ""],
+            speculative_max_num_seqs_set=speculative.max_num_seqs != _SERVE_DEFAULTS.speculative_max_num_seqs,
+            extra_args=[*self.runtime.extra_args, *(a for pool in self.pools.values() for a in pool.extra_args)],
+            slo=self.autoscaling.slo is not None,
+            prompt_tokens_target=self.autoscaling.prefill.target_prompt_tokens_waiting is not None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolScheduling:
+    """A pool's resolved scheduler limits (:meth:`InferenceServiceSpec.pool_scheduling`)."""
+
+    max_num_seqs: int
+    max_batched_tokens: int
+    chunked_prefill: bool

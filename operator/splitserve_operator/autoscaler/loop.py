@@ -186,6 +186,7 @@ async def _observe_and_decide(
                 stale_after_seconds=stale_after_seconds,
                 window_seconds=window_seconds,
                 pods=obs.ready_pod_names,
+                engine=spec.runtime.engine,
             )
             signals = pool_signals(sample=sample, ready_replicas=obs.ready_replicas, targets=targets)
             if spec.autoscaling.slo is not None:

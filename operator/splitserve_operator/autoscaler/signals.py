@@ -30,7 +30,9 @@ import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 
-from splitserve_contract import Metric, Reason, Role, defaults
+from splitserve_contract import Reason, Role, defaults
+from splitserve_contract.engine_metrics import ENGINE_METRICS
+from splitserve_contract.engines import DEFAULT_ENGINE, Engine
 
 from .decision import MetricsUnavailable, SignalValue
 
@@ -102,6 +104,8 @@ class PoolSample:
     prompt_tokens_waiting_by_pod: dict[str, float]
     kv_cache_usage_ratio_by_pod: dict[str, float]
     newest_sample_age_seconds: float
+    engine: Engine = DEFAULT_ENGINE
+    """Whose metric names the values were read under (named in messages)."""
 
     @property
     def pods_reporting(self) -> int:
@@ -123,9 +127,12 @@ def fetch_pool_sample(
     stale_after_seconds: float,
     window_seconds: float = defaults.SIGNAL_WINDOW_SECONDS,
     pods: Sequence[str] | None = None,
+    engine: Engine = DEFAULT_ENGINE,
 ) -> PoolSample:
-    """Query one pool's gauges. ``pods`` (the Ready pods) restricts the series; None
-    takes every pod of the pool. Raises :class:`MetricsUnavailable`."""
+    """Query one pool's gauges, under the names its engine exports them by
+    (:data:`~splitserve_contract.engine_metrics.ENGINE_METRICS`). ``pods`` (the Ready pods)
+    restricts the series; None takes every pod of the pool. Raises :class:`MetricsUnavailable`."""
+    names = ENGINE_METRICS[engine]
     if pods is not None and not pods:
         raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no ready {role} pods to query")
     selector = pool_selector(namespace=namespace, inferenceservice=inferenceservice, role=role, pods=pods)
@@ -133,16 +140,16 @@ def fetch_pool_sample(
 
     newest = query_by_pod(
         prometheus=prometheus,
-        promql=f"max by (pod) (timestamp({Metric.REQUESTS_WAITING}{selector}))",
+        promql=f"max by (pod) (timestamp({names.requests_waiting}{selector}))",
         now_seconds=now_seconds,
     )
     if not newest:
-        raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no {Metric.REQUESTS_WAITING} series for {where}")
+        raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no {names.requests_waiting} series for {where}")
     age_seconds = now_seconds - max(newest.values())
     if age_seconds > stale_after_seconds:
         raise MetricsUnavailable(
             reason=Reason.STALE,
-            message=f"newest {Metric.REQUESTS_WAITING} sample for {where} is {age_seconds:.0f}s old "
+            message=f"newest {names.requests_waiting} sample for {where} is {age_seconds:.0f}s old "
             f"(limit {stale_after_seconds:.0f}s)",
         )
 
@@ -154,12 +161,14 @@ def fetch_pool_sample(
         )
 
     prefill_like = role == Role.PREFILL.value
+    tokens_waiting = names.prompt_tokens_waiting  # None: the engine exports no such gauge
     return PoolSample(
-        requests_waiting_by_pod=smoothed(Metric.REQUESTS_WAITING),
-        requests_running_by_pod=smoothed(Metric.REQUESTS_RUNNING),
-        prompt_tokens_waiting_by_pod=smoothed(Metric.PROMPT_TOKENS_WAITING) if prefill_like else {},
-        kv_cache_usage_ratio_by_pod={} if prefill_like else smoothed(Metric.KV_CACHE_USAGE_RATIO),
+        requests_waiting_by_pod=smoothed(names.requests_waiting),
+        requests_running_by_pod=smoothed(names.requests_running),
+        prompt_tokens_waiting_by_pod=smoothed(tokens_waiting) if prefill_like and tokens_waiting else {},
+        kv_cache_usage_ratio_by_pod={} if prefill_like else smoothed(names.kv_cache_usage_ratio),
         newest_sample_age_seconds=age_seconds,
+        engine=engine,
     )
 
 
@@ -183,17 +192,18 @@ def pool_signals(*, sample: PoolSample, ready_replicas: int, targets: Targets) -
             raise MetricsUnavailable(reason=Reason.NO_DATA, message=f"no {metric} series")
         return values
 
+    names = ENGINE_METRICS[sample.engine]
     out = {
         QUEUE: SignalValue(
-            value=sum(required(sample.requests_waiting_by_pod, Metric.REQUESTS_WAITING).values()) / ready_replicas,
+            value=sum(required(sample.requests_waiting_by_pod, names.requests_waiting).values()) / ready_replicas,
             target=targets.queue_depth,
         )
     }
     if targets.kv_cache_utilization is not None:
-        kv = required(sample.kv_cache_usage_ratio_by_pod, Metric.KV_CACHE_USAGE_RATIO)
+        kv = required(sample.kv_cache_usage_ratio_by_pod, names.kv_cache_usage_ratio)
         out[KV] = SignalValue(value=sum(kv.values()) / len(kv), target=targets.kv_cache_utilization)
     if targets.prompt_tokens_waiting is not None:
-        tokens = required(sample.prompt_tokens_waiting_by_pod, Metric.PROMPT_TOKENS_WAITING)
+        tokens = required(sample.prompt_tokens_waiting_by_pod, names.prompt_tokens_waiting or "prompt tokens waiting")
         out[PROMPT_TOKENS] = SignalValue(
             value=sum(tokens.values()) / ready_replicas, target=targets.prompt_tokens_waiting
         )

@@ -18,7 +18,7 @@ PREFIX_AFFINITY_LOAD_PENALTY_BLOCKS = 4.0
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
-    """Per-pod engine settings (as ``spec.engine`` and ``spec.kvCache``)."""
+    """Per-pod engine settings (as ``spec.scheduling`` and ``spec.kvCache``)."""
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS

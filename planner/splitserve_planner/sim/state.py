@@ -189,7 +189,7 @@ class Pod:
         self.macro_dt0 = 0.0
         self.macro_delta = 0.0
         self.speculation = NO_SPECULATION if role == "prefill" else engine.speculation
-        """Prefill pods never speculate (``spec.engine.speculative`` applies to decode and aggregated pods)."""
+        """Prefill pods never speculate (``spec.scheduling.speculative`` applies to decode and aggregated pods)."""
         self.cur_tokens_per_forward = 1.0
         """Expected tokens per sequence per forward of the running step (> 1: it speculated)."""
         self.cur_prefill_tokens = 0

@@ -14,6 +14,13 @@ The proxied routes skip FastAPI's own layers (:mod:`.hot_path`), and uvicorn run
 httptools' parser when they are installed (the ``runtime`` extra): each took a share of the
 router's added latency (bench/router_overhead.py).
 
+The pods run one engine (``--engine``): the bundled runtime, or vLLM. The router polls each
+engine on its own paths and gauges (:mod:`.pods`) and sends both the same OpenAI requests; what
+vLLM lacks is the prefill → decode handoff the router drives (``kv_transfer_params`` signed and
+pulled by the bundled runtime's KV connection), so ``--engine vllm`` starts only for aggregated
+pods: with prefill pods, every request would be computed once on a prefill pod that hands
+nothing over (and is then taken out of rotation for it), and again on a decode pod.
+
 ``/metrics`` adds two gauges to the router's counters, so a stuck request shows:
 ``splitserve_router_requests_in_flight`` (client requests inside the router, streams until
 their last byte) and ``splitserve_router_upstream_requests_in_flight{pod}`` (the router's calls
@@ -47,6 +54,7 @@ from splitserve_contract import (
     add_router_arguments,
     router_args_from_namespace,
 )
+from splitserve_contract.engines import Engine
 
 from ..auth import ROUTER_OPEN_PATHS, APIKeyMiddleware, api_key_from_env
 from ..body_limit import BodySizeLimit
@@ -54,7 +62,7 @@ from ..json_bodies import BodyDecoder
 from ..read_timeouts import http_protocol
 from . import metrics
 from .aiohttp_transport import AiohttpTransport
-from .discovery import KubernetesDiscovery, parse_static
+from .discovery import SERVICE_SUFFIX, KubernetesDiscovery, parse_static
 from .hot_path import ProxyEndpoint, RouterApp
 from .pod_client import PodClient
 from .pods import HealthPoller, PodSet
@@ -113,6 +121,25 @@ def make_tokenize(*, model: str) -> Tokenize:
     return tokenize
 
 
+AGGREGATED_ONLY_ENGINES = frozenset({Engine.VLLM})
+"""Engines whose pods the router serves only as aggregated pools (module docstring)."""
+
+
+def _engine(args: RouterArgs) -> Engine:
+    """The pods' engine. Pools the router cannot serve with it are refused here, at start, where
+    the operator's pod shows the message, rather than found out request by request."""
+    try:
+        engine = Engine(args.engine)
+    except ValueError:
+        raise ValueError(f"unknown --engine {args.engine!r}: one of {', '.join(e.value for e in Engine)}") from None
+    if engine in AGGREGATED_ONLY_ENGINES and (args.prefill_endpoints.strip() or args.decode_endpoints.strip()):
+        raise ValueError(
+            f"--engine {engine.value} serves aggregated pods only (--aggregated-endpoints): disaggregated "
+            f"prefill/decode is not supported for {engine.value} yet, drop --prefill-endpoints and --decode-endpoints"
+        )
+    return engine
+
+
 def _static_pods(args: RouterArgs) -> PodSet:
     """The pod set, filled from the static endpoint flags when discovery is static."""
     pods = PodSet()
@@ -130,6 +157,8 @@ def _static_pods(args: RouterArgs) -> PodSet:
 def _make_lifespan(
     *,
     args: RouterArgs,
+    engine: Engine,
+    api_key: str | None,
     pods: PodSet,
     selector: PrefillSelector,
     tokenize: Tokenize | None,
@@ -142,11 +171,20 @@ def _make_lifespan(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         pod_client = PodClient(max_connections=1024)  # the proxied requests
         async with httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024)) as client:  # polls, model list
-            poller = HealthPoller(pods=pods, client=client, interval_seconds=args.health_interval_seconds)
+            poller = HealthPoller(
+                pods=pods,
+                client=client,
+                interval_seconds=args.health_interval_seconds,
+                engine=engine,
+                api_key=api_key,
+            )
             discovery = None
             if args.discovery == "kubernetes":
                 discovery = KubernetesDiscovery(
-                    namespace=args.namespace, inference_service=args.inference_service, pods=pods
+                    namespace=args.namespace,
+                    inference_service=args.inference_service,
+                    pods=pods,
+                    roles=(Role.AGGREGATED,) if engine in AGGREGATED_ONLY_ENGINES else tuple(SERVICE_SUFFIX),
                 )
                 discovery.start()
             await poller.poll_once()
@@ -291,13 +329,21 @@ def _add_layers(
 
 
 def build_app(*, args: RouterArgs, api_key: str | None = None, tokenize: Tokenize | None = None) -> RouterApp:
+    engine = _engine(args)
     pods = _static_pods(args)
     selector = PrefillSelector(policy=RoutingPolicy(args.policy))
     pods.on_removed.append(selector.forget)
     model_label = args.served_model_name or args.model or "unknown"
     state: dict[str, Any] = {}
     lifespan = _make_lifespan(
-        args=args, pods=pods, selector=selector, tokenize=tokenize, model_label=model_label, state=state
+        args=args,
+        engine=engine,
+        api_key=api_key,
+        pods=pods,
+        selector=selector,
+        tokenize=tokenize,
+        model_label=model_label,
+        state=state,
     )
     app = RouterApp(title="splitserve router", lifespan=lifespan)
     app.state.pods = pods

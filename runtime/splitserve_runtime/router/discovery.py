@@ -73,12 +73,22 @@ def targets_from_slices(
 class KubernetesDiscovery:
     """Watches EndpointSlices in `namespace` for the InferenceService's role Services."""
 
-    def __init__(self, *, namespace: str, inference_service: str, pods: PodSet) -> None:
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        inference_service: str,
+        pods: PodSet,
+        roles: Iterable[Role] = tuple(SERVICE_SUFFIX),
+    ) -> None:
+        """``roles``: the Services watched; an engine that serves aggregated pools only (vLLM)
+        watches the aggregated one, so a prefill or decode pod left over from another engine's
+        pools never gets requests this router cannot hand over."""
         if not namespace or not inference_service:
             raise ValueError("kubernetes discovery needs --namespace and --inference-service")
         self._namespace = namespace
         self._pods = pods
-        self._service_roles = {f"{inference_service}-{suffix}": role for role, suffix in SERVICE_SUFFIX.items()}
+        self._service_roles = {f"{inference_service}-{SERVICE_SUFFIX[role]}": role for role in roles}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

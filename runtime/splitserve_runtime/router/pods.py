@@ -6,6 +6,16 @@ pods themselves: `GET /v1/splitserve/info` gives the compat hash and the KV endp
 says whether the pod takes traffic, and four gauges of `/metrics` give its load. A pod that
 fails `unhealthy_after` polls in a row (or a request) is skipped until it answers again, so a
 dead pod costs at most one failed attempt per request, never a hang.
+
+Which paths and gauges those are depends on the pods' engine (one per InferenceService), so the
+poller asks :data:`~splitserve_contract.engines.ENGINE_PODS` and
+:data:`~splitserve_contract.engine_metrics.ENGINE_METRICS` instead of naming them: a vLLM pod
+says "ready" on `/health`, has no pod info (its compat hash stays empty, which pairs with
+anything, and it serves aggregated pools only), tells its context window in its `/v1/models`
+cards, and exports its queue under `vllm:*` names with no prompt-token backlog. The context
+window is best effort there: `/v1/models` is behind a vLLM pod's API key, and a pod whose
+window is unknown is still served (the window only keeps over-long prompts off a
+disaggregated prefill).
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve_contract import INFO_PATH, Metric, Role
+from splitserve_contract import Role
+from splitserve_contract.engine_metrics import ENGINE_METRICS, SPLITSERVE_METRICS, EngineMetricNames
+from splitserve_contract.engines import DEFAULT_ENGINE, ENGINE_PODS, Engine
 
 from .policy import Candidate, PodLoad
 
@@ -56,7 +68,10 @@ class Pod:
     compat_hash: str = ""
     kv_endpoint: str = ""
     max_model_len: int | None = None
-    """The pod's context window (prompt + completion tokens), from its pod info; None: unknown."""
+    """The pod's context window (prompt + completion tokens), from its pod info (vLLM: its
+    model card); None: unknown."""
+    model_cards_read: bool = False
+    """An engine without pod info: whether the pod has answered for its model cards."""
     healthy: bool = False
     consecutive_failures: int = 0
     load: PodLoad = field(default_factory=PodLoad)
@@ -140,37 +155,79 @@ class PodSet:
             pod.healthy = True
 
 
-def parse_load(text: str) -> PodLoad:
-    """Sum the runtime's load gauges over all label sets of one pod's /metrics."""
-    values = {
-        Metric.REQUESTS_WAITING: 0.0,
-        Metric.REQUESTS_RUNNING: 0.0,
-        Metric.KV_CACHE_USAGE_RATIO: 0.0,
-        Metric.PROMPT_TOKENS_WAITING: 0.0,
+def parse_load(text: str, names: EngineMetricNames = SPLITSERVE_METRICS) -> PodLoad:
+    """One pod's load from its /metrics page, under its engine's ``names``. The request counts
+    are summed over label sets and the KV usage ratio averaged: an engine that labels them per
+    engine core (vLLM's ``engine`` label, one per data-parallel rank in the pod) holds several
+    queues but one cache budget split evenly, and a summed ratio above 1 would read as a full
+    pod. A pod without a prompt-token gauge (``names.prompt_tokens_waiting`` None) has None
+    there: unknown, not empty (:attr:`.policy.PodLoad.queued_prompt_tokens`)."""
+    wanted = {
+        names.requests_waiting: "requests_waiting",
+        names.requests_running: "requests_running",
+        names.kv_cache_usage_ratio: "kv_cache_usage_ratio",
     }
+    if names.prompt_tokens_waiting is not None:
+        wanted[names.prompt_tokens_waiting] = "prompt_tokens_waiting"
+    sums = dict.fromkeys(wanted.values(), 0.0)
+    counts = dict.fromkeys(wanted.values(), 0)
     for family in text_string_to_metric_families(text):
-        if family.name in values:
-            for sample in family.samples:
-                if sample.name == family.name:
-                    values[family.name] += float(sample.value)
+        signal = wanted.get(family.name)
+        if signal is None:
+            continue
+        for sample in family.samples:
+            if sample.name == family.name:
+                sums[signal] += float(sample.value)
+                counts[signal] += 1
+    kv_sets = counts["kv_cache_usage_ratio"]
     return PodLoad(
-        requests_waiting=values[Metric.REQUESTS_WAITING],
-        requests_running=values[Metric.REQUESTS_RUNNING],
-        kv_cache_usage_ratio=values[Metric.KV_CACHE_USAGE_RATIO],
-        prompt_tokens_waiting=values[Metric.PROMPT_TOKENS_WAITING],
+        requests_waiting=sums["requests_waiting"],
+        requests_running=sums["requests_running"],
+        kv_cache_usage_ratio=sums["kv_cache_usage_ratio"] / kv_sets if kv_sets else 0.0,
+        prompt_tokens_waiting=sums.get("prompt_tokens_waiting"),
     )
 
 
+def model_card_max_model_len(listing: object) -> int | None:
+    """The context window of an OpenAI model list whose cards carry ``max_model_len`` (vLLM's
+    ``/v1/models``): the smallest over the cards, since the router cannot tell which one a
+    request names (a vLLM pod serves one base model, each LoRA adapter a card of the same
+    window); None when no card has a usable one."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    limits = [
+        card["max_model_len"]
+        for card in (data if isinstance(data, list) else [])
+        if isinstance(card, dict) and _positive_int(card.get("max_model_len"))
+    ]
+    return min(limits) if limits else None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 class HealthPoller:
-    """Polls every pod's info, readiness and load on a fixed period."""
+    """Polls every pod's info, readiness and load on a fixed period, on its engine's paths
+    (module docstring). ``api_key``: sent to the one polled path a pod may guard (vLLM's
+    ``/v1/models``); the same key the router's clients send through to the pods."""
 
     def __init__(
-        self, *, pods: PodSet, client: httpx.AsyncClient, interval_seconds: float, timeout_seconds: float = 2.0
+        self,
+        *,
+        pods: PodSet,
+        client: httpx.AsyncClient,
+        interval_seconds: float,
+        timeout_seconds: float = 2.0,
+        engine: Engine = DEFAULT_ENGINE,
+        api_key: str | None = None,
     ) -> None:
         self._pods = pods
         self._client = client
         self._interval_seconds = interval_seconds
         self._timeout_seconds = timeout_seconds
+        self._paths = ENGINE_PODS[engine]
+        self._metric_names = ENGINE_METRICS[engine]
+        self._models_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._task: asyncio.Task[None] | None = None
         _install_quiet_poll_filter()
 
@@ -200,19 +257,22 @@ class HealthPoller:
 
     async def _poll(self, pod: Pod) -> None:
         try:
-            ready = await self._client.get(f"{pod.url}/ready", timeout=self._timeout_seconds)
+            ready = await self._client.get(f"{pod.url}{self._paths.ready_path}", timeout=self._timeout_seconds)
             if ready.status_code != 200:
                 raise httpx.HTTPStatusError("not ready", request=ready.request, response=ready)
-            if not pod.compat_hash and not pod.kv_endpoint:
-                info = (await self._client.get(f"{pod.url}{INFO_PATH}", timeout=self._timeout_seconds)).json()
+            if self._paths.info_path is None:
+                if not pod.model_cards_read:
+                    await self._read_model_cards(pod)
+            elif not pod.compat_hash and not pod.kv_endpoint:
+                info = (
+                    await self._client.get(f"{pod.url}{self._paths.info_path}", timeout=self._timeout_seconds)
+                ).json()
                 pod.compat_hash = str(info.get("compat_hash", ""))
                 pod.kv_endpoint = str(info.get("kv_endpoint", ""))
                 limit = info.get("max_model_len")
-                pod.max_model_len = (
-                    limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
-                )
-            metrics = await self._client.get(f"{pod.url}/metrics", timeout=self._timeout_seconds)
-            load = parse_load(metrics.text)
+                pod.max_model_len = limit if _positive_int(limit) else None
+            metrics = await self._client.get(f"{pod.url}{self._paths.metrics_path}", timeout=self._timeout_seconds)
+            load = parse_load(metrics.text, self._metric_names)
             load.in_flight = pod.load.in_flight
             load.in_flight_prompt_tokens = pod.load.in_flight_prompt_tokens
             pod.load = load
@@ -243,3 +303,22 @@ class HealthPoller:
         )
         pod.consecutive_failures = 0
         pod.healthy = True
+
+    async def _read_model_cards(self, pod: Pod) -> None:
+        """``pod.max_model_len`` from its model cards. A pod that answers (even a refusal: a
+        key this router lacks) is not asked again, its answer will not change while it lives
+        at that address; one that fails is asked on the next poll. Either way the pod's health
+        is its readiness alone (module docstring)."""
+        try:
+            answer = await self._client.get(
+                f"{pod.url}{self._paths.models_path}", headers=self._models_headers, timeout=self._timeout_seconds
+            )
+            if answer.status_code >= 500:
+                answer.raise_for_status()
+            pod.model_cards_read = True
+            answer.raise_for_status()
+            pod.max_model_len = model_card_max_model_len(answer.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug(
+                "poll %s pod %s: no context window from %s: %s", pod.role.value, pod.name, self._paths.models_path, exc
+            )

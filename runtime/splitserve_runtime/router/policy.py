@@ -36,8 +36,9 @@ class PodLoad:
     requests_waiting: float = 0.0
     requests_running: float = 0.0
     kv_cache_usage_ratio: float = 0.0
-    prompt_tokens_waiting: float = 0.0
-    """Uncached prompt tokens queued on the pod (its ``splitserve_prompt_tokens_waiting``)."""
+    prompt_tokens_waiting: float | None = 0.0
+    """Uncached prompt tokens queued on the pod (its ``splitserve_prompt_tokens_waiting``);
+    None where the engine exports no such gauge (vLLM counts its backlog in requests only)."""
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
     """Prompt tokens of the prefill requests this router has sent the pod and not had answered."""
@@ -49,8 +50,10 @@ class PodLoad:
     @property
     def queued_prompt_tokens(self) -> float:
         """Prompt tokens ahead of a new prefill: the larger of the pod's own count (every
-        router's requests, as of the last poll) and this router's in-flight ones (immediate)."""
-        return max(self.prompt_tokens_waiting, 0.0, float(self.in_flight_prompt_tokens))
+        router's requests, as of the last poll) and this router's in-flight ones (immediate).
+        A pod whose engine keeps no count has this router's alone: an estimate low by other
+        routers' requests, the best a router can know without the pod's own figure."""
+        return max(self.prompt_tokens_waiting or 0.0, 0.0, float(self.in_flight_prompt_tokens))
 
 
 @dataclass

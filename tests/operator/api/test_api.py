@@ -62,7 +62,8 @@ def test_defaults_match_the_design() -> None:
     assert spec.router.session_header == "x-session-id"
     assert spec.router.short_prompt_threshold == 64
     assert (spec.kv_cache.block_size, spec.kv_cache.memory_fraction, spec.kv_cache.prefix_caching) == (16, 0.9, True)
-    assert (spec.engine.max_num_seqs, spec.engine.max_batched_tokens, spec.engine.chunked_prefill) == (256, 8192, True)
+    settings = spec.scheduling_settings
+    assert (settings.max_num_seqs, settings.max_batched_tokens, settings.chunked_prefill) == (256, 8192, True)
     auto = spec.autoscaling
     assert auto.enabled and not auto.dry_run and auto.interval_seconds == 15.0
     assert auto.prefill.target_queue_depth == 4 and auto.prefill.target_prompt_tokens_waiting is None

@@ -82,7 +82,7 @@ def _create(server: BareApiserver, obj: dict[str, Any]) -> str | None:
         (
             {"runtime": {"extraArgs": ["--device", "cpu", "--role=prefill"]}},
             "spec.runtime.extraArgs[2]",
-            "runtime.extraArgs --role=prefill sets a flag the operator renders",
+            "extraArgs --role=prefill sets a flag the operator renders",
         ),
         ({"runtime": {"extraArgs": ["--port", "9000"]}}, "spec.runtime.extraArgs[0]", "--port"),
         (

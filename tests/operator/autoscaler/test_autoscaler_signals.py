@@ -18,12 +18,15 @@ from prometheus_api_client import PrometheusConnect
 from urllib3.util.retry import Retry
 
 from splitserve_contract import Metric, Reason
+from splitserve_contract.engine_metrics import VLLM_METRICS
+from splitserve_contract.engines import Engine
 from splitserve_e2e.net import free_port
 from splitserve_operator.autoscaler.decision import MetricsUnavailable
 from splitserve_operator.autoscaler.signals import (
     KV,
     PROMPT_TOKENS,
     QUEUE,
+    PoolSample,
     Targets,
     fetch_pool_sample,
     pool_selector,
@@ -80,6 +83,18 @@ PODS = [
             Metric.PROMPT_TOKENS_WAITING: 0,
             Metric.KV_CACHE_BLOCKS: 1000,
         },
+    ),
+    # A vLLM pool: vLLM's own names only (no splitserve_* series, no prompt-token backlog).
+    FakePod(
+        "ns",
+        "vsvc-engine-v",
+        "aggregated",
+        {
+            VLLM_METRICS.requests_waiting: 4,
+            VLLM_METRICS.requests_running: 7,
+            VLLM_METRICS.kv_cache_usage_ratio: 0.6,
+        },
+        inferenceservice="vsvc",
     ),
     # Stopped by test_stopped_target_is_detected, and queried by no other test.
     FakePod(
@@ -251,3 +266,32 @@ def test_an_operator_without_prometheus_says_so() -> None:
         query_by_pod(prometheus=PrometheusConnect(url="", retry=Retry(total=0)), promql="up", now_seconds=0.0)
     assert info.value.reason == Reason.QUERY_FAILED
     assert "no Prometheus URL" in info.value.message and "prometheus.url" in info.value.message
+
+
+def test_a_vllm_pool_is_read_under_vllm_names(prometheus: PrometheusConnect) -> None:
+    def sample(engine: Engine) -> PoolSample:
+        return fetch_pool_sample(
+            prometheus=prometheus,
+            namespace="ns",
+            inferenceservice="vsvc",
+            role="aggregated",
+            now_seconds=time.time(),
+            stale_after_seconds=45,
+            window_seconds=5,
+            engine=engine,
+        )
+
+    got = eventually(lambda: sample(Engine.VLLM))
+    assert got.requests_waiting_by_pod == {"vsvc-engine-v": 4.0}
+    assert got.requests_running_by_pod == {"vsvc-engine-v": 7.0}
+    assert got.kv_cache_usage_ratio_by_pod == {"vsvc-engine-v": 0.6}
+    signals = pool_signals(
+        sample=got,
+        ready_replicas=2,
+        targets=Targets(queue_depth=1, kv_cache_utilization=0.5),
+    )
+    assert signals[QUEUE].value == pytest.approx(2.0) and signals[KV].value == pytest.approx(0.6)
+    # Read as the bundled runtime's pool, the same pods have no series: NoData naming its name.
+    with pytest.raises(MetricsUnavailable) as missing:
+        sample(Engine.SPLITSERVE)
+    assert missing.value.reason == Reason.NO_DATA and Metric.REQUESTS_WAITING in str(missing.value)

@@ -15,6 +15,7 @@ import pytest
 import splitserve_contract as contract
 from splitserve_contract import capabilities as caps
 from splitserve_operator import api, render
+from splitserve_operator.engines import pod as engine_pod
 
 IMAGE = "registry.example/splitserve:1.2.3"
 DRAFT = {"method": "draft", "draftModel": "hf://meta/llama-3-tiny"}
@@ -83,7 +84,7 @@ def test_every_supported_size_reaches_the_pods_with_its_gpus_and_shared_memory(s
         # NCCL and the worker ranks use /dev/shm: a memory-backed volume, not the 64 MiB default.
         (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes[shm["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": render.SHM_SIZE}
+        assert volumes[shm["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": engine_pod.SHM_SIZE}
 
 
 def test_every_tensor_size_is_served_and_unserved_pipeline_sizes_are_refused() -> None:
@@ -142,8 +143,9 @@ def test_the_crd_refuses_a_draft_model_with_tensor_parallelism_at_the_spec() -> 
     spec = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     (rule,) = [r for r in spec["x-kubernetes-validations"] if r["message"] == api.DRAFT_TENSOR_PARALLEL_RULE_MESSAGE]
     text = rule["rule"]
-    assert text.startswith("!has(self.engine) || !has(self.engine.speculative)")
-    assert "self.engine.speculative.method != 'draft'" in text
+    # spec.scheduling's method, else the deprecated spec.engine's
+    assert text.startswith("(has(self.scheduling) ? (has(self.scheduling.speculative)")
+    assert "self.engine.speculative.method : 'none') : 'none')) != 'draft'" in text
     for pool in api.SPECULATING_POOLS:
         assert f"self.{pool}.parallelism.tensor == 1" in text
     assert "self.prefill" not in text  # prefill pods never get the draft model

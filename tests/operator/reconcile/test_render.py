@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 import splitserve_contract as contract
-from splitserve_operator import naming, render
+from splitserve_operator import naming
 from splitserve_operator.api import InferenceService, InvalidSpecError
+from splitserve_operator.engines import pod as engine_pod
 from splitserve_operator.render import render_children, router_args
 
 IMAGE = "registry.example/splitserve:1.2.3"
@@ -208,9 +209,9 @@ def test_ports_probes_env_and_security() -> None:
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     # the root filesystem is read-only: every path the image writes to is a volume
-    assert {"/tmp", "/dev/shm", render.MODEL_CACHE_DIR, render.TRITON_CACHE_DIR} <= set(mounts)
+    assert {"/tmp", "/dev/shm", engine_pod.MODEL_CACHE_DIR, engine_pod.TRITON_CACHE_DIR} <= set(mounts)
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts[render.TRITON_CACHE_DIR]]["emptyDir"] == {}
+    assert volumes[mounts[engine_pod.TRITON_CACHE_DIR]]["emptyDir"] == {}
     shm = volumes["dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert pod["terminationGracePeriodSeconds"] > contract.ServeArgs().drain_timeout_seconds

@@ -1,4 +1,4 @@
-"""spec.engine.speculative: the API serves the methods of the capabilities table (refusing the
+"""spec.scheduling.speculative: the API serves the methods of the capabilities table (refusing the
 others with its message), a draft model exactly with method draft, numTokens within bounds;
 the CRD carries the same rules as CEL; the operator passes the flags (and a draft model's
 volume) to decode and aggregated pods only, and the compat hash ignores the setting."""
@@ -27,7 +27,7 @@ def _isvc(speculative: dict[str, Any] | None = None, *, mode: str = "Disaggregat
     else:
         spec["aggregated"] = {}
     if speculative is not None:
-        spec["engine"] = {"speculative": speculative}
+        spec["scheduling"] = {"speculative": speculative}
     return api.InferenceService.parse(
         {
             "apiVersion": api.API_VERSION_STRING,
@@ -48,7 +48,7 @@ def _errors(speculative: dict[str, Any]) -> list[str]:
 
 
 def test_defaults_are_no_speculation_and_the_runtime_defaults() -> None:
-    speculative = _isvc().spec.engine.speculative
+    speculative = _isvc().spec.scheduling_settings.speculative
     assert (speculative.method, speculative.num_tokens, speculative.max_num_seqs) == ("none", 4, 16)
     assert speculative.draft_model is None and not speculative.enabled
     serve = contract.ServeArgs()
@@ -57,9 +57,9 @@ def test_defaults_are_no_speculation_and_the_runtime_defaults() -> None:
 
 def test_ngram_is_accepted_and_round_trips() -> None:
     isvc = _isvc({"method": "ngram", "numTokens": 16, "maxNumSeqs": 1})
-    speculative = isvc.spec.engine.speculative
+    speculative = isvc.spec.scheduling_settings.speculative
     assert (speculative.method, speculative.num_tokens, speculative.max_num_seqs) == ("ngram", 16, 1)
-    dumped = isvc.dump()["spec"]["engine"]["speculative"]
+    dumped = isvc.dump()["spec"]["scheduling"]["speculative"]
     assert dumped == {"method": "ngram", "numTokens": 16, "maxNumSeqs": 1}
     assert api.InferenceService.parse(isvc.dump()) == isvc
 
@@ -68,31 +68,31 @@ def test_ngram_is_accepted_and_round_trips() -> None:
 def test_methods_follow_the_capabilities_table(method: str) -> None:
     speculative = {"method": method, **({"draftModel": "hf://meta/llama-3-tiny"} if method == "draft" else {})}
     if caps.SPECULATIVE_METHOD.is_supported(method):
-        assert _isvc(speculative).spec.engine.speculative.method == method
+        assert _isvc(speculative).spec.scheduling_settings.speculative.method == method
     else:
         assert _errors(speculative) == [
-            f"spec.engine.speculative.method: {caps.SPECULATIVE_METHOD.unsupported_message(method)}"
+            f"spec.scheduling.speculative.method: {caps.SPECULATIVE_METHOD.unsupported_message(method)}"
         ]
 
 
 @pytest.mark.parametrize(
     ("speculative", "expected"),
     [
-        ({"method": "eagle"}, "spec.engine.speculative.method: Input should be none, ngram or draft"),
+        ({"method": "eagle"}, "spec.scheduling.speculative.method: Input should be none, ngram or draft"),
         (
             {"method": "ngram", "draftModel": "hf://meta/small"},
-            f"spec.engine.speculative: {api.DRAFT_MODEL_RULE_MESSAGE}",
+            f"spec.scheduling.speculative: {api.DRAFT_MODEL_RULE_MESSAGE}",
         ),
-        ({"draftModel": "hf://meta/small"}, f"spec.engine.speculative: {api.DRAFT_MODEL_RULE_MESSAGE}"),
-        ({"method": "draft"}, f"spec.engine.speculative: {api.DRAFT_METHOD_RULE_MESSAGE}"),
+        ({"draftModel": "hf://meta/small"}, f"spec.scheduling.speculative: {api.DRAFT_MODEL_RULE_MESSAGE}"),
+        ({"method": "draft"}, f"spec.scheduling.speculative: {api.DRAFT_METHOD_RULE_MESSAGE}"),
         (
             {"method": "draft", "draftModel": "s3://bucket/small"},
-            "spec.engine.speculative.draftModel: must be hf://org/name",
+            "spec.scheduling.speculative.draftModel: must be hf://org/name",
         ),
-        ({"numTokens": 0}, "spec.engine.speculative.numTokens: Input should be greater than or equal to 1"),
-        ({"numTokens": 17}, "spec.engine.speculative.numTokens: Input should be less than or equal to 16"),
-        ({"maxNumSeqs": 0}, "spec.engine.speculative.maxNumSeqs: Input should be greater than or equal to 1"),
-        ({"method": "ngram", "numTokns": 2}, "spec.engine.speculative.numTokns: unknown field"),
+        ({"numTokens": 0}, "spec.scheduling.speculative.numTokens: Input should be greater than or equal to 1"),
+        ({"numTokens": 17}, "spec.scheduling.speculative.numTokens: Input should be less than or equal to 16"),
+        ({"maxNumSeqs": 0}, "spec.scheduling.speculative.maxNumSeqs: Input should be greater than or equal to 1"),
+        ({"method": "ngram", "numTokns": 2}, "spec.scheduling.speculative.numTokns: unknown field"),
     ],
 )
 def test_invalid_settings_have_readable_errors(speculative: dict[str, Any], expected: str) -> None:
@@ -105,7 +105,7 @@ def test_invalid_settings_have_readable_errors(speculative: dict[str, Any], expe
 
 def _crd_speculative() -> dict[str, Any]:
     schema = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    node: dict[str, Any] = schema["properties"]["spec"]["properties"]["engine"]["properties"]["speculative"]
+    node: dict[str, Any] = schema["properties"]["spec"]["properties"]["scheduling"]["properties"]["speculative"]
     return node
 
 

@@ -147,6 +147,13 @@ def decide(
         gpus_per_replica=gpus_per_replica,
         floors=floors,
         gpu_budget=spec.autoscaling.gpu_budget,
-        max_num_batched_tokens=spec.engine.max_batched_tokens,
+        max_num_batched_tokens=_prompt_pool_budget(spec),
         dry_run=spec.autoscaling.dry_run,
     )
+
+
+def _prompt_pool_budget(spec: InferenceServiceSpec) -> int:
+    """The token budget per step of the pool that computes prompts (its own scheduling wins
+    over the service's)."""
+    pool = spec.prefill or spec.aggregated
+    return (spec.pool_scheduling(pool) if pool is not None else spec.scheduling_settings).max_batched_tokens

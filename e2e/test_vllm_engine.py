@@ -1,0 +1,279 @@
+"""``runtime.engine: vllm`` on the real kubelet node: the same operator, router and autoscaler
+serving, routing, scaling and explaining vLLM pods.
+
+The chart is installed as in ``test_real_node.py`` (the operator container from this tree's
+image, restricted namespaces), with ``runtime.vllmImage`` pointing at vLLM's CPU image built
+from ``Containerfile.vllm`` (:func:`splitserve_e2e.image.ensure_vllm_image`). An Aggregated
+InferenceService with ``runtime.engine: vllm`` serves SmolLM2-135M-Instruct, published on the
+session's token-protected hub as ``HuggingFaceTB/SmolLM2-135M-Instruct``: the vLLM pod
+downloads it by repository id (``HF_ENDPOINT``, ``HF_TOKEN`` from the Secret), as on a real
+cluster; the router, from the bundled image, loads the tokenizer from the same hub.
+
+Checked, in order:
+
+1. The pod the operator rendered runs ``vllm serve`` from the vLLM image under the restricted
+   level and becomes Ready on vLLM's /health; the InferenceService is Ready.
+2. Through the router Service (kube-proxy), the official ``openai`` client gets a completion,
+   a chat completion and a streamed chat with usage; a bad request is a 4xx in OpenAI's shape.
+3. Under a burst (more concurrent requests than ``maxNumSeqs``), the autoscaler reads vLLM's
+   own ``vllm:num_requests_waiting`` and scales the pool up; the router serves from both pods;
+   when the burst ends the pool goes back to its minimum, and ``status.scalingHistory`` and
+   the decisions explain each step.
+
+Figures printed: image build/pull, apply to Ready, the second pod's start, the burst.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Final
+
+import httpx
+import openai
+import pytest
+
+import splitserve_contract as contract
+from splitserve_contract.engine_metrics import VLLM_METRICS
+from splitserve_e2e import smollm2
+from splitserve_e2e.cluster import LocalCluster
+from splitserve_e2e.demo import apply_object, condition, get_isvc
+from splitserve_e2e.hub import LocalHub
+from splitserve_e2e.image import ensure_vllm_image
+from splitserve_e2e.realnode import Stack, explained, log, real_node_stack, wait
+from splitserve_e2e.stack import ModelHub, pull_on_node
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+ENV_VLLM_IMAGE: Final = "SPLITSERVE_E2E_VLLM_IMAGE"
+REPO_ID: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SERVED_NAME: Final = "smollm2"
+NAME: Final = "chat"
+MAX_NUM_SEQS: Final = 2
+"""Small, so that a burst of a few requests makes a queue."""
+BURST_CONCURRENCY: Final = 8
+READY_TIMEOUT_SECONDS: Final = 900.0
+
+
+@pytest.fixture(scope="module")
+def vllm_image(cluster: LocalCluster) -> str:
+    reference = os.environ.get(ENV_VLLM_IMAGE)
+    if not reference:
+        started = time.monotonic()
+        reference = ensure_vllm_image()
+        log(f"vLLM image {reference} built and pushed in {time.monotonic() - started:.1f}s")
+    if cluster.kubelet_node is not None:
+        started = time.monotonic()
+        pulled = pull_on_node(cluster=cluster, image=reference, namespace=f"vllm-pull-{uuid.uuid4().hex[:5]}")
+        log(f"vLLM image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
+    return reference
+
+
+@pytest.fixture(scope="module")
+def stack(
+    cluster: LocalCluster, image: str, vllm_image: str, local_hub: LocalHub, model_hub: ModelHub
+) -> Iterator[Stack]:
+    local_hub.publish(REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
+    with real_node_stack(
+        cluster=cluster,
+        image=image,
+        hub=local_hub,
+        model_hub=model_hub,
+        workloads=[f"vllm-{uuid.uuid4().hex[:4]}"],
+        vllm_image=vllm_image,
+    ) as result:
+        yield result
+
+
+def _manifest(stack: Stack) -> dict[str, Any]:
+    hub = stack.model_hub
+    return {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
+        "kind": contract.KIND,
+        "metadata": {"name": NAME, "namespace": stack.namespace},
+        "spec": {
+            "runtime": {
+                "engine": "vllm",
+                "imagePullPolicy": "IfNotPresent",
+                # Eager mode: no torch.compile warm-up on two cores (minutes); the compile path
+                # and its writable caches are exercised by test_vllm_image.py.
+                "extraArgs": ["--enforce-eager"],
+                "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],  # GiB of KV per pod
+            },
+            "mode": "Aggregated",
+            "model": {
+                "uri": f"hf://{REPO_ID}",
+                "servedName": SERVED_NAME,
+                "maxModelLen": 1024,
+                "hubEndpoint": hub.endpoint,
+                "hubTokenSecretRef": {"name": hub.token_secret},
+            },
+            "aggregated": {
+                "replicas": {"min": 1, "max": 2},
+                "resources": {"gpus": 0, "cpu": "500m", "memory": "6Gi"},
+                "scheduling": {"maxNumSeqs": MAX_NUM_SEQS},
+            },
+            "autoscaling": {
+                "interval": "5s",
+                "prefill": {"targetQueueDepth": 1},
+                "decode": {"targetKVCacheUtilization": 0.9},
+                "behavior": {
+                    "scaleUp": {"stabilizationSeconds": 0, "maxStepPercent": 100},
+                    "scaleDown": {"stabilizationSeconds": 20, "maxStep": 1},
+                },
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack) -> Stack:
+    cluster = stack.cluster
+    with explained(cluster, stack.namespaces):
+        started = time.monotonic()
+        apply_object(cluster=cluster, obj=_manifest(stack))
+
+        def ready() -> dict[str, Any] | None:
+            obj = get_isvc(cluster=cluster, namespace=stack.namespace, name=NAME)
+            return obj if (condition(obj, "Ready") or {}).get("status") == "True" else None
+
+        wait(cluster, ready, timeout=READY_TIMEOUT_SECONDS, what=f"vLLM InferenceService {NAME} Ready", interval=2.0)
+        stack.figures["vLLM InferenceService apply -> Ready"] = f"{time.monotonic() - started:.1f}s"
+    return stack
+
+
+def _pods(stack: Stack) -> list[Any]:
+    core: Any = stack.cluster.core()
+    selector = f"{contract.LABEL_INSTANCE}={NAME},{contract.LABEL_COMPONENT}={contract.Role.AGGREGATED.value}"
+    return list(core.list_namespaced_pod(stack.namespace, label_selector=selector).items)
+
+
+def _router_url(stack: Stack) -> str:
+    core: Any = stack.cluster.core()
+    service = core.read_namespaced_service(f"{NAME}-router", stack.namespace)
+    return f"http://{service.spec.cluster_ip}:{contract.HTTP_PORT}"
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{_router_url(stack)}/v1", api_key="unused", timeout=120.0, max_retries=0)
+
+
+def test_the_operator_runs_vllm_serve_under_the_restricted_level(served: Stack, vllm_image: str) -> None:
+    (pod,) = _pods(served)
+    container = pod.spec.containers[0]
+    assert container.image == vllm_image
+    assert container.command == ["vllm", "serve"]
+    assert container.args[0] == REPO_ID and "--enforce-eager" in container.args
+    assert container.security_context.read_only_root_filesystem is True
+    assert pod.spec.security_context.run_as_user == 65532
+    assert container.readiness_probe.http_get.path == "/health"
+    assert all(status.ready for status in pod.status.container_statuses)
+    obj = get_isvc(cluster=served.cluster, namespace=served.namespace, name=NAME)
+    assert obj["spec"]["runtime"]["engine"] == "vllm"
+
+
+def test_the_router_serves_vllm_to_the_openai_client(served: Stack) -> None:
+    client = _client(served)
+    assert [m.id for m in client.models.list().data] == [SERVED_NAME]
+    completion = client.completions.create(
+        model=SERVED_NAME, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert (
+        completion.choices[0].text.strip() and completion.usage is not None and completion.usage.completion_tokens > 0
+    )
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, temperature=0
+    )
+    assert chat.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=-3)
+    assert refused.value.status_code == 400
+
+
+def _burst(stack: Stack, stop: threading.Event) -> list[int]:
+    """Requests in a loop on BURST_CONCURRENCY threads until ``stop``; their status codes."""
+    url = f"{_router_url(stack)}/v1/completions"
+    codes: list[int] = []
+
+    def worker() -> None:
+        with httpx.Client(timeout=300.0) as http:
+            while not stop.is_set():
+                body = {"model": SERVED_NAME, "prompt": "Tell me a long story about a lighthouse.", "max_tokens": 96}
+                codes.append(http.post(url, json=body).status_code)
+
+    with concurrent.futures.ThreadPoolExecutor(BURST_CONCURRENCY) as pool:
+        for _ in range(BURST_CONCURRENCY):
+            pool.submit(worker)
+    return codes
+
+
+def test_vllm_pools_scale_on_vllm_metrics_and_explain_it(served: Stack) -> None:
+    cluster, namespace = served.cluster, served.namespace
+    stop = threading.Event()
+    started = time.monotonic()
+    with explained(cluster, served.namespaces), concurrent.futures.ThreadPoolExecutor(1) as background:
+        codes = background.submit(_burst, served, stop)
+        try:
+
+            def two_ready_pods() -> list[Any] | None:
+                pods = _pods(served)
+                ready = [
+                    p for p in pods if p.status.container_statuses and all(s.ready for s in p.status.container_statuses)
+                ]
+                return ready if len(ready) == 2 else None
+
+            wait(cluster, two_ready_pods, timeout=READY_TIMEOUT_SECONDS, what="a second Ready vLLM pod", interval=2.0)
+            served.figures["burst start -> second vLLM pod Ready"] = f"{time.monotonic() - started:.1f}s"
+            time.sleep(15)  # the router discovers the new pod and sends it requests
+        finally:
+            stop.set()
+        statuses = codes.result(timeout=600)
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    served.figures["burst requests (all 200)"] = str(len(statuses))
+
+    obj = get_isvc(cluster=cluster, namespace=namespace, name=NAME)
+    ups = [e for e in obj["status"].get("scalingHistory", []) if e["pool"] == "aggregated" and e["to"] > e["from"]]
+    assert ups, obj["status"]
+    # The router spread the burst over both vLLM pods: each pod's own counter moved.
+    served_by_pod = {p.metadata.name: _pod_requests(served, p) for p in _pods(served)}
+    assert len(served_by_pod) == 2 and all(v > 0 for v in served_by_pod.values()), served_by_pod
+
+    def back_to_min() -> dict[str, Any] | None:
+        current = get_isvc(cluster=cluster, namespace=namespace, name=NAME)
+        downs = [
+            e for e in current["status"].get("scalingHistory", []) if e["pool"] == "aggregated" and e["to"] < e["from"]
+        ]
+        return current if downs and len(_pods(served)) == 1 else None
+
+    started = time.monotonic()
+    final = wait(cluster, back_to_min, timeout=300, what="the pool back at its minimum", interval=2.0)
+    served.figures["burst end -> back to 1 pod"] = f"{time.monotonic() - started:.1f}s"
+    decision = final["status"]["aggregated"]["lastDecision"]
+    assert "queue" in " ".join(decision["inputs"]), decision
+    log(f"scaling history: {final['status']['scalingHistory']}")
+
+
+def _pod_requests(stack: Stack, pod: Any) -> float:
+    """``vllm:request_success_total`` of one pod, read from its /metrics (pod IP, from the host)."""
+    text = httpx.get(f"http://{pod.status.pod_ip}:{contract.HTTP_PORT}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(VLLM_METRICS.requests_total + "{")
+    )

@@ -1,0 +1,148 @@
+"""Pods of vLLM: ``vllm serve`` with the flags the spec maps to (:func:`vllm_argv`).
+
+Why its own module: a vLLM pool is the same pod as the bundled runtime's (:mod:`.pod`: the
+restricted security context, the model cache, the Secrets by reference) running another
+program, so only its command line and its environment are here. Each spec field is rendered
+to vLLM's own option for it; values vLLM has no option for are refused at admission
+(:mod:`..api.engine_rules`), never dropped here.
+
+- The model: ``hf://org/name`` is vLLM's ``org/name``, downloaded by vLLM's hub client into
+  the model cache (``HF_HUB_CACHE``) from ``HF_ENDPOINT`` with ``HF_TOKEN`` (the same variables
+  the bundled runtime reads); ``pvc://`` and ``file://`` are local paths.
+- The API key: vLLM reads ``VLLM_API_KEY`` (from ``runtime.apiKeySecretRef``, by reference).
+- Caches: vLLM, torch.compile and Triton write under ``HOME`` (``/tmp``) and the cache
+  volumes, so the root file system stays read-only, as for the bundled runtime.
+- The command is ``vllm serve`` explicitly, so the upstream ``vllm/vllm-openai`` image and the
+  local CPU image (Containerfile.vllm) run the same way whatever their entrypoints.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import splitserve_contract as contract
+from splitserve_contract import Role, ServeArgs
+from splitserve_contract.engines import Engine
+
+from ..api import InferenceService, PoolSpec
+from . import pod
+
+VLLM_CACHE_DIR: Final = "/var/cache/splitserve/vllm"
+VLLM_COMMAND: Final = ("vllm", "serve")
+_DRAIN_SECONDS: Final = int(ServeArgs().drain_timeout_seconds)
+"""vLLM finishes in-flight requests on SIGTERM; the router stops sending first (the pod leaves
+its Service's endpoints), so the same grace as the bundled runtime's drain."""
+
+
+def model_argument(uri: str) -> str:
+    """``hf://org/name`` -> ``org/name``; ``file:///path`` (and a claim's mount) -> ``/path``."""
+    location, _, _ = pod.model_location(uri)
+    if location.startswith("hf://"):
+        return location.removeprefix("hf://")
+    return location.removeprefix("file://")
+
+
+def speculative_config(isvc: InferenceService, role: Role) -> dict[str, Any] | None:
+    """vLLM's ``--speculative-config`` for pools that decode; None without speculation."""
+    if not pod.speculates(isvc, role):
+        return None
+    speculative = isvc.spec.scheduling_settings.speculative
+    if speculative.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": speculative.num_tokens}
+    draft, _, _ = pod.draft_model_location(isvc)
+    return {"method": "draft_model", "model": model_argument(draft), "num_speculative_tokens": speculative.num_tokens}
+
+
+def vllm_argv(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> list[str]:
+    """The ``vllm serve`` arguments of one pool (before the extraArgs)."""
+    spec = isvc.spec
+    scheduling = spec.pool_scheduling(pool)
+    argv = [
+        model_argument(spec.model.uri),
+        "--served-model-name",
+        pod.served_name(isvc),
+        "--host",
+        f"$({contract.ENV_POD_IP})",
+        "--port",
+        str(contract.HTTP_PORT),
+        "--dtype",
+        spec.model.dtype,
+    ]
+    if spec.model.revision:
+        argv += ["--revision", spec.model.revision]
+    if spec.model.quantization != "none":
+        argv += ["--quantization", spec.model.quantization]
+    if spec.model.max_model_len:
+        argv += ["--max-model-len", str(spec.model.max_model_len)]
+    argv += [
+        "--block-size",
+        str(spec.kv_cache.block_size),
+        "--gpu-memory-utilization",
+        str(spec.kv_cache.memory_fraction),
+        "--enable-prefix-caching" if spec.kv_cache.prefix_caching else "--no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        spec.kv_cache.dtype,
+        "--max-num-seqs",
+        str(scheduling.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(scheduling.max_batched_tokens),
+        "--enable-chunked-prefill" if scheduling.chunked_prefill else "--no-enable-chunked-prefill",
+        "--tensor-parallel-size",
+        str(pool.parallelism.tensor),
+        "--pipeline-parallel-size",
+        str(pool.parallelism.pipeline),
+    ]
+    config = speculative_config(isvc, role)
+    if config is not None:
+        argv += ["--speculative-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    return argv
+
+
+def _engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HUB_CACHE", "value": pod.MODEL_CACHE_DIR},
+        {"name": "VLLM_CACHE_ROOT", "value": VLLM_CACHE_DIR},
+        {"name": "TRITON_CACHE_DIR", "value": pod.TRITON_CACHE_DIR},
+        {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+        {"name": "DO_NOT_TRACK", "value": "1"},
+    ]
+    api_key = isvc.spec.runtime.api_key_secret_ref
+    if api_key is not None:
+        out.append(pod.secret_env("VLLM_API_KEY", api_key.name, api_key.key))
+    return out
+
+
+class VllmRenderer:
+    """:class:`.pod.EngineRenderer` of vLLM."""
+
+    engine: Final = Engine.VLLM
+
+    def container(self, *, isvc: InferenceService, role: Role, pool: PoolSpec, compat_hash: str) -> pod.PoolContainer:
+        del compat_hash  # vLLM pods pair by their Service, not by a reported hash (Aggregated only)
+        argv = vllm_argv(isvc=isvc, role=role, pool=pool)
+        extra = pod.extra_args(isvc, pool)
+        volumes: list[dict[str, Any]] = [{"name": "vllm-cache", "emptyDir": {}}]
+        mounts: list[dict[str, Any]] = [{"name": "vllm-cache", "mountPath": VLLM_CACHE_DIR}]
+        for volume, mount in (pod.shared_memory_volume(), pod.triton_cache_volume()):
+            volumes.append(volume)
+            mounts.append(mount)
+        _, draft_volume, draft_mount = pod.draft_model_location(isvc)
+        if pod.speculates(isvc, role) and draft_volume is not None and draft_mount is not None:
+            volumes.append(draft_volume)
+            mounts.append(draft_mount)
+        return pod.PoolContainer(
+            command=list(VLLM_COMMAND),
+            args=[*argv, *extra],
+            env=pod.env(isvc=isvc, engine_env=_engine_env(isvc)),
+            ports=[],
+            volumes=volumes,
+            mounts=mounts,
+            grace_seconds=_DRAIN_SECONDS + pod.TERMINATION_GRACE_MARGIN_SECONDS,
+            config={"command": [*VLLM_COMMAND], "args": argv, "extraArgs": extra},
+        )
+
+
+RENDERER: Final = VllmRenderer()
