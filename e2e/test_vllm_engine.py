@@ -105,6 +105,7 @@ def _manifest(stack: Stack) -> dict[str, Any]:
                 "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],  # GiB of KV per pod
             },
             "mode": "Aggregated",
+            "kvCache": {"blockSize": 32},  # vLLM's CPU attention needs a multiple of 32
             "model": {
                 "uri": f"hf://{REPO_ID}",
                 "servedName": SERVED_NAME,

@@ -32,6 +32,11 @@ VLLM_SPECULATIVE_MAX_NUM_SEQS_RULE_MESSAGE: Final = (
     "scheduling.speculative.maxNumSeqs is not supported by engine vllm (vLLM speculates in every "
     "step): leave it at its default"
 )
+VLLM_CPU_BLOCK_MULTIPLE: Final = 32
+VLLM_CPU_BLOCK_SIZE_RULE_MESSAGE: Final = (
+    f"kvCache.blockSize must be a multiple of {VLLM_CPU_BLOCK_MULTIPLE} for engine vllm on CPU pools "
+    "(resources.gpus 0): vLLM's CPU attention has no kernel for smaller blocks"
+)
 VLLM_SLO_RULE_MESSAGE: Final = (
     "autoscaling.slo is not supported by engine vllm yet (its fit reads the bundled runtime's engine-step "
     "counters): scale vllm pools on autoscaling.prefill and autoscaling.decode targets"
@@ -69,6 +74,9 @@ class EngineRequest:
     extra_args: Sequence[str]
     slo: bool
     prompt_tokens_target: bool
+    block_size: int
+    cpu_pools: bool
+    """Whether any pool computes on the CPU (resources.gpus 0)."""
 
 
 def problems(request: EngineRequest) -> list[str]:
@@ -87,6 +95,8 @@ def problems(request: EngineRequest) -> list[str]:
             out.append(GGUF_RULE_MESSAGE)
         if request.speculative_max_num_seqs_set:
             out.append(VLLM_SPECULATIVE_MAX_NUM_SEQS_RULE_MESSAGE)
+        if request.cpu_pools and request.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+            out.append(VLLM_CPU_BLOCK_SIZE_RULE_MESSAGE)
         if request.slo:
             out.append(VLLM_SLO_RULE_MESSAGE)
         if request.prompt_tokens_target:
@@ -105,6 +115,9 @@ _ROUTER_MODE: Final = "((has(self.router) && has(self.router.mode)) ? self.route
 _MULTI_NODE_POOL: Final = (
     "(has(self.{p}) && has(self.{p}.resources) && has(self.{p}.resources.gpusPerNode)"
     " && self.{p}.resources.gpusPerNode < self.{p}.resources.gpus)"
+)
+_CPU_POOL: Final = (
+    "(has(self.{p}) && has(self.{p}.resources) && has(self.{p}.resources.gpus) && self.{p}.resources.gpus == 0)"
 )
 _VLLM_OPTION_NAMES: Final = f"[{', '.join(cel_string(f) for f in owned.VLLM_OPERATOR_FLAGS)}]"
 # The long option an argument spells, as vLLM reads it: the text after "--" up to "=" or ".",
@@ -167,6 +180,14 @@ ENGINE_CEL_RULES: Final[tuple[CelRule, ...]] = (
         "rule": f"!({_IS_VLLM}) || (has(self.scheduling) ? {_speculative_default('self.scheduling')}"
         f" : (!has(self.engine) || {_speculative_default('self.engine')}))",
         "message": VLLM_SPECULATIVE_MAX_NUM_SEQS_RULE_MESSAGE,
+    },
+    {
+        "rule": f"!({_IS_VLLM}) || !has(self.kvCache) || !has(self.kvCache.blockSize)"
+        f" || self.kvCache.blockSize % {VLLM_CPU_BLOCK_MULTIPLE} == 0 || !("
+        + " || ".join(_CPU_POOL.format(p=p) for p in POOLS)
+        + ")",
+        "message": VLLM_CPU_BLOCK_SIZE_RULE_MESSAGE,
+        "fieldPath": ".kvCache.blockSize",
     },
     {
         "rule": f"!({_IS_VLLM}) || !has(self.autoscaling) || !has(self.autoscaling.slo)",

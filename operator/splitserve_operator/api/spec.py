@@ -965,6 +965,8 @@ class InferenceServiceSpec(ApiModel):
             extra_args=[*self.runtime.extra_args, *(a for pool in self.pools.values() for a in pool.extra_args)],
             slo=self.autoscaling.slo is not None,
             prompt_tokens_target=self.autoscaling.prefill.target_prompt_tokens_waiting is not None,
+            block_size=self.kv_cache.block_size,
+            cpu_pools=any(pool.resources.gpus == 0 for pool in self.pools.values()),
         )
 
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 import splitserve_contract as contract
+from splitserve_contract.engines import VLLM_IMAGE
 from splitserve_operator import operator_flags
 
 REPO = Path(__file__).resolve().parents[3]
@@ -523,3 +524,9 @@ def test_chart_metadata() -> None:
     assert chart["appVersion"] == "0.1.0"
     assert chart["name"] == "splitserve"
     assert not list((CHART / "templates").glob("*crd*"))
+
+
+def test_the_vllm_image_default_is_the_operators_unless_the_values_name_one() -> None:
+    assert _parse_args(_operator_args(_render())).vllm_image == VLLM_IMAGE
+    mirrored = _operator_args(_render("runtime.vllmImage=mirror.example/vllm/vllm-openai:v0.32.0"))
+    assert _parse_args(mirrored).vllm_image == "mirror.example/vllm/vllm-openai:v0.32.0"
