@@ -17,8 +17,9 @@ Checked, in order:
    a chat completion and a streamed chat with usage; a bad request is a 4xx in OpenAI's shape.
 3. Under a burst (more concurrent requests than ``maxNumSeqs``), the autoscaler reads vLLM's
    own ``vllm:num_requests_waiting`` and scales the pool up; the router serves from both pods;
-   when the burst ends the pool goes back to its minimum, and ``status.scalingHistory`` and
-   the decisions explain each step.
+   one of them is killed mid-load (deleted without grace) and no request fails (none had
+   started sending back: the router moves them to the other pod); when the burst ends the pool
+   goes back to its minimum, and ``status.scalingHistory`` and the decisions explain each step.
 
 Figures printed: image build/pull, apply to Ready, the second pod's start, the burst.
 """
@@ -239,21 +240,30 @@ def test_vllm_pools_scale_on_vllm_metrics_and_explain_it(served: Stack) -> None:
                 ]
                 return ready if len(ready) == 2 else None
 
-            wait(cluster, two_ready_pods, timeout=READY_TIMEOUT_SECONDS, what="a second Ready vLLM pod", interval=2.0)
+            pods = wait(
+                cluster, two_ready_pods, timeout=READY_TIMEOUT_SECONDS, what="a second Ready vLLM pod", interval=2.0
+            )
             served.figures["burst start -> second vLLM pod Ready"] = f"{time.monotonic() - started:.1f}s"
             time.sleep(15)  # the router discovers the new pod and sends it requests
+            # The router spread the burst over both vLLM pods: each pod's own counter moved.
+            served_by_pod = {p.metadata.name: _pod_requests(served, p) for p in pods}
+            assert all(v > 0 for v in served_by_pod.values()), served_by_pod
+            # Kill one mid-load (no grace): its requests had sent nothing back yet (not
+            # streamed), so the router moves each to the other pod; none is lost.
+            victim = pods[0].metadata.name
+            core: Any = cluster.core()
+            core.delete_namespaced_pod(victim, namespace, grace_period_seconds=0)
+            log(f"killed vLLM pod {victim} mid-load")
+            time.sleep(20)
         finally:
             stop.set()
         statuses = codes.result(timeout=600)
     assert statuses and set(statuses) == {200}, sorted(set(statuses))
-    served.figures["burst requests (all 200)"] = str(len(statuses))
+    served.figures["burst requests, one pod killed (all 200)"] = str(len(statuses))
 
     obj = get_isvc(cluster=cluster, namespace=namespace, name=NAME)
     ups = [e for e in obj["status"].get("scalingHistory", []) if e["pool"] == "aggregated" and e["to"] > e["from"]]
     assert ups, obj["status"]
-    # The router spread the burst over both vLLM pods: each pod's own counter moved.
-    served_by_pod = {p.metadata.name: _pod_requests(served, p) for p in _pods(served)}
-    assert len(served_by_pod) == 2 and all(v > 0 for v in served_by_pod.values()), served_by_pod
 
     def back_to_min() -> dict[str, Any] | None:
         current = get_isvc(cluster=cluster, namespace=namespace, name=NAME)

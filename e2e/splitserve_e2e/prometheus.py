@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
-from splitserve_contract import HTTP_PORT, LABEL_INSTANCE, LABEL_SCRAPE, METRICS_PATH
+from splitserve_contract import HTTP_PORT, LABEL_INSTANCE, LABEL_ROLE, LABEL_SCRAPE, METRICS_PATH
 from splitserve_e2e.net import LOOPBACK, free_port
 from splitserve_e2e.pki import ClusterPki
 from splitserve_e2e.process import ManagedProcess, start_process, wait_until
@@ -77,6 +77,10 @@ def scrape_config(*, api_server_url: str, pki: ClusterPki, interval_seconds: flo
                     {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
                     {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
                     {"source_labels": [_meta_name("label", LABEL_INSTANCE)], "target_label": "inferenceservice"},
+                    # The pool, from the pod: every engine's series carry it (vLLM's have no
+                    # role label of their own; the bundled runtime's equal value is kept as
+                    # exported_role).
+                    {"source_labels": [_meta_name("label", LABEL_ROLE)], "target_label": "role"},
                 ],
             }
         ],

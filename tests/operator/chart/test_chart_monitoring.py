@@ -189,7 +189,11 @@ def test_pod_monitors_select_the_inferenceservice_pods_and_the_operator_pods() -
         {
             "sourceLabels": ["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", contract.LABEL_INSTANCE)],
             "targetLabel": "inferenceservice",
-        }
+        },
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", contract.LABEL_ROLE)],
+            "targetLabel": "role",
+        },
     ]
     pods = _pod_templates(_children())
     roles = {p["metadata"]["labels"][contract.LABEL_ROLE] for p in pods}
