@@ -99,7 +99,7 @@ def vllm_argv(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> list[str
     return argv
 
 
-def _engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
+def _engine_env(isvc: InferenceService, pool: PoolSpec) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -109,6 +109,11 @@ def _engine_env(isvc: InferenceService) -> list[dict[str, Any]]:
         {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
         {"name": "DO_NOT_TRACK", "value": "1"},
     ]
+    if pool.resources.gpus == 0:
+        # vLLM's CPU build pins its compute threads to cores it picks as if it owned the node
+        # (and keeps one in reserve); pods sharing a node (no CPU manager) then all pin to the
+        # same core. Unpinned, the kernel spreads them over the pod's CPU quota.
+        out.append({"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"})
     api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         out.append(pod.secret_env("VLLM_API_KEY", api_key.name, api_key.key))
@@ -136,7 +141,7 @@ class VllmRenderer:
         return pod.PoolContainer(
             command=list(VLLM_COMMAND),
             args=[*argv, *extra],
-            env=pod.env(isvc=isvc, engine_env=_engine_env(isvc)),
+            env=pod.env(isvc=isvc, engine_env=_engine_env(isvc, pool)),
             ports=[],
             volumes=volumes,
             mounts=mounts,

@@ -192,6 +192,7 @@ def test_the_pod_keeps_the_restricted_level_with_writable_caches() -> None:
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
     assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "api", "key": "key"}
     assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # a GPU pool: vLLM's own binding
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/tmp", engine_pod.MODEL_CACHE_DIR, engine_vllm.VLLM_CACHE_DIR, "/dev/shm"} <= mounts
     written = {env[name]["value"] for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")}
@@ -229,3 +230,17 @@ def test_the_bundled_runtime_pods_are_unchanged_by_the_engine_field() -> None:
     assert implicit == explicit
     container = _deployment(implicit, "engine")["spec"]["template"]["spec"]["containers"][0]
     assert "command" not in container and container["args"][:2] == ["splitserve", "serve"]
+
+
+def test_cpu_pools_leave_thread_placement_to_the_kernel() -> None:
+    """vLLM's CPU build pins its threads as if it owned the node; pods sharing one would all
+    pin to the same core. A user's runtime.env still wins."""
+    cpu = _isvc(aggregated={"resources": {"gpus": 0}}, kvCache={"blockSize": 32})
+    env = {e["name"]: e.get("value") for e in _container(cpu)["env"]}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    pinned = _isvc(
+        aggregated={"resources": {"gpus": 0}},
+        kvCache={"blockSize": 32},
+        runtime={"engine": "vllm", "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]},
+    )
+    assert {e["name"]: e.get("value") for e in _container(pinned)["env"]}["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
