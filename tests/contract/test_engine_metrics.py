@@ -20,9 +20,9 @@ from splitserve_contract.engine_metrics import (
     SIGNAL_KINDS,
     SPLITSERVE_METRICS,
     VLLM_METRICS,
-    Engine,
     EngineMetricNames,
 )
+from splitserve_contract.engines import ENGINE_PODS, Engine
 
 VLLM_PAGE = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0-metrics.txt"
 
@@ -72,3 +72,13 @@ def test_the_check_catches_a_wrong_table() -> None:
     assert problems(wrong, page) == ["requests_total: vllm:num_requests_running is a gauge, not a counter"]
     mislabelled = dataclasses.replace(VLLM_METRICS, model_label="model")
     assert len(problems(mislabelled, page)) == len([k for k in SIGNAL_KINDS if getattr(VLLM_METRICS, k)])
+
+
+def test_every_engine_has_its_pod_surface() -> None:
+    assert set(ENGINE_PODS) == set(Engine)
+    for engine, pods in ENGINE_PODS.items():
+        paths = (pods.health_path, pods.ready_path, pods.models_path, pods.metrics_path)
+        assert all(p.startswith("/") for p in paths), engine
+    # vLLM's server answers only once the engine is up, and has no pod info of ours
+    assert ENGINE_PODS[Engine.VLLM].ready_path == ENGINE_PODS[Engine.VLLM].health_path
+    assert ENGINE_PODS[Engine.VLLM].info_path is None

@@ -222,8 +222,7 @@ def test_the_operator_flag_picks_the_default_vllm_image() -> None:
 
 def test_the_bundled_runtime_pods_are_unchanged_by_the_engine_field() -> None:
     """An explicit ``engine: splitserve`` renders exactly what leaving it out does."""
-    spec = {"runtime": {}}
-    implicit = render.render_children(isvc=_isvc(**spec), runtime_image=RUNTIME_IMAGE, router_service_account="")
+    implicit = render.render_children(isvc=_isvc(runtime={}), runtime_image=RUNTIME_IMAGE, router_service_account="")
     explicit = render.render_children(
         isvc=_isvc(runtime={"engine": "splitserve"}), runtime_image=RUNTIME_IMAGE, router_service_account=""
     )
