@@ -170,15 +170,33 @@ def test_server_defaults_match_the_models(cluster: LocalCluster, crd: str, names
         json.dumps({"status": status.dump()}),
     )
     table = cluster.kubectl("get", "sis", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "ENGINE", "READY", "ENDPOINT", "AGE"]
-    assert table[1].split()[:6] == ["demo", "Disaggregated", "1/2", "1/1", "True", "http://demo-router.x.svc:8000"]
+    assert table[0].split() == [
+        "NAME",
+        "MODE",
+        "PREFILL",
+        "DECODE",
+        "AGGREGATED",
+        "ENGINE",
+        "READY",
+        "ENDPOINT",
+        "AGE",
+    ]
+    assert table[1].split()[:7] == [
+        "demo",
+        "Disaggregated",
+        "1/2",
+        "1/1",
+        "splitserve",
+        "True",
+        "http://demo-router.x.svc:8000",
+    ]
     wide = cluster.kubectl("get", "sis", "-n", namespace, "-o", "wide").stdout.splitlines()
     columns = wide[0].split()
     assert columns[columns.index("METRICS") : columns.index("METRICS") + 4] == [
         "METRICS",
         "PREFILL-SCALING",
         "DECODE-SCALING",
-        "ENGINE-SCALING",
+        "AGGREGATED-SCALING",
     ], wide
     starts = [wide[0].index(f"{name} ") if name != columns[-1] else wide[0].rindex(name) for name in columns]
     row = {

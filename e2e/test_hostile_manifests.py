@@ -297,22 +297,22 @@ ADMISSION_CASES: list[tuple[str, dict[str, Any], list[str | tuple[str, ...]]]] =
     (
         "extra-arg-role",
         {"spec": {"runtime": {"extraArgs": ["--device", "cpu", "--role", "decode"]}}},
-        ["spec.runtime.extraArgs", "runtime.extraArgs --role sets a flag the operator renders", "--role (spec.mode)"],
+        ["spec.runtime.extraArgs", "extraArgs --role sets a flag the operator renders"],
     ),
     (
         "extra-arg-compat-hash-equals",
         {"spec": {"runtime": {"extraArgs": ["--compat-hash=forged"]}}},
-        ["runtime.extraArgs --compat-hash=forged sets a flag the operator renders"],
+        ["extraArgs --compat-hash=forged sets a flag the operator renders"],
     ),
     (
         "extra-arg-port-equals",
         {"spec": {"runtime": {"extraArgs": ["--port=9000"]}}},
-        ["runtime.extraArgs --port=9000 sets a flag the operator renders"],
+        ["extraArgs --port=9000 sets a flag the operator renders"],
     ),
     (
         "extra-arg-no-prefill-headers",
         {"spec": {"runtime": {"extraArgs": ["--no-prefill-headers"]}}},
-        ["runtime.extraArgs --no-prefill-headers sets a flag"],
+        ["extraArgs --no-prefill-headers sets a flag"],
     ),
     # hubEndpoint gets the hub token (any key of any Secret of the namespace)
     (

@@ -460,7 +460,7 @@ def test_upgrade_and_rollback_as_documented(own_cluster: LocalCluster, tmp_path:
         # kubectl get sis -o wide: today's columns, on objects created before the upgrade
         wide = cluster.kubectl("get", contract.PLURAL, "-n", TEAM, "-o", "wide").stdout
         header = wide.splitlines()[0].split()
-        for column in ("METRICS", "PREFILL-SCALING", "DECODE-SCALING", "ENGINE-SCALING"):
+        for column in ("METRICS", "PREFILL-SCALING", "DECODE-SCALING", "AGGREGATED-SCALING", "ENGINE"):
             assert column in header, wide
         assert re.search(r"^disagg\s+Disaggregated\s", wide, flags=re.M), wide
 
