@@ -26,6 +26,7 @@ from splitserve_contract import Role, ServeArgs
 from splitserve_contract.engines import Engine
 
 from ..api import InferenceService, PoolSpec
+from ..api.fields import parse_quantity
 from . import pod
 
 VLLM_CACHE_DIR: Final = "/var/cache/splitserve/vllm"
@@ -112,8 +113,14 @@ def _engine_env(isvc: InferenceService, pool: PoolSpec) -> list[dict[str, Any]]:
     if pool.resources.gpus == 0:
         # vLLM's CPU build pins its compute threads to cores it picks as if it owned the node
         # (and keeps one in reserve); pods sharing a node (no CPU manager) then all pin to the
-        # same core. Unpinned, the kernel spreads them over the pod's CPU quota.
+        # same core. Unpinned, the kernel spreads them over the pod's CPU quota, and as many
+        # threads as the pod's CPU request keeps them from fighting over every core of the
+        # node (one per core of the node by default: measured on two shared cores, a burst's
+        # p50 latency went from 13 s to 95 s and some requests timed out).
         out.append({"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"})
+        if pool.resources.cpu is not None:
+            threads = max(1, int(parse_quantity(pool.resources.cpu)))
+            out.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
     api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         out.append(pod.secret_env("VLLM_API_KEY", api_key.name, api_key.key))

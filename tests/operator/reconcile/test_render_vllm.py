@@ -236,7 +236,10 @@ def test_cpu_pools_leave_thread_placement_to_the_kernel() -> None:
     pin to the same core. A user's runtime.env still wins."""
     cpu = _isvc(aggregated={"resources": {"gpus": 0}}, kvCache={"blockSize": 32})
     env = {e["name"]: e.get("value") for e in _container(cpu)["env"]}
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "OMP_NUM_THREADS" not in env
+    for request, threads in (("500m", "1"), ("1500m", "1"), ("4", "4")):
+        sized = _isvc(aggregated={"resources": {"gpus": 0, "cpu": request}}, kvCache={"blockSize": 32})
+        assert {e["name"]: e.get("value") for e in _container(sized)["env"]}["OMP_NUM_THREADS"] == threads
     pinned = _isvc(
         aggregated={"resources": {"gpus": 0}},
         kvCache={"blockSize": 32},
