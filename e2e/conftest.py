@@ -38,7 +38,7 @@ from splitserve_e2e.cluster import (
     default_state_dir,
 )
 from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.image import ensure_image
+from splitserve_e2e.image import ensure_image, ensure_vllm_image
 from splitserve_e2e.net import LOOPBACK
 from splitserve_e2e.stack import (
     MODEL_NAME,
@@ -50,6 +50,8 @@ from splitserve_e2e.stack import (
 )
 
 ENV_IMAGE = "SPLITSERVE_E2E_IMAGE"
+ENV_VLLM_IMAGE = "SPLITSERVE_E2E_VLLM_IMAGE"
+"""Run another vLLM image (e.g. on an existing cluster) instead of building this tree's."""
 HUB_TOKEN = "hf_e2e_session_token"
 
 _USE_UP_CLUSTER = "__up__"
@@ -128,6 +130,28 @@ def image(cluster: LocalCluster) -> str:
         pulled = pull_on_node(cluster=cluster, image=reference)
         print(f"image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
     return reference
+
+
+@pytest.fixture(scope="session")
+def vllm_image() -> str:
+    """vLLM's CPU image (``Containerfile.vllm``): ``$SPLITSERVE_E2E_VLLM_IMAGE``, else built when
+    its inputs changed and pushed to the loopback registry."""
+    reference = os.environ.get(ENV_VLLM_IMAGE)
+    if not reference:
+        started = time.monotonic()
+        reference = ensure_vllm_image()
+        print(f"\nvLLM image {reference} built and pushed in {time.monotonic() - started:.1f}s")
+    return reference
+
+
+@pytest.fixture(scope="session")
+def vllm_image_on_node(cluster: LocalCluster, vllm_image: str) -> str:
+    """The vLLM image, pulled once per session by the kubelet node (a cold pull unpacks several GB)."""
+    if cluster.kubelet_node is not None:
+        started = time.monotonic()
+        pulled = pull_on_node(cluster=cluster, image=vllm_image, namespace=f"vllm-image-pull-{uuid.uuid4().hex[:5]}")
+        print(f"\nvLLM image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
+    return vllm_image
 
 
 @pytest.fixture(scope="session")

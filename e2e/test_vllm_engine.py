@@ -30,7 +30,6 @@ Figures printed: image build/pull, apply to Ready, the second pod's start, the b
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 import uuid
@@ -47,13 +46,11 @@ from splitserve_e2e import smollm2
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import apply_object, condition, get_isvc
 from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.image import ensure_vllm_image
 from splitserve_e2e.realnode import Stack, explained, log, real_node_stack, wait
-from splitserve_e2e.stack import ModelHub, pull_on_node
+from splitserve_e2e.stack import ModelHub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-ENV_VLLM_IMAGE: Final = "SPLITSERVE_E2E_VLLM_IMAGE"
 REPO_ID: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SERVED_NAME: Final = "smollm2"
 NAME: Final = "chat"
@@ -64,22 +61,8 @@ READY_TIMEOUT_SECONDS: Final = 900.0
 
 
 @pytest.fixture(scope="module")
-def vllm_image(cluster: LocalCluster) -> str:
-    reference = os.environ.get(ENV_VLLM_IMAGE)
-    if not reference:
-        started = time.monotonic()
-        reference = ensure_vllm_image()
-        log(f"vLLM image {reference} built and pushed in {time.monotonic() - started:.1f}s")
-    if cluster.kubelet_node is not None:
-        started = time.monotonic()
-        pulled = pull_on_node(cluster=cluster, image=reference, namespace=f"vllm-pull-{uuid.uuid4().hex[:5]}")
-        log(f"vLLM image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
-    return reference
-
-
-@pytest.fixture(scope="module")
 def stack(
-    cluster: LocalCluster, image: str, vllm_image: str, local_hub: LocalHub, model_hub: ModelHub
+    cluster: LocalCluster, image: str, vllm_image_on_node: str, local_hub: LocalHub, model_hub: ModelHub
 ) -> Iterator[Stack]:
     local_hub.publish(REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
     with real_node_stack(
@@ -88,7 +71,7 @@ def stack(
         hub=local_hub,
         model_hub=model_hub,
         workloads=[f"vllm-{uuid.uuid4().hex[:4]}"],
-        vllm_image=vllm_image,
+        vllm_image=vllm_image_on_node,
     ) as result:
         yield result
 

@@ -20,7 +20,6 @@ memory (its cgroup's usage, peak and anonymous memory).
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
@@ -36,14 +35,12 @@ from splitserve_contract.engines import ENGINE_PODS, VLLM_VERSION, Engine
 from splitserve_e2e import smollm2
 from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.image import VLLM_IMAGE_NAME, ensure_vllm_image, registry_config
+from splitserve_e2e.image import VLLM_IMAGE_NAME, registry_config
 from splitserve_e2e.realnode import explained
-from splitserve_e2e.stack import ModelHub, create_hub_token_secret, create_namespace, pull_on_node
+from splitserve_e2e.stack import ModelHub, create_hub_token_secret, create_namespace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-ENV_VLLM_IMAGE: Final = "SPLITSERVE_E2E_VLLM_IMAGE"
-"""Run another vLLM image (e.g. on an existing cluster) instead of building this tree's."""
 REPO_ID: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SERVED_NAME: Final = "smollm2"
 POD: Final = "vllm"
@@ -59,26 +56,6 @@ READY_TIMEOUT_SECONDS: Final = 900.0
 STEPS: Final = re.compile(r"Time spent downloading|took [0-9.]+ ?s|Starting vLLM server")
 """vLLM's log lines that say where its start-up time went (printed)."""
 PODS = ENGINE_PODS[Engine.VLLM]
-
-
-@pytest.fixture(scope="module")
-def vllm_image() -> str:
-    reference = os.environ.get(ENV_VLLM_IMAGE)
-    if not reference:
-        started = time.monotonic()
-        reference = ensure_vllm_image()
-        print(f"\nvLLM image {reference} built and pushed in {time.monotonic() - started:.1f}s")
-    return reference
-
-
-@pytest.fixture(scope="module")
-def vllm_image_on_node(cluster: LocalCluster, vllm_image: str) -> str:
-    """The image, pulled once by the kubelet (a cold pull unpacks several GB)."""
-    if cluster.kubelet_node is not None:
-        started = time.monotonic()
-        pulled = pull_on_node(cluster=cluster, image=vllm_image, namespace=f"vllm-image-pull-{uuid.uuid4().hex[:5]}")
-        print(f"\nvLLM image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
-    return vllm_image
 
 
 @pytest.fixture(scope="module")
