@@ -17,6 +17,7 @@ token-protected hub serving ``hf://splitserve/tiny-llama`` where the pods reach 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from splitserve_e2e import kubeletnode
+from splitserve_e2e import kubeletnode, nodehost
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import (
     ENV_EXISTING_KUBECONFIG,
@@ -40,6 +41,7 @@ from splitserve_e2e.cluster import (
 from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.image import ensure_image, ensure_vllm_image
 from splitserve_e2e.net import LOOPBACK
+from splitserve_e2e.process import is_alive
 from splitserve_e2e.stack import (
     MODEL_NAME,
     ModelHub,
@@ -159,7 +161,8 @@ def local_hub(cluster: LocalCluster) -> Iterator[LocalHub]:
     """The token-protected hub serving ``splitserve/tiny-llama`` where the pods reach it (the
     kubelet node's bridge gateway); its request log says what was downloaded."""
     model_dir = ensure_model_cache(cache_dir=cache_root() / "models") / MODEL_NAME
-    root = Path(tempfile.mkdtemp(prefix="e2e-hub-", dir=cache_root()))
+    # in the run's state dir: a killed session leaves it where the next one prunes it
+    root = Path(tempfile.mkdtemp(prefix="e2e-hub-", dir=cluster.state_dir))
     hub, _ = start_model_hub(
         model_dir=model_dir, root=root, token=HUB_TOKEN, host=cluster.pod_gateway or LOOPBACK, port=0
     )
@@ -177,16 +180,37 @@ def model_hub(local_hub: LocalHub) -> ModelHub:
     return ModelHub(endpoint=local_hub.endpoint, token=HUB_TOKEN)
 
 
-def _prune_kept_runs(runs: Path, *, keep: int = 5) -> None:
-    """State dirs of failed sessions are kept for their logs; keep only the newest few that
-    are not running (a running cluster has cluster.json)."""
+def _running(run: Path) -> bool:
+    """A run is running while the pytest process its ``cluster.json`` names is alive (a
+    SIGKILLed or timed-out session leaves the file behind)."""
+    try:
+        pid = int(json.loads((run / "cluster.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return is_alive(pid)
+
+
+_BULK = ("etcd-data", "prometheus-data", "kn/kubelet", "kn/containerd", "kn/images")
+"""What a kept run does not need for its logs: several hundred MB each (pod volumes, the
+hub's model copies under ``e2e-hub-*``, etcd and Prometheus data)."""
+
+
+def _prune_kept_runs(runs: Path, *, keep: int = 3) -> None:
+    """State dirs of failed sessions are kept for their logs (``logs/``, ``kn/pod-logs/``):
+    keep only the newest few that are not running, and only their logs. The disk is shared
+    with the kubelet node, which evicts pods when it runs short."""
     stopped = sorted(
-        (d for d in runs.iterdir() if d.is_dir() and not (d / "cluster.json").exists()),
+        (d for d in runs.iterdir() if d.is_dir() and not _running(d)),
         key=lambda d: d.stat().st_mtime,
         reverse=True,
     )
-    for old in stopped[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    for index, old in enumerate(stopped):
+        nodehost.unmount_under(old)  # a killed node leaves its kubelet dir mounted
+        if index >= keep:
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        for bulky in (*(old / part for part in _BULK), *old.glob("e2e-hub-*")):
+            shutil.rmtree(bulky, ignore_errors=True)
 
 
 @pytest.fixture

@@ -36,6 +36,8 @@ from pathlib import Path
 from splitserve_e2e.process import ManagedProcess, start_process, wait_until
 
 CRI_NAMESPACE = "k8s.io"
+PINNED_LABEL = "io.cri-containerd.pinned"
+"""containerd's CRI plugin reports an image carrying this label (value ``pinned``) as pinned."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,13 @@ class CtrClient:
     def import_image(self, archive: Path) -> None:
         """Import an OCI archive into the CRI namespace and unpack it for the snapshotter."""
         self.ctr("images", "import", str(archive), timeout_seconds=120.0)
+
+    def pin_image(self, reference: str) -> None:
+        """Mark an image pinned for the CRI plugin, which reports it to the kubelet as such: the
+        kubelet's image garbage collection never removes a pinned image. Imported images need it:
+        the kubelet does not count the sandbox (pause) image as used by any container, and
+        nothing can pull these back (they are made here, not served by a registry)."""
+        self.ctr("images", "label", reference, f"{PINNED_LABEL}=pinned")
 
     def tasks(self) -> dict[str, int]:
         """Container id → pid of its live task (``ctr tasks ls``)."""

@@ -701,6 +701,40 @@ def reset_registry() -> str:
         return ensure_registry()
 
 
+def prune_registry() -> list[str]:
+    """Delete every tag of this project's repositories but the last build's (the stamps), then
+    collect the blobs no manifest references. Each build pushes a tag and its changed layers,
+    and the registry's directory shares the disk with the kubelet node, which evicts its pods
+    when the disk runs short. Other repositories (the endpoint picker's) are left alone.
+    Returns the references deleted."""
+    deleted: list[str] = []
+    with _exclusive("image-push"), _exclusive("image-push-vllm"):
+        ensure_registry()
+        for name, (stamp_name, _, _) in _PUSH_RECORDS.items():
+            kept_tag = _read_stamp(stamp_name).get("tag")
+            status, _, body = _registry_get(f"/v2/{name}/tags/list")
+            if status != 200:
+                continue
+            tags = [str(tag) for tag in json.loads(body).get("tags") or []]
+            digests = {tag: (registry_manifest(tag, name=name) or ("", {}))[0] for tag in tags}
+            kept_digests = {digest for tag, digest in digests.items() if tag == kept_tag}
+            for tag, digest in digests.items():
+                # a manifest is deleted by digest, with every tag on it: spare the kept one's
+                if tag == kept_tag or not digest or digest in kept_digests:
+                    continue
+                status, _, _ = _registry_get(f"/v2/{name}/manifests/{digest}", method="DELETE")
+                if status in (202, 404):
+                    deleted.append(f"{name}:{tag}")
+        if deleted:
+            stop_registry()
+            _run(
+                [_tool("docker-registry"), "garbage-collect", "--delete-untagged", str(registry_dir() / "config.yml")],
+                what="registry garbage-collect",
+            )
+            ensure_registry()
+    return deleted
+
+
 def registry_reference(tag: str, *, name: str = IMAGE_NAME) -> str:
     """``127.0.0.1:5000/splitserve:<tag>`` (``name``: another repository, such as
     :data:`VLLM_IMAGE_NAME`): the name nodes pull."""
@@ -980,7 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     push_parser.add_argument("--compression", default="gzip", choices=("gzip", "zstd"))
     push_parser.add_argument("--tls-verify", default="true", choices=("true", "false"))
     registry_parser = commands.add_parser("registry", help="the loopback registry")
-    registry_parser.add_argument("action", choices=("start", "stop", "status", "address", "reset"))
+    registry_parser.add_argument("action", choices=("start", "stop", "status", "address", "reset", "prune"))
     commands.add_parser("ref", help="print the loopback reference of the last build")
     commands.add_parser("ref-vllm", help="print the loopback reference of the last vLLM image build")
     commands.add_parser("freeze", help=f"print {CONSTRAINTS_FILE} from the built image")
@@ -1010,6 +1044,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("stopped" if stop_registry() else "not running")
             elif args.action == "reset":
                 print(reset_registry())
+            elif args.action == "prune":
+                deleted = prune_registry()
+                print(f"deleted {len(deleted)} earlier tags" + "".join(f"\n  {ref}" for ref in deleted))
             elif args.action == "status":
                 running = registry_running()
                 print(f"{registry_address()} {'running' if running else 'not running'}")

@@ -387,6 +387,7 @@ class KubeletNode:
             archive = images / (spec.reference.rsplit("/", 1)[-1].replace(":", "_") + ".tar")
             ociimage.write_oci_archive(spec, path=archive)
             runtime.import_image(archive)
+            runtime.pin_image(spec.reference)
 
     def _kubeconfigs(self, server_url: str) -> tuple[Path, Path]:
         pki_dir = self.directory / "pki"
@@ -448,12 +449,15 @@ class KubeletNode:
             "serializeImagePulls": False,
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
-            # a busy shared dev machine: evict only when it is really out of room
+            # a busy shared dev machine: evict only when it is really out of room. Absolute
+            # sizes, not percentages: 1% of a shared 250 GB disk is 2.5 GB, which a vLLM pod's
+            # caches and a second image crossed in CI; the node then evicted every pod and
+            # garbage-collected images, the pause image too (see _pin)
             "evictionHard": {
                 "memory.available": "50Mi",
-                "nodefs.available": "1%",
+                "nodefs.available": "512Mi",
                 "nodefs.inodesFree": "1%",
-                "imagefs.available": "1%",
+                "imagefs.available": "512Mi",
                 "imagefs.inodesFree": "1%",
             },
             # ClusterFirst pods: "nameserver <gateway>" (CoreDNS), the cluster search list and
