@@ -167,7 +167,10 @@ ROUTER: Mapping[str, Row] = {
     "splitserve_router_upstream_errors_total": Row("counter", "`upstream`", "failed calls to runtime pods, by role"),
     "splitserve_router_prefill_retries_total": Row("counter", "", "prefill attempts repeated on another pod"),
     "splitserve_router_forward_retries_total": Row(
-        "counter", "", "decode/aggregated sends repeated on another pod after a 503 (draining) or 429 (queue full)"
+        "counter",
+        "",
+        "decode/aggregated sends repeated on another pod after a 503 (draining), a 429 (queue full) "
+        "or a server error from a pod that then failed its health poll",
     ),
     "splitserve_router_prefix_queried_blocks_total": Row(
         "counter", "", "leading prompt blocks considered for affinity"

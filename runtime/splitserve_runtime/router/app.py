@@ -193,6 +193,7 @@ def _make_lifespan(
                 pods=pods,
                 selector=selector,
                 pod_client=pod_client,
+                recheck=poller.recheck,
                 tokenize=tokenize or make_tokenize(model=args.model),
                 config=RouterConfig(
                     served_model_name=args.served_model_name,

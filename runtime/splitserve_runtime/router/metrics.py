@@ -77,7 +77,7 @@ PREFILL_RETRIES = _Bound(
 FORWARD_RETRIES = _Bound(
     Counter(
         "splitserve_router_forward_retries_total",
-        "Decode/aggregated sends repeated on another pod after a 503 (draining) or 429 (queue full)",
+        "Decode/aggregated sends repeated on another pod after a 503 (draining), a 429 (queue full), or a server error from a pod that then failed its health poll",
         (*_LABELS, "status"),
         registry=REGISTRY,
     )

@@ -4,8 +4,13 @@ loaded (from its own polling), and which pods may be paired.
 Discovery only says which addresses back which role. Everything else the router learns from the
 pods themselves: `GET /v1/splitserve/info` gives the compat hash and the KV endpoint, `/ready`
 says whether the pod takes traffic, and four gauges of `/metrics` give its load. A pod that
-fails `unhealthy_after` polls in a row (or a request) is skipped until it answers again, so a
-dead pod costs at most one failed attempt per request, never a hang.
+fails a poll (or `unhealthy_after` requests in a row) is skipped until it answers again, so a
+dead pod costs at most one failed attempt per request, never a hang. One exception: a pod out
+only because its polls timed out (it took the connection but answered late: a pod starved of
+CPU, or a stalled one) is still tried when no pod of its role is healthy, since it may well be
+serving; refusing every request with 503 would be certain failure. The router also re-polls a
+pod at once when a request's answer is a server error (:meth:`HealthPoller.recheck`), to tell
+a dying pod from a request it cannot serve.
 
 Which paths and gauges those are depends on the pods' engine (one per InferenceService), so the
 poller asks :data:`~splitserve_contract.engines.ENGINE_PODS` and
@@ -73,6 +78,9 @@ class Pod:
     model_cards_read: bool = False
     """An engine without pod info: whether the pod has answered for its model cards."""
     healthy: bool = False
+    slow: bool = False
+    """Out of rotation only because its polls timed out since it was last healthy (no
+    refusal, no "not ready", no failed request): tried when no pod of its role is healthy."""
     consecutive_failures: int = 0
     load: PodLoad = field(default_factory=PodLoad)
 
@@ -124,19 +132,22 @@ class PodSet:
         return list(self._pods.values())
 
     def healthy(self, role: Role, *, compat_hash: str | None = None) -> list[Pod]:
-        return [
+        """The pods of ``role`` that take traffic; when none is healthy, the slow ones
+        (:attr:`Pod.slow`)."""
+        matching = [
             p
             for p in self._pods.values()
             if p.role is role
-            and p.healthy
             and (compat_hash is None or not compat_hash or not p.compat_hash or p.compat_hash == compat_hash)
         ]
+        return [p for p in matching if p.healthy] or [p for p in matching if p.slow]
 
     def mark_failed(self, name: str) -> None:
         pod = self._pods.get(name)
         if pod is None:
             return
         pod.consecutive_failures += 1
+        pod.slow = False
         if pod.consecutive_failures >= self._unhealthy_after or pod.healthy:
             # A request-path failure takes the pod out at once; polling brings it back.
             if pod.healthy:
@@ -153,6 +164,7 @@ class PodSet:
         if pod is not None:
             pod.consecutive_failures = 0
             pod.healthy = True
+            pod.slow = False
 
 
 def parse_load(text: str, names: EngineMetricNames = SPLITSERVE_METRICS) -> PodLoad:
@@ -279,6 +291,7 @@ class HealthPoller:
         except (httpx.HTTPError, ValueError) as exc:
             was_healthy = pod.healthy
             pod.consecutive_failures += 1
+            pod.slow = isinstance(exc, httpx.TimeoutException) and (pod.healthy or pod.slow)
             pod.healthy = False
             if was_healthy:
                 log.warning("%s pod %s (%s) is unhealthy: %s", pod.role.value, pod.name, pod.url, exc)
@@ -303,6 +316,17 @@ class HealthPoller:
         )
         pod.consecutive_failures = 0
         pod.healthy = True
+        pod.slow = False
+
+    async def recheck(self, pod: Pod) -> bool:
+        """Poll ``pod`` now (readiness and load, as the periodic poll does); whether it is
+        healthy. The router asks after a server error, before sending the request elsewhere."""
+        token = _IN_POLL.set(True)
+        try:
+            await self._poll(pod)
+        finally:
+            _IN_POLL.reset(token)
+        return pod.healthy
 
     async def _read_model_cards(self, pod: Pod) -> None:
         """``pod.max_model_len`` from its model cards. A pod that answers (even a refusal: a

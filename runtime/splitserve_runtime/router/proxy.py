@@ -40,6 +40,12 @@ burst or a shift to longer prompts then borrows the decode pods' compute for the
 pods take to start, instead of queueing every request behind the backlog; the bound on a decode
 pod's share keeps its decoding streams' inter-token latency in check.
 
+A pod that answers a server error (5xx other than 503) before sending any of its answer is polled
+again at once: when it is no longer healthy (a vLLM pod whose engine died answers its in-flight
+requests 500 "EngineCore encountered an issue" while it shuts down) the request goes to another
+pod, as for a pod that could not be reached; when it is healthy, the error was the request's own
+and is returned as is (a request that crashes pods is not sent to crash another).
+
 A decode pod that dies before answering gives 502; one that dies mid-stream ends the stream with
 an OpenAI-style error event, so a client never waits past the read timeout.
 """
@@ -146,8 +152,12 @@ class Router:
         pod_client: PodClient,
         config: RouterConfig,
         tokenize: Tokenize,
+        recheck: Callable[[Pod], Awaitable[bool]] | None = None,
     ) -> None:
+        """``recheck``: polls a pod now and says whether it is healthy
+        (:meth:`~.pods.HealthPoller.recheck`); None: a server error is returned as is."""
         self._pods = pods
+        self._recheck = recheck
         self._selector = selector
         self._pod_client = pod_client
         self._config = config
@@ -543,6 +553,13 @@ class Router:
                     media_type="application/json",
                     headers=_passthrough_headers(upstream),
                 )
+            if await self._pod_is_failing(pod, upstream.status_code):
+                _release(pod, prompt_tokens)
+                await upstream.aclose()
+                metrics.UPSTREAM_ERRORS.labels(model=self._config.model_label, upstream=pod.role.value).inc()
+                metrics.FORWARD_RETRIES.labels(model=self._config.model_label, status=str(upstream.status_code)).inc()
+                last_error = f"{pod.role.value} pod {pod.name} failed: HTTP {upstream.status_code}"
+                continue
             if upstream.status_code in RETRYABLE_STATUSES and pick(frozenset(tried)) is not None:
                 _release(pod, prompt_tokens)
                 await upstream.aclose()
@@ -555,6 +572,19 @@ class Router:
             return self._unavailable(unavailable)
         metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
         return error_response(status=502, message=last_error, type_="upstream_error", code="decode_failed")
+
+    async def _pod_is_failing(self, pod: Pod, status: int) -> bool:
+        """After a server error from ``pod``: whether the pod no longer passes its health poll,
+        so the request goes to another pod, or fails as for a pod that could not be reached
+        when none is left (module docstring)."""
+        if status < 500 or status in RETRYABLE_STATUSES or self._recheck is None:
+            return False
+        if await self._recheck(pod):
+            return False
+        log.warning(
+            "%s pod %s answered HTTP %d and fails its health poll: trying another pod", pod.role.value, pod.name, status
+        )
+        return True
 
     async def _respond(self, *, pod: Pod, upstream: PodResponse, started: float, prompt_tokens: int) -> Response:
         is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
