@@ -263,7 +263,7 @@ def _add_health_routes(app: FastAPI, *, pods: PodSet, gauges: CollectorRegistry)
 
     @app.get("/ready")
     async def ready() -> Response:
-        servable = pods.healthy(Role.DECODE) or pods.healthy(Role.AGGREGATED)
+        servable = pods.serving(Role.DECODE) or pods.serving(Role.AGGREGATED)
         if not servable:
             return JSONResponse(status_code=503, content={"status": "no healthy decode or aggregated pod"})
         return JSONResponse(content={"status": "ready"})
@@ -278,7 +278,7 @@ def _add_openai_routes(app: FastAPI, *, pods: PodSet, state: dict[str, Any]) -> 
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        pool = pods.healthy(Role.DECODE) or pods.healthy(Role.AGGREGATED) or pods.healthy(Role.PREFILL)
+        pool = pods.serving(Role.DECODE) or pods.serving(Role.AGGREGATED) or pods.healthy(Role.PREFILL)
         if not pool:
             return error_response(status=503, message="no healthy pod to list models", type_="service_unavailable")
         client: httpx.AsyncClient = state["client"]

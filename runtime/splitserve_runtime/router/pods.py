@@ -7,8 +7,9 @@ says whether the pod takes traffic, and four gauges of `/metrics` give its load.
 fails a poll (or `unhealthy_after` requests in a row) is skipped until it answers again, so a
 dead pod costs at most one failed attempt per request, never a hang. One exception: a pod out
 only because its polls timed out (it took the connection but answered late: a pod starved of
-CPU, or a stalled one) is still tried when no pod of its role is healthy, since it may well be
-serving; refusing every request with 503 would be certain failure. The router also re-polls a
+CPU, or a stalled one) is still sent requests when no decode or aggregated pod is healthy, since
+it may well be serving; refusing every request with 503 would be certain failure. A slow prefill
+pod is not: the decode pod computes the prompt instead. The router also re-polls a
 pod at once when a request's answer is a server error (:meth:`HealthPoller.recheck`), to tell
 a dying pod from a request it cannot serve.
 
@@ -132,15 +133,23 @@ class PodSet:
         return list(self._pods.values())
 
     def healthy(self, role: Role, *, compat_hash: str | None = None) -> list[Pod]:
-        """The pods of ``role`` that take traffic; when none is healthy, the slow ones
-        (:attr:`Pod.slow`)."""
-        matching = [
+        """The healthy pods of ``role`` (with ``compat_hash``, those that pair with it)."""
+        return [p for p in self._matching(role, compat_hash) if p.healthy]
+
+    def serving(self, role: Role, *, compat_hash: str | None = None) -> list[Pod]:
+        """The pods of ``role`` a request may go to: the healthy ones, or when there is none
+        the slow ones (:attr:`Pod.slow`). For the pods that answer: a prefill pod has a way
+        round it (the decode pod computes the prompt), so prefill picks use :meth:`healthy`."""
+        matching = self._matching(role, compat_hash)
+        return [p for p in matching if p.healthy] or [p for p in matching if p.slow]
+
+    def _matching(self, role: Role, compat_hash: str | None) -> list[Pod]:
+        return [
             p
             for p in self._pods.values()
             if p.role is role
             and (compat_hash is None or not compat_hash or not p.compat_hash or p.compat_hash == compat_hash)
         ]
-        return [p for p in matching if p.healthy] or [p for p in matching if p.slow]
 
     def mark_failed(self, name: str) -> None:
         pod = self._pods.get(name)

@@ -229,11 +229,11 @@ class Router:
         metrics.PREFIX_QUERIED_BLOCKS.labels(model=self._config.model_label).inc(len(hashes))
         fwd_headers = self._headers(headers, request_id)
 
-        if self._pods.healthy(Role.AGGREGATED):
+        if self._pods.serving(Role.AGGREGATED):
 
             def pick_aggregated(exclude: frozenset[str]) -> Pod | None:
                 choice = self._selector.choose(
-                    candidates=[p.candidate() for p in self._pods.healthy(Role.AGGREGATED)],
+                    candidates=[p.candidate() for p in self._pods.serving(Role.AGGREGATED)],
                     hashes=hashes,
                     session=session,
                     exclude=exclude,
@@ -306,7 +306,7 @@ class Router:
         if isinstance(handoff, Response):
             if handoff.status_code < 500:
                 return handoff
-            if not self._pods.healthy(Role.DECODE):
+            if not self._pods.serving(Role.DECODE):
                 metrics.REQUESTS.labels(model=self._config.model_label, outcome="upstream_error").inc()
                 return handoff
             # Every prefill attempt failed on the server side: degrade to computing the prompt
@@ -362,7 +362,7 @@ class Router:
         """Whether the prompt plus the completion (``max_tokens``, else one token, as the pods'
         own check) exceeds the context window of every healthy decode pod (as their pod info
         says; False while any is unknown)."""
-        decode = self._pods.healthy(Role.DECODE)
+        decode = self._pods.serving(Role.DECODE)
         limits = [p.max_model_len for p in decode]
         if num_prompt_tokens is None or not decode or any(limit is None for limit in limits):
             return False
@@ -384,12 +384,12 @@ class Router:
             return None
         if min(p.load.queued_prompt_tokens for p in prefill_pods) < limit:
             return None
-        decode = self._pods.healthy(Role.DECODE)
+        decode = self._pods.serving(Role.DECODE)
         full = frozenset(p.name for p in decode if p.load.queued_prompt_tokens >= limit)
         return full if len(full) < len(decode) else None
 
     def _pick_decode(self, *, compat_hash: str | None, exclude: frozenset[str] = frozenset()) -> Pod | None:
-        candidates = self._pods.healthy(Role.DECODE, compat_hash=compat_hash)
+        candidates = self._pods.serving(Role.DECODE, compat_hash=compat_hash)
         name = choose_decode(candidates=[p.candidate() for p in candidates], exclude=exclude)
         return self._pods.get(name) if name else None
 
@@ -399,7 +399,7 @@ class Router:
         overflowed burst sharing a system prompt reuses one decode pod's prefix cache."""
         index = self._selector.index
         name = choose_decode(
-            candidates=[p.candidate() for p in self._pods.healthy(Role.DECODE)],
+            candidates=[p.candidate() for p in self._pods.serving(Role.DECODE)],
             exclude=exclude,
             matched_blocks=lambda pod: index.matched_blocks(pod=pod, hashes=hashes),
         )

@@ -5,8 +5,9 @@
   the request goes to another pod; when it passes, the error is the request's own and comes
   back as is, on one pod only.
 * A pod out of rotation only because its health polls timed out (a pod starved of CPU) is
-  still tried when no pod of its role is healthy, instead of a certain 503; a pod that refuses
-  connections or says it is not ready is not.
+  still sent requests when no decode or aggregated pod of its role is healthy, instead of a
+  certain 503; a pod that refuses connections or says it is not ready is not, and neither is a
+  slow prefill pod (the decode pod computes the prompt instead).
 
 The upstreams are small HTTP servers answering as the pods do (fault injection: an engine that
 dies under a request cannot be produced on demand by a real vLLM pod); the router is the real app.
@@ -163,7 +164,8 @@ async def test_a_slow_pod_is_tried_when_no_pod_of_its_role_is_healthy() -> None:
     await _poll(pods, _answer({"10.0.0.7": "slow"}))
     (pod,) = pods.all()
     assert not pod.healthy and pod.slow
-    assert pods.healthy(Role.AGGREGATED) == [pod]
+    assert pods.serving(Role.AGGREGATED) == [pod]
+    assert pods.healthy(Role.AGGREGATED) == []  # what prefill picks and the healthy-pods gauge use
     await _poll(pods, _answer({"10.0.0.7": "up"}))
     assert pod.healthy and not pod.slow
 
@@ -172,7 +174,7 @@ async def test_a_slow_pod_is_left_out_while_another_is_healthy() -> None:
     pods = _pods("a", "b")
     await _poll(pods, _answer({"10.0.0.7": "up", "10.0.0.8": "up"}))
     await _poll(pods, _answer({"10.0.0.7": "slow", "10.0.0.8": "up"}))
-    assert [p.url for p in pods.healthy(Role.AGGREGATED)] == ["http://10.0.0.8:8000"]
+    assert [p.url for p in pods.serving(Role.AGGREGATED)] == ["http://10.0.0.8:8000"]
 
 
 @pytest.mark.parametrize("state", ["refusing", "not-ready"])
@@ -180,14 +182,14 @@ async def test_a_pod_that_refuses_or_is_not_ready_is_never_tried(state: str) -> 
     pods = _pods("a")
     await _poll(pods, _answer({"10.0.0.7": "up"}))
     await _poll(pods, _answer({"10.0.0.7": state}))
-    assert pods.healthy(Role.AGGREGATED) == []
+    assert pods.serving(Role.AGGREGATED) == []
 
 
 async def test_a_pod_that_never_was_healthy_is_not_slow() -> None:
     """A starting pod whose first polls time out is not served: it has not said it is ready."""
     pods = _pods("a")
     await _poll(pods, _answer({"10.0.0.7": "slow"}))
-    assert pods.healthy(Role.AGGREGATED) == []
+    assert pods.serving(Role.AGGREGATED) == []
 
 
 async def test_a_failed_request_ends_the_benefit_of_the_doubt() -> None:
@@ -196,4 +198,4 @@ async def test_a_failed_request_ends_the_benefit_of_the_doubt() -> None:
     await _poll(pods, _answer({"10.0.0.7": "slow"}))
     (pod,) = pods.all()
     pods.mark_failed(pod.name)
-    assert pods.healthy(Role.AGGREGATED) == []
+    assert pods.serving(Role.AGGREGATED) == []
