@@ -43,17 +43,25 @@ import splitserve_contract as contract
 from splitserve_contract.engine_metrics import VLLM_METRICS
 from splitserve_e2e import smollm2
 from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import apply_object, condition, get_isvc
+from splitserve_e2e.demo import (
+    VLLM_MAX_NUM_SEQS,
+    VLLM_REPO_ID,
+    VLLM_SERVED_NAME,
+    apply_object,
+    condition,
+    get_isvc,
+    vllm_manifest,
+)
 from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.realnode import Stack, explained, log, real_node_stack, wait
 from splitserve_e2e.stack import ModelHub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-REPO_ID: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SERVED_NAME: Final = "smollm2"
+REPO_ID: Final = VLLM_REPO_ID
+SERVED_NAME: Final = VLLM_SERVED_NAME
 NAME: Final = "chat"
-MAX_NUM_SEQS: Final = 2
+MAX_NUM_SEQS: Final = VLLM_MAX_NUM_SEQS
 """Small, so that a burst of a few requests makes a queue."""
 BURST_CONCURRENCY: Final = 4
 READY_TIMEOUT_SECONDS: Final = 900.0
@@ -75,54 +83,12 @@ def stack(
         yield result
 
 
-def _manifest(stack: Stack) -> dict[str, Any]:
-    hub = stack.model_hub
-    return {
-        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
-        "kind": contract.KIND,
-        "metadata": {"name": NAME, "namespace": stack.namespace},
-        "spec": {
-            "runtime": {
-                "engine": "vllm",
-                "imagePullPolicy": "IfNotPresent",
-                # Eager mode: no torch.compile warm-up on two cores (minutes); the compile path
-                # and its writable caches are exercised by test_vllm_image.py.
-                "extraArgs": ["--enforce-eager"],
-                "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],  # GiB of KV per pod
-            },
-            "mode": "Aggregated",
-            "kvCache": {"blockSize": 32},  # vLLM's CPU attention needs a multiple of 32
-            "model": {
-                "uri": f"hf://{REPO_ID}",
-                "servedName": SERVED_NAME,
-                "maxModelLen": 1024,
-                "hubEndpoint": hub.endpoint,
-                "hubTokenSecretRef": {"name": hub.token_secret},
-            },
-            "aggregated": {
-                "replicas": {"min": 1, "max": 2},
-                "resources": {"gpus": 0, "cpu": "500m", "memory": "6Gi"},
-                "scheduling": {"maxNumSeqs": MAX_NUM_SEQS},
-            },
-            "autoscaling": {
-                "interval": "5s",
-                "prefill": {"targetQueueDepth": 1},
-                "decode": {"targetKVCacheUtilization": 0.9},
-                "behavior": {
-                    "scaleUp": {"stabilizationSeconds": 0, "maxStepPercent": 100},
-                    "scaleDown": {"stabilizationSeconds": 20, "maxStep": 1},
-                },
-            },
-        },
-    }
-
-
 @pytest.fixture(scope="module")
 def served(stack: Stack) -> Stack:
     cluster = stack.cluster
     with explained(cluster, stack.namespaces):
         started = time.monotonic()
-        apply_object(cluster=cluster, obj=_manifest(stack))
+        apply_object(cluster=cluster, obj=vllm_manifest(name=NAME, namespace=stack.namespace, hub=stack.model_hub))
 
         def ready() -> dict[str, Any] | None:
             obj = get_isvc(cluster=cluster, namespace=stack.namespace, name=NAME)

@@ -298,7 +298,7 @@ def vllm_manifest(*, name: str, namespace: str, hub: ModelHub, max_replicas: int
     """An Aggregated InferenceService with ``spec.runtime.engine: vllm`` serving
     SmolLM2-135M-Instruct (``hf://`` from ``hub``) on the kubelet node's CPUs: eager mode (no
     torch.compile warm-up on two cores), 1 GiB of KV cache per pod in blocks of 32 tokens
-    (vLLM's CPU attention refuses 16, the default), one OpenMP thread per pod,
+    (vLLM's CPU attention refuses 16, the default), half a CPU per pod (one OpenMP thread),
     ``VLLM_MAX_NUM_SEQS`` sequences at a time, and the tiny service's fast autoscaler (queue
     target 1 request)."""
     return {
@@ -310,13 +310,8 @@ def vllm_manifest(*, name: str, namespace: str, hub: ModelHub, max_replicas: int
                 "engine": Engine.VLLM.value,
                 "imagePullPolicy": "IfNotPresent",
                 "extraArgs": ["--enforce-eager"],
-                "env": [
-                    {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},  # GiB of KV per pod
-                    # one OpenMP thread per pod: unpinned (the operator's nobind on CPU pools),
-                    # vLLM's kernels otherwise run a thread per node core in every pod, and two
-                    # pods spinning on two shared cores serve a fraction of what one does
-                    {"name": "OMP_NUM_THREADS", "value": "1"},
-                ],
+                # GiB of KV per pod (the operator runs one OpenMP thread per CPU requested)
+                "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
             },
             "mode": "Aggregated",
             "kvCache": {"blockSize": 32},  # vLLM's CPU attention needs a multiple of 32

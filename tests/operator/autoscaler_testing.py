@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from urllib3.util.retry import Retry
 
+import splitserve_contract as contract
 from splitserve_e2e import build
 from splitserve_e2e import pki as build_pki
 from splitserve_e2e.net import free_port
@@ -97,6 +99,28 @@ def bare_apiserver(state: Path) -> Iterator[BareApiserver]:
             server.process.stop(grace_seconds=5)
     finally:
         etcd.process.stop(grace_seconds=5)
+
+
+def create_inference_service(
+    server: BareApiserver, obj: Mapping[str, object], *, namespace: str = "default"
+) -> str | None:
+    """Create the InferenceService ``obj`` on ``server``: None when admitted, else the API
+    server's refusal message (a 422; anything else fails the test). Waits for a CRD created
+    just before to be served."""
+    objects = k8s.CustomObjectsApi(server.api_client)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            objects.create_namespaced_custom_object(
+                contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, dict(obj)
+            )
+            return None
+        except k8s.ApiException as exc:
+            if exc.status == 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            assert exc.status == 422, exc.body
+            return str(json.loads(exc.body or "{}").get("message"))
 
 
 async def wait_until(

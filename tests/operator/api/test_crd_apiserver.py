@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import crdgen
 import pytest
-from autoscaler_testing import BareApiserver, bare_apiserver
+from autoscaler_testing import BareApiserver, bare_apiserver, create_inference_service
 from kubernetes import client as k8s
 
 import splitserve_contract as contract
@@ -46,24 +45,6 @@ def _obj(name: str, **spec: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {**copy.deepcopy(base), **spec},
     }
-
-
-def _create(server: BareApiserver, obj: dict[str, Any]) -> str | None:
-    """None when admitted, else the API server's message (waits for the CRD to be served)."""
-    objects = k8s.CustomObjectsApi(server.api_client)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            objects.create_namespaced_custom_object(
-                contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, obj
-            )
-            return None
-        except k8s.ApiException as exc:
-            if exc.status == 404 and time.monotonic() < deadline:
-                time.sleep(0.2)
-                continue
-            assert exc.status == 422, exc.body
-            return str(json.loads(exc.body or "{}").get("message"))
 
 
 @pytest.mark.parametrize(
@@ -193,13 +174,13 @@ def _create(server: BareApiserver, obj: dict[str, Any]) -> str | None:
 def test_a_hostile_entry_is_refused_with_its_path(
     server: BareApiserver, spec: dict[str, Any], path: str, words: str
 ) -> None:
-    message = _create(server, _obj(f"hostile-{abs(hash(path + words)) % 10**8}", **spec))
+    message = create_inference_service(server, _obj(f"hostile-{abs(hash(path + words)) % 10**8}", **spec))
     assert message is not None and f"{path}:" in message and words in message, message
 
 
 def test_what_the_user_may_set_is_admitted(server: BareApiserver) -> None:
     assert (
-        _create(
+        create_inference_service(
             server,
             _obj(
                 "friendly",
@@ -220,7 +201,7 @@ def test_what_the_user_may_set_is_admitted(server: BareApiserver) -> None:
 
 def test_what_the_bounds_leave_is_admitted(server: BareApiserver) -> None:
     assert (
-        _create(
+        create_inference_service(
             server,
             _obj(
                 "bounded",
@@ -259,7 +240,7 @@ def test_what_the_bounds_leave_is_admitted(server: BareApiserver) -> None:
 
 def test_mode_cannot_change(server: BareApiserver) -> None:
     # Defect: spec.mode changed on a live object, leaving the old mode's pools behind.
-    assert _create(server, _obj("mode-change")) is None
+    assert create_inference_service(server, _obj("mode-change")) is None
     objects = k8s.CustomObjectsApi(server.api_client)
     live: dict[str, Any] = objects.get_namespaced_custom_object(  # type: ignore[assignment]
         contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, "mode-change"

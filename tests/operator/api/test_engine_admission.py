@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import crdgen
 import pydantic
 import pytest
-from autoscaler_testing import BareApiserver, bare_apiserver
+from autoscaler_testing import BareApiserver, bare_apiserver, create_inference_service
 from kubernetes import client as k8s
 
 import splitserve_contract as contract
@@ -48,23 +47,6 @@ def _obj(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def _objects(server: BareApiserver) -> k8s.CustomObjectsApi:
     return k8s.CustomObjectsApi(server.api_client)
-
-
-def _create(server: BareApiserver, obj: dict[str, Any]) -> str | None:
-    """None when admitted, else the API server's message (waits for the CRD to be served)."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            _objects(server).create_namespaced_custom_object(
-                contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, obj
-            )
-            return None
-        except k8s.ApiException as exc:
-            if exc.status == 404 and time.monotonic() < deadline:
-                time.sleep(0.2)
-                continue
-            assert exc.status == 422, exc.body
-            return str(json.loads(exc.body or "{}").get("message"))
 
 
 def _model_error(spec: dict[str, Any]) -> str | None:
@@ -127,7 +109,9 @@ def test_what_vllm_does_not_serve_is_refused_naming_the_engine(
     server: BareApiserver, change: dict[str, Any], words: str
 ) -> None:
     spec = {k: v for k, v in _spec(**change).items() if v is not None}
-    message = _create(server, _obj(f"refused-{abs(hash(json.dumps(change, sort_keys=True))) % 10**8}", spec))
+    message = create_inference_service(
+        server, _obj(f"refused-{abs(hash(json.dumps(change, sort_keys=True))) % 10**8}", spec)
+    )
     assert message is not None and words in message, message
     model_message = _model_error(spec)
     assert model_message is not None and words in model_message, model_message
@@ -143,7 +127,10 @@ def test_the_same_values_serve_with_the_bundled_runtime(
     if spec["model"]["uri"].endswith(".gguf") or spec.get("router", {}).get("mode") == "InferencePool":
         return  # a hub endpoint or the operator's InferencePool flag decide those, not the engine
     assert _model_error(spec) is None
-    assert _create(server, _obj(f"bundled-{abs(hash(json.dumps(change, sort_keys=True))) % 10**8}", spec)) is None
+    assert (
+        create_inference_service(server, _obj(f"bundled-{abs(hash(json.dumps(change, sort_keys=True))) % 10**8}", spec))
+        is None
+    )
 
 
 def test_what_vllm_serves_is_admitted(server: BareApiserver) -> None:
@@ -164,11 +151,11 @@ def test_what_vllm_serves_is_admitted(server: BareApiserver) -> None:
         },
     )
     assert _model_error(spec) is None
-    assert _create(server, _obj("vllm-friendly", spec)) is None
+    assert create_inference_service(server, _obj("vllm-friendly", spec)) is None
 
 
 def test_the_engine_cannot_change(server: BareApiserver) -> None:
-    assert _create(server, _obj("engine-change", _spec())) is None
+    assert create_inference_service(server, _obj("engine-change", _spec())) is None
     objects = _objects(server)
     live: dict[str, Any] = objects.get_namespaced_custom_object(  # type: ignore[assignment]
         contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, "engine-change"
@@ -185,7 +172,7 @@ def test_the_engine_cannot_change(server: BareApiserver) -> None:
 
 def test_the_engine_defaults_to_the_bundled_runtime(server: BareApiserver) -> None:
     spec = _spec(runtime={})
-    assert _create(server, _obj("engine-default", spec)) is None
+    assert create_inference_service(server, _obj("engine-default", spec)) is None
     live: dict[str, Any] = _objects(server).get_namespaced_custom_object(  # type: ignore[assignment]
         contract.API_GROUP, contract.API_VERSION, NAMESPACE, contract.PLURAL, "engine-default"
     )
