@@ -200,10 +200,14 @@ def test_vllm_pools_scale_on_vllm_metrics_and_explain_it(served: Stack) -> None:
                 cluster, two_ready_pods, timeout=READY_TIMEOUT_SECONDS, what="a second Ready vLLM pod", interval=2.0
             )
             served.figures["burst start -> second vLLM pod Ready"] = f"{time.monotonic() - started:.1f}s"
-            time.sleep(15)  # the router discovers the new pod and sends it requests
-            # The router spread the burst over both vLLM pods: each pod's own counter moved.
-            served_by_pod = {p.metadata.name: _pod_requests(served, p) for p in pods}
-            assert all(v > 0 for v in served_by_pod.values()), served_by_pod
+
+            # The router discovers the new pod and spreads the burst over both vLLM pods: each
+            # pod's own counter moves (a request counts when it ends: seconds on shared cores).
+            def both_served() -> dict[str, float] | None:
+                served_by_pod = {p.metadata.name: _pod_requests(served, p) for p in pods}
+                return served_by_pod if all(v > 0 for v in served_by_pod.values()) else None
+
+            wait(cluster, both_served, timeout=180, what="both vLLM pods answering the burst", interval=3.0)
             # Kill one mid-load, without grace; the router moves its requests to the other.
             victim = pods[0].metadata.name
             core: Any = cluster.core()

@@ -195,6 +195,7 @@ VLLM_OPERATOR_FLAGS: Final[Mapping[str, str]] = {
     "pipeline-parallel-size": "the pool's parallelism.pipeline",
     "speculative-config": "spec.scheduling.speculative",
     "kv-transfer-config": "spec.mode",
+    "shutdown-timeout": "the operator (the pod's drain on SIGTERM)",
 }
 """Every ``vllm serve`` option the operator may render for a vLLM pool (by name, without
 ``--``), and the field or party that sets it. vLLM's parser is more forgiving than the

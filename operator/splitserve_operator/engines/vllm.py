@@ -32,8 +32,10 @@ from . import pod
 VLLM_CACHE_DIR: Final = "/var/cache/splitserve/vllm"
 VLLM_COMMAND: Final = ("vllm", "serve")
 _DRAIN_SECONDS: Final = int(ServeArgs().drain_timeout_seconds)
-"""vLLM finishes in-flight requests on SIGTERM; the router stops sending first (the pod leaves
-its Service's endpoints), so the same grace as the bundled runtime's drain."""
+"""How long vLLM may finish its in-flight requests on SIGTERM (``--shutdown-timeout``; vLLM's
+default, 0, aborts them at once: every scale-down would fail what the pod was serving); the
+router stops sending first (the pod leaves its Service's endpoints). The bundled runtime's
+drain, with the same grace."""
 
 
 def model_argument(uri: str) -> str:
@@ -93,6 +95,8 @@ def vllm_argv(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> list[str
         str(pool.parallelism.tensor),
         "--pipeline-parallel-size",
         str(pool.parallelism.pipeline),
+        "--shutdown-timeout",
+        str(_DRAIN_SECONDS),
     ]
     config = speculative_config(isvc, role)
     if config is not None:

@@ -86,6 +86,8 @@ def test_defaults_render_vllm_serve_with_every_mapped_option() -> None:
         "--enable-chunked-prefill": "",
         "--tensor-parallel-size": "1",
         "--pipeline-parallel-size": "1",
+        # vLLM's default (0) aborts in-flight requests on SIGTERM; the pod drains instead
+        "--shutdown-timeout": str(int(contract.ServeArgs().drain_timeout_seconds)),
     }
 
 
