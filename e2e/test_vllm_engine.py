@@ -236,6 +236,9 @@ def test_vllm_pools_scale_on_vllm_metrics_and_explain_it(served: Stack) -> None:
     served.figures["burst end -> back to 1 pod"] = f"{time.monotonic() - started:.1f}s"
     decision = final["status"]["aggregated"]["lastDecision"]
     assert "queue" in " ".join(decision["inputs"]), decision
+    # The autoscaler read the vLLM pods' own series through Prometheus, and says so.
+    healthy = condition(final, "MetricsHealthy") or {}
+    assert healthy.get("status") == "True" and "aggregated" in healthy.get("message", ""), healthy
     log(f"scaling history: {final['status']['scalingHistory']}")
 
 

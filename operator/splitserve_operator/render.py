@@ -197,6 +197,7 @@ def _pod_spec(
     ports = [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.HTTP_PORT, "protocol": "TCP"}]
     pod_fields: dict[str, Any]
     command: list[str] | None = None
+    lifecycle: dict[str, Any] | None = None
     if component.is_router:
         image = router_image_of(isvc=isvc, runtime_image=runtime_image)
         argv = ["splitserve", "router", *contract.router_argv(router_args(isvc=isvc))]
@@ -215,6 +216,7 @@ def _pod_spec(
             isvc=isvc, role=component.role, pool=pool, compat_hash=pod.compat_hash(isvc=isvc, image=image)
         )
         command, argv, env, grace = engine.command, engine.args, engine.env, engine.grace_seconds
+        lifecycle = engine.lifecycle
         probes = pod.probes(engine=spec.runtime.engine, startup_budget_seconds=pod.STARTUP_PROBE_BUDGET_SECONDS)
         ports += engine.ports
         volumes += engine.volumes
@@ -248,6 +250,8 @@ def _pod_spec(
         "terminationMessagePath": contract.TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if lifecycle is not None:
+        container["lifecycle"] = lifecycle
     if spec.runtime.image_pull_policy:
         container["imagePullPolicy"] = spec.runtime.image_pull_policy
     return {

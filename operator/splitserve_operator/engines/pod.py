@@ -46,6 +46,8 @@ class PoolContainer:
     """terminationGracePeriodSeconds: the engine's drain plus a margin."""
     config: dict[str, Any]
     """What the pool runs, for the InferenceService's ConfigMap (``engine.json``)."""
+    lifecycle: dict[str, Any] | None = None
+    """The container's lifecycle hooks (vLLM's preStop wait); None: none."""
 
 
 class EngineRenderer(Protocol):

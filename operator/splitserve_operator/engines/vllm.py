@@ -29,6 +29,12 @@ from ..api import InferenceService, PoolSpec
 from ..api.fields import parse_quantity
 from . import pod
 
+PRE_STOP_SECONDS: Final = 5
+"""On SIGTERM vLLM starts shutting down at once: requests that arrive after it fail 500
+("cannot schedule new futures after shutdown") while its /health still answers 200, so neither
+a router nor a load balancer can tell. A terminating pod first waits this long (its preStop
+hook), out of its Service's endpoints, so that the router (which watches them) has stopped
+sending before vLLM sees the signal; the drain then only finishes what was in flight."""
 VLLM_CACHE_DIR: Final = "/var/cache/splitserve/vllm"
 VLLM_COMMAND: Final = ("vllm", "serve")
 _DRAIN_SECONDS: Final = int(ServeArgs().drain_timeout_seconds)
@@ -156,7 +162,9 @@ class VllmRenderer:
             ports=[],
             volumes=volumes,
             mounts=mounts,
-            grace_seconds=_DRAIN_SECONDS + pod.TERMINATION_GRACE_MARGIN_SECONDS,
+            grace_seconds=PRE_STOP_SECONDS + _DRAIN_SECONDS + pod.TERMINATION_GRACE_MARGIN_SECONDS,
+            # exec, not the sleep action (Kubernetes 1.30+): any cluster, and both images have sleep
+            lifecycle={"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
             config={"command": [*VLLM_COMMAND], "args": argv, "extraArgs": extra},
         )
 

@@ -248,3 +248,19 @@ def test_cpu_pools_leave_thread_placement_to_the_kernel() -> None:
         runtime={"engine": "vllm", "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]},
     )
     assert {e["name"]: e.get("value") for e in _container(pinned)["env"]}["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def test_a_terminating_vllm_pod_waits_out_of_its_endpoints_before_sigterm() -> None:
+    """vLLM fails requests that arrive after SIGTERM with 500 while /health still says 200: the
+    pod waits (preStop) for the router to drop it first, then drains; the grace covers both."""
+    objs = render.render_children(isvc=_isvc(), runtime_image=RUNTIME_IMAGE, router_service_account="")
+    pod_spec = _deployment(objs, "engine")["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(engine_vllm.PRE_STOP_SECONDS)]}}}
+    drain = int(_options(container["args"])["--shutdown-timeout"])
+    assert pod_spec["terminationGracePeriodSeconds"] >= engine_vllm.PRE_STOP_SECONDS + drain + 5
+    bundled = render.render_children(
+        isvc=_isvc(runtime={"engine": "splitserve"}), runtime_image=RUNTIME_IMAGE, router_service_account=""
+    )
+    # the bundled runtime turns not-ready on SIGTERM itself (the router's poll sees 503)
+    assert "lifecycle" not in _deployment(bundled, "engine")["spec"]["template"]["spec"]["containers"][0]
