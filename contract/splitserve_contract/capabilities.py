@@ -127,9 +127,8 @@ SERVING_MODE: Final = Capability(
     api_field="mode",
     known=("Disaggregated", "Aggregated"),
     supported=("Disaggregated", "Aggregated"),
-    by_engine=(("vllm", ("Aggregated",)),),
 )
-"""Disaggregated vLLM pools (NixlConnector) are not rendered yet: see docs/operator.md."""
+"""Both engines: vLLM's prefill and decode pools hand off with its NixlConnector."""
 ROUTER_MODE: Final = Capability(
     name="router.mode",
     known=("Builtin", "InferencePool"),

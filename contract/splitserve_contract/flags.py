@@ -323,7 +323,7 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         "engine",
         "engine",
         "serving engine of the pods (one per InferenceService): which paths and gauges say a pod's "
-        "health and load; vllm serves aggregated pods only",
+        "health and load, and which handoff parameters a prefill pod answers",
         choices=tuple(e.value for e in Engine),
     ),
 )

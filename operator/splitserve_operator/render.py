@@ -457,18 +457,6 @@ def _port(port: int) -> dict[str, Any]:
     return {"protocol": "TCP", "port": port}
 
 
-def _kv_ports(component: Component) -> dict[str, Any]:
-    """The KV ports of a pod: every rank of a parallel prefill pod serves its own slice of the
-    KV on the KV port + its index within the pod (the runtime's ``engine.parallel.rank_kv``)."""
-    pool = component.pool
-    ranks = (
-        1 if pool is None else pool.parallelism.tensor * pool.parallelism.pipeline // pool.resources.pods_per_replica
-    )
-    if ranks <= 1:
-        return _port(contract.KV_TRANSFER_PORT)
-    return {**_port(contract.KV_TRANSFER_PORT), "endPort": contract.KV_TRANSFER_PORT + ranks - 1}
-
-
 def _monitoring() -> dict[str, Any]:
     return {"namespaceSelector": {"matchLabels": {MONITORING_NAMESPACE_LABEL: "true"}}}
 
@@ -493,7 +481,9 @@ def _ingress_rules(*, isvc: InferenceService, component: Component) -> list[dict
     rules: list[dict[str, Any]] = [http]
     if component.role in (Role.PREFILL, Role.DECODE):
         other = Role.DECODE if component.role is Role.PREFILL else Role.PREFILL
-        rules.append({"from": [_peer(name, other)], "ports": [_port(contract.HTTP_PORT), _kv_ports(component)]})
+        assert component.pool is not None  # a prefill or decode component has its pool
+        kv_ports = engines.renderer(isvc.spec.runtime.engine).kv_ports(component.pool)
+        rules.append({"from": [_peer(name, other)], "ports": [_port(contract.HTTP_PORT), *kv_ports]})
     if is_multi_node(component):
         # The ranks of a group: the rendezvous port, and the ports torch's gloo/NCCL pick for
         # their collectives at run time, so any TCP port, from the pool's own pods.

@@ -141,6 +141,14 @@ def _capability_rule(field: str, value: str, capability: caps.Capability) -> Cel
     }
 
 
+_CAPABILITY_FIELDS: Final[tuple[tuple[str, str, caps.Capability], ...]] = (
+    (".model.quantization", "((has(self.model.quantization)) ? self.model.quantization : 'none')", caps.QUANTIZATION),
+    (".mode", "self.mode", caps.SERVING_MODE),
+    (".router", _ROUTER_MODE, caps.ROUTER_MODE),
+)
+"""Where the spec holds each capability whose support differs by engine (CEL field path, value)."""
+
+
 def _extra_args_all(path: str) -> str:
     return f"(!has({path}.extraArgs) || {path}.extraArgs.all(a, !{_VLLM_RESERVED_ARG}))"
 
@@ -160,13 +168,11 @@ ENGINE_CEL_RULES: Final[tuple[CelRule, ...]] = (
         "rule": f"{_engine('self')} == {_engine('oldSelf')}",
         "message": ENGINE_IMMUTABLE_RULE_MESSAGE,
     },
-    _capability_rule(
-        ".model.quantization",
-        "((has(self.model.quantization)) ? self.model.quantization : 'none')",
-        caps.QUANTIZATION,
+    *(
+        _capability_rule(field, value, capability)
+        for field, value, capability in _CAPABILITY_FIELDS
+        if capability.supported_by(Engine.VLLM) != capability.supported  # else nothing to refuse
     ),
-    _capability_rule(".mode", "self.mode", caps.SERVING_MODE),
-    _capability_rule(".router", _ROUTER_MODE, caps.ROUTER_MODE),
     {
         "rule": f"!({_IS_VLLM}) || !(" + " || ".join(_MULTI_NODE_POOL.format(p=p) for p in POOLS) + ")",
         "message": caps.REPLICA_LAYOUT.engine_message("multi-node", Engine.VLLM),

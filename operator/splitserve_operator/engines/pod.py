@@ -58,6 +58,11 @@ class EngineRenderer(Protocol):
         """The engine whose pods this renders."""
         ...
 
+    def kv_ports(self, pool: PoolSpec) -> list[dict[str, Any]]:
+        """The ports (NetworkPolicy port entries) on which a pod of a prefill or decode
+        ``pool`` hands KV over to the other pool's pods."""
+        ...
+
     def container(self, *, isvc: InferenceService, role: Role, pool: PoolSpec, compat_hash: str) -> PoolContainer:
         """The pool's container: command line, variables, ports, volumes, grace period."""
         ...

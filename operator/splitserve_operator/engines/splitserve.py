@@ -92,6 +92,15 @@ class SplitserveRenderer:
 
     engine: Final = Engine.SPLITSERVE
 
+    def kv_ports(self, pool: PoolSpec) -> list[dict[str, Any]]:
+        """Every rank of a parallel prefill pod serves its own slice of the KV on the KV port +
+        its index within the pod (the runtime's ``engine.parallel.rank_kv``)."""
+        ranks = pool.parallelism.tensor * pool.parallelism.pipeline // pool.resources.pods_per_replica
+        port: dict[str, Any] = {"protocol": "TCP", "port": contract.KV_TRANSFER_PORT}
+        if ranks > 1:
+            port["endPort"] = contract.KV_TRANSFER_PORT + ranks - 1
+        return [port]
+
     def container(self, *, isvc: InferenceService, role: Role, pool: PoolSpec, compat_hash: str) -> pod.PoolContainer:
         args = serve_args(isvc=isvc, role=role, pool=pool, compat_hash=compat_hash)
         extra = pod.extra_args(isvc, pool)

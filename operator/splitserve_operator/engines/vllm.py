@@ -14,6 +14,11 @@ to vLLM's own option for it; values vLLM has no option for are refused at admiss
   volumes, so the root file system stays read-only, as for the bundled runtime.
 - The command is ``vllm serve`` explicitly, so the upstream ``vllm/vllm-openai`` image and the
   local CPU image (Containerfile.vllm) run the same way whatever their entrypoints.
+- Prefill and decode pools hand the prompt's KV over with vLLM's ``NixlConnector``
+  (:func:`kv_transfer_config`): every pod is ``kv_both``, a decode pod that cannot load the KV
+  computes the prompt itself (``kv_load_failure_policy: recompute``, the router's fallback
+  rule), the side channel listens on the pod's IP at a fixed port and UCX on a fixed port range,
+  which the NetworkPolicies open to the other pool only (:meth:`VllmRenderer.kv_ports`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, Final
 
 import splitserve_contract as contract
 from splitserve_contract import Role, ServeArgs
-from splitserve_contract.engines import Engine
+from splitserve_contract.engines import VLLM_KV_DATA_PORTS, VLLM_KV_SIDE_CHANNEL_PORT, Engine
 
 from ..api import InferenceService, PoolSpec
 from ..api.fields import parse_quantity
@@ -61,6 +66,19 @@ def speculative_config(isvc: InferenceService, role: Role) -> dict[str, Any] | N
         return {"method": "ngram", "num_speculative_tokens": speculative.num_tokens}
     draft, _, _ = pod.draft_model_location(isvc)
     return {"method": "draft_model", "model": model_argument(draft), "num_speculative_tokens": speculative.num_tokens}
+
+
+def kv_transfer_config(pool: PoolSpec) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` of a prefill or decode pool (module docstring); on CPU
+    pools the KV is registered with NIXL in host memory."""
+    config: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    if pool.resources.gpus == 0:
+        config["kv_buffer_device"] = "cpu"
+    return config
 
 
 def vllm_argv(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> list[str]:
@@ -106,11 +124,31 @@ def vllm_argv(*, isvc: InferenceService, role: Role, pool: PoolSpec) -> list[str
     ]
     config = speculative_config(isvc, role)
     if config is not None:
-        argv += ["--speculative-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+        argv += ["--speculative-config", _json(config)]
+    if role in (Role.PREFILL, Role.DECODE):
+        argv += ["--kv-transfer-config", _json(kv_transfer_config(pool))]
     return argv
 
 
-def _engine_env(isvc: InferenceService, pool: PoolSpec) -> list[dict[str, Any]]:
+def _json(value: dict[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _kv_transfer_env(pool: PoolSpec) -> list[dict[str, Any]]:
+    """NixlConnector's side channel on the pod's IP and fixed port, and UCX's listening ports
+    (on CPU pools over TCP, the only transport there)."""
+    first, last = VLLM_KV_DATA_PORTS
+    out = [
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({contract.ENV_POD_IP})"},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(VLLM_KV_SIDE_CHANNEL_PORT)},
+        {"name": "UCX_TCP_PORT_RANGE", "value": f"{first}-{last}"},
+    ]
+    if pool.resources.gpus == 0:
+        out.append({"name": "UCX_TLS", "value": "tcp"})
+    return out
+
+
+def _engine_env(isvc: InferenceService, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -131,10 +169,19 @@ def _engine_env(isvc: InferenceService, pool: PoolSpec) -> list[dict[str, Any]]:
         if pool.resources.cpu is not None:
             threads = max(1, int(parse_quantity(pool.resources.cpu)))
             out.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    if role in (Role.PREFILL, Role.DECODE):
+        out += _kv_transfer_env(pool)
     api_key = isvc.spec.runtime.api_key_secret_ref
     if api_key is not None:
         out.append(pod.secret_env("VLLM_API_KEY", api_key.name, api_key.key))
     return out
+
+
+def _kv_container_ports(role: Role) -> list[dict[str, Any]]:
+    if role is Role.AGGREGATED:
+        return []
+    # named as the bundled runtime's KV port: the pool's Service names its target port so
+    return [{"name": contract.KV_TRANSFER_PORT_NAME, "containerPort": VLLM_KV_SIDE_CHANNEL_PORT, "protocol": "TCP"}]
 
 
 class VllmRenderer:
@@ -142,8 +189,16 @@ class VllmRenderer:
 
     engine: Final = Engine.VLLM
 
+    def kv_ports(self, pool: PoolSpec) -> list[dict[str, Any]]:
+        del pool  # one NIXL agent per pod, whatever its parallelism
+        first, last = VLLM_KV_DATA_PORTS
+        return [
+            {"protocol": "TCP", "port": VLLM_KV_SIDE_CHANNEL_PORT},
+            {"protocol": "TCP", "port": first, "endPort": last},
+        ]
+
     def container(self, *, isvc: InferenceService, role: Role, pool: PoolSpec, compat_hash: str) -> pod.PoolContainer:
-        del compat_hash  # vLLM pods pair by their Service, not by a reported hash (Aggregated only)
+        del compat_hash  # vLLM pods report no compat hash: the router pairs any prefill and decode pod
         argv = vllm_argv(isvc=isvc, role=role, pool=pool)
         extra = pod.extra_args(isvc, pool)
         volumes: list[dict[str, Any]] = [{"name": "vllm-cache", "emptyDir": {}}]
@@ -158,8 +213,8 @@ class VllmRenderer:
         return pod.PoolContainer(
             command=list(VLLM_COMMAND),
             args=[*argv, *extra],
-            env=pod.env(isvc=isvc, engine_env=_engine_env(isvc, pool)),
-            ports=[],
+            env=pod.env(isvc=isvc, engine_env=_engine_env(isvc, role, pool)),
+            ports=_kv_container_ports(role),
             volumes=volumes,
             mounts=mounts,
             grace_seconds=PRE_STOP_SECONDS + _DRAIN_SECONDS + pod.TERMINATION_GRACE_MARGIN_SECONDS,

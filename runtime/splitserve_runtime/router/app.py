@@ -15,11 +15,10 @@ httptools' parser when they are installed (the ``runtime`` extra): each took a s
 router's added latency (bench/router_overhead.py).
 
 The pods run one engine (``--engine``): the bundled runtime, or vLLM. The router polls each
-engine on its own paths and gauges (:mod:`.pods`) and sends both the same OpenAI requests; what
-vLLM lacks is the prefill → decode handoff the router drives (``kv_transfer_params`` signed and
-pulled by the bundled runtime's KV connection), so ``--engine vllm`` starts only for aggregated
-pods: with prefill pods, every request would be computed once on a prefill pod that hands
-nothing over (and is then taken out of rotation for it), and again on a decode pod.
+engine on its own paths and gauges (:mod:`.pods`) and sends both the same OpenAI requests,
+disaggregated ones included: a vLLM prefill pod answers its NixlConnector's handoff parameters
+where the bundled runtime answers its signed ones (:mod:`..disagg.vllm_handoff`), and the
+decode pod gets them as they were written.
 
 ``/metrics`` adds two gauges to the router's counters, so a stuck request shows:
 ``splitserve_router_requests_in_flight`` (client requests inside the router, streams until
@@ -121,23 +120,13 @@ def make_tokenize(*, model: str) -> Tokenize:
     return tokenize
 
 
-AGGREGATED_ONLY_ENGINES = frozenset({Engine.VLLM})
-"""Engines whose pods the router serves only as aggregated pools (module docstring)."""
-
-
 def _engine(args: RouterArgs) -> Engine:
-    """The pods' engine. Pools the router cannot serve with it are refused here, at start, where
-    the operator's pod shows the message, rather than found out request by request."""
+    """The pods' engine; an unknown one is refused here, at start, where the operator's pod
+    shows the message."""
     try:
-        engine = Engine(args.engine)
+        return Engine(args.engine)
     except ValueError:
         raise ValueError(f"unknown --engine {args.engine!r}: one of {', '.join(e.value for e in Engine)}") from None
-    if engine in AGGREGATED_ONLY_ENGINES and (args.prefill_endpoints.strip() or args.decode_endpoints.strip()):
-        raise ValueError(
-            f"--engine {engine.value} serves aggregated pods only (--aggregated-endpoints): disaggregated "
-            f"prefill/decode is not supported for {engine.value} yet, drop --prefill-endpoints and --decode-endpoints"
-        )
-    return engine
 
 
 def _static_pods(args: RouterArgs) -> PodSet:
@@ -184,7 +173,7 @@ def _make_lifespan(
                     namespace=args.namespace,
                     inference_service=args.inference_service,
                     pods=pods,
-                    roles=(Role.AGGREGATED,) if engine in AGGREGATED_ONLY_ENGINES else tuple(SERVICE_SUFFIX),
+                    roles=tuple(SERVICE_SUFFIX),
                 )
                 discovery.start()
             await poller.poll_once()
@@ -204,6 +193,7 @@ def _make_lifespan(
                     model_label=model_label,
                     prefill_timeout_seconds=args.prefill_timeout_seconds,
                     prefill_overflow_tokens=args.prefill_overflow_tokens,
+                    engine=engine,
                 ),
             )
             state["client"] = client

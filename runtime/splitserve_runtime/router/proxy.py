@@ -60,11 +60,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi.responses import JSONResponse, Response
 
 from splitserve_contract import HEADER_REQUEST_ID, KV_TRANSFER_PARAMS_FIELD, Role, defaults
+from splitserve_contract.engines import DEFAULT_ENGINE, Engine
 from splitserve_contract.handoff import HandoffParams
 from splitserve_contract.wire import (
     KV_TRANSFER_PARAMS_INVALID_CODE,
@@ -75,6 +77,7 @@ from splitserve_runtime.disagg.prefill_request import (
     handoff_params,
     prefill_request_body,
 )
+from splitserve_runtime.disagg.vllm_handoff import VllmHandoff, vllm_handoff
 
 from . import metrics
 from .pod_client import PodClient, PodResponse, PodTimeout
@@ -136,6 +139,8 @@ class RouterConfig:
     """Conditional disaggregation: when every prefill pod has at least this many prompt tokens
     queued, a request prefills on a decode pod with fewer than this many in its own queue and in
     overflow requests in flight (route "overflow"). 0: never."""
+    engine: Engine = DEFAULT_ENGINE
+    """The pods' engine: which handoff parameters a prefill pod answers (:mod:`..disagg.vllm_handoff`)."""
 
 
 class Router:
@@ -422,7 +427,7 @@ class Router:
         hashes: list[bytes],
         session: str | None,
         prompt_tokens: int,
-    ) -> tuple[Pod, HandoffParams] | Response:
+    ) -> tuple[Pod, HandoffParams | VllmHandoff] | Response:
         prefill_body = encode_body(prefill_request_body(body))
         tried: set[str] = set()
         last_error = "no prefill pod is healthy"
@@ -477,10 +482,10 @@ class Router:
                     headers=_passthrough_headers(response),
                 )
             try:
-                params = handoff_params(response.json())
+                params = self._handoff(response.json(), pod)
             except ValueError:
                 params = None
-            if params is None or (pod.kv_endpoint and params.remote_endpoint != pod.kv_endpoint):
+            if params is None:
                 last_error = f"prefill pod {pod.name} returned no {KV_TRANSFER_PARAMS_FIELD} for its own KV endpoint"
                 log.warning("%s; retrying elsewhere", last_error)
                 self._pods.mark_failed(pod.name)
@@ -490,6 +495,16 @@ class Router:
         return error_response(
             status=502 if tried else 503, message=last_error, type_="upstream_error", code="prefill_failed"
         )
+
+    def _handoff(self, answer: object, pod: Pod) -> HandoffParams | VllmHandoff | None:
+        """The handoff parameters of a prefill pod's answer, in its engine's schema, when they
+        name that pod's own KV (raises ValueError for malformed ones)."""
+        if self._config.engine is Engine.VLLM:
+            return vllm_handoff(answer, prefill_host=urlsplit(pod.url).hostname or "")
+        params = handoff_params(answer)
+        if params is not None and pod.kv_endpoint and params.remote_endpoint != pod.kv_endpoint:
+            return None
+        return params
 
     # ------------------------------------------------------------------ forward
     async def _forward(

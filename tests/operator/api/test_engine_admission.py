@@ -66,10 +66,6 @@ REFUSED = [
         {"model": {"uri": "hf://org/model", "quantization": "int4"}},
         "quantization int4 is not supported by engine vllm",
     ),
-    (
-        {"mode": "Disaggregated", "aggregated": None, "prefill": {}, "decode": {}},
-        "mode Disaggregated is not supported by engine vllm (supported: Aggregated)",
-    ),
     ({"router": {"mode": "InferencePool"}}, "router.mode InferencePool is not supported by engine vllm"),
     (
         {"aggregated": {"resources": {"gpus": 16, "gpusPerNode": 8}, "parallelism": {"tensor": 8, "pipeline": 2}}},
@@ -152,6 +148,19 @@ def test_what_vllm_serves_is_admitted(server: BareApiserver) -> None:
     )
     assert _model_error(spec) is None
     assert create_inference_service(server, _obj("vllm-friendly", spec)) is None
+
+
+def test_disaggregated_vllm_is_admitted(server: BareApiserver) -> None:
+    """Prefill and decode vLLM pools (NixlConnector), each with its own scheduling."""
+    spec = _spec(
+        mode="Disaggregated",
+        aggregated=None,
+        prefill={"resources": {"gpus": 1}, "scheduling": {"maxBatchedTokens": 16384}},
+        decode={"resources": {"gpus": 1}, "scheduling": {"maxNumSeqs": 256}},
+    )
+    spec.pop("aggregated")
+    assert _model_error(spec) is None
+    assert create_inference_service(server, _obj("vllm-disaggregated", spec)) is None
 
 
 def test_the_engine_cannot_change(server: BareApiserver) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import splitserve_contract as contract
+from splitserve_contract import engines
 from splitserve_contract.engines import VLLM_IMAGE
 from splitserve_operator import render
 from splitserve_operator.api import InferenceService
@@ -264,3 +265,70 @@ def test_a_terminating_vllm_pod_waits_out_of_its_endpoints_before_sigterm() -> N
     )
     # the bundled runtime turns not-ready on SIGTERM itself (the router's poll sees 503)
     assert "lifecycle" not in _deployment(bundled, "engine")["spec"]["template"]["spec"]["containers"][0]
+
+
+# --------------------------------------------------------------------------- Disaggregated
+def _disaggregated(gpus: int = 1) -> InferenceService:
+    pool = {"resources": {"gpus": gpus, **({"cpu": "1"} if gpus == 0 else {})}}
+    return _isvc(
+        mode="Disaggregated",
+        aggregated=None,
+        prefill=pool,
+        decode=pool,
+        **({"kvCache": {"blockSize": 32}} if gpus == 0 else {}),
+    )
+
+
+@pytest.mark.parametrize("suffix", ["prefill", "decode"])
+def test_prefill_and_decode_pools_hand_off_with_the_nixl_connector(suffix: str) -> None:
+    container = _container(_disaggregated(), suffix)
+    config = json.loads(_options(container["args"])["--kv-transfer-config"])
+    # every pod both sends and receives; a decode pod that cannot load the KV computes it
+    assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"$({contract.ENV_POD_IP})"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(engines.VLLM_KV_SIDE_CHANNEL_PORT)
+    first, last = engines.VLLM_KV_DATA_PORTS
+    assert env["UCX_TCP_PORT_RANGE"] == f"{first}-{last}"
+    assert "UCX_TLS" not in env  # a GPU pool: UCX picks its fastest transport
+    names = [e["name"] for e in container["env"]]
+    assert names.index(contract.ENV_POD_IP) < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")  # $(...) expands
+    assert container["ports"][1:] == [
+        {"name": contract.KV_TRANSFER_PORT_NAME, "containerPort": engines.VLLM_KV_SIDE_CHANNEL_PORT, "protocol": "TCP"}
+    ]
+
+
+def test_cpu_pools_keep_the_kv_in_host_memory_and_use_tcp() -> None:
+    container = _container(_disaggregated(gpus=0), "decode")
+    config = json.loads(_options(container["args"])["--kv-transfer-config"])
+    assert config["kv_buffer_device"] == "cpu"
+    assert {e["name"]: e.get("value") for e in container["env"]}["UCX_TLS"] == "tcp"
+
+
+def test_aggregated_vllm_pools_have_no_kv_connector() -> None:
+    container = _container(_isvc())
+    assert "--kv-transfer-config" not in container["args"]
+    assert not {"VLLM_NIXL_SIDE_CHANNEL_HOST", "UCX_TCP_PORT_RANGE"} & {e["name"] for e in container["env"]}
+
+
+def test_network_policies_open_the_nixl_ports_to_the_other_pool_only() -> None:
+    objs = render.render_children(isvc=_disaggregated(), runtime_image=RUNTIME_IMAGE, router_service_account="")
+    first, last = engines.VLLM_KV_DATA_PORTS
+    nixl = [
+        {"protocol": "TCP", "port": engines.VLLM_KV_SIDE_CHANNEL_PORT},
+        {"protocol": "TCP", "port": first, "endPort": last},
+    ]
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == f"chat-{role}"]
+        (peer_rule,) = [
+            r
+            for r in policy["spec"]["ingress"]
+            if any(
+                f.get("podSelector", {}).get("matchLabels", {}).get(contract.LABEL_COMPONENT) == other
+                for f in r.get("from", [])
+            )
+        ]
+        assert peer_rule["ports"] == [{"protocol": "TCP", "port": contract.HTTP_PORT}, *nixl]
+        # nobody else reaches the NIXL ports
+        others = [r for r in policy["spec"]["ingress"] if r is not peer_rule]
+        assert all(p.get("port") == contract.HTTP_PORT for r in others for p in r["ports"]), others

@@ -274,48 +274,17 @@ def test_engine_flag_refuses_an_unknown_engine(capsys: pytest.CaptureFixture[str
 # ----------------------------------------------------------------------------- aggregated only
 
 
-@pytest.mark.parametrize(
-    ("prefill", "decode", "aggregated"),
-    [
-        ("10.0.0.1:8000", "10.0.0.2:8000", ""),
-        ("", "10.0.0.2:8000", ""),
-        ("10.0.0.1:8000", "", "10.0.0.3:8000"),
-    ],
-)
-def test_vllm_router_refuses_prefill_and_decode_pools(prefill: str, decode: str, aggregated: str) -> None:
+@pytest.mark.parametrize("engine", ["splitserve", "vllm"])
+def test_router_takes_prefill_and_decode_pools_of_either_engine(engine: str) -> None:
     from splitserve_runtime.router.app import build_app
 
-    args = RouterArgs(
-        engine="vllm", prefill_endpoints=prefill, decode_endpoints=decode, aggregated_endpoints=aggregated
-    )
-    with pytest.raises(ValueError, match="--engine vllm serves aggregated pods only"):
-        build_app(args=args)
-
-
-def test_vllm_router_refusal_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from splitserve_runtime.router.app import main
-
-    with pytest.raises(SystemExit) as stopped:
-        main(["--engine", "vllm", "--prefill-endpoints", "10.0.0.1:8000", "--decode-endpoints", "10.0.0.2:8000"])
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err
-    assert "disaggregated prefill/decode is not supported for vllm yet" in err
-
-
-def test_bundled_runtime_router_still_takes_prefill_and_decode_pools() -> None:
-    from splitserve_runtime.router.app import build_app
-
-    app = build_app(args=RouterArgs(prefill_endpoints="10.0.0.1:8000", decode_endpoints="10.0.0.2:8000"))
+    app = build_app(args=RouterArgs(engine=engine, prefill_endpoints="10.0.0.1:8000", decode_endpoints="10.0.0.2:8000"))
     assert {p.role for p in app.state.pods.all()} == {Role.PREFILL, Role.DECODE}
 
 
-@pytest.mark.parametrize(
-    ("engine", "roles"),
-    [("vllm", (Role.AGGREGATED,)), ("splitserve", (Role.PREFILL, Role.DECODE, Role.AGGREGATED))],
-)
-def test_kubernetes_discovery_watches_only_the_pools_the_engine_serves(
-    engine: str, roles: tuple[Role, ...], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("engine", ["splitserve", "vllm"])
+def test_kubernetes_discovery_watches_every_pool_of_either_engine(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    roles = (Role.PREFILL, Role.DECODE, Role.AGGREGATED)
     from splitserve_runtime.router import app as router_app
     from splitserve_runtime.router.discovery import KubernetesDiscovery
 
