@@ -110,12 +110,13 @@ def _router_url(stack: Stack) -> str:
 
 
 def _samples(url: str, name: str) -> dict[str, float]:
-    """Every sample of ``name`` on the /metrics page at ``url``, by its full series text."""
+    """Every sample of the series ``name`` (exactly: not ``name_created``) on the /metrics page
+    at ``url``, by its full series text."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
+        if not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] == name
     }
 
 
@@ -130,7 +131,7 @@ def _completion(url: str) -> tuple[str, float]:
         json={"model": VLLM_SERVED_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
         timeout=300.0,
     )
-    assert answer.status_code == 200, answer.text
+    assert answer.status_code == 200, (answer.text, _samples(url, "splitserve_router_healthy_pods"))
     return str(answer.json()["choices"][0]["text"]), time.monotonic() - started
 
 
@@ -147,6 +148,14 @@ def test_the_router_hands_the_prompt_from_prefill_to_decode_over_nixl(served: St
     router = _router_url(served)
     prefill = f"http://{_pod(served, contract.Role.PREFILL).status.pod_ip}:{contract.HTTP_PORT}"
     decode = f"http://{_pod(served, contract.Role.DECODE).status.pod_ip}:{contract.HTTP_PORT}"
+
+    def router_sees_both() -> dict[str, float] | None:
+        healthy = _samples(router, "splitserve_router_healthy_pods")
+        roles = {k: v for k, v in healthy.items() if 'upstream="prefill"' in k or 'upstream="decode"' in k}
+        return roles if len(roles) == 2 and all(v == 1 for v in roles.values()) else None
+
+    # Ready is the kubelet's view; the router's own polls may take a moment longer
+    wait(served.cluster, router_sees_both, timeout=120, what="the router polling both pods healthy", interval=1.0)
     routes_before = _samples(router, "splitserve_router_routes_total")
     prefilled_before = _total(prefill, "vllm:request_success_total")
     pulled_before = _total(decode, "vllm:nixl_bytes_transferred_count")
@@ -157,8 +166,14 @@ def test_the_router_hands_the_prompt_from_prefill_to_decode_over_nixl(served: St
     moved = {k: v - routes_before.get(k, 0.0) for k, v in routes.items() if v != routes_before.get(k, 0.0)}
     assert list(moved) and all('route="disaggregated"' in k for k in moved), moved
     assert _total(prefill, "vllm:request_success_total") > prefilled_before  # the one-token prefill
-    assert _total(decode, "vllm:nixl_bytes_transferred_count") > pulled_before  # the KV came over NIXL
-    assert _total(decode, "vllm:nixl_num_failed_transfers") == 0
+
+    # The KV came over NIXL: vLLM publishes its connector's transfer stats with its periodic stats.
+    def pulled() -> float | None:
+        count = _total(decode, "vllm:nixl_bytes_transferred_count")
+        return count if count > pulled_before else None
+
+    wait(served.cluster, pulled, timeout=60, what="the decode pod's NIXL transfer counted", interval=2.0)
+    assert _total(decode, "vllm:nixl_num_failed_transfers_total") == 0
 
     # The same request straight to the decode pod, which computes the prompt itself.
     direct, direct_seconds = _completion(decode)
