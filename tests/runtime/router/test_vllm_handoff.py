@@ -76,7 +76,9 @@ def test_params_the_router_will_not_pass_on(params: object, words: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the flow
-def _prefill_pod(seen: list[dict[str, Any]], answer_host: Callable[[], str]) -> FastAPI:
+def _vllm_pod(seen: list[dict[str, Any]], answer: Callable[[], dict[str, Any]]) -> FastAPI:
+    """A vLLM pod on the paths the router uses: it records each completion request's body and
+    answers ``answer()``."""
     app = FastAPI()
 
     @app.get("/health")
@@ -89,46 +91,29 @@ def _prefill_pod(seen: list[dict[str, Any]], answer_host: Callable[[], str]) -> 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
-        body = await request.json()
-        seen.append(body)
-        return JSONResponse(
-            {
-                "id": "cmpl-p",
-                "object": "text_completion",
-                "choices": [{"index": 0, "text": " The", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 150, "completion_tokens": 1, "total_tokens": 151},
-                "kv_transfer_params": _params(answer_host()),
-            }
-        )
+        seen.append(await request.json())
+        return JSONResponse(answer())
 
     return app
 
 
-def _decode_pod(seen: list[dict[str, Any]]) -> FastAPI:
-    app = FastAPI()
+def _prefill_answer(host: str) -> dict[str, Any]:
+    """A vLLM prefill pod's answer to the one-token prefill request, naming ``host``."""
+    return {
+        "id": "cmpl-p",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": " The", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 150, "completion_tokens": 1, "total_tokens": 151},
+        "kv_transfer_params": _params(host),
+    }
 
-    @app.get("/health")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("")
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse("")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        body = await request.json()
-        seen.append(body)
-        return JSONResponse(
-            {
-                "id": "cmpl-d",
-                "object": "text_completion",
-                "choices": [{"index": 0, "text": " The new keeper", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 150, "completion_tokens": 3, "total_tokens": 153},
-            }
-        )
-
-    return app
+DECODE_ANSWER: dict[str, Any] = {
+    "id": "cmpl-d",
+    "object": "text_completion",
+    "choices": [{"index": 0, "text": " The new keeper", "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 150, "completion_tokens": 3, "total_tokens": 153},
+}
 
 
 @pytest.fixture
@@ -140,8 +125,8 @@ def pair() -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]], list[st
     host = ["127.0.0.1"]
     prefill_port, decode_port = free_port(), free_port()
     with (
-        ThreadedServer(_prefill_pod(prefilled, lambda: host[0]), prefill_port),
-        ThreadedServer(_decode_pod(decoded), decode_port),
+        ThreadedServer(_vllm_pod(prefilled, lambda: _prefill_answer(host[0])), prefill_port),
+        ThreadedServer(_vllm_pod(decoded, lambda: DECODE_ANSWER), decode_port),
     ):
         args = RouterArgs(
             discovery="static",
