@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from splitserve_e2e import kubeletnode, nodehost
+from splitserve_e2e import kubeletnode, nodehost, smollm2
 from splitserve_e2e.build import cache_root
 from splitserve_e2e.cluster import (
     ENV_EXISTING_KUBECONFIG,
@@ -38,10 +38,12 @@ from splitserve_e2e.cluster import (
     LocalCluster,
     default_state_dir,
 )
+from splitserve_e2e.demo import VLLM_REPO_ID
 from splitserve_e2e.hub import LocalHub
 from splitserve_e2e.image import ensure_image, ensure_vllm_image
 from splitserve_e2e.net import LOOPBACK
 from splitserve_e2e.process import is_alive
+from splitserve_e2e.realnode import Stack, real_node_stack
 from splitserve_e2e.stack import (
     MODEL_NAME,
     ModelHub,
@@ -154,6 +156,31 @@ def vllm_image_on_node(cluster: LocalCluster, vllm_image: str) -> str:
         pulled = pull_on_node(cluster=cluster, image=vllm_image, namespace=f"vllm-image-pull-{uuid.uuid4().hex[:5]}")
         print(f"\nvLLM image on the kubelet node in {time.monotonic() - started:.1f}s ({pulled})")
     return vllm_image
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(
+    request: pytest.FixtureRequest,
+    cluster: LocalCluster,
+    image: str,
+    vllm_image_on_node: str,
+    local_hub: LocalHub,
+    model_hub: ModelHub,
+) -> Iterator[Stack]:
+    """The real-node stack (:func:`~splitserve_e2e.realnode.real_node_stack`) with the chart's
+    ``runtime.vllmImage`` set and SmolLM2-135M-Instruct published on the session's hub, one per
+    module (its namespace named after the module)."""
+    local_hub.publish(VLLM_REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
+    stem = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")[:20]
+    with real_node_stack(
+        cluster=cluster,
+        image=image,
+        hub=local_hub,
+        model_hub=model_hub,
+        workloads=[f"{stem}-{uuid.uuid4().hex[:4]}"],
+        vllm_image=vllm_image_on_node,
+    ) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")

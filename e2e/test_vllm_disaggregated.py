@@ -25,20 +25,14 @@ Figures printed: apply to Ready, the disaggregated request's latency beside the 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any, Final
 
 import httpx
 import pytest
 
 import splitserve_contract as contract
-from splitserve_e2e import smollm2
-from splitserve_e2e.cluster import LocalCluster
-from splitserve_e2e.demo import VLLM_REPO_ID, VLLM_SERVED_NAME, apply_object, condition, get_isvc, vllm_manifest
-from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.realnode import Stack, explained, real_node_stack, wait
-from splitserve_e2e.stack import ModelHub
+from splitserve_e2e.demo import VLLM_SERVED_NAME, vllm_manifest
+from splitserve_e2e.realnode import Stack, apply_until_ready, wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -54,22 +48,6 @@ PROMPT: Final = (
 """Well over the router's short-prompt threshold and several 32-token KV blocks."""
 
 
-@pytest.fixture(scope="module")
-def stack(
-    cluster: LocalCluster, image: str, vllm_image_on_node: str, local_hub: LocalHub, model_hub: ModelHub
-) -> Iterator[Stack]:
-    local_hub.publish(VLLM_REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
-    with real_node_stack(
-        cluster=cluster,
-        image=image,
-        hub=local_hub,
-        model_hub=model_hub,
-        workloads=[f"vllm-pd-{uuid.uuid4().hex[:4]}"],
-        vllm_image=vllm_image_on_node,
-    ) as result:
-        yield result
-
-
 def _manifest(stack: Stack) -> dict[str, Any]:
     manifest = vllm_manifest(name=NAME, namespace=stack.namespace, hub=stack.model_hub)
     spec = manifest["spec"]
@@ -81,19 +59,14 @@ def _manifest(stack: Stack) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def served(stack: Stack) -> Stack:
-    cluster = stack.cluster
-    with explained(cluster, stack.namespaces):
-        started = time.monotonic()
-        apply_object(cluster=cluster, obj=_manifest(stack))
-
-        def ready() -> dict[str, Any] | None:
-            obj = get_isvc(cluster=cluster, namespace=stack.namespace, name=NAME)
-            return obj if (condition(obj, "Ready") or {}).get("status") == "True" else None
-
-        wait(cluster, ready, timeout=READY_TIMEOUT_SECONDS, what=f"vLLM InferenceService {NAME} Ready", interval=2.0)
-        stack.figures["Disaggregated vLLM InferenceService apply -> Ready"] = f"{time.monotonic() - started:.1f}s"
-    return stack
+def served(vllm_stack: Stack) -> Stack:
+    apply_until_ready(
+        vllm_stack,
+        _manifest(vllm_stack),
+        timeout=READY_TIMEOUT_SECONDS,
+        figure="Disaggregated vLLM InferenceService apply -> Ready",
+    )
+    return vllm_stack
 
 
 def _pod(stack: Stack, role: contract.Role) -> Any:

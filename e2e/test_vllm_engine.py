@@ -31,8 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any, Final
 
 import httpx
@@ -41,20 +39,15 @@ import pytest
 
 import splitserve_contract as contract
 from splitserve_contract.engine_metrics import VLLM_METRICS
-from splitserve_e2e import smollm2
-from splitserve_e2e.cluster import LocalCluster
 from splitserve_e2e.demo import (
     VLLM_MAX_NUM_SEQS,
     VLLM_REPO_ID,
     VLLM_SERVED_NAME,
-    apply_object,
     condition,
     get_isvc,
     vllm_manifest,
 )
-from splitserve_e2e.hub import LocalHub
-from splitserve_e2e.realnode import Stack, explained, log, real_node_stack, wait
-from splitserve_e2e.stack import ModelHub
+from splitserve_e2e.realnode import Stack, apply_until_ready, explained, log, wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -68,35 +61,14 @@ READY_TIMEOUT_SECONDS: Final = 900.0
 
 
 @pytest.fixture(scope="module")
-def stack(
-    cluster: LocalCluster, image: str, vllm_image_on_node: str, local_hub: LocalHub, model_hub: ModelHub
-) -> Iterator[Stack]:
-    local_hub.publish(REPO_ID, smollm2.hf_dir(), exclude=[smollm2.STAMP])
-    with real_node_stack(
-        cluster=cluster,
-        image=image,
-        hub=local_hub,
-        model_hub=model_hub,
-        workloads=[f"vllm-{uuid.uuid4().hex[:4]}"],
-        vllm_image=vllm_image_on_node,
-    ) as result:
-        yield result
-
-
-@pytest.fixture(scope="module")
-def served(stack: Stack) -> Stack:
-    cluster = stack.cluster
-    with explained(cluster, stack.namespaces):
-        started = time.monotonic()
-        apply_object(cluster=cluster, obj=vllm_manifest(name=NAME, namespace=stack.namespace, hub=stack.model_hub))
-
-        def ready() -> dict[str, Any] | None:
-            obj = get_isvc(cluster=cluster, namespace=stack.namespace, name=NAME)
-            return obj if (condition(obj, "Ready") or {}).get("status") == "True" else None
-
-        wait(cluster, ready, timeout=READY_TIMEOUT_SECONDS, what=f"vLLM InferenceService {NAME} Ready", interval=2.0)
-        stack.figures["vLLM InferenceService apply -> Ready"] = f"{time.monotonic() - started:.1f}s"
-    return stack
+def served(vllm_stack: Stack) -> Stack:
+    apply_until_ready(
+        vllm_stack,
+        vllm_manifest(name=NAME, namespace=vllm_stack.namespace, hub=vllm_stack.model_hub),
+        timeout=READY_TIMEOUT_SECONDS,
+        figure="vLLM InferenceService apply -> Ready",
+    )
+    return vllm_stack
 
 
 def _pods(stack: Stack) -> list[Any]:

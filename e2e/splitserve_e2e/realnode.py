@@ -212,6 +212,24 @@ def real_node_stack(
         print("\nfigures:\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items()))
 
 
+def apply_until_ready(stack: Stack, obj: dict[str, Any], *, timeout: float, figure: str) -> None:
+    """Apply the InferenceService ``obj`` and wait until it is Ready (the pods, Events and logs
+    printed when it is not); the time goes into ``stack.figures[figure]``."""
+    from .demo import apply_object, condition, get_isvc  # demo is the larger module: imported when used
+
+    cluster, meta = stack.cluster, obj["metadata"]
+    with explained(cluster, stack.namespaces):
+        started = time.monotonic()
+        apply_object(cluster=cluster, obj=obj)
+
+        def ready() -> dict[str, Any] | None:
+            current = get_isvc(cluster=cluster, namespace=meta["namespace"], name=meta["name"])
+            return current if (condition(current, "Ready") or {}).get("status") == "True" else None
+
+        wait(cluster, ready, timeout=timeout, what=f"InferenceService {meta['name']} Ready", interval=2.0)
+        stack.figures[figure] = f"{time.monotonic() - started:.1f}s"
+
+
 def isvc_for_node(stack: Stack, *, namespace: str, mode: str, cpu: str, memory: str | None = None) -> dict[str, Any]:
     """The tiny InferenceService of ``mode`` (``hf://`` from the hub; ``--device cpu``;
     ``cpu``, and ``memory`` when given, per pod of each pool), not yet applied."""

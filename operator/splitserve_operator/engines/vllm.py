@@ -180,7 +180,7 @@ def _engine_env(isvc: InferenceService, role: Role, pool: PoolSpec) -> list[dict
 def _kv_container_ports(role: Role) -> list[dict[str, Any]]:
     if role is Role.AGGREGATED:
         return []
-    # named as the bundled runtime's KV port: the pool's Service names its target port so
+    # named as the bundled runtime's KV port, which the pool's Service targets by name
     return [{"name": contract.KV_TRANSFER_PORT_NAME, "containerPort": VLLM_KV_SIDE_CHANNEL_PORT, "protocol": "TCP"}]
 
 

@@ -4,8 +4,8 @@ loaded (from its own polling), and which pods may be paired.
 Discovery only says which addresses back which role. Everything else the router learns from the
 pods themselves: `GET /v1/splitserve/info` gives the compat hash and the KV endpoint, `/ready`
 says whether the pod takes traffic, and four gauges of `/metrics` give its load. A pod that
-fails a poll (or `unhealthy_after` requests in a row) is skipped until it answers again, so a
-dead pod costs at most one failed attempt per request, never a hang. One exception: a pod out
+fails a poll or a request is skipped until it answers a poll again, so a dead pod costs at most
+one failed attempt per request, never a hang. One exception: a pod out
 only because its polls timed out (it took the connection but answered late: a pod starved of
 CPU, or a stalled one) is still sent requests when no decode or aggregated pod is healthy, since
 it may well be serving; refusing every request with 503 would be certain failure. A slow prefill
